@@ -1,0 +1,1 @@
+"""Copy, checksum and compression kernels (``pcframe.kernels``): Triton, Numba and torch."""

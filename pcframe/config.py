@@ -1,0 +1,71 @@
+"""Engine configuration: one dataclass, validated up front so bad values fail at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from pcframe.errors import ConfigError
+
+PAGE = 4096
+CHECKSUMS = ("crc32c", "xxh3_64", "none")
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of the checkpoint engine (also the Hydra ``engine`` config group's schema).
+
+    Attributes:
+        max_in_flight: checkpoints that may be copying/persisting at once (PCcheck's N).
+        writer_threads: threads writing chunks of all in-flight versions.
+        chunk_bytes: size of one staging buffer and one checksummed unit on disk.
+        staging_bytes: host staging budget in bytes; ``None`` means
+            ``staging_ratio`` x the size of the state (computed at the first save).
+        staging_ratio: see ``staging_bytes``. PCcheck's default is 2.
+        o_direct: ``"off"``, ``"on"`` (error if the file system refuses) or ``"auto"``.
+        checksum: per-chunk checksum algorithm.
+        keep_last: committed versions kept; the newest committed one is never deleted.
+        tensor_align: byte alignment of each tensor inside the data file.
+        copy_backend: kernel backend of the copy stage (``"torch"``, ``"numba"``, ``"auto"``).
+    """
+
+    max_in_flight: int = 2
+    writer_threads: int = 4
+    chunk_bytes: int = 16 * 1024 * 1024
+    staging_bytes: int | None = None
+    staging_ratio: float = 2.0
+    o_direct: Literal["off", "on", "auto"] = "off"
+    checksum: str = "crc32c"
+    keep_last: int = 3
+    tensor_align: int = 64
+    copy_backend: str = "torch"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(key: str, fix: str) -> ConfigError:
+            return ConfigError(f"engine.{key}={getattr(self, key)!r} is invalid: {fix}")
+
+        if not 1 <= self.max_in_flight <= 64:
+            raise bad("max_in_flight", "use 1..64 concurrent checkpoints (2-4 is typical)")
+        if not 1 <= self.writer_threads <= 256:
+            raise bad("writer_threads", "use 1..256 writer threads")
+        if self.chunk_bytes < PAGE or self.chunk_bytes % PAGE or self.chunk_bytes > 1 << 30:
+            raise bad("chunk_bytes", f"use a multiple of {PAGE} between 4 KiB and 1 GiB")
+        if self.staging_bytes is not None and self.staging_bytes < self.chunk_bytes:
+            raise bad("staging_bytes", "give at least one chunk (chunk_bytes) or null")
+        if self.staging_ratio <= 0:
+            raise bad("staging_ratio", "use a positive multiple of the state size, e.g. 2.0")
+        if self.o_direct not in ("off", "on", "auto"):
+            raise bad("o_direct", "use 'off', 'on' or 'auto'")
+        if self.checksum not in CHECKSUMS:
+            raise bad("checksum", f"use one of {', '.join(CHECKSUMS)}")
+        if self.keep_last < 1:
+            raise bad("keep_last", "keep at least 1 version (the newest committed one)")
+        align = self.tensor_align
+        if align < 1 or align & (align - 1) or align > PAGE:
+            raise bad("tensor_align", f"use a power of two up to {PAGE}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

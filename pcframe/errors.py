@@ -1,0 +1,62 @@
+"""Exceptions that name what went wrong, where, and what to do about it."""
+
+from __future__ import annotations
+
+
+class CheckpointError(RuntimeError):
+    """Base class of every error pcframe raises on purpose."""
+
+
+class ConfigError(CheckpointError, ValueError):
+    """A configuration value is out of range; the message names the key and the fix."""
+
+
+class SaveError(CheckpointError):
+    """A background stage of one checkpoint version failed.
+
+    Raised in the training thread at the next engine call. The last committed version is
+    untouched; training may go on.
+    """
+
+    def __init__(self, version: int, step: int, stage: str, cause: BaseException) -> None:
+        self.version = version
+        self.step = step
+        self.stage = stage
+        self.cause = cause
+        super().__init__(
+            f"checkpoint version {version} (step {step}) failed in stage '{stage}': "
+            f"{_describe(cause)}. The last committed checkpoint is intact; "
+            "training may continue."
+        )
+
+
+class ManifestError(CheckpointError):
+    """A manifest or data file is malformed, hostile or corrupt."""
+
+
+class CorruptCheckpoint(ManifestError):
+    """Checksums or sizes do not match what the manifest promises."""
+
+
+class NoValidCheckpoint(CheckpointError):
+    """Every committed version failed verification."""
+
+
+class DirectoryLocked(CheckpointError):
+    """Another live process is already writing checkpoints into this directory."""
+
+
+def _describe(exc: BaseException) -> str:
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return (
+            f"no space left on device ({exc.filename or 'checkpoint directory'}): free space, "
+            "lower keep_last, or point the checkpointer at a larger disk"
+        )
+    if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (
+            f"permission denied or read-only file system ({exc.filename or 'checkpoint directory'}):"
+            " make the directory writable for this user or choose another directory"
+        )
+    return f"{type(exc).__name__}: {exc}"

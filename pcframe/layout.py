@@ -1,0 +1,104 @@
+"""Where every tensor lives in a version's data file, and how the file is cut into chunks.
+
+A :class:`Layout` is built once per distinct set of (name, dtype, shape) and reused for every
+later save of the same state, so the hot path does no per-save planning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from pcframe.state import dtype_name
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor's slot in the data file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A byte range of one tensor that falls inside one chunk."""
+
+    entry: int  # index into Layout.entries
+    src_start: int  # byte offset inside the tensor
+    dst_start: int  # byte offset inside the chunk
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    offset: int  # byte offset inside the data file
+    length: int  # bytes of file content (tensor bytes plus alignment padding)
+    pieces: tuple[Piece, ...]
+
+
+def _align(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class Layout:
+    entries: tuple[Entry, ...]
+    data_size: int
+    chunk_bytes: int
+
+    @staticmethod
+    def signature(tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple:
+        return tuple((name, t.dtype, tuple(t.shape)) for name, t in tensors)
+
+    @classmethod
+    def build(
+        cls, tensors: Sequence[tuple[str, torch.Tensor]], chunk_bytes: int, align: int
+    ) -> Layout:
+        entries, offset = [], 0
+        for name, tensor in tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            offset = _align(offset, align)
+            entries.append(Entry(name, dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes))
+            offset += nbytes
+        return cls(tuple(entries), offset, chunk_bytes)
+
+    @classmethod
+    def from_entries(cls, entries: Sequence[Entry], data_size: int, chunk_bytes: int) -> Layout:
+        return cls(tuple(entries), data_size, chunk_bytes)
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.data_size // self.chunk_bytes)
+
+    @cached_property
+    def chunks(self) -> tuple[Chunk, ...]:
+        """Chunks with the tensor pieces each one holds; bytes between pieces are padding."""
+        order = sorted(range(len(self.entries)), key=lambda i: self.entries[i].offset)
+        chunks, cursor = [], 0
+        for index in range(self.num_chunks):
+            start = index * self.chunk_bytes
+            end = min(start + self.chunk_bytes, self.data_size)
+            pieces = []
+            # Entries are sorted by offset, so a moving cursor visits each one O(1) times.
+            while cursor < len(order) and self._end(order[cursor]) <= start:
+                cursor += 1
+            probe = cursor
+            while probe < len(order) and self.entries[order[probe]].offset < end:
+                entry = self.entries[order[probe]]
+                lo, hi = max(entry.offset, start), min(entry.offset + entry.nbytes, end)
+                if hi > lo:
+                    pieces.append(Piece(order[probe], lo - entry.offset, lo - start, hi - lo))
+                probe += 1
+            chunks.append(Chunk(index, start, end - start, tuple(pieces)))
+        return tuple(chunks)
+
+    def _end(self, i: int) -> int:
+        return self.entries[i].offset + self.entries[i].nbytes

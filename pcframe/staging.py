@@ -1,0 +1,78 @@
+"""A bounded pool of page-aligned host buffers, one checkpoint chunk each.
+
+Host memory for checkpointing never grows past the pool's budget: when every buffer is in
+use (writers are behind), the copy stage waits for one to come back. That wait is the
+engine's backpressure, and it is measured as training stall when it delays a step.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from pcframe.config import PAGE
+
+
+class StagingPool:
+    def __init__(self, chunk_bytes: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._cond = threading.Condition()
+        self._free: list[torch.Tensor] = []
+        self._count = 0
+        self._out = 0
+        self._pinned = False
+        self._closed = False
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._count * self.chunk_bytes
+
+    def ensure(self, budget_bytes: int, pinned: bool) -> None:
+        """Size the pool to ``budget_bytes`` (rounded down to whole chunks, at least one).
+
+        Reallocates only while no buffer is out, so a resize never races a copy in progress.
+        """
+        count = max(1, budget_bytes // self.chunk_bytes)
+        with self._cond:
+            if count == self._count and pinned == self._pinned:
+                return
+            if self._out:
+                return  # try again at a later save
+            self._free = self._allocate(count, pinned)
+            self._count, self._pinned = count, pinned
+
+    def _allocate(self, count: int, pinned: bool) -> list[torch.Tensor]:
+        total = count * self.chunk_bytes
+        if pinned:
+            block = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        else:
+            # Over-allocate one page and start at the first page boundary: O_DIRECT needs
+            # page-aligned buffers, and numpy gives no alignment guarantee.
+            raw = np.empty(total + PAGE, dtype=np.uint8)
+            start = (-raw.ctypes.data) % PAGE
+            block = torch.from_numpy(raw[start : start + total])
+        return list(block.split(self.chunk_bytes))
+
+    def acquire(self) -> torch.Tensor:
+        with self._cond:
+            while not self._free and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                raise RuntimeError("staging pool is closed")
+            self._out += 1
+            return self._free.pop()
+
+    def release(self, buffer: torch.Tensor) -> None:
+        with self._cond:
+            self._out -= 1
+            if buffer.numel() == self.chunk_bytes and len(self._free) < self._count:
+                self._free.append(buffer)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._free.clear()
+            self._cond.notify_all()

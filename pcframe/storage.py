@@ -1,0 +1,160 @@
+"""A checkpoint directory on a local (or memory) file system: naming, durability, publish.
+
+Layout::
+
+    root/
+      .writer.lock          flock held by the one process that writes here
+      LATEST                newest committed version (a hint, never ahead of the directories)
+      v00000012/            a committed version: manifest.json + data.bin
+      v00000013.tmp/        a version being written; removed on the next start
+      .trash-v00000009/     a version being deleted by retention
+
+The commit point of a version is the rename of ``vNNNNNNNN.tmp`` to ``vNNNNNNNN`` after its
+data and manifest were synced; listing therefore never sees a half-written version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+from pathlib import Path
+
+from pcframe.errors import DirectoryLocked
+
+_COMMITTED = re.compile(r"^v(\d{8,})$")
+LATEST = "LATEST"
+LOCK = ".writer.lock"
+
+
+def version_name(version: int) -> str:
+    return f"v{version:08d}"
+
+
+def fsync_dir(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_durably(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary name, fsync it, rename, fsync the directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+class CheckpointDir:
+    """Read-side view of a checkpoint directory (no lock needed, never modifies)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    def path(self, version: int) -> Path:
+        return self.root / version_name(version)
+
+    def committed_versions(self) -> list[int]:
+        """Committed versions, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for name in os.listdir(self.root):
+            match = _COMMITTED.match(name)
+            if match and (self.root / name).is_dir():
+                found.append(int(match.group(1)))
+        return sorted(found)
+
+    def latest_hint(self) -> int | None:
+        """The version LATEST names, or ``None`` (missing or unreadable: it is only a hint)."""
+        try:
+            text = (self.root / LATEST).read_text().strip()
+        except OSError:
+            return None
+        match = _COMMITTED.match(text)
+        return int(match.group(1)) if match else None
+
+
+class WritableCheckpointDir(CheckpointDir):
+    """Write side: holds the writer lock, creates, publishes and deletes versions."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        super().__init__(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._lock_fd, 64, 0).decode(errors="replace").strip()
+            os.close(self._lock_fd)
+            raise DirectoryLocked(
+                f"{self.root} is being written by another live process (pid {holder or '?'}); "
+                "only one writer per directory: close the other Checkpointer or use another "
+                "directory"
+            ) from None
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+        self.removed_leftovers = self._remove_leftovers()
+
+    def close(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
+
+    def _remove_leftovers(self) -> list[str]:
+        """Delete half-written and half-deleted versions of a previous (crashed) writer."""
+        removed = []
+        for name in os.listdir(self.root):
+            path = self.root / name
+            if name.endswith(".tmp") or name.startswith(".trash-"):
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+                removed.append(name)
+        if removed:
+            fsync_dir(self.root)
+        return removed
+
+    def next_version(self) -> int:
+        versions = self.committed_versions()
+        hint = self.latest_hint() or 0
+        return max([hint, *versions], default=0) + 1
+
+    def staging_path(self, version: int) -> Path:
+        return self.root / f"{version_name(version)}.tmp"
+
+    def publish(self, version: int) -> None:
+        """Atomically make a fully synced staging directory a committed version."""
+        staging = self.staging_path(version)
+        fsync_dir(staging)
+        os.rename(staging, self.path(version))
+        fsync_dir(self.root)
+        write_file_durably(self.root / LATEST, f"{version_name(version)}\n".encode())
+
+    def discard(self, version: int) -> None:
+        shutil.rmtree(self.staging_path(version), ignore_errors=True)
+
+    def quarantine(self, version: int) -> None:
+        """Move a version that failed verification out of the listing, keeping its files."""
+        target = self.root / f".corrupt-{version_name(version)}-{os.getpid()}"
+        try:
+            os.rename(self.path(version), target)
+            fsync_dir(self.root)
+        except OSError:
+            pass  # already gone, or read-only: it stays listed and is skipped again next time
+
+    def delete(self, version: int) -> None:
+        """Delete a committed version so that no crash leaves it half-deleted but listed."""
+        trash = self.root / f".trash-{version_name(version)}"
+        os.rename(self.path(version), trash)
+        fsync_dir(self.root)
+        shutil.rmtree(trash, ignore_errors=True)

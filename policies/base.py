@@ -1,0 +1,105 @@
+"""The plugin points of pcframe: small abstract base classes and the context they see.
+
+A policy never reads clocks or the engine directly: the engine (or the simulator) hands it a
+frozen :class:`PolicyContext` and tells it what happened through :meth:`observe`. That keeps
+policies deterministic, testable and usable unchanged in the trace-driven simulator.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A pending preemption notice: the VM goes away at ``deadline`` (same clock as ``now``)."""
+
+    received_at: float
+    deadline: float
+    source: str = "signal"
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """Everything an interval policy may base a decision on. Times in seconds.
+
+    Measured costs are ``None`` until the engine has measured them at least once.
+    """
+
+    step: int
+    now: float
+    last_save_step: int | None = None
+    last_save_time: float | None = None
+    iteration_time: float | None = None
+    save_stall: float | None = None
+    save_duration: float | None = None
+    restart_cost: float | None = None
+    preemption_rate: float | None = None
+    notice: Notice | None = None
+    in_flight: int = 0
+    # Several tiers may be offered to placement-aware policies: name -> estimated write time.
+    tier_write_times: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Decision:
+    save: bool
+    reason: str = ""
+    # An emergency save answers a preemption notice: the engine waits for it to be durable.
+    emergency: bool = False
+
+
+# --- events the engine reports back to policies -------------------------------------------
+
+
+@dataclass(frozen=True)
+class SaveCompleted:
+    """A checkpoint version became durable (committed)."""
+
+    version: int
+    step: int
+    time: float
+    stall: float  # seconds the training thread was blocked by this save
+    duration: float  # seconds from save() to durable
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Preempted:
+    time: float
+    lost_steps: int = 0
+
+
+@dataclass(frozen=True)
+class Restarted:
+    time: float
+    restart_cost: float  # seconds from process start to training resumed
+    step: int = 0
+
+
+Event = SaveCompleted | Preempted | Restarted
+
+
+class Stateful:
+    """Learned state that travels inside the checkpoint (JSON-able values only)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+
+class IntervalPolicy(Stateful, ABC):
+    """Decides, at every step, whether to take a checkpoint now."""
+
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def decide(self, ctx: PolicyContext) -> Decision:
+        """Return whether to save at ``ctx.step``. Must be cheap: it runs every step."""
+
+    def observe(self, event: Event) -> None:  # noqa: B027 - optional hook
+        """Learn from what happened (a save completed, a preemption, a restart)."""

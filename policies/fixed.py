@@ -1,0 +1,28 @@
+"""Checkpoint every ``every`` steps: the baseline every other policy is measured against."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pcframe.policies.base import Decision, IntervalPolicy, PolicyContext
+
+
+class FixedSteps(IntervalPolicy):
+    name = "fixed_steps"
+
+    def __init__(self, every: int = 10) -> None:
+        if every < 1:
+            raise ValueError(f"FixedSteps: every={every} must be >= 1 step")
+        self.every = every
+
+    def decide(self, ctx: PolicyContext) -> Decision:
+        if ctx.step > 0 and ctx.step % self.every == 0:
+            return Decision(True, f"step {ctx.step} is a multiple of {self.every}")
+        return Decision(False)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"every": self.every}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # The configured interval wins over a saved one: config is the user's latest word.
+        del state
