@@ -1,3 +1,33 @@
 """pcframe: concurrent, crash-safe, persistent checkpointing for ML training."""
 
+from pcframe.checkpointer import Checkpointer, RestoreReport, SaveHandle, SaveRecord
+from pcframe.config import EngineConfig
+from pcframe.data import ResumableLoader, ResumableSampler
+from pcframe.errors import (
+    CheckpointError,
+    ConfigError,
+    CorruptCheckpoint,
+    DirectoryLocked,
+    ManifestError,
+    NoValidCheckpoint,
+    SaveError,
+)
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "ConfigError",
+    "CorruptCheckpoint",
+    "DirectoryLocked",
+    "EngineConfig",
+    "ManifestError",
+    "NoValidCheckpoint",
+    "RestoreReport",
+    "ResumableLoader",
+    "ResumableSampler",
+    "SaveError",
+    "SaveHandle",
+    "SaveRecord",
+]

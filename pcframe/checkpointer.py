@@ -90,7 +90,8 @@ class SaveHandle:
         return self._pending.status
 
     def __repr__(self) -> str:
-        return f"SaveHandle(version={self.version}, step={self.step}, status={self._pending.status or 'in_flight'})"
+        status = self._pending.status or "in_flight"
+        return f"SaveHandle(version={self.version}, step={self.step}, status={status})"
 
 
 Stateful = Any  # anything with state_dict() / load_state_dict()
@@ -135,7 +136,12 @@ class Checkpointer:
                 raise TypeError(f"unknown engine option(s) {sorted(unknown)}")
             config = EngineConfig(**{**config.to_dict(), **overrides})
         self.config = config
-        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.model, self.optimizer, self.scheduler, self.scaler = (
+            model,
+            optimizer,
+            scheduler,
+            scaler,
+        )
         self.stateful: dict[str, Stateful] = dict(stateful or {})
         if data is not None:
             self.stateful["data"] = data
@@ -146,8 +152,10 @@ class Checkpointer:
         self.policy = policy if policy is not None else FixedSteps(100)
         self.storage = WritableCheckpointDir(directory)
         if self.storage.removed_leftovers:
-            log.info("pcframe: removed leftovers of an interrupted run: %s",
-                     self.storage.removed_leftovers)
+            log.info(
+                "pcframe: removed leftovers of an interrupted run: %s",
+                self.storage.removed_leftovers,
+            )
         self._next_version = self.storage.next_version()
         self._finished: list[PendingVersion] = []
         self._finished_lock = threading.Lock()
@@ -329,7 +337,9 @@ class Checkpointer:
         for pending in finished:
             record = self.records[pending.version]
             record.status, record.stall, record.copy = (
-                pending.status, pending.stall, pending.copy_seconds,
+                pending.status,
+                pending.stall,
+                pending.copy_seconds,
             )
             if pending.status == COMMITTED:
                 record.durable = pending.durable_at - pending.started
@@ -337,8 +347,12 @@ class Checkpointer:
                 self._duration_ewma = _ewma(self._duration_ewma, record.durable)
                 self.policy.observe(
                     SaveCompleted(
-                        pending.version, pending.step, time.monotonic(),
-                        record.stall, record.durable, pending.nbytes,
+                        pending.version,
+                        pending.step,
+                        time.monotonic(),
+                        record.stall,
+                        record.durable,
+                        pending.nbytes,
                     )
                 )
             elif pending.error is not None:
@@ -410,9 +424,7 @@ class Checkpointer:
         self._restart_cost = process_age()
         self._last_save_step = loaded.manifest.step
         self._last_call = None
-        self.policy.observe(
-            Restarted(time.monotonic(), self._restart_cost, loaded.manifest.step)
-        )
+        self.policy.observe(Restarted(time.monotonic(), self._restart_cost, loaded.manifest.step))
         return loaded.manifest.step
 
     def _apply(self, loaded: LoadedVersion) -> None:

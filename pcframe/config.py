@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
 from pcframe.errors import ConfigError
 
@@ -34,7 +34,7 @@ class EngineConfig:
     chunk_bytes: int = 16 * 1024 * 1024
     staging_bytes: int | None = None
     staging_ratio: float = 2.0
-    o_direct: Literal["off", "on", "auto"] = "off"
+    o_direct: str = "off"
     checksum: str = "crc32c"
     keep_last: int = 3
     tensor_align: int = 64

@@ -55,8 +55,9 @@ def _describe(exc: BaseException) -> str:
             "lower keep_last, or point the checkpointer at a larger disk"
         )
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        where = exc.filename or "checkpoint directory"
         return (
-            f"permission denied or read-only file system ({exc.filename or 'checkpoint directory'}):"
+            f"permission denied or read-only file system ({where}):"
             " make the directory writable for this user or choose another directory"
         )
     return f"{type(exc).__name__}: {exc}"

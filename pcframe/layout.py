@@ -66,7 +66,9 @@ class Layout:
         for name, tensor in tensors:
             nbytes = tensor.numel() * tensor.element_size()
             offset = _align(offset, align)
-            entries.append(Entry(name, dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes))
+            entries.append(
+                Entry(name, dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes)
+            )
             offset += nbytes
         return cls(tuple(entries), offset, chunk_bytes)
 

@@ -58,9 +58,7 @@ def load_version(directory: str | Path, threads: int = 4, verify: bool = True) -
         raise CorruptCheckpoint(
             f"{data_path}: holds {actual} bytes, manifest says {manifest.data_size} (truncated?)"
         )
-    tensors = [
-        torch.empty(entry.shape, dtype=DTYPES[entry.dtype]) for entry in manifest.entries
-    ]
+    tensors = [torch.empty(entry.shape, dtype=DTYPES[entry.dtype]) for entry in manifest.entries]
     flats = [t.reshape(-1).view(torch.uint8) for t in tensors]
     checksum = checksum_function(manifest.checksum)
     fd = os.open(data_path, os.O_RDONLY)

@@ -118,7 +118,9 @@ def read_manifest(path: str) -> Manifest:
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{path}: manifest is missing") from None
     if size > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{path}: manifest is {size} bytes, over the {MAX_MANIFEST_BYTES} limit")
+        raise ManifestError(
+            f"{path}: manifest is {size} bytes, over the {MAX_MANIFEST_BYTES} limit"
+        )
     with open(path, "rb") as f:
         raw = f.read(MAX_MANIFEST_BYTES + 1)
     line, sep, body = raw.partition(b"\n")

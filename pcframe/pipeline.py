@@ -34,6 +34,7 @@ import torch
 
 from pcframe.checksum import checksum_function
 from pcframe.config import PAGE, EngineConfig
+from pcframe.faults import crash_point
 from pcframe.layout import Chunk, Layout
 from pcframe.manifest import DATA_NAME, MANIFEST_NAME, ChunkRecord, Manifest
 from pcframe.staging import StagingPool
@@ -216,8 +217,10 @@ class SavePipeline:
             except OSError as exc:
                 if self.config.o_direct == "on" or exc.errno != errno.EINVAL:
                     raise OSError(
-                        exc.errno, f"O_DIRECT refused by this file system ({exc.strerror}); "
-                        "set engine.o_direct=auto or off", str(path)
+                        exc.errno,
+                        f"O_DIRECT refused by this file system ({exc.strerror}); "
+                        "set engine.o_direct=auto or off",
+                        str(path),
                     ) from exc
         if pending.fd < 0:
             pending.fd = os.open(path, flags, 0o644)
@@ -235,13 +238,12 @@ class SavePipeline:
         try:
             if not pending.failed:
                 array = buffer.numpy()
-                pending.checksums[chunk.index] = self.checksum(
-                    [memoryview(array[: chunk.length])]
-                )
+                pending.checksums[chunk.index] = self.checksum([memoryview(array[: chunk.length])])
                 data = memoryview(array[: self._write_length(pending, chunk)])
                 written = 0
                 while written < len(data):
                     written += os.pwrite(pending.fd, data[written:], chunk.offset + written)
+                crash_point("chunk_written")
         except BaseException as exc:
             pending.fail("persist", exc)
         finally:
@@ -288,6 +290,7 @@ class SavePipeline:
         if pending.o_direct:
             os.ftruncate(pending.fd, pending.nbytes)
         os.fdatasync(pending.fd)
+        crash_point("data_synced")
         manifest = Manifest(
             version=pending.version,
             step=pending.step,
@@ -310,6 +313,7 @@ class SavePipeline:
             f.write(manifest.to_bytes())
             f.flush()
             os.fsync(f.fileno())
+        crash_point("manifest_written")
         self.storage.publish(pending.version)
         self.max_published = pending.version
         pending.durable_at = time.perf_counter()
@@ -319,6 +323,7 @@ class SavePipeline:
     def _apply_retention(self) -> None:
         versions = self.storage.committed_versions()
         for old in versions[: -self.config.keep_last]:
+            crash_point("retention")
             try:
                 self.storage.delete(old)
             except OSError as exc:  # the new version is committed; retention can retry later

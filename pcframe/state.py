@@ -109,7 +109,7 @@ def decode_tree(node: Any, tensors: list[Any], depth: int = 0) -> Any:
     if not isinstance(node, dict):
         return node
     if len(node) == 1:
-        (tag, value), = node.items()
+        ((tag, value),) = node.items()
         if tag == "$t":
             if not isinstance(value, int) or not 0 <= value < len(tensors):
                 raise ManifestError(f"tensor reference {value!r} is out of range")

@@ -22,7 +22,8 @@ import re
 import shutil
 from pathlib import Path
 
-from pcframe.errors import DirectoryLocked
+from pcframe.errors import CheckpointError, DirectoryLocked
+from pcframe.faults import crash_point
 
 _COMMITTED = re.compile(r"^v(\d{8,})$")
 LATEST = "LATEST"
@@ -87,8 +88,14 @@ class WritableCheckpointDir(CheckpointDir):
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         super().__init__(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot write checkpoints to {self.root}: {exc.strerror} ({exc.filename}); "
+                "choose a writable directory or fix its permissions"
+            ) from exc
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -138,7 +145,9 @@ class WritableCheckpointDir(CheckpointDir):
         fsync_dir(staging)
         os.rename(staging, self.path(version))
         fsync_dir(self.root)
+        crash_point("published")
         write_file_durably(self.root / LATEST, f"{version_name(version)}\n".encode())
+        crash_point("latest_written")
 
     def discard(self, version: int) -> None:
         shutil.rmtree(self.staging_path(version), ignore_errors=True)
@@ -157,4 +166,5 @@ class WritableCheckpointDir(CheckpointDir):
         trash = self.root / f".trash-{version_name(version)}"
         os.rename(self.path(version), trash)
         fsync_dir(self.root)
+        crash_point("trash_renamed")
         shutil.rmtree(trash, ignore_errors=True)

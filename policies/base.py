@@ -41,6 +41,9 @@ class PolicyContext:
     in_flight: int = 0
     # Several tiers may be offered to placement-aware policies: name -> estimated write time.
     tier_write_times: dict[str, float] = field(default_factory=dict)
+    # Unix time at ``now``, if the engine knows it. ``now`` may be a monotonic clock; policies
+    # whose predictions depend on the time of day (hazard by hour) need the wall clock.
+    wall_time: float | None = None
 
 
 @dataclass(frozen=True)
@@ -101,5 +104,5 @@ class IntervalPolicy(Stateful, ABC):
     def decide(self, ctx: PolicyContext) -> Decision:
         """Return whether to save at ``ctx.step``. Must be cheap: it runs every step."""
 
-    def observe(self, event: Event) -> None:  # noqa: B027 - optional hook
+    def observe(self, event: Event) -> None:
         """Learn from what happened (a save completed, a preemption, a restart)."""

@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from pcframe.policies.base import Decision, IntervalPolicy, PolicyContext
+from pcframe.policies.registry import register
 
 
+@register()
 class FixedSteps(IntervalPolicy):
     name = "fixed_steps"
 

@@ -1,0 +1,1 @@
+"""Hydra applications (``pcframe-run``) and their shared configuration helpers."""

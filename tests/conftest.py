@@ -1,0 +1,25 @@
+"""Shared test helpers."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def child_env() -> dict[str, str]:
+    """Environment for child Python processes: one thread, the repo importable."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("PCFRAME_CRASH_AT", None)
+    return env
+
+
+@pytest.fixture
+def python() -> str:
+    return sys.executable

@@ -1,0 +1,41 @@
+"""Small models and state used across engine tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def small_training(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, object]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    return model, optimizer, scheduler
+
+
+def train_steps(model: nn.Module, optimizer, scheduler, steps: int, seed: int = 1) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        inputs = torch.randn(8, 16, generator=generator)
+        loss = model(inputs).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+
+
+def state_equal(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, torch.Tensor):
+            if not (isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)):
+                return False
+        elif isinstance(x, dict):
+            if not (isinstance(y, dict) and state_equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True

@@ -1,0 +1,161 @@
+"""The Checkpointer API: optimizer gating, the writer lock, policies, configuration errors."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from pcframe import Checkpointer, ConfigError, DirectoryLocked, EngineConfig
+from pcframe.pipeline import SavePipeline
+from pcframe.policies import Decision, IntervalPolicy, SaveCompleted
+from tests.engine.helpers import small_training, state_equal, train_steps
+
+
+def test_optimizer_step_waits_for_the_snapshot(tmp_path, monkeypatch):
+    """Steps right after save() must not leak into the checkpoint (mixed-step checkpoints)."""
+    original_fill = SavePipeline._fill
+
+    def slow_fill(self, *args):
+        time.sleep(0.02)  # a slow copy: without the gate the next steps would race it
+        original_fill(self, *args)
+
+    monkeypatch.setattr(SavePipeline, "_fill", slow_fill)
+    model, optimizer, scheduler = small_training()
+    train_steps(model, optimizer, scheduler, 2)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, chunk_bytes=4096) as ckpt:
+        ckpt.save(step=2)
+        snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+        moments = {k: v.clone() for k, v in optimizer.state[next(model.parameters())].items()}
+        started = time.perf_counter()
+        train_steps(model, optimizer, scheduler, 3)
+        gated = time.perf_counter() - started
+        ckpt.wait()
+        assert ckpt.records[1].stall >= 0.02 and gated >= 0.02
+    model2, optimizer2, _ = small_training(seed=4)
+    with Checkpointer(tmp_path, model=model2, optimizer=optimizer2) as ckpt:
+        ckpt.restore()
+    assert state_equal(model2.state_dict(), snapshot)
+    assert state_equal(optimizer2.state[next(model2.parameters())], moments)
+
+
+def test_a_second_writer_is_refused_until_the_first_dies(tmp_path, python, child_env):
+    holder = subprocess.Popen(
+        [
+            python,
+            "-c",
+            "import sys, time, torch; from pcframe import Checkpointer;"
+            "c = Checkpointer(sys.argv[1], model=torch.nn.Linear(2, 2)); print('ok', flush=True);"
+            "time.sleep(60)",
+            str(tmp_path),
+        ],
+        env=child_env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline().strip() == "ok"
+    with pytest.raises(DirectoryLocked, match=rf"pid {holder.pid}.*only one writer"):
+        Checkpointer(tmp_path, model=torch.nn.Linear(2, 2))
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    holder.stdout.close()
+    Checkpointer(tmp_path, model=torch.nn.Linear(2, 2)).close()  # the lock died with it
+
+
+class EveryThird(IntervalPolicy):
+    name = "every_third"
+
+    def __init__(self):
+        self.completed: list[SaveCompleted] = []
+        self.seen_costs: list[tuple] = []
+
+    def decide(self, ctx):
+        self.seen_costs.append((ctx.iteration_time, ctx.save_stall, ctx.save_duration))
+        return Decision(ctx.step % 3 == 0, "third")
+
+    def observe(self, event):
+        if isinstance(event, SaveCompleted):
+            self.completed.append(event)
+
+    def state_dict(self):
+        return {"completed": len(self.completed)}
+
+    def load_state_dict(self, state):
+        self.restored = state
+
+
+def test_policy_decides_learns_measurements_and_is_restored(tmp_path):
+    policy = EveryThird()
+    model, optimizer, scheduler = small_training()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, policy=policy) as ckpt:
+        handles = []
+        for step in range(1, 13):
+            train_steps(model, optimizer, scheduler, 1)
+            handles.append(ckpt.maybe_save(step))
+            time.sleep(0.002)
+        ckpt.wait()
+    saved = [h.step for h in handles if h is not None]
+    assert saved == [3, 6, 9, 12]
+    assert [e.step for e in policy.completed] == [3, 6, 9, 12]
+    assert all(e.duration >= e.stall >= 0 and e.nbytes > 0 for e in policy.completed)
+    iteration, stall, duration = policy.seen_costs[-1]
+    assert iteration > 0.002 and stall is not None and duration is not None
+    restored_policy = EveryThird()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, policy=restored_policy) as c:
+        assert c.restore() == 12
+    assert restored_policy.restored == {"completed": 3}
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("max_in_flight", 0, "engine.max_in_flight=0"),
+        ("chunk_bytes", 1000, "multiple of 4096"),
+        ("keep_last", 0, "keep at least 1"),
+        ("checksum", "md5", "crc32c"),
+        ("o_direct", "maybe", "'off', 'on' or 'auto'"),
+    ],
+)
+def test_bad_config_names_key_and_fix(key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**{key: value})
+
+
+def test_unknown_override_is_refused(tmp_path):
+    with pytest.raises(TypeError, match="max_inflight"):
+        Checkpointer(tmp_path, max_inflight=2)
+
+
+@pytest.mark.parametrize("o_direct", ["auto", "off"])
+@pytest.mark.parametrize("checksum", ["crc32c", "xxh3_64", "none"])
+def test_engine_options_round_trip(tmp_path, o_direct, checksum):
+    model, optimizer, scheduler = small_training()
+    train_steps(model, optimizer, scheduler, 1)
+    with Checkpointer(
+        tmp_path,
+        model=model,
+        optimizer=optimizer,
+        o_direct=o_direct,
+        checksum=checksum,
+        chunk_bytes=8192,
+    ) as ckpt:
+        ckpt.save(step=1).wait()
+    model2, optimizer2, _ = small_training(seed=9)
+    with Checkpointer(tmp_path, model=model2, optimizer=optimizer2) as ckpt:
+        assert ckpt.restore() == 1
+    assert state_equal(model.state_dict(), model2.state_dict())
+
+
+def test_mismatched_model_gives_clear_error(tmp_path):
+    with Checkpointer(tmp_path, model=torch.nn.Linear(4, 4)) as ckpt:
+        ckpt.save(step=1).wait()
+    from pcframe import CheckpointError
+
+    with (
+        Checkpointer(tmp_path, model=torch.nn.Linear(4, 5)) as ckpt,
+        pytest.raises(CheckpointError, match="does not fit the objects given"),
+    ):
+        ckpt.restore()

@@ -1,0 +1,71 @@
+"""The ``pcframe`` CLI on a real checkpoint directory, run as a real process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import torch
+from safetensors.torch import load_file
+
+from pcframe import Checkpointer
+
+
+def cli(python, *args):
+    return subprocess.run(
+        [python, "-m", "pcframe.cli", *map(str, args)], capture_output=True, text=True
+    )
+
+
+def make(tmp_path):
+    model = torch.nn.Linear(6, 3)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 6)).sum().backward()
+    optimizer.step()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        ckpt.save(step=10).wait()
+        ckpt.save(step=20, metadata={"note": "hi"}).wait()
+    return model
+
+
+def test_list_verify_inspect_export(tmp_path, python):
+    model = make(tmp_path)
+    listing = cli(python, "list", tmp_path)
+    assert listing.returncode == 0
+    rows = [line.split() for line in listing.stdout.splitlines()[1:]]
+    assert [r[:2] for r in rows] == [["1", "10"], ["2", "20"]] and "LATEST" in listing.stdout
+
+    verify = cli(python, "verify", tmp_path)
+    assert verify.returncode == 0 and verify.stdout.count("OK") == 2
+
+    inspect = cli(python, "inspect", tmp_path, "--tensors")
+    info = json.loads(inspect.stdout)
+    assert info["step"] == 20 and info["metadata"] == {"note": "hi"}
+    assert {t["name"] for t in info["tensors"]} >= {"model/weight", "model/bias"}
+
+    out = tmp_path / "export.safetensors"
+    export = cli(python, "export", tmp_path, "--format", "safetensors", "-o", out)
+    assert export.returncode == 0, export.stderr
+    tensors = load_file(out)
+    assert torch.equal(tensors["model/weight"], model.weight.detach())
+    assert any(name.endswith("exp_avg") for name in tensors)
+
+
+def test_verify_reports_corruption_with_exit_code(tmp_path, python):
+    make(tmp_path)
+    data = tmp_path / "v00000002" / "data.bin"
+    raw = bytearray(data.read_bytes())
+    raw[3] ^= 1
+    data.write_bytes(bytes(raw))
+    verify = cli(python, "verify", tmp_path)
+    assert verify.returncode == 1
+    assert "v1: OK" in verify.stdout and "v2: FAILED" in verify.stdout
+    assert "checksum mismatch" in verify.stdout
+
+
+def test_clear_errors_for_missing_things(tmp_path, python):
+    result = cli(python, "inspect", tmp_path / "nothing")
+    assert result.returncode == 2 and "no committed checkpoint versions" in result.stderr
+    make(tmp_path)
+    result = cli(python, "export", tmp_path, "--version", "7")
+    assert result.returncode == 2 and "version 7 not found" in result.stderr

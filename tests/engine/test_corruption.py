@@ -1,0 +1,103 @@
+"""Flipped bytes in the newest version are detected; restore falls back and says which/why."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pcframe import Checkpointer, NoValidCheckpoint
+from pcframe.storage import CheckpointDir
+from tests.engine.helpers import small_training, state_equal, train_steps
+
+
+def two_versions(root):
+    model, optimizer, scheduler = small_training()
+    with Checkpointer(root, model=model, optimizer=optimizer, chunk_bytes=4096) as ckpt:
+        train_steps(model, optimizer, scheduler, 2)
+        ckpt.save(step=2).wait()
+        first = {k: v.clone() for k, v in model.state_dict().items()}
+        train_steps(model, optimizer, scheduler, 2)
+        ckpt.save(step=4).wait()
+    return first
+
+
+def flip(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset % len(data)] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("filename", "offset"),
+    [
+        ("data.bin", 100),
+        ("data.bin", -1),
+        ("manifest.json", 150),
+        ("manifest.json", -3),
+        ("manifest.json", 10),
+    ],
+)
+def test_flipped_byte_falls_back_to_previous(tmp_path, caplog, filename, offset):
+    first = two_versions(tmp_path)
+    newest = CheckpointDir(tmp_path).committed_versions()[-1]
+    flip(tmp_path / f"v{newest:08d}" / filename, offset)
+    model, optimizer, _ = small_training(seed=3)
+    with (
+        caplog.at_level(logging.WARNING, logger="pcframe"),
+        Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt,
+    ):
+        assert ckpt.restore() == 2
+        report = ckpt.last_restore
+    assert report.version == newest - 1
+    assert [v for v, _ in report.skipped] == [newest]
+    assert filename in report.skipped[0][1] or "manifest" in report.skipped[0][1]
+    assert f"skipping checkpoint version {newest}" in caplog.text
+    assert state_equal(model.state_dict(), first)
+    # The bad version is moved aside, not deleted, and no longer listed.
+    assert CheckpointDir(tmp_path).committed_versions() == [newest - 1]
+    assert list(tmp_path.glob(f".corrupt-v{newest:08d}-*"))
+
+
+def test_missing_data_file_falls_back(tmp_path):
+    two_versions(tmp_path)
+    newest = CheckpointDir(tmp_path).committed_versions()[-1]
+    (tmp_path / f"v{newest:08d}" / "data.bin").unlink()
+    model, optimizer, _ = small_training()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        assert ckpt.restore() == 2
+        assert "missing" in ckpt.last_restore.skipped[0][1]
+
+
+def test_truncated_data_file_falls_back(tmp_path):
+    two_versions(tmp_path)
+    newest = CheckpointDir(tmp_path).committed_versions()[-1]
+    path = tmp_path / f"v{newest:08d}" / "data.bin"
+    path.write_bytes(path.read_bytes()[:-10])
+    model, optimizer, _ = small_training()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        assert ckpt.restore() == 2
+        assert "truncated" in ckpt.last_restore.skipped[0][1]
+
+
+def test_all_versions_corrupt_raises_and_keeps_model(tmp_path):
+    two_versions(tmp_path)
+    for version in CheckpointDir(tmp_path).committed_versions():
+        flip(tmp_path / f"v{version:08d}" / "data.bin", 64)
+    model, optimizer, _ = small_training(seed=8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with (
+        Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt,
+        pytest.raises(NoValidCheckpoint, match="checksum mismatch"),
+    ):
+        ckpt.restore()
+    assert state_equal(model.state_dict(), before), "a failed restore must not touch the model"
+
+
+def test_empty_directory_restores_nothing(tmp_path):
+    model, optimizer, _ = small_training()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        assert ckpt.restore() is None
+        assert ckpt.last_restore.skipped == []
+    assert torch.is_tensor(next(model.parameters()))

@@ -1,0 +1,163 @@
+"""Save/restore round trips of every kind of state the engine promises to capture."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from pcframe import Checkpointer
+from pcframe.layout import Layout
+from tests.engine.helpers import small_training, state_equal, train_steps
+
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
+
+
+class Holder:
+    """A stateful object with tensors of every dtype, zero-size and non-contiguous ones."""
+
+    def __init__(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.tensors = {
+            str(dtype): (torch.randn(7, 5, generator=g) * 100).to(dtype) for dtype in DTYPES
+        }
+        self.tensors["empty"] = torch.empty(0, 3)
+        self.tensors["scalar"] = torch.tensor(3.5)
+        self.tensors["transposed"] = torch.randn(6, 9, generator=g).t()
+        self.array = np.arange(10, dtype=np.int16) * seed
+        self.nested = {1: ("a", 2.5, None), "inf": float("inf"), "list": [True, {"x": 1}]}
+
+    def state_dict(self) -> dict:
+        return {"tensors": self.tensors, "array": self.array, "nested": self.nested}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tensors, self.array, self.nested = state["tensors"], state["array"], state["nested"]
+
+
+def test_every_dtype_and_structure_round_trips(tmp_path):
+    source = Holder(seed=1)
+    with Checkpointer(tmp_path, stateful={"holder": source}, chunk_bytes=4096) as ckpt:
+        ckpt.save(step=7).wait()
+    target = Holder(seed=2)
+    with Checkpointer(tmp_path, stateful={"holder": target}) as ckpt:
+        assert ckpt.restore() == 7
+    for name, tensor in source.tensors.items():
+        restored = target.tensors[name]
+        assert restored.dtype == tensor.dtype and restored.shape == tensor.shape, name
+        assert torch.equal(restored, tensor), name
+    assert isinstance(target.array, np.ndarray) and np.array_equal(target.array, source.array)
+    assert target.nested == source.nested
+    assert isinstance(target.nested[1], tuple)
+
+
+def test_model_optimizer_scheduler_rng_and_extra(tmp_path):
+    model, optimizer, scheduler = small_training()
+    train_steps(model, optimizer, scheduler, 5)
+    extra = {"best_loss": 0.25, "tags": ["a"]}
+    with Checkpointer(
+        tmp_path, model=model, optimizer=optimizer, scheduler=scheduler, extra=extra
+    ) as ckpt:
+        torch.manual_seed(123)
+        random.seed(5)
+        np.random.seed(9)
+        ckpt.save(step=5)
+        expected = (torch.rand(3), random.random(), np.random.rand())
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_optimizer = optimizer.state_dict()
+    saved_scheduler = scheduler.state_dict()
+
+    model2, optimizer2, scheduler2 = small_training(seed=99)
+    extra2: dict = {}
+    with Checkpointer(
+        tmp_path, model=model2, optimizer=optimizer2, scheduler=scheduler2, extra=extra2
+    ) as ckpt:
+        assert ckpt.restore() == 5
+        assert (torch.rand(3), random.random(), np.random.rand())[1:] == expected[1:]
+    assert state_equal(model2.state_dict(), saved_model)
+    assert state_equal(optimizer2.state_dict()["state"], saved_optimizer["state"])
+    assert optimizer2.state_dict()["param_groups"] == saved_optimizer["param_groups"]
+    assert scheduler2.state_dict() == saved_scheduler
+    assert extra2 == extra
+
+
+def test_restore_continues_identically(tmp_path):
+    """Training on after a restore equals training on without one."""
+    model, optimizer, scheduler = small_training()
+    train_steps(model, optimizer, scheduler, 4)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, scheduler=scheduler) as ckpt:
+        ckpt.save(step=4)
+    train_steps(model, optimizer, scheduler, 4, seed=7)
+    model2, optimizer2, scheduler2 = small_training(seed=5)
+    with Checkpointer(tmp_path, model=model2, optimizer=optimizer2, scheduler=scheduler2) as c:
+        c.restore()
+    train_steps(model2, optimizer2, scheduler2, 4, seed=7)
+    assert state_equal(model.state_dict(), model2.state_dict())
+
+
+def test_non_json_state_names_the_path(tmp_path):
+    class Bad:
+        def state_dict(self):
+            return {"ok": 1, "inner": {"fn": object()}}
+
+        def load_state_dict(self, state):
+            pass
+
+    with (
+        Checkpointer(tmp_path, stateful={"bad": Bad()}) as ckpt,
+        pytest.raises(TypeError, match=r"stateful/bad/inner/fn.*pickle-free"),
+    ):
+        ckpt.save(step=1)
+    assert ckpt.committed_versions() == []
+
+
+def test_manifest_is_plain_json_without_pickle(tmp_path):
+    model, optimizer, scheduler = small_training()
+    train_steps(model, optimizer, scheduler, 1)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        ckpt.save(step=1).wait()
+    version_dir = next(tmp_path.glob("v*"))
+    assert sorted(p.name for p in version_dir.iterdir()) == ["data.bin", "manifest.json"]
+    header, body = (version_dir / "manifest.json").read_bytes().split(b"\n", 1)
+    assert json.loads(header)["format"] == "pcframe-manifest"
+    parsed = json.loads(body)
+    names = [t["name"] for t in parsed["tensors"]]
+    assert "model/0.weight" in names and "optimizer/state/<key>" not in names
+    assert b"\x80\x04" not in (version_dir / "data.bin").read_bytes()[:2]  # no pickle header
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, 8192, 65536])
+def test_layout_chunks_cover_every_tensor_byte_once(chunk_bytes):
+    g = torch.Generator().manual_seed(0)
+    tensors = [
+        (f"t{i}", torch.empty(int(n), dtype=torch.uint8))
+        for i, n in enumerate(torch.randint(0, 20000, (40,), generator=g))
+    ]
+    layout = Layout.build(tensors, chunk_bytes, 64)
+    covered = [bytearray(e.nbytes) for e in layout.entries]
+    for chunk in layout.chunks:
+        assert chunk.length <= chunk_bytes
+        end = 0
+        for piece in chunk.pieces:
+            assert piece.dst_start >= end and piece.dst_start + piece.nbytes <= chunk.length
+            end = piece.dst_start + piece.nbytes
+            entry = layout.entries[piece.entry]
+            assert chunk.offset + piece.dst_start == entry.offset + piece.src_start
+            for b in range(piece.src_start, piece.src_start + piece.nbytes):
+                assert not covered[piece.entry][b]
+                covered[piece.entry][b] = 1
+    assert all(all(c) for c in covered)
+    assert all(e.offset % 64 == 0 for e in layout.entries)

@@ -1,0 +1,50 @@
+"""``pcframe-run`` (the README's main command) works end to end as a Hydra app."""
+
+from __future__ import annotations
+
+import subprocess
+
+from pcframe.storage import CheckpointDir
+
+
+def test_pcframe_run_trains_checkpoints_and_summarises(tmp_path, python, child_env):
+    ckpt_dir = tmp_path / "ckpts"
+    result = subprocess.run(
+        [
+            python,
+            "-m",
+            "pcframe.apps.run",
+            "steps=60",
+            "threads=1",
+            f"directory={ckpt_dir}",
+            "workload.args.hidden=64",
+            "policy.interval.every=20",
+            f"hydra.run.dir={tmp_path / 'hydra'}",
+        ],
+        capture_output=True,
+        text=True,
+        env=child_env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    for label in (
+        "steps/s without checkpointing",
+        "steps/s with checkpointing",
+        "checkpoints committed",
+        "bytes written",
+        "stall per checkpoint",
+    ):
+        assert label in result.stdout
+    assert CheckpointDir(ckpt_dir).committed_versions() == [1, 2, 3]
+
+
+def test_pcframe_run_rejects_a_typo_naming_the_key(tmp_path, python, child_env):
+    result = subprocess.run(
+        [python, "-m", "pcframe.apps.run", "engine.max_inflight=3", f"hydra.run.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        env=child_env,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "max_inflight" in result.stderr
