@@ -215,18 +215,30 @@ class Checkpointer:
         )
 
     def save(
-        self, step: int, metadata: dict[str, Any] | None = None, *, reason: str = ""
+        self,
+        step: int,
+        metadata: dict[str, Any] | None = None,
+        *,
+        reason: str = "",
+        version: int | None = None,
     ) -> SaveHandle:
         """Start a checkpoint of the current state at ``step``; returns at once (mostly).
 
         Blocks only while ``max_in_flight`` versions are already in flight (backpressure),
-        and, without an optimizer to gate, until the snapshot is copied.
+        and, without an optimizer to gate, until the snapshot is copied. ``version`` forces
+        the version number (coordinated multi-rank saves); it must be above every earlier one.
         """
+        if version is not None and version < self._next_version:
+            raise CheckpointError(
+                f"version {version} is not above the last version {self._next_version - 1}"
+            )
         self._check_open()
         self._report_finished()
         entered = time.perf_counter()
         self._in_flight.acquire()
         try:
+            if version is not None:
+                self._next_version = version
             pending = self._capture(step, metadata or {}, reason)
         except BaseException:
             self._in_flight.release()
@@ -380,6 +392,14 @@ class Checkpointer:
 
     def committed_versions(self) -> list[int]:
         return self.storage.committed_versions()
+
+    def add_commit_listener(self, listener: Any) -> None:
+        """Call ``listener(version, path, manifest)`` on the commit thread after each commit.
+
+        Listeners must be quick or hand work to their own thread (uploaders, tier copies); an
+        exception is logged and does not undo the commit.
+        """
+        self.pipeline.commit_listeners.append(listener)
 
     def restore(self, version: int | None = None) -> int | None:
         """Load the newest valid committed version (or ``version``); return its step.

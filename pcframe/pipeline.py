@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,6 +103,11 @@ class SavePipeline:
         self.pool = StagingPool(config.chunk_bytes)
         self.checksum = checksum_function(config.checksum)
         self.max_published = max(storage.committed_versions(), default=0)
+        # Called on the commit thread after a version is published: f(version, path, manifest).
+        self.commit_listeners: list[Callable[[int, Path, Manifest], None]] = []
+        # Narrows which old versions retention may delete (e.g. ones a coordinator or a
+        # slower tier still needs); the newest committed version is never deleted anyway.
+        self.retention_filter: Callable[[list[int]], list[int]] | None = None
         self._copy_queue: queue.Queue[PendingVersion | None] = queue.Queue()
         self._commit_queue: queue.Queue[PendingVersion | None] = queue.Queue()
         self._writers = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="pcframe-w")
@@ -318,11 +324,21 @@ class SavePipeline:
         self.max_published = pending.version
         pending.durable_at = time.perf_counter()
         pending.status = COMMITTED
+        for listener in list(self.commit_listeners):
+            try:
+                listener(pending.version, self.storage.path(pending.version), manifest)
+            except Exception as exc:  # a listener (e.g. an uploader) must not undo the commit
+                log.warning(
+                    "pcframe: commit listener failed for version %d: %s", pending.version, exc
+                )
         self._apply_retention()
 
     def _apply_retention(self) -> None:
         versions = self.storage.committed_versions()
-        for old in versions[: -self.config.keep_last]:
+        doomed = versions[: -self.config.keep_last]
+        if self.retention_filter is not None:
+            doomed = [v for v in self.retention_filter(doomed) if v != versions[-1]]
+        for old in doomed:
             crash_point("retention")
             try:
                 self.storage.delete(old)

@@ -9,9 +9,10 @@ import time
 import pytest
 import torch
 
-from pcframe import Checkpointer, ConfigError, DirectoryLocked, EngineConfig
+from pcframe import Checkpointer, CheckpointError, ConfigError, DirectoryLocked, EngineConfig
 from pcframe.pipeline import SavePipeline
 from pcframe.policies import Decision, IntervalPolicy, SaveCompleted
+from pcframe.storage import CheckpointDir
 from tests.engine.helpers import small_training, state_equal, train_steps
 
 
@@ -159,3 +160,20 @@ def test_mismatched_model_gives_clear_error(tmp_path):
         pytest.raises(CheckpointError, match="does not fit the objects given"),
     ):
         ckpt.restore()
+
+
+def test_commit_listeners_retention_filter_and_forced_versions(tmp_path):
+    seen = []
+    with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2), keep_last=1) as ckpt:
+        ckpt.add_commit_listener(
+            lambda v, path, manifest: seen.append((v, path.name, manifest.step))
+        )
+        ckpt.add_commit_listener(lambda *args: 1 / 0)  # a failing listener does not undo commits
+        ckpt.pipeline.retention_filter = lambda doomed: [v for v in doomed if v != 1]
+        ckpt.save(step=1).wait()
+        ckpt.save(step=2).wait()
+        ckpt.save(step=3, version=10).wait()
+        with pytest.raises(CheckpointError, match="not above the last version 10"):
+            ckpt.save(step=4, version=10)
+    assert seen == [(1, "v00000001", 1), (2, "v00000002", 2), (10, "v00000010", 3)]
+    assert CheckpointDir(tmp_path).committed_versions() == [1, 10]  # 1 protected, 2 deleted
