@@ -21,7 +21,8 @@ class EngineConfig:
         chunk_bytes: size of one staging buffer and one checksummed unit on disk.
         staging_bytes: host staging budget in bytes; ``None`` means
             ``staging_ratio`` x the size of the state (computed at the first save).
-        staging_ratio: see ``staging_bytes``. PCcheck's default is 2.
+        staging_ratio: see ``staging_bytes``. 1.0 stages one whole version; PCcheck uses 2
+            so that two overlapping saves never wait for buffers.
         o_direct: ``"off"``, ``"on"`` (error if the file system refuses) or ``"auto"``.
         checksum: per-chunk checksum algorithm.
         keep_last: committed versions kept; the newest committed one is never deleted.
@@ -33,8 +34,8 @@ class EngineConfig:
     writer_threads: int = 4
     chunk_bytes: int = 16 * 1024 * 1024
     staging_bytes: int | None = None
-    staging_ratio: float = 2.0
-    o_direct: str = "off"
+    staging_ratio: float = 1.0
+    o_direct: str = "auto"
     checksum: str = "crc32c"
     keep_last: int = 3
     tensor_align: int = 64

@@ -161,3 +161,38 @@ def test_layout_chunks_cover_every_tensor_byte_once(chunk_bytes):
                 covered[piece.entry][b] = 1
     assert all(all(c) for c in covered)
     assert all(e.offset % 64 == 0 for e in layout.entries)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
+    ],
+)
+def test_device_tensors_round_trip_and_gate(tmp_path, device):
+    """GPU path: side-stream copy into pinned staging; the CPU run is its twin."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64)).to(device)
+    optimizer = torch.optim.Adam(model.parameters())
+    for _ in range(2):
+        model(torch.randn(8, 64, device=device)).sum().backward()
+        optimizer.step()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, chunk_bytes=4096) as ckpt:
+        ckpt.save(step=2)
+        expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        model(torch.randn(8, 64, device=device)).sum().backward()
+        optimizer.step()  # gated until the snapshot is copied
+    model2 = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64)).to(device)
+    optimizer2 = torch.optim.Adam(model2.parameters())
+    with Checkpointer(tmp_path, model=model2, optimizer=optimizer2) as ckpt:
+        assert ckpt.restore() == 2
+    for key, value in model2.state_dict().items():
+        assert value.device.type == device
+        assert torch.equal(value.cpu(), expected[key]), key

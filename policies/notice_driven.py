@@ -1,0 +1,138 @@
+"""Emergency checkpoint on a preemption notice, wrapped around any periodic policy.
+
+On a notice with deadline D at time t: if the learned time to durable (pessimistic: mean +
+``z`` deviations) fits into D − t − ``margin``, save now and let the engine wait for it;
+otherwise don't start a save that would die half-written and rely on the last periodic one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pcframe.policies.base import (
+    Decision,
+    Event,
+    IntervalPolicy,
+    Notice,
+    PolicyContext,
+    Restarted,
+    SaveCompleted,
+)
+from pcframe.policies.estimates import RunningEstimate
+from pcframe.policies.notices.base import NoticeSource
+from pcframe.policies.registry import register
+
+
+@register()
+class NoticeDriven(IntervalPolicy):
+    """Adds notice handling to ``inner`` (any interval policy, or none at all).
+
+    Args:
+        inner: the periodic policy consulted when no notice is pending (``None``: never
+            save except on a notice).
+        source: where notices come from besides ``ctx.notice`` (started lazily on the first
+            ``decide``, which must then run in the main thread for a signal source).
+        margin: seconds kept free before the deadline (process exit, flush, clock skew).
+        save_time_prior: seconds to durable assumed until a save has been measured.
+        z: how many mean deviations of the save time to add for safety.
+        alpha: smoothing of the learned save time.
+    """
+
+    name = "notice"
+
+    def __init__(
+        self,
+        inner: IntervalPolicy | None = None,
+        source: NoticeSource | None = None,
+        *,
+        margin: float = 5.0,
+        save_time_prior: float = 30.0,
+        z: float = 2.0,
+        alpha: float = 0.3,
+    ) -> None:
+        if margin < 0 or z < 0:
+            raise ValueError(f"margin={margin} and z={z} must be >= 0")
+        self.inner = inner
+        self.source = source
+        self.margin = float(margin)
+        self.z = float(z)
+        self.save_time = RunningEstimate(save_time_prior, alpha)
+        self._started = False
+        self._handled: float | None = None  # deadline of the notice already acted upon
+        self.last_notice_decision: Decision | None = None
+
+    def estimated_save_time(self, ctx: PolicyContext) -> float:
+        """Pessimistic seconds from ``save()`` to durable, learned from completed saves."""
+        return self.save_time.upper(self.z, ctx.save_duration)
+
+    def _notice(self, ctx: PolicyContext) -> Notice | None:
+        if self.source is not None and not self._started:
+            self.source.start()
+            self._started = True
+        notice = ctx.notice
+        if self.source is not None:
+            polled = self.source.poll(ctx.now)
+            if notice is None or (polled is not None and polled.deadline < notice.deadline):
+                notice = polled  # the earlier deadline is the one that matters
+        return notice
+
+    def decide(self, ctx: PolicyContext) -> Decision:
+        notice = self._notice(ctx)
+        if notice is not None and ctx.now > notice.deadline:
+            # Still alive after the deadline: a false alarm (or a late kill). Resume normally.
+            if self.source is not None:
+                self.source.reset()
+            self._handled = None
+            notice = None
+        if notice is None:
+            return self.inner.decide(ctx) if self.inner is not None else Decision(False)
+        if self._handled == notice.deadline:
+            return Decision(False, "preemption notice already handled; waiting for the end")
+        self._handled = notice.deadline
+        left = notice.deadline - ctx.now
+        need = self.estimated_save_time(ctx)
+        if ctx.last_save_step is not None and ctx.last_save_step >= ctx.step:
+            d = Decision(False, f"notice: step {ctx.step} is already saved")
+        elif need + self.margin <= left:
+            d = Decision(
+                True,
+                f"notice ({notice.source}): save takes ~{need:.1f} s, {left:.1f} s left",
+                emergency=True,
+            )
+        else:
+            d = Decision(
+                False,
+                f"notice ({notice.source}): save needs ~{need:.1f} s + {self.margin:.0f} s "
+                f"margin > {left:.1f} s left; relying on the last periodic checkpoint",
+            )
+        # The inner policy is not asked while a notice is pending: it would record a periodic
+        # save that never happens.
+        self.last_notice_decision = d
+        return d
+
+    def observe(self, event: Event) -> None:
+        if isinstance(event, SaveCompleted):
+            self.save_time.update(event.duration)
+        elif isinstance(event, Restarted):
+            self._handled = None
+        if self.inner is not None:
+            self.inner.observe(event)
+
+    def close(self) -> None:
+        """Release the notice source (signal handlers, poller thread)."""
+        if self.source is not None:
+            self.source.close()
+        self._started = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "save_time": self.save_time.state_dict(),
+            "handled": self._handled,
+            "inner": self.inner.state_dict() if self.inner is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.save_time.load_state_dict(state.get("save_time", {}))
+        self._handled = state.get("handled")
+        if self.inner is not None and state.get("inner") is not None:
+            self.inner.load_state_dict(state["inner"])

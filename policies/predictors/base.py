@@ -1,0 +1,88 @@
+"""Predictors of spot preemption rate and availability, each with its uncertainty.
+
+A predictor learns from two feeds: history (traces, passed to its constructor or a
+``from_traces`` factory) and the job's own life, reported through :meth:`Predictor.advance`
+(the job ran on spot until ``now``), :meth:`Predictor.observe` (a preemption, a restart) and
+:meth:`Predictor.observe_capacity` (how many of the requested spot VMs were up at ``now``).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pcframe.policies.base import Event, Stateful
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A point estimate with a two-sided interval holding the truth with ``confidence``."""
+
+    value: float
+    lower: float
+    upper: float
+    confidence: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not (self.lower <= self.value <= self.upper):
+            raise ValueError(f"Estimate needs lower <= value <= upper, got {self}")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a predictor says at one instant.
+
+    ``rate`` is in preemptions per second of spot up-time; ``availability`` is the expected
+    fraction of requested spot capacity that is up (``None`` if the predictor cannot tell).
+    """
+
+    rate: Estimate
+    availability: Estimate | None = None
+
+    @property
+    def mtbf(self) -> float:
+        """Mean time between preemptions in seconds (``inf`` for a zero rate)."""
+        return math.inf if self.rate.value <= 0.0 else 1.0 / self.rate.value
+
+
+class Predictor(Stateful, ABC):
+    """Predicts the preemption rate (and possibly availability) of spot capacity."""
+
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def predict(self, now: float | None = None) -> Prediction:
+        """The prediction at ``now`` (unix seconds where a predictor uses the time of day)."""
+
+    def advance(self, now: float) -> None:
+        """The job has been running on spot up to ``now``: that time counts as exposure."""
+
+    def observe(self, event: Event) -> None:
+        """Learn from the job's own events (``Preempted`` counts one preemption)."""
+
+    def observe_capacity(self, now: float, up: int, capacity: int) -> None:
+        """``up`` of ``capacity`` requested spot VMs were running at ``now``."""
+
+
+def poisson_interval(count: float, exposure: float, confidence: float) -> tuple[float, float]:
+    """Exact (Garwood) interval for a Poisson rate from ``count`` events in ``exposure`` s."""
+    if exposure <= 0.0:
+        return 0.0, math.inf
+    from scipy.stats import chi2  # lazy: scipy.stats is slow to import
+
+    alpha = 1.0 - confidence
+    lo = 0.0 if count <= 0 else float(chi2.ppf(alpha / 2.0, 2.0 * count)) / (2.0 * exposure)
+    hi = float(chi2.ppf(1.0 - alpha / 2.0, 2.0 * count + 2.0)) / (2.0 * exposure)
+    return lo, hi
+
+
+def clamp_estimate(value: float, lower: float, upper: float, confidence: float) -> Estimate:
+    """An Estimate whose interval is widened, if numerics require, to contain the value."""
+    return Estimate(value, min(lower, value), max(upper, value), confidence)
+
+
+def check_confidence(confidence: float) -> None:
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence={confidence} must be strictly between 0 and 1, e.g. 0.9")

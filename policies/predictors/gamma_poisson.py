@@ -1,0 +1,143 @@
+"""Online Bayesian rate: Gamma prior (from history or config) updated with the job's own life."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pcframe.policies.base import Event
+from pcframe.policies.predictors.base import (
+    Estimate,
+    Prediction,
+    Predictor,
+    check_confidence,
+    clamp_estimate,
+)
+from pcframe.policies.predictors.exposure import ExposureClock
+from pcframe.policies.predictors.history import (
+    TraceSource,
+    pooled_availability,
+    pooled_rate,
+    resolve_traces,
+)
+from pcframe.policies.registry import register
+
+
+@register()
+class GammaPoissonRate(Predictor):
+    """Preemptions are Poisson with an unknown rate λ ~ Gamma(α, β) (α events in β seconds).
+
+    Each preemption adds 1 to α, each second of exposure adds 1 to β; the reported interval is
+    the equal-tailed posterior interval. ``prior_strength`` says how many seconds of history
+    the prior is worth: small lets the job's own preemptions dominate quickly. With
+    ``forget_halflife`` the evidence decays (the regime of a zone changes over days).
+    Availability uses a Beta posterior over capacity samples in the same way.
+    """
+
+    name = "gamma_poisson"
+
+    def __init__(
+        self,
+        prior_mtbf: float = 3600.0,
+        prior_strength: float = 6 * 3600.0,
+        confidence: float = 0.9,
+        forget_halflife: float | None = None,
+        prior_availability: float | None = None,
+        availability_strength: float = 10.0,
+    ) -> None:
+        if prior_mtbf <= 0 or prior_strength <= 0:
+            raise ValueError(
+                f"prior_mtbf={prior_mtbf} and prior_strength={prior_strength} must be > 0 s"
+            )
+        if forget_halflife is not None and forget_halflife <= 0:
+            raise ValueError(f"forget_halflife={forget_halflife} must be > 0 seconds or None")
+        if prior_availability is not None and not 0.0 <= prior_availability <= 1.0:
+            raise ValueError(f"prior_availability={prior_availability} must be in [0, 1]")
+        check_confidence(confidence)
+        self.prior_mtbf = float(prior_mtbf)
+        self.prior_strength = float(prior_strength)
+        self.confidence = confidence
+        self.forget_halflife = forget_halflife
+        self.alpha0 = prior_strength / prior_mtbf
+        self.beta0 = float(prior_strength)
+        self.alpha, self.beta = self.alpha0, self.beta0
+        self._a0 = self._b0 = 0.0
+        if prior_availability is not None:
+            self._a0 = prior_availability * availability_strength
+            self._b0 = (1.0 - prior_availability) * availability_strength
+        self._a, self._b = self._a0, self._b0
+        self._clock = ExposureClock()
+
+    @classmethod
+    def from_traces(
+        cls, traces: TraceSource = None, zone: str | None = None, **kwargs: Any
+    ) -> GammaPoissonRate:
+        """Prior rate and availability pooled over historical traces (of one zone)."""
+        found = resolve_traces(traces, zone)
+        count, exposure = pooled_rate(found)
+        up, n = pooled_availability(found)
+        # No preemption in the history: act as if half of one had been seen (a finite MTBF).
+        kwargs.setdefault("prior_mtbf", exposure / max(count, 0.5))
+        kwargs.setdefault("prior_availability", up / n)
+        return cls(**kwargs)
+
+    def _forget(self, dt: float) -> None:
+        if self.forget_halflife is None or dt <= 0:
+            return
+        k = math.exp(-dt * math.log(2.0) / self.forget_halflife)
+        # Decay the evidence towards the prior, never below it.
+        self.alpha = self.alpha0 + (self.alpha - self.alpha0) * k
+        self.beta = self.beta0 + (self.beta - self.beta0) * k
+
+    def advance(self, now: float) -> None:
+        dt = self._clock.advance(now)
+        self._forget(dt)
+        self.beta += dt
+
+    def observe(self, event: Event) -> None:
+        dt, n = self._clock.observe(event)
+        self._forget(dt)
+        self.beta += dt
+        self.alpha += n
+
+    def observe_capacity(self, now: float, up: int, capacity: int) -> None:
+        if capacity > 0:
+            x = min(max(up / capacity, 0.0), 1.0)
+            self._a += x
+            self._b += 1.0 - x
+
+    def predict(self, now: float | None = None) -> Prediction:
+        from scipy.stats import beta as beta_dist
+        from scipy.stats import gamma
+
+        tail = (1.0 - self.confidence) / 2.0
+        lo = float(gamma.ppf(tail, self.alpha, scale=1.0 / self.beta))
+        hi = float(gamma.ppf(1.0 - tail, self.alpha, scale=1.0 / self.beta))
+        rate = clamp_estimate(self.alpha / self.beta, lo, hi, self.confidence)
+        avail = None
+        if self._a > 0 and self._b > 0:
+            m = self._a / (self._a + self._b)
+            avail = clamp_estimate(
+                m,
+                float(beta_dist.ppf(tail, self._a, self._b)),
+                float(beta_dist.ppf(1.0 - tail, self._a, self._b)),
+                self.confidence,
+            )
+        elif self._a + self._b > 0:  # every sample at one extreme: a degenerate Beta
+            m = 1.0 if self._a > 0 else 0.0
+            avail = Estimate(m, m, m, self.confidence)
+        return Prediction(rate, avail)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "alpha": self.alpha,
+            "beta": self.beta,
+            "avail": [self._a, self._b],
+            "clock": self._clock.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.alpha = float(state.get("alpha", self.alpha0))
+        self.beta = float(state.get("beta", self.beta0))
+        self._a, self._b = (float(x) for x in state.get("avail", [self._a0, self._b0]))
+        self._clock.load_state_dict(state.get("clock", {}))

@@ -1,0 +1,78 @@
+"""Resource policies (for the simulator): spot or on-demand, and how many spot VMs."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pcframe.policies.base import Event, Stateful
+from pcframe.policies.predictors.base import Estimate
+
+
+@dataclass(frozen=True)
+class ResourceDecision:
+    """VMs to run now. Both zero means: wait (no VM, no cost, no progress)."""
+
+    spot: int = 0
+    on_demand: int = 0
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.spot < 0 or self.on_demand < 0:
+            raise ValueError(
+                f"VM counts must be >= 0, got spot={self.spot}, on_demand={self.on_demand}"
+            )
+
+    @property
+    def mode(self) -> str:
+        """``spot``, ``on_demand``, ``mixed`` or ``idle``."""
+        if self.spot and self.on_demand:
+            return "mixed"
+        return "spot" if self.spot else "on_demand" if self.on_demand else "idle"
+
+
+@dataclass(frozen=True)
+class ResourceContext:
+    """The simulator's view at one decision point. Times in seconds since the job started.
+
+    Attributes:
+        work_total: seconds of compute the job needs on one VM (``None``: open-ended).
+        work_done: seconds of compute completed and checkpointed.
+        deadline: seconds after start by which the job must finish (``None``: none).
+        availability: predicted fraction of requested spot capacity that will be up.
+        preemption_rate: predicted spot preemptions per second.
+        spot_available: whether spot capacity can be had right now (from the trace).
+        spot_price, on_demand_price: $/h per VM.
+        current: what is running now (``None`` at the start).
+        changeover: seconds lost when switching between spot and on-demand (restart cost).
+    """
+
+    now: float
+    work_done: float = 0.0
+    work_total: float | None = None
+    deadline: float | None = None
+    availability: Estimate | None = None
+    preemption_rate: Estimate | None = None
+    spot_available: bool | None = None
+    spot_price: float | None = None
+    on_demand_price: float | None = None
+    current: ResourceDecision | None = None
+    changeover: float = 0.0
+
+    @property
+    def work_left(self) -> float | None:
+        return None if self.work_total is None else max(self.work_total - self.work_done, 0.0)
+
+
+class ResourcePolicy(Stateful, ABC):
+    """Decides which VMs the job runs on at each decision point."""
+
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def decide(self, ctx: ResourceContext) -> ResourceDecision:
+        """The VMs to run until the next decision point."""
+
+    def observe(self, event: Event) -> None:
+        """Learn from what happened."""

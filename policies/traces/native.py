@@ -1,0 +1,159 @@
+"""pcframe's own documented trace forms, for users' traces (see docs/policies.md).
+
+JSON: ``{"format": "pcframe-trace/1", "step_seconds": 300, "capacity": 4, "up": [...], ...}``
+with optional ``name``, ``source``, ``spot_price`` (list, one per tick), ``on_demand_price``,
+``start_time`` (ISO 8601), ``zone``, ``unit``, ``units_per_vm``, ``metadata``.
+
+CSV: optional ``# key: value`` lines (``capacity``, ``on_demand_price``, ``zone``, ``name``,
+``unit``, ``units_per_vm``, ``source``), then a header ``time,up`` with an optional
+``spot_price`` column. ``time`` is seconds (any origin) or an ISO 8601 timestamp; rows must
+be evenly spaced (the median spacing is used) and strictly increasing.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pcframe.policies.traces.errors import TraceFormatError
+from pcframe.policies.traces.schema import FORMAT_TAG, Trace
+from pcframe.policies.traces.timeutil import median_step, parse_time
+
+_META_KEYS = {"capacity", "on_demand_price", "zone", "name", "unit", "units_per_vm", "source"}
+
+
+def read_pcframe_json(path: Path, doc: dict[str, Any] | None = None) -> Trace:
+    if doc is None:
+        doc = json.loads(path.read_text())
+    for key in ("step_seconds", "capacity", "up"):
+        if key not in doc:
+            raise TraceFormatError(
+                path,
+                f"key {key!r}",
+                f"missing required key {key!r}",
+                f"add {key!r} (see the pcframe-trace/1 form in docs/policies.md)",
+            )
+    up = doc["up"]
+    if not isinstance(up, list) or not all(isinstance(x, int) and x >= 0 for x in up):
+        raise TraceFormatError(
+            path,
+            "key 'up'",
+            "'up' must be a list of non-negative integers",
+            "write one integer up-count per tick",
+        )
+    start = doc.get("start_time")
+    try:
+        trace = Trace(
+            name=str(doc.get("name") or path.stem),
+            source=str(doc.get("source") or "pcframe-json"),
+            step_seconds=float(doc["step_seconds"]),
+            capacity=int(doc["capacity"]),
+            up=np.asarray(up, dtype=np.int64),
+            spot_price=None if doc.get("spot_price") is None else np.asarray(doc["spot_price"]),
+            on_demand_price=doc.get("on_demand_price"),
+            start_time=None if start is None else parse_time(start, path, "key 'start_time'"),
+            zone=doc.get("zone"),
+            unit=str(doc.get("unit", "vm")),
+            units_per_vm=int(doc.get("units_per_vm", 1)),
+            path=str(path),
+            metadata=dict(doc.get("metadata") or {}),
+        )
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, TraceFormatError):
+            raise
+        raise TraceFormatError(path, "", str(exc), "correct the value named above") from exc
+    return trace
+
+
+def read_pcframe_csv(path: Path) -> Trace:
+    meta: dict[str, str] = {}
+    rows: list[tuple[int, list[str]]] = []
+    header: list[str] | None = None
+    with path.open(newline="") as f:
+        for lineno, row in enumerate(csv.reader(f), start=1):
+            if not row or not "".join(row).strip():
+                continue
+            if row[0].lstrip().startswith("#"):
+                key, sep, value = ",".join(row).lstrip("# ").partition(":")
+                if sep and key.strip() in _META_KEYS:
+                    meta[key.strip()] = value.strip()
+                continue
+            if header is None:
+                header = [c.strip().lower() for c in row]
+                continue
+            rows.append((lineno, row))
+    if header is None or header[:2] != ["time", "up"]:
+        raise TraceFormatError(
+            path,
+            "line 1",
+            f"header {header} is not 'time,up[,spot_price]'",
+            "start the file with the header line 'time,up' (optionally ',spot_price')",
+        )
+    if not rows:
+        raise TraceFormatError(path, "", "no data rows", "add at least one 'time,up' row")
+    has_price = "spot_price" in header
+    price_col = header.index("spot_price") if has_price else -1
+    times: list[float] = []
+    up: list[int] = []
+    price: list[float] = []
+    start: datetime | None = None
+    for lineno, row in rows:
+        if len(row) < len(header):
+            raise TraceFormatError(
+                path,
+                f"line {lineno}",
+                f"{len(row)} columns, header has {len(header)}",
+                "give every row the same columns as the header",
+            )
+        t = row[0].strip()
+        try:
+            times.append(float(t))
+        except ValueError:
+            stamp = parse_time(t, path, f"line {lineno}")
+            start = start or stamp
+            times.append(stamp.timestamp())
+        try:
+            up.append(int(row[1]))
+            if has_price:
+                price.append(float(row[price_col]))
+        except ValueError as exc:
+            raise TraceFormatError(
+                path,
+                f"line {lineno}",
+                f"not a number: {exc}",
+                "write 'up' as an integer and 'spot_price' as a number ($/h)",
+            ) from exc
+        if up[-1] < 0:
+            raise TraceFormatError(
+                path, f"line {lineno}", f"negative up-count {up[-1]}", "use counts >= 0"
+            )
+    step = median_step(np.asarray(times), path, lines=[ln for ln, _ in rows])
+    capacity = int(meta.get("capacity", max(max(up), 1)))
+    if max(up) > capacity:
+        raise TraceFormatError(
+            path,
+            "# capacity",
+            f"up-count {max(up)} exceeds capacity {capacity}",
+            "raise '# capacity:' or correct the counts",
+        )
+    od = meta.get("on_demand_price")
+    return Trace(
+        name=meta.get("name", path.stem),
+        source=meta.get("source", "pcframe-csv"),
+        step_seconds=step,
+        capacity=capacity,
+        up=np.asarray(up, dtype=np.int64),
+        spot_price=np.asarray(price) if has_price else None,
+        on_demand_price=None if od is None else float(od),
+        start_time=start,
+        zone=meta.get("zone"),
+        unit=meta.get("unit", "vm"),
+        units_per_vm=int(meta.get("units_per_vm", 1)),
+        path=str(path),
+        metadata={"format": FORMAT_TAG + "+csv"},
+    )

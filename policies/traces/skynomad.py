@@ -1,0 +1,197 @@
+"""Readers for the SkyNomad artifact's traces (AWS V100 2023, GCP H100 2025).
+
+Three shapes: availability CSVs ``date,availability`` with a sibling price table
+``{trace_name: [$/h per tick]}``; node-count JSON ``{"metadata": {...}, "data": [...]}``
+(4 or 16 kept-alive VMs); and the GCP H100 JSON of the same shape whose values are
+*inverted*: 1 = preempted / unavailable, 0 = available.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from pcframe.policies.traces.errors import TraceFormatError
+from pcframe.policies.traces.schema import Trace
+from pcframe.policies.traces.timeutil import median_step, parse_time
+
+# p3.2xlarge (1×V100) on-demand price in us-east/us-west, as given by the traces' README.
+AWS_P3_2XLARGE_ON_DEMAND = 3.06
+
+Convention = Literal["auto", "up", "inverted"]
+
+
+def _zone(stem: str) -> str:
+    return stem.split("_", 1)[0]
+
+
+def find_price_table(path: Path) -> Path | None:
+    """The ``*price*.json`` next to the CSV's folder that holds a series for this trace."""
+    for folder in (path.parent, path.parent.parent):
+        for candidate in sorted(folder.glob("*price*.json")):
+            return candidate
+    return None
+
+
+def _prices(path: Path, table: Path | dict[str, list[float]] | None, n: int) -> np.ndarray | None:
+    if table is None:
+        return None
+    where = "price table"
+    if isinstance(table, Path):
+        where = str(table)
+        table = json.loads(table.read_text())
+    series = table.get(path.stem)  # type: ignore[union-attr]
+    if series is None:
+        return None
+    if len(series) != n:
+        raise TraceFormatError(
+            path,
+            f"key {path.stem!r} of {where}",
+            f"{len(series)} prices for {n} availability rows",
+            "use the price table that belongs to this trace (one price per tick)",
+        )
+    return np.asarray(series, dtype=np.float64)
+
+
+def read_availability_csv(
+    path: Path, prices: Path | dict[str, list[float]] | Literal["auto"] | None = "auto"
+) -> Trace:
+    """``date,availability`` rows, 1 = a spot VM could be launched at that tick."""
+    times: list[float] = []
+    up: list[int] = []
+    lines: list[int] = []
+    start = None
+    with path.open(newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header is None or [c.strip() for c in header] != ["date", "availability"]:
+            raise TraceFormatError(
+                path,
+                "line 1",
+                f"header {header} is not 'date,availability'",
+                "use the SkyNomad availability CSV layout or the pcframe CSV form",
+            )
+        for lineno, row in enumerate(reader, start=2):
+            if not row:
+                continue
+            if len(row) != 2 or row[1].strip() not in ("0", "1"):
+                raise TraceFormatError(
+                    path,
+                    f"line {lineno}",
+                    f"expected 'date,0|1', got {','.join(row)!r}",
+                    "availability must be 0 or 1",
+                )
+            stamp = parse_time(row[0], path, f"line {lineno}")
+            start = start or stamp
+            times.append(stamp.timestamp())
+            up.append(int(row[1]))
+            lines.append(lineno)
+    step = median_step(np.asarray(times), path, lines)
+    table = find_price_table(path) if prices == "auto" else prices
+    return Trace(
+        name=path.stem,
+        source="skynomad-aws-v100-availability",
+        step_seconds=step,
+        capacity=1,
+        up=np.asarray(up, dtype=np.int64),
+        spot_price=_prices(path, table, len(up)),
+        on_demand_price=AWS_P3_2XLARGE_ON_DEMAND if "v100" in path.stem else None,
+        start_time=start,
+        zone=_zone(path.stem),
+        path=str(path),
+        metadata={"instance": "p3.2xlarge"} if "v100" in path.stem else {},
+    )
+
+
+def is_inverted(path: Path, meta: dict[str, Any]) -> bool:
+    """The GCP H100 collector writes 1 = preempted; it is the one that records ``price_info``."""
+    return "price_info" in meta or "h100" in path.name.lower()
+
+
+def read_node_json(
+    path: Path,
+    doc: dict[str, Any],
+    capacity: int | None = None,
+    convention: Convention = "auto",
+) -> Trace:
+    """``{"metadata": {"gap_seconds": ...}, "data": [...]}`` node-count or H100 traces."""
+    meta = doc.get("metadata")
+    if not isinstance(meta, dict) or "gap_seconds" not in meta:
+        raise TraceFormatError(
+            path,
+            "key 'metadata.gap_seconds'",
+            "missing the tick length",
+            'add "metadata": {"gap_seconds": <seconds per tick>}',
+        )
+    data = doc.get("data")
+    if not isinstance(data, list) or not data:
+        raise TraceFormatError(
+            path,
+            "key 'data'",
+            "'data' must be a non-empty list of counts",
+            "write one integer per tick under 'data'",
+        )
+    for i, x in enumerate(data):
+        if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+            raise TraceFormatError(
+                path,
+                f"key 'data[{i}]'",
+                f"value {x!r} is not a non-negative integer",
+                "write one integer count per tick",
+            )
+    values = np.asarray(data, dtype=np.int64)
+    inverted = is_inverted(path, meta) if convention == "auto" else convention == "inverted"
+    price_info = meta.get("price_info") or {}
+    if inverted:
+        if values.max() > 1:
+            raise TraceFormatError(
+                path,
+                "key 'data'",
+                f"inverted (1 = preempted) trace holds {values.max()}",
+                "pass convention='up' if this file counts VMs that are up",
+            )
+        up, cap, source = 1 - values, 1, "skynomad-gcp-h100"
+    else:
+        cap = capacity or _capacity_from_name(path) or int(meta.get("capacity", 0))
+        cap = cap or max(int(values.max()), 1)
+        if values.max() > cap:
+            raise TraceFormatError(
+                path,
+                "key 'data'",
+                f"count {values.max()} exceeds capacity {cap}",
+                "pass capacity=<VMs requested> to load_trace",
+            )
+        up, source = values, f"skynomad-aws-v100-{cap}node"
+    spot = price_info.get("price")
+    start = meta.get("start_time")
+    extra = {k: v for k, v in meta.items() if k not in ("price_info",)}
+    if price_info:
+        extra["machine_type"] = price_info.get("machine_type")
+    return Trace(
+        name=path.stem,
+        source=source,
+        step_seconds=float(meta["gap_seconds"]),
+        capacity=cap,
+        up=up,
+        spot_price=None if spot is None else np.full(up.size, float(spot)),
+        on_demand_price=price_info.get("on_demand_price")
+        or (AWS_P3_2XLARGE_ON_DEMAND if "v100" in path.stem else None),
+        start_time=None if start is None else parse_time(start, path, "key 'start_time'"),
+        zone=meta.get("zone") or _zone(path.stem),
+        path=str(path),
+        metadata=extra,
+    )
+
+
+def _capacity_from_name(path: Path) -> int | None:
+    """``aws-v100-16node-2023`` / ``...-4node-...``: the folder says how many VMs were asked for."""
+    for part in (path.parent.name, path.stem):
+        m = re.search(r"(\d+)node", part)
+        if m:
+            return int(m.group(1))
+    return None

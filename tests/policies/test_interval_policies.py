@@ -1,0 +1,154 @@
+"""Behaviour of the periodic interval policies: what they learn and where they clamp."""
+
+from __future__ import annotations
+
+import pytest
+
+import pcframe.policies as P
+from pcframe.policies import PolicyContext, Restarted, SaveCompleted
+from pcframe.policies.theory import daly_interval_exact, young_interval
+
+
+def ctx(step: int, now: float, **kw: float) -> PolicyContext:
+    return PolicyContext(step=step, now=now, **kw)
+
+
+def saves(policy: P.IntervalPolicy, seconds: float, dt: float = 1.0, **kw: float) -> list[float]:
+    """Times at which ``policy`` saves over ``seconds`` of steps ``dt`` apart."""
+    out = []
+    for i in range(int(seconds / dt)):
+        if policy.decide(ctx(i, i * dt, **kw)).save:
+            out.append(i * dt)
+    return out
+
+
+def test_fixed_steps() -> None:
+    p = P.FixedSteps(every=5)
+    assert [s for s in range(1, 21) if p.decide(ctx(s, s)).save] == [5, 10, 15, 20]
+    assert not p.decide(ctx(0, 0)).save
+    with pytest.raises(ValueError, match="every"):
+        P.FixedSteps(every=0)
+
+
+def test_fixed_time_is_fixed_even_when_saves_are_slow() -> None:
+    p = P.FixedTime(seconds=10.0)
+    p.observe(SaveCompleted(1, 1, 0.0, stall=1.0, duration=50.0, nbytes=1))
+    t = saves(p, 100.0)
+    assert t == [10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0]
+
+
+def test_young_uses_the_prior_then_the_measured_cost() -> None:
+    p = P.Young(mtbf=3600.0, stall_prior=2.0, duration_prior=0.0)
+    p.decide(ctx(0, 0.0))
+    assert p.last_interval == pytest.approx(young_interval(2.0, 3600.0))
+    # the engine's ctx value beats the prior...
+    p.decide(ctx(1, 1.0, save_stall=8.0))
+    assert p.last_interval == pytest.approx(young_interval(8.0, 3600.0))
+    # ...and the policy's own samples beat both
+    p.observe(SaveCompleted(1, 1, 2.0, stall=18.0, duration=1.0, nbytes=1))
+    p.decide(ctx(2, 2.0, save_stall=8.0))
+    assert p.last_interval == pytest.approx(young_interval(18.0, 3600.0))
+
+
+def test_daly_uses_the_engine_rate_when_given() -> None:
+    p = P.Daly(mtbf=3600.0, stall_prior=300.0, duration_prior=0.0)
+    p.decide(ctx(0, 0.0))
+    assert p.last_interval == pytest.approx(1276.9, abs=0.05)
+    p.decide(ctx(1, 1.0, preemption_rate=1 / 900.0))
+    assert p.last_interval == pytest.approx(daly_interval_exact(300.0, 900.0))
+    q = P.Daly(
+        mtbf=3600.0, form="series", use_context_rate=False, stall_prior=300.0, duration_prior=0.0
+    )
+    q.decide(ctx(0, 0.0, preemption_rate=1 / 900.0))
+    assert q.last_interval == pytest.approx(1276.5, abs=0.05)
+
+
+def test_clamps_and_in_flight_floor() -> None:
+    # Stall ~0 (fully asynchronous) would make Young save every step; the time to durable
+    # divided by the checkpoints allowed in flight is the real floor.
+    p = P.Young(mtbf=3600.0, stall_prior=0.0, duration_prior=30.0, concurrency=2)
+    p.decide(ctx(0, 0.0))
+    assert p.last_interval == pytest.approx(15.0)
+    q = P.Young(mtbf=1e9, stall_prior=10.0, max_interval=600.0)
+    q.decide(ctx(0, 0.0))
+    assert q.last_interval == 600.0
+    r = P.Young(mtbf=1.0, stall_prior=0.01, min_interval=5.0, concurrency=None)
+    r.decide(ctx(0, 0.0))
+    assert r.last_interval == 5.0
+    with pytest.raises(ValueError, match="concurrency"):
+        P.Young(concurrency=0)
+
+
+def test_interval_restarts_from_a_restore() -> None:
+    p = P.FixedTime(seconds=10.0)
+    assert saves(p, 25.0) == [10.0, 20.0]
+    p.observe(Restarted(time=100.0, restart_cost=30.0, step=20))
+    assert not p.decide(ctx(21, 105.0)).save
+    assert p.decide(ctx(22, 110.0)).save
+
+
+def test_overhead_budget_keeps_stall_within_budget() -> None:
+    p = P.OverheadBudget(budget=0.05, stall_prior=1.0)
+    now, stalled, step = 0.0, 0.0, 0
+    true_stall = 2.0  # the prior is off by 2x: the policy must learn it
+    while now < 3600.0:
+        if p.decide(ctx(step, now)).save:
+            p.observe(SaveCompleted(step, step, now, true_stall, 5.0, 1))
+            now += true_stall
+            stalled += true_stall
+        now += 0.5
+        step += 1
+    assert p.stall_fraction() == pytest.approx(stalled / now, rel=0.02)
+    assert 0.04 <= stalled / now <= 0.0505  # uses the budget but does not exceed it
+    assert p.last_interval == pytest.approx(true_stall / 0.05)
+
+
+def test_overhead_budget_holds_back_when_over_budget() -> None:
+    p = P.OverheadBudget(budget=0.1, stall_prior=0.1, min_interval=0.0, concurrency=None)
+    assert p.decide(ctx(1, 10.0)).save is False  # first call anchors
+    assert p.decide(ctx(2, 11.0)).save
+    p.observe(SaveCompleted(1, 2, 11.0, stall=100.0, duration=100.0, nbytes=1))  # huge stall
+    assert not any(p.decide(ctx(s, 11.0 + s)).save for s in range(3, 500))
+
+
+def test_checkfreq_k_rule() -> None:
+    assert P.checkfreq_k(0.1, stall=0.05, duration=1.0, budget=0.05) == 10
+    # (3.0 - 0.3) / 0.1 = 27, overhead 0.3 / 2.7 = 11 % > 5 %: +2 until <= 5 % -> 61
+    assert P.checkfreq_k(0.1, stall=0.3, duration=3.0, budget=0.05) == 61
+    assert P.checkfreq_k(1.0, stall=0.0, duration=0.0, budget=0.05) == 1
+
+
+def test_checkfreq_converges_after_a_change_of_checkpoint_cost() -> None:
+    p = P.CheckFreq(budget=0.05)
+    stall, duration, it = 0.05, 1.0, 0.1
+    intervals: list[tuple[int, int]] = []  # (step of the save, steps since the previous one)
+    last = 0
+    for step in range(3000):
+        if step == 1500:
+            stall, duration = 0.3, 3.0  # the checkpoint got 3-6x more expensive
+        if p.decide(ctx(step, step * it, iteration_time=it)).save:
+            intervals.append((step, step - last))
+            last = step
+            p.observe(SaveCompleted(len(intervals), step, step * it, stall, duration, 1))
+    before = [k for s, k in intervals if s < 1500]
+    after = [k for s, k in intervals if s >= 1500]
+    assert before[-10:] == [10] * 10  # converged to the old optimum...
+    assert p.k == 61 and after[-5:] == [61] * 5  # ...and to the new one after the change
+    assert after.index(61) <= 15  # within a few saves, not eventually
+
+
+def test_checkfreq_measures_iteration_time_itself() -> None:
+    p = P.CheckFreq(budget=0.05, iteration_prior=10.0, stall_prior=0.0, duration_prior=2.0)
+    for s in range(200):  # 0.5 s per step, no iteration_time from the engine
+        p.decide(ctx(s, 0.5 * s))
+    p.observe(SaveCompleted(1, 1, 100.0, stall=0.0, duration=2.0, nbytes=1))
+    p.decide(ctx(200, 100.0))
+    assert p.k == 4  # ceil(2.0 / 0.5)
+
+
+@pytest.mark.parametrize("policy", [P.Young(), P.Daly(), P.OverheadBudget(), P.FixedTime()])
+def test_state_survives_strict_json(policy: P.IntervalPolicy) -> None:
+    import json
+
+    policy.decide(ctx(0, 0.0, preemption_rate=0.0))  # an infinite MTBF must not leak as inf
+    json.dumps(policy.state_dict(), allow_nan=False)

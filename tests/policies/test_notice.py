@@ -1,0 +1,282 @@
+"""Notice sources (signal, file, metadata URL) and the notice-driven emergency checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import pcframe.policies as P
+from pcframe.policies import Notice, PolicyContext, SaveCompleted
+
+# --- signal -----------------------------------------------------------------------------------
+
+
+def _deliver(sig: signal.Signals) -> None:
+    os.kill(os.getpid(), sig)
+    for _ in range(100):  # Python runs handlers between bytecodes of the main thread
+        time.sleep(0.001)
+
+
+def test_sigterm_to_this_process_becomes_a_notice() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    src = P.SignalNoticeSource(["SIGTERM"], window=30.0)
+    src.start()
+    try:
+        assert src.poll(100.0) is None
+        _deliver(signal.SIGTERM)  # would kill the test run if the handler were not ours
+        n = src.poll(100.0)
+        assert n is not None and n.source == "SIGTERM"
+        assert 69.0 < n.received_at <= 100.0 and n.deadline == pytest.approx(n.received_at + 30)
+        src.reset()
+        assert src.poll(101.0) is None
+    finally:
+        src.close()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_sigusr1_and_chaining_to_the_previous_handler() -> None:
+    seen: list[int] = []
+    old = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
+    try:
+        with P.SignalNoticeSource(["USR1"], window=120.0) as src:
+            _deliver(signal.SIGUSR1)
+            assert src.poll(0.0) is not None
+        assert seen == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_signal_source_refuses_other_threads_and_bad_names() -> None:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            P.SignalNoticeSource().start()
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert errors and "main thread" in str(errors[0])
+    with pytest.raises(ValueError, match="unknown signal"):
+        P.SignalNoticeSource(["SIGNOPE"])
+
+
+def test_real_sigterm_to_a_training_subprocess_triggers_an_emergency_save() -> None:
+    child = textwrap.dedent(
+        """
+        import sys, time
+        import pcframe.policies as P
+        policy = P.NoticeDriven(P.FixedSteps(10_000), P.SignalNoticeSource(window=30.0),
+                                save_time_prior=2.0)
+        step = 0
+        while True:
+            step += 1
+            d = policy.decide(P.PolicyContext(step=step, now=time.monotonic()))
+            if step == 1:
+                print("ready", flush=True)
+            if d.save:
+                print("EMERGENCY", d.emergency, step, d.reason, flush=True)
+                sys.exit(0)
+            time.sleep(0.005)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err  # SIGTERM's default action (die at once) was replaced
+    assert out.startswith("EMERGENCY True"), out
+
+
+# --- file -------------------------------------------------------------------------------------
+
+
+def test_file_source(tmp_path: Path) -> None:
+    flag = tmp_path / "preempt"
+    src = P.FileNoticeSource(str(flag), window=120.0, poll_interval=5.0)
+    assert src.poll(0.0) is None
+    flag.write_text("20")
+    assert src.poll(1.0) is None  # checked at most every 5 s of the caller's clock
+    n = src.poll(6.0)
+    assert n is not None and n.deadline - n.received_at == pytest.approx(20.0)
+    assert 6.0 - 5.0 < n.received_at <= 6.0
+    flag.write_text("not a number")
+    src.reset()
+    n = src.poll(7.0)
+    assert n is not None and n.deadline - n.received_at == pytest.approx(120.0)
+    flag.unlink()
+    assert src.poll(8.0) is not None  # cached until the next check
+    assert src.poll(13.0) is None
+
+
+# --- metadata URL -----------------------------------------------------------------------------
+
+
+class _Metadata(BaseHTTPRequestHandler):
+    """Fake AWS/GCP metadata server; ``server.state`` says what to answer."""
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_PUT(self) -> None:  # IMDSv2 token
+        self._reply(200, "tok123")
+
+    def do_GET(self) -> None:
+        state = self.server.state  # type: ignore[attr-defined]
+        if state.get("need_token") and self.headers.get("X-aws-ec2-metadata-token") != "tok123":
+            return self._reply(401, "")
+        if self.path.startswith("/gcp"):
+            if self.headers.get("Metadata-Flavor") != "Google":
+                return self._reply(403, "")
+            return self._reply(200, "TRUE" if state.get("preempted") else "FALSE")
+        if state.get("action_time") is None:
+            return self._reply(404, "")
+        body = {"action": "terminate", "time": state["action_time"]}
+        self._reply(200, json.dumps(body))
+
+    def _reply(self, code: int, body: str) -> None:
+        self.send_response(code)
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+
+@pytest.fixture
+def metadata_server() -> Iterator[ThreadingHTTPServer]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Metadata)
+    server.state = {}  # type: ignore[attr-defined]
+    t = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)
+    t.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def _url(server: ThreadingHTTPServer, path: str) -> str:
+    return f"http://127.0.0.1:{server.server_address[1]}{path}"
+
+
+def test_aws_metadata_notice_with_termination_time(metadata_server: ThreadingHTTPServer) -> None:
+    src = P.MetadataNoticeSource(_url(metadata_server, "/spot/instance-action"), flavor="aws")
+    src.check_once()
+    assert src.poll(50.0) is None and src.last_error is None  # 404: no notice
+    end = datetime.fromtimestamp(time.time() + 90.0, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    metadata_server.state["action_time"] = end  # type: ignore[attr-defined]
+    src.check_once()
+    n = src.poll(50.0)
+    assert n is not None and n.source == "metadata:aws"
+    assert 50.0 + 85.0 < n.deadline < 50.0 + 91.0  # from the endpoint's time, not the window
+
+
+def test_aws_imdsv2_token_and_background_thread(metadata_server: ThreadingHTTPServer) -> None:
+    metadata_server.state.update(need_token=True, action_time="2000-01-01T00:00:00Z")  # type: ignore[attr-defined]
+    src = P.MetadataNoticeSource(
+        _url(metadata_server, "/spot/instance-action"),
+        flavor="aws",
+        token_url=_url(metadata_server, "/latest/api/token"),
+        poll_interval=0.02,
+    )
+    src.start()
+    try:
+        deadline = time.monotonic() + 10.0
+        while src.poll(0.0) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        n = src.poll(0.0)
+        assert n is not None and n.deadline < 0.0  # the termination time is in the past
+    finally:
+        src.close()
+    assert src._thread is None
+
+
+def test_gcp_metadata_needs_its_header_and_true(metadata_server: ThreadingHTTPServer) -> None:
+    src = P.MetadataNoticeSource(_url(metadata_server, "/gcp"), flavor="gcp")
+    assert src.window == 30.0
+    src.check_once()
+    assert src.poll(0.0) is None
+    metadata_server.state["preempted"] = True  # type: ignore[attr-defined]
+    src.check_once()
+    n = src.poll(10.0)
+    assert n is not None and n.deadline == pytest.approx(40.0, abs=1.0)
+
+
+def test_unreachable_endpoint_is_no_notice() -> None:
+    src = P.MetadataNoticeSource("http://127.0.0.1:9/none", timeout=0.2)
+    src.check_once()
+    assert src.poll(0.0) is None and src.last_error is not None and src.polls == 1
+
+
+# --- the notice-driven policy -----------------------------------------------------------------
+
+
+def test_emergency_save_when_it_fits() -> None:
+    src = P.ManualNoticeSource()
+    p = P.NoticeDriven(P.FixedSteps(1000), src, margin=5.0, save_time_prior=10.0, z=0.0)
+    assert not p.decide(PolicyContext(step=1, now=0.0)).save
+    src.trigger(now=1.0, window=30.0)
+    d = p.decide(PolicyContext(step=2, now=2.0))
+    assert d.save and d.emergency and "29.0 s left" in d.reason
+    assert not p.decide(PolicyContext(step=3, now=3.0)).save  # once per notice
+    # still alive after the deadline: a false alarm; periodic saving resumes
+    assert p.decide(PolicyContext(step=1000, now=40.0)).save
+
+
+def test_no_emergency_save_when_it_cannot_finish() -> None:
+    src = P.ManualNoticeSource()
+    p = P.NoticeDriven(None, src, margin=5.0, save_time_prior=30.0)
+    src.trigger(now=0.0, window=30.0)
+    d = p.decide(PolicyContext(step=5, now=0.0))
+    assert not d.save and "relying on the last periodic" in d.reason
+
+
+def test_learned_save_time_changes_the_answer() -> None:
+    p = P.NoticeDriven(None, margin=5.0, save_time_prior=30.0, z=2.0)
+    notice = Notice(received_at=0.0, deadline=20.0)
+    assert not p.decide(PolicyContext(step=1, now=0.0, notice=notice)).save
+    for v in range(5):  # saves turn out to take ~3 s
+        p.observe(SaveCompleted(v, v, 1.0, stall=0.1, duration=3.0 + 0.1 * (v % 2), nbytes=1))
+    assert p.estimated_save_time(PolicyContext(step=1, now=0.0)) < 4.0
+    later = Notice(received_at=100.0, deadline=120.0)
+    assert p.decide(PolicyContext(step=2, now=100.0, notice=later)).emergency
+
+
+def test_engine_measurement_is_used_before_own_samples() -> None:
+    p = P.NoticeDriven(None, margin=5.0, save_time_prior=30.0)
+    ctx = PolicyContext(step=1, now=0.0, save_duration=2.0, notice=Notice(0.0, 20.0))
+    assert p.decide(ctx).emergency
+
+
+def test_no_emergency_for_a_step_already_saved() -> None:
+    p = P.NoticeDriven(None, save_time_prior=1.0)
+    ctx = PolicyContext(step=7, now=0.0, last_save_step=7, notice=Notice(0.0, 60.0))
+    assert not p.decide(ctx).save
+
+
+def test_without_notice_it_is_the_inner_policy_and_keeps_its_state() -> None:
+    wrapped = P.NoticeDriven(P.Daly(mtbf=600.0), P.ManualNoticeSource())
+    plain = P.Daly(mtbf=600.0)
+    for s in range(500):
+        c = PolicyContext(step=s, now=2.0 * s)
+        assert wrapped.decide(c) == plain.decide(c)
+    restored = P.NoticeDriven(P.Daly(mtbf=600.0))
+    restored.load_state_dict(json.loads(json.dumps(wrapped.state_dict())))
+    assert restored.inner.state_dict() == plain.state_dict()  # type: ignore[union-attr]

@@ -1,0 +1,73 @@
+"""Placement: routine tiers, every k-th upload, retention, and the notice fast path."""
+
+from __future__ import annotations
+
+import pytest
+
+import pcframe.policies as P
+from pcframe.policies import Notice, PlacementContext
+
+
+def place(policy: P.PlacementPolicy, version: int, **kw: object) -> P.PlacementDecision:
+    return policy.place(PlacementContext(version=version, step=10 * version, now=0.0, **kw))  # type: ignore[arg-type]
+
+
+def test_single_tier_and_retention() -> None:
+    p = P.SingleTier("local", keep=2)
+    d = place(p, 5, committed={"local": (2, 3, 4)})
+    assert d.tiers == ("local",)
+    assert d.keep == {"local": (4, 5)}  # applied after v5 commits: 2 and 3 may go
+
+
+def test_memory_in_front_of_disk() -> None:
+    p = P.MemoryThenDisk(disk_every=2, memory_keep=1, disk_keep=2)
+    times = {"memory": 0.2, "local": 3.0}
+    assert place(p, 1, tier_write_times=times).tiers == ("memory",)
+    d = place(p, 2, tier_write_times=times, committed={"memory": (1,), "local": ()})
+    assert d.tiers == ("memory", "local")  # fastest first
+    assert d.keep == {"memory": (2,), "local": (2,)}
+
+
+def test_local_plus_remote_uploads_every_kth() -> None:
+    p = P.LocalPlusRemote(remote_every=3, local_keep=2, remote_keep=2)
+    uploaded = [v for v in range(1, 13) if "remote" in place(p, v).tiers]
+    assert uploaded == [3, 6, 9, 12]
+    d = place(p, 7, committed={"local": (5, 6), "remote": (3, 6)})
+    assert d.tiers == ("local",)
+    assert d.keep == {"local": (6, 7), "remote": (3, 6)}  # remote untouched by a local write
+
+
+def test_notice_picks_the_fastest_surviving_tier_that_fits() -> None:
+    p = P.TieredPlacement(
+        [
+            P.TierRule("memory", survives_preemption=False),
+            P.TierRule("pd", survives_preemption=True),
+            P.TierRule("s3", every=5, survives_preemption=True),
+        ],
+        margin=5.0,
+    )
+    times = {"memory": 0.5, "pd": 20.0, "s3": 8.0}
+    # 30 s left, 25 after the margin: s3 (8 s) is the fastest durable tier; memory dies with
+    # the VM, so it is never the answer to a notice, however fast.
+    d = place(p, 3, tier_write_times=times, notice=Notice(0.0, 30.0))
+    assert d.tiers == ("s3",) and "s3" in d.reason
+    times["s3"] = 40.0
+    assert place(p, 3, tier_write_times=times, notice=Notice(0.0, 30.0)).tiers == ("pd",)
+    # nothing fits: best effort on the fastest durable tier
+    d = place(p, 3, tier_write_times=times, notice=Notice(0.0, 10.0))
+    assert d.tiers == ("pd",) and "best effort" in d.reason
+
+
+def test_notice_with_unknown_write_times_keeps_config_order() -> None:
+    p = P.LocalPlusRemote(local_survives_preemption=True)
+    d = place(p, 1, notice=Notice(0.0, 100.0))
+    assert d.tiers == ("local",) and "best effort" in d.reason
+
+
+def test_bad_rules_are_refused() -> None:
+    with pytest.raises(ValueError, match="unique"):
+        P.TieredPlacement([P.TierRule("a"), P.TierRule("a")])
+    with pytest.raises(ValueError, match="every"):
+        P.TierRule("a", every=0)
+    with pytest.raises(ValueError, match="at least one"):
+        P.TieredPlacement([])

@@ -1,0 +1,294 @@
+"""The trace loader over every shipped trace, its statistics, and its errors on bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pcframe.policies.traces import (
+    ENV_VAR,
+    Trace,
+    TraceFormatError,
+    detect_format,
+    load_trace,
+    load_traces,
+    shared_traces_dir,
+    trace_files,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# --- every shipped trace ----------------------------------------------------------------------
+
+
+def test_every_shipped_trace_loads_with_sane_statistics(traces_dir: Path) -> None:
+    files = trace_files(traces_dir)
+    assert len(files) >= 20, [f.name for f in files]  # 20 shipped; more may be added
+    formats = {detect_format(f) for f in files}
+    assert formats == {
+        "skynomad-availability-csv",
+        "skynomad-json",
+        "bamboo-events",
+        "pccheck-gpus",
+    }
+    for trace in load_traces(traces_dir):
+        s = trace.stats()
+        assert s.ticks > 100 and s.capacity >= 1, s
+        assert 0.0 <= s.availability <= s.any_up_fraction <= 1.0, s
+        assert s.preemptions >= 1, s  # every shipped trace has at least one drop
+        assert s.mtbf == pytest.approx(trace.up_seconds() / s.preemptions)
+        assert 0.1 * 3600 <= s.mtbf <= 400 * 3600, s  # between 6 minutes and ~2 weeks
+        assert s.instance_mtbf >= 0.0 and s.hours == pytest.approx(s.ticks * s.step_seconds / 3600)
+
+
+def test_v100_availability_csvs(traces_dir: Path) -> None:
+    folder = traces_dir / "skynomad" / "aws-v100-availability-2023"
+    prices = json.loads((traces_dir / "skynomad" / "aws-v100-spot-prices-2023.json").read_text())
+    for path in sorted(folder.glob("*.csv")):
+        t = load_trace(path)
+        raw = np.loadtxt(path, delimiter=",", skiprows=1, usecols=1, dtype=int, converters={1: int})
+        assert t.source == "skynomad-aws-v100-availability" and t.capacity == 1
+        assert t.n_ticks == 20158 and t.step_seconds == pytest.approx(195.0, abs=1.0)
+        assert np.array_equal(t.up, raw)
+        assert t.availability() == pytest.approx(raw.mean())
+        assert t.preemption_count() == int(((raw[:-1] == 1) & (raw[1:] == 0)).sum())
+        assert t.spot_price is not None and np.allclose(t.spot_price, prices[path.stem])
+        assert t.on_demand_price == 3.06 and t.zone == path.stem.split("_")[0]
+        assert t.start_time == datetime(2023, 2, 15, 22, 8, 16, tzinfo=UTC)
+
+
+def test_h100_inverted_convention(traces_dir: Path) -> None:
+    for path in sorted((traces_dir / "skynomad" / "gcp-h100-16-2025").glob("*.json")):
+        doc = json.loads(path.read_text())
+        raw = np.asarray(doc["data"])  # 1 = preempted / unavailable
+        t = load_trace(path)
+        assert t.source == "skynomad-gcp-h100" and t.capacity == 1 and t.step_seconds == 600.0
+        assert t.availability() == pytest.approx(1.0 - raw.mean())
+        assert np.array_equal(t.up, 1 - raw)
+        # a preemption is an available -> unavailable change, i.e. raw 0 -> 1
+        assert t.preemption_count() == int(((raw[:-1] == 0) & (raw[1:] == 1)).sum())
+        price = doc["metadata"]["price_info"]
+        assert t.spot_price is not None and t.spot_price[0] == price["price"]
+        assert t.on_demand_price == price["on_demand_price"]
+        assert t.zone == doc["metadata"]["zone"] and t.start_time is not None
+    # ... and reading one with the other convention gives the complement
+    up = load_trace(path, convention="up")
+    assert up.availability() == pytest.approx(raw.mean())
+
+
+def test_h100_and_v100_regimes_differ(traces_dir: Path) -> None:
+    v100 = load_traces(traces_dir / "skynomad" / "aws-v100-availability-2023")
+    h100 = load_traces(traces_dir / "skynomad" / "gcp-h100-16-2025")
+    assert np.median([t.mtbf() for t in h100]) > 1.5 * np.median([t.mtbf() for t in v100])
+    assert np.mean([t.availability() for t in h100]) > np.mean([t.availability() for t in v100])
+
+
+def test_v100_node_count_traces(traces_dir: Path) -> None:
+    for folder, cap in (("aws-v100-4node-preemption-2023", 4), ("aws-v100-16node-2023", 16)):
+        path = next((traces_dir / "skynomad" / folder).glob("*.json"))
+        raw = np.asarray(json.loads(path.read_text())["data"])
+        t = load_trace(path)
+        assert t.capacity == cap and t.step_seconds == 300.0 and np.array_equal(t.up, raw)
+        drops = np.maximum(raw[:-1] - raw[1:], 0)
+        assert t.preemption_count() == int((drops > 0).sum())
+        assert t.instances_lost() == drops.sum()
+        assert t.availability() == pytest.approx(raw.mean() / cap)
+
+
+def test_bamboo_event_traces(traces_dir: Path) -> None:
+    for name, cap in (("p3-trace.csv", 32), ("g4dn-trace.csv", 24)):
+        path = traces_dir / "bamboo" / name
+        rows = list(csv.reader(path.open()))
+        t = load_trace(path)
+        assert t.capacity == cap and t.step_seconds == 60.0
+        assert t.n_ticks == int(rows[-1][0]) // 60000 + 1
+        assert t.instances_lost() == sum(r[1] == "remove" for r in rows)
+        assert t.up[-1] == sum(r[1] == "add" for r in rows) - sum(r[1] == "remove" for r in rows)
+
+
+def test_pccheck_gpu_trace(traces_dir: Path) -> None:
+    path = traces_dir / "pccheck" / "gpus_trace.csv"
+    t = load_trace(path)
+    gpus = np.loadtxt(path, delimiter=",", skiprows=1, usecols=2)
+    assert t.unit == "gpu" and t.units_per_vm == 4 and t.capacity == 56
+    assert t.step_seconds == pytest.approx(63.0)
+    assert t.instances_lost() == np.maximum(gpus[:-1] - gpus[1:], 0).sum() / 4
+    assert t.start_time is not None and t.start_time.year == 2022
+
+
+def test_shipped_copy_keeps_licences() -> None:
+    root = REPO / "experiments" / "traces"
+    if not root.is_dir():
+        pytest.skip("experiments/traces is not in this checkout")
+    for folder, files in (
+        ("skynomad", ("LICENSE", "NOTICE")),
+        ("bamboo", ("LICENSE",)),
+        ("pccheck", ("LICENSE",)),
+    ):
+        for f in files:
+            assert (root / folder / f).is_file(), f"{folder}/{f} must ship with the traces"
+
+
+# --- locating the traces ------------------------------------------------------------------------
+
+
+def test_shared_traces_dir_prefers_env_then_repo_copy(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    found = shared_traces_dir()
+    if (REPO / "experiments" / "traces").is_dir():
+        assert found == REPO / "experiments" / "traces"
+    monkeypatch.setenv(ENV_VAR, str(tmp_path))
+    assert shared_traces_dir() == tmp_path
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match=ENV_VAR):
+        shared_traces_dir()
+
+
+def test_trace_files_skip_licences_and_price_tables(traces_dir: Path) -> None:
+    names = {p.name for p in trace_files(traces_dir)}
+    assert "LICENSE" not in names and "README.md" not in names
+    assert "aws-v100-spot-prices-2023.json" not in names
+
+
+# --- users' own traces --------------------------------------------------------------------------
+
+
+def test_json_round_trip(tmp_path: Path) -> None:
+    t = Trace(
+        "mine",
+        "user",
+        60.0,
+        4,
+        np.array([4, 3, 4, 0, 2]),
+        spot_price=[1.0] * 5,
+        on_demand_price=3.0,
+        start_time=datetime(2025, 1, 1, tzinfo=UTC),
+        zone="z",
+    )
+    back = load_trace(t.save_json(tmp_path / "mine.json"))
+    assert detect_format(tmp_path / "mine.json") == "pcframe-json"
+    assert np.array_equal(back.up, t.up) and back.capacity == 4 and back.zone == "z"
+    assert back.start_time == t.start_time and back.spot_price is not None
+    assert back.preemption_count() == 2 and back.instances_lost() == 5
+
+
+def test_pcframe_csv_with_header_comments(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.csv"
+    path.write_text(
+        "# capacity: 8\n# on_demand_price: 2.5\n# zone: eu-1\n"
+        "time,up,spot_price\n"
+        "2025-01-01T00:00:00Z,8,0.9\n2025-01-01T00:05:00Z,6,0.9\n"
+        "2025-01-01T00:10:00Z,8,1.1\n"
+    )
+    t = load_trace(path)
+    assert (t.capacity, t.step_seconds, t.on_demand_price, t.zone) == (8, 300.0, 2.5, "eu-1")
+    assert t.preemption_count() == 1 and t.mtbf() == pytest.approx(900.0)
+    assert t.start_time == datetime(2025, 1, 1, tzinfo=UTC)
+
+
+def test_trace_helpers() -> None:
+    t = Trace("x", "t", 10.0, 2, np.array([2, 2, 0, 0, 1, 2, 1]))
+    assert list(t.preemption_ticks()) == [2, 6]
+    assert t.preempted_at(2) and not t.preempted_at(3) and not t.preempted_at(0)
+    assert t.up_seconds() == 50.0 and t.mtbf() == 25.0
+    assert t.availability() == pytest.approx(8 / 14)
+    assert t.instance_mtbf() == pytest.approx(80.0 / 3)
+    assert math.isinf(Trace("c", "t", 1.0, 1, np.ones(3, dtype=int)).mtbf())
+    with pytest.raises(IndexError):
+        t.preempted_at(7)
+    with pytest.raises(ValueError, match=r"\[0, capacity=2\]"):
+        Trace("bad", "t", 1.0, 2, np.array([3]))
+
+
+# --- malformed input: the error names the file, the place and the fix -----------------------------
+
+
+def _err(path: Path, **kw: object) -> str:
+    with pytest.raises(TraceFormatError) as info:
+        load_trace(path, **kw)  # type: ignore[arg-type]
+    msg = str(info.value)
+    assert str(path) in msg and "Fix:" in msg, msg
+    return msg
+
+
+def test_malformed_inputs(tmp_path: Path) -> None:
+    p = tmp_path / "a_v100_1.csv"
+    p.write_text("date,availability\n2023-01-01 00:00:00,1\n2023-01-01 00:03:15,2\n")
+    assert "line 3" in _err(p) and "0 or 1" in _err(p)
+
+    p = tmp_path / "b_h100_16.json"
+    p.write_text(
+        json.dumps({"metadata": {"gap_seconds": 600, "price_info": {}}, "data": [0, 1, 5]})
+    )
+    assert "inverted" in _err(p)
+
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"metadata": {}, "data": [1, 2]}))
+    assert "metadata.gap_seconds" in _err(p)
+
+    p = tmp_path / "d.json"
+    p.write_text(json.dumps({"metadata": {"gap_seconds": 300}, "data": [1, -2]}))
+    assert "data[1]" in _err(p)
+
+    p = tmp_path / "e.json"
+    p.write_text(json.dumps({"metadata": {"gap_seconds": 300}, "data": [1, 4]}))
+    assert "capacity" in _err(p, capacity=2)
+
+    p = tmp_path / "f.csv"
+    p.write_text("0,add,node1\n60000,remove,node1\n120000,remove,node1\n")
+    msg = _err(p)
+    assert "line 3" in msg and "not up" in msg
+
+    p = tmp_path / "g.csv"
+    p.write_text("time,up\n0,1\n60,1\n30,0\n")
+    msg = _err(p)
+    assert "line 4" in msg and "strictly increasing" in msg
+
+    p = tmp_path / "h.csv"
+    p.write_text("foo;bar\n1;2\n")
+    assert "unknown trace format" in _err(p)
+
+    p = tmp_path / "i.json"
+    p.write_text('{"metadata": {"gap_seconds": 300}, "data": [1, 2,]}')
+    msg = _err(p)
+    assert "invalid JSON" in msg and "line 1" in msg
+
+    p = tmp_path / "prices.json"
+    p.write_text(json.dumps({"zone_v100_1": [1.0, 2.0]}))
+    assert "price table" in _err(p)
+
+    p = tmp_path / "j.json"
+    p.write_text(json.dumps({"format": "pcframe-trace/1", "step_seconds": 60, "capacity": 2}))
+    assert "'up'" in _err(p)
+
+    p = tmp_path / "k.csv"
+    p.write_text("time,up\n0,1\n60,x\n")
+    assert "line 3" in _err(p)
+
+
+def test_price_table_length_mismatch(tmp_path: Path) -> None:
+    folder = tmp_path / "avail"
+    folder.mkdir()
+    p = folder / "z_v100_1.csv"
+    p.write_text("date,availability\n2023-01-01 00:00:00,1\n2023-01-01 00:03:15,0\n")
+    (tmp_path / "spot-prices.json").write_text(json.dumps({"z_v100_1": [1.0, 1.0, 1.0]}))
+    msg = _err(p)
+    assert "3 prices for 2" in msg
+
+
+def test_statistics_table_cli(traces_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pcframe.policies.traces.__main__ import main
+
+    assert main([str(traces_dir)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 + len(trace_files(traces_dir))
+    assert any("us-central1-a_h100_16" in ln and "| 0.958 |" in ln for ln in lines)
