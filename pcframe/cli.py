@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check manifests and every chunk checksum")
     p.add_argument("directory")
     p.add_argument("--version", type=int)
-    p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--threads", type=int, default=8)
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser("inspect", help="print a version's manifest summary as JSON")
     p.add_argument("directory")
