@@ -1,0 +1,63 @@
+"""Per-chunk checksums, named stably because the manifest records the name.
+
+* ``"crc32c"``: CRC-32C (Castagnoli), via the hardware-accelerated ``crc32c`` package.
+* ``"xxh3_64"``: XXH3 64-bit, seed 0, via ``xxhash``.
+* ``"pcf64"``: pcframe's block-parallel 64-bit checksum (specified in
+  ``checksum/reference.py``); Numba and Triton fuse it into the copy
+  (:func:`pcframe.kernels.gather_checksum`, :func:`pcframe.kernels.persist_chunk_mmap`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pcframe.kernels._tensor_bytes import BytesLike, as_uint8_array, as_uint8_tensor, byte_view
+from pcframe.kernels.checksum import reference
+from pcframe.kernels.dispatch import backend_module, resolve_backend
+
+ALGORITHMS: tuple[str, ...] = ("pcf64", "crc32c", "xxh3_64")
+DIGEST_BITS = {"pcf64": 64, "crc32c": 32, "xxh3_64": 64}
+DEFAULT_ALGORITHM = "pcf64"
+
+__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "DIGEST_BITS", "check_algorithm", "checksum"]
+
+
+def check_algorithm(algo: str) -> None:
+    """Raise ``ValueError`` for an unknown algorithm name."""
+    if algo not in ALGORITHMS:
+        raise ValueError(f"unknown checksum algorithm {algo!r}; choose one of {ALGORITHMS}")
+
+
+def checksum(data: BytesLike, algo: str = DEFAULT_ALGORITHM, *, backend: str = "auto") -> int:
+    """Checksum of the bytes of ``data``.
+
+    Args:
+        data: bytes-like object, numpy array or tensor (its logical bytes; a CUDA tensor
+            is hashed on the GPU for ``"pcf64"`` and copied to host for the others).
+        algo: ``"pcf64"``, ``"crc32c"`` or ``"xxh3_64"``.
+        backend: For ``"pcf64"``: ``"auto"``, ``"torch"``, ``"numba"`` or ``"triton"``.
+            The other algorithms have one (library) implementation: ``"auto"`` or
+            ``"torch"`` only.
+
+    Returns:
+        The checksum as a non-negative int (< 2**32 for crc32c, < 2**64 otherwise).
+    """
+    check_algorithm(algo)
+    if isinstance(data, torch.Tensor):
+        data = byte_view(data.detach().contiguous())
+    if algo != "pcf64":
+        if backend not in ("auto", "torch"):
+            raise ValueError(
+                f"checksum {algo!r} is computed by its library; backend must be 'auto' "
+                f"or 'torch', got {backend!r}"
+            )
+        host = data.cpu() if isinstance(data, torch.Tensor) else data
+        return reference.ALGORITHMS[algo](as_uint8_array(host))
+    device = data.device if isinstance(data, torch.Tensor) else torch.device("cpu")
+    name = resolve_backend(backend, device, op="checksum")
+    impl = backend_module("checksum", name)
+    if name == "triton":
+        return impl.pcf64(as_uint8_tensor(data))
+    if isinstance(data, torch.Tensor) and data.device.type != "cpu":
+        data = data.cpu()
+    return impl.pcf64(as_uint8_array(data))

@@ -1,0 +1,228 @@
+"""Pieces, layouts, and their lowering to address tables for the kernels.
+
+Planning runs in Python once per call, so it is kept to a few attribute reads per piece
+(the engine calls it per chunk with hundreds of small tensors); range checks are
+vectorized with numpy. Addresses are read fresh on every call, never cached: a tensor
+reallocated between checkpoints must not be copied from its old memory.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from pcframe.kernels._tensor_bytes import read_bytes, tensor_nbytes, write_bytes
+
+
+class Piece(NamedTuple):
+    """A byte range of one tensor and where it sits in the flat buffer.
+
+    Attributes:
+        tensor: The tensor (any dtype, any strides, any device the backend supports).
+        tensor_offset: Byte offset into the tensor's logical (row-major) bytes.
+        buffer_offset: Byte offset into the flat uint8 buffer.
+        nbytes: Number of bytes.
+    """
+
+    tensor: torch.Tensor
+    tensor_offset: int
+    buffer_offset: int
+    nbytes: int
+
+
+PieceLike = Piece | tuple[torch.Tensor, int, int, int]
+
+
+def as_piece(p: PieceLike) -> Piece:
+    """Validate a :class:`Piece` or a ``(tensor, tensor_offset, buffer_offset, nbytes)`` tuple."""
+    piece = Piece._make(p)
+    if not isinstance(piece.tensor, torch.Tensor):
+        raise TypeError(f"piece tensor must be a torch.Tensor, got {type(piece.tensor).__name__}")
+    for name, value in zip(Piece._fields[1:], piece[1:], strict=True):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"piece {name} must be a non-negative int, got {value!r}")
+    return piece
+
+
+def check_buffer(buffer: torch.Tensor, what: str) -> None:
+    """The flat buffer must be a contiguous 1-D uint8 tensor."""
+    if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise ValueError(f"{what} must be a 1-D torch.uint8 tensor")
+    if not buffer.is_contiguous():
+        raise ValueError(f"{what} must be contiguous")
+
+
+@dataclass
+class Plan:
+    """Validated non-empty pieces sorted by buffer offset, as parallel int64 arrays.
+
+    ``tensor_addr[i]`` is the address of piece i's first byte in contiguous memory: the
+    tensor itself, or a temporary holding a strided tensor's bytes.
+    """
+
+    tensor_addr: np.ndarray
+    buffer_offset: np.ndarray
+    nbytes: np.ndarray
+    pieces: list[Piece]
+    temps: list[torch.Tensor | None]
+    keepalive: list[torch.Tensor] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def finish_scatter(self) -> None:
+        """Write staged bytes of strided targets back into them (after the kernel ran)."""
+        for piece, temp in zip(self.pieces, self.temps, strict=True):
+            if temp is not None:
+                write_bytes(piece.tensor, int(piece.tensor_offset), temp)
+
+
+def _fail(pieces: list[Piece], bad: np.ndarray, what: str) -> None:
+    p = pieces[int(np.flatnonzero(bad)[0])]
+    raise ValueError(f"{what}: piece (tensor_offset={p[1]}, buffer_offset={p[2]}, nbytes={p[3]})")
+
+
+def make_plan(pieces: Iterable[PieceLike], buffer: torch.Tensor, *, scatter: bool) -> Plan:
+    """Validate ``pieces`` against ``buffer`` and lower them to address tables.
+
+    Args:
+        pieces: Pieces to copy; zero-length pieces are dropped.
+        buffer: The flat uint8 buffer (destination of a gather, source of a scatter).
+        scatter: Whether bytes flow from the buffer into the tensors.
+
+    Raises:
+        ValueError: A range outside its tensor or the buffer, or pieces overlapping in
+            the buffer.
+    """
+    check_buffer(buffer, "buffer")
+    checked = []
+    for p in pieces:
+        # Fast path for plain-int pieces (negatives are caught below, vectorized);
+        # anything unusual goes through as_piece.
+        if len(p) == 4 and type(p[1]) is type(p[2]) is type(p[3]) is int:
+            if not isinstance(p[0], torch.Tensor):
+                p = as_piece(p)  # raises the TypeError
+            elif type(p) is not Piece:
+                p = Piece._make(p)
+        else:
+            p = as_piece(p)
+        if p[3]:
+            checked.append(p)
+    if not checked:
+        empty = np.zeros(0, dtype=np.int64)
+        return Plan(empty, empty, empty, [], [])
+    table = np.array([(p[1], p[2], p[3], p[0].nbytes) for p in checked], dtype=np.int64)
+    toff, boff, nb, tsize = table.T
+    if (table[:, :3] < 0).any():
+        _fail(checked, (table[:, :3] < 0).any(axis=1), "negative offset or size")
+    if (toff + nb > tsize).any():
+        _fail(checked, toff + nb > tsize, "range exceeds its tensor's bytes")
+    if (boff + nb > buffer.numel()).any():
+        _fail(
+            checked,
+            boff + nb > buffer.numel(),
+            f"range exceeds the buffer's {buffer.numel()} bytes",
+        )
+    if (np.diff(boff) < 0).any():
+        order = np.argsort(boff, kind="stable")
+        checked = [checked[i] for i in order]
+        toff, boff, nb = toff[order], boff[order], nb[order]
+    if (boff[1:] < (boff + nb)[:-1]).any():
+        _fail(checked[1:], boff[1:] < (boff + nb)[:-1], "pieces overlap in the buffer")
+    temps: list[torch.Tensor | None] = []
+    addrs = []
+    for p in checked:
+        t = p[0]
+        if t.is_contiguous():
+            temps.append(None)
+            addrs.append(t.data_ptr() + p[1])
+            continue
+        # Strided tensors go through a contiguous temporary holding just this range.
+        if scatter:
+            temp = torch.empty(p[3], dtype=torch.uint8, device=t.device)
+        else:
+            temp = read_bytes(t, p[1], p[3]).contiguous()
+        temps.append(temp)
+        addrs.append(temp.data_ptr())
+    return Plan(
+        tensor_addr=np.array(addrs, dtype=np.int64),
+        buffer_offset=np.ascontiguousarray(boff),
+        nbytes=np.ascontiguousarray(nb),
+        pieces=checked,
+        temps=temps,
+        keepalive=[p[0] for p in checked] + [t for t in temps if t is not None],
+    )
+
+
+def gaps(plan: Plan, size: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` byte ranges of a ``size``-byte buffer that no piece covers."""
+    out = []
+    pos = 0
+    for start, n in zip(plan.buffer_offset.tolist(), plan.nbytes.tolist(), strict=True):
+        if start > pos:
+            out.append((pos, start))
+        pos = start + n
+    if size > pos:
+        out.append((pos, size))
+    return out
+
+
+class Layout:
+    """Tensors at fixed byte offsets of a flat layout, cut into chunks on demand.
+
+    Built once per state layout (the engine's StateSpec); :meth:`pieces` then finds the
+    tensors of one chunk by bisection, so cutting n chunks costs O(n log t + pieces).
+
+    Args:
+        entries: ``(tensor, offset)`` pairs: each tensor's logical bytes occupy
+            ``[offset, offset + nbytes)``. Ranges must not overlap.
+    """
+
+    def __init__(self, entries: Iterable[tuple[torch.Tensor, int]]) -> None:
+        items = sorted(((int(off), t) for t, off in entries), key=lambda e: e[0])
+        self.tensors = [t for _, t in items]
+        self._starts = [off for off, _ in items]
+        self._ends = [off + tensor_nbytes(t) for off, t in items]
+        for i in range(1, len(items)):
+            if self._starts[i] < self._ends[i - 1]:
+                raise ValueError(f"layout entries overlap at byte {self._starts[i]}")
+        if self._starts and self._starts[0] < 0:
+            raise ValueError("layout offsets must be non-negative")
+        self.nbytes = self._ends[-1] if items else 0
+
+    def pieces(self, start: int, length: int) -> list[Piece]:
+        """Pieces of ``[start, start + length)``, buffer offsets relative to ``start``."""
+        stop = start + length
+        first = bisect_right(self._ends, start)
+        last = bisect_left(self._starts, stop)
+        out = []
+        for i in range(first, last):
+            lo = max(self._starts[i], start)
+            hi = min(self._ends[i], stop)
+            if hi > lo:
+                out.append(Piece(self.tensors[i], lo - self._starts[i], lo - start, hi - lo))
+        return out
+
+
+def pieces_in_range(
+    entries: Sequence[tuple[torch.Tensor, int]], start: int, length: int
+) -> list[Piece]:
+    """Cut a flat layout to the pieces that fall into one chunk.
+
+    Args:
+        entries: ``(tensor, layout_offset)`` pairs: each tensor's logical bytes occupy
+            ``[layout_offset, layout_offset + nbytes)`` of the flat layout.
+        start: Layout offset of the chunk.
+        length: Chunk length in bytes.
+
+    Returns:
+        Pieces whose ``buffer_offset`` is relative to the chunk start, ready for
+        ``gather(pieces, chunk_buffer)`` / ``scatter(chunk_buffer, pieces)``. For many
+        chunks of one layout, build a :class:`Layout` once instead.
+    """
+    return Layout(entries).pieces(start, length)
