@@ -1,0 +1,23 @@
+"""Multi-rank checkpointing: per-rank shards, a global commit by rank 0, resharding restore.
+
+See ``docs/distributed.md``. The entry point is :class:`DistributedCheckpointer`.
+"""
+
+from pcframe.distributed.checkpointer import (
+    DistributedCheckpointer,
+    DistributedRestoreReport,
+    DistributedSaveHandle,
+)
+from pcframe.distributed.record import GlobalRecord, ShardRef, read_record, valid_records
+from pcframe.distributed.restore import ReshardError
+
+__all__ = [
+    "DistributedCheckpointer",
+    "DistributedRestoreReport",
+    "DistributedSaveHandle",
+    "GlobalRecord",
+    "ReshardError",
+    "ShardRef",
+    "read_record",
+    "valid_records",
+]

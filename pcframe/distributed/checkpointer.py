@@ -1,0 +1,405 @@
+"""``DistributedCheckpointer``: one global checkpoint from every rank's local pcframe engine.
+
+Each rank runs an ordinary :class:`~pcframe.Checkpointer` on ``root/rank-<r>/`` (its own
+writer lock, pipeline, crash-safe local commit) and gives it only the state it owns: its
+shards of sharded (DTensor / FSDP2) state, and its share of the replicated (DDP) state,
+every replicated tensor being written by exactly one rank. All ranks save in lockstep with
+the same version number; the :mod:`~pcframe.distributed.protocol` thread makes a version
+global only when every rank's shard of it is durable. Restore reads the newest global
+version that verifies on every rank, with the same or a different world size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pcframe.checkpointer import Checkpointer, SaveHandle
+from pcframe.config import EngineConfig
+from pcframe.distributed import record as rec
+from pcframe.distributed.capture import ModelView, OptimizerView, Stash, StateSplitter
+from pcframe.distributed.index import SavedIndex
+from pcframe.distributed.protocol import CommitProtocol, Round
+from pcframe.distributed.restore import Objects, ReshardError, prepare
+from pcframe.errors import CheckpointError, ManifestError, NoValidCheckpoint, SaveError
+
+log = logging.getLogger("pcframe")
+
+_KEEP_ROUNDS = 1024  # recent versions whose timings stay inspectable in `rounds`
+
+
+class DistributedSaveHandle:
+    """A version on its way to being global."""
+
+    def __init__(self, round_: Round) -> None:
+        self._round = round_
+
+    @property
+    def version(self) -> int:
+        return self._round.version
+
+    @property
+    def step(self) -> int:
+        return self._round.step
+
+    def done(self) -> bool:
+        return self._round.decided.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the version's round is decided; return whether it became global.
+
+        Raises:
+            TimeoutError: if ``timeout`` passed first.
+        """
+        if not self._round.decided.wait(timeout):
+            raise TimeoutError(f"version {self.version} not decided after {timeout}s")
+        return self._round.published
+
+    @property
+    def reason(self) -> str:
+        """Why the version did not become global ("" if it did or is undecided)."""
+        return self._round.reason
+
+    def __repr__(self) -> str:
+        state = "undecided"
+        if self.done():
+            state = "global" if self._round.published else "not global"
+        return f"DistributedSaveHandle(version={self.version}, step={self.step}, {state})"
+
+
+@dataclass
+class DistributedRestoreReport:
+    version: int | None = None
+    step: int | None = None
+    seconds: float = 0.0
+    saved_world_size: int | None = None
+    resharded: bool = False
+    per_rank_state_from: int | None = None  # saved rank whose RNG/data position was loaded
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+
+
+class DistributedCheckpointer:
+    """Crash-safe, concurrent checkpoints of a multi-rank job with a global commit.
+
+    Call every method on every rank, in the same order (they are collective). Requires an
+    initialised default process group of the whole job.
+
+    Args:
+        root: shared directory; rank ``r`` writes ``root/rank-<r>/``, rank 0 also
+            ``root/global/`` and ``root/GLOBAL``. Restoring state that other ranks wrote
+            needs every rank to see the whole root (a shared file system).
+        model, optimizer, scheduler, scaler: the usual objects; plain tensors in model and
+            optimizer state are taken to be replicated (DDP), DTensors are sharded or
+            replicated by their placements (FSDP2, tensor parallel).
+        data, stateful, extra: per-rank state (data position, ...), saved by every rank.
+        keep_global: global versions kept (at least 2: the current and the previous one).
+        protocol_timeout: seconds a commit round waits for the slowest rank before the
+            protocol gives up (a rank that died).
+        config, overrides: the local engine's :class:`~pcframe.EngineConfig`.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        data: Any = None,
+        stateful: Mapping[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+        keep_global: int = 2,
+        protocol_timeout: float = 1800.0,
+        config: EngineConfig | None = None,
+        **overrides: Any,
+    ) -> None:
+        if keep_global < 2:
+            raise ValueError(
+                f"keep_global={keep_global}: keep at least 2 global versions, so the previous "
+                "one survives while the next is being published"
+            )
+        if not dist.is_available() or not dist.is_initialized():
+            raise CheckpointError(
+                "DistributedCheckpointer needs torch.distributed: call "
+                "torch.distributed.init_process_group() on every rank first"
+            )
+        self.root = Path(root)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.model, self.optimizer = model, optimizer
+        self.scheduler, self.scaler, self.extra = scheduler, scaler, extra
+        self.stateful: dict[str, Any] = dict(stateful or {})
+        if data is not None:
+            self.stateful["data"] = data
+        timeout = timedelta(seconds=protocol_timeout)
+        # Two private gloo groups, created in the same order on every rank: `control` for the
+        # collectives of the training thread, `report` for the round thread only.
+        self._control = dist.new_group(backend="gloo", timeout=timeout)
+        self._report = dist.new_group(backend="gloo", timeout=timeout)
+        self._stash = Stash()
+        model_view = ModelView(model, self._stash) if model is not None else None
+        optim_view = OptimizerView(optimizer, self._stash) if optimizer is not None else None
+        local, error, mine = None, "", None
+        retained, newest_record = [], 0
+        try:
+            local = Checkpointer(
+                self.root / rec.rank_dirname(self.rank),
+                model=model_view,  # type: ignore[arg-type]
+                optimizer=optim_view,  # type: ignore[arg-type]
+                scheduler=scheduler,
+                scaler=scaler,
+                stateful=self.stateful,
+                extra=extra,
+                config=config,
+                **overrides,
+            )
+            if self.rank == 0:
+                rec.remove_partial_records(self.root)
+                records, _ = rec.valid_records(self.root)
+                retained = sorted(r.version for r in records)
+                newest_record = max(rec.record_versions(self.root), default=0)
+        except (CheckpointError, OSError, TypeError, ValueError) as exc:
+            mine, error = exc, f"{type(exc).__name__}: {exc}"
+        # Versions continue above everything any rank or record has used, so a number is never
+        # reused for different contents (a crashed run may have left local-only versions).
+        # Failures are agreed on too: a rank that cannot open its directory must not leave the
+        # others waiting in the first collective of a save.
+        top = max(local.storage.next_version(), newest_record + 1) if local else 0
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, (top, retained, error), group=self._control)
+        failed = [(r, e) for r, (_, _, e) in enumerate(gathered) if e]
+        if failed:
+            if local is not None:
+                local.close()
+            dist.destroy_process_group(self._report)
+            dist.destroy_process_group(self._control)
+            if mine is not None:
+                raise mine
+            rank, message = failed[0]
+            raise CheckpointError(f"rank {rank} could not open its checkpoint shard: {message}")
+        assert local is not None
+        self.local = local
+        self._next = max(t for t, _, _ in gathered)
+        self.protocol = CommitProtocol(
+            self.root,
+            self.rank,
+            self.world_size,
+            self._report,
+            gathered[0][1],
+            self._next - 1,
+            keep_global,
+        )
+        # Narrow whatever filter the engine already has (e.g. replica tiers), never widen it.
+        earlier = self.local.pipeline.retention_filter
+        deletable = self.protocol.deletable
+        self.local.pipeline.retention_filter = (
+            deletable if earlier is None else (lambda doomed: deletable(earlier(doomed)))
+        )
+        self.splitter = StateSplitter(model, optimizer, self.rank, self.world_size, self._agree)
+        self.rounds: dict[int, Round] = {}
+        self.last_restore: DistributedRestoreReport | None = None
+        self._closed = False
+
+    # --- saving ----------------------------------------------------------------------------
+
+    def save(self, step: int, metadata: dict[str, Any] | None = None) -> DistributedSaveHandle:
+        """Start version ``n`` of the job's state at ``step`` on this rank (collective).
+
+        Returns as soon as the local engine does (the copy and writes go on in the
+        background; ``optimizer.step()`` waits for the snapshot copy). The version becomes
+        global when every rank's shard is durable: see :meth:`DistributedSaveHandle.wait`.
+
+        Raises:
+            SaveError / CheckpointError: an earlier version failed, or the protocol stopped;
+                raised after this version was started, so training may go on.
+        """
+        self._check_open()
+        start = time.perf_counter()
+        round_ = Round(self._next, step, start)
+        self._next += 1
+        try:
+            self._stash.model, self._stash.optimizer = self.splitter.split()
+            local_start = time.perf_counter()
+            round_.handle = self._local_save(step, round_.version, metadata)
+            round_.local_call = time.perf_counter() - local_start
+        except BaseException as exc:
+            round_.error = exc  # the round still runs, so every rank stays in step
+            self.protocol.submit(round_)
+            raise
+        finally:
+            self._stash.model = self._stash.optimizer = None
+        round_.call = time.perf_counter() - start
+        self.rounds[round_.version] = round_
+        while len(self.rounds) > _KEEP_ROUNDS:  # bounded bookkeeping in long runs
+            del self.rounds[next(iter(self.rounds))]
+        self.protocol.submit(round_)
+        self._raise_errors()
+        return DistributedSaveHandle(round_)
+
+    def _local_save(self, step: int, version: int, metadata: dict[str, Any] | None) -> SaveHandle:
+        try:
+            return self.local.save(step, metadata, version=version)
+        except SaveError as exc:
+            if exc.version >= version:
+                raise
+            # The engine reported an older version's failure before starting this one; the
+            # round thread reports that failure too, so start this version now.
+            return self.local.save(step, metadata, version=version)
+
+    def _agree(self, digest: str, sharded_bytes: int) -> list[tuple[str, int]]:
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, (digest, sharded_bytes), group=self._control)
+        return gathered
+
+    def wait(self) -> None:
+        """Block until every started version is decided (global or not) on this rank.
+
+        Raises:
+            SaveError / CheckpointError: the first failure not yet raised.
+        """
+        self._check_open()
+        self.protocol.join()
+        self._prune()
+        self._raise_errors()
+
+    def _prune(self) -> None:
+        """Apply retention once more now that the last rounds are decided.
+
+        The local engine applies retention when it commits a version, before that version's
+        round is decided, so the shards it superseded would otherwise stay until the next
+        save. Safe here: every started version has finished (its round waited for it) and
+        no save can start while the training thread is in here, so the commit thread is idle.
+        """
+        storage = self.local.storage
+        versions = storage.committed_versions()
+        for old in self.protocol.deletable(versions[: -self.local.config.keep_last]):
+            try:
+                storage.delete(old)
+            except OSError as exc:
+                log.warning("pcframe: could not delete old shard version %d: %s", old, exc)
+
+    def _raise_errors(self) -> None:
+        errors = self.protocol.take_errors()
+        for extra in errors[1:]:
+            log.error("pcframe: %s", extra)
+        if errors:
+            raise errors[0]
+
+    def global_versions(self) -> list[int]:
+        """Global versions this rank knows to exist (the newest ``keep_global``)."""
+        return self.protocol.retained
+
+    def stall(self, version: int) -> float | None:
+        """Seconds this version blocked the training thread on this rank (after it finished).
+
+        The distributed part of ``save()`` plus what the local engine measured (its own
+        ``save()`` and any wait of ``optimizer.step()`` for the snapshot copy).
+        """
+        round_, record = self.rounds.get(version), self.local.records.get(version)
+        if round_ is None or record is None or record.status == "in_flight":
+            return None
+        return round_.call - round_.local_call + record.stall
+
+    # --- restoring ---------------------------------------------------------------------------
+
+    def restore(self, *, reshard: bool = True, threads: int = 4) -> int | None:
+        """Load the newest global version that verifies on every rank; return its step.
+
+        A version whose shard fails verification on any rank is skipped on all ranks (listed
+        in :attr:`last_restore`) and the previous global version is tried. Nothing is loaded
+        until every rank has read and verified its part. ``reshard=False`` refuses to lay out
+        sharded state for a different world size instead of resharding it.
+
+        Returns ``None`` when there is no global version.
+
+        Raises:
+            ReshardError: sharded state cannot be laid out for this world size.
+            CheckpointError: the saved state does not fit the objects given.
+            NoValidCheckpoint: global versions exist but none verifies.
+        """
+        self.wait()
+        start = time.perf_counter()
+        box: list[Any] = [rec.valid_records(self.root) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, group=self._control, group_src=0)
+        records, invalid = box[0]
+        report = DistributedRestoreReport(skipped=list(invalid))
+        objects = Objects(
+            self.model, self.optimizer, self.scheduler, self.scaler, self.stateful, self.extra
+        )
+        for record in records:
+            error: BaseException | None = None
+            status: tuple[str, str, str] = ("ok", "", "")
+            try:
+                index = SavedIndex(self.root, record)
+                prepared = prepare(index, objects, self.rank, self.world_size, reshard, threads)
+            except (ManifestError, OSError) as exc:
+                status = ("corrupt", str(exc), type(exc).__name__)
+            except Exception as exc:  # every rank must still reach the collective below
+                error, status = exc, ("incompatible", str(exc), type(exc).__name__)
+            statuses: list[Any] = [None] * self.world_size
+            dist.all_gather_object(statuses, status, group=self._control)
+            for rank, (kind, message, name) in enumerate(statuses):
+                if kind == "incompatible":
+                    if error is not None:
+                        raise error
+                    cls = ReshardError if name == "ReshardError" else CheckpointError
+                    raise cls(f"rank {rank}: {message}")
+            bad = [f"rank {r}: {s[1]}" for r, s in enumerate(statuses) if s[0] == "corrupt"]
+            if bad:
+                report.skipped.append((record.version, "; ".join(bad)))
+                log.warning("pcframe: skipping global version %d: %s", record.version, bad)
+                continue
+            prepared.apply(objects)
+            report.version, report.step = record.version, record.step
+            report.saved_world_size = record.world_size
+            report.resharded, report.per_rank_state_from = (
+                prepared.resharded,
+                prepared.per_rank_from,
+            )
+            report.seconds = time.perf_counter() - start
+            self.last_restore = report
+            return record.step
+        self.last_restore = report
+        if report.skipped:
+            reasons = "; ".join(f"v{v}: {why}" for v, why in report.skipped)
+            raise NoValidCheckpoint(f"no valid global checkpoint in {self.root}: {reasons}")
+        return None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Finish every started version, stop the threads, release the directory (collective)."""
+        if self._closed:
+            return
+        try:
+            self.protocol.join()
+            self._prune()
+        finally:
+            self._closed = True
+            self.protocol.close()
+            self.local.close()
+            if dist.is_initialized():
+                if self.protocol.healthy:
+                    dist.barrier(group=self._control)  # nobody tears down a group still in use
+                dist.destroy_process_group(self._report)
+                dist.destroy_process_group(self._control)
+        self._raise_errors()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this DistributedCheckpointer is closed")
+
+    def __enter__(self) -> DistributedCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

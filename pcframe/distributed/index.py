@@ -1,0 +1,138 @@
+"""What one global version holds: every rank's shard manifest, indexed by state tensor.
+
+Each rank's tree (see :mod:`pcframe.distributed.capture`) says which tensors that rank wrote:
+whole replicated tensors, or boxes of sharded ones with their global shape and offset.
+:class:`SavedIndex` reads all of them (each manifest checked against the checksum the global
+record pinned) and lists, per tensor name, where its boxes are stored. Everything read from
+a manifest is validated, so a hostile or damaged manifest raises ``ManifestError`` naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pcframe.distributed.placement import Box
+from pcframe.distributed.record import GlobalRecord, manifest_crc
+from pcframe.errors import CorruptCheckpoint, ManifestError
+from pcframe.manifest import MANIFEST_NAME, Manifest, read_manifest
+from pcframe.storage import version_name
+
+
+@dataclass(frozen=True)
+class Source:
+    rank: int
+    entry: int
+    box: Box
+
+
+@dataclass
+class SavedItem:
+    name: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    sharded: bool
+    sources: list[Source] = field(default_factory=list)
+
+
+class SavedIndex:
+    """What one global version holds, gathered from every rank's shard manifest."""
+
+    def __init__(self, root: Path, record: GlobalRecord) -> None:
+        self.root, self.record = root, record
+        self.manifests: dict[int, Manifest] = {}
+        self.items: dict[str, SavedItem] = {}
+        self.values: dict[str, Any] = {}  # non-tensor model/optimizer entries (encoded)
+        for shard in record.shards:
+            directory = self.directory(shard.rank)
+            manifest = read_manifest(str(directory / MANIFEST_NAME))
+            if manifest.version != shard.version:
+                raise CorruptCheckpoint(
+                    f"{directory}: holds version {manifest.version}, the global record "
+                    f"expects {shard.version}"
+                )
+            if manifest_crc(directory / MANIFEST_NAME) != shard.manifest_crc32c:
+                raise CorruptCheckpoint(
+                    f"{directory / MANIFEST_NAME}: does not match the global record of version "
+                    f"{record.version} (manifest checksum differs): this shard was replaced"
+                )
+            self.manifests[shard.rank] = manifest
+            self._index(shard.rank, manifest)
+
+    @property
+    def world_size(self) -> int:
+        return self.record.world_size
+
+    def directory(self, rank: int) -> Path:
+        shard = self.record.shards[rank]
+        return self.root / shard.directory / version_name(shard.version)
+
+    def section(self, rank: int, name: str) -> Any:
+        tree = self.manifests[rank].tree
+        return tree.get(name) if isinstance(tree, dict) else None
+
+    def _index(self, rank: int, manifest: Manifest) -> None:
+        where = f"{self.directory(rank) / MANIFEST_NAME}"
+        model = self.section(rank, "model")
+        if model is not None:
+            for key, node in mapping(model, where, "model").items():
+                self._add(f"model/{key}", node, rank, manifest, where)
+        optimizer = self.section(rank, "optimizer")
+        if optimizer is not None:
+            state = mapping(mapping(optimizer, where, "optimizer").get("state"), where, "state")
+            for index, entries in state.items():
+                for key, node in mapping(entries, where, f"state/{index}").items():
+                    self._add(f"optimizer/{index}/{key}", node, rank, manifest, where)
+
+    def _add(self, name: str, node: Any, rank: int, manifest: Manifest, where: str) -> None:
+        node = mapping(node, where, name)
+        kind = node.get("kind")
+        if kind == "value":
+            self.values.setdefault(name, node.get("value"))
+            return
+        if kind not in ("replicated", "shard"):
+            raise ManifestError(f"{where}: '{name}' has unknown kind {kind!r}")
+        ref = node.get("data")
+        index = ref.get("$t") if isinstance(ref, dict) else None
+        if not isinstance(index, int) or not 0 <= index < len(manifest.entries):
+            raise ManifestError(f"{where}: '{name}' has no valid tensor reference")
+        entry = manifest.entries[index]
+        if kind == "replicated":
+            global_shape, box = entry.shape, Box.full(entry.shape)
+        else:
+            global_shape = _int_list(node.get("global_shape"), where, name)
+            offset = _int_list(node.get("offset"), where, name)
+            box = Box(offset, entry.shape)
+            if (
+                len(offset) != len(global_shape)
+                or len(entry.shape) != len(global_shape)
+                or any(o + n > g for o, n, g in zip(offset, entry.shape, global_shape, strict=True))
+            ):
+                raise ManifestError(f"{where}: shard of '{name}' lies outside {global_shape}")
+        item = self.items.setdefault(
+            name, SavedItem(name, entry.dtype, global_shape, kind == "shard")
+        )
+        if (item.dtype, item.global_shape, item.sharded) != (
+            entry.dtype,
+            global_shape,
+            kind == "shard",
+        ):
+            raise ManifestError(f"{where}: '{name}' disagrees with another rank's shard of it")
+        if not item.sharded and item.sources:
+            return  # a replicated tensor written twice (older planner): one copy is enough
+        item.sources.append(Source(rank, index, box))
+
+
+def mapping(node: Any, where: str, what: str) -> dict[str, Any]:
+    if not isinstance(node, dict):
+        raise ManifestError(f"{where}: '{what}' must be an object")
+    return node
+
+
+def _int_list(value: Any, where: str, name: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise ManifestError(f"{where}: '{name}' has an invalid shape or offset {value!r}")
+    return tuple(value)

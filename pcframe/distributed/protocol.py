@@ -1,0 +1,269 @@
+"""The global commit protocol: every rank reports its shard, rank 0 publishes the version.
+
+One *round* per version, in version order, run by one background thread per rank on a
+dedicated gloo process group that nothing else uses:
+
+1. wait until the local engine has finished the version (committed, discarded or failed);
+2. ``all_gather_object`` of every rank's report (status, manifest checksum, bytes);
+3. rank 0 decides: only if every rank committed the same version, and it is newer than the
+   last global version, it writes ``global/vN.json`` durably (the commit point), then the
+   GLOBAL pointer, then prunes records beyond ``keep_global``;
+4. ``broadcast_object_list`` of the decision, so every rank learns which global versions
+   exist before its retention may delete anything older.
+
+Why a dedicated group and a thread: the rounds block until the slowest rank is durable, which
+must not stall training, and collectives issued from a background thread on the job's own
+(default) group could interleave differently with the training's collectives on different
+ranks and deadlock or mismatch. A separate gloo group has its own connections, and only this
+thread uses it, so its collectives are ordered by version on every rank. Gloo works next to
+NCCL, and the reports are tiny. (The job's TCPStore would also work, but is reachable only
+through private torch API and keeps stale keys across elastic restarts.)
+
+Failure handling: a rank that dies mid-save never reports, so no record is written and the
+previous global version stays the newest; the survivors' collective fails (connection reset)
+or times out, the protocol marks itself broken and no later version is published by this
+process. A SaveError on any rank makes that round unpublished; training goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from pcframe.checkpointer import SaveHandle
+from pcframe.distributed import record as rec
+from pcframe.errors import CheckpointError, SaveError
+from pcframe.faults import crash_point
+from pcframe.manifest import DATA_NAME, MANIFEST_NAME
+from pcframe.storage import version_name
+
+log = logging.getLogger("pcframe")
+
+
+@dataclass(eq=False)
+class Round:
+    """One version's way to global durability."""
+
+    version: int
+    step: int
+    started: float  # perf_counter at save()
+    handle: SaveHandle | None = None
+    error: BaseException | None = None  # save() itself failed on this rank
+    decided: threading.Event = field(default_factory=threading.Event)
+    published: bool = False
+    reason: str = ""
+    decided_at: float = 0.0
+    call: float = 0.0  # seconds of the whole save() call on this rank
+    local_call: float = 0.0  # of which inside the local engine's save()
+
+
+class CommitProtocol:
+    """Runs the rounds of one rank (see module docstring)."""
+
+    def __init__(
+        self,
+        root: Path,
+        rank: int,
+        world_size: int,
+        group: Any,
+        retained: list[int],
+        decided_up_to: int,
+        keep_global: int,
+    ) -> None:
+        self.root, self.rank, self.world_size = root, rank, world_size
+        self.shard_dir = root / rec.rank_dirname(rank)
+        self.keep_global = keep_global
+        self._group = group
+        self._lock = threading.Lock()
+        self._retained = sorted(retained)  # global versions whose records exist
+        self._decided_up_to = decided_up_to  # every version <= this has had its round
+        self._errors: list[BaseException] = []
+        self._broken: BaseException | None = None
+        self._queue: queue.Queue[Round | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="pcframe-global", daemon=True)
+        self._thread.start()
+
+    # --- used by the training thread ------------------------------------------------------
+
+    def submit(self, round_: Round) -> None:
+        self._queue.put(round_)
+
+    def join(self) -> None:
+        """Block until every submitted round is decided."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def take_errors(self) -> list[BaseException]:
+        with self._lock:
+            errors, self._errors = self._errors, []
+        return errors
+
+    @property
+    def healthy(self) -> bool:
+        return self._broken is None
+
+    @property
+    def retained(self) -> list[int]:
+        with self._lock:
+            return list(self._retained)
+
+    # --- used by the local engine's commit thread ------------------------------------------
+
+    def deletable(self, doomed: list[int]) -> list[int]:
+        """Retention filter of the local engine (see :func:`retention_allowed`)."""
+        with self._lock:
+            retained, upto = list(self._retained), self._decided_up_to
+        return retention_allowed(doomed, retained, upto)
+
+    # --- the round thread --------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while (round_ := self._queue.get()) is not None:
+            try:
+                report = self._outcome(round_)
+                if self._broken is not None:
+                    self._finish(round_, None, f"commit protocol stopped: {self._broken}")
+                    continue
+                try:
+                    reports: list[Any] = [None] * self.world_size
+                    dist.all_gather_object(reports, report, group=self._group)
+                    box = [self._decide(round_.version, reports) if self.rank == 0 else None]
+                    dist.broadcast_object_list(box, group=self._group, group_src=0)
+                except Exception as exc:  # a peer died or timed out: no more global versions
+                    self._broken = exc
+                    with self._lock:
+                        self._errors.append(
+                            CheckpointError(
+                                f"global commit protocol failed at version {round_.version} "
+                                f"({type(exc).__name__}: {exc}); no further version becomes "
+                                "global in this process; the last global version is intact"
+                            )
+                        )
+                    self._finish(round_, None, f"commit protocol failed: {exc}")
+                    continue
+                self._finish(round_, box[0], "")
+            finally:
+                self._queue.task_done()
+
+    def _outcome(self, round_: Round) -> dict[str, Any]:
+        report: dict[str, Any] = {
+            "rank": self.rank,
+            "version": round_.version,
+            "step": round_.step,
+            "status": "failed",
+            "manifest_crc32c": "",
+            "nbytes": 0,
+            "error": "",
+        }
+        if round_.error is not None or round_.handle is None:
+            report["error"] = f"save() raised {type(round_.error).__name__}: {round_.error}"
+            return report
+        try:
+            report["status"] = round_.handle.wait()
+        except SaveError as exc:
+            report["error"] = str(exc)
+            with self._lock:
+                self._errors.append(exc)
+            return report
+        if report["status"] == "committed":
+            directory = self.shard_dir / version_name(round_.version)
+            try:
+                report["manifest_crc32c"] = rec.manifest_crc(directory / MANIFEST_NAME)
+                report["nbytes"] = os.path.getsize(directory / DATA_NAME)
+            except (OSError, CheckpointError) as exc:
+                report.update(status="failed", error=f"committed shard unreadable: {exc}")
+        return report
+
+    def _decide(self, version: int, reports: list[dict[str, Any]]) -> dict[str, Any]:
+        """Rank 0: publish ``version`` if every rank committed it. Returns the decision."""
+        decision: dict[str, Any] = {"version": version, "published": False, "reason": ""}
+        if any((r["version"], r["step"]) != (version, reports[0]["step"]) for r in reports):
+            seen = ", ".join(f"rank {r['rank']}: v{r['version']} step {r['step']}" for r in reports)
+            decision["reason"] = decision["error"] = (
+                f"ranks are out of step ({seen}); call save() on every rank at the same steps"
+            )
+            return decision
+        missing = [r for r in reports if r["status"] != "committed"]
+        if missing:
+            decision["reason"] = "; ".join(
+                f"rank {r['rank']} {r['status']}" + (f": {r['error']}" if r["error"] else "")
+                for r in missing
+            )
+            return decision
+        with self._lock:
+            newest = self._retained[-1] if self._retained else 0
+        if version <= newest:
+            decision["reason"] = f"not newer than global version {newest}"
+            return decision
+        shards = tuple(
+            rec.ShardRef(
+                r["rank"],
+                rec.rank_dirname(r["rank"]),
+                version,
+                r["step"],
+                r["manifest_crc32c"],
+                r["nbytes"],
+            )
+            for r in sorted(reports, key=lambda r: r["rank"])
+        )
+        record = rec.GlobalRecord(version, reports[0]["step"], time.time(), self.world_size, shards)
+        try:
+            rec.write_record(self.root, record)
+        except OSError as exc:
+            decision["reason"] = f"could not write the global record: {exc}"
+            log.warning("pcframe: global version %d not published: %s", version, exc)
+            return decision
+        crash_point("global_record_written")
+        try:
+            rec.write_pointer(self.root, version)
+        except OSError as exc:  # the record is the commit point; GLOBAL is only a hint
+            log.warning("pcframe: could not update %s: %s", self.root / rec.POINTER, exc)
+        crash_point("global_published")
+        retained = sorted({*self.retained, version})[-self.keep_global :]
+        for old in rec.record_versions(self.root):
+            if old < version and old not in retained:
+                try:
+                    rec.delete_record(self.root, old)
+                except OSError as exc:
+                    log.warning("pcframe: could not delete global record v%d: %s", old, exc)
+        decision.update(published=True, retained=retained)
+        return decision
+
+    def _finish(self, round_: Round, decision: dict[str, Any] | None, reason: str) -> None:
+        with self._lock:
+            if decision is not None and decision["published"]:
+                self._retained = list(decision["retained"])
+            if decision is not None:
+                self._decided_up_to = max(self._decided_up_to, round_.version)
+                if decision.get("error"):
+                    self._errors.append(CheckpointError(decision["error"]))
+        round_.published = bool(decision and decision["published"])
+        round_.reason = reason or (decision or {}).get("reason", "")
+        round_.decided_at = time.perf_counter()
+        if not round_.published:
+            log.info("pcframe: version %d is not global: %s", round_.version, round_.reason)
+        round_.decided.set()
+
+
+def retention_allowed(doomed: list[int], retained: list[int], decided_up_to: int) -> list[int]:
+    """The local versions among ``doomed`` that no global version needs, now or later.
+
+    A version may go once its round is decided (``<= decided_up_to``) and it is not one of the
+    retained global versions (the newest ``keep_global``: the current and the previous one).
+    Rounds are decided in order and global versions only move forward, so a decided version
+    that is not retained can never be needed again. A rank learns of new global versions
+    after rank 0 has written them, so its view only lags, and lagging keeps more, never less.
+    """
+    keep = set(retained)
+    return [v for v in doomed if v <= decided_up_to and v not in keep]

@@ -1,0 +1,357 @@
+"""Rebuild this rank's state from one global version, whatever the world size that wrote it.
+
+:func:`prepare` takes the :class:`~pcframe.distributed.index.SavedIndex` of a version and
+works out what this rank needs: the whole tensor for replicated state, its own box for
+sharded state (as placed *now*, so a changed world size reshards). It reads only those
+pieces (chunk checksums verified) and assembles them. Nothing is applied
+until every rank has prepared successfully; :meth:`Prepared.apply` then loads the state.
+
+Per-rank state (RNG, data position and other ``stateful`` objects) comes from the same rank
+of the saved job; when the world size changed, ranks beyond the old world size keep theirs.
+Small replicated state (scheduler, scaler, extra, optimizer param groups) comes from the same
+rank when it exists, else from saved rank 0.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pcframe.distributed.index import SavedIndex, SavedItem, Source
+from pcframe.distributed.placement import Box, Placed, describe, is_dtensor, rebuild
+from pcframe.distributed.reader import read_entries
+from pcframe.errors import CheckpointError, ManifestError
+from pcframe.manifest import MANIFEST_NAME, Manifest
+from pcframe.rng import restore_rng
+from pcframe.state import DTYPES, decode_tree
+
+
+class ReshardError(CheckpointError):
+    """Sharded state cannot be laid out for this job; the message names both world sizes."""
+
+
+@dataclass
+class Prepared:
+    """Everything this rank will load, already read and verified; applied only on success."""
+
+    model_state: dict[str, Any] | None = None
+    optimizer_state: dict[str, Any] | None = None
+    sections: dict[str, Any] = field(default_factory=dict)
+    per_rank_from: int | None = None
+    resharded: bool = False
+
+    def apply(self, objects: Objects) -> None:
+        try:
+            if self.model_state is not None and objects.model is not None:
+                objects.model.load_state_dict(self.model_state)
+            if self.optimizer_state is not None and objects.optimizer is not None:
+                objects.optimizer.load_state_dict(self.optimizer_state)
+            if objects.scheduler is not None and "scheduler" in self.sections:
+                objects.scheduler.load_state_dict(self.sections["scheduler"])
+            if objects.scaler is not None and "scaler" in self.sections:
+                objects.scaler.load_state_dict(self.sections["scaler"])
+            states = self.sections.get("stateful")
+            if states is not None:
+                for name, obj in objects.stateful.items():
+                    obj.load_state_dict(states[name])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise CheckpointError(
+                f"the global version does not fit the objects given: {exc}"
+            ) from exc
+        if "rng" in self.sections:
+            restore_rng(self.sections["rng"])
+        if isinstance(objects.extra, dict) and isinstance(self.sections.get("extra"), dict):
+            objects.extra.clear()
+            objects.extra.update(self.sections["extra"])
+
+
+@dataclass
+class Objects:
+    model: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer | None
+    scheduler: Any
+    scaler: Any
+    stateful: Mapping[str, Any]
+    extra: dict[str, Any] | None
+
+
+def prepare(
+    index: SavedIndex,
+    objects: Objects,
+    rank: int,
+    world_size: int,
+    reshard: bool = True,
+    threads: int = 4,
+) -> Prepared:
+    """Read and assemble what this rank needs from ``index``; nothing is applied yet.
+
+    Raises:
+        ReshardError: sharded state that cannot be laid out for this world size.
+        CheckpointError: the saved state does not fit the objects (keys, shapes, groups).
+        ManifestError / CorruptCheckpoint / OSError: a shard is damaged or missing.
+    """
+    version, old_world = index.record.version, index.world_size
+    if not reshard and old_world != world_size:
+        sharded = sorted(n for n, i in index.items.items() if i.sharded)
+        if sharded:
+            raise ReshardError(
+                f"global version {version} was saved by {old_world} ranks with sharded state "
+                f"({sharded[0]}, ...) and this job has {world_size} ranks; pass reshard=True "
+                f"or restore with {old_world} ranks"
+            )
+    own = rank if rank < old_world else None
+    small_from = own if own is not None else 0
+    targets: dict[str, tuple[Placed, Box]] = {}
+    current_model = objects.model.state_dict() if objects.model is not None else None
+    if current_model is not None:
+        saved_keys = {n[len("model/") :] for n in index.items if n.startswith("model/")}
+        saved_keys |= {n[len("model/") :] for n in index.values if n.startswith("model/")}
+        _same_keys(set(current_model), saved_keys, version, "model")
+        for key, value in current_model.items():
+            name = f"model/{key}"
+            if isinstance(value, torch.Tensor):
+                placed = describe(name, value)
+                targets[name] = (placed, placed.target_box)
+    optimizer_plan = _optimizer_targets(index, objects.optimizer, targets, version)
+
+    needed: dict[int, set[int]] = defaultdict(set)
+    pieces = {
+        name: _pieces(name, placed, box, index, rank, world_size)
+        for name, (placed, box) in targets.items()
+    }
+    for found in pieces.values():
+        for source, _ in found:
+            needed[source.rank].add(source.entry)
+    resharded = old_world != world_size and any(index.items[n].sharded for n in pieces)
+    wanted = _small_state(index, own, small_from)
+    for _, source_rank, node in wanted:
+        needed[source_rank].update(_tensor_refs(node, index, source_rank))
+
+    loaded: dict[int, dict[int, torch.Tensor]] = {}
+    for source_rank, entries in sorted(needed.items()):
+        manifest = index.manifests[source_rank]
+        loaded[source_rank] = read_entries(index.directory(source_rank), manifest, entries, threads)
+
+    assembled = {
+        n: assemble(targets[n][1], found, loaded, DTYPES[index.items[n].dtype])
+        for n, found in pieces.items()
+    }
+    prepared = Prepared(per_rank_from=own, resharded=resharded)
+    for name, source_rank, node in wanted:
+        if node is not None:
+            values = _values(index.manifests[source_rank], loaded.get(source_rank, {}))
+            prepared.sections[name] = _decode(node, values, index, source_rank)
+    _check_sections(prepared, objects, version)
+    if current_model is not None:
+        state: dict[str, Any] = {}
+        for key in current_model:
+            name = f"model/{key}"
+            if name in assembled:
+                state[key] = rebuild(assembled[name], targets[name][0])
+            else:
+                state[key] = _decode(index.values[name], [], index, small_from)
+        prepared.model_state = state
+    if optimizer_plan is not None:
+        prepared.optimizer_state = _optimizer_state(
+            optimizer_plan, assembled, targets, prepared.sections, index, small_from, version
+        )
+    return prepared
+
+
+def _pieces(
+    name: str, placed: Placed, box: Box, index: SavedIndex, rank: int, world_size: int
+) -> list[tuple[Source, Box]]:
+    """The stored boxes that overlap this rank's ``box`` of ``name``, and their overlaps."""
+    version, old_world = index.record.version, index.world_size
+    item = index.items.get(name)
+    if item is None:
+        raise CheckpointError(f"global version {version} holds no tensor '{name}'")
+    _check_shape(item, placed, old_world, world_size, version)
+    found = [(s, cut) for s in item.sources if (cut := s.box.intersect(box)) is not None]
+    if sum(cut.numel for _, cut in found) != box.numel:
+        raise ReshardError(
+            f"cannot assemble '{name}' box {box} of global shape {placed.global_shape} for "
+            f"rank {rank} of {world_size} from the shards saved by {old_world} ranks in "
+            f"global version {version}: they do not cover it"
+        )
+    return found
+
+
+def _small_state(index: SavedIndex, own: int | None, small_from: int) -> list[tuple[str, int, Any]]:
+    """(section, saved rank, encoded tree) of the small state this rank loads."""
+    wanted: list[tuple[str, int, Any]] = [
+        (name, small_from, index.section(small_from, name))
+        for name in ("scheduler", "scaler", "extra")
+    ]
+    optimizer_section = index.section(small_from, "optimizer")
+    if isinstance(optimizer_section, dict):
+        wanted.append(("param_groups", small_from, optimizer_section.get("param_groups")))
+    if own is not None:  # per-rank state only from the same rank of the saved job
+        wanted += [(name, own, index.section(own, name)) for name in ("rng", "stateful")]
+    return wanted
+
+
+def _optimizer_targets(
+    index: SavedIndex,
+    optimizer: torch.optim.Optimizer | None,
+    targets: dict[str, tuple[Placed, Box]],
+    version: int,
+) -> dict[int, list[str]] | None:
+    """Add a target per saved optimizer tensor; return {param index: [state keys]}."""
+    if optimizer is None:
+        return None
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    plan: dict[int, list[str]] = defaultdict(list)
+    names = [n for n in (*index.items, *index.values) if n.startswith("optimizer/")]
+    for name in names:
+        _, raw_index, key = name.split("/", 2)
+        if not raw_index.isdigit() or int(raw_index) >= len(params):
+            raise CheckpointError(
+                f"global version {version} has optimizer state for parameter {raw_index}, but "
+                f"this optimizer has {len(params)} parameters; pass the same optimizer setup"
+            )
+        param = params[int(raw_index)]
+        plan[int(raw_index)].append(key)
+        item = index.items.get(name)
+        if item is None:
+            continue  # a non-tensor state value
+        current = optimizer.state.get(param, {}).get(key)
+        if isinstance(current, torch.Tensor):
+            placed = describe(name, current)
+        elif is_dtensor(param) and tuple(param.shape) == item.global_shape:
+            # No state yet (fresh optimizer): state tensors shaped like the parameter follow
+            # its layout, as every torch optimizer creates them.
+            like = describe(name, param)
+            placed = Placed(
+                like.local, like.global_shape, like.box, like.writer, like.mesh, like.placements
+            )
+        else:
+            placed = Placed(torch.empty(0), item.global_shape)
+        targets[name] = (placed, placed.target_box)
+    return dict(plan)
+
+
+def _optimizer_state(
+    plan: dict[int, list[str]],
+    assembled: dict[str, torch.Tensor],
+    targets: dict[str, tuple[Placed, Box]],
+    sections: dict[str, Any],
+    index: SavedIndex,
+    small_from: int,
+    version: int,
+) -> dict[str, Any]:
+    groups = sections.pop("param_groups", None)
+    if not isinstance(groups, list):
+        raise CheckpointError(f"global version {version} holds no optimizer param_groups")
+    state: dict[int, dict[str, Any]] = {}
+    for param_index, keys in plan.items():
+        entry: dict[str, Any] = {}
+        for key in keys:
+            name = f"optimizer/{param_index}/{key}"
+            if name in assembled:
+                entry[key] = rebuild(assembled[name], targets[name][0])
+            else:
+                entry[key] = _decode(index.values[name], [], index, small_from)
+        state[param_index] = entry
+    return {"state": state, "param_groups": groups}
+
+
+def _check_shape(item: SavedItem, placed: Placed, old: int, new: int, version: int) -> None:
+    if item.global_shape == placed.global_shape:
+        return
+    message = (
+        f"'{item.name}' has global shape {item.global_shape} in global version {version} "
+        f"(saved by {old} ranks) but {placed.global_shape} in this job ({new} ranks)"
+    )
+    if (item.sharded or placed.sharded) and old != new:
+        raise ReshardError(
+            f"cannot reshard: {message}; sharded state is resharded only when its global shape "
+            f"does not depend on the world size (e.g. no padding to a multiple of it): "
+            f"restore with {old} ranks, or save it unpadded"
+        )
+    raise CheckpointError(f"{message}; pass objects of the same shapes that were checkpointed")
+
+
+def _check_sections(prepared: Prepared, objects: Objects, version: int) -> None:
+    for name in ("scheduler", "scaler"):
+        if getattr(objects, name) is not None and name not in prepared.sections:
+            raise CheckpointError(
+                f"global version {version} has no '{name}' state, but one was given; pass the "
+                "same objects that were checkpointed"
+            )
+    states = prepared.sections.get("stateful")
+    if prepared.per_rank_from is not None and objects.stateful:
+        missing = sorted(set(objects.stateful) - set(states or {}))
+        if missing:
+            raise CheckpointError(
+                f"global version {version} has no stateful object named {missing[0]!r}"
+            )
+
+
+def assemble(
+    box: Box,
+    found: list[tuple[Source, Box]],
+    loaded: dict[int, dict[int, torch.Tensor]],
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Fill ``box`` from the ``(source, overlap)`` pieces; ``loaded[rank][entry]`` holds data."""
+    if len(found) == 1 and found[0][0].box == box:
+        source = found[0][0]
+        return loaded[source.rank][source.entry]
+    out = torch.empty(box.shape, dtype=dtype)  # an empty box (uneven shards) has no pieces
+    for source, cut in found:
+        data = loaded[source.rank][source.entry]
+        out[cut.slices_within(box)] = data[cut.slices_within(source.box)]
+    return out
+
+
+def _values(manifest: Manifest, tensors: dict[int, torch.Tensor]) -> list[Any]:
+    values: list[Any] = [None] * len(manifest.entries)
+    for i, tensor in tensors.items():
+        values[i] = tensor
+    for i in manifest.numpy_tensors:
+        if values[i] is not None:
+            values[i] = values[i].numpy()
+    return values
+
+
+def _decode(node: Any, values: list[Any], index: SavedIndex, rank: int) -> Any:
+    try:
+        return decode_tree(node, values)
+    except ManifestError as exc:
+        raise ManifestError(f"{index.directory(rank) / MANIFEST_NAME}: {exc}") from None
+
+
+def _tensor_refs(node: Any, index: SavedIndex, rank: int) -> set[int]:
+    """Entry indices of the tensors referenced in an encoded tree (validated)."""
+    count = len(index.manifests[rank].entries)
+    found: set[int] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, dict):
+            if len(current) == 1 and "$t" in current:
+                ref = current["$t"]
+                if isinstance(ref, bool) or not isinstance(ref, int) or not 0 <= ref < count:
+                    where = index.directory(rank) / MANIFEST_NAME
+                    raise ManifestError(f"{where}: tensor reference {ref!r} is out of range")
+                found.add(ref)
+            else:
+                stack.extend(current.values())
+        elif isinstance(current, list):
+            stack.extend(current)
+    return found
+
+
+def _same_keys(current: set[str], saved: set[str], version: int, what: str) -> None:
+    missing, unexpected = sorted(current - saved), sorted(saved - current)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"global version {version} does not fit this {what}: missing keys {missing[:5]}, "
+            f"unexpected keys {unexpected[:5]}; pass the same {what} that was checkpointed "
+            "(same wrapping, e.g. DDP's 'module.' prefix)"
+        )

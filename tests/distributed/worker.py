@@ -1,0 +1,323 @@
+"""One rank of a distributed test job: real gloo process groups, real files, real kills.
+
+Run as ``python -m tests.distributed.worker SCENARIO --root DIR --out DIR`` by
+:mod:`tests.distributed.launch` or by ``torchrun``. Each rank writes what it observed to
+``OUT/<scenario>-r<rank>.json`` and tensors to ``OUT/*.safetensors``; the tests compare them.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Under torchrun every rank shares one environment: arm the crash point for one rank and
+# only in the first incarnation, before pcframe.faults reads the variable at import.
+if (
+    os.environ.get("TEST_CRASH_AT")
+    and os.environ.get("RANK") == os.environ.get("TEST_CRASH_RANK")
+    and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+):
+    os.environ["PCFRAME_CRASH_AT"] = os.environ["TEST_CRASH_AT"]
+
+import argparse
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from pcframe.distributed import DistributedCheckpointer, ReshardError
+from pcframe.distributed import record as rec
+from pcframe.errors import CheckpointError
+
+ENGINE = {"chunk_bytes": 16384, "max_in_flight": 2, "writer_threads": 2}
+
+
+class Flaky:
+    """A stateful object whose state_dict() fails at one chosen save (on one rank)."""
+
+    def __init__(self, fail_at: int | None) -> None:
+        self.calls, self.fail_at = 0, fail_at
+
+    def state_dict(self) -> dict[str, int]:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected failure while capturing state")
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.calls = state["calls"]
+
+
+class Counter:
+    """Per-rank data position stand-in: samples this rank has consumed."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seen = int(state["seen"])
+
+
+@dataclass
+class Job:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    data: Counter
+
+    def step(self) -> None:
+        inputs, labels = torch.randn(16, 64), torch.randint(0, 10, (16,))
+        loss = nn.functional.cross_entropy(self.model(inputs), labels)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.data.seen += len(inputs)
+
+    def checkpointer(self, root: Path, **options: Any) -> DistributedCheckpointer:
+        return DistributedCheckpointer(
+            root,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            data=self.data,
+            **{**ENGINE, **options},
+        )
+
+
+def build(kind: str) -> Job:
+    """Same initial weights on every rank; a per-rank stream for data and dropout."""
+    torch.manual_seed(0)
+    if kind == "ddp":
+        net = nn.Sequential(
+            nn.Linear(64, 128),
+            nn.ReLU(),
+            nn.Dropout(0.1),
+            nn.Linear(128, 128),
+            nn.ReLU(),
+            nn.Linear(128, 10),
+        )
+        model: nn.Module = DistributedDataParallel(net)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Dropout(0.1), nn.Linear(96, 10))
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model[3], mesh=mesh)  # 10 output rows: uneven shards on 3 ranks
+        fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.9)
+    torch.manual_seed(1000 + dist.get_rank())
+    return Job(model, optimizer, scheduler, Counter())
+
+
+def padded_holder() -> nn.Module:
+    """A DTensor table whose global row count is padded to a multiple of the world size."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    world = dist.get_world_size()
+    rows = -(-10 // world) * world
+    mesh = init_device_mesh("cpu", (world,))
+    holder = nn.Module()
+    table = torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4)
+    holder.table = nn.Parameter(distribute_tensor(table, mesh, [Shard(0)]))
+    return holder
+
+
+def full_state(job: Job, per_rank: bool = True) -> dict[str, torch.Tensor]:
+    """Whole tensors (DTensors gathered), so states of different world sizes compare."""
+
+    def whole(value: torch.Tensor) -> torch.Tensor:
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        return value.detach().clone().contiguous()
+
+    out = {f"model/{k}": whole(v) for k, v in job.model.state_dict().items()}
+    for index, state in job.optimizer.state_dict()["state"].items():
+        for key, value in state.items():
+            out[f"optimizer/{index}/{key}"] = whole(value)
+    out["scheduler/last_epoch"] = torch.tensor(job.scheduler.last_epoch)
+    if per_rank:
+        out["rng"] = torch.get_rng_state()
+        out["data/seen"] = torch.tensor(job.data.seen)
+    return out
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a
+    )
+
+
+def roundtrip(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """Save twice (concurrently in flight), train on, restore: state is the saved one."""
+    rank = dist.get_rank()
+    first: dict[str, torch.Tensor] = {}
+    for kind in ("ddp", "fsdp"):
+        job = build(kind)
+        with job.checkpointer(args.root / kind) as ckpt:
+            assert ckpt.restore() is None
+            for step in range(1, 7):
+                job.step()
+                if step % 3 == 0:
+                    handle = ckpt.save(step)
+                    if step == 3 and kind == "ddp":
+                        first = full_state(job)
+            saved = full_state(job)
+            save_file(saved, args.out / f"{kind}-saved-r{rank}.safetensors")
+            published = handle.wait()
+            for _ in range(3):
+                job.step()
+            moved_on = not same(full_state(job), saved)
+            step = ckpt.restore()
+            out[kind] = {
+                "published": published,
+                "moved_on": moved_on,
+                "restored_step": step,
+                "restored_equal": same(full_state(job), saved),
+                "version": ckpt.last_restore.version,
+                "globals": ckpt.global_versions(),
+            }
+    damaged_restore(args, out, first)
+    failing_save(args, out)
+    try:  # the test holds the writer lock of rank-1/ here
+        DistributedCheckpointer(args.root / "locked", model=nn.Linear(2, 2), **ENGINE)
+        out["locked"] = None
+    except CheckpointError as exc:
+        out["locked"] = f"{type(exc).__name__}: {exc}"
+    holder = padded_holder()
+    with DistributedCheckpointer(args.root / "padded", model=holder, **ENGINE) as ckpt:
+        out["padded_published"] = ckpt.save(1).wait()
+
+
+def damaged_restore(args: argparse.Namespace, out: dict[str, Any], first: dict) -> None:
+    """A flipped byte in rank 1's newest shard: every rank falls back to the previous version."""
+    damaged = args.root / "ddp-damaged"
+    if dist.get_rank() == 0:
+        shutil.copytree(args.root / "ddp", damaged, ignore=shutil.ignore_patterns(".writer*"))
+        with open(damaged / "rank-1" / "v00000002" / "data.bin", "r+b") as f:
+            f.seek(5000)
+            byte = f.read(1)
+            f.seek(5000)
+            f.write(bytes([byte[0] ^ 0x40]))
+    dist.barrier()
+    job = build("ddp")
+    with job.checkpointer(damaged) as ckpt:
+        step = ckpt.restore()
+        out["damaged"] = {
+            "restored_step": step,
+            "skipped": ckpt.last_restore.skipped,
+            "equal_to_first_save": same(full_state(job), first),
+        }
+
+
+def failing_save(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """save() fails on rank 1 only: that version is not global, training and the next go on."""
+    job = build("ddp")
+    flaky = Flaky(2 if dist.get_rank() == 1 else None)
+    with DistributedCheckpointer(
+        args.root / "failure", model=job.model, optimizer=job.optimizer,
+        stateful={"flaky": flaky}, **ENGINE,
+    ) as ckpt:  # fmt: skip
+        outcomes = []
+        for step in (1, 2, 3):
+            job.step()
+            try:
+                handle = ckpt.save(step)
+                outcomes.append([handle.version, handle.wait(), handle.reason])
+            except RuntimeError as exc:
+                outcomes.append([None, False, str(exc)])
+        ckpt.wait()
+        out["failure"] = {"outcomes": outcomes, "globals": ckpt.global_versions()}
+
+
+def resize(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """Restore a checkpoint that another world size wrote; reshard or refuse clearly."""
+    rank = dist.get_rank()
+    for kind in ("ddp", "fsdp"):
+        job = build(kind)
+        with job.checkpointer(args.root / kind) as ckpt:
+            result: dict[str, Any] = {}
+            if kind == "fsdp":
+                try:
+                    ckpt.restore(reshard=False)
+                    result["refused"] = None
+                except ReshardError as exc:
+                    result["refused"] = str(exc)
+            result["restored_step"] = ckpt.restore()
+            report = ckpt.last_restore
+            result.update(
+                saved_world_size=report.saved_world_size,
+                resharded=report.resharded,
+                per_rank_state_from=report.per_rank_state_from,
+            )
+            save_file(full_state(job), args.out / f"{kind}-resized-r{rank}.safetensors")
+            job.step()
+            result["saved_after_resize"] = ckpt.save(7).wait()
+            out[kind] = result
+    holder = padded_holder()
+    with DistributedCheckpointer(args.root / "padded", model=holder, **ENGINE) as ckpt:
+        try:
+            ckpt.restore()
+            out["padded_error"] = None
+        except ReshardError as exc:
+            out["padded_error"] = str(exc)
+
+
+def train(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """Train to --steps with a save every --every steps, resuming from what is global."""
+    rank = dist.get_rank()
+    if rank == 0:  # what a restarted job finds, before anything touches the directory
+        out["pointer_at_start"] = rec.read_pointer(args.root)
+        out["records_at_start"] = rec.record_versions(args.root)
+    job = build("ddp")
+    with job.checkpointer(args.root, keep_last=1) as ckpt:
+        start = ckpt.restore() or 0
+        out["restored_step"] = start
+        for step in range(start + 1, args.steps + 1):
+            job.step()
+            if step % args.every == 0:
+                handle = ckpt.save(step)
+                if args.sync:
+                    out.setdefault("published", []).append([handle.version, handle.wait()])
+                    print(f"step {step} version {handle.version} global", flush=True)
+        ckpt.wait()
+        out["globals"] = ckpt.global_versions()
+    save_file(full_state(job), args.out / f"train-{args.tag}-r{rank}.safetensors")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=["roundtrip", "resize", "train"])
+    parser.add_argument("--root", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--every", type=int, default=3)
+    parser.add_argument("--sync", action="store_true", help="wait for each global decision")
+    parser.add_argument("--tag", default="run")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    dist.init_process_group("gloo")
+    out: dict[str, Any] = {}
+    try:
+        {"roundtrip": roundtrip, "resize": resize, "train": train}[args.scenario](args, out)
+    finally:
+        name = f"{args.scenario}-{args.tag}-r{dist.get_rank()}.json"
+        (args.out / name).write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
