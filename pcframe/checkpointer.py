@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from pcframe.layout import Layout
 from pcframe.loader import LoadedVersion, load_version
 from pcframe.pipeline import COMMITTED, PendingVersion, SavePipeline
 from pcframe.policies.base import (
+    Decision,
     IntervalPolicy,
     Notice,
     PolicyContext,
@@ -28,9 +30,12 @@ from pcframe.policies.base import (
     SaveCompleted,
 )
 from pcframe.policies.fixed import FixedSteps
+from pcframe.policies.notices.base import NoticeSource
+from pcframe.policies.placement.base import PlacementPolicy
 from pcframe.rng import capture_rng, restore_rng
 from pcframe.state import TensorRef, encode_tree
 from pcframe.storage import WritableCheckpointDir, version_name
+from pcframe.tiers import Secured, Source, Tiers
 
 log = logging.getLogger("pcframe")
 
@@ -56,6 +61,8 @@ class RestoreReport:
     step: int | None = None
     seconds: float = 0.0
     skipped: list[tuple[int, str]] = field(default_factory=list)
+    tier: str | None = None  # the tier the version was read from (None without tiers)
+    unavailable: list[str] = field(default_factory=list)  # tiers that could not be listed
 
 
 class SaveHandle:
@@ -108,6 +115,12 @@ class Checkpointer:
         extra: a JSON-able dict saved with every version and updated in place on restore.
         policy: decides when :meth:`maybe_save` saves (default: every 100 steps).
         config: engine knobs; keyword overrides (``max_in_flight=4``) are applied on top.
+        tiers: replica tiers, name -> directory, URL or :class:`~pcframe.tiers.Tier` (or a
+            configured :class:`~pcframe.tiers.Tiers`); ``directory`` is the primary tier.
+        placement: which tiers get each version and what each keeps; its first tier names
+            ``directory`` (e.g. ``MemoryThenDisk()`` with ``directory`` on /dev/shm).
+        notices: preemption notice sources polled in :meth:`maybe_save`; the notice is passed
+            to the policy as ``ctx.notice`` (e.g. for ``NoticeDriven`` without its own source).
 
     The optimizer step is gated: ``optimizer.step()`` waits until the snapshot of the weights
     it is about to change has been copied. Call :meth:`wait_for_snapshot` before changing
@@ -127,6 +140,9 @@ class Checkpointer:
         extra: dict[str, Any] | None = None,
         policy: IntervalPolicy | None = None,
         config: EngineConfig | None = None,
+        tiers: Tiers | Mapping[str, Any] | None = None,
+        placement: PlacementPolicy | None = None,
+        notices: Sequence[NoticeSource] | None = None,
         **overrides: Any,
     ) -> None:
         config = config or EngineConfig()
@@ -135,6 +151,7 @@ class Checkpointer:
             if unknown:
                 raise TypeError(f"unknown engine option(s) {sorted(unknown)}")
             config = EngineConfig(**{**config.to_dict(), **overrides})
+        config.check_runtime()  # e.g. copy_backend="triton" without CUDA: refuse before locking
         self.config = config
         self.model, self.optimizer, self.scheduler, self.scaler = (
             model,
@@ -157,6 +174,17 @@ class Checkpointer:
                 self.storage.removed_leftovers,
             )
         self._next_version = self.storage.next_version()
+        self.notices = list(notices or [])
+        self.notice: Notice | None = None  # the pending preemption notice, as last seen
+        self.last_decision: Decision | None = None  # the policy's answer at the last maybe_save
+        self.last_secured: Secured | None = None  # where the last emergency version went
+        try:
+            self.tiers = self._attach_tiers(tiers, placement)
+            for source in self.notices:
+                source.start()  # signal handlers: must run in the main thread
+        except BaseException:
+            self.storage.close()
+            raise
         self._finished: list[PendingVersion] = []
         self._finished_lock = threading.Lock()
         self._copying: list[PendingVersion] = []  # snapshot copy not yet done
@@ -175,6 +203,12 @@ class Checkpointer:
         self._restart_cost: float | None = None
         self._closed = False
         self.pipeline = SavePipeline(config, self.storage, self._on_finished)
+        if self.tiers is not None:
+            self.add_commit_listener(self.tiers.on_commit)
+            narrow, tiers_filter = self.pipeline.retention_filter, self.tiers.retention_filter
+            self.pipeline.retention_filter = (
+                tiers_filter if narrow is None else (lambda doomed: tiers_filter(narrow(doomed)))
+            )
         self._hook = optimizer.register_step_pre_hook(self._gate) if optimizer else None
         atexit.register(self._atexit)
 
@@ -191,13 +225,56 @@ class Checkpointer:
             sample = (now - self._last_call[1]) / (step - self._last_call[0])
             self._iteration_time = _ewma(self._iteration_time, sample)
         self._last_call = (step, now)
+        notice = notice or self._poll_notices(now)
         decision = self.policy.decide(self.context(step, now, notice))
+        self.last_decision = decision
+        if decision.emergency and notice is None:
+            notice = self._policy_notice(now)
+        self.notice = notice
         if not decision.save:
             return None
         handle = self.save(step, metadata, reason=decision.reason)
         if decision.emergency:
             handle.wait()
+            if self.tiers is not None:  # durable in the primary; now in a tier that survives
+                self.last_secured = self.tiers.secure(handle.version, step, notice)
         return handle
+
+    def _attach_tiers(
+        self, tiers: Tiers | Mapping[str, Any] | None, placement: PlacementPolicy | None
+    ) -> Tiers | None:
+        if tiers is None and placement is None:
+            return None
+        if not isinstance(tiers, Tiers):
+            tiers = Tiers(tiers or {}, placement)
+        elif placement is not None:
+            tiers.placement = placement
+        try:
+            newest = tiers.attach(self.storage, self.config.keep_last)
+        except BaseException:
+            tiers.close()
+            raise
+        # Number new versions above every tier's, so no tier ever sees a number reused.
+        self._next_version = max(self._next_version, newest + 1)
+        return tiers
+
+    def _poll_notices(self, now: float) -> Notice | None:
+        """The pending notice with the earliest deadline among :attr:`notices`."""
+        found = None
+        for source in self.notices:
+            polled = source.poll(now)
+            if polled is not None and now > polled.deadline:
+                source.reset()  # still alive after the deadline: a false alarm
+                continue
+            if polled is not None and (found is None or polled.deadline < found.deadline):
+                found = polled
+        return found
+
+    def _policy_notice(self, now: float) -> Notice | None:
+        # A policy with its own notice source (NoticeDriven(source=...)) decided an emergency
+        # save; read the same source for the deadline the tiers must meet.
+        source = getattr(self.policy, "source", None)
+        return source.poll(now) if isinstance(source, NoticeSource) else None
 
     def context(self, step: int, now: float | None = None, notice: Notice | None = None):
         """The :class:`PolicyContext` the policy sees at ``step`` (also for custom loops)."""
@@ -211,6 +288,8 @@ class Checkpointer:
             save_duration=self._duration_ewma,
             restart_cost=self._restart_cost,
             notice=notice,
+            tier_write_times=self.tiers.write_times(self._duration_ewma) if self.tiers else {},
+            wall_time=time.time(),
             in_flight=sum(1 for p in self._unfinished if not p.finished.is_set()),
         )
 
@@ -414,23 +493,19 @@ class Checkpointer:
         self.wait()
         start = time.perf_counter()
         report = RestoreReport()
-        candidates = self.storage.committed_versions()
-        if version is not None:
-            if version not in candidates:
-                raise CheckpointError(
-                    f"version {version} is not committed in {self.storage.root}; "
-                    f"committed: {candidates}"
-                )
-            candidates = [version]
+        sources = self._restore_sources(version, report)
         loaded: LoadedVersion | None = None
-        for candidate in reversed(candidates):
+        for source in sources:
             try:
-                loaded = load_version(self.storage.path(candidate), self.config.writer_threads)
+                with source.fetch() as path:
+                    loaded = load_version(path, self.config.read_threads)
+                report.tier = source.tier if self.tiers is not None else None
                 break
             except (ManifestError, OSError) as exc:
-                report.skipped.append((candidate, str(exc)))
-                log.warning("pcframe: skipping checkpoint version %d: %s", candidate, exc)
-                self.storage.quarantine(candidate)
+                reason = f"in tier {source.tier}: {exc}" if self.tiers is not None else str(exc)
+                report.skipped.append((source.version, reason))
+                log.warning("pcframe: skipping checkpoint version %d: %s", source.version, reason)
+                source.quarantine()
         if loaded is None:
             self.last_restore = report
             if report.skipped:
@@ -438,6 +513,7 @@ class Checkpointer:
                 raise NoValidCheckpoint(f"no valid checkpoint in {self.storage.root}: {reasons}")
             return None
         self._apply(loaded)
+        self._next_version = max(self._next_version, loaded.manifest.version + 1)
         report.version, report.step = loaded.manifest.version, loaded.manifest.step
         report.seconds = time.perf_counter() - start
         self.last_restore = report
@@ -446,6 +522,36 @@ class Checkpointer:
         self._last_call = None
         self.policy.observe(Restarted(time.monotonic(), self._restart_cost, loaded.manifest.step))
         return loaded.manifest.step
+
+    def _restore_sources(self, version: int | None, report: RestoreReport) -> list[Source]:
+        """Newest first; with tiers, every tier holding a version (fallback tier by tier)."""
+        if self.tiers is not None:
+            sources, report.unavailable = self.tiers.sources(version)
+            for reason in report.unavailable:
+                log.warning("pcframe: restore cannot see tier %s", reason)
+            if sources:
+                self._next_version = max(self._next_version, sources[0].version + 1)
+        else:
+            storage = self.storage
+            sources = [
+                Source(
+                    v,
+                    "",
+                    lambda v=v: contextlib.nullcontext(storage.path(v)),
+                    lambda v=v: storage.quarantine(v),
+                )
+                for v in reversed(storage.committed_versions())
+            ]
+        sources = [s for s in sources if version is None or s.version == version]
+        if version is not None and not sources:
+            committed: Any = self.storage.committed_versions()
+            if self.tiers is not None:
+                committed = self.tiers.committed()
+            raise CheckpointError(
+                f"version {version} is not committed in {self.storage.root}"
+                f"{' or any tier' if self.tiers else ''}; committed: {committed}"
+            )
+        return sources
 
     def _apply(self, loaded: LoadedVersion) -> None:
         tree = loaded.state_tree()
@@ -498,7 +604,14 @@ class Checkpointer:
             self._closed = True
             if self._hook is not None:
                 self._hook.remove()
+            close_policy = getattr(self.policy, "close", None)
+            if callable(close_policy):
+                close_policy()  # e.g. restore signal handlers, stop notice pollers
+            for source in self.notices:
+                source.close()
             self.pipeline.close()
+            if self.tiers is not None:  # after the last commit, before the lock is released
+                self.tiers.close(hurry=self.notice is not None)  # preempted: no time to drain
             self.storage.close()
             atexit.unregister(self._atexit)
 

@@ -1,0 +1,38 @@
+"""Storage tiers: memory (tmpfs), local disk and remote (fsspec) replicas of checkpoints.
+
+The Checkpointer's own directory is the primary tier; :class:`Tiers` adds replicas filled in
+the background from committed versions, per-tier retention from a placement policy, restores
+across tiers, and the emergency path for preemption notices. See ``docs/tiers.md``.
+"""
+
+from pcframe.tiers.base import Tier, TierCancelled, TierError
+from pcframe.tiers.local import LocalTier
+from pcframe.tiers.memory import is_memory_backed, memory_directory
+from pcframe.tiers.replicator import Replicator, TierStatus
+from pcframe.tiers.tierset import Secured, Source, Tiers, make_tier
+
+
+def __getattr__(name: str) -> object:
+    # RemoteTier imports fsspec; load it only when asked for.
+    if name == "RemoteTier":
+        from pcframe.tiers.remote import RemoteTier
+
+        return RemoteTier
+    raise AttributeError(f"module 'pcframe.tiers' has no attribute {name!r}")
+
+
+__all__ = [
+    "LocalTier",
+    "RemoteTier",
+    "Replicator",
+    "Secured",
+    "Source",
+    "Tier",
+    "TierCancelled",
+    "TierError",
+    "TierStatus",
+    "Tiers",
+    "is_memory_backed",
+    "make_tier",
+    "memory_directory",
+]

@@ -1,0 +1,277 @@
+"""A replica tier in an object store (or any fsspec file system), e.g. ``s3://bucket/run``.
+
+Layout under the tier's root URL::
+
+    v00000012/data.bin        uploaded first (every file of the version but the manifest)
+    v00000012/manifest.json   then the manifest
+    v00000012/COMMITTED       last: the commit marker (JSON: version, step, file sizes)
+
+Object stores have no rename, so the marker is the commit point: a listing reports only
+prefixes that hold a marker, and a crash, a dead server or a timeout in the middle of an
+upload leaves a prefix without one, which no reader ever treats as a version. Deleting goes
+the other way round: the marker first, then the rest. Leftover prefixes without a marker are
+swept by the (single) writer. Every call has a deadline scaled by its size, and an upload can
+be cancelled from another thread, so a stalled server never holds the tier forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from pcframe.errors import CorruptCheckpoint
+from pcframe.faults import crash_point
+from pcframe.storage import version_name
+from pcframe.tiers.base import SAFE_FILE, Tier, TierError, version_files
+from pcframe.tiers.fsops import FsCalls
+
+MARKER = "COMMITTED"
+MARKER_FORMAT = "pcframe-remote-commit"
+_ENTRY = re.compile(r"^v(\d{8,})/([^/]+)$")
+
+
+class RemoteTier(Tier):
+    """Versions under an fsspec URL, committed by a marker object uploaded last.
+
+    Args:
+        url: e.g. ``s3://bucket/runs/run1`` (needs ``pip install pcframe[s3]``), ``gs://...``.
+        storage_options: passed to fsspec (for s3fs: ``key``, ``secret``,
+            ``client_kwargs={"endpoint_url": ...}``, ``config_kwargs``, ...).
+        timeout: seconds allowed for one small request (list, marker, delete).
+        min_throughput: bytes per second a transfer must at least reach; a file of n bytes
+            gets ``timeout + n / min_throughput`` seconds before it is abandoned.
+        create: create the bucket / root if it does not exist yet.
+        upload_options: extra keyword arguments of the backend's ``put_file`` (s3fs:
+            ``chunksize`` of multipart parts, ``max_concurrency``).
+
+    One writer per URL (like one writer per local directory): the sweep of incomplete prefixes
+    assumes nobody else is uploading under the same root.
+    """
+
+    local = False
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        timeout: float = 30.0,
+        min_throughput: float = 4 * 1024 * 1024,
+        create: bool = True,
+        upload_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if timeout <= 0 or min_throughput <= 0:
+            raise TierError(
+                f"remote tier {url}: timeout={timeout} and min_throughput={min_throughput} "
+                "must be > 0"
+            )
+        try:
+            from fsspec.core import url_to_fs
+
+            # Our own instance: fsspec's shared one may be configured differently elsewhere.
+            fs, root = url_to_fs(url, skip_instance_cache=True, **dict(storage_options or {}))
+        except (ImportError, ValueError) as exc:
+            raise TierError(
+                f"remote tier {url}: {exc}. Fix: check the URL's scheme and install its fsspec "
+                "backend (s3://: pip install 'pcframe[s3]')"
+            ) from exc
+        self.url = url
+        self.fs = fs
+        self.root = root.rstrip("/")
+        if not self.root:
+            raise TierError(f"remote tier {url}: give a bucket or directory, e.g. s3://bucket/run")
+        self.timeout = float(timeout)
+        self.min_throughput = float(min_throughput)
+        self._calls = FsCalls(fs)
+        self._create = create
+        self.upload_options = dict(upload_options or {})
+        self._ready = False
+
+    @property
+    def location(self) -> str:
+        return self.url
+
+    def _key(self, version: int, name: str = "") -> str:
+        prefix = f"{self.root}/{version_name(version)}"
+        return f"{prefix}/{name}" if name else prefix
+
+    def _deadline(self, nbytes: int = 0) -> float:
+        return self.timeout + nbytes / self.min_throughput
+
+    def _fail(self, what: str, exc: BaseException) -> TierError:
+        return TierError(f"tier {self.name!r} ({self.url}): {what}: {type(exc).__name__}: {exc}")
+
+    # --- listing -------------------------------------------------------------------------
+
+    def _scan(self) -> tuple[set[int], set[int]]:
+        """(committed versions, versions with objects but no marker) from one recursive list."""
+        with contextlib.suppress(AttributeError):
+            self.fs.invalidate_cache(self.root)
+        try:
+            paths = self._calls("find", self.root, timeout=self._deadline())
+        except FileNotFoundError:
+            return set(), set()
+        except Exception as exc:
+            raise self._fail("cannot list", exc) from exc
+        prefixes: set[int] = set()
+        marked: set[int] = set()
+        for path in paths:
+            match = _ENTRY.match(path[len(self.root) :].lstrip("/"))
+            if match:
+                version = int(match.group(1))
+                prefixes.add(version)
+                if match.group(2) == MARKER:
+                    marked.add(version)
+        return marked, prefixes - marked
+
+    def committed_versions(self) -> list[int]:
+        return sorted(self._scan()[0])
+
+    # --- writing -------------------------------------------------------------------------
+
+    def _ensure_root(self) -> None:
+        if self._ready:
+            return
+        try:
+            if self._create:
+                self._calls("makedirs", self.root, exist_ok=True, timeout=self._deadline())
+            self._ready = True
+        except Exception as exc:
+            raise self._fail(
+                "cannot create the root (missing bucket or no permission?)", exc
+            ) from exc
+
+    def write(self, version: int, source: Path, step: int | None = None) -> int:
+        self._calls.begin()
+        try:
+            return self._upload(version, source, step)
+        except BaseException:
+            self._ready = False  # check the root again next time (a restarted, empty server)
+            raise
+
+    def _upload(self, version: int, source: Path, step: int | None) -> int:
+        self._ensure_root()
+        files = list(version_files(source))
+        self._remove_prefix(version)  # objects of an earlier, interrupted attempt
+        sizes: dict[str, int] = {}
+        for path in files:
+            size = path.stat().st_size
+            self._calls(
+                "put_file",
+                str(path),
+                self._key(version, path.name),
+                timeout=self._deadline(size),
+                cancellable=True,
+                **self.upload_options,
+            )
+            sizes[path.name] = size
+            crash_point("remote_file_uploaded")
+        marker = {
+            "format": MARKER_FORMAT,
+            "format_version": 1,
+            "version": version,
+            "step": step,
+            "files": sizes,
+            "uploaded_at": time.time(),
+        }
+        # The commit point: only now does a listing report the version.
+        self._calls(
+            "pipe_file",
+            self._key(version, MARKER),
+            json.dumps(marker).encode(),
+            timeout=self._deadline(),
+            cancellable=True,
+        )
+        return sum(sizes.values())
+
+    def _remove_prefix(self, version: int) -> None:
+        with contextlib.suppress(AttributeError):
+            self.fs.invalidate_cache(self._key(version))
+        try:
+            found = self._calls("find", self._key(version), timeout=self._deadline())
+        except FileNotFoundError:
+            return
+        if found:
+            self._calls("rm", list(found), timeout=self._deadline())
+
+    def delete(self, version: int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._calls("rm_file", self._key(version, MARKER), timeout=self._deadline())
+        crash_point("remote_marker_deleted")
+        self._remove_prefix(version)
+
+    def sweep(self) -> list[str]:
+        """Remove prefixes without a marker (interrupted uploads or deletes) below the newest
+        committed version; a newer one is removed just before that version number is reused."""
+        committed, incomplete = self._scan()
+        newest = max(committed, default=0)
+        removed = []
+        for version in sorted(incomplete):
+            if version < newest:
+                self._remove_prefix(version)
+                removed.append(version_name(version))
+        return removed
+
+    def cancel(self) -> None:
+        self._calls.cancel()
+
+    # --- reading -------------------------------------------------------------------------
+
+    def read_marker(self, version: int) -> dict[str, Any]:
+        key = self._key(version, MARKER)
+        try:
+            raw = self._calls("cat_file", key, timeout=self._deadline())
+        except FileNotFoundError:
+            raise TierError(
+                f"tier {self.name!r}: version {version} is not committed ({key})"
+            ) from None
+        try:
+            marker = json.loads(raw)
+            files = marker["files"]
+            ok = (
+                marker.get("format") == MARKER_FORMAT
+                and marker.get("version") == version
+                and isinstance(files, dict)
+                and all(
+                    SAFE_FILE.match(n) and isinstance(s, int) and s >= 0 for n, s in files.items()
+                )
+            )
+        except (ValueError, KeyError, TypeError, AttributeError):
+            ok = False
+        if not ok:
+            raise CorruptCheckpoint(
+                f"{self.url}/{version_name(version)}/{MARKER}: not a valid commit marker; "
+                "the version cannot be trusted (delete the prefix or restore an older version)"
+            )
+        return marker
+
+    @contextlib.contextmanager
+    def _download(self, version: int, scratch: Path) -> Iterator[Path]:
+        marker = self.read_marker(version)
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir(parents=True)
+        try:
+            for name, size in marker["files"].items():
+                target = scratch / name
+                self._calls(
+                    "get_file", self._key(version, name), str(target), timeout=self._deadline(size)
+                )
+                got = os.path.getsize(target)
+                if got != size:
+                    raise CorruptCheckpoint(
+                        f"{self._key(version, name)}: downloaded {got} bytes, the commit marker "
+                        f"says {size}"
+                    )
+            yield scratch
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def fetch(self, version: int, scratch: Path) -> contextlib.AbstractContextManager[Path]:
+        return self._download(version, scratch)

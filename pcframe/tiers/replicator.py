@@ -1,0 +1,319 @@
+"""One background worker per replica tier: copies committed versions, newest first wins.
+
+The commit thread only drops a job into a one-slot mailbox (never blocks): if a job is already
+waiting, the older one is dropped (``skipped``) because a newer committed version supersedes
+it. So a slow or dead tier costs at most one version being written plus one waiting, never a
+growing queue, and the primary tier only has to keep those two (see :meth:`protected`).
+Failed writes are retried with exponential backoff until a newer version arrives or the
+retries run out. After a successful write the tier's own retention runs against the tier's
+real listing: every older version not in the ``keep`` set the placement computes from that
+listing is deleted, never the one just written.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pcframe.tiers.base import Tier, TierCancelled, TierError
+
+log = logging.getLogger("pcframe.tiers")
+
+
+@dataclass(frozen=True)
+class Job:
+    version: int
+    step: int
+    submitted: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class TierStatus:
+    """How far a replica tier is behind, and what went wrong (a snapshot)."""
+
+    name: str
+    location: str
+    committed: tuple[int, ...] | None  # None: never listed successfully
+    last_written: int | None = None
+    pending: int | None = None
+    in_flight: int | None = None
+    written: int = 0  # versions written by this process
+    skipped: int = 0  # dropped because a newer version arrived first
+    abandoned: int = 0  # given up after all retries (or impossible to write)
+    failures: int = 0  # failed attempts
+    last_error: str = ""
+    bytes_written: int = 0
+    write_seconds: float | None = None  # smoothed seconds per write
+    throughput: float | None = None  # smoothed bytes per second
+    lag_versions: int = 0  # newest version submitted minus the newest written
+    lag_seconds: float = 0.0  # age of the oldest submitted version not yet written
+
+
+class Replicator:
+    """Writes jobs to ``tier`` on its own thread; see the module docstring."""
+
+    def __init__(
+        self,
+        tier: Tier,
+        source: Callable[[int], Path],
+        keep: Callable[[Job, tuple[int, ...]], set[int]],
+        *,
+        retries: int = 5,
+        backoff: float = 0.5,
+        backoff_max: float = 30.0,
+        committed: Iterable[int] | None = None,
+    ) -> None:
+        self.tier = tier
+        self.source = source
+        self.keep = keep  # (job just written, tier listing) -> versions to keep
+        self.retries, self.backoff, self.backoff_max = retries, backoff, backoff_max
+        self._cond = threading.Condition()
+        self._pending: Job | None = None
+        self._in_flight: Job | None = None
+        self._newest_submitted = 0
+        self._oldest_unwritten: float | None = None
+        self._closing = False
+        self._aborted = False
+        self._written_versions: set[int] = set()
+        self.status_ = TierStatus(
+            tier.name, tier.location, tuple(sorted(committed)) if committed is not None else None
+        )
+        self._thread = threading.Thread(
+            target=self._run, name=f"pcframe-tier-{tier.name}", daemon=True
+        )
+        self._thread.start()
+
+    # --- called from other threads -------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; an older job still waiting is dropped. Never blocks for long."""
+        with self._cond:
+            if self._closing:
+                return
+            if self._pending is not None:
+                if self._pending.version >= job.version:
+                    return
+                self.status_.skipped += 1
+            self._pending = job
+            self._newest_submitted = max(self._newest_submitted, job.version)
+            if self._oldest_unwritten is None:
+                self._oldest_unwritten = job.submitted
+            self._cond.notify_all()
+
+    def expedite(self, job: Job) -> None:
+        """Queue ``job`` and abort an older write in progress (answer to a preemption notice)."""
+        self.submit(job)
+        with self._cond:
+            if self._in_flight is not None and self._in_flight.version < job.version:
+                self.tier.cancel()
+
+    def wait_for(self, version: int, timeout: float | None) -> bool:
+        """Block until ``version`` is written (True), dropped or abandoned (False), or timeout."""
+
+        def settled() -> bool:
+            busy = {j.version for j in (self._pending, self._in_flight) if j is not None}
+            return version in self._written_versions or version not in busy
+
+        with self._cond:
+            self._cond.wait_for(settled, timeout)
+            return version in self._written_versions
+
+    def protected(self) -> set[int]:
+        """Versions the primary tier must not delete yet: waiting or being written here."""
+        with self._cond:
+            return {j.version for j in (self._pending, self._in_flight) if j is not None}
+
+    def write_seconds(self) -> float | None:
+        """Smoothed seconds one write to this tier took (None until one succeeded)."""
+        with self._cond:
+            return self.status_.write_seconds
+
+    def committed(self) -> tuple[int, ...]:
+        with self._cond:
+            return self.status_.committed or ()
+
+    def status(self) -> TierStatus:
+        with self._cond:
+            s = self.status_
+            s.pending = self._pending.version if self._pending else None
+            s.in_flight = self._in_flight.version if self._in_flight else None
+            s.lag_versions = max(0, self._newest_submitted - (s.last_written or 0))
+            s.lag_seconds = (
+                time.monotonic() - self._oldest_unwritten if self._oldest_unwritten else 0.0
+            )
+            return TierStatus(**vars(s))
+
+    def close(self, timeout: float | None) -> bool:
+        """Finish queued work for up to ``timeout`` s, then abort; True if nothing was cut off."""
+        self.begin_close()
+        return self.finish_close(timeout)
+
+    def begin_close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+
+    def finish_close(self, timeout: float | None) -> bool:
+        self._thread.join(timeout)
+        drained = not self._thread.is_alive()
+        if not drained:
+            with self._cond:
+                self._aborted = True
+                self._cond.notify_all()
+            self.tier.cancel()
+            self._thread.join(5.0)
+        return drained
+
+    # --- the worker ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        self._sweep()
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closing:
+                    self._cond.wait()
+                if self._pending is None or self._aborted:
+                    return
+                job, self._pending = self._pending, None
+                self._in_flight = job
+            try:
+                self._replicate(job)
+            except Exception as exc:  # a bug must not kill the worker silently
+                log.exception("pcframe: tier %s: unexpected error", self.tier.name)
+                self._note_error(job, exc)
+            finally:
+                with self._cond:
+                    self._in_flight = None
+                    self._cond.notify_all()
+
+    def _note_error(self, job: Job, exc: BaseException) -> None:
+        with self._cond:
+            self.status_.failures += 1
+            self.status_.last_error = f"version {job.version}: {type(exc).__name__}: {exc}"
+
+    def _refresh_listing(self) -> tuple[int, ...] | None:
+        try:
+            listed = tuple(self.tier.committed_versions())
+        except TierError as exc:
+            log.warning("pcframe: %s", exc)
+            return None
+        with self._cond:
+            self.status_.committed = listed
+        return listed
+
+    def _conflict(self, job: Job) -> str:
+        """Why ``job`` must not be written (the tier holds an equal or newer version), or ''."""
+        committed = self.status_.committed
+        if committed is None:
+            committed = self._refresh_listing()
+        newest = max(committed or (), default=0)
+        if job.version <= newest and job.version not in self._written_versions:
+            return (
+                f"tier {self.tier.name!r} ({self.tier.location}) already holds version {newest} "
+                f">= {job.version}, probably from an earlier run; not writing over it. Fix: "
+                "restore first (the Checkpointer then numbers new versions above it) or clear "
+                "the tier"
+            )
+        return ""
+
+    def _replicate(self, job: Job) -> None:
+        attempt = 0
+        while True:
+            source = self.source(job.version)
+            reason = "" if source.is_dir() else f"{source} is gone from the primary tier"
+            reason = reason or self._conflict(job)
+            if reason:
+                log.error("pcframe: tier %s: version %d: %s", self.tier.name, job.version, reason)
+                with self._cond:
+                    self.status_.abandoned += 1
+                    self.status_.last_error = f"version {job.version}: {reason}"
+                return
+            start = time.perf_counter()
+            try:
+                nbytes = self.tier.write(job.version, source, job.step)
+            except TierCancelled:
+                with self._cond:
+                    self.status_.skipped += 1
+                return
+            except Exception as exc:
+                attempt += 1
+                self._note_error(job, exc)
+                log.warning(
+                    "pcframe: tier %s: writing version %d failed (attempt %d of %d): %s",
+                    self.tier.name,
+                    job.version,
+                    attempt,
+                    self.retries + 1,
+                    exc,
+                )
+                if not self._backoff(job, attempt):
+                    return
+                continue
+            self._written(job, nbytes, time.perf_counter() - start)
+            self._retain(job)
+            return
+
+    def _backoff(self, job: Job, attempt: int) -> bool:
+        """Wait before the next attempt; False if the job should be given up instead."""
+        delay = min(self.backoff_max, self.backoff * 2 ** (attempt - 1))
+        with self._cond:
+            if attempt > self.retries:
+                self.status_.abandoned += 1
+                return False
+            self._cond.wait_for(lambda: self._pending is not None or self._aborted, delay)
+            if self._pending is not None or self._aborted:
+                self.status_.skipped += 1  # a newer version supersedes this one
+                return False
+            return True
+
+    def _written(self, job: Job, nbytes: int, seconds: float) -> None:
+        with self._cond:
+            s = self.status_
+            self._written_versions.add(job.version)
+            s.last_written = max(s.last_written or 0, job.version)
+            s.committed = tuple(sorted({*(s.committed or ()), job.version}))
+            s.written += 1
+            s.bytes_written += nbytes
+            s.write_seconds = _ewma(s.write_seconds, seconds)
+            if seconds > 0:
+                s.throughput = _ewma(s.throughput, nbytes / seconds)
+            if self._pending is None and job.version >= self._newest_submitted:
+                self._oldest_unwritten = None
+            elif self._pending is not None:
+                self._oldest_unwritten = self._pending.submitted
+            self._cond.notify_all()
+
+    def _retain(self, job: Job) -> None:
+        """Per-tier retention, only after ``job`` is committed here; never deletes it."""
+        listed = self._refresh_listing()
+        if listed is None:
+            return
+        keep = self.keep(job, listed) | {job.version}
+        doomed = [v for v in listed if v < job.version and v not in keep]
+        for version in doomed:
+            try:
+                self.tier.delete(version)
+            except Exception as exc:  # retried after the next write
+                log.warning(
+                    "pcframe: tier %s: deleting version %d: %s", self.tier.name, version, exc
+                )
+        if doomed:
+            self._refresh_listing()
+        self._sweep()
+
+    def _sweep(self) -> None:
+        try:
+            removed = self.tier.sweep()
+        except Exception as exc:
+            log.warning("pcframe: tier %s: sweeping leftovers: %s", self.tier.name, exc)
+            return
+        if removed:
+            log.info("pcframe: tier %s: removed leftovers %s", self.tier.name, removed)
+
+
+def _ewma(previous: float | None, sample: float, weight: float = 0.3) -> float:
+    return sample if previous is None else (1 - weight) * previous + weight * sample

@@ -1,0 +1,411 @@
+"""``Tiers``: the primary checkpoint directory plus replica tiers, driven by a placement policy.
+
+The engine writes every version to its own directory, the *primary* tier (local disk, or
+tmpfs for a memory tier). After each commit the placement policy says which other tiers get
+the version and what each tier keeps; one :class:`Replicator` per replica tier copies it in
+the background. The primary's retention is narrowed so it never deletes a version a replica
+still has to copy. On a preemption notice, :meth:`Tiers.secure` asks the placement policy for
+the fastest tier that survives the VM and fits before the deadline, and waits until the
+version is there. Restores consider every tier: newest version first, primary before local
+replicas before remote ones, falling back tier by tier and then version by version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pcframe.policies.base import Notice
+from pcframe.policies.placement import (
+    PlacementContext,
+    PlacementDecision,
+    PlacementPolicy,
+    TieredPlacement,
+    TierRule,
+)
+from pcframe.storage import WritableCheckpointDir, version_name
+from pcframe.tiers.base import Tier, TierError
+from pcframe.tiers.local import LocalTier
+from pcframe.tiers.replicator import Job, Replicator, TierStatus
+
+log = logging.getLogger("pcframe.tiers")
+
+TierSpec = str | os.PathLike[str] | Tier | Mapping[str, Any]
+
+
+def make_tier(name: str, spec: TierSpec) -> Tier:
+    """A tier from a path (local directory), a URL (fsspec remote), a mapping or a Tier.
+
+    Mappings are the config form: ``{"path": "/data/ckpt"}`` or ``{"url": "s3://b/run",
+    "storage_options": {...}, "timeout": 30}``.
+    """
+    if isinstance(spec, Tier):
+        tier = spec
+    elif isinstance(spec, str | os.PathLike):
+        text = os.fspath(spec)
+        if text.startswith("file://"):
+            tier = LocalTier(text[len("file://") :])
+        elif "://" in text:
+            from pcframe.tiers.remote import RemoteTier
+
+            tier = RemoteTier(text)
+        else:
+            tier = LocalTier(text)
+    elif isinstance(spec, Mapping):
+        options = dict(spec)
+        if "url" in options:
+            from pcframe.tiers.remote import RemoteTier
+
+            tier = RemoteTier(options.pop("url"), **options)
+        elif "path" in options and len(options) == 1:
+            tier = LocalTier(options["path"])
+        else:
+            raise TierError(
+                f"tiers.{name}: {spec!r} needs a 'path' (local directory) or a 'url' (remote, "
+                "with optional storage_options, timeout, min_throughput)"
+            )
+    else:
+        raise TierError(
+            f"tiers.{name}: {type(spec).__name__} is not a tier; give a directory path, a URL "
+            "such as 's3://bucket/run', a {'url': ...} mapping or a Tier object"
+        )
+    tier.name = name
+    return tier
+
+
+@dataclass(frozen=True)
+class Source:
+    """One place a restore can read ``version`` from."""
+
+    version: int
+    tier: str
+    fetch: Callable[[], AbstractContextManager[Path]]
+    quarantine: Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Secured:
+    """Result of :meth:`Tiers.secure`: where the emergency version is, and whether in time."""
+
+    version: int
+    tiers: tuple[str, ...]
+    durable: bool
+    reason: str
+
+
+class Tiers:
+    """Replica tiers and the placement policy of one :class:`~pcframe.Checkpointer`.
+
+    Args:
+        replicas: tier name -> where (see :func:`make_tier`). The Checkpointer's directory is
+            the primary tier; do not list it here.
+        placement: which tiers get each version and what each keeps. Its first tier is the
+            primary (e.g. ``MemoryThenDisk()`` names the Checkpointer's directory "memory",
+            ``LocalPlusRemote()`` names it "local"). Default: the primary is called
+            "primary" and every replica gets every version, keeping the engine's
+            ``keep_last``.
+        retries, backoff, backoff_max: per version and tier, attempts after the first and
+            the exponential backoff between them (seconds).
+        drain_timeout: seconds :meth:`close` waits for queued replication before aborting it.
+        secure_timeout: how long :meth:`secure` waits when the notice has no deadline.
+    """
+
+    def __init__(
+        self,
+        replicas: Mapping[str, TierSpec],
+        placement: PlacementPolicy | None = None,
+        *,
+        retries: int = 5,
+        backoff: float = 0.5,
+        backoff_max: float = 30.0,
+        drain_timeout: float = 30.0,
+        secure_timeout: float = 120.0,
+    ) -> None:
+        if retries < 0 or backoff <= 0 or backoff_max < backoff or drain_timeout < 0:
+            raise TierError(
+                f"tiers: retries={retries} must be >= 0, 0 < backoff={backoff} <= "
+                f"backoff_max={backoff_max}, drain_timeout={drain_timeout} >= 0"
+            )
+        self.replicas: dict[str, Tier] = {}
+        try:
+            for name, spec in replicas.items():
+                self.replicas[name] = make_tier(name, spec)
+        except BaseException:
+            self._close_tiers()
+            raise
+        self.placement = placement
+        self.retries, self.backoff, self.backoff_max = retries, backoff, backoff_max
+        self.drain_timeout = drain_timeout
+        self.secure_timeout = secure_timeout
+        self.primary_name = ""
+        self.primary: WritableCheckpointDir | None = None
+        self._replicators: dict[str, Replicator] = {}
+        self._primary_keep: set[int] = set()
+        self._primary_seconds: float | None = None
+        self._delta_versions: set[int] = set()
+        self._lock = threading.Lock()
+
+    # --- wiring --------------------------------------------------------------------------
+
+    def attach(self, primary: WritableCheckpointDir, keep_last: int) -> int:
+        """Bind to the engine's directory, list every replica, start the workers.
+
+        Returns the newest version found in any replica (0 if none), so the engine numbers
+        new versions above it.
+        """
+        self.primary = primary
+        self.primary_name = self.placement.tiers[0] if self.placement else "primary"
+        if self.primary_name in self.replicas:
+            raise TierError(
+                f"tiers.{self.primary_name}: this tier is the Checkpointer's own directory "
+                f"({primary.root}), the first tier of the placement policy; remove it from tiers="
+            )
+        if self.placement is None:
+            rules = [TierRule(self.primary_name, 1, keep_last)]
+            rules += [TierRule(name, 1, keep_last) for name in self.replicas]
+            self.placement = TieredPlacement(rules)
+        self._validate(primary)
+        newest = 0
+        for name, tier in self._ordered():
+            try:
+                committed: list[int] | None = tier.committed_versions()
+                newest = max([newest, *committed])
+            except TierError as exc:
+                if tier.local:  # locked by another writer, or unusable: fail at start-up
+                    self.close()
+                    raise
+                log.warning("pcframe: %s (replication will retry)", exc)
+                committed = None
+            self._replicators[name] = Replicator(
+                tier,
+                primary.path,
+                lambda job, listed, name=name: self._keep(name, job, listed),
+                retries=self.retries,
+                backoff=self.backoff,
+                backoff_max=self.backoff_max,
+                committed=committed,
+            )
+        return newest
+
+    def _validate(self, primary: WritableCheckpointDir) -> None:
+        assert self.placement is not None
+        wanted = set(self.placement.tiers[1:])
+        missing = sorted(wanted - set(self.replicas))
+        if missing:
+            raise TierError(
+                f"placement {type(self.placement).__name__} writes to tier(s) {missing} that are "
+                f"not configured: pass tiers={{{missing[0]!r}: '/path' or 's3://bucket/prefix'}}"
+            )
+        unused = sorted(set(self.replicas) - wanted)
+        if unused:
+            raise TierError(
+                f"tiers {unused} are configured but placement {type(self.placement).__name__} "
+                f"(tiers {list(self.placement.tiers)}) never writes there: add a TierRule for "
+                "them or remove them"
+            )
+        for name, tier in self.replicas.items():
+            if isinstance(tier, LocalTier) and tier.path.resolve() == primary.root.resolve():
+                raise TierError(
+                    f"tiers.{name}: {tier.path} is the Checkpointer's own directory; a replica "
+                    "needs another directory"
+                )
+
+    def _ordered(self) -> list[tuple[str, Tier]]:
+        """Local replicas before remote ones (cheaper to restore from), else as configured."""
+        return sorted(self.replicas.items(), key=lambda item: not item[1].local)
+
+    # --- engine hooks --------------------------------------------------------------------
+
+    def write_times(self, primary_seconds: float | None = None) -> dict[str, float]:
+        """Estimated seconds from ``save()`` to durable in each tier (measured tiers only)."""
+        if primary_seconds is not None:
+            self._primary_seconds = primary_seconds
+        base = self._primary_seconds
+        times: dict[str, float] = {}
+        if base is not None:
+            times[self.primary_name] = base
+        for name, replicator in self._replicators.items():
+            seconds = replicator.write_seconds()
+            if seconds is not None:
+                times[name] = (base or 0.0) + seconds
+        return times
+
+    def _committed(self) -> dict[str, tuple[int, ...]]:
+        assert self.primary is not None
+        committed = {self.primary_name: tuple(self.primary.committed_versions())}
+        committed.update({n: r.committed() for n, r in self._replicators.items()})
+        return committed
+
+    def _place(self, version: int, step: int, notice: Notice | None) -> PlacementDecision:
+        assert self.placement is not None
+        ctx = PlacementContext(
+            version, step, time.monotonic(), self.write_times(), self._committed(), notice
+        )
+        with self._lock:  # placement policies are not required to be thread-safe
+            return self.placement.place(ctx)
+
+    def _keep(self, name: str, job: Job, listed: tuple[int, ...]) -> set[int]:
+        """What tier ``name`` keeps now that ``job`` is written, from its real listing (the
+        placement's view at commit time may be stale by then: a copy takes a while)."""
+        assert self.placement is not None
+        committed = self._committed()
+        committed[name] = listed
+        ctx = PlacementContext(job.version, job.step, time.monotonic(), {}, committed, None)
+        with self._lock:
+            decision = self.placement.place(ctx)
+        return set(decision.keep.get(name, ())) | {job.version}
+
+    def on_commit(self, version: int, path: Path, manifest: Any) -> None:
+        """Commit listener (engine's commit thread): route the version; never blocks."""
+        del path
+        if getattr(manifest, "delta", None) is not None:
+            # A delta version is only readable next to its base chain, which replicas do not
+            # manage yet: they take self-contained (full) versions only.
+            self._delta_versions.add(version)
+            log.info("pcframe: version %d is a delta version: not replicated", version)
+            return
+        decision = self._place(version, manifest.step, None)
+        self._primary_keep = set(decision.keep.get(self.primary_name, ()))
+        for name in decision.tiers:
+            if name != self.primary_name:
+                self._replicators[name].submit(Job(version, manifest.step))
+
+    def retention_filter(self, doomed: list[int]) -> list[int]:
+        """The primary keeps what the placement keeps and what replicas still have to copy."""
+        protect = set(self._primary_keep)
+        for replicator in self._replicators.values():
+            protect |= replicator.protected()
+        return [v for v in doomed if v not in protect]
+
+    def secure(self, version: int, step: int, notice: Notice | None) -> Secured:
+        """Make ``version`` durable in the tier the placement picks for a preemption notice.
+
+        The primary already holds it; for other tiers this expedites the copy (aborting an
+        older one in progress) and waits until it is written or the notice's deadline passes.
+        """
+        now = time.monotonic()
+        decision = self._place(version, step, notice or Notice(now, now + self.secure_timeout))
+        targets = [t for t in decision.tiers if t != self.primary_name]
+        if not targets:
+            return Secured(version, (self.primary_name,), True, decision.reason)
+        if version in self._delta_versions:
+            reason = "a delta version cannot be replicated; save full versions on a notice"
+            log.error("pcframe: emergency version %d: %s", version, reason)
+            return Secured(version, (self.primary_name,), False, reason)
+        deadline = notice.deadline if notice is not None else now + self.secure_timeout
+        for name in targets:
+            self._replicators[name].expedite(Job(version, step))
+        durable = all(
+            self._replicators[name].wait_for(version, max(0.0, deadline - time.monotonic()))
+            for name in targets
+        )
+        if not durable:
+            log.error(
+                "pcframe: emergency version %d did not reach tier(s) %s before the deadline "
+                "(%s); the newest version there is what a restart will find",
+                version,
+                targets,
+                decision.reason,
+            )
+        return Secured(version, tuple(targets), durable, decision.reason)
+
+    # --- restore -------------------------------------------------------------------------
+
+    def sources(self, version: int | None = None) -> tuple[list[Source], list[str]]:
+        """Where a restore may read from, newest version first; plus tiers that could not be
+        listed (each as 'name: reason')."""
+        assert self.primary is not None
+        primary = self.primary
+        by_version: dict[int, list[Source]] = {}
+
+        def add(v: int, source: Source) -> None:
+            by_version.setdefault(v, []).append(source)
+
+        for v in primary.committed_versions():
+            add(
+                v,
+                Source(
+                    v,
+                    self.primary_name,
+                    lambda v=v: contextlib.nullcontext(primary.path(v)),
+                    lambda v=v: primary.quarantine(v),
+                ),
+            )
+        unavailable = []
+        for name, tier in self._ordered():
+            try:
+                listed = tier.committed_versions()
+            except TierError as exc:
+                unavailable.append(f"{name}: {exc}")
+                continue
+            for v in listed:
+                scratch = primary.root / f".fetch-{version_name(v)}-{name}.tmp"
+                add(
+                    v,
+                    Source(
+                        v,
+                        name,
+                        lambda t=tier, v=v, s=scratch: t.fetch(v, s),
+                        lambda t=tier, v=v: t.quarantine(v),
+                    ),
+                )
+        chosen = sorted(by_version, reverse=True)
+        if version is not None:
+            chosen = [v for v in chosen if v == version]
+        return [s for v in chosen for s in by_version[v]], unavailable
+
+    def committed(self) -> dict[str, tuple[int, ...]]:
+        """Versions per tier as last known (replicas: cached, no listing call)."""
+        return self._committed()
+
+    # --- status and shutdown -------------------------------------------------------------
+
+    def status(self) -> dict[str, TierStatus]:
+        return {name: r.status() for name, r in self._replicators.items()}
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until every replica has written everything submitted (for tests, benchmarks)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for replicator in self._replicators.values():
+            while True:
+                s = replicator.status()
+                if s.pending is None and s.in_flight is None:
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    return False
+                time.sleep(0.01)
+        return True
+
+    def close(self, hurry: bool = False) -> None:
+        """Let replicas finish queued versions (up to ``drain_timeout`` s in all), then stop.
+
+        ``hurry``: abort at once (the machine is being preempted and :meth:`secure` already
+        put the emergency version where it survives; older copies are not worth the wait).
+        """
+        for replicator in self._replicators.values():
+            replicator.begin_close()
+        deadline = time.monotonic() + (0.0 if hurry else self.drain_timeout)
+        for name, replicator in self._replicators.items():
+            if not replicator.finish_close(max(0.0, deadline - time.monotonic())):
+                log.warning(
+                    "pcframe: tier %s: replication still running after %.0f s at close; "
+                    "aborted (status: %s)",
+                    name,
+                    self.drain_timeout,
+                    replicator.status(),
+                )
+        self._replicators.clear()
+        self._close_tiers()
+
+    def _close_tiers(self) -> None:
+        for tier in self.replicas.values():
+            with contextlib.suppress(Exception):
+                tier.close()

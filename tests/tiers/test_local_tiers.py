@@ -1,0 +1,184 @@
+"""Memory tier in front of a disk tier: routing, per-tier retention, crash safety, restore."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import pcframe.policies as P
+from pcframe import Checkpointer
+from pcframe.loader import load_version
+from pcframe.storage import CheckpointDir
+from pcframe.tiers import LocalTier, TierError, Tiers, is_memory_backed, memory_directory
+from tests.tiers.helpers import model_and_optimizer, same, snapshot, step
+
+
+def _checkpointer(primary: Path, disk: Path, model, optimizer, **kw) -> Checkpointer:
+    placement = kw.pop("placement", P.MemoryThenDisk(memory_keep=1, disk_keep=2, disk_every=2))
+    return Checkpointer(
+        primary,
+        model=model,
+        optimizer=optimizer,
+        tiers=Tiers({"local": disk}, backoff=0.05, backoff_max=0.2, **kw),
+        placement=placement,
+        keep_last=1,
+        chunk_bytes=8192,
+    )
+
+
+def test_memory_then_disk_routes_keeps_and_restores_after_memory_is_lost(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    disk = tmp_path / "disk"
+    model, opt = model_and_optimizer()
+    states = {}
+    with _checkpointer(shm_dir, disk, model, opt) as ckpt:
+        assert is_memory_backed(shm_dir)  # the primary really is tmpfs
+        for s in range(1, 9):
+            step(model, opt, s)
+            ckpt.save(s).wait()
+            assert ckpt.tiers.wait_idle(30)
+            states[s] = snapshot(model)
+        status = ckpt.tiers.status()["local"]
+        assert status.written == 4 and status.abandoned == 0 and status.lag_versions == 0
+        assert ckpt.tiers.write_times(0.0)["local"] > 0.0  # a measured estimate
+    # every 2nd version went to disk, which keeps 2; memory keeps 1
+    assert CheckpointDir(disk).committed_versions() == [6, 8]
+    assert CheckpointDir(shm_dir).committed_versions() == [8]
+    assert CheckpointDir(disk).latest_hint() == 8
+    assert load_version(disk / "v00000008").manifest.step == 8  # a valid checkpoint directory
+
+    shutil.rmtree(shm_dir)  # the machine rebooted: the memory tier is empty
+    model2, opt2 = model_and_optimizer(seed=1)
+    with _checkpointer(shm_dir, disk, model2, opt2) as ckpt:
+        assert ckpt.restore() == 8
+        assert ckpt.last_restore.tier == "local"
+        assert same(snapshot(model2), states[8])
+        step(model2, opt2, 9)
+        assert ckpt.save(9).version == 9  # numbered above every tier's versions
+        ckpt.wait()
+
+
+def test_a_failing_replica_blocks_nothing_and_loses_nothing(shm_dir: Path, tmp_path: Path) -> None:
+    disk, gone = tmp_path / "disk", tmp_path / "unplugged"
+    model, opt = model_and_optimizer()
+    placement = P.MemoryThenDisk(memory_keep=1, disk_keep=2, disk_every=1)
+    with _checkpointer(shm_dir, disk, model, opt, placement=placement, retries=50) as ckpt:
+        for s in (1, 2):
+            step(model, opt, s)
+            ckpt.save(s).wait()
+            assert ckpt.tiers.wait_idle(30)
+        os.rename(disk, gone)  # the disk goes away under the running job
+        for s in (3, 4, 5):
+            step(model, opt, s)
+            assert ckpt.save(s).wait(timeout=30) == "committed"  # training goes on
+        status = ckpt.tiers.status()["local"]
+        assert status.failures >= 1 and "version" in status.last_error
+        # The primary keeps what the replica still has to copy, whatever its keep_last says.
+        waiting = {status.in_flight, status.pending} - {None}
+        assert waiting and waiting <= set(CheckpointDir(shm_dir).committed_versions())
+        assert CheckpointDir(gone).committed_versions() == [1, 2]  # nothing deleted meanwhile
+        os.rename(gone, disk)  # back: the newest version is copied, the older ones skipped
+        step(model, opt, 6)
+        ckpt.save(6).wait()
+        assert ckpt.tiers.wait_idle(30)
+        final = ckpt.tiers.status()["local"]
+        assert final.last_written == 6 and final.skipped >= 1
+    kept = CheckpointDir(disk).committed_versions()
+    assert len(kept) == 2 and kept[-1] == 6
+    for version in kept:
+        load_version(disk / f"v{version:08d}")  # complete and verified
+
+
+def test_restore_falls_back_tier_by_tier_before_version_by_version(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    disk = tmp_path / "disk"
+    model, opt = model_and_optimizer()
+    placement = P.MemoryThenDisk(memory_keep=2, disk_keep=2, disk_every=1)
+    states = {}
+    with _checkpointer(shm_dir, disk, model, opt, placement=placement) as ckpt:
+        for s in (1, 2):
+            step(model, opt, s)
+            ckpt.save(s).wait()
+            assert ckpt.tiers.wait_idle(30)
+            states[s] = snapshot(model)
+
+    def flip(path: Path) -> None:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    flip(shm_dir / "v00000002" / "data.bin")
+    model2, opt2 = model_and_optimizer(seed=1)
+    with _checkpointer(shm_dir, disk, model2, opt2, placement=placement) as ckpt:
+        assert ckpt.restore() == 2  # same version, from the disk tier
+        report = ckpt.last_restore
+        assert report.tier == "local" and report.version == 2
+        assert report.skipped[0][0] == 2 and "memory" in report.skipped[0][1]
+        assert same(snapshot(model2), states[2])
+    flip(disk / "v00000002" / "data.bin")
+    model3, opt3 = model_and_optimizer(seed=2)
+    with _checkpointer(shm_dir, disk, model3, opt3, placement=placement) as ckpt:
+        assert ckpt.restore() == 1  # v2 is bad everywhere: the next older version
+        assert same(snapshot(model3), states[1])
+
+
+def test_sigkill_while_copying_to_the_replica_leaves_nothing_listed(
+    tmp_path: Path, python: str, child_env: dict[str, str]
+) -> None:
+    primary, disk = tmp_path / "primary", tmp_path / "disk"
+    child = textwrap.dedent(
+        f"""
+        import torch
+        from pcframe import Checkpointer
+        model = torch.nn.Linear(64, 64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with Checkpointer({str(primary)!r}, model=model, optimizer=opt,
+                          tiers={{"disk": {str(disk)!r}}}) as ckpt:
+            for s in range(1, 6):
+                opt.step()
+                ckpt.save(s).wait()
+                assert ckpt.tiers.wait_idle(30)
+        """
+    )
+    env = {**child_env, "PCFRAME_CRASH_AT": "replica_copied:3"}
+    proc = subprocess.run([python, "-c", child], env=env, capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr  # killed itself right before publishing v3
+    assert CheckpointDir(disk).committed_versions() == [1, 2]
+    assert (disk / "v00000003.tmp").is_dir()  # the copy was really under way
+    assert 3 in CheckpointDir(primary).committed_versions()
+    tier = LocalTier(disk)  # the next writer cleans up
+    try:
+        assert tier.removed_leftovers == ["v00000003.tmp"]
+        assert tier.committed_versions() == [1, 2]
+    finally:
+        tier.close()
+
+
+def test_configuration_errors_name_the_tier_and_the_fix(tmp_path: Path) -> None:
+    model, _ = model_and_optimizer()
+    with pytest.raises(TierError, match=r"tier\(s\) \['remote'\].*pass tiers=\{'remote'"):
+        Checkpointer(tmp_path / "a", model=model, placement=P.LocalPlusRemote())
+    with pytest.raises(TierError, match="is the Checkpointer's own directory"):
+        Checkpointer(tmp_path / "a", model=model, tiers={"primary": tmp_path / "a"})
+    with pytest.raises(TierError, match=r"never writes there"):
+        Checkpointer(
+            tmp_path / "a", model=model, tiers={"disk": tmp_path / "b"}, placement=P.SingleTier()
+        )
+    with pytest.raises(TierError, match=r"tiers\.x: int is not a tier"):
+        Tiers({"x": 3})  # type: ignore[dict-item]
+    with pytest.raises(TierError, match="not a RAM-backed file system"):
+        memory_directory("run", base=tmp_path)
+    # a failed construction released the directory lock: a corrected one can open it
+    first = Checkpointer(tmp_path / "a", model=model, tiers={"disk": tmp_path / "b"})
+    # one writer per replica directory, as for the primary
+    with pytest.raises(TierError, match=r"tier 'disk' at .*b: .*another live process"):
+        Checkpointer(tmp_path / "c", model=model, tiers={"disk": tmp_path / "b"})
+    first.close()
+    Checkpointer(tmp_path / "c", model=model, tiers={"disk": tmp_path / "b"}).close()

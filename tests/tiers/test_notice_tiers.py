@@ -1,0 +1,103 @@
+"""A preemption notice sends the emergency version to the fastest tier that survives the VM."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pcframe.policies as P
+from pcframe import Checkpointer
+from pcframe.storage import CheckpointDir
+from pcframe.tiers import Tiers
+from tests.tiers.helpers import model_and_optimizer, same, snapshot, step
+
+
+def make(primary: Path, disk: Path, model, opt, source: P.ManualNoticeSource) -> Checkpointer:
+    return Checkpointer(
+        primary,
+        model=model,
+        optimizer=opt,
+        # every step saved to memory; only every 3rd version also copied to disk
+        policy=P.NoticeDriven(P.FixedSteps(1), save_time_prior=0.5, margin=1.0),
+        tiers=Tiers({"local": disk}),
+        placement=P.MemoryThenDisk(memory_keep=2, disk_keep=2, disk_every=3),
+        notices=[source],
+        keep_last=2,
+        chunk_bytes=8192,
+    )
+
+
+def test_emergency_version_goes_to_disk_not_memory(shm_dir: Path, tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    source = P.ManualNoticeSource(window=30.0)
+    model, opt = model_and_optimizer()
+    with make(shm_dir, disk, model, opt, source) as ckpt:
+        for s in range(1, 8):
+            step(model, opt, s)
+            ckpt.maybe_save(s)
+            ckpt.wait()
+            assert ckpt.tiers.wait_idle(30)
+        assert CheckpointDir(disk).committed_versions() == [3, 6]
+        # the engine measured both tiers and offers the estimates to the policies
+        times = ckpt.context(7).tier_write_times
+        assert set(times) == {"memory", "local"} and times["local"] >= times["memory"] > 0
+        step(model, opt, 8)
+        source.trigger(time.monotonic())  # e.g. SIGTERM from the spot agent: 30 s left
+        handle = ckpt.maybe_save(8)
+        assert handle is not None and ckpt.last_decision.emergency
+        secured = ckpt.last_secured
+        assert secured.version == 8 and secured.tiers == ("local",) and secured.durable
+        assert "notice: local writes in" in secured.reason  # memory does not survive the VM
+        # durable on disk when maybe_save returned, although 8 is no multiple of 3
+        assert 8 in CheckpointDir(disk).committed_versions()
+        assert ckpt.notice is not None
+        expected = snapshot(model)
+    shutil.rmtree(shm_dir)  # the VM is gone, and its memory with it
+    model2, opt2 = model_and_optimizer(seed=3)
+    with make(shm_dir, disk, model2, opt2, P.ManualNoticeSource()) as ckpt:
+        assert ckpt.restore() == 8 and ckpt.last_restore.tier == "local"
+        assert same(snapshot(model2), expected)
+
+
+def test_a_notice_too_short_for_a_save_relies_on_the_last_periodic_one(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    disk = tmp_path / "disk"
+    source = P.ManualNoticeSource()
+    model, opt = model_and_optimizer()
+    with make(shm_dir, disk, model, opt, source) as ckpt:
+        for s in range(1, 4):
+            step(model, opt, s)
+            ckpt.maybe_save(s)
+            ckpt.wait()
+        source.trigger(time.monotonic(), window=0.5)  # less than the 1 s margin alone
+        step(model, opt, 4)
+        assert ckpt.maybe_save(4) is None
+        assert "relying on the last periodic checkpoint" in ckpt.last_decision.reason
+        assert ckpt.last_secured is None
+        assert CheckpointDir(shm_dir).committed_versions()[-1] == 3
+
+
+def test_a_polled_file_notice_passed_by_the_checkpointer_triggers_the_save(tmp_path: Path):
+    flag = tmp_path / "preempt"
+    model, opt = model_and_optimizer()
+    with Checkpointer(
+        tmp_path / "ckpt",
+        model=model,
+        optimizer=opt,
+        # the policy has no source of its own: the Checkpointer polls and passes ctx.notice
+        policy=P.NoticeDriven(P.FixedSteps(1000), save_time_prior=0.5, margin=1.0),
+        notices=[P.FileNoticeSource(str(flag), window=60.0, poll_interval=0.0)],
+    ) as ckpt:
+        for s in range(1, 4):
+            step(model, opt, s)
+            assert ckpt.maybe_save(s) is None and ckpt.notice is None
+        flag.write_text("25")  # e.g. written by a watcher of the cloud metadata endpoint
+        step(model, opt, 4)
+        handle = ckpt.maybe_save(4)
+        assert handle is not None and ckpt.last_decision.emergency
+        assert handle.done()  # maybe_save returned only once the version was durable
+        assert ckpt.notice is not None and ckpt.notice.source.startswith("file:")
+        assert ckpt.last_secured is None  # no tiers: the primary is the only place
+    assert CheckpointDir(tmp_path / "ckpt").committed_versions() == [1]

@@ -1,0 +1,145 @@
+"""Local plus an s3:// tier on a real S3-compatible server (moto) on loopback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import pcframe.policies as P
+from pcframe import Checkpointer
+from pcframe.storage import CheckpointDir
+from pcframe.tiers import RemoteTier, TierError, Tiers
+from tests.tiers.conftest import MotoServer
+from tests.tiers.helpers import model_and_optimizer, same, snapshot, step
+
+
+def remote(server: MotoServer, bucket: str, **kw) -> RemoteTier:
+    return RemoteTier(f"s3://{bucket}/run", server.storage_options(), timeout=10, **kw)
+
+
+def checkpointer(directory: Path, server: MotoServer, bucket: str, model, opt) -> Checkpointer:
+    return Checkpointer(
+        directory,
+        model=model,
+        optimizer=opt,
+        tiers=Tiers({"remote": remote(server, bucket)}, backoff=0.05, backoff_max=0.2),
+        placement=P.LocalPlusRemote(remote_every=2, local_keep=2, remote_keep=2),
+        keep_last=2,
+        chunk_bytes=8192,
+    )
+
+
+def train_and_save(ckpt: Checkpointer, model, opt, steps: range, states: dict) -> None:
+    for s in steps:
+        step(model, opt, s)
+        ckpt.save(s).wait()
+        assert ckpt.tiers.wait_idle(60)
+        states[s] = snapshot(model)
+
+
+def test_every_kth_version_uploaded_marker_last_and_restored_after_losing_the_machine(
+    moto_server: MotoServer, bucket: str, tmp_path: Path
+) -> None:
+    local = tmp_path / "local"
+    model, opt = model_and_optimizer()
+    states: dict = {}
+    with checkpointer(local, moto_server, bucket, model, opt) as ckpt:
+        train_and_save(ckpt, model, opt, range(1, 7), states)
+        status = ckpt.tiers.status()["remote"]
+        assert status.written == 3 and status.failures == 0 and status.lag_versions == 0
+    keys = moto_server.keys(bucket)
+    # every 2nd version uploaded, the remote keeps 2; exactly data, manifest and marker each
+    assert keys == [
+        f"run/v0000000{v}/{name}"
+        for v in (4, 6)
+        for name in ("COMMITTED", "data.bin", "manifest.json")
+    ]
+    s3 = moto_server.client()
+    marker = json.loads(s3.get_object(Bucket=bucket, Key="run/v00000006/COMMITTED")["Body"].read())
+    assert marker["version"] == 6 and marker["step"] == 6
+    assert marker["files"]["data.bin"] == (local / "v00000006" / "data.bin").stat().st_size
+    assert remote(moto_server, bucket).committed_versions() == [4, 6]
+
+    shutil.rmtree(local)  # the VM and its disk are gone; only the bucket is left
+    model2, opt2 = model_and_optimizer(seed=1)
+    with checkpointer(local, moto_server, bucket, model2, opt2) as ckpt:
+        assert ckpt.restore() == 6
+        assert ckpt.last_restore.tier == "remote"
+        assert same(snapshot(model2), states[6])
+        assert not list(local.glob(".fetch-*"))  # the download area is cleaned up
+        train_and_save(ckpt, model2, opt2, range(7, 9), states)  # numbered 7, 8 (above 6)
+    assert remote(moto_server, bucket).committed_versions() == [6, 8]
+
+
+def test_listing_shows_only_marked_versions_and_the_writer_sweeps_the_rest(
+    moto_server: MotoServer, bucket: str, tmp_path: Path
+) -> None:
+    tier = remote(moto_server, bucket)
+    tier.name = "remote"
+    source = tmp_path / "v"
+    source.mkdir()
+    (source / "data.bin").write_bytes(b"x" * 1000)
+    (source / "manifest.json").write_bytes(b"{}")
+    for version in (2, 5):
+        tier.write(version, source, step=version)
+    s3 = moto_server.client()
+    # leftovers of uploads that died before their marker: one older, one newer than v5
+    s3.put_object(Bucket=bucket, Key="run/v00000003/data.bin", Body=b"half")
+    s3.put_object(Bucket=bucket, Key="run/v00000009/data.bin", Body=b"half")
+    assert tier.committed_versions() == [2, 5]
+    assert tier.sweep() == ["v00000003"]  # v9 may still be in progress: left alone
+    assert "run/v00000003/data.bin" not in moto_server.keys(bucket)
+    tier.delete(5)
+    assert tier.committed_versions() == [2]
+    assert not [k for k in moto_server.keys(bucket) if "/v00000005/" in k]
+
+
+def test_a_corrupt_remote_version_is_skipped_for_an_older_one(
+    moto_server: MotoServer, bucket: str, tmp_path: Path
+) -> None:
+    local = tmp_path / "local"
+    model, opt = model_and_optimizer()
+    states: dict = {}
+    with checkpointer(local, moto_server, bucket, model, opt) as ckpt:
+        train_and_save(ckpt, model, opt, range(1, 7), states)
+    s3 = moto_server.client()
+    key = "run/v00000006/data.bin"
+    data = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[100] ^= 0xFF  # same size, one flipped bit in the object store
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    shutil.rmtree(local)
+    model2, opt2 = model_and_optimizer(seed=1)
+    with checkpointer(local, moto_server, bucket, model2, opt2) as ckpt:
+        assert ckpt.restore() == 4
+        version, reason = ckpt.last_restore.skipped[0]
+        assert version == 6 and "tier remote" in reason and "checksum mismatch" in reason
+        assert same(snapshot(model2), states[4])
+
+
+def test_bad_remote_configuration_and_an_unreachable_server(tmp_path: Path) -> None:
+    with pytest.raises(TierError, match=r"nosuch://b/run.*scheme"):
+        RemoteTier("nosuch://b/run")
+    with pytest.raises(TierError, match="give a bucket"):
+        RemoteTier("s3://")
+    dead = MotoServer()  # a port nobody listens on
+    tier = RemoteTier("s3://b/run", dead.storage_options(), timeout=3)
+    tier.name = "remote"
+    with pytest.raises(TierError, match=r"tier 'remote' \(s3://b/run\): cannot list"):
+        tier.committed_versions()
+    # Training does not need the remote: the Checkpointer starts, saves and closes promptly.
+    model, opt = model_and_optimizer()
+    tiers = Tiers({"remote": tier}, retries=1, backoff=0.05, drain_timeout=1.0)
+    with Checkpointer(
+        tmp_path / "local",
+        model=model,
+        optimizer=opt,
+        tiers=tiers,
+        placement=P.LocalPlusRemote(remote_every=1),
+    ) as ckpt:
+        step(model, opt, 1)
+        assert ckpt.save(1).wait(timeout=30) == "committed"
+        assert ckpt.restore() == 1 and ckpt.last_restore.unavailable  # says what it missed
+    assert CheckpointDir(tmp_path / "local").committed_versions() == [1]
