@@ -24,6 +24,12 @@ def _xxh3_64(buffers: Iterable[memoryview]) -> str:
     return state.hexdigest()
 
 
+def _pcf64(buffers: Iterable[memoryview]) -> str:
+    from pcframe.kernels.checksum import pcf64_buffers
+
+    return f"{pcf64_buffers(buffers):016x}"
+
+
 def _none(buffers: Iterable[memoryview]) -> str:
     del buffers
     return ""
@@ -32,8 +38,10 @@ def _none(buffers: Iterable[memoryview]) -> str:
 _ALGORITHMS: dict[str, Callable[[Iterable[memoryview]], str]] = {
     "crc32c": _crc32c,
     "xxh3_64": _xxh3_64,
+    "pcf64": _pcf64,
     "none": _none,
 }
+_DIGITS = {"crc32c": 8, "xxh3_64": 16, "pcf64": 16}
 assert set(_ALGORITHMS) == set(CHECKSUMS)
 
 
@@ -45,3 +53,10 @@ def checksum_function(name: str) -> Callable[[Iterable[memoryview]], str]:
         raise ValueError(
             f"unknown checksum algorithm {name!r}; known: {', '.join(_ALGORITHMS)}"
         ) from None
+
+
+def format_digest(name: str, value: int | None) -> str:
+    """The manifest's hex form of a checksum a kernel returned as an int (``""`` for none)."""
+    if name == "none" or value is None:
+        return ""
+    return f"{value:0{_DIGITS[name]}x}"

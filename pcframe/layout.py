@@ -17,13 +17,22 @@ from pcframe.state import dtype_name
 
 @dataclass(frozen=True)
 class Entry:
-    """One tensor's slot in the data file."""
+    """One tensor's slot in the data file, or a coded tensor (stored in ``codec.bin``).
+
+    ``nbytes`` is always the tensor's logical size; ``offset`` only means something for raw
+    entries (coded ones keep 0 and are left out of the chunks).
+    """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    codec: str = "raw"
+
+    @property
+    def raw(self) -> bool:
+        return self.codec == "raw"
 
 
 @dataclass(frozen=True)
@@ -83,7 +92,8 @@ class Layout:
     @cached_property
     def chunks(self) -> tuple[Chunk, ...]:
         """Chunks with the tensor pieces each one holds; bytes between pieces are padding."""
-        order = sorted(range(len(self.entries)), key=lambda i: self.entries[i].offset)
+        raw = (i for i, e in enumerate(self.entries) if e.raw)
+        order = sorted(raw, key=lambda i: self.entries[i].offset)
         chunks, cursor = [], 0
         for index in range(self.num_chunks):
             start = index * self.chunk_bytes

@@ -1,16 +1,22 @@
-"""Reading one committed version back: validate, read chunks in parallel, verify checksums.
+"""Reading one committed version back: validate, read chunks in parallel, verify, decode.
 
-Every chunk is read with ``preadv`` straight into freshly allocated tensors (no staging copy)
-and checksummed in the same worker thread while the bytes are still in cache. Nothing is
-allocated before the manifest passed validation against the real size of the data file, so a
-hostile manifest cannot trigger a giant allocation.
+Raw chunks are read with ``preadv`` straight into freshly allocated tensors (no staging
+copy) and checksummed in the same worker thread while the bytes are still in cache. Coded
+tensors (format version 2) are read segment by segment from ``codec.bin``: each payload is
+checksummed, then decoded into its element range of a fresh tensor. A delta version first
+loads its delta tensors from its base version (recursively, down to the full version), and
+every version on the way is verified like the one asked for.
+
+Nothing is allocated before the manifest passed validation against the real sizes of the
+files, so a hostile manifest cannot trigger a giant allocation.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +25,16 @@ import torch
 from pcframe.checksum import checksum_function
 from pcframe.errors import CorruptCheckpoint
 from pcframe.layout import Chunk
-from pcframe.manifest import DATA_NAME, MANIFEST_NAME, Manifest, read_manifest
+from pcframe.manifest import (
+    CODEC_NAME,
+    DATA_NAME,
+    MANIFEST_NAME,
+    Manifest,
+    SegmentRecord,
+    read_manifest,
+)
 from pcframe.state import DTYPES, decode_tree
+from pcframe.storage import version_name
 
 _IOV_MAX = 1024
 
@@ -29,6 +43,7 @@ _IOV_MAX = 1024
 class LoadedVersion:
     manifest: Manifest
     tensors: list[torch.Tensor]
+    chain: list[int] = field(default_factory=list)  # versions read, the full one first
 
     def state_tree(self) -> Any:
         values: list[Any] = list(self.tensors)
@@ -41,7 +56,9 @@ class LoadedVersion:
 
 
 def load_version(directory: str | Path, threads: int = 4, verify: bool = True) -> LoadedVersion:
-    """Read and verify one version directory.
+    """Read and verify one version directory (and, for a delta version, its base chain).
+
+    Base versions are looked up next to ``directory`` (``../vNNNNNNNN``).
 
     Raises:
         ManifestError / CorruptCheckpoint: naming the file and what is wrong with it.
@@ -49,50 +66,194 @@ def load_version(directory: str | Path, threads: int = 4, verify: bool = True) -
     """
     directory = Path(directory)
     manifest = read_manifest(str(directory / MANIFEST_NAME))
-    data_path = directory / DATA_NAME
-    try:
-        actual = os.path.getsize(data_path)
-    except FileNotFoundError:
-        raise CorruptCheckpoint(f"{data_path}: data file is missing") from None
-    if actual != manifest.data_size:
-        raise CorruptCheckpoint(
-            f"{data_path}: holds {actual} bytes, manifest says {manifest.data_size} (truncated?)"
-        )
-    tensors = [torch.empty(entry.shape, dtype=DTYPES[entry.dtype]) for entry in manifest.entries]
-    flats = [t.reshape(-1).view(torch.uint8) for t in tensors]
-    checksum = checksum_function(manifest.checksum)
-    fd = os.open(data_path, os.O_RDONLY)
-    try:
+    reader = _VersionReader(directory, manifest, threads, verify)
+    wanted = range(len(manifest.entries))
+    tensors, chain = reader.read(wanted)
+    return LoadedVersion(manifest, [tensors[i] for i in wanted], chain)
 
-        def read_chunk(chunk: Chunk) -> None:
-            buffers, cursor = [], 0
-            for piece in chunk.pieces:
-                if piece.dst_start > cursor:
-                    buffers.append(memoryview(bytearray(piece.dst_start - cursor)))
+
+class _VersionReader:
+    def __init__(self, directory: Path, manifest: Manifest, threads: int, verify: bool) -> None:
+        self.directory, self.manifest = directory, manifest
+        self.threads, self.verify = threads, verify and manifest.checksum != "none"
+        self.checksum = checksum_function(manifest.checksum)
+        self.data_path = directory / DATA_NAME
+        self.codec_path = directory / CODEC_NAME
+        _check_size(self.data_path, manifest.data_size)
+        if manifest.coded:
+            _check_size(self.codec_path, manifest.codec_size)
+
+    def read(self, wanted: Collection[int]) -> tuple[dict[int, torch.Tensor], list[int]]:
+        """Tensors of the wanted entries (by index) and the versions read for them."""
+        entries = self.manifest.entries
+        raw = [i for i in wanted if entries[i].raw]
+        coded = [i for i in wanted if not entries[i].raw]
+        out = {i: torch.empty(entries[i].shape, dtype=DTYPES[entries[i].dtype]) for i in raw}
+        tasks: list[Callable[[], None]] = []
+        if raw:
+            tasks += self._raw_tasks(out, set(raw))
+        chain = [self.manifest.version]
+        if coded:
+            previous, base_chain = self._base_values(coded)
+            chain = base_chain + chain
+            for i in coded:
+                try:  # sizes are validated; a failure here is a refused (too big) allocation
+                    out[i] = torch.empty(entries[i].shape, dtype=DTYPES[entries[i].dtype])
+                except RuntimeError as exc:
+                    raise CorruptCheckpoint(
+                        f"{self.codec_path}: cannot allocate tensor {entries[i].name!r} "
+                        f"{list(entries[i].shape)}: {exc}"
+                    ) from None
+            tasks += self._segment_tasks(out, coded, previous)
+        self._data_fd = os.open(self.data_path, os.O_RDONLY) if raw else -1
+        self._codec_fd = os.open(self.codec_path, os.O_RDONLY) if coded else -1
+        try:
+            self._run(tasks)
+        finally:
+            for fd in (self._data_fd, self._codec_fd):
+                if fd >= 0:
+                    os.close(fd)
+        return out, chain
+
+    def _run(self, tasks: list[Callable[[], None]]) -> None:
+        if self.threads <= 1 or len(tasks) <= 1:
+            for task in tasks:
+                task()
+            return
+        with ThreadPoolExecutor(min(self.threads, len(tasks))) as pool:
+            for future in [pool.submit(task) for task in tasks]:
+                future.result()
+
+    # --- data.bin ----------------------------------------------------------------------
+
+    def _raw_tasks(self, out: dict[int, torch.Tensor], wanted: set[int]) -> list[Callable]:
+        flats = {i: t.reshape(-1).view(torch.uint8) for i, t in out.items()}
+        chunks = [
+            c for c in self.manifest.raw_layout.chunks if any(p.entry in wanted for p in c.pieces)
+        ]
+        return [lambda c=c: self._read_chunk(c, flats) for c in chunks]
+
+    def _read_chunk(self, chunk: Chunk, flats: dict[int, torch.Tensor]) -> None:
+        """Read one whole chunk (unwanted bytes into scratch) and verify its checksum."""
+        buffers, cursor = [], 0
+        for piece in chunk.pieces:
+            if piece.dst_start > cursor:
+                buffers.append(memoryview(bytearray(piece.dst_start - cursor)))
+            if piece.entry in flats:
                 target = flats[piece.entry][piece.src_start : piece.src_start + piece.nbytes]
                 buffers.append(memoryview(target.numpy()))
-                cursor = piece.dst_start + piece.nbytes
-            if cursor < chunk.length:
-                buffers.append(memoryview(bytearray(chunk.length - cursor)))
-            _preadv_all(fd, buffers, chunk.offset, data_path)
-            record = manifest.chunks[chunk.index]
-            if verify and manifest.checksum != "none" and checksum(buffers) != record.checksum:
-                raise CorruptCheckpoint(
-                    f"{data_path}: checksum mismatch in chunk {chunk.index} "
-                    f"(bytes {chunk.offset}..{chunk.offset + chunk.length})"
-                )
+            else:
+                buffers.append(memoryview(bytearray(piece.nbytes)))
+            cursor = piece.dst_start + piece.nbytes
+        if cursor < chunk.length:
+            buffers.append(memoryview(bytearray(chunk.length - cursor)))
+        _preadv_all(self._data_fd, buffers, chunk.offset, self.data_path)
+        record = self.manifest.chunks[chunk.index]
+        if self.verify and self.checksum(buffers) != record.checksum:
+            raise CorruptCheckpoint(
+                f"{self.data_path}: checksum mismatch in chunk {chunk.index} "
+                f"(bytes {chunk.offset}..{chunk.offset + chunk.length})"
+            )
 
-        chunks = manifest.layout.chunks
-        if threads <= 1 or len(chunks) <= 1:
-            for chunk in chunks:
-                read_chunk(chunk)
-        else:
-            with ThreadPoolExecutor(min(threads, len(chunks))) as pool:
-                for future in [pool.submit(read_chunk, c) for c in chunks]:
-                    future.result()
-    finally:
-        os.close(fd)
-    return LoadedVersion(manifest, tensors)
+    # --- codec.bin ---------------------------------------------------------------------
+
+    def _segment_tasks(
+        self,
+        out: dict[int, torch.Tensor],
+        coded: list[int],
+        previous: dict[int, torch.Tensor],
+    ) -> list[Callable]:
+        tasks = []
+        for i in coded:
+            flat = out[i].reshape(-1)
+            base = previous.get(i)
+            for k, segment in enumerate(self.manifest.segments[i]):
+                tasks.append(
+                    lambda i=i, k=k, s=segment, f=flat, b=base: self._decode(i, k, s, f, b)
+                )
+        return tasks
+
+    def _decode(
+        self,
+        index: int,
+        k: int,
+        segment: SegmentRecord,
+        flat: torch.Tensor,
+        base: torch.Tensor | None,
+    ) -> None:
+        from pcframe.kernels.codecs import get_codec
+
+        entry = self.manifest.entries[index]
+        payload = memoryview(bytearray(segment.length))
+        _preadv_all(self._codec_fd, [payload], segment.offset, self.codec_path)
+        where = f"{self.codec_path}: tensor {entry.name!r} segment {k}"
+        if self.verify and self.checksum([payload]) != segment.checksum:
+            raise CorruptCheckpoint(
+                f"{where}: checksum mismatch (bytes {segment.offset}.."
+                f"{segment.offset + segment.length})"
+            )
+        span = slice(segment.start, segment.start + segment.count)
+        codec = get_codec(entry.codec)
+        try:
+            codec.decode(
+                payload,
+                segment.meta,
+                flat.dtype,
+                (segment.count,),
+                previous=base[span] if base is not None else None,
+                out=flat[span],
+            )
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise CorruptCheckpoint(f"{where} ({entry.codec}) does not decode: {exc}") from None
+
+    def _base_values(self, coded: list[int]) -> tuple[dict[int, torch.Tensor], list[int]]:
+        """For a delta version: its delta tensors' values in the base version, by entry."""
+        from pcframe.kernels.codecs import get_codec
+
+        entries, link = self.manifest.entries, self.manifest.delta
+        needing = [i for i in coded if get_codec(entries[i].codec).needs_previous]
+        if not needing:
+            return {}, []
+        assert link is not None  # parse_body requires a base for delta codecs
+        base_dir = self.directory.parent / version_name(link.base)
+        if not base_dir.is_dir():
+            raise CorruptCheckpoint(
+                f"{self.directory}: delta version needs its base version {link.base} "
+                f"({base_dir}), which is missing"
+            )
+        base = read_manifest(str(base_dir / MANIFEST_NAME))
+        if base.version != link.base or base.depth != link.depth - 1:
+            raise CorruptCheckpoint(
+                f"{base_dir}: is version {base.version} at delta depth {base.depth}; version "
+                f"{self.manifest.version} expects version {link.base} at depth {link.depth - 1}"
+            )
+        by_name = {e.name: j for j, e in enumerate(base.entries)}
+        wanted = {}
+        for i in needing:
+            j = by_name.get(entries[i].name)
+            if j is None or (base.entries[j].dtype, base.entries[j].shape) != (
+                entries[i].dtype,
+                entries[i].shape,
+            ):
+                raise CorruptCheckpoint(
+                    f"{base_dir}: has no tensor {entries[i].name!r} {entries[i].dtype}"
+                    f"{list(entries[i].shape)} that version {self.manifest.version} is a delta of"
+                )
+            wanted[i] = j
+        reader = _VersionReader(base_dir, base, self.threads, self.verify)
+        values, chain = reader.read(sorted(wanted.values()))
+        return {i: values[j].reshape(-1) for i, j in wanted.items()}, chain
+
+
+def _check_size(path: Path, expected: int) -> None:
+    try:
+        actual = os.path.getsize(path)
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{path}: data file is missing") from None
+    if actual != expected:
+        raise CorruptCheckpoint(
+            f"{path}: holds {actual} bytes, manifest says {expected} (truncated?)"
+        )
 
 
 def _preadv_all(fd: int, buffers: list[memoryview], offset: int, path: Path) -> None:

@@ -8,6 +8,15 @@ File form (``manifest.json``)::
 The one-line header lets a reader check the body's integrity before parsing it, so a flipped
 byte anywhere in the manifest is detected rather than silently changing a number. The body
 is validated against hard limits before anything is allocated from it.
+
+Format versions: 1 has every tensor raw in ``data.bin``. 2 (written only when codecs are
+configured, so default checkpoints stay readable by older pcframe) adds ``codec.bin``: a
+coded tensor has ``file: "codec.bin"``, its codec name and ``segments``
+``[[offset, length, checksum, start, count, meta], ...]`` covering its elements in order,
+and the segments of all tensors tile ``codec.bin`` exactly. A delta version also has
+``delta: {"base": b, "depth": d}``: its ``xor_delta_zstd`` tensors are XORed against the
+same tensors of committed version ``b``, whose own depth is ``d - 1`` (a full version has
+no ``delta`` and depth 0). A reader of version 1 rejects version 2 by the header.
 """
 
 from __future__ import annotations
@@ -26,14 +35,19 @@ from pcframe.layout import Entry, Layout
 from pcframe.state import DTYPES
 
 FORMAT = "pcframe-manifest"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this code reads and writes
+PLAIN_FORMAT_VERSION = 1  # written when no tensor is coded: readable by every pcframe
+READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 DATA_NAME = "data.bin"
+CODEC_NAME = "codec.bin"
+CHECKSUM_NAMES = ("crc32c", "xxh3_64", "pcf64", "none")
 
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_TENSORS = 1_000_000
 MAX_DIMS = 32
 MAX_CHUNK_BYTES = 1 << 30
+MAX_CHAIN = 100  # deepest delta chain a reader follows (EngineConfig.full_every <= 100)
 _SAFE_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 
 
@@ -42,6 +56,29 @@ class ChunkRecord:
     offset: int
     length: int
     checksum: str
+
+
+@dataclass(frozen=True)
+class SegmentRecord:
+    """One encoded segment of a coded tensor: where its payload is and what it holds."""
+
+    offset: int  # byte offset of the payload in codec.bin
+    length: int  # payload bytes
+    checksum: str  # of the payload, with the manifest's algorithm
+    start: int  # first element of the tensor (row-major) it holds
+    count: int  # elements it holds
+    meta: dict[str, Any]  # the codec's JSON meta (scales offset, error bound, ...)
+
+    def to_list(self) -> list[Any]:
+        return [self.offset, self.length, self.checksum, self.start, self.count, self.meta]
+
+
+@dataclass(frozen=True)
+class DeltaLink:
+    """A delta version's base: the committed version its delta tensors are XORed against."""
+
+    base: int
+    depth: int  # versions read to restore it, minus one (the full version has depth 0)
 
 
 @dataclass
@@ -59,48 +96,93 @@ class Manifest:
     codecs: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
+    segments: dict[int, list[SegmentRecord]] = field(default_factory=dict)  # coded entries
+    codec_size: int = 0  # bytes of codec.bin
+    delta: DeltaLink | None = None
+
+    @property
+    def coded(self) -> bool:
+        """Whether any tensor is stored with a codec (format version 2)."""
+        return bool(self.segments) or any(not e.raw for e in self.entries) or bool(self.delta)
+
+    @property
+    def format_version(self) -> int:
+        return FORMAT_VERSION if self.coded else PLAIN_FORMAT_VERSION
+
+    @property
+    def depth(self) -> int:
+        return self.delta.depth if self.delta is not None else 0
+
+    @property
+    def raw_layout(self) -> Layout:
+        """The data.bin layout; coded entries are not in its chunks."""
+        return Layout.from_entries(self.entries, self.data_size, self.chunk_bytes)
 
     @property
     def layout(self) -> Layout:
-        return Layout.from_entries(self.entries, self.data_size, self.chunk_bytes)
+        """The data.bin layout of a version whose tensors are all raw.
+
+        Raises:
+            ManifestError: some tensors are coded; a reader of ``data.bin`` alone would miss
+                them (read such versions with :func:`pcframe.loader.load_version`).
+        """
+        if self.coded:
+            coded = [e.name for e in self.entries if not e.raw][:3]
+            raise ManifestError(
+                f"version {self.version} stores tensors with codecs (e.g. {coded}); this "
+                "reader reads raw tensors only: load it with pcframe.loader.load_version"
+            )
+        return self.raw_layout
+
+    def error_bound(self, name: str) -> float:
+        """Largest absolute error a lossy codec recorded for tensor ``name`` (0.0 if exact)."""
+        for index, entry in enumerate(self.entries):
+            if entry.name == name:
+                bounds = [s.meta.get("error_bound", 0.0) for s in self.segments.get(index, [])]
+                return float(max(bounds, default=0.0))
+        raise KeyError(f"version {self.version} has no tensor named {name!r}")
 
     def body(self) -> dict[str, Any]:
-        return {
+        files: dict[str, Any] = {
+            DATA_NAME: {
+                "size": self.data_size,
+                "chunks": [[c.offset, c.length, c.checksum] for c in self.chunks],
+            }
+        }
+        if self.coded:
+            files[CODEC_NAME] = {"size": self.codec_size}
+        body = {
             "version": self.version,
             "step": self.step,
             "wall_time": self.wall_time,
             "checksum": self.checksum,
             "chunk_bytes": self.chunk_bytes,
-            "files": {
-                DATA_NAME: {
-                    "size": self.data_size,
-                    "chunks": [[c.offset, c.length, c.checksum] for c in self.chunks],
-                }
-            },
-            "tensors": [
-                {
-                    "name": e.name,
-                    "dtype": e.dtype,
-                    "shape": list(e.shape),
-                    "file": DATA_NAME,
-                    "offset": e.offset,
-                    "nbytes": e.nbytes,
-                    "codec": "raw",
-                }
-                for e in self.entries
-            ],
+            "files": files,
+            "tensors": [self._tensor(i, e) for i, e in enumerate(self.entries)],
             "numpy_tensors": self.numpy_tensors,
             "tree": self.tree,
             "codecs": self.codecs,
             "metadata": self.metadata,
             "engine": self.engine,
         }
+        if self.delta is not None:
+            body["delta"] = {"base": self.delta.base, "depth": self.delta.depth}
+        return body
+
+    def _tensor(self, index: int, e: Entry) -> dict[str, Any]:
+        item: dict[str, Any] = {"name": e.name, "dtype": e.dtype, "shape": list(e.shape)}
+        if e.raw:
+            item.update(file=DATA_NAME, offset=e.offset, nbytes=e.nbytes, codec="raw")
+        else:
+            segments = [s.to_list() for s in self.segments.get(index, [])]
+            item.update(file=CODEC_NAME, nbytes=e.nbytes, codec=e.codec, segments=segments)
+        return item
 
     def to_bytes(self) -> bytes:
         body = json.dumps(self.body(), separators=(",", ":")).encode()
         header = {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": self.format_version,
             "body_bytes": len(body),
             "body_crc32c": f"{crc32c.crc32c(body):08x}",
         }
@@ -132,10 +214,12 @@ def read_manifest(path: str) -> Manifest:
         raise CorruptCheckpoint(f"{path}: manifest header is not JSON ({exc})") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ManifestError(f"{path}: not a pcframe manifest (header {line[:80]!r})")
-    if header.get("format_version") != FORMAT_VERSION:
+    format_version = header.get("format_version")
+    if format_version not in READABLE_VERSIONS:
         raise ManifestError(
-            f"{path}: manifest format_version {header.get('format_version')!r} is not supported "
-            f"by this pcframe (reads version {FORMAT_VERSION}); upgrade pcframe to read it"
+            f"{path}: manifest format_version {format_version!r} is not supported by this "
+            f"pcframe (reads versions {', '.join(map(str, READABLE_VERSIONS))}); upgrade pcframe "
+            "to read it"
         )
     if header.get("body_bytes") != len(body):
         raise CorruptCheckpoint(
@@ -147,11 +231,14 @@ def read_manifest(path: str) -> Manifest:
         parsed = json.loads(body)
     except (ValueError, RecursionError) as exc:
         raise ManifestError(f"{path}: manifest body is not valid JSON ({exc})") from None
-    return parse_body(parsed, path)
+    return parse_body(parsed, path, format_version)
 
 
-def parse_body(body: Any, path: str = "<manifest>") -> Manifest:
-    """Validate a decoded manifest body against hard limits and return a :class:`Manifest`."""
+def parse_body(body: Any, path: str = "<manifest>", format_version: int = 1) -> Manifest:
+    """Validate a decoded manifest body against hard limits and return a :class:`Manifest`.
+
+    ``format_version`` comes from the header: version 1 bodies may not use codecs.
+    """
 
     def fail(reason: str) -> ManifestError:
         return ManifestError(f"{path}: {reason}")
@@ -169,13 +256,15 @@ def parse_body(body: Any, path: str = "<manifest>") -> Manifest:
     if not isinstance(wall_time, int | float) or not math.isfinite(wall_time):
         raise fail("wall_time must be a finite number")
     checksum = body.get("checksum")
-    if checksum not in ("crc32c", "xxh3_64", "none"):
+    if checksum not in CHECKSUM_NAMES:
         raise fail(f"unknown checksum algorithm {checksum!r}")
     chunk_bytes = integer(body.get("chunk_bytes"), "chunk_bytes", 1, MAX_CHUNK_BYTES)
 
     files = body.get("files")
-    if not isinstance(files, dict) or set(files) != {DATA_NAME}:
-        raise fail(f"'files' must list exactly {DATA_NAME!r}")
+    allowed = [{DATA_NAME}] + ([{DATA_NAME, CODEC_NAME}] if format_version >= 2 else [])
+    if not isinstance(files, dict) or set(files) not in allowed:
+        also = f" (and {CODEC_NAME!r} from format version 2)" if format_version < 2 else ""
+        raise fail(f"'files' must list {DATA_NAME!r}{also}, got {sorted(files or [])}")
     data = files[DATA_NAME]
     if not isinstance(data, dict):
         raise fail(f"files/{DATA_NAME} must be an object")
@@ -196,14 +285,26 @@ def parse_body(body: Any, path: str = "<manifest>") -> Manifest:
         chunks.append(ChunkRecord(offset, length, item[2]))
     if cursor != data_size:
         raise fail(f"chunks cover {cursor} bytes but the data file holds {data_size}")
+    codec_size = 0
+    if CODEC_NAME in files:
+        if not isinstance(files[CODEC_NAME], dict):
+            raise fail(f"files/{CODEC_NAME} must be an object")
+        codec_size = integer(files[CODEC_NAME].get("size"), f"files/{CODEC_NAME}/size")
 
     raw_tensors = body.get("tensors")
     if not isinstance(raw_tensors, list):
         raise fail("'tensors' must be a list")
     if len(raw_tensors) > MAX_TENSORS:
         raise fail(f"{len(raw_tensors)} tensors is over the limit of {MAX_TENSORS}")
-    entries = [_parse_entry(t, i, data_size, fail) for i, t in enumerate(raw_tensors)]
-    _check_no_overlap(entries, fail)
+    coded = _CodedParser(fail, integer, chunk_bytes, codec_size, format_version)
+    entries = [_parse_entry(t, i, data_size, fail, coded) for i, t in enumerate(raw_tensors)]
+    _check_no_overlap([e for e in entries if e.raw], fail)
+    coded.check_tiling()
+    delta = _parse_delta(body.get("delta"), version, integer, fail)
+    if coded.needs_base and delta is None:
+        raise fail("a tensor uses a delta codec but the manifest names no 'delta' base version")
+    if delta is not None and format_version < 2:
+        raise fail("'delta' needs manifest format version 2")
 
     numpy_tensors = body.get("numpy_tensors", [])
     if not isinstance(numpy_tensors, list) or not all(
@@ -227,10 +328,13 @@ def parse_body(body: Any, path: str = "<manifest>") -> Manifest:
         codecs=body.get("codecs", {}),
         metadata=body.get("metadata", {}),
         engine=body.get("engine", {}),
+        segments=coded.segments,
+        codec_size=codec_size,
+        delta=delta,
     )
 
 
-def _parse_entry(raw: Any, i: int, data_size: int, fail: Any) -> Entry:
+def _parse_entry(raw: Any, i: int, data_size: int, fail: Any, coded: _CodedParser) -> Entry:
     if not isinstance(raw, dict):
         raise fail(f"tensor {i} must be an object")
     name = raw.get("name")
@@ -239,10 +343,14 @@ def _parse_entry(raw: Any, i: int, data_size: int, fail: Any) -> Entry:
     dtype = raw.get("dtype")
     if dtype not in DTYPES:
         raise fail(f"tensor {name!r} has unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
-    if raw.get("file") != DATA_NAME or not _SAFE_FILE.match(str(raw.get("file"))):
-        raise fail(f"tensor {name!r} refers to file {raw.get('file')!r}, expected {DATA_NAME!r}")
-    if raw.get("codec", "raw") != "raw":
-        raise fail(f"tensor {name!r} uses codec {raw.get('codec')!r}, unknown to this reader")
+    codec = raw.get("codec", "raw")
+    if codec != "raw":
+        coded.check_codec(name, codec)
+    expected_file = DATA_NAME if codec == "raw" else CODEC_NAME
+    if raw.get("file") != expected_file or not _SAFE_FILE.match(str(raw.get("file"))):
+        raise fail(
+            f"tensor {name!r} refers to file {raw.get('file')!r}, expected {expected_file!r}"
+        )
     shape = raw.get("shape")
     if (
         not isinstance(shape, list)
@@ -250,16 +358,98 @@ def _parse_entry(raw: Any, i: int, data_size: int, fail: Any) -> Entry:
         or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     ):
         raise fail(f"tensor {name!r} has an invalid shape {shape!r}")
-    offset, nbytes = raw.get("offset"), raw.get("nbytes")
+    offset = raw.get("offset") if codec == "raw" else 0  # coded tensors live in segments
+    nbytes = raw.get("nbytes")
     for value, what in ((offset, "offset"), (nbytes, "nbytes")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise fail(f"tensor {name!r} has an invalid {what} {value!r}")
     itemsize = DTYPES[dtype].itemsize
     if math.prod(shape) * itemsize != nbytes:
         raise fail(f"tensor {name!r}: shape {shape} x {itemsize} bytes != nbytes {nbytes}")
+    if codec != "raw":
+        coded.parse(i, name, codec, math.prod(shape), itemsize, raw.get("segments"))
+        return Entry(name, dtype, tuple(shape), 0, nbytes, codec)
     if offset + nbytes > data_size:
         raise fail(f"tensor {name!r} ends at byte {offset + nbytes}, past the data ({data_size})")
     return Entry(name, dtype, tuple(shape), offset, nbytes)
+
+
+class _CodedParser:
+    """Validates coded tensors' segments: each tensor covered in order, codec.bin tiled."""
+
+    def __init__(
+        self, fail: Any, integer: Any, chunk_bytes: int, codec_size: int, format_version: int
+    ) -> None:
+        self.fail, self.integer = fail, integer
+        self.chunk_bytes, self.codec_size = chunk_bytes, codec_size
+        self.format_version = format_version
+        self.segments: dict[int, list[SegmentRecord]] = {}
+        self.needs_base = False
+
+    def check_codec(self, name: str, codec: Any) -> None:
+        from pcframe.kernels.codecs import available_codecs, get_codec
+
+        if self.format_version < 2:
+            raise self.fail(
+                f"tensor {name!r} uses codec {codec!r}, unknown to format version 1 (raw only)"
+            )
+        if codec not in available_codecs():
+            raise self.fail(
+                f"tensor {name!r} uses unknown codec {codec!r}; this pcframe knows "
+                f"{', '.join(available_codecs())} (a newer pcframe or a plugin may add more)"
+            )
+        self.needs_base = self.needs_base or get_codec(codec).needs_previous
+
+    def parse(self, index: int, name: str, codec: Any, numel: int, itemsize: int, raw: Any) -> None:
+        fail, integer = self.fail, self.integer
+        if not isinstance(raw, list) or (numel and not raw) or len(raw) > numel:
+            raise fail(f"tensor {name!r}: 'segments' must be a list of 1..{numel} segments")
+        records, cursor = [], 0
+        for k, item in enumerate(raw):
+            where = f"tensor {name!r} segment {k}"
+            if not isinstance(item, list) or len(item) != 6 or not isinstance(item[2], str):
+                raise fail(f"{where} must be [offset, length, checksum, start, count, meta]")
+            offset = integer(item[0], f"{where} offset", 0, self.codec_size)
+            length = integer(item[1], f"{where} length", 1, self.codec_size)
+            if offset + length > self.codec_size:
+                raise fail(f"{where} ends past the {self.codec_size} bytes of {CODEC_NAME}")
+            start = integer(item[3], f"{where} start", 0, numel)
+            # One segment never holds more than one staging chunk of raw bytes: this bounds
+            # what a hostile manifest can make a decoder allocate per segment.
+            count = integer(item[4], f"{where} count", 1, max(1, self.chunk_bytes // itemsize))
+            if start != cursor:
+                raise fail(f"{where} starts at element {start}, expected {cursor}")
+            if not isinstance(item[5], dict):
+                raise fail(f"{where} meta must be an object")
+            cursor += count
+            records.append(SegmentRecord(offset, length, item[2], start, count, item[5]))
+        if cursor != numel:
+            raise fail(f"tensor {name!r}: segments cover {cursor} of {numel} elements")
+        self.segments[index] = records
+
+    def check_tiling(self) -> None:
+        """Payloads must tile codec.bin exactly: no overlap, no unverified bytes."""
+        spans = sorted((s.offset, s.length) for r in self.segments.values() for s in r)
+        cursor = 0
+        for offset, length in spans:
+            if offset != cursor:
+                what = "overlaps another" if offset < cursor else f"leaves a gap at byte {cursor}"
+                raise self.fail(f"a segment at byte {offset} of {CODEC_NAME} {what}")
+            cursor += length
+        if cursor != self.codec_size:
+            raise self.fail(f"segments cover {cursor} bytes of {CODEC_NAME}, not {self.codec_size}")
+
+
+def _parse_delta(raw: Any, version: int, integer: Any, fail: Any) -> DeltaLink | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise fail("'delta' must be an object {base, depth} or absent")
+    base = integer(raw.get("base"), "delta base", 1, max(1, version - 1))
+    if base >= version:
+        raise fail(f"delta base {base} must be older than version {version}")
+    depth = integer(raw.get("depth"), "delta depth", 1, MAX_CHAIN)
+    return DeltaLink(base, depth)
 
 
 def _check_no_overlap(entries: list[Entry], fail: Any) -> None:

@@ -3,10 +3,14 @@
 Threads (all started once per engine, reused by every version):
 
 * one **copy** thread gathers each version's tensors, chunk by chunk, into buffers of the
-  bounded staging pool (on a CUDA side stream for GPU tensors). When it has copied every
-  chunk of a version, that version's ``copy_done`` is set: the optimizer may step again.
-* a pool of **writer** threads checksums and ``pwrite``\\ s each staged chunk into the
-  version's data file, then returns the buffer to the pool.
+  bounded staging pool (on a CUDA side stream for GPU tensors; kernel per
+  ``copy_backend``, see :mod:`pcframe.copying`). Coded tensors (``codecs``) are copied raw
+  into staging too, segment by segment (:mod:`pcframe.codec_stage`). When every chunk and
+  segment of a version is staged, its ``copy_done`` is set: the optimizer may step again.
+* a pool of **writer** threads checksums and persists each staged chunk into ``data.bin``
+  (``pwrite`` / O_DIRECT or a memory mapping, see :mod:`pcframe.persist`), and encodes each
+  staged segment (the compress stage), checksums the payload and appends it to
+  ``codec.bin``; then returns the buffer to the pool.
 * one **commit** thread finishes versions in the order their last chunk lands: fdatasync the
   data, write and sync the manifest, publish by rename, advance LATEST, apply retention. A
   version that lands after a newer one has committed is discarded, so LATEST only moves
@@ -19,7 +23,6 @@ error is handed to the training thread, which raises it at its next engine call.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import queue
@@ -33,12 +36,26 @@ from typing import Any
 
 import torch
 
-from pcframe.checksum import checksum_function
-from pcframe.config import PAGE, EngineConfig
+from pcframe.checksum import checksum_function, format_digest
+from pcframe.codec_stage import CodecPlan, Segment, encode_segment
+from pcframe.config import EngineConfig
+from pcframe.copying import Copier
+from pcframe.delta import DeltaTracker
+from pcframe.errors import CheckpointError
 from pcframe.faults import crash_point
 from pcframe.layout import Chunk, Layout
-from pcframe.manifest import DATA_NAME, MANIFEST_NAME, ChunkRecord, Manifest
+from pcframe.manifest import (
+    CODEC_NAME,
+    DATA_NAME,
+    MANIFEST_NAME,
+    ChunkRecord,
+    DeltaLink,
+    Manifest,
+    SegmentRecord,
+)
+from pcframe.persist import DataFile, WrittenFile, choose_persist, open_data_file, pwrite_all
 from pcframe.staging import StagingPool
+from pcframe.state import DTYPES
 from pcframe.storage import WritableCheckpointDir
 
 log = logging.getLogger("pcframe")
@@ -68,9 +85,19 @@ class PendingVersion:
     copy_seconds: float = 0.0
     durable_at: float = 0.0
     checksums: list[str] = field(default_factory=list)
-    fd: int = -1
     o_direct: bool = False
     reported: bool = False  # its error was already raised to the user
+    # Codec stage: how this version's tensors are stored, and what it wrote so far.
+    plan: CodecPlan | None = None
+    data_file: DataFile | None = None
+    codec_file: DataFile | None = None
+    codec_size: int = 0  # bytes appended to codec.bin so far
+    segments: dict[int, list[SegmentRecord]] = field(default_factory=dict)
+    # Delta versions (pcframe.delta): the base, its values, and this version's values.
+    delta: DeltaLink | None = None
+    delta_key: tuple = ()
+    base_values: dict[int, torch.Tensor] | None = None
+    new_values: dict[int, torch.Tensor] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _outstanding: int = 0
     _copy_finished: bool = False
@@ -82,7 +109,14 @@ class PendingVersion:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of state this version captures (before any codec)."""
         return self.layout.data_size
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes it occupies on storage (data.bin + codec.bin), once written."""
+        raw = self.plan.layout.data_size if self.plan is not None else self.nbytes
+        return raw + self.codec_size
 
     def fail(self, stage: str, exc: BaseException) -> None:
         with self._lock:
@@ -102,6 +136,11 @@ class SavePipeline:
         self.on_finished = on_finished
         self.pool = StagingPool(config.chunk_bytes)
         self.checksum = checksum_function(config.checksum)
+        self.copier = Copier(config.copy_backend, config.checksum)
+        self.persist = choose_persist(storage.root, config.persist)
+        self.deltas = DeltaTracker(config.full_every, storage)
+        self._plan: CodecPlan | None = None  # reused while the layout is the same object
+        self._plan_source: Layout | None = None
         self.max_published = max(storage.committed_versions(), default=0)
         # Called on the commit thread after a version is published: f(version, path, manifest).
         self.commit_listeners: list[Callable[[int, Path, Manifest], None]] = []
@@ -148,26 +187,23 @@ class SavePipeline:
         while (pending := self._copy_queue.get()) is not None:
             start = time.perf_counter()
             try:
-                self._open_data_file(pending)
+                self._begin(pending)
             except BaseException as exc:
-                pending.fail("persist", exc)
+                pending.fail("persist" if pending.plan else "encode", exc)
             try:
                 flats: list[torch.Tensor | None] = [None] * len(pending.tensors)
                 if pending.cuda_ready is not None:
                     self._side_stream = self._side_stream or torch.cuda.Stream()
                     self._side_stream.wait_event(pending.cuda_ready)
-                for chunk in pending.layout.chunks:
+                plan = pending.plan
+                for chunk in plan.layout.chunks if plan and not pending.failed else ():
                     if pending.failed:
                         break
-                    buffer = self.pool.acquire()
-                    try:
-                        self._fill(pending, chunk, buffer, flats)
-                    except BaseException:
-                        self.pool.release(buffer)
-                        raise
-                    with pending._lock:
-                        pending._outstanding += 1
-                    self._writers.submit(self._write_chunk, pending, chunk, buffer)
+                    self._stage(pending, self._write_chunk, self._fill, chunk, flats)
+                for segment in plan.segments if plan and not pending.failed else ():
+                    if pending.failed:
+                        break
+                    self._stage(pending, self._encode_segment, self._fill_segment, segment, flats)
             except BaseException as exc:
                 pending.fail("snapshot", exc)
             finally:
@@ -176,6 +212,41 @@ class SavePipeline:
                 with pending._lock:
                     pending._copy_finished = True
                 self._hand_off_if_complete(pending)
+
+    def _begin(self, pending: PendingVersion) -> None:
+        """Plan the version's storage (codecs, delta or full) and open its files."""
+        if self._plan is None or self._plan_source is not pending.layout:
+            self._plan = CodecPlan.build(
+                pending.layout, self.config.codecs, self.config.tensor_align
+            )
+            self._plan_source = pending.layout
+        plan = pending.plan = self._plan
+        directory = self.storage.staging_path(pending.version)
+        directory.mkdir()
+        pending.data_file = open_data_file(
+            directory / DATA_NAME, plan.layout.data_size, self.persist, self.config.o_direct
+        )
+        pending.o_direct = pending.data_file.direct
+        pending.checksums = [""] * plan.layout.num_chunks
+        if plan.segments:
+            pending.codec_file = WrittenFile(directory / CODEC_NAME, 0)
+            # Tiers and the distributed protocol narrow retention without knowing delta
+            # chains: with them every version is full.
+            self.deltas.begin(pending, plan, allowed=self.retention_filter is None)
+
+    def _stage(
+        self, pending: PendingVersion, task: Callable, fill: Callable, unit: Any, flats: list[Any]
+    ) -> None:
+        """Copy one chunk or segment into a staging buffer and hand it to a writer."""
+        buffer = self.pool.acquire()
+        try:
+            fill(pending, unit, buffer, flats)
+        except BaseException:
+            self.pool.release(buffer)
+            raise
+        with pending._lock:
+            pending._outstanding += 1
+        self._writers.submit(task, pending, unit, buffer)
 
     def _flat(self, pending: PendingVersion, index: int, flats: list[Any]) -> torch.Tensor:
         """Byte view of one source tensor (made contiguous once, only if it is not)."""
@@ -189,74 +260,98 @@ class SavePipeline:
     def _fill(
         self, pending: PendingVersion, chunk: Chunk, buffer: torch.Tensor, flats: list[Any]
     ) -> None:
-        view = buffer[: self._write_length(pending, chunk)]
-        cursor, cuda = 0, False
-        stream_ctx = (
-            torch.cuda.stream(self._side_stream) if self._side_stream else contextlib.nullcontext()
-        )
-        with stream_ctx:
-            for piece in chunk.pieces:
-                if piece.dst_start > cursor:
-                    view[cursor : piece.dst_start].zero_()  # padding: deterministic bytes
-                source = self._flat(pending, piece.entry, flats)
-                cuda = cuda or source.is_cuda
-                view[piece.dst_start : piece.dst_start + piece.nbytes].copy_(
-                    source[piece.src_start : piece.src_start + piece.nbytes], non_blocking=True
-                )
-                cursor = piece.dst_start + piece.nbytes
-            if cursor < len(view):
-                view[cursor:].zero_()
-        if cuda:
-            self._side_stream.synchronize()
+        """Stage one data.bin chunk (and, fused into the copy, its pcf64 checksum)."""
+        assert pending.data_file is not None
+        length = pending.data_file.write_length(chunk.length)
+        pieces = [
+            (self._flat(pending, p.entry, flats), p.src_start, p.dst_start, p.nbytes)
+            for p in chunk.pieces
+        ]
+        # Fused only where the writer would hash the staged bytes itself (not on the mmap
+        # path, which hashes while it copies into the mapping).
+        if not self.copier.fuses_checksum or pending.data_file.checksums_on_write:
+            self.copier.fill(pieces, buffer[:length], self._side_stream)
+            return
+        value = self.copier.fill(pieces, buffer[: chunk.length], self._side_stream, checksum=True)
+        if length > chunk.length:
+            buffer[chunk.length : length].zero_()  # O_DIRECT page padding
+        pending.checksums[chunk.index] = format_digest(self.config.checksum, value)
+
+    def _fill_segment(
+        self, pending: PendingVersion, segment: Segment, buffer: torch.Tensor, flats: list[Any]
+    ) -> None:
+        """Stage one segment of a coded tensor: its raw bytes, encoded later by a writer."""
+        source = self._flat(pending, segment.entry, flats)
+        piece = (source, segment.start * segment.itemsize, 0, segment.nbytes)
+        self.copier.fill([piece], buffer[: segment.nbytes], self._side_stream)
 
     # --- persist stage -----------------------------------------------------------------
-
-    def _open_data_file(self, pending: PendingVersion) -> None:
-        directory = self.storage.staging_path(pending.version)
-        directory.mkdir()
-        path = directory / DATA_NAME
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        if self.config.o_direct != "off":
-            try:
-                pending.fd = os.open(path, flags | os.O_DIRECT, 0o644)
-                pending.o_direct = True
-            except OSError as exc:
-                if self.config.o_direct == "on" or exc.errno != errno.EINVAL:
-                    raise OSError(
-                        exc.errno,
-                        f"O_DIRECT refused by this file system ({exc.strerror}); "
-                        "set engine.o_direct=auto or off",
-                        str(path),
-                    ) from exc
-        if pending.fd < 0:
-            pending.fd = os.open(path, flags, 0o644)
-        padded = -(-pending.nbytes // PAGE) * PAGE
-        if padded:
-            # Reserve the space now: a full disk fails here, before any data is written.
-            os.posix_fallocate(pending.fd, 0, padded if pending.o_direct else pending.nbytes)
-        pending.checksums = [""] * pending.layout.num_chunks
-
-    def _write_length(self, pending: PendingVersion, chunk: Chunk) -> int:
-        # O_DIRECT transfers whole pages; the zero tail is cut off again before commit.
-        return -(-chunk.length // PAGE) * PAGE if pending.o_direct else chunk.length
 
     def _write_chunk(self, pending: PendingVersion, chunk: Chunk, buffer: torch.Tensor) -> None:
         try:
             if not pending.failed:
-                array = buffer.numpy()
-                pending.checksums[chunk.index] = self.checksum([memoryview(array[: chunk.length])])
-                data = memoryview(array[: self._write_length(pending, chunk)])
-                written = 0
-                while written < len(data):
-                    written += os.pwrite(pending.fd, data[written:], chunk.offset + written)
+                data_file, algo = pending.data_file, self.config.checksum
+                assert data_file is not None
+                digest = pending.checksums[chunk.index]  # set by a fused copy
+                if digest:
+                    data_file.write(chunk.offset, buffer, chunk.length, algo)
+                elif data_file.checksums_on_write:
+                    value = data_file.write(chunk.offset, buffer, chunk.length, algo)
+                    digest = format_digest(algo, value)
+                else:
+                    view = memoryview(buffer.numpy()[: chunk.length])
+                    digest = self.checksum([view])
+                    data_file.write(chunk.offset, buffer, chunk.length, algo)
+                pending.checksums[chunk.index] = digest
                 crash_point("chunk_written")
         except BaseException as exc:
             pending.fail("persist", exc)
         finally:
-            self.pool.release(buffer)
-            with pending._lock:
-                pending._outstanding -= 1
-            self._hand_off_if_complete(pending)
+            self._done_with(pending, buffer)
+
+    def _encode_segment(
+        self, pending: PendingVersion, segment: Segment, buffer: torch.Tensor
+    ) -> None:
+        """The compress stage for one staged segment: encode, checksum, append to codec.bin."""
+        stage = "encode"
+        try:
+            if not pending.failed:
+                plan, codec_file = pending.plan, pending.codec_file
+                assert plan is not None and codec_file is not None
+                entry = plan.layout.entries[segment.entry]
+                dtype = DTYPES[entry.dtype]
+                staged = buffer[: segment.nbytes]
+                span = slice(segment.start, segment.start + segment.count)
+                spec = plan.spec_for(segment.entry, pending.delta is not None)
+                previous = None
+                if spec.is_delta and pending.base_values is not None:
+                    previous = pending.base_values[segment.entry][span]
+                payload, meta = encode_segment(spec, staged, dtype, previous)
+                digest = self.checksum([payload])
+                stage = "persist"
+                with pending._lock:
+                    offset = pending.codec_size
+                    pending.codec_size += len(payload)
+                pwrite_all(codec_file.fd, payload, offset)  # type: ignore[attr-defined]
+                if pending.new_values is not None and segment.entry in pending.new_values:
+                    # This version's values: the reference of the next delta (if it commits).
+                    pending.new_values[segment.entry][span].copy_(staged.view(dtype))
+                record = SegmentRecord(
+                    offset, len(payload), digest, segment.start, segment.count, meta
+                )
+                with pending._lock:
+                    pending.segments.setdefault(segment.entry, []).append(record)
+                crash_point("segment_written")
+        except BaseException as exc:
+            pending.fail(stage, exc)
+        finally:
+            self._done_with(pending, buffer)
+
+    def _done_with(self, pending: PendingVersion, buffer: torch.Tensor) -> None:
+        self.pool.release(buffer)
+        with pending._lock:
+            pending._outstanding -= 1
+        self._hand_off_if_complete(pending)
 
     def _hand_off_if_complete(self, pending: PendingVersion) -> None:
         with pending._lock:
@@ -276,13 +371,15 @@ class SavePipeline:
             except BaseException as exc:
                 pending.fail("commit", exc)
             finally:
-                if pending.fd >= 0:
-                    with contextlib.suppress(OSError):
-                        os.close(pending.fd)
-                    pending.fd = -1
+                for handle in (pending.data_file, pending.codec_file):
+                    if handle is not None:
+                        with contextlib.suppress(OSError, BufferError):
+                            handle.close()
+                pending.data_file = pending.codec_file = None
                 if pending.failed:
                     pending.status = FAILED
                     self.storage.discard(pending.version)
+                self.deltas.finished(pending)
                 pending.tensors = []  # drop references to the snapshot's sources
                 pending.finished.set()
                 self.on_finished(pending)
@@ -293,26 +390,42 @@ class SavePipeline:
             self.storage.discard(pending.version)
             pending.status = DISCARDED
             return
-        if pending.o_direct:
-            os.ftruncate(pending.fd, pending.nbytes)
-        os.fdatasync(pending.fd)
+        if pending.delta is not None and not self.storage.path(pending.delta.base).is_dir():
+            raise CheckpointError(
+                f"base version {pending.delta.base} of delta version {pending.version} is no "
+                "longer committed (deleted or quarantined); the next version will be full"
+            )
+        plan, data_file = pending.plan, pending.data_file
+        assert plan is not None and data_file is not None
+        data_file.sync()
+        if pending.codec_file is not None:
+            pending.codec_file.sync()
         crash_point("data_synced")
+        delta = pending.delta is not None
         manifest = Manifest(
             version=pending.version,
             step=pending.step,
             wall_time=time.time(),
             checksum=self.config.checksum,
             chunk_bytes=self.config.chunk_bytes,
-            data_size=pending.nbytes,
-            entries=list(pending.layout.entries),
+            data_size=plan.layout.data_size,
+            entries=plan.stored_entries(delta),
             chunks=[
                 ChunkRecord(c.offset, c.length, pending.checksums[c.index])
-                for c in pending.layout.chunks
+                for c in plan.layout.chunks
             ],
             tree=pending.tree,
             numpy_tensors=pending.numpy_tensors,
             metadata=pending.metadata,
-            engine={"config": self.config.to_dict(), "o_direct": pending.o_direct},
+            engine={
+                "config": self.config.to_dict(),
+                "o_direct": pending.o_direct,
+                "persist": self.persist,
+                "stored_bytes": pending.stored_bytes,
+            },
+            segments={i: sorted(r, key=lambda s: s.start) for i, r in pending.segments.items()},
+            codec_size=pending.codec_size,
+            delta=pending.delta,
         )
         path = self.storage.staging_path(pending.version) / MANIFEST_NAME
         with open(path, "wb") as f:
@@ -322,6 +435,7 @@ class SavePipeline:
         crash_point("manifest_written")
         self.storage.publish(pending.version)
         self.max_published = pending.version
+        self.deltas.published(pending)  # before retention: see DeltaTracker.published
         pending.durable_at = time.perf_counter()
         pending.status = COMMITTED
         for listener in list(self.commit_listeners):
@@ -337,13 +451,33 @@ class SavePipeline:
         versions = self.storage.committed_versions()
         doomed = versions[: -self.config.keep_last]
         if self.retention_filter is not None:
-            doomed = [v for v in self.retention_filter(doomed) if v != versions[-1]]
+            doomed = self.retention_filter(doomed)
+        if doomed and self.config.codecs:
+            # Delta chains: never delete a base that a kept or in-flight version reads.
+            kept = [v for v in versions if v not in set(doomed)]
+            needed = self.deltas.protected(kept)
+            doomed = [v for v in doomed if v not in needed]
         for old in doomed:
+            if old == versions[-1]:
+                continue  # the newest committed version is never deleted
             crash_point("retention")
             try:
                 self.storage.delete(old)
             except OSError as exc:  # the new version is committed; retention can retry later
                 log.warning("pcframe: could not delete old checkpoint version %d: %s", old, exc)
+
+    def deletable(self, versions: list[int]) -> list[int]:
+        """The subset of ``versions`` that no kept or in-flight delta version needs.
+
+        For code that applies retention outside the commit thread (e.g. the distributed
+        engine's prune): filter its candidates through this.
+        """
+        if not self.config.codecs:
+            return list(versions)
+        doomed = set(versions)
+        kept = [v for v in self.storage.committed_versions() if v not in doomed]
+        needed = self.deltas.protected(kept)
+        return [v for v in versions if v not in needed]
 
 
 def _any_cuda(tensors: list[torch.Tensor]) -> bool:

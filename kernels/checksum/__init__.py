@@ -19,7 +19,14 @@ ALGORITHMS: tuple[str, ...] = ("pcf64", "crc32c", "xxh3_64")
 DIGEST_BITS = {"pcf64": 64, "crc32c": 32, "xxh3_64": 64}
 DEFAULT_ALGORITHM = "pcf64"
 
-__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "DIGEST_BITS", "check_algorithm", "checksum"]
+__all__ = [
+    "ALGORITHMS",
+    "DEFAULT_ALGORITHM",
+    "DIGEST_BITS",
+    "check_algorithm",
+    "checksum",
+    "pcf64_buffers",
+]
 
 
 def check_algorithm(algo: str) -> None:
@@ -61,3 +68,47 @@ def checksum(data: BytesLike, algo: str = DEFAULT_ALGORITHM, *, backend: str = "
     if isinstance(data, torch.Tensor) and data.device.type != "cpu":
         data = data.cpu()
     return impl.pcf64(as_uint8_array(data))
+
+
+def _word_sum(data, first_word: int) -> int:
+    """pcf64 word sum of uint8 ``data`` (a whole number of words unless it is the end)."""
+    from pcframe.kernels.dispatch import has_numba
+
+    if has_numba() and data.size:
+        from pcframe.kernels.checksum.numba_cpu import hash_bytes
+
+        return int(hash_bytes(data.ctypes.data, data.size, first_word))
+    return reference.pcf64_word_sum(data, first_word)
+
+
+def pcf64_buffers(buffers) -> int:
+    """pcf64 of the concatenation of several host buffers, without concatenating them.
+
+    A word may straddle two buffers (a reader fills a chunk from several tensors and
+    padding); its bytes are joined in an 8-byte seam, everything else is hashed in place.
+
+    Args:
+        buffers: bytes-like objects or 1-D uint8 numpy arrays, in order.
+    """
+    import numpy as np
+
+    total, words, nbytes, seam = 0, 0, 0, b""
+    for buffer in buffers:
+        data = as_uint8_array(buffer)
+        nbytes += data.size
+        if seam:
+            take = data[: 8 - len(seam)]
+            seam += take.tobytes()
+            data = data[take.size :]
+            if len(seam) < 8:
+                continue
+            total += _word_sum(np.frombuffer(seam, dtype=np.uint8), words)
+            words, seam = words + 1, b""
+        whole = data.size // 8
+        if whole:
+            total += _word_sum(data[: whole * 8], words)
+            words += whole
+        seam = data[whole * 8 :].tobytes()
+    if seam:
+        total += _word_sum(np.frombuffer(seam, dtype=np.uint8), words)
+    return reference.pcf64_finalize(total, nbytes)

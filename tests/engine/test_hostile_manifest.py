@@ -111,3 +111,81 @@ def test_engine_falls_back_past_a_hostile_manifest(tmp_path):
     with Checkpointer(tmp_path, model=torch.nn.Linear(8, 8)) as ckpt:
         assert ckpt.restore() == 1
         assert "unknown dtype 'evil'" in ckpt.last_restore.skipped[0][1]
+
+
+# --- format version 2: coded tensors in codec.bin, delta versions ---------------------------
+
+
+@pytest.fixture
+def coded_dir(tmp_path):
+    model = torch.nn.Linear(64, 64)  # 16 KiB of weights: four 4 KiB segments
+    codecs = {"model/weight": "xor_delta_zstd", "model/bias": "int8_block"}
+    with Checkpointer(tmp_path, model=model, chunk_bytes=4096, codecs=codecs) as ckpt:
+        ckpt.save(step=1).wait()
+        ckpt.save(step=2).wait()  # a delta of version 1
+    return tmp_path / "v00000002"
+
+
+def weight(body):
+    return next(t for t in body["tensors"] if t["name"] == "model/weight")
+
+
+def _swap_first_segments(body):
+    segments = weight(body)["segments"]
+    segments[0][3], segments[1][3] = segments[1][3], segments[0][3]
+
+
+HOSTILE_CODED = {
+    "unknown codec": (lambda b: weight(b).update(codec="evil"), "unknown codec 'evil'"),
+    "segment past the file": (
+        lambda b: weight(b)["segments"][0].__setitem__(0, 1 << 40),
+        "segment 0 offset must be an integer in",
+    ),
+    "segments overlap": (
+        lambda b: weight(b)["segments"][1].__setitem__(0, weight(b)["segments"][0][0]),
+        "overlaps|leaves a gap",  # which one shows first depends on the payload order
+    ),
+    "segment missing": (lambda b: weight(b)["segments"].pop(), "cover"),
+    "segments out of order": (_swap_first_segments, "starts at element"),
+    "giant segment count": (lambda b: weight(b)["segments"][0].__setitem__(4, 10**12), "count"),
+    "huge shape": (
+        lambda b: weight(b).update(shape=[1 << 40], nbytes=4 << 40),
+        "segments cover",
+    ),
+    "meta not an object": (lambda b: weight(b)["segments"][0].__setitem__(5, "x"), "meta"),
+    "bad segment": (lambda b: weight(b)["segments"][0].__setitem__(2, 5), r"must be \[offset"),
+    "traversal": (lambda b: weight(b).update(file="../../codec.bin"), "refers to file"),
+    "extra file": (lambda b: b["files"].update({"evil.bin": {"size": 1}}), "'files' must"),
+    "base in the future": (lambda b: b["delta"].update(base=99), "delta base"),
+    "base is itself": (lambda b: b["delta"].update(base=b["version"]), "delta base"),
+    "absurd depth": (lambda b: b["delta"].update(depth=10**6), "delta depth"),
+    "delta without base": (lambda b: b.pop("delta"), "names no 'delta' base"),
+    "codec size lie": (lambda b: b["files"]["codec.bin"].update(size=1 << 40), "cover"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_CODED))
+def test_hostile_coded_manifest_is_rejected(coded_dir, case):
+    mutate, message = HOSTILE_CODED[case]
+    rewrite(coded_dir, mutate)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ManifestError, match=message):
+        load_version(coded_dir).state_tree()
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mb < 512, f"rejecting {case!r} allocated {grown_mb:.0f} MB"
+
+
+def test_format_1_manifest_may_not_use_codecs(coded_dir):
+    path = coded_dir / "manifest.json"
+    header, body = path.read_bytes().split(b"\n", 1)
+    parsed = json.loads(header)
+    parsed["format_version"] = 1
+    path.write_bytes(json.dumps(parsed).encode() + b"\n" + body)
+    with pytest.raises(ManifestError, match=r"'files' must list 'data\.bin'"):
+        read_manifest(str(path))
+
+
+def test_base_of_another_depth_is_rejected(coded_dir):
+    rewrite(coded_dir, lambda b: b["delta"].update(depth=2))  # the base (v1) has depth 0
+    with pytest.raises(ManifestError, match="expects version 1 at depth 1"):
+        load_version(coded_dir)

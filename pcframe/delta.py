@@ -1,0 +1,162 @@
+"""Delta versions: which committed version a new one is XORed against, and what must be kept.
+
+The chain rule:
+
+* A version whose layout has ``xor_delta_zstd`` tensors is either **full** (those tensors
+  stored with ``zstd``, depth 0) or a **delta** of exactly one *base*: the newest version
+  this engine committed, if its delta tensors have the same names, dtypes and shapes, its
+  directory is still committed, and ``base.depth + 1 < full_every``. Its depth is then
+  ``base.depth + 1``, so restoring any version reads at most ``full_every`` versions.
+* The base must already be **committed when the copy stage starts the delta** (not merely
+  in flight), so a base can never fail or be discarded after a delta was built on it.
+  After a restart there is no in-memory reference: the first version is full.
+* The engine keeps, in host memory, a copy of the delta tensors' values of the newest
+  committed version (the next delta's reference): extra memory of the size of those
+  tensors, plus one more copy per version in flight.
+* **Retention** never deletes a version that a kept version or a version in flight needs:
+  the chain of each is followed base by base (read from the manifests on disk for versions
+  of earlier runs) and all of it is protected.
+* Restore (:mod:`pcframe.loader`) reads the chain from the full version up, verifying every
+  manifest and checksum on the way, and checks each link's version and depth.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from pcframe.errors import CheckpointError
+from pcframe.manifest import MANIFEST_NAME, DeltaLink, read_manifest
+from pcframe.state import DTYPES
+from pcframe.storage import CheckpointDir
+
+log = logging.getLogger("pcframe")
+
+if TYPE_CHECKING:
+    from pcframe.codec_stage import CodecPlan
+    from pcframe.pipeline import PendingVersion
+
+
+@dataclass
+class Reference:
+    """The delta tensors' values of a committed version (flat host tensors by entry index)."""
+
+    version: int
+    depth: int
+    key: tuple
+    values: dict[int, torch.Tensor]
+
+
+class DeltaTracker:
+    def __init__(self, full_every: int, storage: CheckpointDir) -> None:
+        self.full_every = full_every
+        self.storage = storage
+        self._lock = threading.Lock()
+        self._reference: Reference | None = None
+        self._in_flight: dict[int, int] = {}  # version in flight -> its base
+        self._bases: dict[int, int | None] = {}  # committed version -> base (None: full)
+        self._warned = False
+
+    def begin(self, pending: PendingVersion, plan: CodecPlan, allowed: bool = True) -> None:
+        """Copy thread, before the first segment: make ``pending`` a delta or a full version.
+
+        ``allowed=False`` makes every version full: the engine passes it when someone else
+        also decides retention (storage tiers, the distributed protocol), whose deletions
+        and copies do not follow delta chains yet.
+        """
+        pending.delta, pending.base_values, pending.new_values = None, None, None
+        entries = plan.delta_entries
+        if not entries:
+            return
+        if not allowed:
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "pcframe: xor_delta_zstd tensors are stored as full (zstd) versions: "
+                    "storage tiers / distributed retention do not keep delta chains"
+                )
+            return
+        key = plan.delta_key()
+        with self._lock:
+            ref = self._reference
+            usable = (
+                ref is not None
+                and ref.key == key
+                and ref.depth + 1 < self.full_every
+                and self.storage.path(ref.version).is_dir()
+            )
+            if usable:
+                assert ref is not None
+                pending.delta = DeltaLink(ref.version, ref.depth + 1)
+                pending.base_values = ref.values
+                self._in_flight[pending.version] = ref.version
+        pending.new_values = {
+            i: torch.empty(
+                plan.layout.entries[i].nbytes // DTYPES[plan.layout.entries[i].dtype].itemsize,
+                dtype=DTYPES[plan.layout.entries[i].dtype],
+            )
+            for i in sorted(entries)
+        }
+        pending.delta_key = key
+
+    def published(self, pending: PendingVersion) -> None:
+        """Commit thread, right after ``pending`` was published and before retention runs.
+
+        The reference moves to the newest committed version here, under the same lock as
+        :meth:`begin`'s choice, so a delta that starts from now on uses this version, and
+        one that chose the previous reference is already registered in flight when
+        retention computes what it must keep.
+        """
+        with self._lock:
+            base = pending.delta.base if pending.delta is not None else None
+            self._bases[pending.version] = base
+            if pending.new_values is not None:
+                depth = pending.delta.depth if pending.delta is not None else 0
+                self._reference = Reference(
+                    pending.version, depth, pending.delta_key, pending.new_values
+                )
+            else:
+                # A newer version without delta tensors: the old reference is no longer the
+                # newest committed version, so retention may delete it. Start over with a full.
+                self._reference = None
+
+    def finished(self, pending: PendingVersion) -> None:
+        """Commit thread, once ``pending`` is committed, discarded or failed."""
+        with self._lock:
+            self._in_flight.pop(pending.version, None)
+        pending.base_values = pending.new_values = None
+
+    def protected(self, kept: list[int]) -> set[int]:
+        """Every base that a kept version or a version in flight needs, transitively."""
+        with self._lock:
+            todo = list(kept) + list(self._in_flight.values())
+            needed = set(self._in_flight.values())
+        seen: set[int] = set()
+        while todo:
+            version = todo.pop()
+            if version in seen:
+                continue
+            seen.add(version)
+            base = self.base_of(version)
+            if base is not None:
+                needed.add(base)
+                todo.append(base)
+        return needed
+
+    def base_of(self, version: int) -> int | None:
+        """The base of a committed version (``None`` for a full or unreadable one)."""
+        with self._lock:
+            if version in self._bases:
+                return self._bases[version]
+        try:
+            manifest = read_manifest(str(self.storage.path(version) / MANIFEST_NAME))
+            base = manifest.delta.base if manifest.delta is not None else None
+        except (OSError, CheckpointError):
+            return None  # not verifiable: restore skips it anyway, it needs nothing kept
+        with self._lock:
+            self._bases[version] = base
+        return base

@@ -1,0 +1,198 @@
+"""Codecs per tensor group through the real engine: format, round trips, bounds, gate, errors."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from pcframe import Checkpointer, ConfigError, ManifestError, SaveError
+from pcframe.kernels import dequantize_blockwise, quantize_blockwise
+from pcframe.loader import load_version
+from pcframe.manifest import read_manifest
+from pcframe.pipeline import SavePipeline
+from tests.engine.helpers import small_training, state_equal, train_steps
+
+MOMENTS = "optimizer/state/*/exp_avg*"
+
+
+def header(version_dir):
+    return json.loads((version_dir / "manifest.json").read_bytes().split(b"\n", 1)[0])
+
+
+def big_training(seed: int = 0):
+    """Weights larger than a 4 KiB chunk, so coded tensors span several segments."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 8))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        model(torch.randn(16, 64)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def test_lossless_codecs_round_trip_bit_exact(tmp_path):
+    model, optimizer = big_training()
+    codecs = {"model/*": "zstd", MOMENTS: {"codec": "zstd", "level": 1}, "rng/*": "raw"}
+    with Checkpointer(
+        tmp_path, model=model, optimizer=optimizer, codecs=codecs, chunk_bytes=4096
+    ) as ckpt:
+        ckpt.save(step=1).wait()
+    version = tmp_path / "v00000001"
+    assert header(version)["format_version"] == 2
+    manifest = read_manifest(str(version / "manifest.json"))
+    codec_of = {e.name: e.codec for e in manifest.entries}
+    assert codec_of["model/0.weight"] == "zstd" and codec_of["optimizer/state/0/step"] == "raw"
+    assert codec_of["rng/torch"] == "raw"  # the first matching rule wins, "raw" included
+    weight = next(i for i, e in enumerate(manifest.entries) if e.name == "model/0.weight")
+    assert len(manifest.segments[weight]) > 1  # 24 KiB of fp32 in 4 KiB segments
+    model2, optimizer2 = big_training(seed=3)
+    with Checkpointer(tmp_path, model=model2, optimizer=optimizer2) as ckpt:
+        assert ckpt.restore() == 1
+    assert state_equal(model2.state_dict(), model.state_dict())
+    assert state_equal(optimizer2.state_dict()["state"], optimizer.state_dict()["state"])
+
+
+def test_default_stays_raw_format_1(tmp_path):
+    with Checkpointer(tmp_path, model=torch.nn.Linear(4, 4)) as ckpt:
+        ckpt.save(step=1).wait()
+    assert header(tmp_path / "v00000001")["format_version"] == 1
+    assert not (tmp_path / "v00000001" / "codec.bin").exists()
+
+
+@pytest.mark.parametrize(("codec", "fmt"), [("int8_block", "int8"), ("fp8_block", "fp8_e4m3")])
+def test_lossy_moments_stay_within_the_recorded_bound(tmp_path, codec, fmt):
+    model, optimizer = big_training()
+    saved = {k: {n: v.clone() for n, v in s.items()} for k, s in optimizer.state.items()}
+    block = 64
+    codecs = {MOMENTS: {"codec": codec, "block_size": block}}
+    with Checkpointer(
+        tmp_path, model=model, optimizer=optimizer, codecs=codecs, chunk_bytes=4096
+    ) as ckpt:
+        ckpt.save(step=1).wait()
+    manifest = read_manifest(str(tmp_path / "v00000001" / "manifest.json"))
+    model2, optimizer2 = big_training(seed=5)
+    with Checkpointer(tmp_path, model=model2, optimizer=optimizer2) as ckpt:
+        ckpt.restore()
+    assert state_equal(model2.state_dict(), model.state_dict())  # weights untouched: raw
+    moments_bytes = 0
+    for index, (param, state) in enumerate(zip(model2.parameters(), saved.values(), strict=True)):
+        for name in ("exp_avg", "exp_avg_sq"):
+            original, restored = state[name], optimizer2.state[param][name]
+            bound = manifest.error_bound(f"optimizer/state/{index}/{name}")
+            error = (original - restored).abs().max().item()
+            assert 0 < bound < original.abs().max().item()
+            assert error <= bound
+            # Segments start on quantization blocks: identical to quantizing the whole tensor.
+            whole = dequantize_blockwise(quantize_blockwise(original, fmt, block))
+            assert torch.equal(restored, whole)
+            moments_bytes += original.numel() * 4
+        assert torch.equal(optimizer2.state[param]["step"], state["step"])
+    assert manifest.codec_size < moments_bytes * 0.3  # 1-byte codes + a scale per 64
+
+
+def test_codec_tensors_are_gated_but_encoding_is_not(tmp_path, monkeypatch):
+    """optimizer.step() waits for the raw copy of coded tensors, not for their encoding."""
+    import pcframe.pipeline as pipeline_module
+
+    encode = pipeline_module.encode_segment
+
+    def slow_encode(*args):
+        time.sleep(0.5)
+        return encode(*args)
+
+    original_fill = SavePipeline._fill_segment
+
+    def slow_fill(self, *args):
+        time.sleep(0.05)
+        original_fill(self, *args)
+
+    monkeypatch.setattr(pipeline_module, "encode_segment", slow_encode)
+    monkeypatch.setattr(SavePipeline, "_fill_segment", slow_fill)
+    model, optimizer, scheduler = small_training()
+    train_steps(model, optimizer, scheduler, 2)
+    codecs = {"model/*": "zstd", MOMENTS: "zstd"}
+    with Checkpointer(
+        tmp_path, model=model, optimizer=optimizer, codecs=codecs, writer_threads=1
+    ) as ckpt:
+        handle = ckpt.save(step=2)
+        snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+        moments = {k: v.clone() for k, v in optimizer.state[next(model.parameters())].items()}
+        train_steps(model, optimizer, scheduler, 3)  # waits for slow_fill, not slow_encode
+        assert not handle.done(), "the step waited for encoding, not just for the copy"
+        assert handle.wait() == "committed"
+        ckpt.wait()  # records are updated at the next engine call
+        assert ckpt.records[1].stall >= 0.05
+    model2, optimizer2, _ = small_training(seed=4)
+    with Checkpointer(tmp_path, model=model2, optimizer=optimizer2) as ckpt:
+        ckpt.restore()
+    assert state_equal(model2.state_dict(), snapshot)
+    assert state_equal(optimizer2.state[next(model2.parameters())], moments)
+
+
+@pytest.mark.parametrize(
+    ("codecs", "message"),
+    [
+        ({"model/*": "pickle"}, r"engine\.codecs.*unknown codec 'pickle'"),
+        ({"model/*": {"codec": "zstd", "levle": 3}}, r"engine\.codecs.*rejects options"),
+        ({"model/*": {"level": 3}}, r"engine\.codecs.*give a codec name"),
+        ({"model/*": {"codec": "int8_block", "block_size": 8192}}, r"block_size 8192 .* fit"),
+        (["model/*"], r"engine\.codecs.*map tensor-name globs"),
+    ],
+)
+def test_bad_codec_config_names_the_key(tmp_path, codecs, message):
+    with pytest.raises(ConfigError, match=message):
+        Checkpointer(tmp_path, model=torch.nn.Linear(2, 2), codecs=codecs, chunk_bytes=65536)
+    with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2)):
+        pass  # the failed construction left the directory unlocked
+
+
+def test_lossy_codec_on_an_integer_tensor_fails_the_save_clearly(tmp_path):
+    model, optimizer, scheduler = small_training()
+    train_steps(model, optimizer, scheduler, 1)
+    with Checkpointer(tmp_path, model=model, codecs={"model/*": "int8_block"}) as ckpt:
+        with pytest.raises(SaveError, match=r"'model/\*'.*num_batches_tracked.*int64"):
+            ckpt.save(step=1).wait()
+        assert ckpt.committed_versions() == []
+
+
+def test_corrupt_codec_payload_falls_back_to_the_previous_version(tmp_path):
+    model, optimizer = big_training()
+    codecs = {MOMENTS: "int8_block"}
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, codecs=codecs) as ckpt:
+        ckpt.save(step=1).wait()
+        ckpt.save(step=2).wait()
+    path = tmp_path / "v00000002" / "codec.bin"
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0x01
+    path.write_bytes(bytes(data))
+    model2, optimizer2 = big_training(seed=1)
+    with Checkpointer(tmp_path, model=model2, optimizer=optimizer2) as ckpt:
+        assert ckpt.restore() == 1
+        assert (
+            "codec.bin: tensor 'optimizer/state/0/exp_avg' segment 0: checksum mismatch"
+            in (ckpt.last_restore.skipped[0][1])
+        )
+
+
+def test_readers_of_format_1_reject_a_coded_version(tmp_path, monkeypatch):
+    import pcframe.manifest as manifest_module
+
+    model, optimizer = big_training()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, codecs={MOMENTS: "zstd"}) as c:
+        c.save(step=1).wait()
+    monkeypatch.setattr(manifest_module, "READABLE_VERSIONS", (1,))
+    with pytest.raises(ManifestError, match=r"format_version 2 is not supported.*upgrade"):
+        load_version(tmp_path / "v00000001")
+
+
+def test_raw_only_readers_refuse_coded_versions(tmp_path):
+    model, optimizer = big_training()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, codecs={MOMENTS: "zstd"}) as c:
+        c.save(step=1).wait()
+    manifest = read_manifest(str(tmp_path / "v00000001" / "manifest.json"))
+    with pytest.raises(ManifestError, match=r"stores tensors with codecs.*load_version"):
+        _ = manifest.layout  # e.g. a partial reader of data.bin would miss the coded tensors

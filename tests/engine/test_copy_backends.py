@@ -1,0 +1,182 @@
+"""Copy-stage backends (torch, numba, triton, auto) and the pcf64 checksum through the engine."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+
+from pcframe import Checkpointer, ConfigError, EngineConfig
+from pcframe.kernels import checksum
+from pcframe.manifest import read_manifest
+from tests.engine.helpers import small_training, state_equal, train_steps
+
+DIGITS = {"crc32c": 8, "pcf64": 16, "xxh3_64": 16}
+
+
+def recomputed_checksums_match(version_dir) -> None:
+    """Every chunk's recorded checksum equals an independent one over the bytes on disk."""
+    manifest = read_manifest(str(version_dir / "manifest.json"))
+    data = (version_dir / "data.bin").read_bytes()
+    assert len(data) == manifest.data_size
+    for chunk in manifest.chunks:
+        expected = checksum(data[chunk.offset : chunk.offset + chunk.length], manifest.checksum)
+        assert chunk.checksum == f"{expected:0{DIGITS[manifest.checksum]}x}", chunk
+
+
+@pytest.mark.parametrize("algo", ["crc32c", "pcf64"])
+@pytest.mark.parametrize("backend", ["torch", "numba", "auto"])
+def test_backends_round_trip_and_checksums_are_right(tmp_path, backend, algo):
+    model, optimizer, scheduler = small_training()
+    train_steps(model, optimizer, scheduler, 2)
+    transposed = {"t": torch.randn(40, 30).t()}  # strided source tensor
+
+    class Holder:
+        def state_dict(self):
+            return transposed
+
+        def load_state_dict(self, state):
+            transposed.update(state)
+
+    expected_t = transposed["t"].clone()
+    with Checkpointer(
+        tmp_path,
+        model=model,
+        optimizer=optimizer,
+        stateful={"h": Holder()},
+        copy_backend=backend,
+        checksum=algo,
+        chunk_bytes=4096,  # several chunks, tensors split across chunk boundaries
+    ) as ckpt:
+        ckpt.save(step=2).wait()
+    recomputed_checksums_match(tmp_path / "v00000001")
+    model2, optimizer2, _ = small_training(seed=3)
+    transposed["t"] = torch.zeros(30, 40)
+    with Checkpointer(
+        tmp_path, model=model2, optimizer=optimizer2, stateful={"h": Holder()}
+    ) as ckpt:
+        assert ckpt.restore() == 2
+    assert state_equal(model2.state_dict(), model.state_dict())
+    assert state_equal(optimizer2.state_dict()["state"], optimizer.state_dict()["state"])
+    assert torch.equal(transposed["t"], expected_t)
+
+
+def test_numba_with_pcf64_checksums_in_the_copy_pass(tmp_path, monkeypatch):
+    import pcframe.kernels as kernels
+
+    calls = []
+    original = kernels.gather_checksum
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("backend"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "gather_checksum", spy)
+    model = torch.nn.Linear(64, 64)
+    with Checkpointer(
+        tmp_path, model=model, copy_backend="numba", checksum="pcf64", chunk_bytes=4096
+    ) as ckpt:
+        ckpt.save(step=1).wait()
+    manifest = read_manifest(str(tmp_path / "v00000001" / "manifest.json"))
+    assert calls == ["numba"] * len(manifest.chunks)
+    recomputed_checksums_match(tmp_path / "v00000001")
+
+
+def test_pcf64_detects_a_flipped_bit(tmp_path):
+    model = torch.nn.Linear(32, 32)
+    with Checkpointer(tmp_path, model=model, checksum="pcf64", copy_backend="numba") as ckpt:
+        ckpt.save(step=1).wait()
+        ckpt.save(step=2).wait()
+    path = tmp_path / "v00000002" / "data.bin"
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0x08
+    path.write_bytes(bytes(data))
+    with Checkpointer(tmp_path, model=torch.nn.Linear(32, 32)) as ckpt:
+        assert ckpt.restore() == 1
+        assert "checksum mismatch in chunk 0" in ckpt.last_restore.skipped[0][1]
+
+
+def test_an_unavailable_backend_is_refused_at_construction(tmp_path, monkeypatch):
+    import pcframe.kernels.dispatch as dispatch
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"engine\.copy_backend='triton' cannot run"):
+            Checkpointer(tmp_path, model=torch.nn.Linear(2, 2), copy_backend="triton")
+    monkeypatch.setattr(dispatch, "has_numba", lambda: False)
+    with pytest.raises(ConfigError, match=r"copy_backend='numba'.*numba cannot be imported"):
+        Checkpointer(tmp_path, model=torch.nn.Linear(2, 2), copy_backend="numba")
+    with pytest.raises(ConfigError, match=r"copy_backend='cuda' is invalid.*torch, numba"):
+        EngineConfig(copy_backend="cuda")
+    # Nothing was opened: the directory is free for the next writer.
+    with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2), copy_backend="auto") as ckpt:
+        ckpt.save(step=1).wait()
+
+
+TRITON_CHILD = r"""
+import sys, torch
+from pcframe import Checkpointer
+from pcframe.loader import load_version
+torch.manual_seed(0)
+model = torch.nn.Linear(48, 40)
+with Checkpointer(sys.argv[1], model=model, copy_backend="triton", checksum=sys.argv[2],
+                  chunk_bytes=4096) as ckpt:
+    ckpt.save(step=1).wait()
+named = load_version(sys.argv[1] + "/v00000001").named_tensors()
+assert torch.equal(named["model/weight"], model.weight.detach())
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("algo", ["crc32c", "pcf64"])
+def test_triton_backend_on_cpu_through_its_interpreter(tmp_path, python, child_env, algo):
+    """CPU twin of the GPU test: the Triton copy kernels run in Triton's interpreter."""
+    pytest.importorskip("triton")
+    child_env["TRITON_INTERPRET"] = "1"
+    result = subprocess.run(
+        [python, "-c", TRITON_CHILD, str(tmp_path), algo],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+    recomputed_checksums_match(tmp_path / "v00000001")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("algo", ["crc32c", "pcf64"])
+def test_triton_backend_with_cuda_tensors(tmp_path, algo):
+    model = torch.nn.Linear(256, 256).cuda()
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 256, device="cuda")).sum().backward()
+    optimizer.step()
+    with Checkpointer(
+        tmp_path, model=model, optimizer=optimizer, copy_backend="auto", checksum=algo
+    ) as ckpt:
+        ckpt.save(step=1)
+        snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+        optimizer.step()  # gated: must not leak into the snapshot
+        ckpt.wait()
+    recomputed_checksums_match(tmp_path / "v00000001")
+    model2 = torch.nn.Linear(256, 256).cuda()
+    with Checkpointer(tmp_path, model=model2) as ckpt:
+        ckpt.restore()
+    assert state_equal(model2.state_dict(), snapshot)
+
+
+def test_pcf64_over_several_buffers_equals_pcf64_of_their_concatenation():
+    """The loader verifies a chunk read into many pieces; words straddle piece boundaries."""
+    import numpy as np
+
+    from pcframe.kernels.checksum import pcf64_buffers
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        sizes = rng.integers(0, 40, size=rng.integers(1, 7))
+        parts = [rng.integers(0, 256, size=n, dtype=np.uint8) for n in sizes]
+        whole = np.concatenate(parts)
+        assert pcf64_buffers([memoryview(p) for p in parts]) == checksum(whole, "pcf64")
+    assert pcf64_buffers([]) == checksum(b"", "pcf64")
