@@ -205,10 +205,7 @@ class Checkpointer:
         self.pipeline = SavePipeline(config, self.storage, self._on_finished)
         if self.tiers is not None:
             self.add_commit_listener(self.tiers.on_commit)
-            narrow, tiers_filter = self.pipeline.retention_filter, self.tiers.retention_filter
-            self.pipeline.retention_filter = (
-                tiers_filter if narrow is None else (lambda doomed: tiers_filter(narrow(doomed)))
-            )
+            self.pipeline.retention_filters.append(self.tiers.retention_filter)
         self._hook = optimizer.register_step_pre_hook(self._gate) if optimizer else None
         atexit.register(self._atexit)
 

@@ -144,9 +144,9 @@ class SavePipeline:
         self.max_published = max(storage.committed_versions(), default=0)
         # Called on the commit thread after a version is published: f(version, path, manifest).
         self.commit_listeners: list[Callable[[int, Path, Manifest], None]] = []
-        # Narrows which old versions retention may delete (e.g. ones a coordinator or a
-        # slower tier still needs); the newest committed version is never deleted anyway.
-        self.retention_filter: Callable[[list[int]], list[int]] | None = None
+        # Each filter narrows which old versions retention may delete (ones a coordinator or
+        # a slower tier still needs); all apply. The newest committed version is never deleted.
+        self.retention_filters: list[Callable[[list[int]], list[int]]] = []
         self._copy_queue: queue.Queue[PendingVersion | None] = queue.Queue()
         self._commit_queue: queue.Queue[PendingVersion | None] = queue.Queue()
         self._writers = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="pcframe-w")
@@ -232,7 +232,7 @@ class SavePipeline:
             pending.codec_file = WrittenFile(directory / CODEC_NAME, 0)
             # Tiers and the distributed protocol narrow retention without knowing delta
             # chains: with them every version is full.
-            self.deltas.begin(pending, plan, allowed=self.retention_filter is None)
+            self.deltas.begin(pending, plan, allowed=not self.retention_filters)
 
     def _stage(
         self, pending: PendingVersion, task: Callable, fill: Callable, unit: Any, flats: list[Any]
@@ -450,8 +450,8 @@ class SavePipeline:
     def _apply_retention(self) -> None:
         versions = self.storage.committed_versions()
         doomed = versions[: -self.config.keep_last]
-        if self.retention_filter is not None:
-            doomed = self.retention_filter(doomed)
+        for narrow in self.retention_filters:
+            doomed = narrow(doomed)
         if doomed and self.config.codecs:
             # Delta chains: never delete a base that a kept or in-flight version reads.
             kept = [v for v in versions if v not in set(doomed)]

@@ -198,12 +198,8 @@ class DistributedCheckpointer:
             self._next - 1,
             keep_global,
         )
-        # Narrow whatever filter the engine already has (e.g. replica tiers), never widen it.
-        earlier = self.local.pipeline.retention_filter
-        deletable = self.protocol.deletable
-        self.local.pipeline.retention_filter = (
-            deletable if earlier is None else (lambda doomed: deletable(earlier(doomed)))
-        )
+        # Added to whatever filters the engine already has (e.g. replica tiers): all apply.
+        self.local.pipeline.retention_filters.append(self.protocol.deletable)
         self.splitter = StateSplitter(model, optimizer, self.rank, self.world_size, self._agree)
         self.rounds: dict[int, Round] = {}
         self.last_restore: DistributedRestoreReport | None = None

@@ -169,7 +169,7 @@ def test_commit_listeners_retention_filter_and_forced_versions(tmp_path):
             lambda v, path, manifest: seen.append((v, path.name, manifest.step))
         )
         ckpt.add_commit_listener(lambda *args: 1 / 0)  # a failing listener does not undo commits
-        ckpt.pipeline.retention_filter = lambda doomed: [v for v in doomed if v != 1]
+        ckpt.pipeline.retention_filters.append(lambda doomed: [v for v in doomed if v != 1])
         ckpt.save(step=1).wait()
         ckpt.save(step=2).wait()
         ckpt.save(step=3, version=10).wait()
