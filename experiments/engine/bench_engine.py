@@ -98,14 +98,7 @@ class TorchSave:
             torch.save({"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}, f)
             f.flush()
             os.fsync(f.fileno())
-        self.durable = [time.perf_counter() - start]
         return time.perf_counter() - start
-
-    def before_step(self) -> float:
-        return 0.0
-
-    def finish(self) -> list[float]:
-        return self.durable_all
 
     def restore(self) -> float:
         import torch
@@ -122,6 +115,7 @@ class DCP:
     def __init__(self, model, optimizer, directory: Path, use_async: bool):
         self.model, self.optimizer, self.dir, self.n = model, optimizer, directory, 0
         self.use_async, self.future, self.started = use_async, None, 0.0
+        self.durables: list[float] = []
 
     def state(self):
         return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
@@ -130,7 +124,7 @@ class DCP:
         import torch.distributed.checkpoint as dcp
 
         start = time.perf_counter()
-        stall = self._wait_previous()  # DCP allows one async save at a time
+        self._wait_previous()  # DCP allows one async save at a time: waiting is stall too
         self.n += 1
         path = str(self.dir / f"ckpt{self.n}")
         self.started = time.perf_counter()
@@ -139,7 +133,7 @@ class DCP:
         else:
             dcp.save(self.state(), checkpoint_id=path)
             self.durables.append(time.perf_counter() - self.started)
-        return time.perf_counter() - start + 0 * stall
+        return time.perf_counter() - start
 
     def _wait_previous(self) -> float:
         if self.future is None:
@@ -149,9 +143,6 @@ class DCP:
         self.durables.append(time.perf_counter() - self.started)
         self.future = None
         return time.perf_counter() - start
-
-    def before_step(self) -> float:
-        return 0.0
 
     def restore(self) -> float:
         import torch.distributed.checkpoint as dcp
@@ -168,7 +159,9 @@ class PCFrame:
     def __init__(self, model, optimizer, directory: Path, **options):
         from pcframe import Checkpointer
 
-        self.ckpt = Checkpointer(directory, model=model, optimizer=optimizer, keep_last=2, **options)
+        self.ckpt = Checkpointer(
+            directory, model=model, optimizer=optimizer, keep_last=2, **options
+        )
         self.model, self.optimizer, self.dir, self.step = model, optimizer, directory, 0
 
     def save(self) -> float:
@@ -176,9 +169,6 @@ class PCFrame:
         self.step += 1
         self.ckpt.save(self.step)
         return time.perf_counter() - start
-
-    def before_step(self) -> float:
-        return 0.0  # the gate is inside optimizer.step(); measured in records[].stall
 
     def restore(self) -> float:
         from pcframe import Checkpointer
@@ -201,7 +191,6 @@ def run_method(args: argparse.Namespace) -> dict:
         impl = TorchSave(model, optimizer, directory)
     elif method in ("dcp.save", "dcp.async_save"):
         impl = DCP(model, optimizer, directory, use_async=method == "dcp.async_save")
-        impl.durables = []
     else:
         options = json.loads(args.options)
         impl = PCFrame(model, optimizer, directory, **options)
@@ -211,24 +200,13 @@ def run_method(args: argparse.Namespace) -> dict:
     stalls, durables = [], []
     iteration = args.iteration_ms / 1000
     steps = args.checkpoints * args.every
-    loop_start = time.perf_counter()
-    compute = 0.0
     for step in range(1, steps + 1):
-        t = time.perf_counter()
         time.sleep(iteration)  # forward/backward on an accelerator: the CPU is free
-        compute += time.perf_counter() - t
-        t = time.perf_counter()
-        gate_start = t
-        optimizer.step()
-        step_time = time.perf_counter() - gate_start
-        compute += step_time
+        optimizer.step()  # pcframe's gate waits here; measured in its records' stall
         if step % args.every == 0:
+            stalls.append(impl.save())
             if method == "torch.save":
-                s = impl.save()
-                stalls.append(s)
-                durables.append(s)
-            else:
-                stalls.append(impl.save())
+                durables.append(stalls[-1])
     if method.startswith("dcp"):
         if impl.use_async:
             impl._wait_previous()
@@ -238,7 +216,6 @@ def run_method(args: argparse.Namespace) -> dict:
         records = [r for r in impl.ckpt.records.values() if r.status == "committed"]
         stalls = [r.stall for r in records]
         durables = [r.durable for r in records]
-    loop_seconds = time.perf_counter() - loop_start
     peak_extra = rss_bytes("VmHWM") - baseline_rss
     cold = drop_caches()
     restore = impl.restore()
@@ -251,7 +228,6 @@ def run_method(args: argparse.Namespace) -> dict:
         "peak_extra_bytes": peak_extra,
         "restore_s": restore,
         "cold_cache": cold,
-        "loop_overhead_s": loop_seconds - compute,
     }
 
 
@@ -313,10 +289,24 @@ def main() -> None:
         directory.mkdir()
         out = base / "result.json"
         cmd = [
-            sys.executable, __file__, "--method", method, "--options", options,
-            "--json", str(out), "--dir", str(directory), "--size-gb", str(args.size_gb),
-            "--checkpoints", str(args.checkpoints), "--every", str(args.every),
-            "--iteration-ms", str(args.iteration_ms),
+            sys.executable,
+            __file__,
+            "--method",
+            method,
+            "--options",
+            options,
+            "--json",
+            str(out),
+            "--dir",
+            str(directory),
+            "--size-gb",
+            str(args.size_gb),
+            "--checkpoints",
+            str(args.checkpoints),
+            "--every",
+            str(args.every),
+            "--iteration-ms",
+            str(args.iteration_ms),
         ]
         subprocess.run(cmd, check=True)
         results.append(json.loads(out.read_text()))
@@ -341,7 +331,8 @@ def write_table(args, results, raw_bw, raw_all) -> None:
         f"State: {results[0]['bytes'] / gib:.2f} GiB (model + Adam moments, fp32, CPU). "
         f"Raw O_DIRECT sequential write of the same size, same disk, same run: "
         f"{raw_bw / 1e9:.2f} GB/s (median of {len(raw_all)}: "
-        + ", ".join(f"{b / 1e9:.2f}" for b in raw_all) + "). "
+        + ", ".join(f"{b / 1e9:.2f}" for b in raw_all)
+        + "). "
         f"Restores read with the page cache {'dropped' if results[0]['cold_cache'] else 'warm'}.",
         "Stall = seconds the training thread is blocked per checkpoint (median), with a "
         f"{args.iteration_ms:g} ms idle-CPU iteration standing for accelerator compute and a "
