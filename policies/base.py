@@ -47,6 +47,23 @@ class PolicyContext:
 
 
 @dataclass(frozen=True)
+class SaveHint:
+    """When :meth:`IntervalPolicy.decide` can next answer ``save=True``.
+
+    For callers that do not run every step (the trace simulator jumps from one candidate
+    save point to the next instead of iterating 45 days step by step). ``decide`` will not
+    say save before step ``step`` nor before time ``time`` (``ctx.now``'s clock); ``None``
+    means no bound. ``every`` declares the policy periodic: from ``step`` on it saves exactly
+    every ``every`` steps and neither ``decide`` nor ``observe(SaveCompleted)`` changes its
+    state, until a ``Preempted``/``Restarted`` event or a notice.
+    """
+
+    step: int | None = None
+    time: float | None = None
+    every: int | None = None
+
+
+@dataclass(frozen=True)
 class Decision:
     save: bool
     reason: str = ""
@@ -106,3 +123,13 @@ class IntervalPolicy(Stateful, ABC):
 
     def observe(self, event: Event) -> None:
         """Learn from what happened (a save completed, a preemption, a restart)."""
+
+    def save_hint(self, ctx: PolicyContext) -> SaveHint | None:
+        """The earliest point at which :meth:`decide` could say save, or ``None`` if unknown.
+
+        Called right after ``decide(ctx)`` with the same context, assuming no event or notice
+        arrives in between; must not change state. ``None`` (the default) tells a simulator
+        to ask at every step: exact, only slower.
+        """
+        del ctx
+        return None

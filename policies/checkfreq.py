@@ -18,6 +18,7 @@ from pcframe.policies.base import (
     PolicyContext,
     Restarted,
     SaveCompleted,
+    SaveHint,
 )
 from pcframe.policies.estimates import CostModel
 from pcframe.policies.registry import register
@@ -89,6 +90,12 @@ class CheckFreq(IntervalPolicy):
             return Decision(False)
         self._last_step = ctx.step
         return Decision(True, f"checkfreq: {self.k} steps since the last save")
+
+    def save_hint(self, ctx: PolicyContext) -> SaveHint | None:
+        if self.k is None or self._last_step is None:
+            return None
+        # k may change after the next SaveCompleted; the caller decides again after events.
+        return SaveHint(step=max(self._last_step + self.k, ctx.step + 1))
 
     def observe(self, event: Event) -> None:
         self.costs.observe(event)

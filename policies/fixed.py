@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pcframe.policies.base import Decision, IntervalPolicy, PolicyContext
+from pcframe.policies.base import Decision, IntervalPolicy, PolicyContext, SaveHint
 from pcframe.policies.registry import register
 
 
@@ -21,6 +21,10 @@ class FixedSteps(IntervalPolicy):
         if ctx.step > 0 and ctx.step % self.every == 0:
             return Decision(True, f"step {ctx.step} is a multiple of {self.every}")
         return Decision(False)
+
+    def save_hint(self, ctx: PolicyContext) -> SaveHint:
+        # Stateless and periodic: the simulator may skip every step in between.
+        return SaveHint(step=(max(ctx.step, 0) // self.every + 1) * self.every, every=self.every)
 
     def state_dict(self) -> dict[str, Any]:
         return {"every": self.every}

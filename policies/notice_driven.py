@@ -7,6 +7,7 @@ otherwise don't start a save that would die half-written and rely on the last pe
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pcframe.policies.base import (
@@ -17,6 +18,7 @@ from pcframe.policies.base import (
     PolicyContext,
     Restarted,
     SaveCompleted,
+    SaveHint,
 )
 from pcframe.policies.estimates import RunningEstimate
 from pcframe.policies.notices.base import NoticeSource
@@ -109,6 +111,21 @@ class NoticeDriven(IntervalPolicy):
         # save that never happens.
         self.last_notice_decision = d
         return d
+
+    def save_hint(self, ctx: PolicyContext) -> SaveHint | None:
+        # Notices are delivered by the caller (it decides again when one arrives); between
+        # notices this policy is its inner policy, or never saves.
+        if self.inner is None:
+            return SaveHint(time=math.inf)
+        hint = self.inner.save_hint(ctx)
+        if hint is None:
+            return None
+        time = hint.time
+        if self._handled is not None and ctx.now <= self._handled:
+            # A notice is being handled: nothing more is saved before its deadline.
+            time = self._handled if time is None else max(time, self._handled)
+        # Never periodic: this policy's own state learns from every completed save.
+        return SaveHint(step=hint.step, time=time)
 
     def observe(self, event: Event) -> None:
         if isinstance(event, SaveCompleted):

@@ -5,7 +5,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pcframe.policies.base import Decision, Event, PolicyContext, Restarted, SaveCompleted
+from pcframe.policies.base import (
+    Decision,
+    Event,
+    PolicyContext,
+    Restarted,
+    SaveCompleted,
+    SaveHint,
+)
 from pcframe.policies.periodic import SecondsIntervalPolicy
 from pcframe.policies.registry import register
 
@@ -45,6 +52,16 @@ class OverheadBudget(SecondsIntervalPolicy):
             self.costs.track(ctx)  # keep measuring the iteration time while we hold back
             return Decision(False)
         return super().decide(ctx)
+
+    def save_hint(self, ctx: PolicyContext) -> SaveHint | None:
+        hint = super().save_hint(ctx)
+        if hint is None:
+            return None
+        # While over budget nothing starts until the wall time has caught up with the stall.
+        behind = self.stalled / self.budget - self.wall
+        if behind > 0 and hint.time is not None:
+            hint = SaveHint(step=hint.step, time=max(hint.time, ctx.now + behind))
+        return hint
 
     def observe(self, event: Event) -> None:
         super().observe(event)

@@ -11,7 +11,14 @@ import math
 from abc import abstractmethod
 from typing import Any
 
-from pcframe.policies.base import Decision, Event, IntervalPolicy, PolicyContext, Restarted
+from pcframe.policies.base import (
+    Decision,
+    Event,
+    IntervalPolicy,
+    PolicyContext,
+    Restarted,
+    SaveHint,
+)
 from pcframe.policies.estimates import CostModel
 
 
@@ -89,6 +96,12 @@ class SecondsIntervalPolicy(IntervalPolicy):
             return Decision(False)
         self._anchor, self._last_step = ctx.now, ctx.step
         return Decision(True, f"{self.name}: {elapsed:.1f} s since last save >= {tau:.1f} s")
+
+    def save_hint(self, ctx: PolicyContext) -> SaveHint | None:
+        if self._anchor is None or self.last_interval is None:
+            return None  # decide has not run yet
+        after = ctx.step if self._last_step is None else max(ctx.step, self._last_step)
+        return SaveHint(step=after + 1, time=self._anchor + self.last_interval)
 
     def observe(self, event: Event) -> None:
         self.costs.observe(event)

@@ -59,6 +59,11 @@ def daly_interval_exact(cost: float, mtbf: float) -> float:
         else:
             hi = u
         step = h * (1.0 - u) / u  # h / h'(u), h'(u) = −u / (1 − u)
+        if abs(step) <= 1e-15 * u:
+            # Converged. Tested before the bracket: at an exact root (h == 0) the Newton
+            # point equals a bracket end, and bisecting from there took ~40 more rounds.
+            u += step
+            break
         nxt = u + step
         if not lo < nxt < hi:
             nxt = 0.5 * (lo + hi)

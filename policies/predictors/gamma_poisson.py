@@ -10,8 +10,10 @@ from pcframe.policies.predictors.base import (
     Estimate,
     Prediction,
     Predictor,
+    beta_quantile,
     check_confidence,
     clamp_estimate,
+    gamma_quantile,
 )
 from pcframe.policies.predictors.exposure import ExposureClock
 from pcframe.policies.predictors.history import (
@@ -107,20 +109,17 @@ class GammaPoissonRate(Predictor):
             self._b += 1.0 - x
 
     def predict(self, now: float | None = None) -> Prediction:
-        from scipy.stats import beta as beta_dist
-        from scipy.stats import gamma
-
         tail = (1.0 - self.confidence) / 2.0
-        lo = float(gamma.ppf(tail, self.alpha, scale=1.0 / self.beta))
-        hi = float(gamma.ppf(1.0 - tail, self.alpha, scale=1.0 / self.beta))
+        lo = gamma_quantile(tail, self.alpha, self.beta)
+        hi = gamma_quantile(1.0 - tail, self.alpha, self.beta)
         rate = clamp_estimate(self.alpha / self.beta, lo, hi, self.confidence)
         avail = None
         if self._a > 0 and self._b > 0:
             m = self._a / (self._a + self._b)
             avail = clamp_estimate(
                 m,
-                float(beta_dist.ppf(tail, self._a, self._b)),
-                float(beta_dist.ppf(1.0 - tail, self._a, self._b)),
+                beta_quantile(tail, self._a, self._b),
+                beta_quantile(1.0 - tail, self._a, self._b),
                 self.confidence,
             )
         elif self._a + self._b > 0:  # every sample at one extreme: a degenerate Beta

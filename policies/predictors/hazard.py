@@ -20,6 +20,7 @@ from pcframe.policies.predictors.base import (
     Predictor,
     check_confidence,
     clamp_estimate,
+    gamma_quantile,
 )
 from pcframe.policies.predictors.exposure import ExposureClock
 from pcframe.policies.predictors.history import TraceSource, resolve_traces
@@ -118,8 +119,6 @@ class HazardByTimeOfDay(Predictor):
         return (self.counts + self.prior_strength * pooled) / (self.exposure + self.prior_strength)
 
     def predict(self, now: float | None = None) -> Prediction:
-        from scipy.stats import gamma
-
         pooled = self.counts.sum() / max(self.exposure.sum(), 1e-9)
         if now is None:
             a, b = self.counts.sum(), self.exposure.sum()
@@ -135,8 +134,8 @@ class HazardByTimeOfDay(Predictor):
         else:
             rate = clamp_estimate(
                 a / b,
-                float(gamma.ppf(tail, a, scale=1.0 / b)),
-                float(gamma.ppf(1.0 - tail, a, scale=1.0 / b)),
+                gamma_quantile(tail, a, b),
+                gamma_quantile(1.0 - tail, a, b),
                 self.confidence,
             )
         avail = None

@@ -1,0 +1,239 @@
+"""The Hydra side of ``pcframe-sim``: schemas, trace selection, cases, outputs, sweep merging.
+
+Kept out of ``pcframe/apps/sim.py`` so that tests and experiment scripts can compose and run
+the same configuration without going through the console script.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from hydra.experimental.callback import Callback
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from pcframe.policies.traces import Trace, load_trace, load_traces, shared_traces_dir
+from pcframe.sim.baselines import Oracle
+from pcframe.sim.errors import SimConfigError
+from pcframe.sim.report import (
+    markdown_table,
+    plot_breakdown,
+    plot_grouped_bars,
+    read_csv,
+    rows_of,
+    write_csv,
+)
+from pcframe.sim.result import SimResult
+from pcframe.sim.spec import JobSpec, SimOptions
+from pcframe.sim.sweep import BEST_FIXED, Case, run_cases
+
+BASELINES = ("oracle", BEST_FIXED)
+TABLE_COLUMNS = (
+    "trace",
+    "label",
+    "goodput_ratio",
+    "goodput",
+    "useful_hours",
+    "lost_hours",
+    "stall_hours",
+    "restart_hours",
+    "waiting_hours",
+    "preemptions",
+    "saves",
+    "cost",
+    "dollars_per_kstep",
+    "finished",
+    "deadline_met",
+)
+
+
+def _schema_of(cls: type, name: str) -> type:
+    """A structured-config dataclass with ``cls``'s fields; Literals become ``str`` (OmegaConf
+    cannot type-check them; the real dataclass validates when it is built)."""
+    hints = typing.get_type_hints(cls)
+    fields = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if typing.get_origin(hint) is typing.Literal:
+            hint = str
+        fields.append((f.name, hint, field(default=f.default)))
+    return dataclasses.make_dataclass(name, fields)
+
+
+JobSchema = _schema_of(JobSpec, "JobSchema")
+OptionsSchema = _schema_of(SimOptions, "OptionsSchema")
+
+
+@dataclass
+class SimSection:
+    job: Any = field(default_factory=JobSchema)
+    options: Any = field(default_factory=OptionsSchema)
+    predictor: Any = None
+
+
+@dataclass
+class OutputConfig:
+    csv: str = "results.csv"
+    markdown: str = "results.md"
+    plots: bool = True
+
+
+@dataclass
+class SimAppConfig:
+    """Primary config of ``pcframe-sim`` (``conf/sim.yaml``)."""
+
+    sim: SimSection = field(default_factory=SimSection)
+    policy: Any = None
+    traces: str = "all"
+    baselines: list[str] = field(default_factory=list)
+    label: str | None = None
+    output: OutputConfig = field(default_factory=OutputConfig)
+    progress: bool = True
+
+
+def register_schemas() -> None:
+    """Store the schemas in Hydra's ConfigStore (idempotent)."""
+    store = ConfigStore.instance()
+    store.store(name="sim_app_schema", node=SimAppConfig)
+    store.store(group="sim/job", name="job_schema", node=JobSchema, package="sim.job")
+
+
+# --- building -----------------------------------------------------------------------------
+def select_traces(spec: str, cwd: str | Path | None = None) -> list[Trace]:
+    """Traces named by ``spec``: ``all`` (the shipped ones), a file, a folder or a glob.
+
+    Relative paths are tried against ``cwd`` first, then the shipped traces folder.
+    """
+    shipped = shared_traces_dir()
+    if spec == "all":
+        if shipped is None:
+            raise SimConfigError(
+                "traces=all but no shipped traces were found; set $PCFRAME_TRACES to a "
+                "folder of traces or give traces=<file|folder|glob>"
+            )
+        return load_traces(shipped)
+    bases = [Path(cwd or Path.cwd())] + ([shipped] if shipped is not None else [])
+    for base in bases:
+        pattern = str(Path(spec) if Path(spec).is_absolute() else base / spec)
+        matches = sorted(glob.glob(pattern, recursive=True))
+        files: list[Path] = []
+        for m in map(Path, matches):
+            if m.is_dir():
+                return load_traces(m)
+            if m.is_file() and m.name.lower().split(".")[0] not in ("license", "notice", "readme"):
+                files.append(m)
+        if files:
+            return [load_trace(f) for f in files]  # a malformed file raises TraceFormatError
+    where = ", ".join(str(b) for b in bases)
+    raise SimConfigError(
+        f"traces={spec!r} matched no trace file (looked in {where}); give 'all', a trace "
+        "file, a folder or a glob such as 'skynomad/gcp-h100-16-2025/*.json'"
+    )
+
+
+def build_job(cfg: DictConfig) -> JobSpec:
+    return JobSpec.from_dict(OmegaConf.to_container(cfg, resolve=True), "sim.job")
+
+
+def build_options(cfg: DictConfig) -> SimOptions:
+    return SimOptions.from_dict(OmegaConf.to_container(cfg, resolve=True), "sim.options")
+
+
+def _factory(node: Any) -> Any:
+    """A fresh object per call (policies and predictors learn while they run)."""
+    if node is None:
+        return None
+    container = OmegaConf.to_container(node, resolve=True)
+
+    def make(trace: Trace) -> Any:
+        del trace
+        return instantiate(container)
+
+    return make
+
+
+def cases_from_config(cfg: DictConfig, traces: Sequence[Trace]) -> list[Case]:
+    """One case per trace for the configured policy, plus one per requested baseline."""
+    job = build_job(cfg.sim.job)
+    options = build_options(cfg.sim.options)
+    unknown = [b for b in cfg.baselines if b not in BASELINES]
+    if unknown:
+        raise SimConfigError(
+            f"baselines={list(cfg.baselines)}: unknown {unknown}; choose from {list(BASELINES)}"
+        )
+    interval_node = cfg.policy.get("interval") if cfg.policy is not None else None
+    if interval_node is None:
+        raise SimConfigError("policy.interval is missing; pick one, e.g. policy/interval=daly")
+    interval = _factory(interval_node)
+    resource = _factory(cfg.policy.get("resource"))
+    predictor = _factory(cfg.sim.predictor)
+    label = cfg.label or str(interval_node.get("_target_", "policy")).rsplit(".", 1)[-1]
+    params = {**job.to_dict(), "seed": options.seed}
+    cases = []
+    for trace in traces:
+        common = dict(
+            trace=trace,
+            job=job,
+            resource=resource,
+            predictor=predictor,
+            options=options,
+            params=params,
+        )
+        cases.append(Case(label=label, interval=interval, **common))
+        if "oracle" in cfg.baselines:
+            cases.append(Case(label="oracle", interval=lambda t: Oracle(), **common))
+        if BEST_FIXED in cfg.baselines:
+            cases.append(Case(label=BEST_FIXED, interval=BEST_FIXED, **common))
+    return cases
+
+
+def run_config(cfg: DictConfig, cwd: str | Path | None = None) -> list[SimResult]:
+    traces = select_traces(cfg.traces, cwd)
+    return run_cases(cases_from_config(cfg, traces), progress=cfg.progress)
+
+
+# --- outputs ------------------------------------------------------------------------------
+def write_outputs(
+    rows: Sequence[dict[str, Any]], out_dir: str | Path, output: Any, header: str = ""
+) -> list[Path]:
+    """CSV, Markdown table and (optionally) plots of ``rows`` in ``out_dir``."""
+    out = Path(out_dir)
+    written = [write_csv(rows, out / output.csv, header)]
+    md = out / output.markdown
+    title = f"# pcframe-sim results\n\n{header}\n\n" if header else "# pcframe-sim results\n\n"
+    md.write_text(title + markdown_table(rows, TABLE_COLUMNS))
+    written.append(md)
+    if output.plots and rows:
+        written.append(plot_grouped_bars(rows, out / "goodput.png", title="goodput / ideal"))
+        written.append(plot_breakdown(rows, out / "breakdown.png", title="where the time went"))
+    return written
+
+
+def results_rows(results: Sequence[SimResult]) -> list[dict[str, Any]]:
+    """CSV rows of ``results`` (one per simulation)."""
+    return rows_of(results)
+
+
+class AggregateSweep(Callback):
+    """After a ``--multirun``: merge every job's CSV into one CSV, table and plots."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep = Path(config.hydra.sweep.dir)
+        rows: list[dict[str, Any]] = []
+        for path in sorted(sweep.glob(f"*/{config.output.csv}")):
+            job_rows = read_csv(path)
+            for row in job_rows:
+                row["job"] = path.parent.name
+            rows += job_rows
+        if rows:
+            output = OmegaConf.create(
+                {"csv": f"sweep_{config.output.csv}", "markdown": "sweep_results.md", "plots": True}
+            )
+            write_outputs(rows, sweep, output, header=f"{len(rows)} rows from {sweep}")

@@ -1,0 +1,356 @@
+"""One training process between two (re)starts, driving the real interval policy.
+
+The end of step ``s`` is at ``seg_t0 + (s - seg_step0) * it``: steps run back to back and
+every save starts a new segment after its stall. The process never iterates over steps: it
+asks the policy at candidate points only and jumps whole steps in between. Candidate points
+are where the policy's :meth:`save_hint` says it may save, the first step after a save
+became durable (the engine reports ``SaveCompleted`` at its next call, and what the policy
+learns may move its plan), the arrival of a notice, and at least every ``probe_gap``
+seconds. ``use_hints=False`` asks at every step instead: the slow reference.
+
+Runs of evenly spaced saves go to the Numba kernel instead (:mod:`pcframe.sim.fastpath`):
+all saves of a periodic policy, and the verified steady-state fast-forward of any other.
+
+What the policy sees is what the engine would give it: ``PolicyContext`` with the sim clock
+as ``now``, the iteration time, the stall and time-to-durable EWMAs measured in this process
+(``None`` until a save of this process completed), a ``Notice`` when the trace's preemption
+is ``notice_window`` ahead, and after a restart the policy state stored in the checkpoint
+that was restored, then ``Restarted``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pcframe.policies.base import IntervalPolicy, Notice, PolicyContext, SaveCompleted, SaveHint
+from pcframe.sim.fastpath import NO_LIMIT, FastPaths
+from pcframe.sim.spec import JobSpec, SimOptions
+from pcframe.sim.state import Commit, Flight, Ledger, Versions, by_durable, ewma
+
+__all__ = ["Commit", "Flight", "Ledger", "Process", "Versions"]
+
+
+class Process(FastPaths):
+    """A training process started at ``start``, training from ``commit.step`` on."""
+
+    def __init__(
+        self,
+        *,
+        policy: IntervalPolicy,
+        job: JobSpec,
+        options: SimOptions,
+        ledger: Ledger,
+        commit: Commit,
+        versions: Versions,
+        start: float,
+        step_time: float,
+        notice: Notice | None,
+        preemption_rate: float | None = None,
+        unix0: float | None = None,
+    ) -> None:
+        self.policy = policy
+        self.job = job
+        self.ledger = ledger
+        self.commit = commit
+        self.versions = versions
+        self.use_hints = options.use_hints
+        self.fast_forward = options.use_hints and options.fast_forward
+        self.probe_gap = options.probe_gap
+        self.rate = preemption_rate
+        self.unix0 = unix0
+        self.start = start
+        self.ready = start + job.restart_cost
+        self.it = step_time
+        self.step0 = commit.step
+        self.step = commit.step
+        self.seg_t0 = self.ready
+        self.seg_step0 = commit.step
+        self.t = self.ready  # the training thread is free from here
+        self.total = job.total_steps if job.total_steps is not None else NO_LIMIT
+        self.notice = notice
+        self.notice_at = notice.received_at if notice is not None else math.inf
+        self.inflight: list[Flight] = []
+        self.stall = 0.0
+        self.stall_ewma: float | None = None
+        self.duration_ewma: float | None = None
+        self.restored = commit.version > 0
+        self.last_save_step: int | None = commit.step if self.restored else None
+        self.last_save_time: float | None = None
+        self.last_decide = self.ready
+        self.hint: SaveHint | None = None
+        self.finished = False
+        self.ended = False
+        self._asked = False
+        # Events for the policy at the first decision: the restore happens when training is
+        # ready again, and a process killed while starting never delivers them.
+        self.pending_events: list[Any] = []
+        self._saves: list[tuple[int, float]] = []  # (step, stall) of the last real saves
+        self._ff_every = 0
+        self._ff_blocked_until = -math.inf  # no new attempt inside a stretch that failed
+
+    # --- time of steps ----------------------------------------------------------------------
+    def time_of(self, step: int) -> float:
+        return self.seg_t0 + (step - self.seg_step0) * self.it
+
+    def _last_step_by(self, t: float) -> int:
+        """The last step that has ended by ``t`` (at least the current one)."""
+        if t < self.seg_t0:
+            return self.step
+        it, t0, s0 = self.it, self.seg_t0, self.seg_step0
+        j = s0 + int((t - t0) // it)
+        while t0 + (j + 1 - s0) * it <= t:
+            j += 1
+        while j > self.step and t0 + (j - s0) * it > t:
+            j -= 1
+        return max(j, self.step)
+
+    def _first_step_at(self, t: float) -> int:
+        """The first step after the current one that ends at or after ``t``."""
+        it, t0, s0 = self.it, self.seg_t0, self.seg_step0
+        if t <= t0 + (self.step + 1 - s0) * it:
+            return self.step + 1
+        j = s0 + math.ceil((t - t0) / it)
+        while j - 1 > self.step and t0 + (j - 1 - s0) * it >= t:
+            j -= 1
+        while t0 + (j - s0) * it < t:
+            j += 1
+        return j
+
+    # --- the policy's view --------------------------------------------------------------------
+    def _ctx(self, now: float) -> PolicyContext:
+        in_flight = 0
+        for f in self.inflight:
+            if f.durable_at > now:
+                in_flight += 1
+        return PolicyContext(
+            step=self.step,
+            now=now,
+            last_save_step=self.last_save_step,
+            last_save_time=self.last_save_time,
+            iteration_time=self.it,
+            save_stall=self.stall_ewma,
+            save_duration=self.duration_ewma,
+            restart_cost=self.job.restart_cost if self.restored else None,
+            preemption_rate=self.rate,
+            notice=self.notice if now >= self.notice_at else None,
+            in_flight=in_flight,
+            wall_time=None if self.unix0 is None else self.unix0 + now,
+        )
+
+    # --- running ------------------------------------------------------------------------------
+    def run_until(self, t_stop: float) -> None:
+        """Train until ``t_stop`` (whole steps), asking the policy at candidate points."""
+        while not self.finished:
+            nxt = self._next_point(t_stop) if self._asked else self.step + 1
+            fit = self._last_step_by(t_stop)
+            if nxt is None or nxt > fit or nxt > self.total:
+                self._advance(min(fit, self.total))
+                if self.step >= self.total:
+                    self._finish()
+                return
+            self._advance(nxt)
+            if self.step >= self.total:
+                self._finish()
+                return
+            self._decide()
+            if self.t >= t_stop:
+                return
+
+    def _advance(self, step: int) -> None:
+        if step > self.step:
+            self.step = step
+            self.t = self.seg_t0 + (step - self.seg_step0) * self.it
+
+    def _next_point(self, t_stop: float) -> int | None:
+        """The next step at which to ask the policy (``None``: not before ``t_stop``)."""
+        hint = self.hint
+        if hint is None or not self.use_hints:
+            return self.step + 1
+        if hint.every is not None:
+            self._periodic(hint, t_stop)
+            hint = self.hint
+            if hint is None:
+                return self.step + 1
+        elif self._ff_every:
+            while self._ff_every and not self.finished and self._steady(t_stop):
+                pass
+            if self.finished:
+                return None
+            hint = self.hint
+            if hint is None:
+                return self.step + 1
+        best = NO_LIMIT
+        if hint.time is None or hint.time != math.inf:
+            s = self.step + 1 if hint.step is None else max(hint.step, self.step + 1)
+            if hint.time is not None:
+                s = max(s, self._first_step_at(hint.time))
+            best = s
+        if hint.every is None:
+            if self.inflight:
+                best = min(best, self._first_step_at(min(f.durable_at for f in self.inflight)))
+            best = min(best, self._first_step_at(self.last_decide + self.probe_gap))
+        if self.t < self.notice_at < math.inf:
+            best = min(best, self._first_step_at(self.notice_at))
+        best = min(best, self.total)
+        return None if best == NO_LIMIT else best
+
+    def _decide(self) -> None:
+        now = self.t
+        if self.pending_events:
+            for event in self.pending_events:
+                self.policy.observe(event)
+            self.pending_events = []
+        self._commit_durable(now, report=True)
+        ctx = self._ctx(now)
+        decision = self.policy.decide(ctx)
+        self.ledger.decisions += 1
+        self._asked = True
+        self.last_decide = now
+        if decision.save:
+            self._save(decision.emergency)
+        self.hint = self.policy.save_hint(ctx) if self.use_hints else None
+        if decision.save and self.fast_forward and now >= self._ff_blocked_until:
+            self._ff_every = self._steady_gap()
+
+    def _save(self, emergency: bool) -> None:
+        t = self.t
+        start = t
+        job = self.job
+        busy = [f.durable_at for f in self.inflight if f.durable_at > t]
+        if len(busy) >= job.max_in_flight:
+            start = min(busy)  # backpressure: a slot frees when the oldest is durable
+        last = max((f.durable_at for f in self.inflight), default=-math.inf)
+        if job.persist == "serial" and last > start:
+            durable = last + job.save_duration
+        else:
+            durable = start + job.save_duration
+        end = start + job.save_stall
+        if emergency:
+            end = max(end, durable)  # the engine waits until the version is durable
+            self.ledger.emergency_saves += 1
+        state = self.policy.state_dict()
+        self.inflight.append(
+            Flight(self.versions.take(), self.step, start, durable, end - t, state)
+        )
+        self.stall += end - t
+        self.ledger.saves += 1
+        self.seg_t0, self.seg_step0, self.t = end, self.step, end
+        self.last_save_step, self.last_save_time = self.step, end
+        self._saves.append((self.step, end - t))
+        if len(self._saves) > 3:
+            del self._saves[0]
+
+    def _commit_durable(self, now: float, report: bool) -> None:
+        """Commit (and report to the policy) every save durable by ``now``, oldest first."""
+        if not self.inflight or min(f.durable_at for f in self.inflight) > now:
+            return
+        done = sorted((f for f in self.inflight if f.durable_at <= now), key=by_durable)
+        self.inflight = [f for f in self.inflight if f.durable_at > now]
+        for f in done:
+            if f.step > self.commit.step:
+                self._set_commit(f.step, f.version, f.durable_at, f.policy_state)
+            if report:
+                duration = f.durable_at - f.start
+                self.stall_ewma = ewma(self.stall_ewma, f.stall)
+                self.duration_ewma = ewma(self.duration_ewma, duration)
+                self.policy.observe(
+                    SaveCompleted(
+                        f.version, f.step, now, f.stall, duration, self.job.checkpoint_bytes
+                    )
+                )
+
+    def _set_commit(self, step: int, version: int, at: float, state: dict | None) -> None:
+        c = self.commit
+        c.step, c.version, c.time, c.policy_state = step, version, at, state
+
+    # --- endings ------------------------------------------------------------------------------
+    def _finish(self) -> None:
+        """The last step is done: make it durable (blocking) and end the process."""
+        t = self.t
+        end = t
+        saved = any(f.step == self.step for f in self.inflight)
+        if self.job.final_save and not saved and self.commit.step < self.step:
+            end = t + self.job.save_duration
+            state = self.policy.state_dict()
+            self.inflight.append(Flight(self.versions.take(), self.step, t, end, end - t, state))
+            self.ledger.saves += 1
+        end = max([end] + [f.durable_at for f in self.inflight])
+        self.stall += end - t
+        self.t = end
+        self._commit_durable(end, report=False)
+        if not self.job.final_save:
+            self._set_commit(self.step, self.commit.version, end, self.commit.policy_state)
+        self.finished = True
+        self._close(end, kept=self.step)
+
+    def stop(self, at: float) -> float:
+        """Planned stop (a resource change) at ``at``: blocking save; returns when it ended."""
+        if self.ended:
+            return at
+        if at < self.ready:  # still starting: nothing to save
+            self._close(at, kept=self.step)
+            return at
+        self.run_until(at)
+        if self.finished:
+            return max(at, self.t)
+        t = max(at, self.t)
+        end = t
+        if self.commit.step < self.step and not any(f.step == self.step for f in self.inflight):
+            end = t + self.job.save_duration
+            state = self.policy.state_dict()
+            self.inflight.append(Flight(self.versions.take(), self.step, t, end, end - t, state))
+            self.ledger.saves += 1
+        end = max([end] + [f.durable_at for f in self.inflight])
+        self.stall += end - t
+        self.t = end
+        self._commit_durable(end, report=False)
+        self._close(end, kept=self.step)
+        return end
+
+    def kill(self, at: float) -> int:
+        """SIGKILL at ``at``: keep what was durable by then; returns the steps lost."""
+        if self.ended:
+            return 0
+        if at >= self.ready:
+            self.run_until(at)
+        self._commit_durable(at, report=False)
+        self.ledger.saves_lost += len(self.inflight)
+        self.inflight = []
+        lost = max(self.step - self.commit.step, 0)
+        if self.t > at:  # killed inside a stall: only the part before the kill happened
+            self.stall -= self.t - at
+            self.t = at
+        self._close(at, kept=self.commit.step)
+        return lost
+
+    def end_of_trace(self, at: float) -> None:
+        """The simulated window ends: the steps done count (the job is not preempted)."""
+        if self.ended:
+            return
+        if at >= self.ready:
+            self.run_until(at)
+        if self.t > at:
+            self.stall -= self.t - at
+            self.t = at
+        self._commit_durable(at, report=False)
+        self._close(at, kept=self.step)
+        if self.step > self.commit.step:
+            self._set_commit(self.step, self.commit.version, at, self.commit.policy_state)
+
+    def _close(self, end: float, kept: int) -> None:
+        self.ended = True
+        led = self.ledger
+        led.restart += min(self.job.restart_cost, end - self.start)
+        if end <= self.ready:
+            return
+        training = end - self.ready
+        stall = min(self.stall, training)
+        compute = training - stall
+        kept_steps = max(kept - self.step0, 0)
+        useful = min(kept_steps * self.it, compute)
+        led.stall += stall
+        led.useful += useful
+        led.lost += compute - useful
+        led.kept_steps += kept_steps
+        led.lost_steps += max(self.step - kept, 0)

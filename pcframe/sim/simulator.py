@@ -1,0 +1,300 @@
+"""The event loop: a job over a trace, under one interval policy and one resource policy.
+
+Events, in trace seconds: capacity changes (ticks where the up-count moves), resource
+decisions (every ``resource_interval`` and at every change or preemption), preemptions of
+the job (drops that hit its spot VMs, with a notice ``notice_window`` before), the end of
+the job or of the window. Between two events nothing about the VMs changes, and the
+training process (:class:`~pcframe.sim.process.Process`) is advanced to the next event.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from pcframe.policies.base import IntervalPolicy, Notice, Preempted, Restarted
+from pcframe.policies.predictors.base import Prediction, Predictor
+from pcframe.policies.resource import ResourceContext, ResourceDecision, ResourcePolicy, SpotOnly
+from pcframe.policies.traces import Trace
+from pcframe.sim.capacity import Capacity
+from pcframe.sim.process import Commit, Ledger, Process, Versions
+from pcframe.sim.result import SimResult
+from pcframe.sim.spec import JobSpec, SimOptions
+
+
+def simulate(
+    trace: Trace,
+    interval: IntervalPolicy,
+    job: JobSpec | None = None,
+    resource: ResourcePolicy | None = None,
+    predictor: Predictor | None = None,
+    options: SimOptions | None = None,
+    params: dict[str, Any] | None = None,
+    label: str | None = None,
+) -> SimResult:
+    """Simulate ``job`` over ``trace``; the policies are the real ``pcframe.policies`` objects.
+
+    Args:
+        trace: capacity over time (:func:`pcframe.policies.traces.load_trace`).
+        interval: decides when to checkpoint; driven exactly as the engine drives it. It is
+            used (mutated) by the run: pass a fresh object per simulation.
+        job: iteration time, checkpoint and restart costs, ... (default :class:`JobSpec`).
+        resource: spot vs on-demand and how many VMs (default: spot only, ``job.vms``).
+        predictor: feeds ``availability`` and ``preemption_rate`` to the resource policy; it
+            sees every capacity tick, the job's spot exposure and its preemptions.
+        options: how to simulate (:class:`SimOptions`).
+        params: free-form values copied into the result (sweep coordinates).
+        label: the name of this run in tables (default: the interval policy's name).
+    """
+    began = time.process_time()
+    job = job or JobSpec()
+    options = options or SimOptions()
+    resource = resource or SpotOnly(wanted_vms(job, trace))
+    sim = _Simulation(trace, interval, job, resource, predictor, options)
+    sim.run()
+    return sim.result(params or {}, time.process_time() - began, label)
+
+
+def trace_label(trace: Trace) -> str:
+    """The trace's name, with its capacity when it has several VMs: SkyNomad's 4-node and
+    availability traces of one zone share a file name."""
+    if trace.capacity == 1:
+        return trace.name
+    return f"{trace.name} ({trace.capacity} {trace.unit}s)"
+
+
+def wanted_vms(job: JobSpec, trace: Trace) -> int:
+    """VMs the job asks for: ``job.vms``, or all of a count trace's capacity if ``None``."""
+    return job.vms if job.vms is not None else trace.capacity
+
+
+class _Simulation:
+    def __init__(
+        self,
+        trace: Trace,
+        interval: IntervalPolicy,
+        job: JobSpec,
+        resource: ResourcePolicy,
+        predictor: Predictor | None,
+        options: SimOptions,
+    ) -> None:
+        self.trace, self.interval, self.job = trace, interval, job
+        self.resource, self.predictor, self.options = resource, predictor, options
+        self.cap = Capacity(trace, options)
+        self.ledger = Ledger()
+        self.commit = Commit()
+        self.versions = Versions()
+        self.initial_state = interval.state_dict()
+        self.start, self.end = self.cap.window.start, self.cap.window.end
+        self.unix0 = trace.start_time.timestamp() if trace.start_time is not None else None
+        rate = None
+        if options.context_rate == "trace":
+            mtbf = trace.mtbf()
+            rate = 0.0 if math.isinf(mtbf) else 1.0 / mtbf
+        self.context_rate = rate
+        self.spot_cost = self.od_cost = self.spot_vm_s = self.od_vm_s = 0.0
+        self.preemptions = self.starts = self.changeovers = 0
+        self.finish: float | None = None
+        self._fed = self.cap.tick(self.start) - 1
+
+    # --- clocks -----------------------------------------------------------------------------
+    def _pclock(self, t: float) -> float:
+        """The predictor's clock: unix time when the trace has one (time-of-day predictors)."""
+        return t if self.unix0 is None else self.unix0 + t
+
+    def _feed(self, t: float) -> None:
+        """Show the predictor every capacity tick up to ``t``."""
+        if self.predictor is None:
+            return
+        k_now = self.cap.tick(t)
+        cap = self.cap
+        for k in range(self._fed + 1, k_now + 1):
+            self.predictor.observe_capacity(self._pclock(k * cap.dt), int(cap.up[k]), cap.capacity)
+        self._fed = max(self._fed, k_now)
+
+    def _predict(self, t: float) -> Prediction | None:
+        return None if self.predictor is None else self.predictor.predict(self._pclock(t))
+
+    # --- the loop ---------------------------------------------------------------------------
+    def run(self) -> None:
+        job, cap, opts = self.job, self.cap, self.options
+        t = self.start
+        proc: Process | None = None
+        proc_want: ResourceDecision | None = None
+        proc_vms = (0, 0)
+        kill_at = math.inf
+        want: ResourceDecision | None = None
+        next_decision = t
+        decide_now = True
+        while t < self.end:
+            self._feed(t)
+            if decide_now or t >= next_decision:
+                want = self._decide_resources(t, want)
+                next_decision = t + opts.resource_interval
+                decide_now = False
+            assert want is not None
+            if proc is not None and _vms(want) != _vms(proc_want):
+                # A planned change (mode or scale): save, stop, start on the new VMs.
+                stopped = proc.stop(t)
+                self._bill(proc, proc_vms, stopped)
+                self.changeovers += 1
+                proc, kill_at = None, math.inf
+                if proc_vms[0] and self.predictor is not None:
+                    self.predictor.advance(self._pclock(stopped))
+                if stopped > t:
+                    t = min(stopped, self.end)
+                    continue
+            if proc is None:
+                spot = cap.spot_available(t, want.spot) if want.spot else 0
+                if spot + want.on_demand >= job.min_vms:
+                    proc_vms = (spot, want.on_demand)
+                    proc_want = want
+                    proc, kill_at = self._start(t, proc_vms)
+            t_next = min(self.end, next_decision, cap.next_change(t), kill_at)
+            if proc is None:
+                self.ledger.waiting += t_next - t
+                t = t_next
+                decide_now = True  # capacity changed (or a decision is due)
+                continue
+            proc.run_until(t_next)
+            if proc.finished:
+                self.finish = proc.t
+                self._bill(proc, proc_vms, proc.t)
+                return
+            if proc_vms[0] and self.predictor is not None:
+                self.predictor.advance(self._pclock(t_next))
+            if t_next == kill_at:
+                lost = proc.kill(t_next)
+                self._bill(proc, proc_vms, t_next)
+                self.preemptions += 1
+                self._preempted(t_next, lost)
+                proc, kill_at = None, math.inf
+                decide_now = True
+            elif t_next == cap.next_change(t):
+                decide_now = True
+            t = t_next
+        if proc is not None:
+            proc.end_of_trace(self.end)
+            self._bill(proc, proc_vms, self.end)
+
+    def _start(self, t: float, vms: tuple[int, int]) -> tuple[Process, float]:
+        job, opts = self.job, self.options
+        spot, od = vms
+        kill_at = self.cap.next_kill(t, spot) if spot else math.inf
+        notice = None
+        if job.notice_window > 0 and math.isfinite(kill_at):
+            notice = Notice(max(kill_at - job.notice_window, t), kill_at, "trace")
+        restored = self.commit.version > 0
+        if opts.policy_state == "checkpoint":
+            state = self.commit.policy_state if restored else self.initial_state
+            self.interval.load_state_dict(state or {})
+        proc = Process(
+            policy=self.interval,
+            job=job,
+            options=opts,
+            ledger=self.ledger,
+            commit=self.commit,
+            versions=self.versions,
+            start=t,
+            step_time=job.step_time(spot + od),
+            notice=notice,
+            preemption_rate=self.context_rate,
+            unix0=self.unix0,
+        )
+        if restored or (opts.policy_state == "process" and self.starts > 0):
+            proc.pending_events.append(Restarted(proc.ready, job.restart_cost, self.commit.step))
+        foresee = getattr(self.interval, "foresee", None)
+        if callable(foresee):  # clairvoyant baselines (the oracle) learn this process's end
+            foresee(kill_at, job, proc.it)
+        self.starts += 1
+        return proc, kill_at
+
+    def _preempted(self, t: float, lost: int) -> None:
+        event = Preempted(t, lost)
+        if self.options.policy_state == "process":
+            self.interval.observe(event)
+        self.resource.observe(event)
+        if self.predictor is not None:
+            self.predictor.observe(Preempted(self._pclock(t), lost))
+
+    def _decide_resources(self, t: float, current: ResourceDecision | None) -> ResourceDecision:
+        job, cap = self.job, self.cap
+        pred = self._predict(t)
+        ctx = ResourceContext(
+            now=t - self.start,
+            work_done=self.commit.step * job.iteration_time,
+            work_total=job.work_seconds,
+            deadline=job.deadline,
+            availability=None if pred is None else pred.availability,
+            preemption_rate=None if pred is None else pred.rate,
+            spot_available=cap.spot_available(t, 1) > 0,
+            spot_price=cap.spot_price_at(t),
+            on_demand_price=cap.on_demand_price,
+            current=current,
+            changeover=job.restart_cost,
+        )
+        return self.resource.decide(ctx)
+
+    def _bill(self, proc: Process, vms: tuple[int, int], until: float) -> None:
+        spot, od = vms
+        self.spot_cost += self.cap.spot_cost(proc.start, until, spot)
+        self.od_cost += self.cap.on_demand_cost(proc.start, until, od)
+        self.spot_vm_s += spot * max(until - proc.start, 0.0)
+        self.od_vm_s += od * max(until - proc.start, 0.0)
+
+    # --- the answer -------------------------------------------------------------------------
+    def result(self, params: dict[str, Any], seconds: float, label: str | None) -> SimResult:
+        led, job = self.ledger, self.job
+        stop = self.finish if self.finish is not None else self.end
+        wall = stop - self.start
+        finished = self.finish is not None
+        met = None
+        if job.deadline is not None:
+            met = finished and wall <= job.deadline + 1e-9
+        return SimResult(
+            trace=trace_label(self.trace),
+            source=self.trace.source,
+            label=label or _name(self.interval),
+            interval_policy=_name(self.interval),
+            resource_policy=_name(self.resource),
+            wall_seconds=wall,
+            useful_steps=self.commit.step,
+            lost_steps=led.lost_steps,
+            time={
+                "useful": led.useful,
+                "lost": led.lost,
+                "stall": led.stall,
+                "restart": led.restart,
+                "waiting": led.waiting,
+            },
+            spot_cost=self.spot_cost,
+            on_demand_cost=self.od_cost,
+            spot_vm_seconds=self.spot_vm_s,
+            on_demand_vm_seconds=self.od_vm_s,
+            preemptions=self.preemptions,
+            starts=self.starts,
+            changeovers=self.changeovers,
+            saves=led.saves,
+            saves_lost=led.saves_lost,
+            emergency_saves=led.emergency_saves,
+            decisions=led.decisions,
+            fast_forwards=led.fast_forwards,
+            rollbacks=led.rollbacks,
+            finished=finished,
+            finish_seconds=wall if finished else None,
+            deadline_met=met,
+            iteration_time=job.iteration_time,
+            ideal_goodput=job.speedup(wanted_vms(job, self.trace)) / job.iteration_time,
+            sim_seconds=seconds,
+            params=dict(params),
+        )
+
+
+def _vms(decision: ResourceDecision | None) -> tuple[int, int]:
+    """What a decision asks for (its reason text does not matter)."""
+    return (0, 0) if decision is None else (decision.spot, decision.on_demand)
+
+
+def _name(policy: Any) -> str:
+    return getattr(policy, "name", "") or type(policy).__name__

@@ -1,0 +1,216 @@
+"""What the simulator is told about the job and about how to run: two validated dataclasses.
+
+``JobSpec`` holds the numbers that describe one training job on one kind of VM (iteration
+time, checkpoint stall and time to durable, restart cost, ...): measured by the engine (see
+:mod:`pcframe.sim.calibrate`) or taken from config. ``SimOptions`` holds how to simulate.
+Both validate eagerly, so an impossible value fails before a 45-day trace is replayed, with
+the key and the fix in the message.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
+
+from pcframe.sim.errors import SimConfigError
+
+Persist = Literal["parallel", "serial"]
+PolicyState = Literal["checkpoint", "process"]
+ContextRate = Literal["none", "trace"]
+
+
+def _bad(prefix: str, key: str, value: Any, fix: str) -> SimConfigError:
+    return SimConfigError(f"{prefix}.{key}={value!r} is invalid: {fix}")
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One training job. Times in seconds; prices are in :class:`SimOptions` or the trace.
+
+    Attributes:
+        iteration_time: seconds per training step on one VM.
+        save_stall: seconds the training thread is blocked per checkpoint (snapshot copy,
+            optimizer gating); the ``C`` of Young and Daly for asynchronous saves.
+        save_duration: seconds from the start of a save until it is durable (committed);
+            includes the stall, so it is at least ``save_stall``.
+        max_in_flight: checkpoints that may be persisting at once (PCcheck's N). A save
+            requested while N are in flight waits for the oldest (backpressure, a stall).
+        persist: ``parallel``: each save is durable ``save_duration`` after it started, however
+            many overlap (the storage is not the bottleneck); ``serial``: saves persist one
+            after the other (a shared, saturated disk).
+        restart_cost: seconds from getting VMs to training again (boot, start, restore). Paid
+            at every start, including the first one and every spot/on-demand changeover.
+        notice_window: seconds of warning before a spot preemption (AWS 120, GCP 30, 0 none).
+            A policy sees it as ``ctx.notice``; only notice-aware policies act on it.
+        checkpoint_bytes: size of one checkpoint (reported to policies in ``SaveCompleted``).
+        total_steps: steps the job needs; ``None``: open-ended (train until the trace ends).
+        deadline: seconds after the start by which the job must be done (needs ``total_steps``).
+        vms: VMs the job asks for under the default resource policy (spot only); ``None``
+            asks for the trace's whole capacity (a data-parallel job on every VM of a count
+            trace; 1 on availability traces).
+        min_vms: the job cannot run on fewer VMs than this (it waits for capacity).
+        scaling_efficiency: fraction of linear speedup kept per doubling of VMs (data
+            parallel): ``n`` VMs run ``n * scaling_efficiency ** log2(n)`` times faster.
+        final_save: the job is done only when its last step is durable (a blocking save).
+    """
+
+    iteration_time: float = 1.0
+    save_stall: float = 2.0
+    save_duration: float = 30.0
+    max_in_flight: int = 2
+    persist: Persist = "parallel"
+    restart_cost: float = 300.0
+    notice_window: float = 0.0
+    checkpoint_bytes: int = 0
+    total_steps: int | None = None
+    deadline: float | None = None
+    vms: int | None = 1
+    min_vms: int = 1
+    scaling_efficiency: float = 1.0
+    final_save: bool = True
+
+    def __post_init__(self) -> None:
+        p = "job"
+        if not (_finite(self.iteration_time) and self.iteration_time > 0):
+            raise _bad(p, "iteration_time", self.iteration_time, "give seconds per step > 0")
+        for key in ("save_stall", "save_duration", "restart_cost", "notice_window"):
+            value = getattr(self, key)
+            if not (_finite(value) and value >= 0):
+                raise _bad(p, key, value, "give a finite number of seconds >= 0")
+        if self.save_duration < self.save_stall:
+            raise _bad(
+                p,
+                "save_duration",
+                self.save_duration,
+                f"the time to durable includes the stall, so it must be >= job.save_stall="
+                f"{self.save_stall}",
+            )
+        if not (isinstance(self.max_in_flight, int) and 1 <= self.max_in_flight <= 64):
+            raise _bad(p, "max_in_flight", self.max_in_flight, "use 1..64 (2-4 is typical)")
+        if self.persist not in ("parallel", "serial"):
+            raise _bad(p, "persist", self.persist, "use 'parallel' or 'serial'")
+        if not (isinstance(self.checkpoint_bytes, int) and self.checkpoint_bytes >= 0):
+            raise _bad(p, "checkpoint_bytes", self.checkpoint_bytes, "give bytes >= 0")
+        if self.total_steps is not None and not (
+            isinstance(self.total_steps, int) and self.total_steps >= 1
+        ):
+            raise _bad(p, "total_steps", self.total_steps, "give steps >= 1, or null")
+        if self.deadline is not None:
+            if not (_finite(self.deadline) and self.deadline > 0):
+                raise _bad(p, "deadline", self.deadline, "give seconds > 0, or null")
+            if self.total_steps is None:
+                raise _bad(p, "deadline", self.deadline, "a deadline needs job.total_steps")
+        if self.vms is not None and not (isinstance(self.vms, int) and self.vms >= 1):
+            raise _bad(p, "vms", self.vms, "ask for at least 1 VM, or null for the trace's")
+        if not (isinstance(self.min_vms, int) and self.min_vms >= 1):
+            raise _bad(p, "min_vms", self.min_vms, "use at least 1")
+        if not (_finite(self.scaling_efficiency) and 0 < self.scaling_efficiency <= 1):
+            raise _bad(p, "scaling_efficiency", self.scaling_efficiency, "use (0, 1]")
+
+    def speedup(self, vms: int) -> float:
+        """Throughput of ``vms`` VMs relative to one (data-parallel scaling)."""
+        if vms < 1:
+            return 0.0
+        return vms * self.scaling_efficiency ** math.log2(vms)
+
+    def step_time(self, vms: int) -> float:
+        """Seconds per step on ``vms`` VMs."""
+        return self.iteration_time / self.speedup(vms)
+
+    @property
+    def work_seconds(self) -> float | None:
+        """Compute the job needs on one VM, in seconds (``None`` if open-ended)."""
+        return None if self.total_steps is None else self.total_steps * self.iteration_time
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], prefix: str = "job") -> JobSpec:
+        return _from_dict(cls, values, prefix)
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """How to simulate (not what): window of the trace, seed, fidelity knobs, price fallbacks.
+
+    Attributes:
+        start: trace seconds at which the job starts.
+        duration: seconds to simulate at most (``None``: until the trace ends).
+        seed: draws which VMs of a multi-VM trace are lost at a drop (see docs/simulator.md).
+        probe_gap: the interval policy is asked at least this often (seconds of training)
+            even when its :meth:`save_hint` points later: predictions that drift with time
+            (hazard by hour of day) are then picked up within ``probe_gap``.
+        resource_interval: the resource policy is asked at least this often (seconds), and
+            also whenever spot capacity changes or the job is preempted.
+        use_hints: ``False`` asks the interval policy at every step (slow; the reference the
+            fast paths are tested against).
+        fast_forward: skip the ``decide`` calls of a policy whose saves are evenly spaced,
+            checking that it agrees at the end of each stretch (see
+            :mod:`pcframe.sim.process`); ``False`` asks at every candidate point.
+        policy_state: ``checkpoint`` (as the engine does): a restarted process gets the policy
+            state stored in the checkpoint it restored, then ``Restarted``; a preemption is
+            never observed by the dying process. ``process``: one policy object lives through
+            the whole job and sees ``Preempted`` and ``Restarted`` (a supervisor-held policy).
+        context_rate: ``trace`` puts the trace's mean preemption rate into
+            ``ctx.preemption_rate`` (hindsight knowledge for Young/Daly); ``none`` as the engine.
+        spot_price, on_demand_price: $/h per VM for traces that carry no prices; ``None``
+            leaves the cost of such traces unknown (NaN).
+        override_prices: use the two prices above even where the trace has its own.
+    """
+
+    start: float = 0.0
+    duration: float | None = None
+    seed: int = 0
+    probe_gap: float = 3600.0
+    resource_interval: float = 1800.0
+    use_hints: bool = True
+    fast_forward: bool = True
+    policy_state: PolicyState = "checkpoint"
+    context_rate: ContextRate = "none"
+    spot_price: float | None = None
+    on_demand_price: float | None = None
+    override_prices: bool = False
+
+    def __post_init__(self) -> None:
+        p = "sim"
+        if not (_finite(self.start) and self.start >= 0):
+            raise _bad(p, "start", self.start, "give trace seconds >= 0")
+        if self.duration is not None and not (_finite(self.duration) and self.duration > 0):
+            raise _bad(p, "duration", self.duration, "give seconds > 0, or null for all")
+        if not isinstance(self.seed, int):
+            raise _bad(p, "seed", self.seed, "give an integer")
+        for key in ("probe_gap", "resource_interval"):
+            value = getattr(self, key)
+            if not (_finite(value) and value > 0):
+                raise _bad(p, key, value, "give seconds > 0")
+        if self.policy_state not in ("checkpoint", "process"):
+            raise _bad(p, "policy_state", self.policy_state, "use 'checkpoint' or 'process'")
+        if self.context_rate not in ("none", "trace"):
+            raise _bad(p, "context_rate", self.context_rate, "use 'none' or 'trace'")
+        for key in ("spot_price", "on_demand_price"):
+            value = getattr(self, key)
+            if value is not None and not (_finite(value) and value >= 0):
+                raise _bad(p, key, value, "give $/h per VM >= 0, or null")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], prefix: str = "sim") -> SimOptions:
+        return _from_dict(cls, values, prefix)
+
+
+def _from_dict(cls: type, values: dict[str, Any], prefix: str) -> Any:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise SimConfigError(
+            f"{prefix}: unknown key(s) {unknown}; known keys: {', '.join(sorted(known))}"
+        )
+    return cls(**values)

@@ -1,0 +1,71 @@
+"""The bookkeeping of a simulated job: its checkpoints, its ledger of time, its versions."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+_EWMA = 0.3  # weight of the newest sample, as the engine's Checkpointer uses
+
+
+@dataclass
+class Commit:
+    """The newest durable checkpoint: what a restart restores."""
+
+    step: int = 0
+    version: int = 0
+    time: float = -math.inf
+    policy_state: dict[str, Any] | None = None
+
+
+@dataclass
+class Flight:
+    """A save not yet reported to the policy (it may already be durable)."""
+
+    version: int
+    step: int
+    start: float
+    durable_at: float
+    stall: float
+    policy_state: dict[str, Any] | None
+
+
+@dataclass
+class Ledger:
+    """Seconds and counts of the whole job, summed over its processes."""
+
+    useful: float = 0.0
+    lost: float = 0.0
+    stall: float = 0.0
+    restart: float = 0.0
+    waiting: float = 0.0
+    kept_steps: int = 0
+    lost_steps: int = 0
+    saves: int = 0
+    saves_lost: int = 0
+    emergency_saves: int = 0
+    decisions: int = 0
+    fast_forwards: int = 0
+    rollbacks: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Versions:
+    """The engine's version counter: every save takes the next number."""
+
+    def __init__(self) -> None:
+        self.next = 1
+
+    def take(self, n: int = 1) -> int:
+        first = self.next
+        self.next += n
+        return first
+
+
+def by_durable(f: Flight) -> float:
+    return f.durable_at
+
+
+def ewma(previous: float | None, sample: float) -> float:
+    return sample if previous is None else (1 - _EWMA) * previous + _EWMA * sample

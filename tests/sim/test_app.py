@@ -1,0 +1,110 @@
+"""``pcframe-sim`` as users run it: the real console script, real Hydra, files on disk."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from pcframe.sim.app_config import cases_from_config, register_schemas, select_traces
+from pcframe.sim.errors import SimConfigError
+
+SMALL = "pccheck/gpus_trace.csv"  # 3.8 h, 26 drops: quick
+
+
+def _script() -> list[str]:
+    exe = Path(sys.executable).with_name("pcframe-sim")
+    assert exe.exists(), "pcframe-sim is not installed: pip install -e . --no-deps"
+    return [str(exe)]
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(line for line in f if not line.startswith("#")))
+
+
+def test_one_run_writes_csv_markdown_and_plots(tmp_path: Path, child_env: dict) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [*_script(), f"traces={SMALL}", "policy/interval=young", f"hydra.run.dir={out}"],
+        cwd=tmp_path,
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(out / "results.csv")
+    assert [r["label"] for r in rows] == ["Young", "oracle", "best_fixed"]
+    assert all(r["trace"] == "gpus_trace (56 gpus)" for r in rows)
+    goodput = {r["label"]: float(r["goodput"]) for r in rows}
+    assert goodput["oracle"] >= max(goodput.values())
+    assert (out / "results.md").read_text().count("| gpus_trace (56 gpus) |") == 3
+    for png in ("goodput.png", "breakdown.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_multirun_sweep_is_merged_into_one_table(tmp_path: Path, child_env: dict) -> None:
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [
+            *_script(),
+            "-m",
+            f"traces={SMALL}",
+            "policy/interval=young,checkfreq",
+            "sim.job.save_stall=2,8",
+            "baselines=[]",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(sweep / "sweep_results.csv")
+    assert sorted((r["label"], r["p_save_stall"]) for r in rows) == [
+        ("CheckFreq", "2"),
+        ("CheckFreq", "8"),
+        ("Young", "2"),
+        ("Young", "8"),
+    ]
+    assert (sweep / "sweep_results.md").exists() and (sweep / "goodput.png").exists()
+
+
+def test_a_bad_key_fails_with_the_key_in_the_message(tmp_path: Path, child_env: dict) -> None:
+    proc = subprocess.run(
+        [*_script(), f"traces={SMALL}", "+sim.job.stal=3", f"hydra.run.dir={tmp_path}"],
+        cwd=tmp_path,
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "stal" in proc.stderr
+
+
+def _compose(*overrides: str):
+    register_schemas()
+    with initialize_config_module("pcframe.conf", version_base="1.3"):
+        return compose("sim", overrides=list(overrides))
+
+
+def test_composed_config_builds_one_case_per_trace_and_baseline() -> None:
+    cfg = _compose("traces=skynomad/gcp-h100-16-2025/us-east4-*.json", "sim/job=h100_llm")
+    traces = select_traces(cfg.traces)
+    cases = cases_from_config(cfg, traces)
+    assert [c.label for c in cases] == ["Daly", "oracle", "best_fixed"] * 2
+    assert cases[0].job.notice_window == 30.0 and cases[0].job.iteration_time == 2.0
+
+
+def test_an_unknown_baseline_is_rejected_with_the_choices() -> None:
+    cfg = _compose("baselines=[oracle,clairvoyant]")
+    with pytest.raises(SimConfigError, match=r"unknown \['clairvoyant'\]; choose from"):
+        cases_from_config(cfg, [])

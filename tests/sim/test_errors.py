@@ -1,0 +1,77 @@
+"""Bad input fails early, naming the key or file and saying how to fix it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pcframe.policies as P
+from pcframe.policies.traces import Trace, TraceFormatError
+from pcframe.sim import JobSpec, SimConfigError, SimOptions, simulate, steady_trace
+from pcframe.sim.app_config import select_traces
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"iteration_time": 0.0}, ["job.iteration_time=0.0", "seconds per step > 0"]),
+        ({"save_stall": -1.0}, ["job.save_stall=-1.0", ">= 0"]),
+        ({"save_stall": 5.0, "save_duration": 2.0}, ["job.save_duration=2.0", "job.save_stall"]),
+        ({"max_in_flight": 0}, ["job.max_in_flight=0", "1..64"]),
+        ({"persist": "fast"}, ["job.persist='fast'", "'parallel' or 'serial'"]),
+        ({"deadline": 3600.0}, ["job.deadline=3600.0", "needs job.total_steps"]),
+        ({"total_steps": 0}, ["job.total_steps=0", ">= 1"]),
+        ({"restart_cost": float("nan")}, ["job.restart_cost=nan", "finite"]),
+        ({"scaling_efficiency": 1.5}, ["job.scaling_efficiency=1.5", "(0, 1]"]),
+        ({"vms": 0}, ["job.vms=0", "at least 1 VM"]),
+    ],
+)
+def test_impossible_job_parameters_name_the_key_and_the_fix(kwargs: dict, words: list) -> None:
+    with pytest.raises(SimConfigError) as err:
+        JobSpec(**kwargs)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_unknown_keys_are_listed_with_the_known_ones() -> None:
+    with pytest.raises(
+        SimConfigError, match=r"job: unknown key\(s\) \['stal'\]; known keys: .*save_stall"
+    ):
+        JobSpec.from_dict({"stal": 1.0})
+    with pytest.raises(SimConfigError, match=r"sim\.probe_gap=0"):
+        SimOptions(probe_gap=0)
+    with pytest.raises(SimConfigError, match=r"sim\.policy_state='engine'"):
+        SimOptions(policy_state="engine")
+
+
+def test_a_start_after_the_end_of_the_trace_names_the_trace() -> None:
+    trace = steady_trace(2.0)
+    with pytest.raises(SimConfigError, match=r"sim\.start=9000.* always-up \(7200 s\)"):
+        simulate(trace, P.FixedSteps(10), options=SimOptions(start=9000.0))
+
+
+def test_a_negative_price_in_a_trace_names_the_tick() -> None:
+    price = np.full(100, 0.9)
+    price[42] = -1.0
+    trace = Trace("bad-prices", "test", 60.0, 1, np.ones(100, dtype=np.int64), spot_price=price)
+    with pytest.raises(SimConfigError, match=r"bad-prices: spot price at tick 42 is -1.0"):
+        simulate(trace, P.FixedSteps(10))
+
+
+def test_a_malformed_trace_file_names_the_file_and_line(tmp_path) -> None:
+    bad = tmp_path / "zone.csv"
+    bad.write_text("date,availability\n2023-02-15 22:08:16,1\n2023-02-15 22:11:31,maybe\n")
+    with pytest.raises(TraceFormatError) as err:
+        select_traces(str(bad))
+    message = str(err.value)
+    assert "zone.csv" in message and "line 3" in message and "Fix" in message
+
+
+def test_a_trace_spec_that_matches_nothing_says_what_was_searched(tmp_path) -> None:
+    with pytest.raises(SimConfigError, match=r"traces='nowhere/\*\.json' matched no trace file"):
+        select_traces("nowhere/*.json", tmp_path)
+
+
+def test_traces_can_be_picked_by_glob_relative_to_the_shipped_folder(tmp_path) -> None:
+    picked = select_traces("skynomad/gcp-h100-16-2025/us-east4-*.json", tmp_path)
+    assert sorted(t.zone for t in picked) == ["us-east4-a", "us-east4-b"]
