@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pcframe.checkpointer import Checkpointer
+from pcframe.checkpointer import Checkpointer, process_age
 from pcframe.config import EngineConfig
 from pcframe.policies.base import IntervalPolicy
 from pcframe.policies.fixed import FixedSteps
@@ -49,9 +49,12 @@ def train(
     policy: IntervalPolicy | None = None,
     engine: EngineConfig | None = None,
     progress: Any = None,
+    on_restored: Any = None,
 ) -> tuple[TrainResult, Checkpointer | None]:
     """Train to ``steps`` total, resuming from ``directory`` when it holds a checkpoint.
 
+    ``progress(step)`` is called after every step, ``on_restored(step, seconds)`` once after
+    the restore attempt (step ``None`` when there was nothing to resume from).
     Returns the result and the (closed) checkpointer, whose ``records`` hold per-save costs.
     """
     checkpointer = None
@@ -66,7 +69,11 @@ def train(
             policy=policy or FixedSteps(10),
             config=engine,
         )
-        start_step = checkpointer.restore() or 0
+        restored = checkpointer.restore()
+        start_step = restored or 0
+        if on_restored is not None:
+            report = checkpointer.last_restore
+            on_restored(restored, report.seconds if report else 0.0)
     result = TrainResult(steps, start_step, 0.0, restored_from=start_step or None)
     stream = batches(workload)
     begin = time.perf_counter()
@@ -86,11 +93,41 @@ def train(
     return result, checkpointer
 
 
+EVENT_PREFIX = "pcframe-event "
+
+
+def emit(event: str, **fields: Any) -> None:
+    """One machine-readable line on stdout for a supervising process (see pcframe.preemption)."""
+    print(EVENT_PREFIX + json.dumps({"event": event, **fields}), flush=True)
+
+
+def build_policy(args: argparse.Namespace) -> IntervalPolicy:
+    if args.policy:
+        from hydra.utils import instantiate
+
+        return instantiate(json.loads(args.policy))
+    return FixedSteps(args.every)
+
+
+def save_final(workload: Workload, path: str) -> None:
+    """Parameters and optimizer state as safetensors, to compare runs bit for bit."""
+    from safetensors.torch import save_file
+
+    tensors = {f"model/{k}": v.contiguous() for k, v in workload.model.state_dict().items()}
+    for index, state in workload.optimizer.state_dict()["state"].items():
+        for key, value in state.items():
+            tensors[f"optimizer/{index}/{key}"] = value.reshape(-1).contiguous()
+    save_file(tensors, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="pcframe training child process")
     parser.add_argument("--directory", required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--every", type=int, default=5)
+    parser.add_argument(
+        "--policy", help="JSON interval-policy config with a _target_ (replaces --every)"
+    )
     parser.add_argument("--workload", default="mlp")
     parser.add_argument("--workload-args", default="{}", help="JSON kwargs of the workload")
     parser.add_argument("--engine-args", default="{}", help="JSON EngineConfig overrides")
@@ -100,27 +137,40 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     workload = build(args.workload, **json.loads(args.workload_args))
+    restored = False
 
     def progress(step: int) -> None:
+        nonlocal restored
+        if not restored:
+            # The first step after start-up: the restart is over, training runs again.
+            restored = True
+            emit("first_step", step=step, age=process_age())
         print(f"step {step}", flush=True)
 
-    result, _ = train(
+    result, checkpointer = train(
         workload,
         args.steps,
         args.directory,
-        FixedSteps(args.every),
+        build_policy(args),
         EngineConfig(**json.loads(args.engine_args)),
         progress,
+        on_restored=lambda step, seconds: emit(
+            "restored", step=step or 0, seconds=seconds, age=process_age()
+        ),
     )
     print(f"done start={result.start_step} steps={result.steps}", flush=True)
     if args.final:
-        from safetensors.torch import save_file
-
-        tensors = {f"model/{k}": v.contiguous() for k, v in workload.model.state_dict().items()}
-        for index, state in workload.optimizer.state_dict()["state"].items():
-            for key, value in state.items():
-                tensors[f"optimizer/{index}/{key}"] = value.reshape(-1).contiguous()
-        save_file(tensors, args.final)
+        save_final(workload, args.final)
+    records = [r for r in checkpointer.records.values() if r.status == "committed"]
+    emit(
+        "done",
+        start=result.start_step,
+        steps=result.steps,
+        seconds=result.seconds,
+        checkpoints=len(records),
+        stall=sum(r.stall for r in records),
+        nbytes=sum(r.nbytes for r in records),
+    )
     return 0
 
 

@@ -1,1 +1,6 @@
-"""Hydra applications (``pcframe-run``) and their shared configuration helpers."""
+"""Hydra applications and their shared configuration helpers.
+
+``run`` (``pcframe-run``), ``tune`` (``pcframe-tune``), ``sim`` (``pcframe-sim``); the
+schemas in :mod:`~pcframe.apps.schemas`, ``_target_`` checks in :mod:`~pcframe.apps.targets`,
+and :func:`~pcframe.apps.compose.compose_config` to build the same configs from Python.
+"""

@@ -1,0 +1,66 @@
+"""Compose the apps' configs without running them (tests, the tuner, benchmarks, notebooks)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from hydra import compose, initialize_config_module
+from omegaconf import DictConfig, OmegaConf
+
+from pcframe.apps.schemas import register
+from pcframe.apps.targets import check_targets
+from pcframe.config import EngineConfig
+
+CONFIG_MODULE = "pcframe.conf"
+
+# The primary configs add $PCFRAME_CONFIG_DIR (default ./pcframe-conf, where pcframe-tune
+# writes engine/tuned.yaml) to Hydra's search path. Hydra warns when that folder does not
+# exist, which is the normal case before the first tuning run, so that one warning is muted.
+_MISSING_USER_CONF = r"provider=hydra\.searchpath in main, path=.* is not available"
+
+
+def quiet_missing_user_conf() -> None:
+    """Mute Hydra's warning about an absent user config folder (for the console scripts)."""
+    warnings.filterwarnings("ignore", message=_MISSING_USER_CONF, category=UserWarning)
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_MISSING_USER_CONF, category=UserWarning)
+        yield
+
+
+def compose_config(
+    config_name: str, overrides: Sequence[str] = (), *, check: bool = True
+) -> DictConfig:
+    """Compose ``conf/<config_name>.yaml`` with ``overrides``, as the console script would.
+
+    ``${hydra:...}`` interpolations (the default checkpoint directory) are not available
+    outside a running app: override ``storage.directory`` when the result is used.
+    With ``check``, every ``_target_`` node is checked against its callable's signature.
+    """
+    register()
+    _register_app(config_name)
+    with _quiet(), initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+        cfg = compose(config_name, overrides=list(overrides))
+    if check:
+        check_targets(cfg)
+    return cfg
+
+
+def _register_app(config_name: str) -> None:
+    """Import ``pcframe.apps.<config_name>`` if there is one: each app module registers its
+    own schemas (``pcframe-sim`` has its own) when it is imported."""
+    name = f"pcframe.apps.{config_name}"
+    if importlib.util.find_spec(name) is not None:
+        importlib.import_module(name)
+
+
+def engine_config(cfg: DictConfig) -> EngineConfig:
+    """The validated engine knobs of a composed config (errors name ``engine.<key>``)."""
+    return EngineConfig(**OmegaConf.to_container(cfg.engine, resolve=True))

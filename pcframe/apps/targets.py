@@ -1,0 +1,129 @@
+"""Check ``_target_`` nodes against their callables before anything is instantiated.
+
+The policy configs are plain ``_target_`` + keyword YAML (their schema is the constructor).
+Hydra would only notice a misspelt keyword when the object is built, deep into a run, with
+a ``TypeError`` that does not name the config key. This check runs right after composing
+and names the key, the parameters that exist and the fix.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+import typing
+from typing import Any
+
+from hydra.utils import get_object
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from pcframe.errors import ConfigError
+
+_HYDRA_KEYS = {"_target_", "_args_", "_recursive_", "_convert_", "_partial_"}
+_PLAIN = (bool, int, float, str)
+
+
+def check_targets(cfg: DictConfig, path: str = "") -> None:
+    """Raise :class:`ConfigError` for the first ``_target_`` node that cannot be built.
+
+    Checks that the target imports, that every key is a parameter, that required parameters
+    are given, and that plain values (numbers, strings, booleans) have the annotated type.
+    """
+    if cfg._is_none() or cfg._is_missing() or cfg._is_interpolation():
+        return
+    if isinstance(cfg, DictConfig):
+        if "_target_" in cfg:
+            _check_node(cfg, path)
+        for key in cfg:
+            if path == "" and key == "hydra":
+                continue
+            child = cfg._get_node(key)
+            if isinstance(child, DictConfig | ListConfig):
+                check_targets(child, f"{path}.{key}" if path else str(key))
+    elif isinstance(cfg, ListConfig):
+        for index, child in enumerate(cfg._iter_ex(resolve=False)):
+            if isinstance(child, DictConfig | ListConfig):
+                check_targets(child, f"{path}[{index}]")
+
+
+def _check_node(node: DictConfig, path: str) -> None:
+    target = node._get_node("_target_")._value()
+    where = path or "<root>"
+    try:
+        obj = get_object(target)
+    except Exception as exc:
+        raise ConfigError(
+            f"{where}._target_={target!r} cannot be imported ({exc}); "
+            "fix the dotted path or install the package that provides it"
+        ) from None
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: nothing to check here
+    params = signature.parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    named = {
+        name: p
+        for name, p in params.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    keys = [str(k) for k in node if str(k) not in _HYDRA_KEYS]
+    if not takes_any:
+        for key in keys:
+            if key not in named:
+                raise ConfigError(
+                    f"{where}.{key}: {target} has no parameter {key!r}; "
+                    f"it takes: {', '.join(named) or 'no arguments'}. Fix or remove the key"
+                )
+    if not node.get("_partial_", False) and "_args_" not in node:
+        missing = [n for n, p in named.items() if p.default is p.empty and n not in keys]
+        if missing:
+            raise ConfigError(
+                f"{where}: {target} needs {', '.join(missing)}; add "
+                + ", ".join(f"{where}.{m}=..." for m in missing)
+            )
+    hints = _hints(obj)
+    for key in keys:
+        if key in hints and not OmegaConf.is_interpolation(node, key):
+            value = node._get_node(key)._value()
+            if not _fits(value, hints[key]):
+                raise ConfigError(
+                    f"{where}.{key}={value!r} has the wrong type: {target} expects "
+                    f"{_name(hints[key])}; give a value of that type"
+                )
+
+
+def _hints(obj: Any) -> dict[str, Any]:
+    func = obj.__init__ if inspect.isclass(obj) else obj
+    try:
+        return typing.get_type_hints(func)
+    except Exception:
+        return {}  # unresolvable forward references: skip the type check, keep the key check
+
+
+def _fits(value: Any, annotation: Any) -> bool:
+    """Whether a plain config value fits ``annotation``; unknown annotations always fit."""
+    options = _union_members(annotation)
+    if options is None:
+        options = (annotation,)
+    if value is None:
+        return type(None) in options or not all(o in _PLAIN for o in options)
+    if not all(o in (*_PLAIN, type(None)) for o in options):
+        return True  # containers, objects, Literals...: left to the callable
+    if isinstance(value, bool):
+        return bool in options
+    if isinstance(value, int):
+        return int in options or float in options
+    return type(value) in options
+
+
+def _union_members(annotation: Any) -> tuple[Any, ...] | None:
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return typing.get_args(annotation)
+    return None
+
+
+def _name(annotation: Any) -> str:
+    options = _union_members(annotation) or (annotation,)
+    return " or ".join(
+        "null" if o is type(None) else getattr(o, "__name__", str(o)) for o in options
+    )

@@ -1,0 +1,89 @@
+"""When to kill: injected preemption times in wall seconds since the supervised job started."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pcframe.errors import ConfigError
+
+
+def poisson_times(mtbf: float, count: int, seed: int = 0) -> list[float]:
+    """The first ``count`` arrival times of a Poisson process with mean gap ``mtbf`` seconds."""
+    if not mtbf > 0:
+        raise ConfigError(f"failure.mtbf={mtbf!r} is invalid: give a positive number of seconds")
+    rng = random.Random(seed)  # own generator: the schedule does not depend on anything else
+    times, now = [], 0.0
+    for _ in range(count):
+        now += rng.expovariate(1.0 / mtbf)
+        times.append(now)
+    return times
+
+
+def resolve_trace(path: str | Path) -> Path:
+    """``path`` as given (absolute or relative to the working directory), else relative to
+    the shipped traces (``$PCFRAME_TRACES`` or ``experiments/traces``)."""
+    from pcframe.policies.traces import shared_traces_dir
+
+    candidate = Path(path).expanduser()
+    if candidate.is_file():
+        return candidate
+    shared = shared_traces_dir()
+    if shared is not None and (shared / candidate).is_file():
+        return shared / candidate
+    where = f" or under {shared}" if shared is not None else ""
+    raise ConfigError(
+        f"failure.path={str(path)!r}: no such trace file in the working directory{where}; "
+        "give an existing path, or failure.times=[...] instead"
+    )
+
+
+def trace_times(
+    path: str | Path | None = None,
+    times: Sequence[float] | None = None,
+    compression: float = 1.0,
+    offset: float = 0.0,
+) -> list[float]:
+    """Wall-clock kill times from a trace's preemptions (or explicit ``times``).
+
+    Trace time ``t`` maps to wall time ``(t - offset) / compression``; preemptions before
+    ``offset`` are dropped. A preemption is a tick at which the trace's up-count drops, as
+    defined by :meth:`pcframe.policies.traces.Trace.preemption_ticks`.
+    """
+    if not compression > 0:
+        raise ConfigError(
+            f"failure.compression={compression!r} is invalid: give trace seconds per wall "
+            "second, > 0 (e.g. 100)"
+        )
+    if (path is None) == (times is None):
+        raise ConfigError(
+            "failure=trace needs exactly one of failure.path (a trace file) and "
+            "failure.times (kill times in trace seconds); set the other to null"
+        )
+    if times is not None:
+        source = sorted(float(t) for t in times)
+        if source and source[0] < 0:
+            raise ConfigError(f"failure.times={list(times)} has negative times; use seconds >= 0")
+    else:
+        from pcframe.policies.traces import load_trace
+
+        trace = load_trace(resolve_trace(path))
+        source = [float(t) for t in trace.preemption_ticks() * trace.step_seconds]
+    return [(t - offset) / compression for t in source if t >= offset]
+
+
+def kill_times(failure: Any) -> list[float]:
+    """Kill schedule of a ``failure`` config node (``kind`` none, poisson or trace)."""
+    kind = failure.kind
+    if kind == "none":
+        return []
+    if failure.max_kills < 0:
+        raise ConfigError(f"failure.max_kills={failure.max_kills} is invalid: use 0 or more")
+    if kind == "poisson":
+        return poisson_times(failure.mtbf, failure.max_kills, failure.seed)
+    if kind == "trace":
+        times = trace_times(failure.path, failure.times, failure.compression, failure.offset)
+        return times[: failure.max_kills]
+    raise ConfigError(f"failure.kind={kind!r} is unknown; use failure=none, poisson or trace")

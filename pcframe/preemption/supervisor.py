@@ -1,0 +1,316 @@
+"""Run training as a child process, SIGKILL it at injected times, restart it, measure.
+
+The child is ``python -m pcframe.training`` in its own session. It is killed with SIGKILL,
+which it can neither catch nor delay: no final save, no flush, no cleanup, as when a spot VM
+disappears. The next child resumes from whatever the engine had committed. The supervisor
+only reads the child's stdout (``step N`` after every step, ``pcframe-event {json}`` lines),
+so what it reports is what an outside observer sees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from pcframe.errors import CheckpointError
+from pcframe.training import EVENT_PREFIX
+
+_EOF = object()
+
+
+class SupervisorError(CheckpointError):
+    """The child failed on its own (not killed by us) or the run timed out."""
+
+
+@dataclass
+class ChildSpec:
+    """Everything one training process needs; the same for every restart."""
+
+    directory: str
+    steps: int
+    workload: str = "mlp"
+    workload_args: dict[str, Any] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)
+    policy: dict[str, Any] | None = None
+    threads: int = 1
+    final: str | None = None
+
+    def command(self, python: str = sys.executable) -> list[str]:
+        cmd = [
+            python,
+            "-m",
+            "pcframe.training",
+            "--directory",
+            self.directory,
+            "--steps",
+            str(self.steps),
+            "--workload",
+            self.workload,
+            "--workload-args",
+            json.dumps(self.workload_args),
+            "--engine-args",
+            json.dumps(self.engine),
+            "--threads",
+            str(self.threads),
+        ]
+        if self.policy is not None:
+            cmd += ["--policy", json.dumps(self.policy)]
+        if self.final:
+            cmd += ["--final", self.final]
+        return cmd
+
+
+@dataclass
+class Life:
+    """One child process, from spawn to exit or kill. Times are seconds on the job clock."""
+
+    index: int
+    spawned: float
+    start_step: int | None = None  # None: killed before it had restored
+    last_step: int = 0
+    restore_seconds: float = 0.0
+    first_step_at: float | None = None
+    ended: float = 0.0
+    killed: bool = False
+    returncode: int | None = None
+
+    @property
+    def executed(self) -> int:
+        return 0 if self.start_step is None else max(0, self.last_step - self.start_step)
+
+
+@dataclass
+class SupervisedRun:
+    """What a supervised run cost; ``lives`` has one entry per process started."""
+
+    steps: int
+    lives: list[Life]
+    wall: float
+    scheduled_kills: int
+
+    @property
+    def kills(self) -> int:
+        return sum(life.killed for life in self.lives)
+
+    @property
+    def executed_steps(self) -> int:
+        return sum(life.executed for life in self.lives)
+
+    @property
+    def lost_steps(self) -> int:
+        """Steps trained and then lost to kills (as seen on stdout: ±1 step per kill).
+
+        Work since the newest checkpoint dies with a process; the next process that gets as
+        far as restoring shows how far back it had to go.
+        """
+        lost = 0
+        for i, life in enumerate(self.lives):
+            if life.killed and life.start_step is not None:
+                resumed = next(
+                    (x.start_step for x in self.lives[i + 1 :] if x.start_step is not None), 0
+                )
+                lost += max(0, life.last_step - resumed)
+        return lost
+
+    @property
+    def restart_seconds(self) -> list[float]:
+        """Per kill: from the kill until training made progress again (its next first step,
+        in whichever later process got that far)."""
+        out = []
+        for i, life in enumerate(self.lives):
+            if not life.killed:
+                continue
+            resumed = next((x.first_step_at for x in self.lives[i + 1 :] if x.first_step_at), None)
+            if resumed is not None:
+                out.append(resumed - life.ended)
+        return out
+
+    @property
+    def goodput(self) -> float:
+        """Useful training steps per wall second, restarts and lost work included."""
+        return self.steps / self.wall if self.wall else 0.0
+
+
+class Supervisor:
+    """Start a child, kill it at ``kill_times`` (job-clock seconds), restart until it finishes.
+
+    The job clock starts when the first child is spawned and includes every start-up and
+    restart delay, as a VM's wall clock would. Kill times that fall while no child is
+    running (during ``restart_delay``) are skipped: a VM that is not up cannot be preempted.
+    ``on_line(life_index, line)`` sees every stdout line of every child (progress displays).
+    """
+
+    def __init__(
+        self,
+        spec: ChildSpec,
+        kill_times: Sequence[float] = (),
+        *,
+        restart_delay: float = 0.0,
+        timeout: float = 3600.0,
+        log_dir: str | Path | None = None,
+        env: dict[str, str] | None = None,
+        on_line: Callable[[int, str], None] | None = None,
+    ) -> None:
+        if restart_delay < 0:
+            raise ValueError(f"restart_delay={restart_delay} must be >= 0")
+        self.spec = spec
+        self.kill_times = sorted(kill_times)
+        self.restart_delay = restart_delay
+        self.timeout = timeout
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.env = _child_env(env, spec.threads)
+        self.on_line = on_line
+
+    def run(self) -> SupervisedRun:
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        lives: list[Life] = []
+        pending = list(self.kill_times)
+        start = time.monotonic()
+        while True:
+            now = time.monotonic() - start
+            pending = [t for t in pending if t > now]
+            life = self._run_life(len(lives), start, pending)
+            lives.append(life)
+            if not life.killed:
+                return SupervisedRun(self.spec.steps, lives, life.ended, len(self.kill_times))
+            pending.pop(0)
+            if self.restart_delay:
+                time.sleep(self.restart_delay)
+
+    # --- one process ---------------------------------------------------------------------
+
+    def _run_life(self, index: int, start: float, pending: list[float]) -> Life:
+        def clock() -> float:
+            return time.monotonic() - start
+
+        life = Life(index, spawned=clock())
+        stderr_path = self._log_path(index)
+        with open(stderr_path or os.devnull, "w") as stderr:
+            proc = subprocess.Popen(
+                self.spec.command(),
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                env=self.env,
+                start_new_session=True,  # its own process group: the kill takes everything
+            )
+            lines: queue.Queue[Any] = queue.Queue()
+            reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
+            reader.start()
+            try:
+                self._watch(proc, life, lines, clock, pending, start)
+            except BaseException:
+                _kill(proc)
+                raise
+            finally:
+                reader.join()
+                proc.stdout.close()
+        life.ended = clock() if not life.killed else life.ended
+        life.returncode = proc.returncode
+        if not life.killed and proc.returncode != 0:
+            raise SupervisorError(
+                f"training process {index} exited with code {proc.returncode} without being "
+                f"killed; its stderr ends with:\n{_tail(stderr_path)}"
+            )
+        return life
+
+    def _watch(
+        self,
+        proc: subprocess.Popen[str],
+        life: Life,
+        lines: queue.Queue[Any],
+        clock: Any,
+        pending: list[float],
+        start: float,
+    ) -> None:
+        while True:
+            now = clock()
+            next_kill = pending[0] if pending else float("inf")
+            if now >= self.timeout:
+                raise SupervisorError(
+                    f"supervised run exceeded failure.timeout={self.timeout} s at step "
+                    f"{life.last_step}/{self.spec.steps}; raise the timeout or shorten the run"
+                )
+            wait = min(next_kill, self.timeout) - now
+            try:
+                item = lines.get(timeout=max(wait, 0.0))
+            except queue.Empty:
+                if clock() < next_kill:
+                    continue  # the timeout check comes round again
+                _kill(proc)
+                life.killed, life.ended = True, clock()
+                # Lines the child wrote before it died are still in the pipe: count them.
+                while (item := lines.get()) is not _EOF:
+                    self._parse(item[1], life, item[0] - start)
+                return
+            if item is _EOF:
+                proc.wait()
+                return
+            self._parse(item[1], life, item[0] - start)
+
+    def _parse(self, line: str, life: Life, at: float) -> None:
+        if self.on_line is not None:
+            self.on_line(life.index, line)
+        if line.startswith("step "):
+            life.last_step = int(line.split()[1])
+        elif line.startswith(EVENT_PREFIX):
+            event = json.loads(line[len(EVENT_PREFIX) :])
+            if event["event"] == "restored":
+                life.start_step = life.last_step = int(event["step"])
+                life.restore_seconds = float(event["seconds"])
+            elif event["event"] == "first_step":
+                life.first_step_at = at
+
+    def _log_path(self, index: int) -> Path | None:
+        if self.log_dir is None:
+            return None
+        return self.log_dir / f"child-{index}.stderr"
+
+
+def _pump(stream: TextIO, lines: queue.Queue[Any]) -> None:
+    for line in stream:
+        lines.put((time.monotonic(), line.rstrip("\n")))
+    lines.put(_EOF)
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):  # already gone
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _child_env(env: dict[str, str] | None, threads: int) -> dict[str, str]:
+    merged = dict(os.environ if env is None else env)
+    merged.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    merged.pop("PCFRAME_CRASH_AT", None)  # the engine's own crash points stay off here
+    return merged
+
+
+def _tail(path: Path | None, lines: int = 20) -> str:
+    if path is None or not path.exists():
+        return "(no log; pass log_dir to keep the child's stderr)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def compare_finals(a: str | Path, b: str | Path) -> list[str]:
+    """Names of tensors that differ between two ``--final`` safetensors files (empty: equal)."""
+    import torch
+    from safetensors.torch import load_file
+
+    left, right = load_file(a), load_file(b)
+    names = sorted(set(left) | set(right))
+    return [
+        n for n in names if n not in left or n not in right or not torch.equal(left[n], right[n])
+    ]

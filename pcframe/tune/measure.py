@@ -1,0 +1,166 @@
+"""Measure one engine configuration for real: this machine's disk, CPUs and memory.
+
+A/B design: segments of ``steps`` training steps without checkpoints (A) and with a
+checkpoint every ``interval`` steps (B) run back to back in pairs, AB BA AB ..., on the same
+model in the same process. A segment with checkpoints is timed until its last checkpoint is
+durable. Overhead is the median over pairs of B's step time / A's step time, minus one: it
+holds both the stall the engine measures (training blocked on a save) and the slowdown of
+training while writer threads compete for the CPUs.
+
+Why pairs and a median: on a shared machine other processes come and go on a scale of
+seconds to minutes. The two segments of a pair run within a few seconds of each other, so
+slow drift cancels in their ratio; a burst that hits one segment spoils one pair, which the
+median ignores. (Comparing each arm's fastest or median segment instead mixes load levels
+minutes apart, and was wrong by tens of percent on a busy 2-core machine.)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pcframe.checkpointer import Checkpointer
+from pcframe.config import EngineConfig
+from pcframe.policies.fixed import FixedSteps
+from pcframe.training import batches
+from pcframe.workloads import Workload
+
+OBJECTIVES = ("overhead", "stall", "cpu", "cost", "memory")
+
+
+@dataclass
+class Measurement:
+    """What one configuration cost. Times in seconds, memory in bytes."""
+
+    baseline_step: list[float] = field(default_factory=list)  # per A segment
+    checkpoint_step: list[float] = field(default_factory=list)  # per B segment
+    baseline_cpu: list[float] = field(default_factory=list)  # process CPU s per A segment
+    checkpoint_cpu: list[float] = field(default_factory=list)  # process CPU s per B segment
+    saves_per_segment: int = 1
+    stalls: list[float] = field(default_factory=list)  # per checkpoint, engine-measured
+    durable: list[float] = field(default_factory=list)  # per checkpoint, save() to committed
+    memory: int = 0  # host staging pool actually allocated
+    checkpoint_bytes: int = 0
+
+    @property
+    def overhead(self) -> float:
+        """Fractional slowdown of training at the target interval (0.05 = 5 % slower)."""
+        pairs = zip(self.baseline_step, self.checkpoint_step, strict=True)
+        return statistics.median(b / a for a, b in pairs) - 1
+
+    @property
+    def stall(self) -> float:
+        """Mean seconds the training thread was blocked per checkpoint."""
+        return statistics.fmean(self.stalls) if self.stalls else 0.0
+
+    @property
+    def cpu(self) -> float:
+        """CPU seconds (all threads) one checkpoint costs: median over pairs of B - A.
+
+        Unlike wall time, CPU time does not grow when other processes load the machine, so
+        this is the steadiest of the measurements on a shared computer.
+        """
+        pairs = zip(self.baseline_cpu, self.checkpoint_cpu, strict=True)
+        return statistics.median(b - a for a, b in pairs) / self.saves_per_segment
+
+    @property
+    def cost(self) -> float:
+        """Training seconds lost per checkpoint when training uses every core: stall + CPU."""
+        return self.stall + self.cpu
+
+    def objective(self, name: str) -> float:
+        if name in ("overhead", "stall", "cpu", "cost"):
+            return getattr(self, name)
+        if name == "memory":
+            return float(self.memory)
+        raise ValueError(f"unknown objective {name!r}; use one of {', '.join(OBJECTIVES)}")
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "overhead": self.overhead,
+            "stall_s": self.stall,
+            "cpu_s": self.cpu,
+            "cost_s": self.cost,
+            "durable_s": statistics.fmean(self.durable) if self.durable else 0.0,
+            "memory_bytes": float(self.memory),
+            "checkpoint_bytes": float(self.checkpoint_bytes),
+            "baseline_step_s": statistics.median(self.baseline_step),
+            "checkpoint_step_s": statistics.median(self.checkpoint_step),
+        }
+
+
+def measure(
+    workload: Workload,
+    engine: EngineConfig,
+    directory: str | Path,
+    *,
+    interval: int,
+    steps: int,
+    repeats: int,
+    warmup_steps: int = 5,
+    on_memory: Callable[[int], None] | None = None,
+    on_repeat: Callable[[int, Measurement], None] | None = None,
+) -> Measurement:
+    """Measure ``engine`` on ``workload`` (see the module docstring).
+
+    ``on_memory(bytes)`` is called once the staging pool is sized (after one untimed save),
+    ``on_repeat(i, so_far)`` after each A/B pair; either may raise to stop early (pruning).
+    """
+    if interval < 1 or steps < interval or repeats < 1:
+        raise ValueError(
+            f"need interval >= 1, steps >= interval and repeats >= 1; got interval={interval}, "
+            f"steps={steps}, repeats={repeats} (tune.interval, tune.steps, tune.repeats)"
+        )
+    result = Measurement(saves_per_segment=steps // interval)
+    stream = batches(workload)
+    step = 0
+
+    def segment(save: bool) -> tuple[float, float]:
+        nonlocal step
+        begin, cpu = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            step += 1
+            workload.train_step(next(stream))
+            if save and step % interval == 0:
+                ckpt.save(step)
+        if save:
+            ckpt.wait()  # the segment ends when its checkpoints are durable
+        return (time.perf_counter() - begin) / steps, time.process_time() - cpu
+
+    with Checkpointer(
+        directory,
+        model=workload.model,
+        optimizer=workload.optimizer,
+        scheduler=workload.scheduler,
+        data=workload.loader,
+        policy=FixedSteps(10**9),  # saves are triggered here, not by a policy
+        config=engine,
+    ) as ckpt:
+        for _ in range(warmup_steps):
+            workload.train_step(next(stream))
+        # One untimed save: file creation, layout and staging pool happen once per run.
+        warm = ckpt.save(step)
+        warm.wait()
+        result.memory = ckpt.pipeline.pool.capacity_bytes
+        result.checkpoint_bytes = ckpt.records[warm.version].nbytes
+        if on_memory is not None:
+            on_memory(result.memory)
+        first_timed = warm.version + 1
+        for i in range(repeats):
+            # AB BA AB ...: neither arm always runs first (caches, clock boost, writeback).
+            order = (False, True) if i % 2 == 0 else (True, False)
+            for save in order:
+                wall, cpu = segment(save)
+                (result.checkpoint_step if save else result.baseline_step).append(wall)
+                (result.checkpoint_cpu if save else result.baseline_cpu).append(cpu)
+            records = [
+                r for v, r in ckpt.records.items() if v >= first_timed and r.status == "committed"
+            ]
+            result.stalls = [r.stall for r in records]
+            result.durable = [r.durable for r in records]
+            if on_repeat is not None:
+                on_repeat(i, result)
+    return result

@@ -1,0 +1,175 @@
+"""Results of a study: a Markdown table, a plot, and the tuned engine config as YAML."""
+
+from __future__ import annotations
+
+import datetime as dt
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+import optuna
+from omegaconf import OmegaConf
+from optuna.trial import FrozenTrial, TrialState
+
+from pcframe.config import EngineConfig
+
+UNITS = {
+    "overhead": ("overhead %", 100.0),
+    "stall": ("stall ms", 1e3),
+    "cpu": ("cpu ms", 1e3),
+    "cost": ("cost ms", 1e3),
+    "memory": ("MiB", 2**-20),
+}
+ATTRS = {"overhead": "overhead", "stall": "stall_s", "cpu": "cpu_s", "cost": "cost_s"}
+
+
+def groups(study: optuna.Study) -> list[list[FrozenTrial]]:
+    """Completed trials grouped by identical parameters (a configuration measured n times)."""
+    by_params: dict[tuple, list[FrozenTrial]] = {}
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        by_params.setdefault(tuple(sorted(t.params.items())), []).append(t)
+    return list(by_params.values())
+
+
+def mean_value(trials: Sequence[FrozenTrial]) -> float:
+    return statistics.fmean(t.values[0] for t in trials)
+
+
+def best_trial(study: optuna.Study, objectives: Sequence[str]) -> FrozenTrial:
+    """The single best trial.
+
+    One objective: among configurations measured more than once (see ``tune.confirm``), the
+    one with the best mean; if none was, the best single measurement. A single noisy
+    measurement tends to flatter the configuration that wins the search (the winner's
+    curse); measuring the leaders again keeps a lucky draw from being picked.
+    Several objectives: the Pareto trial best on the first objective.
+    """
+    if len(objectives) == 1:
+        measured = groups(study)
+        if not measured:
+            raise ValueError(f"study {study.study_name!r} has no completed trial yet")
+        pool = [g for g in measured if len(g) > 1] or measured
+        return min(min(pool, key=mean_value), key=lambda t: t.values[0])
+    front = study.best_trials
+    if not front:
+        raise ValueError(f"study {study.study_name!r} has no completed trial yet")
+    return min(front, key=lambda t: tuple(t.values))
+
+
+def _fmt(name: str, value: float | None) -> str:
+    if value is None:
+        return ""
+    _, scale = UNITS.get(name, (name, 1.0))
+    return f"{value * scale:.2f}"
+
+
+def trials_table(study: optuna.Study, objectives: Sequence[str], limit: int = 50) -> str:
+    """Markdown table of finished trials, best first (pruned and failed ones at the end)."""
+    trials = [t for t in study.trials if t.state != TrialState.RUNNING]
+    done = sorted(
+        (t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: tuple(t.values)
+    )
+    rest = [t for t in trials if t.state != TrialState.COMPLETE]
+    names = sorted({p for t in trials for p in t.params})
+    columns = ["trial", "state"]
+    columns += [UNITS.get(o, (o, 1))[0] for o in objectives]
+    extra = [m for m in UNITS if m not in objectives]
+    columns += [UNITS[m][0] for m in extra] + names
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for t in [*done, *rest][:limit]:
+        measured = {name: t.user_attrs.get(attr) for name, attr in ATTRS.items()}
+        measured["memory"] = t.user_attrs.get("memory_bytes")
+        values = list(t.values) if t.values else [measured.get(o) for o in objectives]
+        row = [str(t.number), t.state.name.lower()]
+        row += [_fmt(o, v) for o, v in zip(objectives, values, strict=True)]
+        row += [_fmt(m, measured[m]) for m in extra]
+        row += [str(t.params.get(n, "")) for n in names]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(study: optuna.Study, objectives: Sequence[str], path: str | Path) -> Path:
+    """Objective per trial with the best so far (one objective), or the Pareto front (two+)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display on servers
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    if len(objectives) == 1:
+        label, scale = UNITS.get(objectives[0], (objectives[0], 1.0))
+        xs = [t.number for t in done]
+        ys = [t.values[0] * scale for t in done]
+        ax.scatter(xs, ys, s=18, label="completed trial")
+        pruned = [
+            t for t in study.trials if t.state == TrialState.PRUNED and t.last_step is not None
+        ]
+        if pruned:
+            ax.scatter(
+                [t.number for t in pruned],
+                [t.intermediate_values[t.last_step] * scale for t in pruned],
+                marker="x",
+                color="grey",
+                s=18,
+                label="pruned (last report)",
+            )
+        best, running = [], float("inf")
+        for y in ys:
+            running = min(running, y)
+            best.append(running)
+        ax.step(xs, best, where="post", color="C3", label="best so far (single measurement)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("trial")
+        ax.set_ylabel(label)
+    else:
+        (lx, sx), (ly, sy) = (UNITS.get(o, (o, 1.0)) for o in objectives[:2])
+        front = {t.number for t in study.best_trials}
+        for on_front, color in ((False, "C0"), (True, "C3")):
+            pts = [t for t in done if (t.number in front) == on_front]
+            ax.scatter(
+                [t.values[0] * sx for t in pts],
+                [t.values[1] * sy for t in pts],
+                color=color,
+                s=30 if on_front else 18,
+                label="Pareto front" if on_front else "trial",
+            )
+        ax.set_xlabel(lx)
+        ax.set_ylabel(ly)
+    ax.set_title(f"pcframe-tune: {study.study_name}")
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_tuned_config(
+    path: str | Path,
+    engine: EngineConfig,
+    study: optuna.Study,
+    trial: FrozenTrial,
+    objectives: Sequence[str],
+) -> Path:
+    """Write ``engine`` as an ``engine`` group option (``pcframe-run engine=<file stem>``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    values = ", ".join(
+        f"{UNITS.get(o, (o, 1))[0]} {_fmt(o, v)}"
+        for o, v in zip(objectives, trial.values, strict=True)
+    )
+    if len(objectives) == 1:
+        same = next(g for g in groups(study) if trial in g)
+        values += f" (mean of {len(same)} measurement(s): {_fmt(objectives[0], mean_value(same))})"
+    header = [
+        f"# Written by pcframe-tune on {dt.datetime.now().isoformat(timespec='seconds')}.",
+        f"# Study {study.study_name!r}, trial {trial.number}: {values}.",
+        f"# Use it with: pcframe-run engine={path.stem}   (searched in $PCFRAME_CONFIG_DIR,",
+        "# default ./pcframe-conf; see docs/tuning.md). Measured on the machine that wrote it.",
+    ]
+    body = OmegaConf.create({"defaults": ["engine_schema", "_self_"], **engine.to_dict()})
+    path.write_text("\n".join(header) + "\n" + OmegaConf.to_yaml(body))
+    return path

@@ -1,0 +1,67 @@
+"""conf/ ships inside the wheel, and the apps compose from a non-editable install."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from tests.apps.conftest import CONF
+
+REPO = CONF.parent
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "pcframe", "policies", "kernels", "conf")
+
+# Run with the wheel's copy of pcframe: drop the editable install's import hook first.
+PROBE = """
+import sys
+sys.meta_path = [f for f in sys.meta_path if "__editable__" not in type(f).__module__]
+sys.path_hooks = [h for h in sys.path_hooks if "__editable__" not in getattr(h, "__module__", "")]
+sys.path.insert(0, sys.argv[1])
+import pcframe, pcframe.conf
+assert pcframe.__file__.startswith(sys.argv[1]), pcframe.__file__
+from pcframe.apps.compose import compose_config
+run = compose_config("run", ["experiment=smoke", "engine=serial", "storage.directory=x"])
+assert run.failure.kind == "trace" and run.engine.max_in_flight == 1
+tune = compose_config("tune", ["tune=multi", "storage.directory=x"])
+assert list(tune.tune.objectives) == ["stall", "memory"]
+print("composed from", pcframe.conf.__file__)
+"""
+
+
+@pytest.mark.slow
+def test_wheel_ships_every_config_and_the_apps_compose_from_it(tmp_path, child_env):
+    source = tmp_path / "src"  # build from a copy: setuptools writes build/ into the tree
+    for name in SOURCES:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            source.mkdir(exist_ok=True)
+            shutil.copy2(src, source / name)
+    wheels = tmp_path / "wheels"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps",
+         "--no-build-isolation", "-q", "-w", str(wheels)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stderr
+    (wheel,) = wheels.glob("pcframe-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {f"pcframe/conf/{p.relative_to(CONF).as_posix()}" for p in CONF.rglob("*.yaml")}
+    assert expected and expected <= names, sorted(expected - names)
+
+    target = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(target)  # what pip install puts in site-packages
+    probe = subprocess.run(
+        [sys.executable, "-c", PROBE, str(target)],
+        cwd=tmp_path,
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert str(target) in probe.stdout

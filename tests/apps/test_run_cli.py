@@ -1,0 +1,61 @@
+"""pcframe-run as a console script: preemption injection, multirun sweeps, clear errors."""
+
+from __future__ import annotations
+
+import re
+
+from pcframe.storage import CheckpointDir
+from tests.apps.conftest import run_module
+
+
+def value(stdout: str, label: str) -> str:
+    match = re.search(rf"{re.escape(label)}\s*│\s*(.+?)\s*│", stdout)
+    assert match, f"{label!r} not in the summary:\n{stdout}"
+    return match.group(1)
+
+
+def test_failure_trace_kills_restarts_and_reports(tmp_path, app_env):
+    ckpt = tmp_path / "ckpt"
+    result = run_module(
+        "pcframe.apps.run",
+        "experiment=smoke",
+        "steps=200",
+        "failure.times=[1.0]",  # during the first process's start-up: a kill before any step
+        "failure.reference=false",  # the bit-identical check: test_supervisor.py
+        f"storage.directory={ckpt}",
+        f"hydra.run.dir={tmp_path / 'hydra'}",
+        cwd=tmp_path,
+        env=app_env,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert value(out, "preemptions injected (SIGKILL)") == "1"
+    assert value(out, "training processes started") == "2"
+    assert value(out, "steps lost to preemptions") == "0"
+    assert "final model equals" not in out  # no reference run was asked for
+    assert float(value(out, "goodput (useful steps/s)")) > 0
+    assert CheckpointDir(ckpt).committed_versions()  # the supervised run checkpointed
+    logs = tmp_path / "hydra" / "logs" / "supervised"
+    assert sorted(p.name for p in logs.iterdir()) == ["child-0.stderr", "child-1.stderr"]
+
+
+def test_multirun_sweep_with_the_basic_launcher(tmp_path, app_env):
+    sweep = tmp_path / "sweep"
+    result = run_module(
+        "pcframe.apps.run",
+        "-m",
+        "engine.max_in_flight=1,3",
+        "workload=tiny",
+        "steps=20",
+        "threads=1",
+        "baseline=false",
+        "policy.interval.every=10",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+        env=app_env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("pcframe-run summary") == 2
+    for job in ("0", "1"):
+        assert CheckpointDir(sweep / job / "checkpoints").committed_versions() == [1, 2]
+    assert "max_in_flight: 3" in (sweep / "1" / ".hydra" / "config.yaml").read_text()

@@ -1,0 +1,72 @@
+"""The supervisor really SIGKILLs the training process, restarts it, and it resumes exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+
+import pytest
+
+from pcframe.preemption import ChildSpec, Supervisor, SupervisorError, compare_finals
+from pcframe.storage import CheckpointDir
+
+EVERY = 10
+STEPS = 600
+# The GPT workload, small: about 10 ms a step here, so a life of the child is a few seconds.
+GPT = {"vocab": 256, "context": 16, "width": 64, "layers": 2, "heads": 2, "samples": 256}
+
+
+def spec(tmp_path, name: str) -> ChildSpec:
+    return ChildSpec(
+        directory=str(tmp_path / name),
+        steps=STEPS,
+        workload="gpt",
+        workload_args=GPT,
+        engine={"chunk_bytes": 65536},
+        policy={"_target_": "pcframe.policies.FixedSteps", "every": EVERY},
+        threads=1,
+        final=str(tmp_path / f"{name}.safetensors"),
+    )
+
+
+def test_sigkill_restart_resume_matches_an_uninterrupted_run(tmp_path, child_env):
+    reference = Supervisor(spec(tmp_path, "reference"), env=child_env).run()
+    assert reference.kills == 0 and len(reference.lives) == 1
+    # Start-up (interpreter, torch import) is most of a life on a loaded 2-core machine, so
+    # each kill comes 1.5 s after a start-up as long as the reference's: a life cannot
+    # finish in that time, and one that started slowly is killed before its first step.
+    startup = reference.lives[0].first_step_at
+    training = reference.wall - startup
+    assert training > 3.0, "the workload got too fast for this test: raise STEPS"
+    kills = [startup + 1.5, 2 * (startup + 1.5)]
+    run = Supervisor(spec(tmp_path, "killed"), kills, env=child_env, log_dir=tmp_path / "logs")
+    result = run.run()
+
+    assert result.kills == 2 and len(result.lives) == 3
+    assert [life.returncode for life in result.lives] == [-signal.SIGKILL, -signal.SIGKILL, 0]
+    assert [life.killed for life in result.lives] == [True, True, False]
+    # At least one restart resumed from a checkpoint (not from scratch), at a save step.
+    resumed = [life.start_step for life in result.lives[1:] if life.start_step]
+    assert resumed and all(step % EVERY == 0 for step in resumed)
+    # Work since the newest durable checkpoint is lost, and only that.
+    assert 0 <= result.lost_steps <= result.kills * 3 * EVERY
+    assert abs(result.executed_steps - result.lost_steps - STEPS) <= result.kills
+    restarts = result.restart_seconds
+    assert restarts and all(0 < r < result.wall for r in restarts)
+    assert result.goodput < STEPS / training  # preemptions cost something
+    # The final model and optimizer state are bit-identical to the uninterrupted run's.
+    assert compare_finals(tmp_path / "reference.safetensors", tmp_path / "killed.safetensors") == []
+    assert CheckpointDir(tmp_path / "killed").committed_versions()
+    assert (tmp_path / "logs" / "child-0.stderr").exists()
+
+
+def test_a_child_that_fails_by_itself_is_an_error_with_its_stderr(tmp_path, child_env):
+    broken = dataclasses.replace(spec(tmp_path, "broken"), workload_args={"no_such_arg": 1})
+    with pytest.raises(SupervisorError, match="exited with code 1 without being killed") as info:
+        Supervisor(broken, [60.0], env=child_env, log_dir=tmp_path / "logs").run()
+    assert "no_such_arg" in str(info.value)
+
+
+def test_timeout_kills_the_child_and_says_which_key(tmp_path, child_env):
+    with pytest.raises(SupervisorError, match=r"failure\.timeout=0\.5"):
+        Supervisor(spec(tmp_path, "slow"), env=child_env, timeout=0.5).run()

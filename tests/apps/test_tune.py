@@ -1,0 +1,288 @@
+"""pcframe-tune: real measurements, pruning, Pareto mode, resumable storages, tuned config."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+from omegaconf import OmegaConf
+from optuna.trial import TrialState
+
+from pcframe.apps.run import run
+from pcframe.errors import ConfigError
+from pcframe.tune import Tuner, best_trial, engine_values, open_storage, parse_space, plot
+from tests.apps.conftest import compose, run_module
+
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def quick(tmp_path, *overrides: str):
+    """Overrides for a tiny, quick study whose files all stay in tmp_path."""
+    return [
+        "workload=tiny",
+        "tune=quick",
+        "threads=1",  # a tiny model on a shared 2-core machine: threads only contend
+        "tune.progress=false",
+        f"tune.report_dir={tmp_path / 'report'}",
+        f"tune.write_config={tmp_path / 'user-conf' / 'engine' / 'tuned.yaml'}",
+        *overrides,
+    ]
+
+
+def tuner(tmp_path, *overrides: str) -> Tuner:
+    base = quick(tmp_path, *overrides)
+    directory = tmp_path / "ckpt"
+    cfg = compose("tune", *base, directory=directory)
+    return Tuner(cfg, compose=lambda extra: compose("tune", *base, *extra, directory=directory))
+
+
+def load(url: str, name: str = "pcframe-quick") -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=open_storage(url))
+
+
+def test_cli_tunes_writes_a_config_that_pcframe_run_uses(tmp_path, app_env, monkeypatch):
+    db = f"sqlite:///{tmp_path / 'study.db'}"
+    result = run_module(
+        "pcframe.apps.tune",
+        *quick(tmp_path, f"tune.storage={db}"),
+        f"hydra.run.dir={tmp_path / 'hydra'}",
+        cwd=tmp_path,
+        env=app_env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "pcframe-run engine=tuned" in result.stdout
+    study = load(db)
+    trials = study.get_trials(states=FINISHED)
+    assert len(trials) == 3
+    assert study.trials[0].user_attrs.get("base") is True  # the base engine is trial 0
+    for t in study.get_trials(states=(TrialState.COMPLETE,)):
+        # measured, not made up: step times, stall and staging memory of a real run
+        assert t.user_attrs["baseline_step_s"] > 0 and t.user_attrs["checkpoint_step_s"] > 0
+        assert t.user_attrs["memory_bytes"] >= t.params["chunk_bytes"]
+        assert t.values[0] == pytest.approx(t.user_attrs["overhead"])
+        assert len(t.intermediate_values) == 2  # one report per A/B repeat (for pruning)
+    table = (tmp_path / "report" / "tune_trials.md").read_text()
+    assert table.count("\n| ") == 1 + len(study.trials)  # header + one row per trial
+    assert (tmp_path / "report" / "tune_plot.png").read_bytes().startswith(PNG)
+
+    tuned = tmp_path / "user-conf" / "engine" / "tuned.yaml"
+    best = best_trial(study, ["overhead"])
+    knobs = parse_space(compose("tune", *quick(tmp_path), directory=tmp_path).tune.space)
+    expected = engine_values(knobs, best.params)  # names of dict values -> the dicts
+    written = OmegaConf.to_container(OmegaConf.load(tuned))
+    assert {k: written[k] for k in expected} == expected
+
+    # pcframe-run finds engine=tuned in $PCFRAME_CONFIG_DIR and checkpoints with it.
+    monkeypatch.setenv("PCFRAME_CONFIG_DIR", app_env["PCFRAME_CONFIG_DIR"])
+    ckpt = tmp_path / "run-ckpt"
+    cfg = compose(
+        "run",
+        "engine=tuned",
+        "workload=tiny",
+        "steps=20",
+        "threads=1",
+        "baseline=false",
+        "policy.interval.every=10",
+        directory=ckpt,
+    )
+    summary = run(cfg)
+    assert summary["checkpoints"] == 2
+    manifest = (ckpt / "v00000002" / "manifest.json").read_text().split("\n", 1)[1]
+    used = json.loads(manifest)["engine"]["config"]
+    assert {k: used[k] for k in expected} == expected
+
+
+def test_study_resumes_in_the_same_storage(tmp_path):
+    url = f"journal://{tmp_path / 'study.log'}"  # the multi-process journal file
+    first = tuner(tmp_path, f"tune.storage={url}", "tune.n_trials=2")
+    first.run()
+    before = [(t.number, t.state, t.params) for t in load(url).trials]
+    assert len(before) == 2
+    again = tuner(tmp_path, f"tune.storage={url}", "tune.n_trials=3")
+    study = again.run()
+    after = [(t.number, t.state, t.params) for t in study.trials]
+    assert after[:2] == before and len(after) == 3 and after[2][0] == 2
+    # asking for what is already there runs nothing
+    assert len(tuner(tmp_path, f"tune.storage={url}", "tune.n_trials=3").run().trials) == 3
+
+
+def test_killed_worker_trial_is_failed_and_retried(tmp_path, app_env):
+    db = f"sqlite:///{tmp_path / 'study.db'}"
+    args = quick(tmp_path, f"tune.storage={db}", "tune.heartbeat=1", "tune.n_trials=2")
+    args += ["tune.steps=400", "tune.interval=100", f"hydra.run.dir={tmp_path / 'hydra'}"]
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "pcframe.apps.tune", *args],
+        cwd=tmp_path,
+        env=app_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    running = None
+    while running is None and time.monotonic() < deadline:
+        time.sleep(0.3)
+        try:
+            running = next(iter(load(db).get_trials(states=(TrialState.RUNNING,))), None)
+        except KeyError:
+            continue  # the study is not created yet
+    assert running is not None, "the worker never started a trial"
+    time.sleep(1.0)  # inside the trial's measurement
+    worker.send_signal(signal.SIGKILL)
+    assert worker.wait(timeout=30) == -signal.SIGKILL
+    assert load(db).trials[running.number].state == TrialState.RUNNING  # left behind
+    time.sleep(2.5)  # a restarted worker comes up after the grace period (2 beats)
+    study = tuner(tmp_path, f"tune.storage={db}", "tune.heartbeat=1", "tune.n_trials=2").run()
+    states = {t.number: t.state for t in study.trials}
+    assert states[running.number] == TrialState.FAIL
+    retried = [
+        t
+        for t in study.get_trials(states=(TrialState.COMPLETE,))
+        if t.params == running.params and t.number > running.number
+    ]
+    assert retried, "the killed trial's configuration was not run again"
+    assert len(study.get_trials(states=FINISHED)) == 2
+
+
+def test_multi_objective_memory_budget_and_pareto_front(tmp_path):
+    chunk = 65536
+    t = tuner(
+        tmp_path,
+        "tune.objectives=[stall,memory]",
+        f"tune.memory_budget={3 * chunk}",
+        "tune.storage=null",
+        "tune.n_trials=3",
+        f"tune.space.chunk_bytes.choices=[{chunk}]",
+    )
+    study = t.create_study(enqueue_base=False)
+    fixed = {"max_in_flight": 1, "writer_threads": 1, "o_direct": "off", "checksum": "crc32c"}
+    fixed |= {"copy_backend": "torch", "codecs": "raw"}
+    for ratio in (0.5, 2.0, 1.0):
+        fixed_ratio = {**fixed, "chunk_bytes": chunk, "staging_ratio": ratio}
+        study.enqueue_trial(fixed_ratio)
+    t.run(study)
+    by_ratio = {tr.params["staging_ratio"]: tr for tr in study.trials}
+    over = by_ratio[2.0]
+    assert over.state == TrialState.PRUNED
+    assert "tune.memory_budget" in over.user_attrs["pruned_because"]
+    for ratio in (0.5, 1.0):
+        tr = by_ratio[ratio]
+        assert tr.state == TrialState.COMPLETE
+        state_bytes = tr.user_attrs["checkpoint_bytes"]
+        expected = math.ceil(state_bytes * ratio / chunk) * chunk  # the engine's staging pool
+        assert tr.values[1] == tr.user_attrs["memory_bytes"] == expected <= 3 * chunk
+        assert tr.values[0] == pytest.approx(tr.user_attrs["stall_s"]) and tr.values[0] >= 0
+    front = {tr.number for tr in study.best_trials}
+    assert front and front <= {tr.number for tr in study.get_trials(states=(TrialState.COMPLETE,))}
+    chosen = best_trial(study, t.objectives)
+    assert chosen.number in front
+    assert plot(study, t.objectives, tmp_path / "pareto.png").read_bytes().startswith(PNG)
+
+
+def test_hopeless_trial_is_pruned_once_the_warmup_reports_are_in(tmp_path):
+    # With the memory objective every report is exact, so the pruner's decision is certain.
+    t = tuner(
+        tmp_path,
+        "tune.objectives=[memory]",
+        "tune.storage=null",
+        "tune.n_trials=2",
+        "tune.pruner_startup_trials=1",
+        "tune.repeats=4",  # the pruner waits for repeats // 2 = 2 reports
+    )
+    study = t.create_study(enqueue_base=False)
+    assert isinstance(study.pruner, optuna.pruners.MedianPruner)
+    common = {"max_in_flight": 1, "writer_threads": 1, "o_direct": "off", "checksum": "crc32c"}
+    common |= {"copy_backend": "torch", "codecs": "raw"}
+    study.enqueue_trial({**common, "chunk_bytes": 65536, "staging_ratio": 0.5})
+    study.enqueue_trial({**common, "chunk_bytes": 262144, "staging_ratio": 2.0})
+    t.run(study)
+    small, big = study.trials
+    assert small.state == TrialState.COMPLETE and len(small.intermediate_values) == 4
+    assert big.state == TrialState.PRUNED
+    assert list(big.intermediate_values) == [0, 1, 2]  # stopped after 3 of 4 repeats
+    assert big.intermediate_values[2] > small.value
+
+
+def test_several_workers_share_a_postgresql_study(tmp_path, app_env, postgres_url):
+    workers = []
+    for index in range(2):
+        args = quick(
+            tmp_path / f"w{index}",
+            f"tune.storage={postgres_url}",
+            "tune.n_trials=4",
+            "tune.seed=null",
+            f"hydra.run.dir={tmp_path / f'hydra{index}'}",
+        )
+        workers.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "pcframe.apps.tune", *args],
+                cwd=tmp_path,
+                env=app_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    for worker in workers:
+        _, err = worker.communicate(timeout=300)
+        assert worker.returncode == 0, err
+    study = load(postgres_url)
+    finished = study.get_trials(states=FINISHED)
+    # MaxTrialsCallback stops both workers at 4; a trial each may already be under way.
+    assert 4 <= len(finished) <= 5
+    assert len({t.user_attrs["worker"] for t in study.trials}) == 2
+    assert [t.number for t in study.trials] == list(range(len(study.trials)))
+
+
+@pytest.mark.parametrize(
+    ("override", "text"),
+    [
+        ("tune.objectives=[speed]", "tune.objectives"),
+        ("tune.sampler=cmaes", "tune.sampler"),
+        ("tune.n_trials=0", "tune.n_trials"),
+        ("+tune.space.turbo={type:categorical,choices:[yes]}", "tune.space.turbo"),
+        ("+tune.space.max_in_flight.lo=1", "tune.space.max_in_flight.lo"),
+    ],
+    ids=str,
+)
+def test_bad_tune_settings_name_the_key(tmp_path, override, text):
+    with pytest.raises(ConfigError, match=text.replace(".", r"\.")):
+        tuner(tmp_path, override)
+
+
+def test_bad_storage_url_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"tune\.storage='study\.db'"):
+        tuner(tmp_path, "tune.storage=study.db").create_study()
+
+
+def test_best_trial_prefers_the_best_mean_of_remeasured_configurations():
+    study = optuna.create_study()
+    dist = {"x": optuna.distributions.CategoricalDistribution(["a", "b", "c"])}
+    for x, value in (("a", 1.0), ("b", 0.5), ("b", 2.0), ("c", 0.8), ("c", 0.9)):
+        study.add_trial(optuna.trial.create_trial(params={"x": x}, distributions=dist, value=value))
+    # b had the single best draw (0.5) but its mean is 1.25; c is reliably better
+    assert best_trial(study, ["overhead"]).params == {"x": "c"}
+    lone = optuna.create_study()
+    for x, value in (("a", 1.0), ("b", 0.5)):
+        lone.add_trial(optuna.trial.create_trial(params={"x": x}, distributions=dist, value=value))
+    assert best_trial(lone, ["overhead"]).params == {"x": "b"}
+
+
+def test_confirmation_remeasures_the_leader(tmp_path):
+    t = tuner(
+        tmp_path, "tune.storage=null", "tune.n_trials=2", "tune.confirm=1", "tune.pruner=none"
+    )
+    study = t.run()
+    assert len(study.trials) == 3
+    again = study.trials[2]
+    assert again.user_attrs.get("confirmation") is True
+    leader = min(study.trials[:2], key=lambda tr: tr.value)
+    assert again.params == leader.params and again.state == TrialState.COMPLETE
+    # the only configuration measured twice is the one written, whatever its second value
+    assert best_trial(study, ["overhead"]).params == leader.params
