@@ -266,4 +266,6 @@ def test_coordinator_killed_after_writing_the_record_then_restart_resumes(refere
             tensors(out / f"train-resumed-r{rank}.safetensors"),
         )
     pointer, versions = check_global_versions(root)
-    assert pointer == versions[-1] == 5
+    # The step-12 save is global. Its number is 4, or 5 when rank 1 had already committed a
+    # local v4 before rank 0 died (numbers are never reused): that race is timing, not a bug.
+    assert pointer == versions[-1] and versions[-1] in (4, 5)
