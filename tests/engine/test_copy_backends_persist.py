@@ -85,25 +85,11 @@ import sys, torch
 from pcframe import Checkpointer
 
 
-class SetToStep(torch.optim.Optimizer):
-    # An "optimizer" whose step writes the step number into every parameter and moment.
-
-    def __init__(self, params):
-        super().__init__(params, {})
-        self.count = 0
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        self.count += 1
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.fill_(float(self.count))
-                self.state[p]["exp_avg"] = torch.full_like(p, float(self.count))
-
+from tests.engine.stamp import StepStampOptimizer
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
-opt = SetToStep(model.parameters())
+opt = StepStampOptimizer(model.parameters(), moments=True)
 codecs = {"model/*": "xor_delta_zstd", "optimizer/state/*/exp_avg": "int8_block"}
 with Checkpointer(sys.argv[1], model=model, optimizer=opt, chunk_bytes=8192, persist="mmap",
                   codecs=codecs, full_every=3, max_in_flight=2, keep_last=1) as ckpt:

@@ -17,24 +17,11 @@ import sys, torch
 from pcframe import Checkpointer
 
 
-class SetToStep(torch.optim.Optimizer):
-    # An "optimizer" whose step writes the step number into every parameter.
-
-    def __init__(self, params):
-        super().__init__(params, {})
-        self.count = 0
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        self.count += 1
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.fill_(float(self.count))
-
+from tests.engine.stamp import StepStampOptimizer
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(96, 96) for _ in range(6)])
-opt = SetToStep(model.parameters())
+opt = StepStampOptimizer(model.parameters())
 with Checkpointer(sys.argv[1], model=model, optimizer=opt, chunk_bytes=8192,
                   max_in_flight=3, writer_threads=3, keep_last=2) as ckpt:
     step = ckpt.restore() or 0

@@ -26,24 +26,12 @@ import pcframe.policies as P
 from pcframe import Checkpointer
 
 
-class SetToStep(torch.optim.Optimizer):
-    # Every parameter holds the number of steps taken: a checkpoint shows its step exactly.
-    def __init__(self, params):
-        super().__init__(params, {})
-        self.count = 0
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        self.count += 1
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.fill_(float(self.count))
-
+from tests.engine.stamp import StepStampOptimizer
 
 directory, mode, stop_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
-opt = SetToStep(model.parameters())
+opt = StepStampOptimizer(model.parameters())
 kwargs = {}
 if mode == "periodic":
     policy = P.FixedSteps(20)
