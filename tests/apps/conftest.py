@@ -87,8 +87,9 @@ def postgres_url():
     Skips (with the reason) when the server binaries or the Python driver are missing; on
     Debian/Ubuntu: ``apt-get install postgresql`` and ``pip install 'pcframe[postgres]'``.
     """
-    pytest.importorskip("psycopg2", reason="needs psycopg2: pip install 'pcframe[postgres]'")
-    import psycopg2
+    psycopg = pytest.importorskip(
+        "psycopg", reason="needs psycopg: pip install 'pcframe[postgres]'"
+    )
 
     initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
     if not (initdb and pg_ctl):
@@ -114,11 +115,11 @@ def postgres_url():
     options = f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=on"
     as_owner(pg_ctl, "-D", str(data), "-o", options, "-l", str(root / "log"), "-w", "start")
     try:
-        conn = psycopg2.connect(host="127.0.0.1", port=port, user="postgres", dbname="postgres")
-        conn.autocommit = True
-        with conn.cursor() as cur:
-            cur.execute("CREATE DATABASE pcframe_tune")
-        conn.close()
+        # CREATE DATABASE cannot run inside a transaction: autocommit.
+        with psycopg.connect(
+            host="127.0.0.1", port=port, user="postgres", dbname="postgres", autocommit=True
+        ) as conn:
+            conn.execute("CREATE DATABASE pcframe_tune")
         yield f"postgresql://postgres@127.0.0.1:{port}/pcframe_tune"
     finally:
         subprocess.run(
