@@ -50,6 +50,7 @@ class SaveRecord:
     status: str = "in_flight"
     stall: float = 0.0  # seconds the training thread was blocked by this save
     copy: float = 0.0  # seconds of the snapshot copy into staging
+    cpu: float = 0.0  # CPU seconds the engine's threads spent on it (all stages, all threads)
     durable: float = 0.0  # seconds from save() to committed (0 unless committed)
     stage: str = ""
     error: str = ""
@@ -424,10 +425,11 @@ class Checkpointer:
         errors = []
         for pending in finished:
             record = self.records[pending.version]
-            record.status, record.stall, record.copy = (
+            record.status, record.stall, record.copy, record.cpu = (
                 pending.status,
                 pending.stall,
                 pending.copy_seconds,
+                pending.cpu_seconds,
             )
             if pending.status == COMMITTED:
                 record.durable = pending.durable_at - pending.started

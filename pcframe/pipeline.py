@@ -57,6 +57,7 @@ from pcframe.persist import DataFile, WrittenFile, choose_persist, open_data_fil
 from pcframe.staging import StagingPool
 from pcframe.state import DTYPES
 from pcframe.storage import WritableCheckpointDir
+from pcframe.threads import single_threaded_torch
 
 log = logging.getLogger("pcframe")
 
@@ -83,6 +84,10 @@ class PendingVersion:
     stage: str = ""
     error: BaseException | None = None
     copy_seconds: float = 0.0
+    # CPU seconds the engine's own threads spent on this version (copy, checksum, encode,
+    # write, commit), from per-thread CPU clocks: unlike the process's CPU time it does not
+    # include training, so it is precise even while training keeps every core busy.
+    cpu_seconds: float = 0.0
     durable_at: float = 0.0
     checksums: list[str] = field(default_factory=list)
     o_direct: bool = False
@@ -123,6 +128,12 @@ class PendingVersion:
             if self.error is None:
                 self.error, self.stage = exc, stage
 
+    def add_cpu(self, since: float) -> None:
+        """Charge this thread's CPU time since ``since`` (a ``time.thread_time()``) to it."""
+        spent = time.thread_time() - since
+        with self._lock:
+            self.cpu_seconds += spent
+
 
 class SavePipeline:
     def __init__(
@@ -149,7 +160,9 @@ class SavePipeline:
         self.retention_filters: list[Callable[[list[int]], list[int]]] = []
         self._copy_queue: queue.Queue[PendingVersion | None] = queue.Queue()
         self._commit_queue: queue.Queue[PendingVersion | None] = queue.Queue()
-        self._writers = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="pcframe-w")
+        self._writers = ThreadPoolExecutor(
+            config.writer_threads, thread_name_prefix="pcframe-w", initializer=single_threaded_torch
+        )
         self._side_stream: Any = None
         self._copy_thread = threading.Thread(
             target=self._copy_loop, name="pcframe-copy", daemon=True
@@ -184,8 +197,9 @@ class SavePipeline:
     # --- copy stage --------------------------------------------------------------------
 
     def _copy_loop(self) -> None:
+        single_threaded_torch()
         while (pending := self._copy_queue.get()) is not None:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 self._begin(pending)
             except BaseException as exc:
@@ -208,6 +222,7 @@ class SavePipeline:
                 pending.fail("snapshot", exc)
             finally:
                 pending.copy_seconds = time.perf_counter() - start
+                pending.add_cpu(cpu)
                 pending.copy_done.set()
                 with pending._lock:
                     pending._copy_finished = True
@@ -288,6 +303,7 @@ class SavePipeline:
     # --- persist stage -----------------------------------------------------------------
 
     def _write_chunk(self, pending: PendingVersion, chunk: Chunk, buffer: torch.Tensor) -> None:
+        cpu = time.thread_time()
         try:
             if not pending.failed:
                 data_file, algo = pending.data_file, self.config.checksum
@@ -307,13 +323,14 @@ class SavePipeline:
         except BaseException as exc:
             pending.fail("persist", exc)
         finally:
+            pending.add_cpu(cpu)
             self._done_with(pending, buffer)
 
     def _encode_segment(
         self, pending: PendingVersion, segment: Segment, buffer: torch.Tensor
     ) -> None:
         """The compress stage for one staged segment: encode, checksum, append to codec.bin."""
-        stage = "encode"
+        stage, cpu = "encode", time.thread_time()
         try:
             if not pending.failed:
                 plan, codec_file = pending.plan, pending.codec_file
@@ -345,6 +362,7 @@ class SavePipeline:
         except BaseException as exc:
             pending.fail(stage, exc)
         finally:
+            pending.add_cpu(cpu)
             self._done_with(pending, buffer)
 
     def _done_with(self, pending: PendingVersion, buffer: torch.Tensor) -> None:
@@ -364,7 +382,9 @@ class SavePipeline:
     # --- commit stage ------------------------------------------------------------------
 
     def _commit_loop(self) -> None:
+        single_threaded_torch()
         while (pending := self._commit_queue.get()) is not None:
+            cpu = time.thread_time()
             try:
                 if not pending.failed:
                     self._commit(pending)
@@ -381,6 +401,7 @@ class SavePipeline:
                     self.storage.discard(pending.version)
                 self.deltas.finished(pending)
                 pending.tensors = []  # drop references to the snapshot's sources
+                pending.add_cpu(cpu)
                 pending.finished.set()
                 self.on_finished(pending)
 

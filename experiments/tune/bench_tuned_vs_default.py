@@ -134,7 +134,7 @@ def write_report(out, args, study, tuner, best, default, tuned, rows, tuning_s) 
     metrics = [
         ("throughput overhead at the interval (%)", "overhead", 100.0),
         ("stall per checkpoint (ms)", "stall_s", 1e3),
-        ("CPU time per checkpoint, all threads (ms)", "cpu_s", 1e3),
+        ("engine CPU time per checkpoint, all its threads (ms)", "cpu_s", 1e3),
         ("cost = stall + CPU per checkpoint (ms)", "cost_s", 1e3),
         ("save() to durable (ms)", "durable_s", 1e3),
         ("host staging memory (MiB)", "memory_bytes", 2**-20),

@@ -44,6 +44,7 @@ from pcframe.errors import CheckpointError, SaveError
 from pcframe.faults import crash_point
 from pcframe.manifest import DATA_NAME, MANIFEST_NAME
 from pcframe.storage import version_name
+from pcframe.threads import single_threaded_torch
 
 log = logging.getLogger("pcframe")
 
@@ -129,6 +130,7 @@ class CommitProtocol:
     # --- the round thread --------------------------------------------------------------------
 
     def _loop(self) -> None:
+        single_threaded_torch()
         while (round_ := self._queue.get()) is not None:
             try:
                 report = self._outcome(round_)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pcframe.threads import single_threaded_torch
 from pcframe.tiers.base import Tier, TierCancelled, TierError
 
 log = logging.getLogger("pcframe.tiers")
@@ -171,6 +172,7 @@ class Replicator:
     # --- the worker ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        single_threaded_torch()
         self._sweep()
         while True:
             with self._cond:

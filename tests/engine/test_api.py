@@ -177,3 +177,29 @@ def test_commit_listeners_retention_filter_and_forced_versions(tmp_path):
             ckpt.save(step=4, version=10)
     assert seen == [(1, "v00000001", 1), (2, "v00000002", 2), (10, "v00000010", 3)]
     assert CheckpointDir(tmp_path).committed_versions() == [1, 10]  # 1 protected, 2 deleted
+
+
+def test_save_record_counts_the_engine_threads_cpu_and_not_the_training_threads(
+    tmp_path, monkeypatch
+):
+    def busy_crash_point(name: str) -> None:
+        if name == "chunk_written":  # inside a writer's measured work: the engine's cost
+            burn_cpu(0.03)
+
+    monkeypatch.setattr("pcframe.pipeline.crash_point", busy_crash_point)
+    model, optimizer, scheduler = small_training()
+    train_steps(model, optimizer, scheduler, 1)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, chunk_bytes=4096) as ckpt:
+        handle = ckpt.save(step=1)
+        burn_cpu(0.5)  # training's CPU while the save is in flight: not the engine's
+        handle.wait()
+        chunks = len(ckpt.pipeline._plan.layout.chunks)
+        record = ckpt.records[handle.version]
+    assert chunks >= 2
+    assert 0.03 * chunks <= record.cpu < 0.03 * chunks + 0.4
+
+
+def burn_cpu(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass

@@ -1,0 +1,59 @@
+"""Keep the engine's background threads from slowing training down through OpenMP.
+
+Measured on this project's CPU workloads: once any thread other than the training thread
+runs a parallel torch op on CPU (a large ``copy_``, ``zero_`` or ``contiguous``), the OpenMP
+runtime gives that thread a thread team of its own. With more OpenMP threads than cores,
+GNU OpenMP stops spinning between parallel regions, so every parallel op of the training
+step then waits for sleeping workers to wake up: training steps ran about 45 % slower for
+as long as the engine's threads lived, while those threads used no CPU at all
+(``experiments/engine/bench_openmp_teams.py``).
+
+``torch.set_num_threads`` cannot be used here: it is process-wide and would also change
+the training thread. OpenMP's own ``omp_set_num_threads`` acts on the calling thread only,
+so each engine thread calls it (through the OpenMP runtime torch already loaded) once it
+starts: its torch ops then run on the thread itself and no second team is ever made.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import torch
+
+log = logging.getLogger("pcframe")
+
+_RUNTIMES = ("libgomp", "libiomp", "libomp")
+
+
+@functools.cache
+def _openmp_runtime() -> ctypes.CDLL | None:
+    """The OpenMP library mapped into this process (torch's), or None if none is found."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if ".so" in line}
+    except OSError:  # not Linux: leave OpenMP alone
+        return None
+    for path in sorted(paths):
+        if path.rsplit("/", 1)[-1].startswith(_RUNTIMES):
+            try:
+                # The same file is already loaded: dlopen returns that instance.
+                return ctypes.CDLL(path)
+            except OSError as exc:
+                log.debug("pcframe: cannot open the OpenMP runtime %s: %s", path, exc)
+    return None
+
+
+def single_threaded_torch() -> None:
+    """Make torch's CPU ops called from the current (engine) thread run on it alone.
+
+    Call it first thing in every long-lived background thread that may run torch CPU ops.
+    Never call it from the training thread.
+    """
+    # torch sets each thread's OpenMP thread count lazily, on that thread's first parallel
+    # op; run that now, or it would overwrite the setting below later.
+    torch.get_num_threads()
+    runtime = _openmp_runtime()
+    if runtime is not None:
+        runtime.omp_set_num_threads(1)
