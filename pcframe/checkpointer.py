@@ -519,7 +519,10 @@ class Checkpointer:
         self._restart_cost = process_age()
         self._last_save_step = loaded.manifest.step
         self._last_call = None
-        self.policy.observe(Restarted(time.monotonic(), self._restart_cost, loaded.manifest.step))
+        clean = self.storage.previous_exit_clean
+        self.policy.observe(
+            Restarted(time.monotonic(), self._restart_cost, loaded.manifest.step, clean)
+        )
         return loaded.manifest.step
 
     def _restore_sources(self, version: int | None, report: RestoreReport) -> list[Source]:
@@ -611,6 +614,9 @@ class Checkpointer:
             self.pipeline.close()
             if self.tiers is not None:  # after the last commit, before the lock is released
                 self.tiers.close(hurry=self.notice is not None)  # preempted: no time to drain
+            if self.notice is None:  # a preempted run's restart must count as a preemption
+                with contextlib.suppress(OSError):
+                    self.storage.mark_clean_exit()
             self.storage.close()
             atexit.unregister(self._atexit)
 

@@ -4,6 +4,7 @@ Layout::
 
     root/
       .writer.lock          flock held by the one process that writes here
+      .clean-exit           present while no writer runs, if the last one closed cleanly
       LATEST                newest committed version (a hint, never ahead of the directories)
       v00000012/            a committed version: manifest.json + data.bin
       v00000013.tmp/        a version being written; removed on the next start
@@ -28,6 +29,7 @@ from pcframe.faults import crash_point
 _COMMITTED = re.compile(r"^v(\d{8,})$")
 LATEST = "LATEST"
 LOCK = ".writer.lock"
+CLEAN_EXIT = ".clean-exit"
 
 
 def version_name(version: int) -> str:
@@ -109,6 +111,23 @@ class WritableCheckpointDir(CheckpointDir):
         os.ftruncate(self._lock_fd, 0)
         os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
         self.removed_leftovers = self._remove_leftovers()
+        self.previous_exit_clean = self._take_clean_exit()
+
+    def _take_clean_exit(self) -> bool:
+        """Whether the previous writer closed cleanly; the mark is removed (durably) at once.
+
+        So if this writer is then killed or preempted, the next one does not see a mark.
+        """
+        try:
+            (self.root / CLEAN_EXIT).unlink()
+        except FileNotFoundError:
+            return False
+        fsync_dir(self.root)
+        return True
+
+    def mark_clean_exit(self) -> None:
+        """Record that this writer is closing normally (called last, under the lock)."""
+        write_file_durably(self.root / CLEAN_EXIT, f"{os.getpid()}\n".encode())
 
     def close(self) -> None:
         if self._lock_fd >= 0:

@@ -97,6 +97,9 @@ class Restarted:
     time: float
     restart_cost: float  # seconds from process start to training resumed
     step: int = 0
+    # The previous process closed its Checkpointer normally, with no preemption notice
+    # pending: this restart is not a preemption (a finished job resumed, a planned stop).
+    clean: bool = False
 
 
 Event = SaveCompleted | Preempted | Restarted

@@ -38,7 +38,8 @@ class PreemptionAware(SecondsIntervalPolicy):
         hysteresis: relative change of τ needed before the schedule is changed.
         cost: ``stall`` or ``duration`` (see :class:`~pcframe.policies.young.Young`).
         count_restarts: treat a ``Restarted`` event not preceded by ``Preempted`` as a
-            preemption (on spot VMs, restarts are nearly always preemptions).
+            preemption (on spot VMs, restarts are nearly always preemptions), unless it
+            says the previous process closed cleanly (``Restarted.clean``).
         reevaluate_every: seconds between two predictions (a prediction costs ~100 µs, a
             step may be shorter); any observed event forces one at the next step.
         **kw: clamps and priors of :class:`~pcframe.policies.periodic.SecondsIntervalPolicy`;
@@ -123,7 +124,7 @@ class PreemptionAware(SecondsIntervalPolicy):
             self._preempted_since_restart = True
             self.predictor.observe(dataclasses.replace(event, time=event.time + self._offset))
         elif isinstance(event, Restarted):
-            if self.count_restarts and not self._preempted_since_restart:
+            if self.count_restarts and not self._preempted_since_restart and not event.clean:
                 # When the old process died is unknown; the last time it was seen (restored
                 # from the checkpoint) is a safe guess. The restart time itself is on a new
                 # process's clock, so it is not used: exposure resumes at the next decide.

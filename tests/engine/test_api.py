@@ -11,7 +11,7 @@ import torch
 
 from pcframe import Checkpointer, CheckpointError, ConfigError, DirectoryLocked, EngineConfig
 from pcframe.pipeline import SavePipeline
-from pcframe.policies import Decision, IntervalPolicy, SaveCompleted
+from pcframe.policies import Decision, FixedSteps, IntervalPolicy, Notice, Restarted, SaveCompleted
 from pcframe.storage import CheckpointDir
 from tests.engine.helpers import small_training, state_equal, train_steps
 
@@ -203,3 +203,46 @@ def burn_cpu(seconds: float) -> None:
     end = time.thread_time() + seconds
     while time.thread_time() < end:
         pass
+
+
+class RecordsRestarts(FixedSteps):
+    def __init__(self) -> None:
+        super().__init__(1000)
+        self.restarts: list[Restarted] = []
+
+    def observe(self, event) -> None:
+        super().observe(event)
+        if isinstance(event, Restarted):
+            self.restarts.append(event)
+
+
+def restart_after(tmp_path) -> Restarted:
+    model, optimizer, _ = small_training()
+    policy = RecordsRestarts()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, policy=policy) as ckpt:
+        assert ckpt.restore() == 1
+    (event,) = policy.restarts
+    return event
+
+
+def test_a_restart_says_whether_the_previous_run_closed_cleanly(tmp_path, python, child_env):
+    model, optimizer, scheduler = small_training()
+    train_steps(model, optimizer, scheduler, 1)
+    with Checkpointer(tmp_path / "closed", model=model, optimizer=optimizer) as ckpt:
+        ckpt.save(step=1)
+    assert restart_after(tmp_path / "closed").clean
+    # A process that exits without closing (os._exit skips atexit: like a SIGKILL).
+    script = (
+        "import os, sys; from pcframe import Checkpointer;"
+        "from tests.engine.helpers import small_training; m, o, _ = small_training();"
+        "c = Checkpointer(sys.argv[1], model=m, optimizer=o); c.save(step=1).wait();"
+        "os._exit(0)"
+    )
+    subprocess.run([python, "-c", script, str(tmp_path / "died")], env=child_env, check=True)
+    assert not restart_after(tmp_path / "died").clean
+    # A run that closed with a preemption notice pending was preempted.
+    with Checkpointer(tmp_path / "noticed", model=model, optimizer=optimizer) as ckpt:
+        ckpt.save(step=1)
+        now = time.monotonic()
+        ckpt.notice = Notice(received_at=now, deadline=now + 30.0, source="test")
+    assert not restart_after(tmp_path / "noticed").clean

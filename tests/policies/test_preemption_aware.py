@@ -108,13 +108,14 @@ def test_upper_bound_plans_more_cautiously() -> None:
     assert interval(upper) < interval(mean)
 
 
-@pytest.mark.parametrize("count", [True, False])
-def test_restart_without_preempted_event_counts_when_asked(count: bool) -> None:
+@pytest.mark.parametrize(("count", "clean"), [(True, False), (False, False), (True, True)])
+def test_restart_without_preempted_event_counts_when_asked(count: bool, clean: bool) -> None:
     pred = P.GammaPoissonRate(prior_mtbf=3600.0, prior_strength=3600.0)
     policy = make(pred, count_restarts=count)
     interval(policy, 100.0)
-    policy.observe(Restarted(time=5.0, restart_cost=30.0))  # a new process, a new clock
-    assert pred.alpha == pytest.approx(2.0 if count else 1.0)
+    # A new process, a new clock; after a clean close it is never a preemption.
+    policy.observe(Restarted(time=5.0, restart_cost=30.0, clean=clean))
+    assert pred.alpha == pytest.approx(2.0 if count and not clean else 1.0)
     interval(policy, 10.0)
     interval(policy, 20.0)
     # downtime and the new clock never count as exposure: only the 10 s since the restart
