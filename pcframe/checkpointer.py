@@ -216,6 +216,23 @@ class Checkpointer:
         self, step: int, metadata: dict[str, Any] | None = None, notice: Notice | None = None
     ) -> SaveHandle | None:
         """Ask the interval policy whether to save at ``step``; save if it says so."""
+        decision = self.decide(step, notice)
+        if not decision.save:
+            return None
+        handle = self.save(step, metadata, reason=decision.reason)
+        if decision.emergency:
+            handle.wait()
+            if self.tiers is not None:  # durable in the primary; now in a tier that survives
+                self.last_secured = self.tiers.secure(handle.version, step, notice)
+        return handle
+
+    def decide(self, step: int, notice: Notice | None = None) -> Decision:
+        """The interval policy's answer at ``step``, without acting on it.
+
+        Measures the iteration time, polls the notice sources and records the pending
+        notice, as :meth:`maybe_save` does (which is ``decide`` plus the save it asks for);
+        multi-rank jobs use it to agree on one decision before saving together.
+        """
         self._check_open()
         self._report_finished()
         now = time.monotonic()
@@ -229,14 +246,7 @@ class Checkpointer:
         if decision.emergency and notice is None:
             notice = self._policy_notice(now)
         self.notice = notice
-        if not decision.save:
-            return None
-        handle = self.save(step, metadata, reason=decision.reason)
-        if decision.emergency:
-            handle.wait()
-            if self.tiers is not None:  # durable in the primary; now in a tier that survives
-                self.last_secured = self.tiers.secure(handle.version, step, notice)
-        return handle
+        return decision
 
     def _attach_tiers(
         self, tiers: Tiers | Mapping[str, Any] | None, placement: PlacementPolicy | None
@@ -516,14 +526,19 @@ class Checkpointer:
         report.version, report.step = loaded.manifest.version, loaded.manifest.step
         report.seconds = time.perf_counter() - start
         self.last_restore = report
+        self.resumed(loaded.manifest.step)
+        return loaded.manifest.step
+
+    def resumed(self, step: int) -> None:
+        """Training goes on from ``step``, whose state was just loaded: tell the policy.
+
+        Called by :meth:`restore`, and by a multi-rank restore that loaded the state itself.
+        """
         self._restart_cost = process_age()
-        self._last_save_step = loaded.manifest.step
+        self._last_save_step = step
         self._last_call = None
         clean = self.storage.previous_exit_clean
-        self.policy.observe(
-            Restarted(time.monotonic(), self._restart_cost, loaded.manifest.step, clean)
-        )
-        return loaded.manifest.step
+        self.policy.observe(Restarted(time.monotonic(), self._restart_cost, step, clean))
 
     def _restore_sources(self, version: int | None, report: RestoreReport) -> list[Source]:
         """Newest first; with tiers, every tier holding a version (fallback tier by tier)."""

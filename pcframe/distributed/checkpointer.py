@@ -101,6 +101,11 @@ class DistributedCheckpointer:
             optimizer state are taken to be replicated (DDP), DTensors are sharded or
             replicated by their placements (FSDP2, tensor parallel).
         data, stateful, extra: per-rank state (data position, ...), saved by every rank.
+        policy: interval policy for :meth:`maybe_save`. Rank 0's instance decides the
+            periodic saves for the whole job; any rank's emergency decision (its notice
+            sources, e.g. SIGTERM on that VM) makes every rank save. Each rank's policy
+            learns from its own engine's measurements.
+        notices: preemption notice sources polled by :meth:`maybe_save` on this rank.
         keep_global: global versions kept (at least 2: the current and the previous one).
         protocol_timeout: seconds a commit round waits for the slowest rank before the
             protocol gives up (a rank that died).
@@ -118,6 +123,8 @@ class DistributedCheckpointer:
         data: Any = None,
         stateful: Mapping[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
+        policy: Any = None,
+        notices: Any = None,
         keep_global: int = 2,
         protocol_timeout: float = 1800.0,
         config: EngineConfig | None = None,
@@ -159,6 +166,8 @@ class DistributedCheckpointer:
                 scaler=scaler,
                 stateful=self.stateful,
                 extra=extra,
+                policy=policy,
+                notices=notices,
                 config=config,
                 **overrides,
             )
@@ -240,6 +249,28 @@ class DistributedCheckpointer:
         self.protocol.submit(round_)
         self._raise_errors()
         return DistributedSaveHandle(round_)
+
+    def maybe_save(
+        self, step: int, metadata: dict[str, Any] | None = None
+    ) -> DistributedSaveHandle | None:
+        """Ask the interval policy whether to save at ``step``; if so, save on every rank.
+
+        Collective: call it at every step on every rank (one small all-reduce on the gloo
+        control group). Rank 0's periodic decision applies to all ranks, so every rank saves
+        at the same steps whatever its own clock says; an emergency on any rank (a notice
+        its sources saw) is a save on all, waited for until the version is global.
+        """
+        self._check_open()
+        decision = self.local.decide(step)
+        periodic = decision.save if self.rank == 0 else False
+        flags = torch.tensor([int(periodic or decision.emergency), int(decision.emergency)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
+        if not flags[0]:
+            return None
+        handle = self.save(step, metadata)
+        if flags[1]:
+            handle.wait()  # an emergency: the VM may be gone soon, make it global now
+        return handle
 
     def _local_save(self, step: int, version: int, metadata: dict[str, Any] | None) -> SaveHandle:
         try:
@@ -329,7 +360,13 @@ class DistributedCheckpointer:
         records, invalid = box[0]
         report = DistributedRestoreReport(skipped=list(invalid))
         objects = Objects(
-            self.model, self.optimizer, self.scheduler, self.scaler, self.stateful, self.extra
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            self.stateful,
+            self.extra,
+            self.local.policy,
         )
         for record in records:
             error: BaseException | None = None
@@ -355,6 +392,7 @@ class DistributedCheckpointer:
                 log.warning("pcframe: skipping global version %d: %s", record.version, bad)
                 continue
             prepared.apply(objects)
+            self.local.resumed(record.step)
             report.version, report.step = record.version, record.step
             report.saved_world_size = record.world_size
             report.resharded, report.per_rank_state_from = (

@@ -64,6 +64,8 @@ class Prepared:
             ) from exc
         if "rng" in self.sections:
             restore_rng(self.sections["rng"])
+        if objects.policy is not None and isinstance(self.sections.get("policy"), dict):
+            objects.policy.load_state_dict(self.sections["policy"])
         if isinstance(objects.extra, dict) and isinstance(self.sections.get("extra"), dict):
             objects.extra.clear()
             objects.extra.update(self.sections["extra"])
@@ -77,6 +79,7 @@ class Objects:
     scaler: Any
     stateful: Mapping[str, Any]
     extra: dict[str, Any] | None
+    policy: Any = None  # the interval policy, whose learned state is per rank
 
 
 def prepare(
@@ -191,7 +194,8 @@ def _small_state(index: SavedIndex, own: int | None, small_from: int) -> list[tu
     if isinstance(optimizer_section, dict):
         wanted.append(("param_groups", small_from, optimizer_section.get("param_groups")))
     if own is not None:  # per-rank state only from the same rank of the saved job
-        wanted += [(name, own, index.section(own, name)) for name in ("rng", "stateful")]
+        per_rank = ("rng", "stateful", "policy")
+        wanted += [(name, own, index.section(own, name)) for name in per_rank]
     return wanted
 
 

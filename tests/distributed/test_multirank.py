@@ -269,3 +269,24 @@ def test_coordinator_killed_after_writing_the_record_then_restart_resumes(refere
     # The step-12 save is global. Its number is 4, or 5 when rank 1 had already committed a
     # local v4 before rank 0 died (numbers are never reused): that race is timing, not a bug.
     assert pointer == versions[-1] and versions[-1] in (4, 5)
+
+
+# --- maybe_save: one decision for the whole job ---------------------------------------------------
+
+
+def test_maybe_save_follows_rank_0_and_any_ranks_emergency(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["policy", "--root", str(tmp_path / "ckpt"), "--out", str(out), "--steps", "12"]
+    run_job(2, args, tmp_path / "logs").check()
+    first, second = results(out, "policy", "run", 2)
+    # Rank 0 saves every 3 steps, rank 1's own schedule (every 5) is ignored, and rank 1's
+    # emergency at step 7 is a save on both ranks, global before maybe_save returned.
+    assert first["saved_steps"] == second["saved_steps"] == [3, 6, 7, 9, 12]
+    assert first["emergency_global_on_return"] and second["emergency_global_on_return"]
+    assert first["global_steps"] == second["global_steps"] == [9, 12]  # keep_global=2
+    # A restart restores each rank's policy state and tells the policy about the restart.
+    for result in (first, second):
+        assert result["restored_step"] == 12
+        seen = result["restored_policy_seen"]
+        assert seen[-2:] == ["loaded", "Restarted"] and "SaveCompleted" in seen

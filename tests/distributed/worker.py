@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from pcframe.distributed import DistributedCheckpointer, ReshardError
 from pcframe.distributed import record as rec
 from pcframe.errors import CheckpointError
+from pcframe.policies import Decision, FixedSteps, PolicyContext
 
 ENGINE = {"chunk_bytes": 16384, "max_in_flight": 2, "writer_threads": 2}
 
@@ -297,9 +298,60 @@ def train(args: argparse.Namespace, out: dict[str, Any]) -> None:
     save_file(full_state(job), args.out / f"train-{args.tag}-r{rank}.safetensors")
 
 
+class RankPolicy(FixedSteps):
+    """Saves every ``every`` steps, asks for an emergency at ``emergency_at``; logs events.
+
+    Its learned state (the events it saw) travels in the checkpoint, so a restore that
+    brings policy state back shows in ``seen``.
+    """
+
+    def __init__(self, every: int, emergency_at: int | None = None) -> None:
+        super().__init__(every)
+        self.emergency_at = emergency_at
+        self.seen: list[str] = []
+
+    def decide(self, ctx: PolicyContext) -> Decision:
+        if ctx.step == self.emergency_at:
+            return Decision(True, "notice", emergency=True)
+        return super().decide(ctx)
+
+    def observe(self, event: Any) -> None:
+        self.seen.append(type(event).__name__)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": list(self.seen)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seen = [*state["seen"], "loaded"]
+
+
+def policy(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """maybe_save: rank 0's schedule for all, rank 1's emergency for all; then a restart."""
+    rank = dist.get_rank()
+    job = build("ddp")
+    # Deliberately different schedules: only rank 0's may count.
+    mine = RankPolicy(every=3) if rank == 0 else RankPolicy(every=5, emergency_at=7)
+    with job.checkpointer(args.root / "run", policy=mine) as ckpt:
+        saved = []
+        for step in range(1, args.steps + 1):
+            job.step()
+            handle = ckpt.maybe_save(step)
+            if handle is not None:
+                saved.append(step)
+                if step == 7:  # the emergency: global before maybe_save returned
+                    out["emergency_global_on_return"] = handle.done() and handle.wait(0)
+        ckpt.wait()
+        out["saved_steps"] = saved
+        out["global_steps"] = [ckpt.rounds[v].step for v in ckpt.global_versions()]
+    again = RankPolicy(every=3) if rank == 0 else RankPolicy(every=5)
+    with job.checkpointer(args.root / "run", policy=again) as ckpt:
+        out["restored_step"] = ckpt.restore()
+        out["restored_policy_seen"] = again.seen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["roundtrip", "resize", "train"])
+    parser.add_argument("scenario", choices=["roundtrip", "resize", "train", "policy"])
     parser.add_argument("--root", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=12)
@@ -312,7 +364,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     out: dict[str, Any] = {}
     try:
-        {"roundtrip": roundtrip, "resize": resize, "train": train}[args.scenario](args, out)
+        scenarios = {"roundtrip": roundtrip, "resize": resize, "train": train, "policy": policy}
+        scenarios[args.scenario](args, out)
     finally:
         name = f"{args.scenario}-{args.tag}-r{dist.get_rank()}.json"
         (args.out / name).write_text(json.dumps(out))
