@@ -96,6 +96,8 @@ def test_policy_decides_learns_measurements_and_is_restored(tmp_path):
         for step in range(1, 13):
             train_steps(model, optimizer, scheduler, 1)
             handles.append(ckpt.maybe_save(step))
+            if step == 9:
+                ckpt.wait()  # so the policy state saved at step 12 has seen 3 completions
             time.sleep(0.002)
         ckpt.wait()
     saved = [h.step for h in handles if h is not None]
