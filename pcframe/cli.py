@@ -132,9 +132,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_directory(path: str) -> None:
+    """A typo or a version folder given for the checkpoint directory is an error, not 'empty'."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(
+            f"{root}: no such directory; give the checkpoint directory (the one holding the "
+            "vNNNNNNNN version folders)"
+        )
+    if (root / MANIFEST_NAME).exists():
+        version = root.name.lstrip("v").lstrip("0") or "0"
+        raise CheckpointError(
+            f"{root} is the folder of one version; give its parent, the checkpoint directory, "
+            f"and pick the version with --version {version}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _check_directory(args.directory)
         return args.func(args)
     except (CheckpointError, OSError) as exc:
         print(f"pcframe {args.command}: {exc}", file=sys.stderr)

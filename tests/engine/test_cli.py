@@ -64,8 +64,14 @@ def test_verify_reports_corruption_with_exit_code(tmp_path, python):
 
 
 def test_clear_errors_for_missing_things(tmp_path, python):
-    result = cli(python, "inspect", tmp_path / "nothing")
+    for command in ("list", "verify", "inspect", "export"):
+        result = cli(python, command, tmp_path / "typo")
+        assert result.returncode == 2 and "typo: no such directory" in result.stderr, command
+    (tmp_path / "empty").mkdir()
+    result = cli(python, "inspect", tmp_path / "empty")
     assert result.returncode == 2 and "no committed checkpoint versions" in result.stderr
     make(tmp_path)
     result = cli(python, "export", tmp_path, "--version", "7")
     assert result.returncode == 2 and "version 7 not found" in result.stderr
+    result = cli(python, "verify", tmp_path / "v00000002")
+    assert result.returncode == 2 and "pick the version with --version 2" in result.stderr
