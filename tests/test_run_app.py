@@ -33,6 +33,7 @@ def test_pcframe_run_trains_checkpoints_and_summarises(tmp_path, python, child_e
         "checkpoints committed",
         "bytes written",
         "stall per checkpoint",
+        "run-to-run spread of the baseline",
     ):
         assert label in result.stdout
     assert CheckpointDir(ckpt_dir).committed_versions() == [1, 2, 3]

@@ -50,13 +50,21 @@ def run_in_process(cfg: DictConfig) -> Summary:
     summary: Summary = {}
     # Warm up allocator, kernels and caches so the first timed run is not penalised.
     train(build(cfg.workload.name, **workload_args), min(cfg.steps, 30))
-    if cfg.baseline:
-        result, _ = train(build(cfg.workload.name, **workload_args), cfg.steps)
-        summary["baseline_steps_per_s"] = result.steps_per_second
+
+    def baseline() -> float:
+        return train(build(cfg.workload.name, **workload_args), cfg.steps)[0].steps_per_second
+
+    # The baseline runs before and after the checkpointed run: their mean cancels drift of
+    # the machine's speed, and their difference shows how much a run varies by itself.
+    before = baseline() if cfg.baseline else None
     policy = instantiate(cfg.policy.interval)
     result, checkpointer = train(
         build(cfg.workload.name, **workload_args), cfg.steps, cfg.directory, policy, engine
     )
+    if before is not None:
+        after = baseline()
+        summary["baseline_steps_per_s"] = (before + after) / 2
+        summary["baseline_spread_pct"] = 100 * abs(before - after) / ((before + after) / 2)
     records = [r for r in checkpointer.records.values() if r.status == "committed"]
     stalls = [r.stall for r in records] or [0.0]
     summary.update(
@@ -187,6 +195,7 @@ LABELS = {
     "baseline_steps_per_s": "steps/s without checkpointing",
     "steps_per_s": "steps/s with checkpointing",
     "overhead_pct": "throughput overhead (%)",
+    "baseline_spread_pct": "run-to-run spread of the baseline (%)",
     "start_step": "resumed from step",
     "final_loss": "final loss",
     "checkpoints": "checkpoints committed",
