@@ -207,6 +207,7 @@ class Checkpointer:
         if self.tiers is not None:
             self.add_commit_listener(self.tiers.on_commit)
             self.pipeline.retention_filters.append(self.tiers.retention_filter)
+            self.pipeline.delta_blockers.append("storage tiers")
         self._hook = optimizer.register_step_pre_hook(self._gate) if optimizer else None
         atexit.register(self._atexit)
 

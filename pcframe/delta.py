@@ -61,23 +61,25 @@ class DeltaTracker:
         self._bases: dict[int, int | None] = {}  # committed version -> base (None: full)
         self._warned = False
 
-    def begin(self, pending: PendingVersion, plan: CodecPlan, allowed: bool = True) -> None:
+    def begin(
+        self, pending: PendingVersion, plan: CodecPlan, blockers: list[str] | None = None
+    ) -> None:
         """Copy thread, before the first segment: make ``pending`` a delta or a full version.
 
-        ``allowed=False`` makes every version full: the engine passes it when someone else
-        also decides retention (storage tiers, the distributed protocol), whose deletions
-        and copies do not follow delta chains yet.
+        Non-empty ``blockers`` (who needs full versions, e.g. replica storage tiers, whose
+        copies do not follow delta chains) make every version full.
         """
         pending.delta, pending.base_values, pending.new_values = None, None, None
         entries = plan.delta_entries
         if not entries:
             return
-        if not allowed:
+        if blockers:
             if not self._warned:
                 self._warned = True
                 log.warning(
                     "pcframe: xor_delta_zstd tensors are stored as full (zstd) versions: "
-                    "storage tiers / distributed retention do not keep delta chains"
+                    "%s copy single versions, not delta chains",
+                    ", ".join(blockers),
                 )
             return
         key = plan.delta_key()

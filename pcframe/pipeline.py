@@ -158,6 +158,9 @@ class SavePipeline:
         # Each filter narrows which old versions retention may delete (ones a coordinator or
         # a slower tier still needs); all apply. The newest committed version is never deleted.
         self.retention_filters: list[Callable[[list[int]], list[int]]] = []
+        # Who needs every version to be full (replica tiers copy single versions, not delta
+        # chains); while this is non-empty no delta version is made.
+        self.delta_blockers: list[str] = []
         self._copy_queue: queue.Queue[PendingVersion | None] = queue.Queue()
         self._commit_queue: queue.Queue[PendingVersion | None] = queue.Queue()
         self._writers = ThreadPoolExecutor(
@@ -245,9 +248,9 @@ class SavePipeline:
         pending.checksums = [""] * plan.layout.num_chunks
         if plan.segments:
             pending.codec_file = WrittenFile(directory / CODEC_NAME, 0)
-            # Tiers and the distributed protocol narrow retention without knowing delta
-            # chains: with them every version is full.
-            self.deltas.begin(pending, plan, allowed=not self.retention_filters)
+            # Retention stays chain-safe under every filter (see _apply_retention); replica
+            # tiers are what cannot take deltas.
+            self.deltas.begin(pending, plan, blockers=self.delta_blockers)
 
     def _stage(
         self, pending: PendingVersion, task: Callable, fill: Callable, unit: Any, flats: list[Any]

@@ -308,7 +308,9 @@ class DistributedCheckpointer:
         """
         storage = self.local.storage
         versions = storage.committed_versions()
-        for old in self.protocol.deletable(versions[: -self.local.config.keep_last]):
+        candidates = self.protocol.deletable(versions[: -self.local.config.keep_last])
+        # Delta versions: a kept shard version may read older ones (its base chain).
+        for old in self.local.pipeline.deletable(candidates):
             try:
                 storage.delete(old)
             except OSError as exc:

@@ -271,6 +271,39 @@ def test_coordinator_killed_after_writing_the_record_then_restart_resumes(refere
     assert pointer == versions[-1] and versions[-1] in (4, 5)
 
 
+def test_delta_shards_survive_a_coordinator_crash_and_resume_bit_identically(reference, tmp_path):
+    """XOR-delta shard versions: retention keeps their bases, a restart restores exactly."""
+    _, ref_out = reference
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    args = ["train", "--root", str(root), "--out", str(out), "--deltas"]
+    crashed = run_job(
+        2,
+        [*args, "--tag", "dcrash"],
+        tmp_path / "logs1",
+        rank_env={0: {"PCFRAME_CRASH_AT": "global_record_written:3"}},
+    )
+    assert crashed.returncodes[0] == -9, crashed.logs[0][-3000:]
+    assert check_global_versions(root)[1][-1] == 3  # its shards and their bases verify
+    run_job(2, [*args, "--tag", "dresumed"], tmp_path / "logs2").check()
+    assert results(out, "train", "dresumed", 2)[0]["restored_step"] == 9
+    for rank in range(2):  # lossless deltas: the same state as the reference without them
+        assert_same(
+            tensors(ref_out / f"train-ref-r{rank}.safetensors"),
+            tensors(out / f"train-dresumed-r{rank}.safetensors"),
+        )
+    check_global_versions(root)
+    deltas = []
+    for rank in range(2):
+        shards = CheckpointDir(root / f"rank-{rank}")
+        for version in shards.committed_versions():
+            manifest = read_manifest(str(shards.path(version) / MANIFEST_NAME))
+            if manifest.delta is not None:
+                deltas.append((rank, version))
+                assert manifest.delta.base in shards.committed_versions()
+    assert deltas, "no delta version was written"
+
+
 # --- maybe_save: one decision for the whole job ---------------------------------------------------
 
 

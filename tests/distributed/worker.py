@@ -37,6 +37,7 @@ from pcframe.errors import CheckpointError
 from pcframe.policies import Decision, FixedSteps, PolicyContext
 
 ENGINE = {"chunk_bytes": 16384, "max_in_flight": 2, "writer_threads": 2}
+DELTAS = {"model/*": "xor_delta_zstd", "optimizer/state/*/exp_avg*": "xor_delta_zstd"}
 
 
 class Flaky:
@@ -283,7 +284,8 @@ def train(args: argparse.Namespace, out: dict[str, Any]) -> None:
         out["pointer_at_start"] = rec.read_pointer(args.root)
         out["records_at_start"] = rec.record_versions(args.root)
     job = build("ddp")
-    with job.checkpointer(args.root, keep_last=1) as ckpt:
+    deltas = {"codecs": DELTAS, "full_every": 3} if args.deltas else {}
+    with job.checkpointer(args.root, keep_last=1, **deltas) as ckpt:
         start = ckpt.restore() or 0
         out["restored_step"] = start
         for step in range(start + 1, args.steps + 1):
@@ -358,6 +360,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--sync", action="store_true", help="wait for each global decision")
     parser.add_argument("--tag", default="run")
+    parser.add_argument("--deltas", action="store_true", help="XOR-delta model and moments")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
