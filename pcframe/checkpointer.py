@@ -494,7 +494,7 @@ class Checkpointer:
         """Load the newest valid committed version (or ``version``); return its step.
 
         Versions that fail verification are skipped with the reason logged and recorded in
-        :attr:`last_restore`, moved aside as ``.corrupt-vNNNNNNNN`` (not deleted), and the
+        :attr:`last_restore`, moved aside as ``.corrupt-vNNNNNNNN-<pid>`` (not deleted), and the
         next older one is tried. Returns ``None`` when the directory holds no checkpoint.
 
         Raises:

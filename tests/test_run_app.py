@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
+
 from pcframe.storage import CheckpointDir
 
 
@@ -49,3 +51,12 @@ def test_pcframe_run_rejects_a_typo_naming_the_key(tmp_path, python, child_env):
     )
     assert result.returncode != 0
     assert "max_inflight" in result.stderr
+
+
+def test_an_added_unknown_engine_key_is_a_config_error_with_a_suggestion(tmp_path):
+    from pcframe.apps.compose import compose_config, engine_config
+    from pcframe.errors import ConfigError
+
+    cfg = compose_config("run", ["+engine.max_inflight=3"])
+    with pytest.raises(ConfigError, match=r"engine\.max_inflight .* engine\.max_in_flight\?"):
+        engine_config(cfg)

@@ -175,8 +175,8 @@ def gaps(plan: Plan, size: int) -> list[tuple[int, int]]:
 class Layout:
     """Tensors at fixed byte offsets of a flat layout, cut into chunks on demand.
 
-    Built once per state layout (the engine's StateSpec); :meth:`pieces` then finds the
-    tensors of one chunk by bisection, so cutting n chunks costs O(n log t + pieces).
+    Built once per state layout (the engine's ``pcframe.layout.Layout``); :meth:`pieces`
+    then finds the tensors of one chunk by bisection, so cutting n chunks costs O(n log t + pieces).
 
     Args:
         entries: ``(tensor, offset)`` pairs: each tensor's logical bytes occupy

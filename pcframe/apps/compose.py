@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib
 import importlib.util
 import warnings
@@ -14,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from pcframe.apps.schemas import register
 from pcframe.apps.targets import check_targets
 from pcframe.config import EngineConfig
+from pcframe.errors import ConfigError
 
 CONFIG_MODULE = "pcframe.conf"
 
@@ -63,4 +66,12 @@ def _register_app(config_name: str) -> None:
 
 def engine_config(cfg: DictConfig) -> EngineConfig:
     """The validated engine knobs of a composed config (errors name ``engine.<key>``)."""
-    return EngineConfig(**OmegaConf.to_container(cfg.engine, resolve=True))
+    values = OmegaConf.to_container(cfg.engine, resolve=True)
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:  # only reachable with a `+engine.<key>=` override: the schema has no such key
+        key = unknown[0]
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean engine.{close[0]}?" if close else "see `pcframe-run --cfg job`"
+        raise ConfigError(f"engine.{key} is not an engine option; {hint}")
+    return EngineConfig(**values)

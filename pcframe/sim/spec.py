@@ -10,6 +10,7 @@ the key and the fix in the message.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
@@ -213,4 +214,12 @@ def _from_dict(cls: type, values: dict[str, Any], prefix: str) -> Any:
         raise SimConfigError(
             f"{prefix}: unknown key(s) {unknown}; known keys: {', '.join(sorted(known))}"
         )
-    return cls(**values)
+    try:
+        return cls(**values)
+    except SimConfigError as exc:
+        # __post_init__ names keys under the class's own prefix ("job.", "sim."); here the
+        # caller knows where they really live (e.g. "sim.job." in pcframe-sim's config).
+        own = "job" if cls is JobSpec else "sim"
+        if prefix == own:
+            raise
+        raise SimConfigError(re.sub(rf"(?<![\w.]){own}\.", f"{prefix}.", str(exc))) from None

@@ -44,6 +44,15 @@ def test_unknown_keys_are_listed_with_the_known_ones() -> None:
         SimOptions(policy_state="engine")
 
 
+def test_errors_name_the_key_where_the_app_config_holds_it() -> None:
+    with pytest.raises(SimConfigError) as err:
+        JobSpec.from_dict({"save_stall": 5.0, "save_duration": 2.0}, "sim.job")
+    assert str(err.value).startswith("sim.job.save_duration=2.0 is invalid")
+    assert "sim.job.save_stall=5.0" in str(err.value)
+    with pytest.raises(SimConfigError, match=r"^sim\.options\.probe_gap=0 is invalid"):
+        SimOptions.from_dict({"probe_gap": 0}, "sim.options")
+
+
 def test_a_start_after_the_end_of_the_trace_names_the_trace() -> None:
     trace = steady_trace(2.0)
     with pytest.raises(SimConfigError, match=r"sim\.start=9000.* always-up \(7200 s\)"):
