@@ -75,6 +75,7 @@ def test_saves_make_no_openmp_teams(tmp_path, engine):
 
 
 def test_single_threaded_torch_limits_only_the_calling_thread():
+    threads_before = torch.get_num_threads()
     torch.set_num_threads(2)
     seen: list[int] = []
 
@@ -82,8 +83,11 @@ def test_single_threaded_torch_limits_only_the_calling_thread():
         single_threaded_torch()
         seen.append(torch.get_num_threads())
 
-    thread = threading.Thread(target=engine_thread)
-    thread.start()
-    thread.join()
-    assert seen == [1]
-    assert torch.get_num_threads() == 2
+    try:
+        thread = threading.Thread(target=engine_thread)
+        thread.start()
+        thread.join()
+        assert seen == [1]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads_before)
