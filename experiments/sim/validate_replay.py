@@ -168,6 +168,14 @@ def main() -> None:
         "--configs", nargs="+", default=["50:2", "200:1"], help="every:in_flight pairs"
     )
     parser.add_argument("--accelerator-ms", type=float, default=90.0)
+    parser.add_argument(
+        "--offsets",
+        nargs="+",
+        type=float,
+        default=[0.0, 7.0, 14.0],
+        help="replay the kill schedule shifted earlier by these seconds, once each; the mean "
+        "over shifts averages out where kills happen to fall between two checkpoints",
+    )
     parser.add_argument("--nice", type=int, default=-10)
     parser.add_argument("--out", default=str(RESULTS / "sim_validation"))
     args = parser.parse_args()
@@ -184,42 +192,74 @@ def main() -> None:
         for config in args.configs:
             every, n = (int(x) for x in config.split(":"))
             cal = calibrate(args, every, n, root)
-            run, timeline = supervised(args, every, n, kills, root / f"replay-{config}", args.steps)
-            job, sim = predict(cal, every, n, kills, args.steps)
-            # Secondary: the same prediction with the restart time measured in the replay
-            # itself (Python start-up swings by seconds with the shared machine's load).
-            own = dict(cal, restart=statistics.fmean(run.restart_seconds) - cal["iteration_time"])
-            _, sim_own = predict(own, every, n, kills, args.steps)
-            measured = args.steps / run.wall
-            rows.append(
-                {
-                    "every": every,
-                    "in_flight": n,
-                    "steps": args.steps,
-                    "goodput_measured": measured,
-                    "goodput_predicted": sim.goodput,
-                    "error_pct": 100.0 * (sim.goodput / measured - 1.0),
-                    "goodput_predicted_own_restarts": sim_own.goodput,
-                    "error_own_restarts_pct": 100.0 * (sim_own.goodput / measured - 1.0),
-                    "wall_measured_s": run.wall,
-                    "wall_predicted_s": sim.wall_seconds,
-                    "kills_measured": run.kills,
-                    "kills_predicted": sim.preemptions,
-                    "lost_steps_measured": run.lost_steps,
-                    "lost_steps_predicted": sim.lost_steps,
-                    "iteration_ms": 1e3 * job.iteration_time,
-                    "stall_ms": 1e3 * job.save_stall,
-                    "durable_ms": 1e3 * job.save_duration,
-                    "restart_s": cal["restart"] + cal["iteration_time"],
-                    "restart_samples_s": " ".join(f"{s:.2f}" for s in cal["restart_samples"]),
-                    "restart_in_replay_s": statistics.fmean(run.restart_seconds),
-                }
-            )
-            timelines[f"every {every}, N={n}"] = (timeline, sim.wall_seconds, kills)
-            print({k: rows[-1][k] for k in ("every", "goodput_measured", "goodput_predicted")})
+            per_offset = []
+            for offset in args.offsets:
+                shifted = [k - offset for k in kills if k > offset]
+                directory = root / f"replay-{config}-{offset:g}"
+                run, timeline = supervised(args, every, n, shifted, directory, args.steps)
+                job, sim = predict(cal, every, n, shifted, args.steps)
+                # Secondary: the same prediction with the restart time measured in the replay
+                # itself (Python start-up swings by seconds with the shared machine's load).
+                own = cal
+                if run.restart_seconds:
+                    restart = statistics.fmean(run.restart_seconds) - cal["iteration_time"]
+                    own = dict(cal, restart=restart)
+                _, sim_own = predict(own, every, n, shifted, args.steps)
+                per_offset.append(row(args, every, n, offset, cal, job, run, sim, sim_own))
+                if offset == args.offsets[0]:
+                    timelines[f"every {every}, N={n}"] = (timeline, sim.wall_seconds, shifted)
+                print({k: per_offset[-1][k] for k in ("every", "offset_s", "error_pct")})
+            rows += per_offset
+            if len(per_offset) > 1:
+                rows.append(mean_row(per_offset))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     write_outputs(args, rows, timelines)
+
+
+def row(args, every, n, offset, cal, job, run, sim, sim_own) -> dict[str, Any]:
+    measured = args.steps / run.wall
+    return {
+        "every": every,
+        "in_flight": n,
+        "offset_s": f"{offset:g}",
+        "steps": args.steps,
+        "goodput_measured": measured,
+        "goodput_predicted": sim.goodput,
+        "error_pct": 100.0 * (sim.goodput / measured - 1.0),
+        "goodput_predicted_own_restarts": sim_own.goodput,
+        "error_own_restarts_pct": 100.0 * (sim_own.goodput / measured - 1.0),
+        "wall_measured_s": run.wall,
+        "wall_predicted_s": sim.wall_seconds,
+        "kills_measured": run.kills,
+        "kills_predicted": sim.preemptions,
+        "lost_steps_measured": run.lost_steps,
+        "lost_steps_predicted": sim.lost_steps,
+        "iteration_ms": 1e3 * job.iteration_time,
+        "stall_ms": 1e3 * job.save_stall,
+        "durable_ms": 1e3 * job.save_duration,
+        "restart_s": cal["restart"] + cal["iteration_time"],
+        "restart_samples_s": " ".join(f"{s:.2f}" for s in cal["restart_samples"]),
+        "restart_in_replay_s": (
+            statistics.fmean(run.restart_seconds) if run.restart_seconds else math.nan
+        ),
+    }
+
+
+def mean_row(rows: list[dict]) -> dict[str, Any]:
+    """Means over the shifted replays of one configuration; errors of the means."""
+    out = dict(rows[0], offset_s="mean")
+    fixed = ("every", "in_flight", "steps")
+    numeric = [k for k, v in rows[0].items() if isinstance(v, int | float) and k not in fixed]
+    for key in numeric:
+        out[key] = statistics.fmean(r[key] for r in rows)
+    for measured, predicted, error in (
+        ("goodput_measured", "goodput_predicted", "error_pct"),
+        ("goodput_measured", "goodput_predicted_own_restarts", "error_own_restarts_pct"),
+    ):
+        out[error] = 100.0 * (out[predicted] / out[measured] - 1.0)
+    out["restart_samples_s"] = ""
+    return out
 
 
 def write_outputs(args: argparse.Namespace, rows: list[dict], timelines: dict) -> None:
@@ -237,11 +277,16 @@ def write_outputs(args: argparse.Namespace, rows: list[dict], timelines: dict) -
         f"`replay_child.py`), `FixedSteps(every)`, N in flight, {args.steps} steps. "
         "`goodput_predicted` uses only inputs measured before the replay; "
         "`..._own_restarts` takes the restart time measured during the replay instead "
-        "(process start-up on this shared 2-core machine varies by seconds).",
+        "(process start-up on this shared 2-core machine varies by seconds). With several "
+        f"offsets ({', '.join(f'{o:g}' for o in args.offsets)} s) the kill schedule is "
+        "replayed shifted earlier by each, and the `mean` row compares the mean measured "
+        "goodput with the mean prediction: with long intervals a single replay's lost work "
+        "depends on where a handful of kills fall between two checkpoints.",
     )
     cols = [
         "every",
         "in_flight",
+        "offset_s",
         "goodput_measured",
         "goodput_predicted",
         "error_pct",
@@ -259,6 +304,7 @@ def write_outputs(args: argparse.Namespace, rows: list[dict], timelines: dict) -
     cal = [
         "every",
         "in_flight",
+        "offset_s",
         "iteration_ms",
         "stall_ms",
         "durable_ms",
