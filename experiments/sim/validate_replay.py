@@ -147,6 +147,11 @@ def predict(cal: dict[str, Any], every: int, n: int, kills: list[float], steps: 
         total_steps=steps,
         final_save=True,
     )
+    return job, simulate_kills(job, every, kills, steps)
+
+
+def simulate_kills(job: Any, every: int, kills: list[float], steps: int) -> Any:
+    """``job`` (restart cost as measured) under exactly these kill times, ``FixedSteps(every)``."""
     horizon = 4.0 * steps * job.iteration_time + 600.0
     up = np.ones(int(horizon / TICK), dtype=np.int64)
     for k in kills:
@@ -156,7 +161,7 @@ def predict(cal: dict[str, Any], every: int, n: int, kills: list[float], steps: 
     trace = Trace("replayed-kills", "replay", TICK, 1, up)
     # The outage tick is part of the measured restart time: take it out of the cost.
     job = dataclasses.replace(job, restart_cost=max(job.restart_cost - TICK, 0.0))
-    return job, simulate(trace, P.FixedSteps(every), job, options=SimOptions())
+    return simulate(trace, P.FixedSteps(every), job, options=SimOptions())
 
 
 def main() -> None:
