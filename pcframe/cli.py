@@ -11,7 +11,7 @@ from pathlib import Path
 from pcframe.errors import CheckpointError
 from pcframe.loader import load_version
 from pcframe.manifest import DATA_NAME, MANIFEST_NAME, read_manifest
-from pcframe.storage import CheckpointDir
+from pcframe.storage import CheckpointDir, version_number
 
 
 def _pick(directory: CheckpointDir, version: int | None) -> int:
@@ -141,10 +141,10 @@ def _check_directory(path: str) -> None:
             "vNNNNNNNN version folders)"
         )
     if (root / MANIFEST_NAME).exists():
-        version = root.name.lstrip("v").lstrip("0") or "0"
+        version = version_number(root.name)
+        pick = f" and pick the version with --version {version}" if version is not None else ""
         raise CheckpointError(
-            f"{root} is the folder of one version; give its parent, the checkpoint directory, "
-            f"and pick the version with --version {version}"
+            f"{root} is the folder of one version; give its parent, the checkpoint directory,{pick}"
         )
 
 

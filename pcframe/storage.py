@@ -36,6 +36,12 @@ def version_name(version: int) -> str:
     return f"v{version:08d}"
 
 
+def version_number(name: str) -> int | None:
+    """The version a committed directory's name stands for (``v00000012`` -> 12), else None."""
+    match = _COMMITTED.match(name)
+    return int(match.group(1)) if match else None
+
+
 def fsync_dir(path: str | Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -70,9 +76,9 @@ class CheckpointDir:
             return []
         found = []
         for name in os.listdir(self.root):
-            match = _COMMITTED.match(name)
-            if match and (self.root / name).is_dir():
-                found.append(int(match.group(1)))
+            version = version_number(name)
+            if version is not None and (self.root / name).is_dir():
+                found.append(version)
         return sorted(found)
 
     def latest_hint(self) -> int | None:
@@ -81,8 +87,7 @@ class CheckpointDir:
             text = (self.root / LATEST).read_text().strip()
         except OSError:
             return None
-        match = _COMMITTED.match(text)
-        return int(match.group(1)) if match else None
+        return version_number(text)
 
 
 class WritableCheckpointDir(CheckpointDir):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import statistics
 from pathlib import Path
 
@@ -58,10 +59,7 @@ def main() -> None:
         deltas = np.linspace(-args.spread, args.spread, args.points)
         goodputs = [
             simulate_kills(
-                JobSpec(**{**job.__dict__, "restart_cost": job.restart_cost + d}),
-                every,
-                shifted,
-                steps,
+                dataclasses.replace(job, restart_cost=job.restart_cost + d), every, shifted, steps
             ).goodput
             for d in deltas
         ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pcframe.sim.errors import SimConfigError
 
@@ -60,6 +60,8 @@ class JobSpec:
         final_save: the job is done only when its last step is durable (a blocking save).
     """
 
+    # Where error messages say the keys live; from_dict can name another place.
+    KEY_PREFIX: ClassVar[str] = "job"
     iteration_time: float = 1.0
     save_stall: float = 2.0
     save_duration: float = 30.0
@@ -76,7 +78,7 @@ class JobSpec:
     final_save: bool = True
 
     def __post_init__(self) -> None:
-        p = "job"
+        p = self.KEY_PREFIX
         if not (_finite(self.iteration_time) and self.iteration_time > 0):
             raise _bad(p, "iteration_time", self.iteration_time, "give seconds per step > 0")
         for key in ("save_stall", "save_duration", "restart_cost", "notice_window"):
@@ -132,7 +134,7 @@ class JobSpec:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], prefix: str = "job") -> JobSpec:
+    def from_dict(cls, values: dict[str, Any], prefix: str = KEY_PREFIX) -> JobSpec:
         return _from_dict(cls, values, prefix)
 
 
@@ -165,6 +167,7 @@ class SimOptions:
         override_prices: use the two prices above even where the trace has its own.
     """
 
+    KEY_PREFIX: ClassVar[str] = "sim"
     start: float = 0.0
     duration: float | None = None
     seed: int = 0
@@ -179,7 +182,7 @@ class SimOptions:
     override_prices: bool = False
 
     def __post_init__(self) -> None:
-        p = "sim"
+        p = self.KEY_PREFIX
         if not (_finite(self.start) and self.start >= 0):
             raise _bad(p, "start", self.start, "give trace seconds >= 0")
         if self.duration is not None and not (_finite(self.duration) and self.duration > 0):
@@ -203,7 +206,7 @@ class SimOptions:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], prefix: str = "sim") -> SimOptions:
+    def from_dict(cls, values: dict[str, Any], prefix: str = KEY_PREFIX) -> SimOptions:
         return _from_dict(cls, values, prefix)
 
 
@@ -219,7 +222,7 @@ def _from_dict(cls: type, values: dict[str, Any], prefix: str) -> Any:
     except SimConfigError as exc:
         # __post_init__ names keys under the class's own prefix ("job.", "sim."); here the
         # caller knows where they really live (e.g. "sim.job." in pcframe-sim's config).
-        own = "job" if cls is JobSpec else "sim"
+        own = cls.KEY_PREFIX
         if prefix == own:
             raise
         raise SimConfigError(re.sub(rf"(?<![\w.]){own}\.", f"{prefix}.", str(exc))) from None
