@@ -18,9 +18,8 @@ import torch
 
 from pcframe.config import EngineConfig
 from pcframe.errors import CheckpointError, ManifestError, NoValidCheckpoint, SaveError
-from pcframe.layout import Layout
-from pcframe.loader import LoadedVersion, load_version
-from pcframe.pipeline import COMMITTED, PendingVersion, SavePipeline
+from pcframe.format.layout import Layout
+from pcframe.format.tree import TensorRef, encode_tree
 from pcframe.policies.base import (
     Decision,
     IntervalPolicy,
@@ -32,10 +31,11 @@ from pcframe.policies.base import (
 from pcframe.policies.fixed import FixedSteps
 from pcframe.policies.notices.base import NoticeSource
 from pcframe.policies.placement.base import PlacementPolicy
+from pcframe.restore.reader import LoadedVersion, load_version
 from pcframe.rng import capture_rng, restore_rng
-from pcframe.state import TensorRef, encode_tree
-from pcframe.storage import WritableCheckpointDir, version_name
-from pcframe.tiers import Secured, Source, Tiers
+from pcframe.save.pipeline import COMMITTED, PendingVersion, SavePipeline
+from pcframe.store.directory import WritableCheckpointDir, version_name
+from pcframe.store.tiers import Secured, Source, Tiers
 
 log = logging.getLogger("pcframe")
 
@@ -116,8 +116,8 @@ class Checkpointer:
         extra: a JSON-able dict saved with every version and updated in place on restore.
         policy: decides when :meth:`maybe_save` saves (default: every 100 steps).
         config: engine knobs; keyword overrides (``max_in_flight=4``) are applied on top.
-        tiers: replica tiers, name -> directory, URL or :class:`~pcframe.tiers.Tier` (or a
-            configured :class:`~pcframe.tiers.Tiers`); ``directory`` is the primary tier.
+        tiers: replica tiers, name -> directory, URL or :class:`~pcframe.store.tiers.Tier` (or a
+            configured :class:`~pcframe.store.tiers.Tiers`); ``directory`` is the primary tier.
         placement: which tiers get each version and what each keeps; its first tier names
             ``directory`` (e.g. ``MemoryThenDisk()`` with ``directory`` on /dev/shm).
         notices: preemption notice sources polled in :meth:`maybe_save`; the notice is passed

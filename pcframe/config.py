@@ -103,7 +103,7 @@ class EngineConfig:
             raise bad("codecs", "map tensor-name globs to codecs, e.g. {'model/*': 'zstd'}")
         if self.codecs:
             # Imported only when used: the codec registry pulls in the kernels package.
-            from pcframe.codec_stage import check_codec_config
+            from pcframe.save.codec import check_codec_config
 
             try:
                 check_codec_config(self.codecs, self.chunk_bytes)

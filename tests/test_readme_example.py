@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from pcframe import ResumableLoader, ResumableSampler
-from pcframe.storage import CheckpointDir
+from pcframe.store.directory import CheckpointDir
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from pcframe.storage import CheckpointDir
+from pcframe.store.directory import CheckpointDir
 
 
 def test_pcframe_run_trains_checkpoints_and_summarises(tmp_path, python, child_env):

@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-import pcframe.pipeline
+import pcframe.save.pipeline
 from pcframe import Checkpointer, EngineConfig
+from pcframe.apps.training import batches
+from pcframe.apps.workloads import build
 from pcframe.policies import FixedSteps
-from pcframe.training import batches
-from pcframe.workloads import build
 
 GPT: dict = {}  # the defaults of conf/workload/gpt.yaml: 3.7 M parameters
 
@@ -55,9 +55,9 @@ def main() -> int:
         return (time.perf_counter() - begin) / args.steps
 
     def with_engine(limited: bool) -> float:
-        original = pcframe.pipeline.single_threaded_torch
+        original = pcframe.save.pipeline.single_threaded_torch
         if not limited:
-            pcframe.pipeline.single_threaded_torch = lambda: None
+            pcframe.save.pipeline.single_threaded_torch = lambda: None
         try:
             with (
                 tempfile.TemporaryDirectory() as directory,
@@ -72,7 +72,7 @@ def main() -> int:
                 ckpt.save(0).wait()
                 return segment()
         finally:
-            pcframe.pipeline.single_threaded_torch = original
+            pcframe.save.pipeline.single_threaded_torch = original
 
     conditions = {
         "no engine": segment,

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from pcframe import Checkpointer
-from pcframe.loader import load_version
+from pcframe.restore.reader import load_version
 
 
 class Holder:

@@ -29,12 +29,12 @@ from pathlib import Path
 
 import torch
 
+from pcframe.apps.training import train
+from pcframe.apps.workloads import build
 from pcframe.config import EngineConfig
-from pcframe.loader import load_version
-from pcframe.manifest import read_manifest
+from pcframe.format.manifest import read_manifest
 from pcframe.policies.fixed import FixedSteps
-from pcframe.training import train
-from pcframe.workloads import build
+from pcframe.restore.reader import load_version
 
 MOMENTS = "optimizer/state/*/exp_avg*"
 FORMATS = {

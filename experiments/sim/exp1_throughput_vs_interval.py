@@ -1,6 +1,6 @@
 """Experiment 1 (PCcheck-style): training throughput vs checkpoint interval, real engine.
 
-A real CPU training workload (the GPT-style model of ``pcframe.workloads``) checkpointed
+A real CPU training workload (the GPT-style model of ``pcframe.apps.workloads``) checkpointed
 every k = 1, 5, 10, 25, 50, 100 iterations by
 
 * ``torch.save``: blocking ``torch.save`` of model + optimizer, fsync, atomic rename;
@@ -42,10 +42,10 @@ import torch
 from common import RESULTS, csv_header, header
 
 from pcframe import Checkpointer, EngineConfig
+from pcframe.apps.training import batches
+from pcframe.apps.workloads import Workload, build
 from pcframe.policies import FixedSteps
 from pcframe.sim.report import markdown_table, plot_lines, read_csv, write_csv
-from pcframe.training import batches
-from pcframe.workloads import Workload, build
 
 INTERVALS = (1, 5, 10, 25, 50, 100)
 

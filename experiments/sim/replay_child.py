@@ -1,13 +1,13 @@
-"""The training process of the validation replay: ``pcframe.training`` with an
+"""The training process of the validation replay: ``pcframe.apps.training`` with an
 accelerator-like step.
 
-A real model (the MLP of ``pcframe.workloads``) trains for real with the real engine
+A real model (the MLP of ``pcframe.apps.workloads``) trains for real with the real engine
 (``Checkpointer``: gated snapshot, background persist, commit, restore after SIGKILL), but
 each step first sleeps ``--accelerator-ms``, standing for forward/backward on a GPU, as the
 engine benchmark does. On a shared 2-core machine a CPU-bound step swings by 20-40 % with
 other users' load; this keeps the step time, which the simulator takes as a constant, stable
-enough to judge the simulator's event model. It prints what ``python -m pcframe.training``
-prints (``step N``, ``pcframe-event`` lines), so ``pcframe.preemption.Supervisor`` runs it.
+enough to judge the simulator's event model. It prints what ``python -m pcframe.apps.training``
+prints (``step N``, ``pcframe-event`` lines), so ``pcframe.apps.preemption.Supervisor`` runs it.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
+from pcframe.apps.training import emit, train
+from pcframe.apps.workloads import Workload, build
 from pcframe.checkpointer import process_age
 from pcframe.config import EngineConfig
 from pcframe.policies import FixedSteps
-from pcframe.training import emit, train
-from pcframe.workloads import Workload, build
 
 
 def accelerated(workload: Workload, sleep_ms: float) -> Workload:

@@ -24,7 +24,7 @@ import numpy as np
 from common import RESULTS, header
 from validate_replay import simulate_kills
 
-from pcframe.preemption import resolve_trace, trace_times
+from pcframe.apps.preemption import resolve_trace, trace_times
 from pcframe.sim import JobSpec
 from pcframe.sim.report import markdown_table
 

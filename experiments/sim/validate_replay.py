@@ -5,7 +5,7 @@ real engine, and compare the measured goodput with the simulator's prediction.
    engine's own stall / time to durable per save (in-process runs of the same step
    function), and the restart cost from a supervised child SIGKILLed three times (from
    each kill to its successor's first step: process start, imports, restore, that step).
-2. Replay: ``pcframe.preemption.Supervisor`` (the project's preemption supervisor) runs the
+2. Replay: ``pcframe.apps.preemption.Supervisor`` (the project's preemption supervisor) runs the
    training child (``replay_child.py``: the real engine, a real model, each step with an
    accelerator-like sleep, see there), SIGKILLs it at the trace's preemption times divided
    by ``--compression`` and restarts it at once (the trace's VMs are relaunched as soon as
@@ -38,13 +38,13 @@ from common import RESULTS, csv_header, header
 from replay_child import accelerated
 
 import pcframe.policies as P
+from pcframe.apps.preemption import ChildSpec, Supervisor, resolve_trace, trace_times
+from pcframe.apps.training import EVENT_PREFIX, train
+from pcframe.apps.workloads import build
 from pcframe.config import EngineConfig
 from pcframe.policies.traces import Trace
-from pcframe.preemption import ChildSpec, Supervisor, resolve_trace, trace_times
 from pcframe.sim import SimOptions, job_from_records, simulate
 from pcframe.sim.report import markdown_table, write_csv
-from pcframe.training import EVENT_PREFIX, train
-from pcframe.workloads import build
 
 TICK = 0.05  # seconds per tick of the replayed trace given to the simulator
 WORKLOAD = {"hidden": 512, "layers": 4, "samples": 8192}  # 10 MB of state with AdamW

@@ -34,7 +34,7 @@ import torch
 
 import pcframe.policies as P
 from pcframe import Checkpointer
-from pcframe.tiers import RemoteTier, Tiers
+from pcframe.store.tiers import RemoteTier, Tiers
 
 MiB = 1024 * 1024
 

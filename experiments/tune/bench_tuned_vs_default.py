@@ -28,9 +28,9 @@ import torch
 from omegaconf import OmegaConf
 
 from pcframe.apps.compose import compose_config, engine_config
+from pcframe.apps.tuning import Tuner, best_trial, measure, plot, trials_table
+from pcframe.apps.workloads import build
 from pcframe.config import EngineConfig
-from pcframe.tune import Tuner, best_trial, measure, plot, trials_table
-from pcframe.workloads import build
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -169,7 +169,7 @@ def write_report(out, args, study, tuner, best, default, tuned, rows, tuning_s) 
     lines += [
         "",
         "Overhead = median over back-to-back segment pairs of (step time with checkpoints / "
-        "without) - 1, on the same model in the same process (pcframe.tune.measure); it "
+        "without) - 1, on the same model in the same process (pcframe.apps.tuning.measure); it "
         "holds the stall and the slowdown of training while writer threads share the CPUs. "
         "A negative value is measurement noise around zero.",
         "",

@@ -175,7 +175,7 @@ def gaps(plan: Plan, size: int) -> list[tuple[int, int]]:
 class Layout:
     """Tensors at fixed byte offsets of a flat layout, cut into chunks on demand.
 
-    Built once per state layout (the engine's ``pcframe.layout.Layout``); :meth:`pieces`
+    Built once per state layout (the engine's ``pcframe.format.layout.Layout``); :meth:`pieces`
     then finds the tensors of one chunk by bisection, so cutting n chunks costs O(n log t + pieces).
 
     Args:

@@ -2,7 +2,7 @@
 
 ``failure=none`` trains in this process, with and without checkpointing, and reports the
 overhead. ``failure=poisson|trace`` runs training as a child process under a
-:class:`~pcframe.preemption.Supervisor` that SIGKILLs it at the injected preemption times and
+:class:`~pcframe.apps.preemption.Supervisor` that SIGKILLs it at the injected preemption times and
 restarts it; the summary then reports goodput, lost steps and restart time, and whether the
 final model equals an uninterrupted run's.
 """
@@ -24,11 +24,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from pcframe.apps.compose import engine_config, quiet_missing_user_conf
+from pcframe.apps.preemption import ChildSpec, Supervisor, compare_finals, kill_times
 from pcframe.apps.schemas import register
 from pcframe.apps.targets import check_targets
-from pcframe.preemption import ChildSpec, Supervisor, compare_finals, kill_times
-from pcframe.training import train
-from pcframe.workloads import build
+from pcframe.apps.training import train
+from pcframe.apps.workloads import build
 
 register()
 

@@ -18,8 +18,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from pcframe.apps.workloads import WORKLOADS
 from pcframe.config import EngineConfig
-from pcframe.workloads import WORKLOADS
 
 # OmegaConf validates these annotation types itself; anything else becomes Any.
 _PLAIN = (int, float, bool, str)
@@ -137,7 +137,7 @@ class TuneConfig:
     confirm: int = 3
     heartbeat: int | None = 10
     # knob -> {type, low, high, step, log, choices, values}; checked by
-    # pcframe.tune.space.parse_space (untyped here so knobs can be added on the command line)
+    # pcframe.apps.tuning.space.parse_space (untyped here so knobs can be added on the command line)
     space: dict[str, Any] = field(default_factory=dict)
     write_config: str | None = None
     report_dir: str = "."

@@ -18,8 +18,15 @@ from rich.console import Console
 from pcframe.apps.compose import quiet_missing_user_conf
 from pcframe.apps.schemas import register
 from pcframe.apps.targets import check_targets
+from pcframe.apps.tuning import (
+    Tuner,
+    best_trial,
+    fixed_knobs,
+    plot,
+    trials_table,
+    write_tuned_config,
+)
 from pcframe.errors import ConfigError
-from pcframe.tune import Tuner, best_trial, fixed_knobs, plot, trials_table, write_tuned_config
 
 register()
 

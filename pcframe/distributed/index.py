@@ -16,8 +16,8 @@ from typing import Any
 from pcframe.distributed.placement import Box
 from pcframe.distributed.record import GlobalRecord, manifest_crc
 from pcframe.errors import CorruptCheckpoint, ManifestError
-from pcframe.manifest import MANIFEST_NAME, Manifest, read_manifest
-from pcframe.storage import version_name
+from pcframe.format.manifest import MANIFEST_NAME, Manifest, read_manifest
+from pcframe.store.directory import version_name
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,8 @@ from pcframe.checkpointer import SaveHandle
 from pcframe.distributed import record as rec
 from pcframe.errors import CheckpointError, SaveError
 from pcframe.faults import crash_point
-from pcframe.manifest import DATA_NAME, MANIFEST_NAME
-from pcframe.storage import version_name
+from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME
+from pcframe.store.directory import version_name
 from pcframe.threads import single_threaded_torch
 
 log = logging.getLogger("pcframe")

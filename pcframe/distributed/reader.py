@@ -1,7 +1,7 @@
 """Read some of the tensors of one shard version, verifying every chunk that is read.
 
 A restore usually needs only part of another rank's shard (its replicated tensors, or the
-shard boxes that overlap this rank's new box), so unlike :func:`pcframe.loader.load_version`
+shard boxes that overlap this rank's new box), so unlike :func:`pcframe.restore.reader.load_version`
 this reads only the chunks that hold the wanted tensors. A chunk is the unit of the stored
 checksum, so each one is read whole into a scratch buffer, verified, then copied out.
 
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from pcframe.checksum import checksum_function
 from pcframe.errors import CorruptCheckpoint
-from pcframe.layout import Chunk
-from pcframe.loader import load_version
-from pcframe.manifest import DATA_NAME, Manifest
-from pcframe.state import DTYPES
+from pcframe.format.checksum import checksum_function
+from pcframe.format.layout import Chunk
+from pcframe.format.manifest import DATA_NAME, Manifest
+from pcframe.format.tree import DTYPES
+from pcframe.restore.reader import load_version
 
 
 def read_entries(

@@ -34,7 +34,7 @@ from typing import Any
 import crc32c
 
 from pcframe.errors import CorruptCheckpoint, ManifestError
-from pcframe.storage import fsync_dir, version_name, write_file_durably
+from pcframe.store.directory import fsync_dir, version_name, write_file_durably
 
 FORMAT = "pcframe-global"
 FORMAT_VERSION = 1

@@ -25,9 +25,9 @@ from pcframe.distributed.index import SavedIndex, SavedItem, Source
 from pcframe.distributed.placement import Box, Placed, describe, is_dtensor, rebuild
 from pcframe.distributed.reader import read_entries
 from pcframe.errors import CheckpointError, ManifestError
-from pcframe.manifest import MANIFEST_NAME, Manifest
+from pcframe.format.manifest import MANIFEST_NAME, Manifest
+from pcframe.format.tree import DTYPES, decode_tree
 from pcframe.rng import restore_rng
-from pcframe.state import DTYPES, decode_tree
 
 
 class ReshardError(CheckpointError):

@@ -11,11 +11,11 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from pcframe.apps.compose import engine_config
+from pcframe.apps.preemption import kill_times
+from pcframe.apps.tuning import Tuner, base_params, fixed_knobs, parse_space
+from pcframe.apps.workloads import build
 from pcframe.errors import ConfigError
 from pcframe.policies import IntervalPolicy, PlacementPolicy, ResourcePolicy
-from pcframe.preemption import kill_times
-from pcframe.tune import Tuner, base_params, fixed_knobs, parse_space
-from pcframe.workloads import build
 from tests.apps.conftest import CONF, compose
 
 PRIMARY = {p.stem for p in CONF.glob("*.yaml")}  # run, tune (and any app added later)

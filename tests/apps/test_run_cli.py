@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from pcframe.storage import CheckpointDir
+from pcframe.store.directory import CheckpointDir
 from tests.apps.conftest import run_module
 
 

@@ -6,9 +6,9 @@ import statistics
 
 import pytest
 
+from pcframe.apps.preemption import poisson_times, resolve_trace, trace_times
 from pcframe.errors import ConfigError
 from pcframe.policies.traces import load_trace
-from pcframe.preemption import poisson_times, resolve_trace, trace_times
 
 
 def test_poisson_is_seeded_increasing_with_the_right_mean():

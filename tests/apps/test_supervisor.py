@@ -7,8 +7,8 @@ import signal
 
 import pytest
 
-from pcframe.preemption import ChildSpec, Supervisor, SupervisorError, compare_finals
-from pcframe.storage import CheckpointDir
+from pcframe.apps.preemption import ChildSpec, Supervisor, SupervisorError, compare_finals
+from pcframe.store.directory import CheckpointDir
 
 EVERY = 10
 STEPS = 600

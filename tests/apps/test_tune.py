@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 from optuna.trial import TrialState
 
 from pcframe.apps.run import run
+from pcframe.apps.tuning import Tuner, best_trial, engine_values, open_storage, parse_space, plot
 from pcframe.errors import ConfigError
-from pcframe.tune import Tuner, best_trial, engine_values, open_storage, parse_space, plot
 from tests.apps.conftest import compose, run_module
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from pcframe.training import batches
-from pcframe.workloads import build
+from pcframe.apps.training import batches
+from pcframe.apps.workloads import build
 
 SMALL = {"vocab": 128, "context": 16, "width": 32, "layers": 2, "heads": 2, "samples": 512}
 

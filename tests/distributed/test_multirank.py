@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import load_file
 
 from pcframe.distributed import record as rec
-from pcframe.loader import load_version
-from pcframe.manifest import MANIFEST_NAME, read_manifest
-from pcframe.storage import CheckpointDir, WritableCheckpointDir, version_name
+from pcframe.format.manifest import MANIFEST_NAME, read_manifest
+from pcframe.restore.reader import load_version
+from pcframe.store.directory import CheckpointDir, WritableCheckpointDir, version_name
 from tests.distributed.launch import REPO, base_env, run_job
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ from pcframe.distributed.protocol import retention_allowed
 from pcframe.distributed.reader import read_entries
 from pcframe.distributed.restore import assemble
 from pcframe.errors import CheckpointError, CorruptCheckpoint, ManifestError
-from pcframe.manifest import DATA_NAME, MANIFEST_NAME, read_manifest
+from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME, read_manifest
 
 # --- ownership of replicated tensors -------------------------------------------------------
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from pcframe import Checkpointer, CheckpointError, ConfigError, DirectoryLocked, EngineConfig
-from pcframe.pipeline import SavePipeline
 from pcframe.policies import Decision, FixedSteps, IntervalPolicy, Notice, Restarted, SaveCompleted
-from pcframe.storage import CheckpointDir
+from pcframe.save.pipeline import SavePipeline
+from pcframe.store.directory import CheckpointDir
 from tests.engine.helpers import small_training, state_equal, train_steps
 
 
@@ -188,7 +188,7 @@ def test_save_record_counts_the_engine_threads_cpu_and_not_the_training_threads(
         if name == "chunk_written":  # inside a writer's measured work: the engine's cost
             burn_cpu(0.03)
 
-    monkeypatch.setattr("pcframe.pipeline.crash_point", busy_crash_point)
+    monkeypatch.setattr("pcframe.save.pipeline.crash_point", busy_crash_point)
     model, optimizer, scheduler = small_training()
     train_steps(model, optimizer, scheduler, 1)
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, chunk_bytes=4096) as ckpt:

@@ -13,7 +13,7 @@ from pcframe import Checkpointer
 
 def cli(python, *args):
     return subprocess.run(
-        [python, "-m", "pcframe.cli", *map(str, args)], capture_output=True, text=True
+        [python, "-m", "pcframe.apps.cli", *map(str, args)], capture_output=True, text=True
     )
 
 

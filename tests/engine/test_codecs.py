@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from pcframe import Checkpointer, ConfigError, ManifestError, SaveError
+from pcframe.format.manifest import read_manifest
 from pcframe.kernels import dequantize_blockwise, quantize_blockwise
-from pcframe.loader import load_version
-from pcframe.manifest import read_manifest
-from pcframe.pipeline import SavePipeline
+from pcframe.restore.reader import load_version
+from pcframe.save.pipeline import SavePipeline
 from tests.engine.helpers import small_training, state_equal, train_steps
 
 MOMENTS = "optimizer/state/*/exp_avg*"
@@ -96,7 +96,7 @@ def test_lossy_moments_stay_within_the_recorded_bound(tmp_path, codec, fmt):
 
 def test_codec_tensors_are_gated_but_encoding_is_not(tmp_path, monkeypatch):
     """optimizer.step() waits for the raw copy of coded tensors, not for their encoding."""
-    import pcframe.pipeline as pipeline_module
+    import pcframe.save.pipeline as pipeline_module
 
     encode = pipeline_module.encode_segment
 
@@ -179,7 +179,7 @@ def test_corrupt_codec_payload_falls_back_to_the_previous_version(tmp_path):
 
 
 def test_readers_of_format_1_reject_a_coded_version(tmp_path, monkeypatch):
-    import pcframe.manifest as manifest_module
+    import pcframe.format.manifest as manifest_module
 
     model, optimizer = big_training()
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, codecs={MOMENTS: "zstd"}) as c:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pcframe import Checkpointer, EngineConfig
-from pcframe.loader import load_version
-from pcframe.manifest import read_manifest
+from pcframe.format.manifest import read_manifest
+from pcframe.restore.reader import load_version
 
 DELTA = {"model/*": "xor_delta_zstd", "optimizer/state/*/exp_avg*": "xor_delta_zstd"}
 
@@ -180,7 +180,7 @@ def test_full_every_is_validated():
 def test_with_storage_tiers_every_version_is_full(tmp_path):
     """Tiers copy and delete versions one by one, so they never see a delta chain."""
     import pcframe.policies as P
-    from pcframe.tiers import Tiers
+    from pcframe.store.tiers import Tiers
 
     trainer = Trainer()
     with Checkpointer(

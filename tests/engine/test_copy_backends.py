@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pcframe import Checkpointer, ConfigError, EngineConfig
+from pcframe.format.manifest import read_manifest
 from pcframe.kernels import checksum
-from pcframe.manifest import read_manifest
 from tests.engine.helpers import small_training, state_equal, train_steps
 
 DIGITS = {"crc32c": 8, "pcf64": 16, "xxh3_64": 16}
@@ -117,7 +117,7 @@ def test_an_unavailable_backend_is_refused_at_construction(tmp_path, monkeypatch
 TRITON_CHILD = r"""
 import sys, torch
 from pcframe import Checkpointer
-from pcframe.loader import load_version
+from pcframe.restore.reader import load_version
 torch.manual_seed(0)
 model = torch.nn.Linear(48, 40)
 with Checkpointer(sys.argv[1], model=model, copy_backend="triton", checksum=sys.argv[2],

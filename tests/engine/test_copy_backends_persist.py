@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from pcframe import Checkpointer, EngineConfig
-from pcframe.loader import load_version
-from pcframe.manifest import read_manifest
-from pcframe.persist import choose_persist
-from pcframe.storage import CheckpointDir
+from pcframe.format.manifest import read_manifest
+from pcframe.restore.reader import load_version
+from pcframe.save.persist import choose_persist
+from pcframe.store.directory import CheckpointDir
 from tests.engine.helpers import small_training, state_equal, train_steps
 from tests.engine.test_copy_backends import recomputed_checksums_match
 
@@ -33,7 +33,7 @@ def shm_dir():
 
 @needs_shm
 def test_auto_maps_only_persistent_memory(tmp_path, shm_dir, monkeypatch):
-    import pcframe.persist as persist
+    import pcframe.save.persist as persist
 
     assert persist._mount_of(shm_dir)[1] == "tmpfs"  # the mount table is read right
     assert choose_persist(shm_dir, "auto") == "write"  # tmpfs: pwrite measured cheaper

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pcframe import Checkpointer, NoValidCheckpoint
-from pcframe.storage import CheckpointDir
+from pcframe.store.directory import CheckpointDir
 from tests.engine.helpers import small_training, state_equal, train_steps
 
 

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from pcframe.loader import load_version
-from pcframe.storage import CheckpointDir
+from pcframe.restore.reader import load_version
+from pcframe.store.directory import CheckpointDir
 
 SAVER = r"""
 import sys, torch

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pcframe import Checkpointer, CheckpointError, SaveError
-from pcframe.loader import load_version
-from pcframe.storage import CheckpointDir
+from pcframe.restore.reader import load_version
+from pcframe.store.directory import CheckpointDir
 
 
 def _mount_tmpfs(path, size):

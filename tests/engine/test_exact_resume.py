@@ -17,7 +17,7 @@ def run_child(python, env, directory, final=None, kill_after=None):
     cmd = [
         python,
         "-m",
-        "pcframe.training",
+        "pcframe.apps.training",
         "--directory",
         str(directory),
         "--steps",

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pcframe import Checkpointer, ManifestError
-from pcframe.loader import load_version
-from pcframe.manifest import read_manifest
+from pcframe.format.manifest import read_manifest
+from pcframe.restore.reader import load_version
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def _deep(n):
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_hostile_manifest_is_rejected(version_dir, case, monkeypatch):
-    import pcframe.manifest as manifest_module
+    import pcframe.format.manifest as manifest_module
 
     monkeypatch.setattr(manifest_module, "MAX_TENSORS", 5000)  # the limit logic, at small scale
     mutate, message = HOSTILE[case]
@@ -95,7 +95,7 @@ def test_malformed_manifest_files(version_dir, content, message):
 
 
 def test_oversized_manifest_is_not_read(version_dir, monkeypatch):
-    import pcframe.manifest as manifest_module
+    import pcframe.format.manifest as manifest_module
 
     monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", 100)
     with pytest.raises(ManifestError, match="over the 100 limit"):

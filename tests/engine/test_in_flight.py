@@ -8,9 +8,9 @@ import time
 import torch
 
 from pcframe import Checkpointer
-from pcframe.loader import load_version
-from pcframe.pipeline import SavePipeline
-from pcframe.storage import CheckpointDir
+from pcframe.restore.reader import load_version
+from pcframe.save.pipeline import SavePipeline
+from pcframe.store.directory import CheckpointDir
 
 
 class Blob:

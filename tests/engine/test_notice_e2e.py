@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from pcframe.loader import load_version
-from pcframe.storage import CheckpointDir
+from pcframe.restore.reader import load_version
+from pcframe.store.directory import CheckpointDir
 
 CHILD = r"""
 import sys, time, torch

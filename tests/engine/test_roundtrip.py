@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pcframe import Checkpointer
-from pcframe.layout import Layout
+from pcframe.format.layout import Layout
 from tests.engine.helpers import small_training, state_equal, train_steps
 
 DTYPES = [

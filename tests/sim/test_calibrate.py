@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import pcframe.policies as P
+from pcframe.apps.training import train
+from pcframe.apps.workloads import build
 from pcframe.config import EngineConfig
 from pcframe.sim import SimConfigError, job_from_records, simulate, steady_trace
-from pcframe.training import train
-from pcframe.workloads import build
 
 
 def test_calibration_takes_the_engines_own_numbers(tmp_path: Path) -> None:

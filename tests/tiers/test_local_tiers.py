@@ -12,9 +12,9 @@ import pytest
 
 import pcframe.policies as P
 from pcframe import Checkpointer
-from pcframe.loader import load_version
-from pcframe.storage import CheckpointDir
-from pcframe.tiers import LocalTier, TierError, Tiers, is_memory_backed, memory_directory
+from pcframe.restore.reader import load_version
+from pcframe.store.directory import CheckpointDir
+from pcframe.store.tiers import LocalTier, TierError, Tiers, is_memory_backed, memory_directory
 from tests.tiers.helpers import model_and_optimizer, same, snapshot, step
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pcframe.policies as P
 from pcframe import Checkpointer
-from pcframe.storage import CheckpointDir
-from pcframe.tiers import Tiers
+from pcframe.store.directory import CheckpointDir
+from pcframe.store.tiers import Tiers
 from tests.tiers.helpers import model_and_optimizer, same, snapshot, step
 
 

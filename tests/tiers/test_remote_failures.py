@@ -17,8 +17,8 @@ import torch
 
 import pcframe.policies as P
 from pcframe import Checkpointer
-from pcframe.loader import load_version
-from pcframe.tiers import RemoteTier, Tiers
+from pcframe.restore.reader import load_version
+from pcframe.store.tiers import RemoteTier, Tiers
 from tests.tiers.conftest import MotoServer
 from tests.tiers.helpers import same, snapshot
 
@@ -162,7 +162,7 @@ UPLOADER = """
 import sys, torch
 import pcframe.policies as P
 from pcframe import Checkpointer
-from pcframe.tiers import RemoteTier, Tiers
+from pcframe.store.tiers import RemoteTier, Tiers
 
 endpoint, bucket, local = sys.argv[1:4]
 options = {{"key": "testing", "secret": "testing", "client_kwargs": {{"endpoint_url": endpoint}}}}

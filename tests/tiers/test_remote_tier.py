@@ -10,8 +10,8 @@ import pytest
 
 import pcframe.policies as P
 from pcframe import Checkpointer
-from pcframe.storage import CheckpointDir
-from pcframe.tiers import RemoteTier, TierError, Tiers
+from pcframe.store.directory import CheckpointDir
+from pcframe.store.tiers import RemoteTier, TierError, Tiers
 from tests.tiers.conftest import MotoServer
 from tests.tiers.helpers import model_and_optimizer, same, snapshot, step
 

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 from pcframe.errors import CheckpointError
-from pcframe.loader import load_version
-from pcframe.manifest import DATA_NAME, MANIFEST_NAME, read_manifest
-from pcframe.storage import CheckpointDir, version_number
+from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME, read_manifest
+from pcframe.restore.reader import load_version
+from pcframe.store.directory import CheckpointDir, version_number
 
 
 def _pick(directory: CheckpointDir, version: int | None) -> int:

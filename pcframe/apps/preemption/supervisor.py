@@ -1,6 +1,6 @@
 """Run training as a child process, SIGKILL it at injected times, restart it, measure.
 
-The child is ``python -m pcframe.training`` in its own session. It is killed with SIGKILL,
+The child is ``python -m pcframe.apps.training`` in its own session. It is killed with SIGKILL,
 which it can neither catch nor delay: no final save, no flush, no cleanup, as when a spot VM
 disappears. The next child resumes from whatever the engine had committed. The supervisor
 only reads the child's stdout (``step N`` after every step, ``pcframe-event {json}`` lines),
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from pcframe.apps.training import EVENT_PREFIX
 from pcframe.errors import CheckpointError
-from pcframe.training import EVENT_PREFIX
 
 _EOF = object()
 
@@ -50,7 +50,7 @@ class ChildSpec:
         cmd = [
             python,
             "-m",
-            "pcframe.training",
+            "pcframe.apps.training",
             "--directory",
             self.directory,
             "--steps",

@@ -1,13 +1,13 @@
 """Real preemption injection: a supervisor SIGKILLs a training process on a schedule.
 
-:mod:`~pcframe.preemption.schedule` turns a ``failure`` config (Poisson, a recorded spot
+:mod:`~pcframe.apps.preemption.schedule` turns a ``failure`` config (Poisson, a recorded spot
 trace, or explicit times) into kill times; :class:`Supervisor` runs ``python -m
-pcframe.training`` as a child, kills it at those times without any cooperation from it,
+pcframe.apps.training`` as a child, kills it at those times without any cooperation from it,
 restarts it, and measures what the preemptions cost (lost steps, restart time, goodput).
 """
 
-from pcframe.preemption.schedule import kill_times, poisson_times, resolve_trace, trace_times
-from pcframe.preemption.supervisor import (
+from pcframe.apps.preemption.schedule import kill_times, poisson_times, resolve_trace, trace_times
+from pcframe.apps.preemption.supervisor import (
     ChildSpec,
     Life,
     SupervisedRun,

@@ -31,8 +31,8 @@ from typing import Any
 import crc32c
 
 from pcframe.errors import CorruptCheckpoint, ManifestError
-from pcframe.layout import Entry, Layout
-from pcframe.state import DTYPES
+from pcframe.format.layout import Entry, Layout
+from pcframe.format.tree import DTYPES
 
 FORMAT = "pcframe-manifest"
 FORMAT_VERSION = 2  # the newest this code reads and writes
@@ -124,13 +124,13 @@ class Manifest:
 
         Raises:
             ManifestError: some tensors are coded; a reader of ``data.bin`` alone would miss
-                them (read such versions with :func:`pcframe.loader.load_version`).
+                them (read such versions with :func:`pcframe.restore.reader.load_version`).
         """
         if self.coded:
             coded = [e.name for e in self.entries if not e.raw][:3]
             raise ManifestError(
                 f"version {self.version} stores tensors with codecs (e.g. {coded}); this "
-                "reader reads raw tensors only: load it with pcframe.loader.load_version"
+                "reader reads raw tensors only: load it with pcframe.restore.reader.load_version"
             )
         return self.raw_layout
 

@@ -17,11 +17,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pcframe.apps.compose import engine_config
-from pcframe.config import EngineConfig
-from pcframe.errors import CheckpointError, ConfigError
-from pcframe.tune.measure import OBJECTIVES, Measurement, measure
-from pcframe.tune.report import UNITS, groups, mean_value
-from pcframe.tune.space import (
+from pcframe.apps.tuning.measure import OBJECTIVES, Measurement, measure
+from pcframe.apps.tuning.report import UNITS, groups, mean_value
+from pcframe.apps.tuning.space import (
     Knob,
     base_params,
     engine_values,
@@ -30,8 +28,10 @@ from pcframe.tune.space import (
     split_containers,
     suggest,
 )
-from pcframe.tune.storage import open_storage
-from pcframe.workloads import build
+from pcframe.apps.tuning.storage import open_storage
+from pcframe.apps.workloads import build
+from pcframe.config import EngineConfig
+from pcframe.errors import CheckpointError, ConfigError
 
 SAMPLERS = ("tpe", "random", "nsga2")
 PRUNERS = ("median", "none")
@@ -184,7 +184,7 @@ class Tuner:
     def confirm(self, study: optuna.Study) -> None:
         """Measure the ``tune.confirm`` best configurations and the base once more.
 
-        :func:`~pcframe.tune.report.best_trial` then picks by the mean among configurations
+        :func:`~pcframe.apps.tuning.report.best_trial` then picks by the mean among configurations
         measured twice, so one that won on a lucky measurement does not become the tuned
         config, and the base engine stays unless something beats it on the same terms.
         (Single objective only.)

@@ -10,7 +10,7 @@ so ``codec.bin`` is packed in completion order and the manifest lists every segm
 ``[offset, length, checksum, first element, element count, codec meta]``.
 
 ``xor_delta_zstd`` tensors are stored as the XOR against the previous committed version
-(a *delta version*), or with ``zstd`` in a *full version*; see :mod:`pcframe.delta`.
+(a *delta version*), or with ``zstd`` in a *full version*; see :mod:`pcframe.save.delta`.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from pcframe.errors import ConfigError
+from pcframe.format.layout import Entry, Layout
+from pcframe.format.tree import DTYPES
 from pcframe.kernels.codecs import Codec, available_codecs, get_codec
 from pcframe.kernels.quantize import DEFAULT_BLOCK_SIZE
-from pcframe.layout import Entry, Layout
-from pcframe.state import DTYPES
 
 DELTA_CODEC = "xor_delta_zstd"
 FULL_CODEC = "zstd"  # what delta tensors are stored with in a full version

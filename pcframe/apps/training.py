@@ -1,6 +1,6 @@
 """A plain training loop with pcframe checkpointing, shared by the apps, tests and benchmarks.
 
-Also runnable as a child process (``python -m pcframe.training``): the crash and resume
+Also runnable as a child process (``python -m pcframe.apps.training``): the crash and resume
 tests and the preemption supervisor start it, SIGKILL it, and start it again.
 """
 
@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
+from pcframe.apps.workloads import Workload, build
 from pcframe.checkpointer import Checkpointer, process_age
 from pcframe.config import EngineConfig
 from pcframe.policies.base import IntervalPolicy
 from pcframe.policies.fixed import FixedSteps
-from pcframe.workloads import Workload, build
 
 
 @dataclass
@@ -97,7 +97,7 @@ EVENT_PREFIX = "pcframe-event "
 
 
 def emit(event: str, **fields: Any) -> None:
-    """One machine-readable line on stdout for a supervising process (see pcframe.preemption)."""
+    """One machine-readable line on stdout for a supervisor (see pcframe.apps.preemption)."""
     print(EVENT_PREFIX + json.dumps({"event": event, **fields}), flush=True)
 
 

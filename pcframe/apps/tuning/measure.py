@@ -22,11 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pcframe.apps.training import batches
+from pcframe.apps.workloads import Workload
 from pcframe.checkpointer import Checkpointer
 from pcframe.config import EngineConfig
 from pcframe.policies.fixed import FixedSteps
-from pcframe.training import batches
-from pcframe.workloads import Workload
 
 OBJECTIVES = ("overhead", "stall", "cpu", "cost", "memory")
 

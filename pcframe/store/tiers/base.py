@@ -34,8 +34,8 @@ class Tier(ABC):
 
     Implementations must make :meth:`write` atomic as seen by :meth:`committed_versions`
     (a crash leaves a complete version or nothing listed) and :meth:`delete` such that a crash
-    never leaves a listed but partial version. ``name`` is set by :class:`~pcframe.tiers.Tiers`
-    to the key the tier was configured under.
+    never leaves a listed but partial version. ``name`` is set by
+    :class:`~pcframe.store.tiers.Tiers` to the key the tier was configured under.
     """
 
     name: str = ""
@@ -95,7 +95,7 @@ class Tier(ABC):
 
 def version_files(directory: Path) -> Iterator[Path]:
     """The regular files of a version directory, the manifest last (it is the commit record)."""
-    from pcframe.manifest import MANIFEST_NAME
+    from pcframe.format.manifest import MANIFEST_NAME
 
     files = sorted(p for p in directory.iterdir() if p.is_file())
     bad = [p.name for p in files if not SAFE_FILE.match(p.name)]

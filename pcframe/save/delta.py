@@ -16,7 +16,7 @@ The chain rule:
 * **Retention** never deletes a version that a kept version or a version in flight needs:
   the chain of each is followed base by base (read from the manifests on disk for versions
   of earlier runs) and all of it is protected.
-* Restore (:mod:`pcframe.loader`) reads the chain from the full version up, verifying every
+* Restore (:mod:`pcframe.restore.reader`) reads the chain from the full version up, verifying every
   manifest and checksum on the way, and checks each link's version and depth.
 """
 
@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from pcframe.errors import CheckpointError
-from pcframe.manifest import MANIFEST_NAME, DeltaLink, read_manifest
-from pcframe.state import DTYPES
-from pcframe.storage import CheckpointDir
+from pcframe.format.manifest import MANIFEST_NAME, DeltaLink, read_manifest
+from pcframe.format.tree import DTYPES
+from pcframe.store.directory import CheckpointDir
 
 log = logging.getLogger("pcframe")
 
 if TYPE_CHECKING:
-    from pcframe.codec_stage import CodecPlan
-    from pcframe.pipeline import PendingVersion
+    from pcframe.save.codec import CodecPlan
+    from pcframe.save.pipeline import PendingVersion
 
 
 @dataclass

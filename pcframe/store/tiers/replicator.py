@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pcframe.store.tiers.base import Tier, TierCancelled, TierError
 from pcframe.threads import single_threaded_torch
-from pcframe.tiers.base import Tier, TierCancelled, TierError
 
-log = logging.getLogger("pcframe.tiers")
+log = logging.getLogger("pcframe.store.tiers")
 
 
 @dataclass(frozen=True)

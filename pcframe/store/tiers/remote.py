@@ -28,9 +28,9 @@ from typing import Any
 
 from pcframe.errors import CorruptCheckpoint
 from pcframe.faults import crash_point
-from pcframe.storage import version_name
-from pcframe.tiers.base import SAFE_FILE, Tier, TierError, version_files
-from pcframe.tiers.fsops import FsCalls
+from pcframe.store.directory import version_name
+from pcframe.store.tiers.base import SAFE_FILE, Tier, TierError, version_files
+from pcframe.store.tiers.fsops import FsCalls
 
 MARKER = "COMMITTED"
 MARKER_FORMAT = "pcframe-remote-commit"

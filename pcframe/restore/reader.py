@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from pcframe.checksum import checksum_function
 from pcframe.errors import CorruptCheckpoint
-from pcframe.layout import Chunk
-from pcframe.manifest import (
+from pcframe.format.checksum import checksum_function
+from pcframe.format.layout import Chunk
+from pcframe.format.manifest import (
     CODEC_NAME,
     DATA_NAME,
     MANIFEST_NAME,
@@ -33,8 +33,8 @@ from pcframe.manifest import (
     SegmentRecord,
     read_manifest,
 )
-from pcframe.state import DTYPES, decode_tree
-from pcframe.storage import version_name
+from pcframe.format.tree import DTYPES, decode_tree
+from pcframe.store.directory import version_name
 
 _IOV_MAX = 1024
 

@@ -6,9 +6,9 @@ parameters into ``engine.<knob>=<value>`` overrides, composes the config, builds
 and measures it with :func:`measure`. See docs/tuning.md.
 """
 
-from pcframe.tune.measure import Measurement, measure
-from pcframe.tune.report import best_trial, plot, trials_table, write_tuned_config
-from pcframe.tune.space import (
+from pcframe.apps.tuning.measure import Measurement, measure
+from pcframe.apps.tuning.report import best_trial, plot, trials_table, write_tuned_config
+from pcframe.apps.tuning.space import (
     Knob,
     base_params,
     engine_values,
@@ -17,8 +17,8 @@ from pcframe.tune.space import (
     parse_space,
     suggest,
 )
-from pcframe.tune.storage import open_storage
-from pcframe.tune.study import OBJECTIVES, Tuner
+from pcframe.apps.tuning.storage import open_storage
+from pcframe.apps.tuning.study import OBJECTIVES, Tuner
 
 __all__ = [
     "OBJECTIVES",

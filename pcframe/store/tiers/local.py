@@ -1,6 +1,6 @@
 """A replica tier in a local directory (a second disk, a network mount, or tmpfs).
 
-It reuses the engine's directory protocol (:class:`~pcframe.storage.WritableCheckpointDir`):
+It reuses the engine's directory protocol (:class:`~pcframe.store.directory.WritableCheckpointDir`):
 a version is copied into ``vNNNNNNNN.tmp/``, every file is fsynced, then the directory is
 synced and renamed to ``vNNNNNNNN`` (the commit point) and the parent synced; LATEST follows.
 Deletes go through a ``.trash-`` rename. So the replica is itself a valid checkpoint directory
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from pcframe.errors import CheckpointError
 from pcframe.faults import crash_point
-from pcframe.storage import WritableCheckpointDir
-from pcframe.tiers.base import Tier, TierCancelled, TierError, version_files
+from pcframe.store.directory import WritableCheckpointDir
+from pcframe.store.tiers.base import Tier, TierCancelled, TierError, version_files
 
 _PIECE = 64 * 1024 * 1024  # bytes per copy call: the granularity at which a copy can be cancelled
 

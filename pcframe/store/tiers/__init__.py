@@ -5,20 +5,20 @@ the background from committed versions, per-tier retention from a placement poli
 across tiers, and the emergency path for preemption notices. See ``docs/tiers.md``.
 """
 
-from pcframe.tiers.base import Tier, TierCancelled, TierError
-from pcframe.tiers.local import LocalTier
-from pcframe.tiers.memory import is_memory_backed, memory_directory
-from pcframe.tiers.replicator import Replicator, TierStatus
-from pcframe.tiers.tierset import Secured, Source, Tiers, make_tier
+from pcframe.store.tiers.base import Tier, TierCancelled, TierError
+from pcframe.store.tiers.local import LocalTier
+from pcframe.store.tiers.memory import is_memory_backed, memory_directory
+from pcframe.store.tiers.replicator import Replicator, TierStatus
+from pcframe.store.tiers.tierset import Secured, Source, Tiers, make_tier
 
 
 def __getattr__(name: str) -> object:
     # RemoteTier imports fsspec; load it only when asked for.
     if name == "RemoteTier":
-        from pcframe.tiers.remote import RemoteTier
+        from pcframe.store.tiers.remote import RemoteTier
 
         return RemoteTier
-    raise AttributeError(f"module 'pcframe.tiers' has no attribute {name!r}")
+    raise AttributeError(f"module 'pcframe.store.tiers' has no attribute {name!r}")
 
 
 __all__ = [

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pcframe.tiers.base import TierError
+from pcframe.store.tiers.base import TierError
 
 SHM = Path("/dev/shm")
 _RAM_FS = {"tmpfs", "ramfs"}

@@ -31,12 +31,12 @@ from pcframe.policies.placement import (
     TieredPlacement,
     TierRule,
 )
-from pcframe.storage import WritableCheckpointDir, version_name
-from pcframe.tiers.base import Tier, TierError
-from pcframe.tiers.local import LocalTier
-from pcframe.tiers.replicator import Job, Replicator, TierStatus
+from pcframe.store.directory import WritableCheckpointDir, version_name
+from pcframe.store.tiers.base import Tier, TierError
+from pcframe.store.tiers.local import LocalTier
+from pcframe.store.tiers.replicator import Job, Replicator, TierStatus
 
-log = logging.getLogger("pcframe.tiers")
+log = logging.getLogger("pcframe.store.tiers")
 
 TierSpec = str | os.PathLike[str] | Tier | Mapping[str, Any]
 
@@ -54,7 +54,7 @@ def make_tier(name: str, spec: TierSpec) -> Tier:
         if text.startswith("file://"):
             tier = LocalTier(text[len("file://") :])
         elif "://" in text:
-            from pcframe.tiers.remote import RemoteTier
+            from pcframe.store.tiers.remote import RemoteTier
 
             tier = RemoteTier(text)
         else:
@@ -62,7 +62,7 @@ def make_tier(name: str, spec: TierSpec) -> Tier:
     elif isinstance(spec, Mapping):
         options = dict(spec)
         if "url" in options:
-            from pcframe.tiers.remote import RemoteTier
+            from pcframe.store.tiers.remote import RemoteTier
 
             tier = RemoteTier(options.pop("url"), **options)
         elif "path" in options and len(options) == 1:

@@ -12,7 +12,7 @@ from functools import cached_property
 
 import torch
 
-from pcframe.state import dtype_name
+from pcframe.format.tree import dtype_name
 
 
 @dataclass(frozen=True)

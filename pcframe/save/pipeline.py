@@ -4,11 +4,11 @@ Threads (all started once per engine, reused by every version):
 
 * one **copy** thread gathers each version's tensors, chunk by chunk, into buffers of the
   bounded staging pool (on a CUDA side stream for GPU tensors; kernel per
-  ``copy_backend``, see :mod:`pcframe.copying`). Coded tensors (``codecs``) are copied raw
-  into staging too, segment by segment (:mod:`pcframe.codec_stage`). When every chunk and
+  ``copy_backend``, see :mod:`pcframe.save.copy`). Coded tensors (``codecs``) are copied raw
+  into staging too, segment by segment (:mod:`pcframe.save.codec`). When every chunk and
   segment of a version is staged, its ``copy_done`` is set: the optimizer may step again.
 * a pool of **writer** threads checksums and persists each staged chunk into ``data.bin``
-  (``pwrite`` / O_DIRECT or a memory mapping, see :mod:`pcframe.persist`), and encodes each
+  (``pwrite`` / O_DIRECT or a memory mapping, see :mod:`pcframe.save.persist`), and encodes each
   staged segment (the compress stage), checksums the payload and appends it to
   ``codec.bin``; then returns the buffer to the pool.
 * one **commit** thread finishes versions in the order their last chunk lands: fdatasync the
@@ -36,15 +36,12 @@ from typing import Any
 
 import torch
 
-from pcframe.checksum import checksum_function, format_digest
-from pcframe.codec_stage import CodecPlan, Segment, encode_segment
 from pcframe.config import EngineConfig
-from pcframe.copying import Copier
-from pcframe.delta import DeltaTracker
 from pcframe.errors import CheckpointError
 from pcframe.faults import crash_point
-from pcframe.layout import Chunk, Layout
-from pcframe.manifest import (
+from pcframe.format.checksum import checksum_function, format_digest
+from pcframe.format.layout import Chunk, Layout
+from pcframe.format.manifest import (
     CODEC_NAME,
     DATA_NAME,
     MANIFEST_NAME,
@@ -53,10 +50,13 @@ from pcframe.manifest import (
     Manifest,
     SegmentRecord,
 )
-from pcframe.persist import DataFile, WrittenFile, choose_persist, open_data_file, pwrite_all
-from pcframe.staging import StagingPool
-from pcframe.state import DTYPES
-from pcframe.storage import WritableCheckpointDir
+from pcframe.format.tree import DTYPES
+from pcframe.save.codec import CodecPlan, Segment, encode_segment
+from pcframe.save.copy import Copier
+from pcframe.save.delta import DeltaTracker
+from pcframe.save.persist import DataFile, WrittenFile, choose_persist, open_data_file, pwrite_all
+from pcframe.save.staging import StagingPool
+from pcframe.store.directory import WritableCheckpointDir
 from pcframe.threads import single_threaded_torch
 
 log = logging.getLogger("pcframe")
@@ -98,7 +98,7 @@ class PendingVersion:
     codec_file: DataFile | None = None
     codec_size: int = 0  # bytes appended to codec.bin so far
     segments: dict[int, list[SegmentRecord]] = field(default_factory=dict)
-    # Delta versions (pcframe.delta): the base, its values, and this version's values.
+    # Delta versions (pcframe.save.delta): the base, its values, and this version's values.
     delta: DeltaLink | None = None
     delta_key: tuple = ()
     base_values: dict[int, torch.Tensor] | None = None

@@ -14,7 +14,7 @@ import concurrent.futures
 import threading
 from typing import Any
 
-from pcframe.tiers.base import TierCancelled
+from pcframe.store.tiers.base import TierCancelled
 
 
 class FsCalls:
