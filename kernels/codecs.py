@@ -32,6 +32,7 @@ from pcframe.kernels._tensor_bytes import (
     tensor_nbytes,
 )
 from pcframe.kernels.delta import decode_delta, encode_delta
+from pcframe.kernels.dtypes import dtype_name
 from pcframe.kernels.lossless import ShuffleZstd
 from pcframe.kernels.quantize import (
     DEFAULT_BLOCK_SIZE,
@@ -58,11 +59,6 @@ __all__ = [
 ]
 
 _REGISTRY: dict[str, type[Codec]] = {}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """Stable manifest name of a dtype, e.g. ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -7,9 +7,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pcframe.errors import ConfigError
+from pcframe.format.checksum import CHECKSUMS
 
 PAGE = 4096
-CHECKSUMS = ("crc32c", "xxh3_64", "pcf64", "none")
 COPY_BACKENDS = ("torch", "numba", "triton", "auto")
 PERSIST_PATHS = ("write", "mmap", "auto")
 

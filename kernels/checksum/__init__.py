@@ -9,15 +9,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import Any
+
 import torch
 
 from pcframe.kernels._tensor_bytes import BytesLike, as_uint8_array, as_uint8_tensor, byte_view
 from pcframe.kernels.checksum import reference
 from pcframe.kernels.dispatch import backend_module, resolve_backend
-
-ALGORITHMS: tuple[str, ...] = ("pcf64", "crc32c", "xxh3_64")
-DIGEST_BITS = {"pcf64": 64, "crc32c": 32, "xxh3_64": 64}
-DEFAULT_ALGORITHM = "pcf64"
 
 __all__ = [
     "ALGORITHMS",
@@ -25,8 +24,11 @@ __all__ = [
     "DIGEST_BITS",
     "check_algorithm",
     "checksum",
+    "checksum_buffers",
     "pcf64_buffers",
 ]
+
+DEFAULT_ALGORITHM = "pcf64"
 
 
 def check_algorithm(algo: str) -> None:
@@ -59,7 +61,7 @@ def checksum(data: BytesLike, algo: str = DEFAULT_ALGORITHM, *, backend: str = "
                 f"or 'torch', got {backend!r}"
             )
         host = data.cpu() if isinstance(data, torch.Tensor) else data
-        return reference.ALGORITHMS[algo](as_uint8_array(host))
+        return checksum_buffers([memoryview(as_uint8_array(host))], algo)
     device = data.device if isinstance(data, torch.Tensor) else torch.device("cpu")
     name = resolve_backend(backend, device, op="checksum")
     impl = backend_module("checksum", name)
@@ -68,6 +70,20 @@ def checksum(data: BytesLike, algo: str = DEFAULT_ALGORITHM, *, backend: str = "
     if isinstance(data, torch.Tensor) and data.device.type != "cpu":
         data = data.cpu()
     return impl.pcf64(as_uint8_array(data))
+
+
+def checksum_buffers(buffers: Iterable[Any], algo: str = DEFAULT_ALGORITHM) -> int:
+    """Checksum of the concatenation of host buffers, hashed in place (not joined first).
+
+    The incremental form of :func:`checksum`: a chunk read back or staged in several
+    pieces is verified without copying it together.
+
+    Args:
+        buffers: bytes-like objects (memoryviews, ``bytes``, contiguous uint8 arrays), in order.
+        algo: ``"pcf64"``, ``"crc32c"`` or ``"xxh3_64"``.
+    """
+    check_algorithm(algo)
+    return _REGISTRY[algo][1](buffers)
 
 
 def _word_sum(data, first_word: int) -> int:
@@ -81,7 +97,7 @@ def _word_sum(data, first_word: int) -> int:
     return reference.pcf64_word_sum(data, first_word)
 
 
-def pcf64_buffers(buffers) -> int:
+def pcf64_buffers(buffers: Iterable[Any]) -> int:
     """pcf64 of the concatenation of several host buffers, without concatenating them.
 
     A word may straddle two buffers (a reader fills a chunk from several tensors and
@@ -112,3 +128,15 @@ def pcf64_buffers(buffers) -> int:
     if seam:
         total += _word_sum(np.frombuffer(seam, dtype=np.uint8), words)
     return reference.pcf64_finalize(total, nbytes)
+
+
+# The registry: every checksum pcframe knows, under the name the manifest records, with its
+# digest width and its host implementation over a sequence of buffers. This is the one list
+# of algorithm names: the engine's configuration and manifest parser take theirs from here.
+_REGISTRY: dict[str, tuple[int, Callable[[Iterable[Any]], int]]] = {
+    "pcf64": (64, pcf64_buffers),
+    "crc32c": (32, reference.crc32c_buffers),
+    "xxh3_64": (64, reference.xxh3_64_buffers),
+}
+ALGORITHMS: tuple[str, ...] = tuple(_REGISTRY)
+DIGEST_BITS: dict[str, int] = {name: bits for name, (bits, _) in _REGISTRY.items()}

@@ -23,6 +23,8 @@ torn or corrupted writes, not a cryptographic hash.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import crc32c as _crc32c
 import numpy as np
 import xxhash
@@ -75,14 +77,20 @@ def pcf64(data: np.ndarray) -> int:
     return pcf64_finalize(pcf64_word_sum(data), data.size)
 
 
-def crc32c(data: np.ndarray) -> int:
-    """CRC-32C (Castagnoli) via the hardware-accelerated ``crc32c`` package."""
-    return _crc32c.crc32c(memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8)))
+def crc32c_buffers(buffers: Iterable[bytes | bytearray | memoryview]) -> int:
+    """CRC-32C (Castagnoli) of the concatenation of ``buffers``, via the ``crc32c`` package.
+
+    Each buffer is hashed in place (hardware-accelerated), continuing the previous value.
+    """
+    value = 0
+    for buffer in buffers:
+        value = _crc32c.crc32c(buffer, value)  # releases the GIL on large buffers
+    return value
 
 
-def xxh3_64(data: np.ndarray) -> int:
-    """XXH3-64 (seed 0) via the ``xxhash`` package."""
-    return xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(data).reshape(-1)))
-
-
-ALGORITHMS = {"pcf64": pcf64, "crc32c": crc32c, "xxh3_64": xxh3_64}
+def xxh3_64_buffers(buffers: Iterable[bytes | bytearray | memoryview]) -> int:
+    """XXH3-64 (seed 0) of the concatenation of ``buffers``, streamed via ``xxhash``."""
+    state = xxhash.xxh3_64()
+    for buffer in buffers:
+        state.update(buffer)
+    return state.intdigest()

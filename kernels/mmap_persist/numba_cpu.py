@@ -11,6 +11,7 @@ import numba
 import numpy as np
 
 from pcframe.kernels._numba_util import NJIT, memcpy
+from pcframe.kernels.checksum import checksum
 from pcframe.kernels.checksum import reference as checksum_ref
 from pcframe.kernels.checksum.numba_cpu import hash_bytes, hash_words
 
@@ -45,4 +46,4 @@ def persist(region: np.ndarray, offset: int, chunk: np.ndarray, algo: str) -> in
         return checksum_ref.pcf64_finalize(int(copy_pcf64(dst, chunk.ctypes.data, n)), n)
     copy_only(dst, chunk.ctypes.data, n)
     # crc32c / xxh3 come from their libraries: a second pass, over the (cached) source.
-    return checksum_ref.ALGORITHMS[algo](chunk)
+    return checksum(chunk, algo)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from pcframe.kernels.checksum import reference as checksum_ref
+from pcframe.kernels.checksum import checksum
 
 
 def persist(region: np.ndarray, offset: int, chunk: np.ndarray, algo: str) -> int:
     """Copy ``chunk`` into ``region`` at ``offset``; return its ``algo`` checksum."""
     dst = region[offset : offset + chunk.size]
     dst[:] = chunk
-    return checksum_ref.ALGORITHMS[algo](dst)
+    return checksum(dst, algo, backend="torch")  # the reference implementations

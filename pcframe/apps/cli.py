@@ -10,8 +10,9 @@ from pathlib import Path
 
 from pcframe.errors import CheckpointError
 from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME, read_manifest
+from pcframe.format.names import version_number
 from pcframe.restore.reader import load_version
-from pcframe.store.directory import CheckpointDir, version_number
+from pcframe.store.directory import CheckpointDir
 
 
 def _pick(directory: CheckpointDir, version: int | None) -> int:

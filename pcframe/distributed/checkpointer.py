@@ -31,6 +31,7 @@ from pcframe.distributed.index import SavedIndex
 from pcframe.distributed.protocol import CommitProtocol, Round
 from pcframe.distributed.restore import Objects, ReshardError, prepare
 from pcframe.errors import CheckpointError, ManifestError, NoValidCheckpoint, SaveError
+from pcframe.store.retention import KeepWhere
 
 log = logging.getLogger("pcframe")
 
@@ -207,8 +208,9 @@ class DistributedCheckpointer:
             self._next - 1,
             keep_global,
         )
-        # Added to whatever filters the engine already has (e.g. replica tiers): all apply.
-        self.local.pipeline.retention_filters.append(self.protocol.deletable)
+        # One more reason to keep versions, composed with the engine's (keep_last, tiers,
+        # delta bases) in its one Retention.
+        self.local.retention.add(KeepWhere("global versions", self.protocol.keep))
         self.splitter = StateSplitter(model, optimizer, self.rank, self.world_size, self._agree)
         self.rounds: dict[int, Round] = {}
         self.last_restore: DistributedRestoreReport | None = None
@@ -306,15 +308,7 @@ class DistributedCheckpointer:
         save. Safe here: every started version has finished (its round waited for it) and
         no save can start while the training thread is in here, so the commit thread is idle.
         """
-        storage = self.local.storage
-        versions = storage.committed_versions()
-        candidates = self.protocol.deletable(versions[: -self.local.config.keep_last])
-        # Delta versions: a kept shard version may read older ones (its base chain).
-        for old in self.local.pipeline.deletable(candidates):
-            try:
-                storage.delete(old)
-            except OSError as exc:
-                log.warning("pcframe: could not delete old shard version %d: %s", old, exc)
+        self.local.retention.apply()
 
     def _raise_errors(self) -> None:
         errors = self.protocol.take_errors()

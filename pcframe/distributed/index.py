@@ -17,7 +17,7 @@ from pcframe.distributed.placement import Box
 from pcframe.distributed.record import GlobalRecord, manifest_crc
 from pcframe.errors import CorruptCheckpoint, ManifestError
 from pcframe.format.manifest import MANIFEST_NAME, Manifest, read_manifest
-from pcframe.store.directory import version_name
+from pcframe.format.names import version_name
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ from pcframe.distributed import record as rec
 from pcframe.errors import CheckpointError, SaveError
 from pcframe.faults import crash_point
 from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME
-from pcframe.store.directory import version_name
+from pcframe.format.names import version_name
 from pcframe.threads import single_threaded_torch
 
 log = logging.getLogger("pcframe")
@@ -121,11 +122,12 @@ class CommitProtocol:
 
     # --- used by the local engine's commit thread ------------------------------------------
 
-    def deletable(self, doomed: list[int]) -> list[int]:
-        """Retention filter of the local engine (see :func:`retention_allowed`)."""
+    def keep(self, committed: Sequence[int]) -> set[int]:
+        """Retention reason of the local engine: what :func:`retention_allowed` refuses."""
         with self._lock:
             retained, upto = list(self._retained), self._decided_up_to
-        return retention_allowed(doomed, retained, upto)
+        allowed = set(retention_allowed(list(committed), retained, upto))
+        return {v for v in committed if v not in allowed}
 
     # --- the round thread --------------------------------------------------------------------
 

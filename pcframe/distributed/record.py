@@ -34,7 +34,8 @@ from typing import Any
 import crc32c
 
 from pcframe.errors import CorruptCheckpoint, ManifestError
-from pcframe.store.directory import fsync_dir, version_name, write_file_durably
+from pcframe.format.names import version_name, version_number
+from pcframe.store.directory import fsync_dir, write_file_durably
 
 FORMAT = "pcframe-global"
 FORMAT_VERSION = 1
@@ -43,7 +44,6 @@ RECORDS = "global"
 MAX_RECORD_BYTES = 16 * 1024 * 1024
 MAX_WORLD_SIZE = 1 << 20
 _RECORD_NAME = re.compile(r"^v(\d{8,})\.json$")
-_VERSION_NAME = re.compile(r"^v(\d{8,})$")
 _CRC = re.compile(r"^[0-9a-f]{8}$")
 
 
@@ -138,8 +138,7 @@ def read_pointer(root: Path) -> int | None:
         text = (root / POINTER).read_text().strip()
     except (OSError, UnicodeDecodeError):
         return None
-    match = _VERSION_NAME.match(text)
-    return int(match.group(1)) if match else None
+    return version_number(text)
 
 
 def read_record(path: Path) -> GlobalRecord:

@@ -12,7 +12,7 @@ from functools import cached_property
 
 import torch
 
-from pcframe.format.tree import dtype_name
+from pcframe.kernels.dtypes import dtype_name
 
 
 @dataclass(frozen=True)

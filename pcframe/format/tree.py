@@ -16,35 +16,9 @@ import numpy as np
 import torch
 
 from pcframe.errors import ManifestError
+from pcframe.kernels.dtypes import DTYPES, dtype_name
 
 MAX_DEPTH = 64
-
-# dtype name in the manifest <-> torch dtype. Names are stable across torch versions.
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "complex64": torch.complex64,
-    "complex128": torch.complex128,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-for _name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"):
-    if hasattr(torch, _name):
-        DTYPES[_name] = getattr(torch, _name)
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return DTYPE_NAMES[dtype]
-    except KeyError:
-        raise TypeError(f"pcframe cannot store tensors of dtype {dtype}") from None
 
 
 @dataclass

@@ -33,8 +33,8 @@ from pcframe.format.manifest import (
     SegmentRecord,
     read_manifest,
 )
+from pcframe.format.names import version_name
 from pcframe.format.tree import DTYPES, decode_tree
-from pcframe.store.directory import version_name
 
 _IOV_MAX = 1024
 

@@ -25,20 +25,16 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from pcframe.errors import CheckpointError
 from pcframe.format.manifest import MANIFEST_NAME, DeltaLink, read_manifest
 from pcframe.format.tree import DTYPES
+from pcframe.save.codec import CodecPlan
 from pcframe.store.directory import CheckpointDir
 
 log = logging.getLogger("pcframe")
-
-if TYPE_CHECKING:
-    from pcframe.save.codec import CodecPlan
-    from pcframe.save.pipeline import PendingVersion
 
 
 @dataclass
@@ -51,6 +47,25 @@ class Reference:
     values: dict[int, torch.Tensor]
 
 
+@dataclass
+class DeltaChoice:
+    """How one version with delta tensors is stored, as chosen by :meth:`DeltaTracker.begin`.
+
+    ``link`` is ``None`` for a full version. ``new_values`` receives this version's values
+    of the delta tensors as they are staged: the reference of the next delta if it commits.
+    """
+
+    link: DeltaLink | None
+    key: tuple
+    base_values: dict[int, torch.Tensor] | None
+    new_values: dict[int, torch.Tensor]
+
+    def release(self) -> None:
+        """Drop the value copies (the version finished; the tracker keeps what it needs)."""
+        self.base_values = None
+        self.new_values = {}
+
+
 class DeltaTracker:
     def __init__(self, full_every: int, storage: CheckpointDir) -> None:
         self.full_every = full_every
@@ -61,18 +76,16 @@ class DeltaTracker:
         self._bases: dict[int, int | None] = {}  # committed version -> base (None: full)
         self._warned = False
 
-    def begin(
-        self, pending: PendingVersion, plan: CodecPlan, blockers: list[str] | None = None
-    ) -> None:
-        """Copy thread, before the first segment: make ``pending`` a delta or a full version.
+    def begin(self, version: int, plan: CodecPlan, blockers: list[str]) -> DeltaChoice | None:
+        """Copy thread, before the first segment: make ``version`` a delta or a full version.
 
-        Non-empty ``blockers`` (who needs full versions, e.g. replica storage tiers, whose
-        copies do not follow delta chains) make every version full.
+        Returns ``None`` when the plan has no delta tensors, or when ``blockers`` (who needs
+        full versions, e.g. replica storage tiers, whose copies do not follow delta chains)
+        is non-empty: the version is then stored as an ordinary coded one.
         """
-        pending.delta, pending.base_values, pending.new_values = None, None, None
         entries = plan.delta_entries
         if not entries:
-            return
+            return None
         if blockers:
             if not self._warned:
                 self._warned = True
@@ -81,8 +94,9 @@ class DeltaTracker:
                     "%s copy single versions, not delta chains",
                     ", ".join(blockers),
                 )
-            return
+            return None
         key = plan.delta_key()
+        link, base_values = None, None
         with self._lock:
             ref = self._reference
             usable = (
@@ -93,20 +107,19 @@ class DeltaTracker:
             )
             if usable:
                 assert ref is not None
-                pending.delta = DeltaLink(ref.version, ref.depth + 1)
-                pending.base_values = ref.values
-                self._in_flight[pending.version] = ref.version
-        pending.new_values = {
+                link, base_values = DeltaLink(ref.version, ref.depth + 1), ref.values
+                self._in_flight[version] = ref.version
+        new_values = {
             i: torch.empty(
                 plan.layout.entries[i].nbytes // DTYPES[plan.layout.entries[i].dtype].itemsize,
                 dtype=DTYPES[plan.layout.entries[i].dtype],
             )
             for i in sorted(entries)
         }
-        pending.delta_key = key
+        return DeltaChoice(link, key, base_values, new_values)
 
-    def published(self, pending: PendingVersion) -> None:
-        """Commit thread, right after ``pending`` was published and before retention runs.
+    def published(self, version: int, choice: DeltaChoice | None) -> None:
+        """Commit thread, right after ``version`` was published and before retention runs.
 
         The reference moves to the newest committed version here, under the same lock as
         :meth:`begin`'s choice, so a delta that starts from now on uses this version, and
@@ -114,25 +127,24 @@ class DeltaTracker:
         retention computes what it must keep.
         """
         with self._lock:
-            base = pending.delta.base if pending.delta is not None else None
-            self._bases[pending.version] = base
-            if pending.new_values is not None:
-                depth = pending.delta.depth if pending.delta is not None else 0
-                self._reference = Reference(
-                    pending.version, depth, pending.delta_key, pending.new_values
-                )
+            link = choice.link if choice is not None else None
+            self._bases[version] = link.base if link is not None else None
+            if choice is not None:
+                depth = link.depth if link is not None else 0
+                self._reference = Reference(version, depth, choice.key, choice.new_values)
             else:
                 # A newer version without delta tensors: the old reference is no longer the
                 # newest committed version, so retention may delete it. Start over with a full.
                 self._reference = None
 
-    def finished(self, pending: PendingVersion) -> None:
-        """Commit thread, once ``pending`` is committed, discarded or failed."""
+    def finished(self, version: int, choice: DeltaChoice | None) -> None:
+        """Commit thread, once ``version`` is committed, discarded or failed."""
         with self._lock:
-            self._in_flight.pop(pending.version, None)
-        pending.base_values = pending.new_values = None
+            self._in_flight.pop(version, None)
+        if choice is not None:
+            choice.release()
 
-    def protected(self, kept: list[int]) -> set[int]:
+    def needed_by(self, kept: set[int]) -> set[int]:
         """Every base that a kept version or a version in flight needs, transitively."""
         with self._lock:
             todo = list(kept) + list(self._in_flight.values())

@@ -27,28 +27,7 @@ import numpy as np
 import torch
 
 from pcframe.config import PAGE
-
-
-def _mount_of(path: Path) -> tuple[str, str, str]:
-    """(mount point, file system type, mount options) of the mount holding ``path``."""
-    target = os.path.realpath(path)
-    best = ("/", "", "")
-    try:
-        with open("/proc/self/mountinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return best
-    for line in lines:
-        left, sep, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if not sep or len(fields) < 6 or len(tail) < 3:
-            continue
-        point = fields[4].encode().decode("unicode_escape")  # mountinfo escapes as \\040
-        inside = target == point or target.startswith(point.rstrip("/") + "/")
-        # >= : a later line mounted on the same point shadows the earlier one.
-        if inside and len(point) >= len(best[0]):
-            best = (point, tail[0], f"{fields[5]},{tail[2]}")
-    return best
+from pcframe.store.mounts import mount_of
 
 
 def choose_persist(directory: str | os.PathLike[str], setting: str) -> str:
@@ -60,7 +39,7 @@ def choose_persist(directory: str | os.PathLike[str], setting: str) -> str:
     """
     if setting != "auto":
         return setting
-    _, _, options = _mount_of(Path(directory))
+    _, _, options = mount_of(directory)
     dax = [o for o in options.split(",") if o == "dax" or o.startswith("dax=")]
     return "mmap" if dax and dax[-1] != "dax=never" else "write"
 

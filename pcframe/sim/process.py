@@ -11,11 +11,12 @@ seconds. ``use_hints=False`` asks at every step instead: the slow reference.
 Runs of evenly spaced saves go to the Numba kernel instead (:mod:`pcframe.sim.fastpath`):
 all saves of a periodic policy, and the verified steady-state fast-forward of any other.
 
-What the policy sees is what the engine would give it: ``PolicyContext`` with the sim clock
-as ``now``, the iteration time, the stall and time-to-durable EWMAs measured in this process
-(``None`` until a save of this process completed), a ``Notice`` when the trace's preemption
-is ``notice_window`` ahead, and after a restart the policy state stored in the checkpoint
-that was restored, then ``Restarted``.
+What the policy sees is what the engine would give it, built by the same
+:class:`~pcframe.feed.PolicyFeed`: ``PolicyContext`` with the sim clock as ``now``, the
+iteration time, the stall and time-to-durable EWMAs measured in this process (``None`` until
+a save of this process completed), a ``Notice`` when the trace's preemption is
+``notice_window`` ahead, and after a restart the policy state stored in the checkpoint that
+was restored, then ``Restarted``.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from pcframe.feed import PolicyFeed
 from pcframe.policies.base import IntervalPolicy, Notice, PolicyContext, SaveCompleted, SaveHint
 from pcframe.sim.fastpath import NO_LIMIT, FastPaths
 from pcframe.sim.spec import JobSpec, SimOptions
-from pcframe.sim.state import Commit, Flight, Ledger, Versions, by_durable, ewma
+from pcframe.sim.state import Commit, Flight, Ledger, Versions, by_durable
 
 __all__ = ["Commit", "Flight", "Ledger", "Process", "Versions"]
 
@@ -72,11 +74,11 @@ class Process(FastPaths):
         self.notice_at = notice.received_at if notice is not None else math.inf
         self.inflight: list[Flight] = []
         self.stall = 0.0
-        self.stall_ewma: float | None = None
-        self.duration_ewma: float | None = None
+        # The iteration time is the job's, not measured: the feed takes no samples of it.
+        self.feed = PolicyFeed(iteration_time=step_time)
         self.restored = commit.version > 0
-        self.last_save_step: int | None = commit.step if self.restored else None
-        self.last_save_time: float | None = None
+        if self.restored:
+            self.feed.resumed(commit.step, job.restart_cost)
         self.last_decide = self.ready
         self.hint: SaveHint | None = None
         self.finished = False
@@ -118,24 +120,51 @@ class Process(FastPaths):
         return j
 
     # --- the policy's view --------------------------------------------------------------------
+    # The fast paths (and their snapshots) set the feed's values directly, by these names.
+    @property
+    def stall_ewma(self) -> float | None:
+        return self.feed.save_stall
+
+    @stall_ewma.setter
+    def stall_ewma(self, value: float | None) -> None:
+        self.feed.save_stall = value
+
+    @property
+    def duration_ewma(self) -> float | None:
+        return self.feed.save_duration
+
+    @duration_ewma.setter
+    def duration_ewma(self, value: float | None) -> None:
+        self.feed.save_duration = value
+
+    @property
+    def last_save_step(self) -> int | None:
+        return self.feed.last_save_step
+
+    @last_save_step.setter
+    def last_save_step(self, value: int | None) -> None:
+        self.feed.last_save_step = value
+
+    @property
+    def last_save_time(self) -> float | None:
+        return self.feed.last_save_time
+
+    @last_save_time.setter
+    def last_save_time(self, value: float | None) -> None:
+        self.feed.last_save_time = value
+
     def _ctx(self, now: float) -> PolicyContext:
         in_flight = 0
         for f in self.inflight:
             if f.durable_at > now:
                 in_flight += 1
-        return PolicyContext(
-            step=self.step,
-            now=now,
-            last_save_step=self.last_save_step,
-            last_save_time=self.last_save_time,
-            iteration_time=self.it,
-            save_stall=self.stall_ewma,
-            save_duration=self.duration_ewma,
-            restart_cost=self.job.restart_cost if self.restored else None,
-            preemption_rate=self.rate,
+        return self.feed.context(
+            self.step,
+            now,
             notice=self.notice if now >= self.notice_at else None,
-            in_flight=in_flight,
             wall_time=None if self.unix0 is None else self.unix0 + now,
+            in_flight=in_flight,
+            preemption_rate=self.rate,
         )
 
     # --- running ------------------------------------------------------------------------------
@@ -236,7 +265,7 @@ class Process(FastPaths):
         self.stall += end - t
         self.ledger.saves += 1
         self.seg_t0, self.seg_step0, self.t = end, self.step, end
-        self.last_save_step, self.last_save_time = self.step, end
+        self.feed.saved(self.step, end)
         self._saves.append((self.step, end - t))
         if len(self._saves) > 3:
             del self._saves[0]
@@ -252,8 +281,7 @@ class Process(FastPaths):
                 self._set_commit(f.step, f.version, f.durable_at, f.policy_state)
             if report:
                 duration = f.durable_at - f.start
-                self.stall_ewma = ewma(self.stall_ewma, f.stall)
-                self.duration_ewma = ewma(self.duration_ewma, duration)
+                self.feed.committed(f.stall, duration)
                 self.policy.observe(
                     SaveCompleted(
                         f.version, f.step, now, f.stall, duration, self.job.checkpoint_bytes

@@ -6,8 +6,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-_EWMA = 0.3  # weight of the newest sample, as the engine's Checkpointer uses
-
 
 @dataclass
 class Commit:
@@ -65,7 +63,3 @@ class Versions:
 
 def by_durable(f: Flight) -> float:
     return f.durable_at
-
-
-def ewma(previous: float | None, sample: float) -> float:
-    return sample if previous is None else (1 - _EWMA) * previous + _EWMA * sample

@@ -19,27 +19,16 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import re
 import shutil
 from pathlib import Path
 
 from pcframe.errors import CheckpointError, DirectoryLocked
 from pcframe.faults import crash_point
+from pcframe.format.names import version_name, version_number
 
-_COMMITTED = re.compile(r"^v(\d{8,})$")
 LATEST = "LATEST"
 LOCK = ".writer.lock"
 CLEAN_EXIT = ".clean-exit"
-
-
-def version_name(version: int) -> str:
-    return f"v{version:08d}"
-
-
-def version_number(name: str) -> int | None:
-    """The version a committed directory's name stands for (``v00000012`` -> 12), else None."""
-    match = _COMMITTED.match(name)
-    return int(match.group(1)) if match else None
 
 
 def fsync_dir(path: str | Path) -> None:

@@ -18,8 +18,9 @@ from safetensors.torch import load_file
 
 from pcframe.distributed import record as rec
 from pcframe.format.manifest import MANIFEST_NAME, read_manifest
+from pcframe.format.names import version_name
 from pcframe.restore.reader import load_version
-from pcframe.store.directory import CheckpointDir, WritableCheckpointDir, version_name
+from pcframe.store.directory import CheckpointDir, WritableCheckpointDir
 from tests.distributed.launch import REPO, base_env, run_job
 
 pytestmark = pytest.mark.slow

@@ -13,6 +13,7 @@ from pcframe import Checkpointer, CheckpointError, ConfigError, DirectoryLocked,
 from pcframe.policies import Decision, FixedSteps, IntervalPolicy, Notice, Restarted, SaveCompleted
 from pcframe.save.pipeline import SavePipeline
 from pcframe.store.directory import CheckpointDir
+from pcframe.store.retention import KeepWhere
 from tests.engine.helpers import small_training, state_equal, train_steps
 
 
@@ -171,7 +172,7 @@ def test_commit_listeners_retention_filter_and_forced_versions(tmp_path):
             lambda v, path, manifest: seen.append((v, path.name, manifest.step))
         )
         ckpt.add_commit_listener(lambda *args: 1 / 0)  # a failing listener does not undo commits
-        ckpt.pipeline.retention_filters.append(lambda doomed: [v for v in doomed if v != 1])
+        ckpt.retention.add(KeepWhere("test", lambda committed: {1}))
         ckpt.save(step=1).wait()
         ckpt.save(step=2).wait()
         ckpt.save(step=3, version=10).wait()
@@ -188,7 +189,7 @@ def test_save_record_counts_the_engine_threads_cpu_and_not_the_training_threads(
         if name == "chunk_written":  # inside a writer's measured work: the engine's cost
             burn_cpu(0.03)
 
-    monkeypatch.setattr("pcframe.save.pipeline.crash_point", busy_crash_point)
+    monkeypatch.setattr("pcframe.save.write.crash_point", busy_crash_point)
     model, optimizer, scheduler = small_training()
     train_steps(model, optimizer, scheduler, 1)
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, chunk_bytes=4096) as ckpt:

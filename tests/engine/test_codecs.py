@@ -96,7 +96,7 @@ def test_lossy_moments_stay_within_the_recorded_bound(tmp_path, codec, fmt):
 
 def test_codec_tensors_are_gated_but_encoding_is_not(tmp_path, monkeypatch):
     """optimizer.step() waits for the raw copy of coded tensors, not for their encoding."""
-    import pcframe.save.pipeline as pipeline_module
+    import pcframe.save.write as pipeline_module
 
     encode = pipeline_module.encode_segment
 

@@ -35,7 +35,7 @@ def shm_dir():
 def test_auto_maps_only_persistent_memory(tmp_path, shm_dir, monkeypatch):
     import pcframe.save.persist as persist
 
-    assert persist._mount_of(shm_dir)[1] == "tmpfs"  # the mount table is read right
+    assert persist.mount_of(shm_dir)[1] == "tmpfs"  # the mount table is read right
     assert choose_persist(shm_dir, "auto") == "write"  # tmpfs: pwrite measured cheaper
     assert choose_persist(shm_dir, "mmap") == "mmap"  # an explicit choice stands
     for options, expected in (
@@ -43,7 +43,7 @@ def test_auto_maps_only_persistent_memory(tmp_path, shm_dir, monkeypatch):
         ("rw,dax=always", "mmap"),
         ("dax=never", "write"),
     ):
-        monkeypatch.setattr(persist, "_mount_of", lambda path, o=options: ("/pmem", "ext4", o))
+        monkeypatch.setattr(persist, "mount_of", lambda path, o=options: ("/pmem", "ext4", o))
         assert choose_persist(tmp_path, "auto") == expected, options
     with pytest.raises(ValueError, match=r"engine\.persist='pmem'"):
         EngineConfig(persist="pmem")

@@ -9,7 +9,7 @@ import torch
 
 from pcframe import Checkpointer
 from pcframe.restore.reader import load_version
-from pcframe.save.pipeline import SavePipeline
+from pcframe.save.write import Writer
 from pcframe.store.directory import CheckpointDir
 
 
@@ -25,13 +25,13 @@ class Blob:
 
 
 def slow_writes(monkeypatch, delays: dict[int, float]):
-    original = SavePipeline._write_chunk
+    original = Writer.write_chunk
 
     def delayed(self, pending, chunk, buffer):
         time.sleep(delays.get(pending.version, 0.0))
         original(self, pending, chunk, buffer)
 
-    monkeypatch.setattr(SavePipeline, "_write_chunk", delayed)
+    monkeypatch.setattr(Writer, "write_chunk", delayed)
 
 
 class LatestWatcher(threading.Thread):

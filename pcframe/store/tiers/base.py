@@ -9,16 +9,14 @@ at any moment a version is either fully listed or not listed at all.
 
 from __future__ import annotations
 
-import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
 from pcframe.errors import CheckpointError
-
-# Names a tier may give to the files of one version (the manifest decides which exist).
-SAFE_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+from pcframe.format.manifest import MANIFEST_NAME
+from pcframe.format.names import SAFE_FILE
 
 
 class TierError(CheckpointError):
@@ -95,8 +93,6 @@ class Tier(ABC):
 
 def version_files(directory: Path) -> Iterator[Path]:
     """The regular files of a version directory, the manifest last (it is the commit record)."""
-    from pcframe.format.manifest import MANIFEST_NAME
-
     files = sorted(p for p in directory.iterdir() if p.is_file())
     bad = [p.name for p in files if not SAFE_FILE.match(p.name)]
     if bad:

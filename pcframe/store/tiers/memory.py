@@ -11,29 +11,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from pcframe.store.mounts import file_system_type
 from pcframe.store.tiers.base import TierError
 
 SHM = Path("/dev/shm")
 _RAM_FS = {"tmpfs", "ramfs"}
-
-
-def file_system_type(path: str | os.PathLike[str]) -> str:
-    """The type of the file system holding ``path`` (from /proc/mounts; '' if unknown)."""
-    target = Path(path).resolve()
-    best, kind = "", ""
-    try:
-        with open("/proc/mounts") as mounts:
-            for line in mounts:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                mount = fields[1].replace("\\040", " ")
-                inside = target == Path(mount) or Path(mount) in target.parents
-                if inside and len(mount) > len(best):
-                    best, kind = mount, fields[2]
-    except OSError:
-        return ""
-    return kind
 
 
 def is_memory_backed(path: str | os.PathLike[str]) -> bool:

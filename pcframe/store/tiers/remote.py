@@ -28,13 +28,13 @@ from typing import Any
 
 from pcframe.errors import CorruptCheckpoint
 from pcframe.faults import crash_point
-from pcframe.store.directory import version_name
-from pcframe.store.tiers.base import SAFE_FILE, Tier, TierError, version_files
+from pcframe.format.names import SAFE_FILE, VERSION_DIGITS, version_name
+from pcframe.store.tiers.base import Tier, TierError, version_files
 from pcframe.store.tiers.fsops import FsCalls
 
 MARKER = "COMMITTED"
 MARKER_FORMAT = "pcframe-remote-commit"
-_ENTRY = re.compile(r"^v(\d{8,})/([^/]+)$")
+_ENTRY = re.compile(rf"^{VERSION_DIGITS}/([^/]+)$")  # a file of a version
 
 
 class RemoteTier(Tier):

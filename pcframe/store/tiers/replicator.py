@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pcframe.feed import ewma
 from pcframe.store.tiers.base import Tier, TierCancelled, TierError
 from pcframe.threads import single_threaded_torch
 
@@ -280,9 +281,9 @@ class Replicator:
             s.committed = tuple(sorted({*(s.committed or ()), job.version}))
             s.written += 1
             s.bytes_written += nbytes
-            s.write_seconds = _ewma(s.write_seconds, seconds)
+            s.write_seconds = ewma(s.write_seconds, seconds)
             if seconds > 0:
-                s.throughput = _ewma(s.throughput, nbytes / seconds)
+                s.throughput = ewma(s.throughput, nbytes / seconds)
             if self._pending is None and job.version >= self._newest_submitted:
                 self._oldest_unwritten = None
             elif self._pending is not None:
@@ -315,7 +316,3 @@ class Replicator:
             return
         if removed:
             log.info("pcframe: tier %s: removed leftovers %s", self.tier.name, removed)
-
-
-def _ewma(previous: float | None, sample: float, weight: float = 0.3) -> float:
-    return sample if previous is None else (1 - weight) * previous + weight * sample

@@ -17,12 +17,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pcframe.format.names import version_name
 from pcframe.policies.base import Notice
 from pcframe.policies.placement import (
     PlacementContext,
@@ -31,7 +32,7 @@ from pcframe.policies.placement import (
     TieredPlacement,
     TierRule,
 )
-from pcframe.store.directory import WritableCheckpointDir, version_name
+from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.tiers.base import Tier, TierError
 from pcframe.store.tiers.local import LocalTier
 from pcframe.store.tiers.replicator import Job, Replicator, TierStatus
@@ -116,7 +117,17 @@ class Tiers:
             the exponential backoff between them (seconds).
         drain_timeout: seconds :meth:`close` waits for queued replication before aborting it.
         secure_timeout: how long :meth:`secure` waits when the notice has no deadline.
+
+    :meth:`primary_only` is the null object a Checkpointer without tiers uses: the primary
+    directory alone, no replication, no placement, restore sources from the primary.
     """
+
+    @classmethod
+    def primary_only(cls) -> Tiers:
+        """No replica tiers and no placement: restores read the primary; nothing is copied."""
+        tiers = cls({})
+        tiers.replicated = False
+        return tiers
 
     def __init__(
         self,
@@ -145,6 +156,8 @@ class Tiers:
         self.retries, self.backoff, self.backoff_max = retries, backoff, backoff_max
         self.drain_timeout = drain_timeout
         self.secure_timeout = secure_timeout
+        # False only for the null object: no tier names, no placement, nothing to replicate.
+        self.replicated = True
         self.primary_name = ""
         self.primary: WritableCheckpointDir | None = None
         self._replicators: dict[str, Replicator] = {}
@@ -162,6 +175,8 @@ class Tiers:
         new versions above it.
         """
         self.primary = primary
+        if not self.replicated:
+            return 0  # the primary alone: sources are its versions, under no tier name
         self.primary_name = self.placement.tiers[0] if self.placement else "primary"
         if self.primary_name in self.replicas:
             raise TierError(
@@ -226,6 +241,8 @@ class Tiers:
 
     def write_times(self, primary_seconds: float | None = None) -> dict[str, float]:
         """Estimated seconds from ``save()`` to durable in each tier (measured tiers only)."""
+        if not self.replicated:
+            return {}
         if primary_seconds is not None:
             self._primary_seconds = primary_seconds
         base = self._primary_seconds
@@ -266,6 +283,8 @@ class Tiers:
     def on_commit(self, version: int, path: Path, manifest: Any) -> None:
         """Commit listener (engine's commit thread): route the version; never blocks."""
         del path
+        if not self.replicated:
+            return
         if getattr(manifest, "delta", None) is not None:
             # A delta version is only readable next to its base chain, which replicas do not
             # manage yet: they take self-contained (full) versions only.
@@ -278,19 +297,24 @@ class Tiers:
             if name != self.primary_name:
                 self._replicators[name].submit(Job(version, manifest.step))
 
-    def retention_filter(self, doomed: list[int]) -> list[int]:
-        """The primary keeps what the placement keeps and what replicas still have to copy."""
+    def keep(self, committed: Sequence[int]) -> set[int]:
+        """Retention reason: the primary keeps what the placement keeps for it and what
+        replicas still have to copy."""
+        del committed
         protect = set(self._primary_keep)
         for replicator in self._replicators.values():
             protect |= replicator.protected()
-        return [v for v in doomed if v not in protect]
+        return protect
 
-    def secure(self, version: int, step: int, notice: Notice | None) -> Secured:
+    def secure(self, version: int, step: int, notice: Notice | None) -> Secured | None:
         """Make ``version`` durable in the tier the placement picks for a preemption notice.
 
         The primary already holds it; for other tiers this expedites the copy (aborting an
         older one in progress) and waits until it is written or the notice's deadline passes.
+        ``None`` without tiers (the primary is the only place).
         """
+        if not self.replicated:
+            return None
         now = time.monotonic()
         decision = self._place(version, step, notice or Notice(now, now + self.secure_timeout))
         targets = [t for t in decision.tiers if t != self.primary_name]

@@ -1,0 +1,34 @@
+"""``TrainingObjects``: the live objects one checkpointer saves and restores."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Stateful = Any  # anything with state_dict() / load_state_dict()
+
+
+@dataclass
+class TrainingObjects:
+    """Model, optimizer, scheduler, scaler, named stateful objects, JSON extras, policy.
+
+    Every entry is optional. ``stateful`` holds the data position (``data=`` of the
+    Checkpointer is ``stateful["data"]``) and any other object with ``state_dict()`` and
+    ``load_state_dict()``; ``extra`` is a JSON-able dict updated in place on restore.
+    """
+
+    model: torch.nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any = None
+    scaler: Any = None
+    stateful: Mapping[str, Stateful] = field(default_factory=dict)
+    extra: dict[str, Any] | None = None
+    policy: Any = None  # the interval policy, whose learned state is saved with each version
+
+    def __post_init__(self) -> None:
+        for name, obj in self.stateful.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"stateful[{name!r}] needs state_dict() and load_state_dict()")

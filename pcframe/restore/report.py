@@ -1,0 +1,15 @@
+"""``RestoreReport``: what a restore loaded, from where, and what it skipped on the way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RestoreReport:
+    version: int | None = None
+    step: int | None = None
+    seconds: float = 0.0
+    skipped: list[tuple[int, str]] = field(default_factory=list)  # (version, why)
+    tier: str | None = None  # the tier the version was read from (None without tiers)
+    unavailable: list[str] = field(default_factory=list)  # tiers that could not be listed

@@ -1,0 +1,106 @@
+"""Capture: the live training objects turned into one immutable :class:`SaveRequest`.
+
+Runs on the training thread inside ``save()``. The state tree is encoded pickle-free
+(:mod:`pcframe.format.tree`); its tensors are referenced, not copied, where the optimizer
+step gate protects them, and cloned otherwise. The :class:`~pcframe.format.layout.Layout`
+is built once and reused while the (name, dtype, shape) signature stays the same.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import torch
+
+from pcframe.config import EngineConfig
+from pcframe.format.layout import Layout
+from pcframe.format.tree import TensorRef, encode_tree
+from pcframe.objects import TrainingObjects
+from pcframe.rng import capture_rng
+from pcframe.save.request import SaveRequest
+
+
+class Capture:
+    def __init__(self, objects: TrainingObjects, config: EngineConfig) -> None:
+        self.objects, self.config = objects, config
+        self._layout: Layout | None = None
+        self._layout_signature: tuple | None = None
+
+    def request(self, version: int, step: int, metadata: dict[str, Any]) -> SaveRequest:
+        """Capture the state now as version ``version`` at ``step``."""
+        refs: list[TensorRef] = []
+        encoded = encode_tree(self._tree(), "", refs)
+        tensors = self._detach_from_training(refs)
+        named = [(ref.path.lstrip("/"), t) for ref, t in zip(refs, tensors, strict=True)]
+        signature = Layout.signature(named)
+        if self._layout is None or self._layout_signature != signature:
+            self._layout = Layout.build(named, self.config.chunk_bytes, self.config.tensor_align)
+            self._layout_signature = signature
+        cuda_ready = None
+        if any(t.is_cuda for t in tensors):
+            cuda_ready = torch.cuda.Event()
+            cuda_ready.record()
+        return SaveRequest(
+            version=version,
+            step=step,
+            layout=self._layout,
+            tensors=tuple(tensors),
+            tree=encoded,
+            numpy_tensors=tuple(i for i, ref in enumerate(refs) if ref.numpy),
+            metadata=json_only(metadata, "metadata"),
+            started=time.perf_counter(),
+            cuda_ready=cuda_ready,
+        )
+
+    def _tree(self) -> dict[str, Any]:
+        o = self.objects
+        tree: dict[str, Any] = {}
+        if o.model is not None:
+            tree["model"] = o.model.state_dict()
+        if o.optimizer is not None:
+            tree["optimizer"] = o.optimizer.state_dict()
+        if o.scheduler is not None:
+            tree["scheduler"] = o.scheduler.state_dict()
+        if o.scaler is not None:
+            tree["scaler"] = o.scaler.state_dict()
+        tree["rng"] = capture_rng()
+        tree["stateful"] = {name: obj.state_dict() for name, obj in o.stateful.items()}
+        tree["policy"] = o.policy.state_dict()
+        if o.extra is not None:
+            tree["extra"] = json_only(o.extra, "extra")
+        return tree
+
+    def _detach_from_training(self, refs: list[TensorRef]) -> list[torch.Tensor]:
+        """Decide per tensor whether the background copy may read it later.
+
+        Parameters and optimizer state change only in ``optimizer.step()``, which is gated on
+        the copy, so they are read in place. Everything else (buffers such as batch-norm
+        statistics change in the next forward; RNG and small state) is cloned right now.
+        """
+        o = self.objects
+        gated: set[int] = set()
+        if o.optimizer is not None:
+            if o.model is not None:
+                gated = {p.untyped_storage().data_ptr() for p in o.model.parameters()}
+            for state in o.optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        gated.add(value.untyped_storage().data_ptr())
+        tensors = []
+        for ref in refs:
+            tensor = ref.tensor
+            if tensor.numel() and tensor.untyped_storage().data_ptr() in gated:
+                tensors.append(tensor)
+            else:
+                tensors.append(tensor.clone())
+        return tensors
+
+
+def json_only(value: dict[str, Any], what: str) -> dict[str, Any]:
+    """A deep copy of ``value`` through JSON (so later changes do not leak into the version)."""
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{what} must be JSON-able (no tensors or objects): {exc}") from None

@@ -1,0 +1,106 @@
+"""The versions in flight, seen from the training thread: slots, the optimizer gate, reports.
+
+At most ``max_in_flight`` versions are between ``save()`` and their end (committed,
+discarded or failed); taking a slot is the backpressure a training loop feels. The
+optimizer step pre-hook (:meth:`InFlight.gate`) waits only for snapshot copies. Finished
+versions are handed over by the commit thread and reported on the training thread at its
+next engine call: records updated, the policy told, and the first unreported failure raised.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pcframe.errors import SaveError
+from pcframe.save.handle import SaveRecord
+from pcframe.save.progress import SaveProgress
+from pcframe.save.status import SaveStatus
+
+
+class InFlight:
+    def __init__(self, max_in_flight: int) -> None:
+        self.max_in_flight = max_in_flight
+        self.records: dict[int, SaveRecord] = {}
+        self._slots = threading.BoundedSemaphore(max_in_flight)
+        self._finished: list[SaveProgress] = []
+        self._finished_lock = threading.Lock()
+        self._copying: list[SaveProgress] = []  # snapshot copy not yet done
+        self._unfinished: list[SaveProgress] = []  # not yet reported as finished
+
+    # --- training thread ---------------------------------------------------------------
+
+    def acquire(self) -> None:
+        """Take a slot (blocks while ``max_in_flight`` versions are in flight)."""
+        self._slots.acquire()
+
+    def release(self) -> None:
+        """Give back a slot taken for a save that did not start."""
+        self._slots.release()
+
+    def started(self, progress: SaveProgress) -> None:
+        self._copying.append(progress)
+        self._unfinished.append(progress)
+        self.records[progress.version] = SaveRecord(
+            progress.version, progress.step, progress.nbytes
+        )
+
+    def count(self) -> int:
+        """Versions started and not yet finished."""
+        return sum(1 for p in self._unfinished if not p.finished.is_set())
+
+    def gate(self, *_: Any) -> None:
+        """Optimizer step pre-hook: wait for in-flight snapshots of the weights it will change."""
+        still = [p for p in self._copying if not p.copy_done.is_set()]
+        if still:
+            start = time.perf_counter()
+            for progress in still:
+                progress.copy_done.wait()
+            still[-1].stall += time.perf_counter() - start
+        self._copying = [p for p in self._copying if not p.copy_done.is_set()]
+
+    def wait_all(self) -> None:
+        """Block until every version in flight has finished (all slots free)."""
+        for _ in range(self.max_in_flight):
+            self._slots.acquire()
+        for _ in range(self.max_in_flight):
+            self._slots.release()
+
+    def report(self, committed: Callable[[SaveProgress, SaveRecord], None]) -> None:
+        """Update the records of finished versions; ``committed`` is called for each commit.
+
+        Raises:
+            SaveError: for the first failed version not yet raised (by its handle or here).
+        """
+        with self._finished_lock:
+            finished, self._finished = self._finished, []
+        self._copying = [p for p in self._copying if not p.copy_done.is_set()]
+        self._unfinished = [p for p in self._unfinished if not p.finished.is_set()]
+        errors = []
+        for progress in finished:
+            record = self.records[progress.version]
+            record.status, record.stall = progress.status, progress.stall
+            record.copy, record.cpu = progress.copy_seconds, progress.cpu_seconds
+            if progress.status == SaveStatus.COMMITTED:
+                record.durable = progress.durable_at - progress.started
+                committed(progress, record)
+            elif progress.error is not None:
+                record.stage, record.error = progress.stage or "", str(progress.error)
+                if not progress.reported:
+                    errors.append(progress)
+        if errors:
+            first = errors[0]
+            assert first.error is not None
+            raise SaveError(first.version, first.step, first.stage or "", first.error) from (
+                first.error
+            )
+
+    # --- commit thread -----------------------------------------------------------------
+
+    def finished(self, progress: SaveProgress) -> None:
+        """Hand a finished version over to the training thread and free its slot."""
+        with self._finished_lock:
+            self._finished.append(progress)
+        self._slots.release()

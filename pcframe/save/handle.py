@@ -1,0 +1,70 @@
+"""What a save returns to the user: a handle to wait on, and a record of what it cost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pcframe.errors import SaveError
+from pcframe.save.progress import SaveProgress
+from pcframe.save.status import SaveStatus
+
+
+@dataclass
+class SaveRecord:
+    """What one save cost, as measured."""
+
+    version: int
+    step: int
+    nbytes: int
+    status: SaveStatus = SaveStatus.IN_FLIGHT
+    stall: float = 0.0  # seconds the training thread was blocked by this save
+    copy: float = 0.0  # seconds of the snapshot copy into staging
+    cpu: float = 0.0  # CPU seconds the engine's threads spent on it (all stages, all threads)
+    durable: float = 0.0  # seconds from save() to committed (0 unless committed)
+    stage: str = ""
+    error: str = ""
+
+
+class SaveHandle:
+    """A checkpoint version on its way to disk.
+
+    The same protocol as :class:`pcframe.distributed.DistributedSaveHandle`: ``version``,
+    ``step``, ``done()`` and ``wait()``, which returns the final :class:`SaveStatus` and
+    raises :class:`SaveError` if the version failed.
+    """
+
+    def __init__(self, progress: SaveProgress) -> None:
+        self._progress = progress
+
+    @property
+    def version(self) -> int:
+        return self._progress.version
+
+    @property
+    def step(self) -> int:
+        return self._progress.step
+
+    @property
+    def status(self) -> SaveStatus:
+        return self._progress.status
+
+    def done(self) -> bool:
+        return self._progress.finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> SaveStatus:
+        """Block until the version is committed, discarded or failed; return that status.
+
+        Raises:
+            SaveError: if the version failed (the engine will not raise it a second time).
+            TimeoutError: if ``timeout`` passed first.
+        """
+        progress = self._progress
+        if not progress.finished.wait(timeout):
+            raise TimeoutError(f"checkpoint version {self.version} not durable after {timeout}s")
+        if progress.error is not None:
+            progress.reported = True
+            raise SaveError(self.version, self.step, progress.stage or "", progress.error)
+        return progress.status
+
+    def __repr__(self) -> str:
+        return f"SaveHandle(version={self.version}, step={self.step}, status={self.status})"
