@@ -9,15 +9,7 @@ tensors and Numba for CPU tensors; a backend named explicitly is used or raises.
 
 from pcframe.kernels.checksum import ALGORITHMS, DEFAULT_ALGORITHM, DIGEST_BITS, checksum
 from pcframe.kernels.codecs import Codec, available_codecs, get_codec, register_codec
-from pcframe.kernels.copy import (
-    Completion,
-    Layout,
-    Piece,
-    gather,
-    gather_checksum,
-    pieces_in_range,
-    scatter,
-)
+from pcframe.kernels.copy import Completion, Piece, gather, gather_checksum, scatter
 from pcframe.kernels.delta import decode_delta, encode_delta
 from pcframe.kernels.dispatch import BACKENDS, BackendUnavailableError, resolve_backend
 from pcframe.kernels.lossless import ShuffleZstd, shuffle_bytes, unshuffle_bytes
@@ -32,7 +24,6 @@ __all__ = [
     "BackendUnavailableError",
     "Codec",
     "Completion",
-    "Layout",
     "MappedFile",
     "Piece",
     "QuantizedTensor",
@@ -47,7 +38,6 @@ __all__ = [
     "gather_checksum",
     "get_codec",
     "persist_chunk_mmap",
-    "pieces_in_range",
     "quantize_blockwise",
     "register_codec",
     "resolve_backend",

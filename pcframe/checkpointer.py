@@ -20,6 +20,7 @@ import torch
 
 from pcframe.config import EngineConfig
 from pcframe.errors import CheckpointError, NoValidCheckpoint
+from pcframe.feed import PolicyFeed, earliest_notice, policy_notice, process_age
 from pcframe.format.names import version_name
 from pcframe.objects import Stateful, TrainingObjects
 from pcframe.policies.base import (
@@ -47,7 +48,7 @@ from pcframe.store.tiers import Secured, Tiers
 
 log = logging.getLogger("pcframe")
 
-__all__ = ["Checkpointer", "RestoreReport", "SaveHandle", "SaveRecord", "process_age"]
+__all__ = ["Checkpointer", "RestoreReport", "SaveHandle", "SaveRecord"]
 
 
 class Checkpointer:
@@ -128,13 +129,7 @@ class Checkpointer:
         self.capture = Capture(self.objects, config)
         self.flight = InFlight(config.max_in_flight)
         self.last_restore: RestoreReport | None = None
-        self._last_save_step: int | None = None
-        self._last_save_time: float | None = None
-        self._last_call: tuple[int, float] | None = None
-        self._iteration_time: float | None = None
-        self._stall_ewma: float | None = None
-        self._duration_ewma: float | None = None
-        self._restart_cost: float | None = None
+        self.feed = PolicyFeed()
         self._closed = False
         keep = [KeepWhere("tiers", self.tiers.keep)]
         self.pipeline = SavePipeline(config, self.storage, self.flight.finished, keep)
@@ -187,15 +182,12 @@ class Checkpointer:
         self._check_open()
         self._report_finished()
         now = time.monotonic()
-        if self._last_call is not None and step > self._last_call[0]:
-            sample = (now - self._last_call[1]) / (step - self._last_call[0])
-            self._iteration_time = _ewma(self._iteration_time, sample)
-        self._last_call = (step, now)
-        notice = notice or self._poll_notices(now)
+        self.feed.stepped(step, now)
+        notice = notice or earliest_notice(self.notices, now)
         decision = self.policy.decide(self.context(step, now, notice))
         self.last_decision = decision
         if decision.emergency and notice is None:
-            notice = self._policy_notice(now)
+            notice = policy_notice(self.policy, now)
         self.notice = notice
         return decision
 
@@ -203,17 +195,11 @@ class Checkpointer:
         self, step: int, now: float | None = None, notice: Notice | None = None
     ) -> PolicyContext:
         """The :class:`PolicyContext` the policy sees at ``step`` (also for custom loops)."""
-        return PolicyContext(
-            step=step,
-            now=time.monotonic() if now is None else now,
-            last_save_step=self._last_save_step,
-            last_save_time=self._last_save_time,
-            iteration_time=self._iteration_time,
-            save_stall=self._stall_ewma,
-            save_duration=self._duration_ewma,
-            restart_cost=self._restart_cost,
+        return self.feed.context(
+            step,
+            time.monotonic() if now is None else now,
             notice=notice,
-            tier_write_times=self.tiers.write_times(self._duration_ewma),
+            tier_write_times=self.tiers.write_times(self.feed.save_duration),
             wall_time=time.time(),
             in_flight=self.flight.count(),
         )
@@ -256,7 +242,7 @@ class Checkpointer:
         if self.optimizer is None:
             progress.copy_done.wait()  # nothing gates the next update: copy before returning
         progress.stall += time.perf_counter() - entered
-        self._last_save_step, self._last_save_time = step, time.monotonic()
+        self.feed.saved(step, time.monotonic())
         return SaveHandle(progress)
 
     def wait_for_snapshot(self) -> None:
@@ -277,8 +263,7 @@ class Checkpointer:
         self.flight.report(self._committed)
 
     def _committed(self, progress: SaveProgress, record: SaveRecord) -> None:
-        self._stall_ewma = _ewma(self._stall_ewma, record.stall)
-        self._duration_ewma = _ewma(self._duration_ewma, record.durable)
+        self.feed.committed(record.stall, record.durable)
         self.policy.observe(
             SaveCompleted(
                 progress.version,
@@ -342,13 +327,12 @@ class Checkpointer:
 
         Called by :meth:`restore`, and by a multi-rank restore that loaded the state itself.
         """
-        self._restart_cost = process_age()
-        self._last_save_step = step
-        self._last_call = None
+        restart_cost = process_age()
+        self.feed.resumed(step, restart_cost)
         clean = self.storage.previous_exit_clean
-        self.policy.observe(Restarted(time.monotonic(), self._restart_cost, step, clean))
+        self.policy.observe(Restarted(time.monotonic(), restart_cost, step, clean))
 
-    # --- notices -----------------------------------------------------------------------------
+    # --- wiring ------------------------------------------------------------------------------
 
     def _attach_tiers(
         self, tiers: Tiers | Mapping[str, Any] | None, placement: PlacementPolicy | None
@@ -367,24 +351,6 @@ class Checkpointer:
         # Number new versions above every tier's, so no tier ever sees a number reused.
         self._next_version = max(self._next_version, newest + 1)
         return tiers
-
-    def _poll_notices(self, now: float) -> Notice | None:
-        """The pending notice with the earliest deadline among :attr:`notices`."""
-        found = None
-        for source in self.notices:
-            polled = source.poll(now)
-            if polled is not None and now > polled.deadline:
-                source.reset()  # still alive after the deadline: a false alarm
-                continue
-            if polled is not None and (found is None or polled.deadline < found.deadline):
-                found = polled
-        return found
-
-    def _policy_notice(self, now: float) -> Notice | None:
-        # A policy with its own notice source (NoticeDriven(source=...)) decided an emergency
-        # save; read the same source for the deadline the tiers must meet.
-        source = getattr(self.policy, "source", None)
-        return source.poll(now) if isinstance(source, NoticeSource) else None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -431,22 +397,3 @@ class Checkpointer:
     @property
     def directory(self) -> Path:
         return self.storage.root
-
-
-def _ewma(previous: float | None, sample: float, weight: float = 0.3) -> float:
-    return sample if previous is None else (1 - weight) * previous + weight * sample
-
-
-def process_age() -> float:
-    """Seconds since this process started (Linux /proc; falls back to import time)."""
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return time.monotonic() - _IMPORTED_AT
-
-
-_IMPORTED_AT = time.monotonic()

@@ -14,7 +14,13 @@ their write times and throughput with the same function.
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Iterable
+from typing import Any
+
 from pcframe.policies.base import Notice, PolicyContext
+from pcframe.policies.notices.base import NoticeSource
 
 EWMA_WEIGHT = 0.3  # weight of the newest sample in every smoothed measurement
 
@@ -124,3 +130,47 @@ class PolicyFeed:
             tier_write_times={} if tier_write_times is None else tier_write_times,
             wall_time=wall_time,
         )
+
+
+def earliest_notice(sources: Iterable[NoticeSource], now: float) -> Notice | None:
+    """The pending preemption notice with the earliest deadline among ``sources``.
+
+    A notice whose deadline has passed while this process still runs was a false alarm:
+    its source is reset and the notice ignored.
+    """
+    found = None
+    for source in sources:
+        polled = source.poll(now)
+        if polled is not None and now > polled.deadline:
+            source.reset()
+            continue
+        if polled is not None and (found is None or polled.deadline < found.deadline):
+            found = polled
+    return found
+
+
+def policy_notice(policy: Any, now: float) -> Notice | None:
+    """The notice of a policy with its own source (``NoticeDriven(source=...)``), if any.
+
+    Read when such a policy decided an emergency save, for the deadline the tiers must meet.
+    """
+    source = getattr(policy, "source", None)
+    return source.poll(now) if isinstance(source, NoticeSource) else None
+
+
+def process_age() -> float:
+    """Seconds since this process started (the restart cost a resumed run measures).
+
+    From Linux /proc; falls back to the time since this module was imported.
+    """
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED_AT
+
+
+_IMPORTED_AT = time.monotonic()

@@ -11,6 +11,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from pcframe.policies.kinds import plugin_base
+
 
 @dataclass(frozen=True)
 class Notice:
@@ -115,6 +117,7 @@ class Stateful:
         del state
 
 
+@plugin_base("interval")
 class IntervalPolicy(Stateful, ABC):
     """Decides, at every step, whether to take a checkpoint now."""
 

@@ -16,40 +16,15 @@ import importlib.metadata as md
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from pcframe.policies.kinds import KINDS, kind_of
+
 ENTRY_POINT_GROUP = "pcframe.policies"
-KINDS = ("interval", "placement", "resource", "predictor", "notice_source")
 
 T = TypeVar("T")
 
 
 class PluginError(RuntimeError):
     """A plugin entry point could not be loaded or is not a pcframe plugin class."""
-
-
-def kind_of(obj: Any) -> str:
-    """The plugin kind of a class, from the ABC it derives from; ``TypeError`` if none."""
-    # Imported here: the base modules import this registry to decorate their subclasses.
-    from pcframe.policies.base import IntervalPolicy
-    from pcframe.policies.notices.base import NoticeSource
-    from pcframe.policies.placement.base import PlacementPolicy
-    from pcframe.policies.predictors.base import Predictor
-    from pcframe.policies.resource.base import ResourcePolicy
-
-    bases = {
-        "interval": IntervalPolicy,
-        "placement": PlacementPolicy,
-        "resource": ResourcePolicy,
-        "predictor": Predictor,
-        "notice_source": NoticeSource,
-    }
-    if isinstance(obj, type):
-        for kind, base in bases.items():
-            if issubclass(obj, base):
-                return kind
-    raise TypeError(
-        f"{obj!r} is not a subclass of IntervalPolicy, PlacementPolicy, ResourcePolicy, "
-        "Predictor or NoticeSource; derive from one of them to register it"
-    )
 
 
 class Registry:

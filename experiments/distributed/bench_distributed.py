@@ -96,7 +96,7 @@ class Pcframe:
         return handle
 
     def durable(self, handle: Any) -> float:
-        assert handle.wait(), f"pcframe version {handle.version} not global: {handle.reason}"
+        handle.wait()  # raises SaveError if the version did not become global
         return self.ckpt.rounds[handle.version].decided_at
 
     def nbytes(self, handle: Any) -> int:

@@ -32,8 +32,8 @@ import numba
 import numpy as np
 import torch
 
+from pcframe.format.layout import Layout
 from pcframe.kernels import (
-    Layout,
     MappedFile,
     ShuffleZstd,
     checksum,
@@ -119,19 +119,31 @@ def transformer_like(total: int, device: str, seed: int = 0) -> list[torch.Tenso
     return out
 
 
-def layout_of(tensors: list[torch.Tensor], align: int = 64) -> Layout:
-    entries, off = [], 0
-    for t in tensors:
-        entries.append((t, off))
-        off += -(-(t.numel() * t.element_size()) // align) * align
-    return Layout(entries)
+@dataclass
+class Staged:
+    """Tensors in the engine's layout (planned once), cut into ``CHUNK``-byte chunks."""
+
+    layout: Layout
+    tensors: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.data_size
 
 
-def per_chunk(layout: Layout, dst: torch.Tensor, fn: Callable) -> list:
+def layout_of(tensors: list[torch.Tensor], align: int = 64) -> Staged:
+    named = [(str(i), t) for i, t in enumerate(tensors)]
+    return Staged(Layout.build(named, CHUNK, align), tensors)
+
+
+def per_chunk(staged: Staged, dst: torch.Tensor, fn: Callable) -> list:
+    """``fn(pieces, chunk_view)`` per chunk, the pieces bound to the tensors as the engine does."""
     out = []
-    for start in range(0, layout.nbytes, CHUNK):
-        n = min(CHUNK, layout.nbytes - start)
-        out.append(fn(layout.pieces(start, n), dst[start : start + n]))
+    for chunk in staged.layout.chunks:
+        pieces = [
+            (staged.tensors[p.entry], p.src_start, p.dst_start, p.nbytes) for p in chunk.pieces
+        ]
+        out.append(fn(pieces, dst[chunk.offset : chunk.offset + chunk.length]))
     return out
 
 

@@ -22,8 +22,8 @@ import torch
 
 from pcframe.apps.training import emit, train
 from pcframe.apps.workloads import Workload, build
-from pcframe.checkpointer import process_age
 from pcframe.config import EngineConfig
+from pcframe.feed import process_age
 from pcframe.policies import FixedSteps
 
 

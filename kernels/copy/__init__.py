@@ -16,24 +16,15 @@ from collections.abc import Iterable
 import torch
 
 from pcframe.kernels._completion import Completion, on_side_stream
-from pcframe.kernels.copy._plan import (
-    Layout,
-    Piece,
-    PieceLike,
-    check_buffer,
-    make_plan,
-    pieces_in_range,
-)
+from pcframe.kernels.copy._plan import Piece, PieceLike, check_buffer, make_plan
 from pcframe.kernels.dispatch import backend_module, common_device, resolve_backend
 
 __all__ = [
     "Completion",
-    "Layout",
     "Piece",
     "PieceLike",
     "gather",
     "gather_checksum",
-    "pieces_in_range",
     "scatter",
 ]
 

@@ -1,4 +1,4 @@
-"""Pieces, layouts, and their lowering to address tables for the kernels.
+"""Pieces and their lowering to address tables for the kernels.
 
 Planning runs in Python once per call, so it is kept to a few attribute reads per piece
 (the engine calls it per chunk with hundreds of small tensors); range checks are
@@ -8,15 +8,14 @@ reallocated between checkpoints must not be copied from its old memory.
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from pcframe.kernels._tensor_bytes import read_bytes, tensor_nbytes, write_bytes
+from pcframe.kernels._tensor_bytes import read_bytes, write_bytes
 
 
 class Piece(NamedTuple):
@@ -170,59 +169,3 @@ def gaps(plan: Plan, size: int) -> list[tuple[int, int]]:
     if size > pos:
         out.append((pos, size))
     return out
-
-
-class Layout:
-    """Tensors at fixed byte offsets of a flat layout, cut into chunks on demand.
-
-    Built once per state layout (the engine's ``pcframe.format.layout.Layout``); :meth:`pieces`
-    then finds the tensors of one chunk by bisection, so cutting n chunks costs O(n log t + pieces).
-
-    Args:
-        entries: ``(tensor, offset)`` pairs: each tensor's logical bytes occupy
-            ``[offset, offset + nbytes)``. Ranges must not overlap.
-    """
-
-    def __init__(self, entries: Iterable[tuple[torch.Tensor, int]]) -> None:
-        items = sorted(((int(off), t) for t, off in entries), key=lambda e: e[0])
-        self.tensors = [t for _, t in items]
-        self._starts = [off for off, _ in items]
-        self._ends = [off + tensor_nbytes(t) for off, t in items]
-        for i in range(1, len(items)):
-            if self._starts[i] < self._ends[i - 1]:
-                raise ValueError(f"layout entries overlap at byte {self._starts[i]}")
-        if self._starts and self._starts[0] < 0:
-            raise ValueError("layout offsets must be non-negative")
-        self.nbytes = self._ends[-1] if items else 0
-
-    def pieces(self, start: int, length: int) -> list[Piece]:
-        """Pieces of ``[start, start + length)``, buffer offsets relative to ``start``."""
-        stop = start + length
-        first = bisect_right(self._ends, start)
-        last = bisect_left(self._starts, stop)
-        out = []
-        for i in range(first, last):
-            lo = max(self._starts[i], start)
-            hi = min(self._ends[i], stop)
-            if hi > lo:
-                out.append(Piece(self.tensors[i], lo - self._starts[i], lo - start, hi - lo))
-        return out
-
-
-def pieces_in_range(
-    entries: Sequence[tuple[torch.Tensor, int]], start: int, length: int
-) -> list[Piece]:
-    """Cut a flat layout to the pieces that fall into one chunk.
-
-    Args:
-        entries: ``(tensor, layout_offset)`` pairs: each tensor's logical bytes occupy
-            ``[layout_offset, layout_offset + nbytes)`` of the flat layout.
-        start: Layout offset of the chunk.
-        length: Chunk length in bytes.
-
-    Returns:
-        Pieces whose ``buffer_offset`` is relative to the chunk start, ready for
-        ``gather(pieces, chunk_buffer)`` / ``scatter(chunk_buffer, pieces)``. For many
-        chunks of one layout, build a :class:`Layout` once instead.
-    """
-    return Layout(entries).pieces(start, length)

@@ -33,7 +33,7 @@ def as_f32(v):  # pragma: no cover - replaced by the overload inside Numba code
 
 
 @overload(as_f32, inline="always")
-def _as_f32(v):
+def _as_f32_overload(v):  # picks the implementation for the argument's Numba type
     if v == types.float32:
         return lambda v: v
     if v == types.uint16:

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from pcframe.apps.workloads import Workload, build
-from pcframe.checkpointer import Checkpointer, process_age
+from pcframe.checkpointer import Checkpointer
 from pcframe.config import EngineConfig
+from pcframe.feed import process_age
 from pcframe.policies.base import IntervalPolicy
 from pcframe.policies.fixed import FixedSteps
 

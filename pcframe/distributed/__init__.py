@@ -3,13 +3,11 @@
 See ``docs/distributed.md``. The entry point is :class:`DistributedCheckpointer`.
 """
 
-from pcframe.distributed.checkpointer import (
-    DistributedCheckpointer,
-    DistributedRestoreReport,
-    DistributedSaveHandle,
-)
+from pcframe.distributed.checkpointer import DistributedCheckpointer
+from pcframe.distributed.handle import DistributedSaveHandle
 from pcframe.distributed.record import GlobalRecord, ShardRef, read_record, valid_records
 from pcframe.distributed.restore import ReshardError
+from pcframe.restore.report import DistributedRestoreReport
 
 __all__ = [
     "DistributedCheckpointer",

@@ -11,11 +11,11 @@ version that verifies on every rank, with the same or a different world size.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -23,69 +23,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pcframe.checkpointer import Checkpointer, SaveHandle
+from pcframe.checkpointer import Checkpointer
 from pcframe.config import EngineConfig
 from pcframe.distributed import record as rec
 from pcframe.distributed.capture import ModelView, OptimizerView, Stash, StateSplitter
+from pcframe.distributed.handle import DistributedSaveHandle
 from pcframe.distributed.index import SavedIndex
 from pcframe.distributed.protocol import CommitProtocol, Round
-from pcframe.distributed.restore import Objects, ReshardError, prepare
+from pcframe.distributed.restore import ReshardError, prepare
 from pcframe.errors import CheckpointError, ManifestError, NoValidCheckpoint, SaveError
+from pcframe.objects import TrainingObjects
+from pcframe.restore.report import DistributedRestoreReport
+from pcframe.save.handle import SaveHandle
+from pcframe.save.status import SaveStatus
 from pcframe.store.retention import KeepWhere
 
 log = logging.getLogger("pcframe")
 
 _KEEP_ROUNDS = 1024  # recent versions whose timings stay inspectable in `rounds`
-
-
-class DistributedSaveHandle:
-    """A version on its way to being global."""
-
-    def __init__(self, round_: Round) -> None:
-        self._round = round_
-
-    @property
-    def version(self) -> int:
-        return self._round.version
-
-    @property
-    def step(self) -> int:
-        return self._round.step
-
-    def done(self) -> bool:
-        return self._round.decided.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until the version's round is decided; return whether it became global.
-
-        Raises:
-            TimeoutError: if ``timeout`` passed first.
-        """
-        if not self._round.decided.wait(timeout):
-            raise TimeoutError(f"version {self.version} not decided after {timeout}s")
-        return self._round.published
-
-    @property
-    def reason(self) -> str:
-        """Why the version did not become global ("" if it did or is undecided)."""
-        return self._round.reason
-
-    def __repr__(self) -> str:
-        state = "undecided"
-        if self.done():
-            state = "global" if self._round.published else "not global"
-        return f"DistributedSaveHandle(version={self.version}, step={self.step}, {state})"
-
-
-@dataclass
-class DistributedRestoreReport:
-    version: int | None = None
-    step: int | None = None
-    seconds: float = 0.0
-    saved_world_size: int | None = None
-    resharded: bool = False
-    per_rank_state_from: int | None = None  # saved rank whose RNG/data position was loaded
-    skipped: list[tuple[int, str]] = field(default_factory=list)
 
 
 class DistributedCheckpointer:
@@ -223,7 +178,8 @@ class DistributedCheckpointer:
 
         Returns as soon as the local engine does (the copy and writes go on in the
         background; ``optimizer.step()`` waits for the snapshot copy). The version becomes
-        global when every rank's shard is durable: see :meth:`DistributedSaveHandle.wait`.
+        global when every rank's shard is durable: the handle's ``wait()`` returns
+        ``SaveStatus.COMMITTED`` then, and raises ``SaveError`` if it did not.
 
         Raises:
             SaveError / CheckpointError: an earlier version failed, or the protocol stopped;
@@ -271,7 +227,11 @@ class DistributedCheckpointer:
             return None
         handle = self.save(step, metadata)
         if flags[1]:
-            handle.wait()  # an emergency: the VM may be gone soon, make it global now
+            # An emergency: the VM may be gone soon, make it global now. A version that did
+            # not become global is not raised here: the handle tells (and this rank's own
+            # failure is raised at the next call).
+            with contextlib.suppress(SaveError):
+                handle.wait()
         return handle
 
     def _local_save(self, step: int, version: int, metadata: dict[str, Any] | None) -> SaveHandle:
@@ -328,7 +288,7 @@ class DistributedCheckpointer:
         ``save()`` and any wait of ``optimizer.step()`` for the snapshot copy).
         """
         round_, record = self.rounds.get(version), self.local.records.get(version)
-        if round_ is None or record is None or record.status == "in_flight":
+        if round_ is None or record is None or record.status == SaveStatus.IN_FLIGHT:
             return None
         return round_.call - round_.local_call + record.stall
 
@@ -355,7 +315,7 @@ class DistributedCheckpointer:
         dist.broadcast_object_list(box, group=self._control, group_src=0)
         records, invalid = box[0]
         report = DistributedRestoreReport(skipped=list(invalid))
-        objects = Objects(
+        objects = TrainingObjects(
             self.model,
             self.optimizer,
             self.scheduler,

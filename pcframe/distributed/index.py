@@ -21,7 +21,9 @@ from pcframe.format.names import version_name
 
 
 @dataclass(frozen=True)
-class Source:
+class ShardSource:
+    """Where one stored box of a tensor is: entry ``entry`` of saved rank ``rank``'s shard."""
+
     rank: int
     entry: int
     box: Box
@@ -33,7 +35,7 @@ class SavedItem:
     dtype: str
     global_shape: tuple[int, ...]
     sharded: bool
-    sources: list[Source] = field(default_factory=list)
+    sources: list[ShardSource] = field(default_factory=list)
 
 
 class SavedIndex:
@@ -121,7 +123,7 @@ class SavedIndex:
             raise ManifestError(f"{where}: '{name}' disagrees with another rank's shard of it")
         if not item.sharded and item.sources:
             return  # a replicated tensor written twice (older planner): one copy is enough
-        item.sources.append(Source(rank, index, box))
+        item.sources.append(ShardSource(rank, index, box))
 
 
 def mapping(node: Any, where: str, what: str) -> dict[str, Any]:

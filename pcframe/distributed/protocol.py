@@ -39,12 +39,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pcframe.checkpointer import SaveHandle
 from pcframe.distributed import record as rec
 from pcframe.errors import CheckpointError, SaveError
 from pcframe.faults import crash_point
 from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME
 from pcframe.format.names import version_name
+from pcframe.save.handle import SaveHandle
+from pcframe.save.status import SaveStatus
 from pcframe.threads import single_threaded_torch
 
 log = logging.getLogger("pcframe")
@@ -60,11 +61,16 @@ class Round:
     handle: SaveHandle | None = None
     error: BaseException | None = None  # save() itself failed on this rank
     decided: threading.Event = field(default_factory=threading.Event)
-    published: bool = False
+    status: SaveStatus = SaveStatus.IN_FLIGHT  # of the global version, set when decided
     reason: str = ""
     decided_at: float = 0.0
     call: float = 0.0  # seconds of the whole save() call on this rank
     local_call: float = 0.0  # of which inside the local engine's save()
+
+    @property
+    def published(self) -> bool:
+        """Whether the version became global."""
+        return self.status is SaveStatus.COMMITTED
 
 
 class CommitProtocol:
@@ -165,7 +171,7 @@ class CommitProtocol:
             "rank": self.rank,
             "version": round_.version,
             "step": round_.step,
-            "status": "failed",
+            "status": SaveStatus.FAILED,
             "manifest_crc32c": "",
             "nbytes": 0,
             "error": "",
@@ -180,26 +186,32 @@ class CommitProtocol:
             with self._lock:
                 self._errors.append(exc)
             return report
-        if report["status"] == "committed":
+        if report["status"] == SaveStatus.COMMITTED:
             directory = self.shard_dir / version_name(round_.version)
             try:
                 report["manifest_crc32c"] = rec.manifest_crc(directory / MANIFEST_NAME)
                 report["nbytes"] = os.path.getsize(directory / DATA_NAME)
             except (OSError, CheckpointError) as exc:
-                report.update(status="failed", error=f"committed shard unreadable: {exc}")
+                report.update(status=SaveStatus.FAILED, error=f"committed shard unreadable: {exc}")
         return report
 
     def _decide(self, version: int, reports: list[dict[str, Any]]) -> dict[str, Any]:
         """Rank 0: publish ``version`` if every rank committed it. Returns the decision."""
-        decision: dict[str, Any] = {"version": version, "published": False, "reason": ""}
+        decision: dict[str, Any] = {
+            "version": version,
+            "status": SaveStatus.FAILED,
+            "reason": "",
+        }
         if any((r["version"], r["step"]) != (version, reports[0]["step"]) for r in reports):
             seen = ", ".join(f"rank {r['rank']}: v{r['version']} step {r['step']}" for r in reports)
             decision["reason"] = decision["error"] = (
                 f"ranks are out of step ({seen}); call save() on every rank at the same steps"
             )
             return decision
-        missing = [r for r in reports if r["status"] != "committed"]
+        missing = [r for r in reports if r["status"] != SaveStatus.COMMITTED]
         if missing:
+            if all(r["status"] == SaveStatus.DISCARDED for r in missing):
+                decision["status"] = SaveStatus.DISCARDED  # a newer version was first
             decision["reason"] = "; ".join(
                 f"rank {r['rank']} {r['status']}" + (f": {r['error']}" if r["error"] else "")
                 for r in missing
@@ -208,6 +220,7 @@ class CommitProtocol:
         with self._lock:
             newest = self._retained[-1] if self._retained else 0
         if version <= newest:
+            decision["status"] = SaveStatus.DISCARDED
             decision["reason"] = f"not newer than global version {newest}"
             return decision
         shards = tuple(
@@ -241,18 +254,18 @@ class CommitProtocol:
                     rec.delete_record(self.root, old)
                 except OSError as exc:
                     log.warning("pcframe: could not delete global record v%d: %s", old, exc)
-        decision.update(published=True, retained=retained)
+        decision.update(status=SaveStatus.COMMITTED, retained=retained)
         return decision
 
     def _finish(self, round_: Round, decision: dict[str, Any] | None, reason: str) -> None:
         with self._lock:
-            if decision is not None and decision["published"]:
+            if decision is not None and decision["status"] == SaveStatus.COMMITTED:
                 self._retained = list(decision["retained"])
             if decision is not None:
                 self._decided_up_to = max(self._decided_up_to, round_.version)
                 if decision.get("error"):
                     self._errors.append(CheckpointError(decision["error"]))
-        round_.published = bool(decision and decision["published"])
+        round_.status = SaveStatus.FAILED if decision is None else decision["status"]
         round_.reason = reason or (decision or {}).get("reason", "")
         round_.decided_at = time.perf_counter()
         if not round_.published:

@@ -15,19 +15,19 @@ rank when it exists, else from saved rank 0.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from pcframe.distributed.index import SavedIndex, SavedItem, Source
+from pcframe.distributed.index import SavedIndex, SavedItem, ShardSource
 from pcframe.distributed.placement import Box, Placed, describe, is_dtensor, rebuild
-from pcframe.distributed.reader import read_entries
 from pcframe.errors import CheckpointError, ManifestError
 from pcframe.format.manifest import MANIFEST_NAME, Manifest
 from pcframe.format.tree import DTYPES, decode_tree
-from pcframe.rng import restore_rng
+from pcframe.objects import TrainingObjects
+from pcframe.restore.apply import apply_tree
+from pcframe.restore.reader import read_entries
 
 
 class ReshardError(CheckpointError):
@@ -44,47 +44,28 @@ class Prepared:
     per_rank_from: int | None = None
     resharded: bool = False
 
-    def apply(self, objects: Objects) -> None:
-        try:
-            if self.model_state is not None and objects.model is not None:
-                objects.model.load_state_dict(self.model_state)
-            if self.optimizer_state is not None and objects.optimizer is not None:
-                objects.optimizer.load_state_dict(self.optimizer_state)
-            if objects.scheduler is not None and "scheduler" in self.sections:
-                objects.scheduler.load_state_dict(self.sections["scheduler"])
-            if objects.scaler is not None and "scaler" in self.sections:
-                objects.scaler.load_state_dict(self.sections["scaler"])
-            states = self.sections.get("stateful")
-            if states is not None:
-                for name, obj in objects.stateful.items():
-                    obj.load_state_dict(states[name])
-        except (RuntimeError, ValueError, KeyError) as exc:
-            raise CheckpointError(
-                f"the global version does not fit the objects given: {exc}"
-            ) from exc
-        if "rng" in self.sections:
-            restore_rng(self.sections["rng"])
-        if objects.policy is not None and isinstance(self.sections.get("policy"), dict):
-            objects.policy.load_state_dict(self.sections["policy"])
-        if isinstance(objects.extra, dict) and isinstance(self.sections.get("extra"), dict):
-            objects.extra.clear()
-            objects.extra.update(self.sections["extra"])
+    def tree(self) -> dict[str, Any]:
+        """What :func:`~pcframe.restore.apply.apply_tree` loads: only what this rank read."""
+        tree = {
+            name: value
+            for name, value in self.sections.items()
+            # learned policy state and extras are loaded only as the dicts they were saved as
+            if name not in ("policy", "extra") or isinstance(value, dict)
+        }
+        if self.model_state is not None:
+            tree["model"] = self.model_state
+        if self.optimizer_state is not None:
+            tree["optimizer"] = self.optimizer_state
+        return tree
 
-
-@dataclass
-class Objects:
-    model: torch.nn.Module | None
-    optimizer: torch.optim.Optimizer | None
-    scheduler: Any
-    scaler: Any
-    stateful: Mapping[str, Any]
-    extra: dict[str, Any] | None
-    policy: Any = None  # the interval policy, whose learned state is per rank
+    def apply(self, objects: TrainingObjects) -> None:
+        """Load the prepared state into ``objects`` (every rank prepared successfully)."""
+        apply_tree(objects, self.tree(), "the global version", partial=True, owner=None)
 
 
 def prepare(
     index: SavedIndex,
-    objects: Objects,
+    objects: TrainingObjects,
     rank: int,
     world_size: int,
     reshard: bool = True,
@@ -167,7 +148,7 @@ def prepare(
 
 def _pieces(
     name: str, placed: Placed, box: Box, index: SavedIndex, rank: int, world_size: int
-) -> list[tuple[Source, Box]]:
+) -> list[tuple[ShardSource, Box]]:
     """The stored boxes that overlap this rank's ``box`` of ``name``, and their overlaps."""
     version, old_world = index.record.version, index.world_size
     item = index.items.get(name)
@@ -280,7 +261,7 @@ def _check_shape(item: SavedItem, placed: Placed, old: int, new: int, version: i
     raise CheckpointError(f"{message}; pass objects of the same shapes that were checkpointed")
 
 
-def _check_sections(prepared: Prepared, objects: Objects, version: int) -> None:
+def _check_sections(prepared: Prepared, objects: TrainingObjects, version: int) -> None:
     for name in ("scheduler", "scaler"):
         if getattr(objects, name) is not None and name not in prepared.sections:
             raise CheckpointError(
@@ -298,7 +279,7 @@ def _check_sections(prepared: Prepared, objects: Objects, version: int) -> None:
 
 def assemble(
     box: Box,
-    found: list[tuple[Source, Box]],
+    found: list[tuple[ShardSource, Box]],
     loaded: dict[int, dict[int, torch.Tensor]],
     dtype: torch.dtype,
 ) -> torch.Tensor:

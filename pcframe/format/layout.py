@@ -36,8 +36,12 @@ class Entry:
 
 
 @dataclass(frozen=True)
-class Piece:
-    """A byte range of one tensor that falls inside one chunk."""
+class ChunkPiece:
+    """A byte range of one entry's tensor that falls inside one chunk.
+
+    Bound to the tensors of one save it becomes a :class:`pcframe.kernels.Piece` (the copy
+    kernels' input): ``(tensors[entry], src_start, dst_start, nbytes)``.
+    """
 
     entry: int  # index into Layout.entries
     src_start: int  # byte offset inside the tensor
@@ -50,7 +54,7 @@ class Chunk:
     index: int
     offset: int  # byte offset inside the data file
     length: int  # bytes of file content (tensor bytes plus alignment padding)
-    pieces: tuple[Piece, ...]
+    pieces: tuple[ChunkPiece, ...]
 
 
 def _align(value: int, alignment: int) -> int:
@@ -107,7 +111,7 @@ class Layout:
                 entry = self.entries[order[probe]]
                 lo, hi = max(entry.offset, start), min(entry.offset + entry.nbytes, end)
                 if hi > lo:
-                    pieces.append(Piece(order[probe], lo - entry.offset, lo - start, hi - lo))
+                    pieces.append(ChunkPiece(order[probe], lo - entry.offset, lo - start, hi - lo))
                 probe += 1
             chunks.append(Chunk(index, start, end - start, tuple(pieces)))
         return tuple(chunks)

@@ -1,11 +1,17 @@
 """Reading one committed version back: validate, read chunks in parallel, verify, decode.
 
+The one reader of the engine: :func:`load_version` reads a whole version (a restore),
+:func:`read_entries` only some of its tensors (a multi-rank restore needs only part of
+another rank's shard). Either way only the chunks and segments holding the wanted tensors
+are read, and each of them is verified.
+
 Raw chunks are read with ``preadv`` straight into freshly allocated tensors (no staging
-copy) and checksummed in the same worker thread while the bytes are still in cache. Coded
-tensors (format version 2) are read segment by segment from ``codec.bin``: each payload is
-checksummed, then decoded into its element range of a fresh tensor. A delta version first
-loads its delta tensors from its base version (recursively, down to the full version), and
-every version on the way is verified like the one asked for.
+copy; the bytes of unwanted tensors sharing a chunk go to scratch, since a chunk is the unit
+of the stored checksum) and checksummed in the same worker thread while the bytes are still
+in cache. Coded tensors (format version 2) are read segment by segment from ``codec.bin``:
+each payload is checksummed, then decoded into its element range of a fresh tensor. A delta
+tensor first loads its value in the base version (recursively, down to the full version),
+and every version on the way is verified like the one asked for.
 
 Nothing is allocated before the manifest passed validation against the real sizes of the
 files, so a hostile manifest cannot trigger a giant allocation.
@@ -14,7 +20,7 @@ files, so a hostile manifest cannot trigger a giant allocation.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +76,27 @@ def load_version(directory: str | Path, threads: int = 4, verify: bool = True) -
     wanted = range(len(manifest.entries))
     tensors, chain = reader.read(wanted)
     return LoadedVersion(manifest, [tensors[i] for i in wanted], chain)
+
+
+def read_entries(
+    directory: str | Path,
+    manifest: Manifest,
+    wanted: Iterable[int],
+    threads: int = 4,
+    verify: bool = True,
+) -> dict[int, torch.Tensor]:
+    """Return ``{entry index: tensor}`` for the wanted entries of the version in ``directory``.
+
+    ``manifest`` is that version's (validated) manifest. Raw, coded and delta tensors alike;
+    a delta tensor's base versions are looked up next to ``directory``.
+
+    Raises:
+        ManifestError / CorruptCheckpoint: a file is missing, short, or fails its checksum.
+        OSError: when the files cannot be read.
+    """
+    reader = _VersionReader(Path(directory), manifest, threads, verify)
+    tensors, _ = reader.read(sorted(set(wanted)))
+    return tensors
 
 
 class _VersionReader:

@@ -13,3 +13,12 @@ class RestoreReport:
     skipped: list[tuple[int, str]] = field(default_factory=list)  # (version, why)
     tier: str | None = None  # the tier the version was read from (None without tiers)
     unavailable: list[str] = field(default_factory=list)  # tiers that could not be listed
+
+
+@dataclass
+class DistributedRestoreReport(RestoreReport):
+    """A multi-rank restore: ``version`` is the global version, ``skipped`` global versions."""
+
+    saved_world_size: int | None = None
+    resharded: bool = False
+    per_rank_state_from: int | None = None  # saved rank whose RNG/data position was loaded

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pcframe.kernels import gather, gather_checksum
+import pcframe.kernels as kernels
 from pcframe.kernels.copy import PieceLike, make_plan, reference
 
 
@@ -48,8 +48,9 @@ class Copier:
             self._fill_torch(pieces, view, stream)
             return None
         if checksum:
-            return gather_checksum(pieces, view, backend=self.backend, stream=stream).result()
-        gather(pieces, view, backend=self.backend, zero_fill=True, stream=stream).wait()
+            done = kernels.gather_checksum(pieces, view, backend=self.backend, stream=stream)
+            return done.result()
+        kernels.gather(pieces, view, backend=self.backend, zero_fill=True, stream=stream).wait()
         return None
 
     @staticmethod

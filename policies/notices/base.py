@@ -11,9 +11,11 @@ from abc import ABC, abstractmethod
 from typing import ClassVar, Self
 
 from pcframe.policies.base import Notice
+from pcframe.policies.kinds import plugin_base
 from pcframe.policies.registry import register
 
 
+@plugin_base("notice_source")
 class NoticeSource(ABC):
     """Tells whether a preemption notice is pending. ``poll`` must be cheap: it runs per step."""
 

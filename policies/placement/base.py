@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from pcframe.policies.base import Event, Notice, Stateful
+from pcframe.policies.kinds import plugin_base
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class PlacementDecision:
     reason: str = ""
 
 
+@plugin_base("placement")
 class PlacementPolicy(Stateful, ABC):
     """Chooses tiers and retention for every checkpoint version."""
 

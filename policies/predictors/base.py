@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from pcframe.policies.base import Event, Stateful
+from pcframe.policies.kinds import plugin_base
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class Prediction:
         return math.inf if self.rate.value <= 0.0 else 1.0 / self.rate.value
 
 
+@plugin_base("predictor")
 class Predictor(Stateful, ABC):
     """Predicts the preemption rate (and possibly availability) of spot capacity."""
 

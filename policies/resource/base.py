@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from pcframe.policies.base import Event, Stateful
+from pcframe.policies.kinds import plugin_base
 from pcframe.policies.predictors.base import Estimate
 
 
@@ -65,6 +66,7 @@ class ResourceContext:
         return None if self.work_total is None else max(self.work_total - self.work_done, 0.0)
 
 
+@plugin_base("resource")
 class ResourcePolicy(Stateful, ABC):
     """Decides which VMs the job runs on at each decision point."""
 

@@ -13,14 +13,14 @@ import torch
 from pcframe import Checkpointer
 from pcframe.distributed import DistributedCheckpointer
 from pcframe.distributed import record as rec
-from pcframe.distributed.index import Source
+from pcframe.distributed.index import ShardSource
 from pcframe.distributed.partition import assign_owners
 from pcframe.distributed.placement import Box, shard_box
 from pcframe.distributed.protocol import retention_allowed
-from pcframe.distributed.reader import read_entries
 from pcframe.distributed.restore import assemble
 from pcframe.errors import CheckpointError, CorruptCheckpoint, ManifestError
 from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME, read_manifest
+from pcframe.restore.reader import read_entries
 
 # --- ownership of replicated tensors -------------------------------------------------------
 
@@ -103,7 +103,7 @@ def test_assemble_reshards_a_2d_layout_into_a_different_1d_layout():
     sources, loaded = [], {}
     for rank, coordinate in enumerate(itertools.product(range(2), range(2))):
         box = shard_box(tuple(full.shape), (2, 2), coordinate, (Shard(0), Shard(1)))
-        sources.append(Source(rank, 0, box))
+        sources.append(ShardSource(rank, 0, box))
         loaded[rank] = {0: full[box.slices_within(whole)].clone()}
     for index in range(4):  # 9 rows on 4 ranks: 3, 3, 3 and an empty box
         target = shard_box(tuple(full.shape), (4,), (index,), (Shard(0),))

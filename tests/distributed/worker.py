@@ -33,8 +33,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pcframe.distributed import DistributedCheckpointer, ReshardError
 from pcframe.distributed import record as rec
-from pcframe.errors import CheckpointError
+from pcframe.errors import CheckpointError, SaveError
 from pcframe.policies import Decision, FixedSteps, PolicyContext
+from pcframe.save.status import SaveStatus
 
 ENGINE = {"chunk_bytes": 16384, "max_in_flight": 2, "writer_threads": 2}
 DELTAS = {"model/*": "xor_delta_zstd", "optimizer/state/*/exp_avg*": "xor_delta_zstd"}
@@ -178,7 +179,7 @@ def roundtrip(args: argparse.Namespace, out: dict[str, Any]) -> None:
                         first = full_state(job)
             saved = full_state(job)
             save_file(saved, args.out / f"{kind}-saved-r{rank}.safetensors")
-            published = handle.wait()
+            published = handle.wait() == SaveStatus.COMMITTED
             for _ in range(3):
                 job.step()
             moved_on = not same(full_state(job), saved)
@@ -200,7 +201,7 @@ def roundtrip(args: argparse.Namespace, out: dict[str, Any]) -> None:
         out["locked"] = f"{type(exc).__name__}: {exc}"
     holder = padded_holder()
     with DistributedCheckpointer(args.root / "padded", model=holder, **ENGINE) as ckpt:
-        out["padded_published"] = ckpt.save(1).wait()
+        out["padded_published"] = ckpt.save(1).wait() == SaveStatus.COMMITTED
 
 
 def damaged_restore(args: argparse.Namespace, out: dict[str, Any], first: dict) -> None:
@@ -237,9 +238,14 @@ def failing_save(args: argparse.Namespace, out: dict[str, Any]) -> None:
             job.step()
             try:
                 handle = ckpt.save(step)
-                outcomes.append([handle.version, handle.wait(), handle.reason])
             except RuntimeError as exc:
                 outcomes.append([None, False, str(exc)])
+                continue
+            try:
+                committed = handle.wait() == SaveStatus.COMMITTED
+                outcomes.append([handle.version, committed, handle.reason])
+            except SaveError as exc:  # the version did not become global
+                outcomes.append([handle.version, False, str(exc)])
         ckpt.wait()
         out["failure"] = {"outcomes": outcomes, "globals": ckpt.global_versions()}
 
@@ -266,7 +272,7 @@ def resize(args: argparse.Namespace, out: dict[str, Any]) -> None:
             )
             save_file(full_state(job), args.out / f"{kind}-resized-r{rank}.safetensors")
             job.step()
-            result["saved_after_resize"] = ckpt.save(7).wait()
+            result["saved_after_resize"] = ckpt.save(7).wait() == SaveStatus.COMMITTED
             out[kind] = result
     holder = padded_holder()
     with DistributedCheckpointer(args.root / "padded", model=holder, **ENGINE) as ckpt:
@@ -293,7 +299,9 @@ def train(args: argparse.Namespace, out: dict[str, Any]) -> None:
             if step % args.every == 0:
                 handle = ckpt.save(step)
                 if args.sync:
-                    out.setdefault("published", []).append([handle.version, handle.wait()])
+                    out.setdefault("published", []).append(
+                        [handle.version, handle.wait() == SaveStatus.COMMITTED]
+                    )
                     print(f"step {step} version {handle.version} global", flush=True)
         ckpt.wait()
         out["globals"] = ckpt.global_versions()
@@ -341,7 +349,9 @@ def policy(args: argparse.Namespace, out: dict[str, Any]) -> None:
             if handle is not None:
                 saved.append(step)
                 if step == 7:  # the emergency: global before maybe_save returned
-                    out["emergency_global_on_return"] = handle.done() and handle.wait(0)
+                    out["emergency_global_on_return"] = (
+                        handle.done() and handle.wait(0) == SaveStatus.COMMITTED
+                    )
         ckpt.wait()
         out["saved_steps"] = saved
         out["global_steps"] = [ckpt.rounds[v].step for v in ckpt.global_versions()]

@@ -66,3 +66,18 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         and tuple(a.shape) == tuple(b.shape)
         and np.array_equal(logical_bytes(a), logical_bytes(b))
     )
+
+
+def pieces_in_range(entries: list[tuple[torch.Tensor, int]], start: int, length: int) -> list:
+    """``(tensor, tensor_offset, buffer_offset, nbytes)`` of one chunk of a flat layout.
+
+    ``entries`` are ``(tensor, offset)`` pairs, each tensor's logical bytes at
+    ``[offset, offset + nbytes)``; buffer offsets are relative to ``start``. Written
+    independently of the package (the engine's own cutter is ``pcframe.format.layout``).
+    """
+    stop, out = start + length, []
+    for t, off in sorted(entries, key=lambda e: e[1]):
+        lo, hi = max(off, start), min(off + t.numel() * t.element_size(), stop)
+        if hi > lo:
+            out.append((t, lo - off, lo - start, hi - lo))
+    return out

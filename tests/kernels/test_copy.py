@@ -6,18 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from pcframe.kernels import (
-    Layout,
-    Piece,
-    checksum,
-    gather,
-    gather_checksum,
-    pieces_in_range,
-    scatter,
-)
+from pcframe.kernels import Piece, checksum, gather, gather_checksum, scatter
 from pcframe.kernels.checksum import reference as checksum_ref
 
-from .helpers import CPU_BACKENDS, DTYPES, logical_bytes, make, same_bits
+from .helpers import CPU_BACKENDS, DTYPES, logical_bytes, make, pieces_in_range, same_bits
 
 SENTINEL = 0xAB
 
@@ -136,18 +128,6 @@ def test_gather_checksum_of_empty_and_uncovered_buffers(backend: str) -> None:
     assert value == checksum_ref.pcf64(np.zeros(77, np.uint8))
 
 
-def test_pieces_in_range_covers_layout_exactly() -> None:
-    tensors = [
-        torch.zeros(10),
-        torch.zeros(3, dtype=torch.float64),
-        torch.zeros(5, dtype=torch.int8),
-    ]
-    entries = [(tensors[0], 0), (tensors[1], 48), (tensors[2], 72)]
-    got = pieces_in_range(entries, 30, 30)
-    assert [(p.tensor_offset, p.buffer_offset, p.nbytes) for p in got] == [(30, 0, 10), (0, 18, 12)]
-    assert got[1].tensor is tensors[1]
-
-
 @pytest.mark.parametrize(
     ("pieces", "message"),
     [
@@ -203,16 +183,3 @@ def test_gather_same_result_for_all_backends_on_many_small_pieces() -> None:
         outs.append(gather_checksum(pieces, dst, backend=backend).result())
         assert np.array_equal(dst.numpy(), _expected(entries, size, 0))
     assert outs[0] == outs[1]
-
-
-def test_layout_cuts_chunks_by_bisection_and_rejects_overlap() -> None:
-    a, b, c = torch.zeros(10), torch.zeros(3, dtype=torch.float64), torch.zeros(5, dtype=torch.int8)
-    layout = Layout([(c, 72), (a, 0), (b, 48)])  # any order
-    assert layout.nbytes == 77
-    assert layout.pieces(30, 30) == pieces_in_range([(a, 0), (b, 48), (c, 72)], 30, 30)
-    chunks = [layout.pieces(s, 16) for s in range(0, 77, 16)]
-    covered = sum(p.nbytes for ps in chunks for p in ps)
-    assert covered == 40 + 24 + 5
-    assert layout.pieces(40, 8) == []  # alignment padding only
-    with pytest.raises(ValueError, match="overlap"):
-        Layout([(a, 0), (b, 39)])

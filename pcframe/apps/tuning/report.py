@@ -56,7 +56,8 @@ def best_trial(study: optuna.Study, objectives: Sequence[str]) -> FrozenTrial:
     return min(front, key=lambda t: tuple(t.values))
 
 
-def _fmt(name: str, value: float | None) -> str:
+def _in_unit(name: str, value: float | None) -> str:
+    """An objective's value in its display unit (``UNITS``), two decimals; ``""`` if missing."""
     if value is None:
         return ""
     _, scale = UNITS.get(name, (name, 1.0))
@@ -81,8 +82,8 @@ def trials_table(study: optuna.Study, objectives: Sequence[str], limit: int = 50
         measured["memory"] = t.user_attrs.get("memory_bytes")
         values = list(t.values) if t.values else [measured.get(o) for o in objectives]
         row = [str(t.number), t.state.name.lower()]
-        row += [_fmt(o, v) for o, v in zip(objectives, values, strict=True)]
-        row += [_fmt(m, measured[m]) for m in extra]
+        row += [_in_unit(o, v) for o, v in zip(objectives, values, strict=True)]
+        row += [_in_unit(m, measured[m]) for m in extra]
         row += [str(t.params.get(n, "")) for n in names]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
@@ -158,12 +159,14 @@ def write_tuned_config(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     values = ", ".join(
-        f"{UNITS.get(o, (o, 1))[0]} {_fmt(o, v)}"
+        f"{UNITS.get(o, (o, 1))[0]} {_in_unit(o, v)}"
         for o, v in zip(objectives, trial.values, strict=True)
     )
     if len(objectives) == 1:
         same = next(g for g in groups(study) if trial in g)
-        values += f" (mean of {len(same)} measurement(s): {_fmt(objectives[0], mean_value(same))})"
+        values += (
+            f" (mean of {len(same)} measurement(s): {_in_unit(objectives[0], mean_value(same))})"
+        )
     header = [
         f"# Written by pcframe-tune on {dt.datetime.now().isoformat(timespec='seconds')}.",
         f"# Study {study.study_name!r}, trial {trial.number}: {values}.",
