@@ -109,10 +109,12 @@ class FastPaths:
         self.t = self.time_of(self.step)
         self.stall += stall
         self.ledger.saves += saves
-        self.last_save_step, self.last_save_time = int(seg_step0), seg_t0
+        self.feed.last_save_step, self.feed.last_save_time = int(seg_step0), seg_t0
         # What the engine's EWMAs read after these saves (every sample the same, mostly).
-        self.stall_ewma = self.stall_ewma if self.stall_ewma is not None else stall_one
-        self.duration_ewma = duration
+        self.feed.save_stall = (
+            self.feed.save_stall if self.feed.save_stall is not None else stall_one
+        )
+        self.feed.save_duration = duration
         self.hint = self.policy.save_hint(self._ctx(self.t))
 
     # --- steady-state fast-forward ------------------------------------------------------------
@@ -141,7 +143,7 @@ class FastPaths:
         """Fast-forward a steady policy; ``True`` if it advanced (a real decide included)."""
         k = self._ff_every  # stays set when there is no room now: the next call goes on
         limit = min(self._limit(t_stop), self.last_decide + self.probe_gap)
-        first = (self.last_save_step or 0) + k
+        first = (self.feed.last_save_step or 0) + k
         if first <= self.step or first >= self.total or self.time_of(first) > limit:
             return False
         # How many saves fit; the last one is made through a real decide.
@@ -162,14 +164,14 @@ class FastPaths:
         self.seg_step0 = last_step
         self.stall += sum(r[3] for r in rows)
         self.ledger.saves += n
-        self.last_save_step, self.last_save_time = last_step, self.seg_t0
+        self.feed.last_save_step, self.feed.last_save_time = last_step, self.seg_t0
         self.step = last_step
         self.t = self.seg_t0
         self._saves = [(int(r[0]), r[3]) for r in rows[-3:]]
         target = last_step + k
         self._advance(target)
         self._decide()
-        if self.last_save_step == target and self._ff_every == k:
+        if self.feed.last_save_step == target and self._ff_every == k:
             self.ledger.fast_forwards += 1
             return True
         failed_at = self.t
@@ -189,10 +191,10 @@ class FastPaths:
             list(self.inflight),
             (self.commit.step, self.commit.version, self.commit.time, self.commit.policy_state),
             self.stall,
-            self.stall_ewma,
-            self.duration_ewma,
-            self.last_save_step,
-            self.last_save_time,
+            self.feed.save_stall,
+            self.feed.save_duration,
+            self.feed.last_save_step,
+            self.feed.last_save_time,
             self.last_decide,
             self.hint,
             list(self._saves),
@@ -210,10 +212,10 @@ class FastPaths:
             self.inflight,
             commit,
             self.stall,
-            self.stall_ewma,
-            self.duration_ewma,
-            self.last_save_step,
-            self.last_save_time,
+            self.feed.save_stall,
+            self.feed.save_duration,
+            self.feed.last_save_step,
+            self.feed.last_save_time,
             self.last_decide,
             self.hint,
             self._saves,

@@ -120,39 +120,6 @@ class Process(FastPaths):
         return j
 
     # --- the policy's view --------------------------------------------------------------------
-    # The fast paths (and their snapshots) set the feed's values directly, by these names.
-    @property
-    def stall_ewma(self) -> float | None:
-        return self.feed.save_stall
-
-    @stall_ewma.setter
-    def stall_ewma(self, value: float | None) -> None:
-        self.feed.save_stall = value
-
-    @property
-    def duration_ewma(self) -> float | None:
-        return self.feed.save_duration
-
-    @duration_ewma.setter
-    def duration_ewma(self, value: float | None) -> None:
-        self.feed.save_duration = value
-
-    @property
-    def last_save_step(self) -> int | None:
-        return self.feed.last_save_step
-
-    @last_save_step.setter
-    def last_save_step(self, value: int | None) -> None:
-        self.feed.last_save_step = value
-
-    @property
-    def last_save_time(self) -> float | None:
-        return self.feed.last_save_time
-
-    @last_save_time.setter
-    def last_save_time(self, value: float | None) -> None:
-        self.feed.last_save_time = value
-
     def _ctx(self, now: float) -> PolicyContext:
         in_flight = 0
         for f in self.inflight:
