@@ -17,6 +17,9 @@ and the segments of all tensors tile ``codec.bin`` exactly. A delta version also
 ``delta: {"base": b, "depth": d}``: its ``xor_delta_zstd`` tensors are XORed against the
 same tensors of committed version ``b``, whose own depth is ``d - 1`` (a full version has
 no ``delta`` and depth 0). A reader of version 1 rejects version 2 by the header.
+
+This module reads and validates; the records and their writing are in
+:mod:`pcframe.format.records` (all importable from here).
 """
 
 from __future__ import annotations
