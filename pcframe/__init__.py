@@ -10,6 +10,7 @@ from pcframe.errors import (
     DirectoryLocked,
     ManifestError,
     NoValidCheckpoint,
+    RestoreIOError,
     SaveError,
 )
 
@@ -24,6 +25,7 @@ __all__ = [
     "EngineConfig",
     "ManifestError",
     "NoValidCheckpoint",
+    "RestoreIOError",
     "RestoreReport",
     "ResumableLoader",
     "ResumableSampler",

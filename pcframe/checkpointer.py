@@ -48,6 +48,9 @@ from pcframe.store.tiers import Secured, Tiers
 
 log = logging.getLogger("pcframe")
 
+# At interpreter exit, wait at most this long for versions still being written.
+CLOSE_TIMEOUT_AT_EXIT = 600.0
+
 __all__ = ["Checkpointer", "RestoreReport", "SaveHandle", "SaveRecord"]
 
 
@@ -237,7 +240,11 @@ class Checkpointer:
         self._next_version += 1
         progress = SaveProgress(request.version, step, request.nbytes, request.started)
         self.flight.started(progress)
-        self.pipeline.submit(request, progress)
+        try:
+            self.pipeline.submit(request, progress)
+        except BaseException as exc:  # e.g. a staging pool that cannot be allocated
+            self.flight.abandon(progress, exc)  # frees its slot: close() must never hang
+            raise
         del request  # the pipeline holds the snapshot's sources only while it needs them
         if self.optimizer is None:
             progress.copy_done.wait()  # nothing gates the next update: copy before returning
@@ -249,14 +256,20 @@ class Checkpointer:
         """Block until every in-flight snapshot has been copied (not necessarily persisted)."""
         self.flight.gate()
 
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         """Block until every in-flight version is committed, discarded or failed.
 
         Raises:
             SaveError: for the first failed version not yet reported.
+            CheckpointError: ``timeout`` seconds passed first (the versions go on).
         """
         self._check_open()
-        self.flight.wait_all()
+        if not self.flight.wait_all(timeout):
+            raise CheckpointError(
+                f"version(s) {self.flight.in_flight_versions()} still in flight after "
+                f"{timeout:.0f} s (writing to {self.storage.root}): the storage is slow or "
+                "stuck; wait again, or stop the process (the last committed version is intact)"
+            )
         self._report_finished()
 
     def _report_finished(self) -> None:
@@ -354,10 +367,22 @@ class Checkpointer:
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Wait for in-flight versions, stop the threads, release the directory lock."""
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for in-flight versions, stop the threads, release the directory lock.
+
+        Raises:
+            SaveError: for the first failed version not yet reported (closed all the same).
+            CheckpointError: in-flight versions did not finish within ``timeout`` seconds;
+                the engine stays open (call ``close()`` again to keep waiting).
+        """
         if self._closed:
             return
+        if not self.flight.wait_all(timeout):
+            raise CheckpointError(
+                f"close: version(s) {self.flight.in_flight_versions()} still in flight after "
+                f"{timeout:.0f} s (writing to {self.storage.root}); call close() again to "
+                "keep waiting, or stop the process (the last committed version is intact)"
+            )
         try:
             self.wait()
         finally:
@@ -380,7 +405,7 @@ class Checkpointer:
 
     def _atexit(self) -> None:
         try:
-            self.close()
+            self.close(timeout=CLOSE_TIMEOUT_AT_EXIT)
         except CheckpointError as exc:
             log.error("pcframe: at exit: %s", exc)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -12,6 +13,18 @@ from pcframe.format.checksum import CHECKSUMS
 PAGE = 4096
 COPY_BACKENDS = ("torch", "numba", "triton", "auto")
 PERSIST_PATHS = ("write", "mmap", "auto")
+_INTEGERS = (
+    "max_in_flight",
+    "writer_threads",
+    "chunk_bytes",
+    "staging_bytes",
+    "keep_last",
+    "tensor_align",
+    "read_threads",
+    "full_every",
+)
+_OPTIONAL = ("staging_bytes",)
+_STRINGS = ("o_direct", "checksum", "copy_backend", "persist")
 
 
 @dataclass
@@ -72,6 +85,7 @@ class EngineConfig:
         def bad(key: str, fix: str) -> ConfigError:
             return ConfigError(f"engine.{key}={getattr(self, key)!r} is invalid: {fix}")
 
+        self._check_types(bad)
         if not 1 <= self.max_in_flight <= 64:
             raise bad("max_in_flight", "use 1..64 concurrent checkpoints (2-4 is typical)")
         if not 1 <= self.writer_threads <= 256:
@@ -109,6 +123,24 @@ class EngineConfig:
                 check_codec_config(self.codecs, self.chunk_bytes)
             except ValueError as exc:
                 raise bad("codecs", str(exc)) from None
+
+    def _check_types(self, bad: Any) -> None:
+        """Every field has its type before any range check (``1.5``, ``"2"`` and ``nan`` are
+        refused here, naming the key, instead of failing later inside the engine)."""
+        for key in _INTEGERS:
+            value = getattr(self, key)
+            if value is None and key in _OPTIONAL:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise bad(key, f"must be a whole number, not {type(value).__name__}")
+        for key in _STRINGS:
+            if not isinstance(getattr(self, key), str):
+                raise bad(key, f"must be a string, not {type(getattr(self, key)).__name__}")
+        ratio = self.staging_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float):
+            raise bad("staging_ratio", f"must be a number, not {type(ratio).__name__}")
+        if not math.isfinite(ratio) or ratio > 64:
+            raise bad("staging_ratio", "use a finite multiple of the state size up to 64")
 
     def check_runtime(self) -> None:
         """Raise :class:`ConfigError` if this machine cannot run the configuration.

@@ -42,6 +42,13 @@ class NoValidCheckpoint(CheckpointError):
     """Every committed version failed verification."""
 
 
+class RestoreIOError(CheckpointError):
+    """Reading a committed version failed with an I/O error (not corruption) after retries.
+
+    Nothing was quarantined or deleted: the version is probably fine, the storage is not.
+    """
+
+
 class DirectoryLocked(CheckpointError):
     """Another live process is already writing checkpoints into this directory."""
 

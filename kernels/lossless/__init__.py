@@ -123,18 +123,34 @@ class ShuffleZstd:
 
     @staticmethod
     def decompress_bytes(payload: BytesLike, nbytes: int) -> torch.Tensor:
-        """Decompress a zstd frame that must hold exactly ``nbytes`` bytes."""
+        """Decompress a zstd frame that must hold exactly ``nbytes`` bytes.
+
+        Raises:
+            ValueError: the payload is not a zstd frame (``zstandard.ZstdError`` included) or
+                does not hold exactly ``nbytes`` bytes; nothing past ``nbytes`` is inflated.
+        """
+        data = memoryview(as_uint8_array(payload))
+        try:
+            declared = zstandard.frame_content_size(data)
+        except zstandard.ZstdError as exc:
+            raise ValueError(f"payload is not a zstd frame ({exc})") from None
+        if declared not in (-1, nbytes):  # -1: the frame does not record its size
+            raise ValueError(
+                f"zstd payload does not hold exactly {nbytes} bytes (its frame says {declared})"
+            )
         out = torch.empty(nbytes, dtype=torch.uint8)
         view = memoryview(out.numpy())
-        reader = zstandard.ZstdDecompressor().stream_reader(memoryview(as_uint8_array(payload)))
-        with reader:
-            filled = 0
-            while filled < nbytes:
-                got = reader.readinto(view[filled:])
-                if got == 0:
-                    break
-                filled += got
-            extra = reader.read(1)
+        try:
+            with zstandard.ZstdDecompressor().stream_reader(data) as reader:
+                filled = 0
+                while filled < nbytes:
+                    got = reader.readinto(view[filled:])
+                    if got == 0:
+                        break
+                    filled += got
+                extra = reader.read(1)
+        except zstandard.ZstdError as exc:
+            raise ValueError(f"zstd payload does not decompress ({exc})") from None
         if filled != nbytes or extra:
             raise ValueError(f"zstd payload does not hold exactly {nbytes} bytes")
         return out

@@ -34,7 +34,8 @@ from typing import Any
 import crc32c
 
 from pcframe.errors import CorruptCheckpoint, ManifestError
-from pcframe.format.names import version_name, version_number
+from pcframe.format.files import read_small
+from pcframe.format.names import version_from_digits, version_name, version_number
 from pcframe.store.directory import fsync_dir, write_file_durably
 
 FORMAT = "pcframe-global"
@@ -99,7 +100,13 @@ def record_versions(root: Path) -> list[int]:
         names = os.listdir(root / RECORDS)
     except FileNotFoundError:
         return []
-    return sorted(int(m.group(1)) for n in names if (m := _RECORD_NAME.match(n)))
+    found = []
+    for name in names:
+        match = _RECORD_NAME.match(name)
+        version = version_from_digits(match.group(1), name) if match else None
+        if version is not None:
+            found.append(version)
+    return sorted(found)
 
 
 def write_record(root: Path, record: GlobalRecord) -> None:
@@ -148,13 +155,12 @@ def read_record(path: Path) -> GlobalRecord:
         ManifestError / CorruptCheckpoint: naming the file, what is wrong, and the fix.
     """
     fix = "delete this file to fall back to the previous global version"
-    try:
-        size = os.path.getsize(path)
-        if size > MAX_RECORD_BYTES:
-            raise ManifestError(f"{path}: global record is {size} bytes, over the limit; {fix}")
-        raw = path.read_bytes()
+    try:  # a regular file only (never a FIFO, device or link), read with a bound
+        raw = read_small(path, MAX_RECORD_BYTES + 1)
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{path}: global record is missing") from None
+    if len(raw) > MAX_RECORD_BYTES:
+        raise ManifestError(f"{path}: global record is over {MAX_RECORD_BYTES} bytes; {fix}")
     line, sep, body = raw.partition(b"\n")
     try:
         header = json.loads(line) if sep else None
@@ -244,8 +250,7 @@ def valid_records(root: Path) -> tuple[list[GlobalRecord], list[tuple[int, str]]
 
 def manifest_crc(manifest_path: Path) -> str:
     """The body checksum from a shard manifest's header line (what the record pins)."""
-    with open(manifest_path, "rb") as f:
-        line = f.readline(4096)
+    line = read_small(manifest_path, 4096).partition(b"\n")[0]
     try:
         crc = json.loads(line)["body_crc32c"]
     except (ValueError, KeyError, TypeError):

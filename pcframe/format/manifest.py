@@ -33,6 +33,7 @@ import crc32c
 
 from pcframe.errors import CorruptCheckpoint, ManifestError
 from pcframe.format.checksum import CHECKSUMS
+from pcframe.format.files import open_regular
 from pcframe.format.layout import Entry
 from pcframe.format.names import SAFE_FILE
 from pcframe.format.records import (
@@ -84,15 +85,18 @@ def read_manifest(path: str) -> Manifest:
     Raises:
         ManifestError / CorruptCheckpoint: with the file and the reason.
     """
-    try:
-        size = os.path.getsize(path)
+    try:  # a regular file only: a FIFO or device named manifest.json is refused unread
+        fd = open_regular(path)
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{path}: manifest is missing") from None
-    if size > MAX_MANIFEST_BYTES:
-        raise ManifestError(
-            f"{path}: manifest is {size} bytes, over the {MAX_MANIFEST_BYTES} limit"
-        )
-    with open(path, "rb") as f:
+    except IsADirectoryError:
+        raise CorruptCheckpoint(f"{path}: manifest is a directory") from None
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise ManifestError(
+                f"{path}: manifest is {size} bytes, over the {MAX_MANIFEST_BYTES} limit"
+            )
         raw = f.read(MAX_MANIFEST_BYTES + 1)
     line, sep, body = raw.partition(b"\n")
     if not sep:

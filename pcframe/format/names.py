@@ -4,18 +4,30 @@ A committed version lives in ``vNNNNNNNN`` (at least eight digits, zero-padded),
 checkpoint directory as under a remote tier's prefix. The files of a version (named by its
 manifest, listed by a tier, recorded in a commit marker) must match :data:`SAFE_FILE`, so a
 hostile manifest or listing can never name a path outside the version.
+
+Version numbers are at most :data:`MAX_VERSION`. A name with a larger number (a stray
+``v`` + 20 digits directory, a LATEST or remote key saying so) is ignored with a warning:
+it must never become the number new versions are counted from, or every later version
+would be one no reader accepts.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 
+log = logging.getLogger("pcframe")
+
+# The largest version number pcframe writes or reads: a trillion versions (one per second
+# for 31,000 years), far below where any integer arithmetic on it could overflow.
+MAX_VERSION = 10**12
 # The digits of a version in its name; the one spelling every name pattern is built from.
 VERSION_DIGITS = r"v(\d{8,})"
 # A committed version's directory (``v00000012``); ``vNNNNNNNN.tmp`` and others do not match.
 VERSION_DIR = re.compile(rf"^{VERSION_DIGITS}$")
 # A file name a version may hold: no path separators, no leading dot, at most 128 characters.
 SAFE_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+_warned: set[str] = set()
 
 
 def version_name(version: int) -> str:
@@ -23,7 +35,31 @@ def version_name(version: int) -> str:
     return f"v{version:08d}"
 
 
-def version_number(name: str) -> int | None:
-    """The version a committed directory's name stands for (``v00000012`` -> 12), else None."""
+def version_from_digits(digits: str, where: str) -> int | None:
+    """``digits`` (a regex group of :data:`VERSION_DIGITS`) as a version, or None if too big.
+
+    ``where`` names the file or key for the warning.
+    """
+    if len(digits) > len(str(MAX_VERSION)) or int(digits) > MAX_VERSION:
+        if where not in _warned:  # once per name: listings run at every commit
+            _warned.add(where)
+            log.warning(
+                "pcframe: ignoring %s: version number %s is above the limit %d (not "
+                "written by pcframe; remove or rename it)",
+                where,
+                digits[:24] + ("..." if len(digits) > 24 else ""),
+                MAX_VERSION,
+            )
+        return None
+    return int(digits)
+
+
+def version_number(name: str, where: str | None = None) -> int | None:
+    """The version a committed directory's name stands for (``v00000012`` -> 12), else None.
+
+    Names whose number is above :data:`MAX_VERSION` give None (with a warning).
+    """
     match = VERSION_DIR.match(name)
-    return int(match.group(1)) if match else None
+    if not match:
+        return None
+    return version_from_digits(match.group(1), where or name)

@@ -9,6 +9,8 @@ code chosen by the file: tags map to a fixed set of constructors.
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,40 +77,165 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef]) -> Any:
 
 
 def decode_tree(node: Any, tensors: list[Any], depth: int = 0) -> Any:
-    """Inverse of :func:`encode_tree`; ``tensors[i]`` replaces ``{"$t": i}``."""
+    """Inverse of :func:`encode_tree`; ``tensors[i]`` replaces ``{"$t": i}``.
+
+    Raises:
+        ManifestError: the tree does not follow the schema :func:`encode_tree` writes (see
+            :func:`check_tree`, which validates a tree without building it).
+    """
     if depth > MAX_DEPTH:
         raise ManifestError(f"state tree nested deeper than {MAX_DEPTH} levels")
     if isinstance(node, list):
         return [decode_tree(v, tensors, depth + 1) for v in node]
     if not isinstance(node, dict):
-        return node
-    if len(node) == 1:
-        ((tag, value),) = node.items()
-        if tag == "$t":
-            if not isinstance(value, int) or not 0 <= value < len(tensors):
-                raise ManifestError(f"tensor reference {value!r} is out of range")
-            return tensors[value]
-        if tag == "$tuple":
-            return tuple(decode_tree(v, tensors, depth + 1) for v in _as_list(value, tag))
-        if tag == "$dict":
-            items = _as_list(value, tag)
-            if not all(isinstance(kv, list) and len(kv) == 2 for kv in items):
-                raise ManifestError("malformed '$dict' entry in state tree")
-            return {
-                _hashable(decode_tree(k, tensors, depth + 1)): decode_tree(v, tensors, depth + 1)
-                for k, v in items
-            }
-        if tag == "$float":
-            if value not in ("nan", "inf", "-inf"):
-                raise ManifestError(f"malformed '$float' value {value!r}")
-            return float(value)
-        if tag == "$dtype":
-            if value not in DTYPES:
-                raise ManifestError(f"unknown dtype {value!r} in state tree")
-            return DTYPES[value]
-        if tag == "$device":
-            return torch.device(str(value))
-    return {k: decode_tree(v, tensors, depth + 1) for k, v in node.items()}
+        return _scalar(node)
+    tag = _tag(node)
+    if tag is None:
+        return {k: decode_tree(v, tensors, depth + 1) for k, v in node.items()}
+    value = node[tag]
+    if tag == "$t":
+        return tensors[_tensor_index(value, len(tensors))]
+    if tag == "$tuple":
+        return tuple(decode_tree(v, tensors, depth + 1) for v in _as_list(value, tag))
+    if tag == "$dict":
+        return {
+            _hashable(decode_tree(k, tensors, depth + 1)): decode_tree(v, tensors, depth + 1)
+            for k, v in _pairs(value)
+        }
+    return _TAG_VALUES[tag](value)
+
+
+def check_tree(node: Any, num_tensors: int, numpy: Collection[int] = ()) -> None:
+    """Validate an encoded tree against the schema of :func:`encode_tree`, building nothing.
+
+    Every tag is one of the known single-key forms with a well-formed value, every ``$t``
+    reference is in ``range(num_tensors)``, every ``$dict`` key decodes to a hashable value
+    (``numpy`` lists the references that decode to unhashable numpy arrays), and the nesting
+    is at most :data:`MAX_DEPTH`, so a tree that passes decodes with :func:`decode_tree`.
+
+    Raises:
+        ManifestError: naming the path in the tree and what is wrong there.
+    """
+    _check(node, num_tensors, frozenset(numpy), "tree", 0)
+
+
+def _check(node: Any, n: int, numpy: frozenset[int], path: str, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise ManifestError(f"state tree nested deeper than {MAX_DEPTH} levels")
+    if isinstance(node, list):
+        for i, v in enumerate(node):
+            _check(v, n, numpy, f"{path}/{i}", depth + 1)
+        return
+    if not isinstance(node, dict):
+        _at(path, _scalar, node)
+        return
+    tag = _at(path, _tag, node)
+    if tag is None:
+        for k, v in node.items():
+            _check(v, n, numpy, f"{path}/{k}", depth + 1)
+        return
+    value = node[tag]
+    if tag == "$t":
+        _at(path, _tensor_index, value, n)
+    elif tag == "$tuple":
+        for i, v in enumerate(_at(path, _as_list, value, tag)):
+            _check(v, n, numpy, f"{path}/{i}", depth + 1)
+    elif tag == "$dict":
+        for i, (k, v) in enumerate(_at(path, _pairs, value)):
+            _check(k, n, numpy, f"{path}/<key {i}>", depth + 1)
+            if not _hashable_node(k, numpy):
+                raise ManifestError(f"state tree at '{path}': unhashable dict key {k!r:.80}")
+            _check(v, n, numpy, f"{path}/{i}", depth + 1)
+    else:
+        _at(path, _TAG_VALUES[tag], value)
+
+
+def _at(path: str, check: Any, *args: Any) -> Any:
+    """Run one check; a failure names where in the tree it is."""
+    try:
+        return check(*args)
+    except ManifestError as exc:
+        raise ManifestError(f"state tree at '{path}': {exc}") from None
+
+
+def _scalar(value: Any) -> Any:
+    # JSON gives only these; anything else means the tree did not come from JSON.
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise ManifestError(f"value of type {type(value).__name__} is not JSON")
+
+
+def _tag(node: dict[Any, Any]) -> str | None:
+    """The tag of a tagged node, None for a plain dict; a stray ``$`` key is malformed."""
+    tagged = [k for k in node if not isinstance(k, str) or k.startswith("$")]
+    if not tagged:
+        return None
+    if len(node) != 1 or tagged[0] not in _TAGS:
+        raise ManifestError(
+            f"malformed tagged node with keys {sorted(map(str, node))[:4]}; known tags are "
+            f"single-key objects {', '.join(sorted(_TAGS))}"
+        )
+    return tagged[0]
+
+
+def _tensor_index(value: Any, n: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n:
+        raise ManifestError(f"tensor reference {value!r:.40} is out of range (0..{n - 1})")
+    return value
+
+
+def _pairs(value: Any) -> list[Any]:
+    items = _as_list(value, "$dict")
+    if not all(isinstance(kv, list) and len(kv) == 2 for kv in items):
+        raise ManifestError("malformed '$dict' entry in state tree (pairs must be [key, value])")
+    return items
+
+
+def _float(value: Any) -> float:
+    if not isinstance(value, str) or value not in ("nan", "inf", "-inf"):
+        raise ManifestError(f"malformed '$float' value {value!r:.40} (nan, inf or -inf)")
+    return float(value)
+
+
+def _dtype(value: Any) -> torch.dtype:
+    if not isinstance(value, str) or value not in DTYPES:
+        raise ManifestError(f"unknown dtype {value!r:.40} in state tree")
+    return DTYPES[value]
+
+
+# torch.device strings encode_tree writes: a backend name and an optional index.
+_DEVICE = re.compile(r"^[a-z][a-z0-9_]{0,31}(:[0-9]{1,6})?$")
+
+
+def _device(value: Any) -> torch.device:
+    if isinstance(value, str) and _DEVICE.match(value):
+        try:
+            return torch.device(value)
+        except (RuntimeError, ValueError):
+            pass
+    raise ManifestError(f"malformed '$device' value {value!r:.40} (e.g. 'cpu', 'cuda:0')")
+
+
+_TAG_VALUES: dict[str, Callable[[Any], Any]] = {
+    "$float": _float,
+    "$dtype": _dtype,
+    "$device": _device,
+}
+_TAGS = frozenset({"$t", "$tuple", "$dict", *_TAG_VALUES})
+
+
+def _hashable_node(node: Any, numpy: frozenset[int]) -> bool:
+    """Whether an (already checked) encoded node decodes to a hashable value."""
+    if isinstance(node, list):
+        return False
+    if not isinstance(node, dict):
+        return True
+    tag = _tag(node)
+    if tag == "$t":
+        return node[tag] not in numpy
+    if tag == "$tuple":
+        return all(_hashable_node(v, numpy) for v in node[tag])
+    return tag in _TAG_VALUES  # plain dicts and '$dict' decode to unhashable dicts
 
 
 def _as_list(value: Any, tag: str) -> list[Any]:
@@ -121,5 +248,5 @@ def _hashable(key: Any) -> Any:
     try:
         hash(key)
     except TypeError:
-        raise ManifestError(f"unhashable dict key {key!r} in state tree") from None
+        raise ManifestError(f"unhashable dict key {key!r:.80} in state tree") from None
     return key

@@ -30,6 +30,7 @@ import torch
 
 from pcframe.errors import CorruptCheckpoint
 from pcframe.format.checksum import checksum_function
+from pcframe.format.files import open_regular
 from pcframe.format.layout import Chunk
 from pcframe.format.manifest import (
     CODEC_NAME,
@@ -132,8 +133,8 @@ class _VersionReader:
                         f"{list(entries[i].shape)}: {exc}"
                     ) from None
             tasks += self._segment_tasks(out, coded, previous)
-        self._data_fd = os.open(self.data_path, os.O_RDONLY) if raw else -1
-        self._codec_fd = os.open(self.codec_path, os.O_RDONLY) if coded else -1
+        self._data_fd = open_regular(self.data_path) if raw else -1
+        self._codec_fd = open_regular(self.codec_path) if coded else -1
         try:
             self._run(tasks)
         finally:
@@ -273,10 +274,15 @@ class _VersionReader:
 
 
 def _check_size(path: Path, expected: int) -> None:
+    """The file is a regular file (not a link, FIFO or device) of the expected size."""
     try:
-        actual = os.path.getsize(path)
+        fd = open_regular(path)
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{path}: data file is missing") from None
+    try:
+        actual = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
     if actual != expected:
         raise CorruptCheckpoint(
             f"{path}: holds {actual} bytes, manifest says {expected} (truncated?)"
@@ -288,7 +294,12 @@ def _preadv_all(fd: int, buffers: list[memoryview], offset: int, path: Path) -> 
     pending = [b for b in buffers if len(b)]
     while pending:
         batch = pending[:_IOV_MAX]
-        got = os.preadv(fd, batch, offset)
+        try:
+            got = os.preadv(fd, batch, offset)
+        except OSError as exc:  # an I/O error, not corruption: name the file for the user
+            raise OSError(
+                exc.errno, f"{exc.strerror} (reading at byte {offset})", str(path)
+            ) from exc
         if got == 0:
             raise CorruptCheckpoint(f"{path}: unexpected end of file at byte {offset}")
         offset += got

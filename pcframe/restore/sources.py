@@ -1,15 +1,33 @@
-"""Where a restore reads from, and the newest-first walk that falls back on failure."""
+"""Where a restore reads from, and the newest-first walk that falls back on corruption.
+
+Two kinds of failure are told apart, because only one of them says anything about the
+checkpoint:
+
+* **corruption** (a checksum or structure mismatch of bytes actually read, a missing or
+  non-regular file: :class:`~pcframe.errors.ManifestError`): the version is quarantined
+  (renamed ``.corrupt-*``, kept for inspection) and the next older one is tried;
+* an **I/O error** (``OSError``: EIO, EMFILE, ENOMEM, a network tier timing out): the read is
+  retried with backoff; if it keeps failing, the same version is tried from the next tier
+  that holds it, and if none can be read, restore raises
+  :class:`~pcframe.errors.RestoreIOError` naming the file and errno. Nothing is renamed, and
+  restore never silently goes back to an older version because storage hiccuped.
+"""
 
 from __future__ import annotations
 
+import errno
 import logging
+import time
 
-from pcframe.errors import CheckpointError, ManifestError
+from pcframe.errors import CheckpointError, ManifestError, RestoreIOError
 from pcframe.restore.reader import LoadedVersion, load_version
 from pcframe.restore.report import RestoreReport
-from pcframe.store.tiers import Source, Tiers
+from pcframe.store.tiers import Source, TierError, Tiers
 
 log = logging.getLogger("pcframe")
+
+READ_ATTEMPTS = 4  # per source: the first read and three retries
+BACKOFF = 0.05  # seconds before the first retry; doubled each time (0.05, 0.1, 0.2)
 
 
 def restore_sources(tiers: Tiers, version: int | None, report: RestoreReport) -> list[Source]:
@@ -35,23 +53,70 @@ def restore_sources(tiers: Tiers, version: int | None, report: RestoreReport) ->
 
 
 def load_first_valid(
-    sources: list[Source], threads: int, report: RestoreReport
+    sources: list[Source], threads: int, report: RestoreReport, backoff: float = BACKOFF
 ) -> LoadedVersion | None:
-    """Load the first source that verifies; quarantine each one that does not.
+    """Load the newest source that verifies; quarantine each one that is corrupt.
 
     Skipped versions are logged and recorded in ``report.skipped``; ``report.tier`` names
     the tier the loaded version came from (``None`` without tiers).
+
+    Raises:
+        RestoreIOError: a version could not be read from any tier holding it (I/O errors
+            after retries); nothing was renamed.
     """
-    for source in sources:
+    io_failed: dict[int, list[str]] = {}  # version -> I/O failures, one per source
+    for source in sources:  # newest version first; a version's tiers are contiguous
+        if io_failed and source.version < max(io_failed):
+            break  # a newer version failed only with I/O errors: never go back silently
         try:
-            with source.fetch() as path:
-                loaded = load_version(path, threads)
-        except (ManifestError, OSError) as exc:
+            loaded = _load_with_retries(source, threads, backoff)
+        except ManifestError as exc:
             reason = f"in tier {source.tier}: {exc}" if source.tier else str(exc)
             report.skipped.append((source.version, reason))
             log.warning("pcframe: skipping checkpoint version %d: %s", source.version, reason)
             source.quarantine()
             continue
+        except (OSError, TierError) as exc:
+            where = f"tier {source.tier}: " if source.tier else ""
+            io_failed.setdefault(source.version, []).append(where + _describe_io(exc))
+            log.warning(
+                "pcframe: cannot read checkpoint version %d %s(%s); not quarantined",
+                source.version,
+                f"from tier {source.tier} " if source.tier else "",
+                _describe_io(exc),
+            )
+            continue
         report.tier = source.tier or None
         return loaded
+    if io_failed:
+        version = max(io_failed)
+        raise RestoreIOError(
+            f"cannot read checkpoint version {version}: {'; '.join(io_failed[version])} "
+            f"(after {READ_ATTEMPTS} attempts per source); nothing was renamed or deleted: "
+            "fix the storage (or free file descriptors / memory) and restore again"
+        )
     return None
+
+
+def _load_with_retries(source: Source, threads: int, backoff: float) -> LoadedVersion:
+    delay = backoff
+    for attempt in range(READ_ATTEMPTS):
+        try:
+            with source.fetch() as path:
+                return load_version(path, threads)
+        except ManifestError:
+            raise
+        except (OSError, TierError):
+            if attempt == READ_ATTEMPTS - 1:
+                raise
+            time.sleep(delay)
+            delay *= 2
+    raise AssertionError("unreachable")
+
+
+def _describe_io(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.errno is not None:
+        name = errno.errorcode.get(exc.errno, str(exc.errno))
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"{where}{exc.strerror} ({name})"
+    return f"{type(exc).__name__}: {exc}"

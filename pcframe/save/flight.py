@@ -17,7 +17,7 @@ from typing import Any
 from pcframe.errors import SaveError
 from pcframe.save.handle import SaveRecord
 from pcframe.save.progress import SaveProgress
-from pcframe.save.status import SaveStatus
+from pcframe.save.status import SaveStatus, Stage
 
 
 class InFlight:
@@ -61,12 +61,26 @@ class InFlight:
             still[-1].stall += time.perf_counter() - start
         self._copying = [p for p in self._copying if not p.copy_done.is_set()]
 
-    def wait_all(self) -> None:
-        """Block until every version in flight has finished (all slots free)."""
-        for _ in range(self.max_in_flight):
-            self._slots.acquire()
-        for _ in range(self.max_in_flight):
-            self._slots.release()
+    def wait_all(self, timeout: float | None = None) -> bool:
+        """Block until every version in flight has finished (all slots free).
+
+        Returns False if ``timeout`` seconds passed first (nothing is taken then).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        taken = 0
+        try:
+            for _ in range(self.max_in_flight):
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not self._slots.acquire(timeout=left):
+                    return False
+                taken += 1
+            return True
+        finally:
+            for _ in range(taken):
+                self._slots.release()
+
+    def in_flight_versions(self) -> list[int]:
+        return [p.version for p in self._unfinished if not p.finished.is_set()]
 
     def report(self, committed: Callable[[SaveProgress, SaveRecord], None]) -> None:
         """Update the records of finished versions; ``committed`` is called for each commit.
@@ -96,6 +110,17 @@ class InFlight:
             raise SaveError(first.version, first.step, first.stage or "", first.error) from (
                 first.error
             )
+
+    def abandon(self, progress: SaveProgress, exc: BaseException) -> None:
+        """A save that failed before the pipeline took it: finished, failed, slot freed.
+
+        The caller raises ``exc`` itself, so it is marked reported (not raised twice).
+        """
+        progress.fail(Stage.SNAPSHOT, exc)
+        progress.status, progress.reported = SaveStatus.FAILED, True
+        progress.copy_done.set()
+        progress.finished.set()
+        self.finished(progress)
 
     # --- commit thread -----------------------------------------------------------------
 

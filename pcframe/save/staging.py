@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from pcframe.config import PAGE
+from pcframe.errors import ConfigError
 
 
 class StagingPool:
@@ -40,7 +41,14 @@ class StagingPool:
                 return
             if self._out:
                 return  # try again at a later save
-            self._free = self._allocate(count, pinned)
+            try:
+                self._free = self._allocate(count, pinned)
+            except (MemoryError, RuntimeError) as exc:  # numpy / torch refuse the allocation
+                raise ConfigError(
+                    f"cannot allocate a staging pool of {count * self.chunk_bytes} bytes "
+                    f"({type(exc).__name__}): lower engine.staging_bytes or "
+                    "engine.staging_ratio (1.0 stages one whole version)"
+                ) from None
             self._count, self._pinned = count, pinned
 
     def _allocate(self, count: int, pinned: bool) -> list[torch.Tensor]:

@@ -18,13 +18,19 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import shutil
 from pathlib import Path
 
 from pcframe.errors import CheckpointError, DirectoryLocked
 from pcframe.faults import crash_point
+from pcframe.format.files import NotRegularFile, is_real_directory, open_regular, read_small
 from pcframe.format.names import version_name, version_number
+
+log = logging.getLogger("pcframe")
+_LATEST_LIMIT = 64  # bytes: "v" + at most 13 digits + newline, with room to spare
+_warned_links: set[str] = set()
 
 LATEST = "LATEST"
 LOCK = ".writer.lock"
@@ -40,9 +46,16 @@ def fsync_dir(path: str | Path) -> None:
 
 
 def write_file_durably(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary name, fsync it, rename, fsync the directory."""
+    """Write ``data`` to ``path`` via a temporary name, fsync it, rename, fsync the directory.
+
+    The temporary file is created fresh (a leftover, or a link planted under its name, is
+    unlinked first, never written through), so nothing outside the directory is touched.
+    """
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -60,23 +73,58 @@ class CheckpointDir:
         return self.root / version_name(version)
 
     def committed_versions(self) -> list[int]:
-        """Committed versions, oldest first."""
+        """Committed versions, oldest first.
+
+        A version directory that is a symbolic link is not listed (with a warning): pcframe
+        never reads or deletes through links; numbers above ``MAX_VERSION`` are ignored.
+        """
         if not self.root.is_dir():
             return []
         found = []
         for name in os.listdir(self.root):
-            version = version_number(name)
-            if version is not None and (self.root / name).is_dir():
+            version = version_number(name, str(self.root / name))
+            if version is None:
+                continue
+            path = self.root / name
+            if is_real_directory(path):
                 found.append(version)
+            elif path.is_symlink() and str(path) not in _warned_links:
+                _warned_links.add(str(path))
+                log.warning(
+                    "pcframe: ignoring %s: a version directory must not be a symbolic link "
+                    "(move the version itself into %s)",
+                    path,
+                    self.root,
+                )
         return sorted(found)
 
     def latest_hint(self) -> int | None:
-        """The version LATEST names, or ``None`` (missing or unreadable: it is only a hint)."""
+        """The version LATEST names, or ``None``: it is only a hint, the listing decides.
+
+        LATEST is read as a bounded hint: a regular file only (opened without following
+        links, without blocking), at most 64 bytes, ASCII. Anything else is ignored with
+        a warning.
+        """
+        path = self.root / LATEST
         try:
-            text = (self.root / LATEST).read_text().strip()
-        except OSError:
+            raw = read_small(path, _LATEST_LIMIT)
+        except FileNotFoundError:
             return None
-        return version_number(text)
+        except (OSError, NotRegularFile) as exc:
+            log.warning("pcframe: ignoring %s (%s); the directory listing decides", path, exc)
+            return None
+        try:
+            text = raw.decode("ascii").strip()
+        except UnicodeDecodeError:
+            text = None
+        version = version_number(text, str(path)) if text else None
+        if version is None and raw.strip():
+            log.warning(
+                "pcframe: ignoring %s: %r does not name a version; the directory listing decides",
+                path,
+                raw[:32],
+            )
+        return version
 
 
 class WritableCheckpointDir(CheckpointDir):
@@ -86,7 +134,11 @@ class WritableCheckpointDir(CheckpointDir):
         super().__init__(root)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            self._lock_fd = open_regular(self.root / LOCK, os.O_RDWR | os.O_CREAT)
+        except NotRegularFile as exc:
+            raise CheckpointError(
+                f"cannot lock {self.root}: {exc} (pcframe writes only its own lock file there)"
+            ) from None
         except OSError as exc:
             raise CheckpointError(
                 f"cannot write checkpoints to {self.root}: {exc.strerror} ({exc.filename}); "
@@ -134,7 +186,7 @@ class WritableCheckpointDir(CheckpointDir):
         for name in os.listdir(self.root):
             path = self.root / name
             if name.endswith(".tmp") or name.startswith(".trash-"):
-                if path.is_dir():
+                if is_real_directory(path):
                     shutil.rmtree(path, ignore_errors=True)
                 else:
                     with contextlib.suppress(FileNotFoundError):
@@ -158,8 +210,18 @@ class WritableCheckpointDir(CheckpointDir):
         fsync_dir(staging)
         os.rename(staging, self.path(version))
         fsync_dir(self.root)
-        crash_point("published")
-        write_file_durably(self.root / LATEST, f"{version_name(version)}\n".encode())
+        crash_point("published")  # the version is committed from here on
+        try:
+            write_file_durably(self.root / LATEST, f"{version_name(version)}\n".encode())
+        except OSError as exc:
+            # LATEST is a hint: the listing (which has the version) decides. A full disk must
+            # not make a committed version look failed.
+            log.warning(
+                "pcframe: version %d is committed but LATEST could not be updated (%s); "
+                "LATEST lags until the next commit",
+                version,
+                exc,
+            )
         crash_point("latest_written")
 
     def discard(self, version: int) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 from pcframe.errors import CorruptCheckpoint
 from pcframe.faults import crash_point
-from pcframe.format.names import SAFE_FILE, VERSION_DIGITS, version_name
+from pcframe.format.names import SAFE_FILE, VERSION_DIGITS, version_from_digits, version_name
 from pcframe.store.tiers.base import Tier, TierError, version_files
 from pcframe.store.tiers.fsops import FsCalls
 
@@ -125,7 +125,9 @@ class RemoteTier(Tier):
         for path in paths:
             match = _ENTRY.match(path[len(self.root) :].lstrip("/"))
             if match:
-                version = int(match.group(1))
+                version = version_from_digits(match.group(1), f"{self.url}: {path}")
+                if version is None:
+                    continue
                 prefixes.add(version)
                 if match.group(2) == MARKER:
                     marked.add(version)
