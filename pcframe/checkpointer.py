@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import logging
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -44,7 +45,7 @@ from pcframe.save.pipeline import SavePipeline
 from pcframe.save.progress import SaveProgress
 from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.retention import KeepWhere, Retention
-from pcframe.store.tiers import Secured, Tiers
+from pcframe.store.tiers import Secured, Tiers, attach_tiers
 
 log = logging.getLogger("pcframe")
 
@@ -72,6 +73,9 @@ class Checkpointer:
             ``directory`` (e.g. ``MemoryThenDisk()`` with ``directory`` on /dev/shm).
         notices: preemption notice sources polled in :meth:`maybe_save`; the notice is passed
             to the policy as ``ctx.notice`` (e.g. for ``NoticeDriven`` without its own source).
+        save_last: at a normal :meth:`close`, save the last step :meth:`maybe_save` saw if
+            no version holds it yet (like Lightning's ``save_last``), so a finished run can
+            be resumed or exported from its final state.
 
     The optimizer step is gated: ``optimizer.step()`` waits until the snapshot of the weights
     it is about to change has been copied. Call :meth:`wait_for_snapshot` before changing
@@ -94,6 +98,7 @@ class Checkpointer:
         tiers: Tiers | Mapping[str, Any] | None = None,
         placement: PlacementPolicy | None = None,
         notices: Sequence[NoticeSource] | None = None,
+        save_last: bool = False,
         **overrides: Any,
     ) -> None:
         config = config or EngineConfig()
@@ -123,7 +128,9 @@ class Checkpointer:
         self.last_decision: Decision | None = None  # the policy's answer at the last maybe_save
         self.last_secured: Secured | None = None  # where the last emergency version went
         try:
-            self.tiers = self._attach_tiers(tiers, placement)
+            self.tiers, newest = attach_tiers(tiers, placement, self.storage, config.keep_last)
+            # Number new versions above every tier's, so no tier ever sees a number reused.
+            self._next_version = max(self._next_version, newest + 1)
             for source in self.notices:
                 source.start()  # signal handlers: must run in the main thread
         except BaseException:
@@ -134,6 +141,8 @@ class Checkpointer:
         self.last_restore: RestoreReport | None = None
         self.feed = PolicyFeed()
         self._closed = False
+        self.save_last = save_last
+        self._last_step_seen: int | None = None  # the newest step maybe_save/decide saw
         keep = [KeepWhere("tiers", self.tiers.keep)]
         self.pipeline = SavePipeline(config, self.storage, self.flight.finished, keep)
         self.add_commit_listener(self.tiers.on_commit)
@@ -186,6 +195,7 @@ class Checkpointer:
         self._report_finished()
         now = time.monotonic()
         self.feed.stepped(step, now)
+        self._last_step_seen = step
         notice = notice or earliest_notice(self.notices, now)
         decision = self.policy.decide(self.context(step, now, notice))
         self.last_decision = decision
@@ -301,15 +311,33 @@ class Checkpointer:
     def committed_versions(self) -> list[int]:
         return self.storage.committed_versions()
 
-    def restore(self, version: int | None = None) -> int | None:
+    def restore(
+        self, version: int | None = None, *, strict: bool = True, allow_cast: bool = False
+    ) -> int | None:
         """Load the newest valid committed version (or ``version``); return its step.
 
         Versions that fail verification are skipped with the reason logged and recorded in
         :attr:`last_restore`, moved aside as ``.corrupt-vNNNNNNNN-<pid>`` (not deleted), and the
         next older one is tried. Returns ``None`` when the directory holds no checkpoint.
 
+        The version that verified is checked against the objects before any of them is
+        touched: model keys, shapes and dtypes; the optimizer's class, param groups,
+        hyperparameters and per-parameter state; scheduler, scaler, extra and stateful
+        objects present; every RNG state valid. A restore that fails changes nothing.
+
+        Args:
+            strict: any mismatch raises (the default). ``False``: load what fits (the model's
+                matching keys, each other object whose state fits) and list the rest in
+                ``last_restore.not_loaded``.
+            allow_cast: load tensors saved in another dtype cast to the live dtype (e.g.
+                float32 into a bfloat16 model); otherwise a dtype difference is a mismatch.
+
         Raises:
             NoValidCheckpoint: every committed version failed verification.
+            CheckpointError: the version does not fit the objects given (a
+                :class:`~pcframe.restore.check.StateMismatch` listing every mismatch), or a
+                ``load_state_dict`` failed and every object was rolled back. This is not
+                corruption: the version is neither quarantined nor skipped.
         """
         self.wait()
         start = time.perf_counter()
@@ -327,7 +355,9 @@ class Checkpointer:
             return None
         manifest = loaded.manifest
         where = f"version {manifest.version} ({version_name(manifest.version)})"
-        apply_tree(self.objects, loaded.state_tree(), where)
+        report.not_loaded = apply_tree(
+            self.objects, loaded.state_tree(), where, strict=strict, allow_cast=allow_cast
+        )
         self._next_version = max(self._next_version, manifest.version + 1)
         report.version, report.step = manifest.version, manifest.step
         report.seconds = time.perf_counter() - start
@@ -347,36 +377,28 @@ class Checkpointer:
 
     # --- wiring ------------------------------------------------------------------------------
 
-    def _attach_tiers(
-        self, tiers: Tiers | Mapping[str, Any] | None, placement: PlacementPolicy | None
-    ) -> Tiers:
-        if tiers is None and placement is None:
-            tiers = Tiers.primary_only()
-        elif not isinstance(tiers, Tiers):
-            tiers = Tiers(tiers or {}, placement)
-        elif placement is not None:
-            tiers.placement = placement
-        try:
-            newest = tiers.attach(self.storage, self.config.keep_last)
-        except BaseException:
-            tiers.close()
-            raise
-        # Number new versions above every tier's, so no tier ever sees a number reused.
-        self._next_version = max(self._next_version, newest + 1)
-        return tiers
-
     # --- lifecycle ---------------------------------------------------------------------------
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for in-flight versions, stop the threads, release the directory lock.
+
+        A normal close marks a clean exit (the next run's ``Restarted.clean``) and, with
+        ``save_last=True``, first saves the last step seen if it is newer than the last
+        version. Leaving a ``with`` block on an exception, or exiting the interpreter on an
+        unhandled one, closes without either.
 
         Raises:
             SaveError: for the first failed version not yet reported (closed all the same).
             CheckpointError: in-flight versions did not finish within ``timeout`` seconds;
                 the engine stays open (call ``close()`` again to keep waiting).
         """
+        self._close(timeout, clean=True)
+
+    def _close(self, timeout: float | None, clean: bool) -> None:
         if self._closed:
             return
+        if clean and self.save_last and self.notice is None:
+            self._save_last()
         if not self.flight.wait_all(timeout):
             raise CheckpointError(
                 f"close: version(s) {self.flight.in_flight_versions()} still in flight after "
@@ -397,15 +419,25 @@ class Checkpointer:
             self.pipeline.close()
             # After the last commit, before the lock is released; preempted: no time to drain.
             self.tiers.close(hurry=self.notice is not None)
-            if self.notice is None:  # a preempted run's restart must count as a preemption
-                with contextlib.suppress(OSError):
+            if clean and self.notice is None:  # a preempted or crashed run's restart is not
+                with contextlib.suppress(OSError):  # a clean one
                     self.storage.mark_clean_exit()
             self.storage.close()
             atexit.unregister(self._atexit)
 
+    def _save_last(self) -> None:
+        step = self._last_step_seen
+        if step is None or (
+            self.feed.last_save_step is not None and step <= self.feed.last_save_step
+        ):
+            return
+        self.save(step, reason="save_last")
+
     def _atexit(self) -> None:
+        # An unhandled exception on the way out was printed and left in sys.last_value.
+        clean = getattr(sys, "last_value", None) is None
         try:
-            self.close(timeout=CLOSE_TIMEOUT_AT_EXIT)
+            self._close(CLOSE_TIMEOUT_AT_EXIT, clean)
         except CheckpointError as exc:
             log.error("pcframe: at exit: %s", exc)
 
@@ -416,8 +448,8 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self._close(None, clean=exc_type is None)
 
     @property
     def directory(self) -> Path:

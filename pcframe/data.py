@@ -3,6 +3,13 @@
 A ``DataLoader`` prefetches, so its sampler runs ahead of what the training loop consumed.
 :class:`ResumableLoader` therefore counts the batches handed to the loop and, on restore,
 tells :class:`ResumableSampler` to skip exactly those samples of the interrupted epoch.
+
+It also owns the loader's randomness. Every new ``DataLoader`` iterator draws a base seed
+(for worker seeds) from ``loader.generator``, or from the *global* torch RNG when the loader
+has none: after a resume that draw would happen at another point of the global stream and
+shift everything that follows (dropout masks, noise), so the run would not be bit-identical.
+A loader without a generator gets one of its own (seeded from the sampler's seed), and its
+state at the start of the epoch is saved and restored with the data position.
 """
 
 from __future__ import annotations
@@ -47,28 +54,48 @@ class ResumableLoader:
     """
 
     def __init__(self, loader: DataLoader) -> None:
+        if not isinstance(loader, DataLoader):
+            raise TypeError(
+                f"ResumableLoader wraps a torch DataLoader, not {type(loader).__name__}"
+            )
         if not isinstance(loader.sampler, ResumableSampler):
             raise TypeError(
-                "ResumableLoader needs DataLoader(..., sampler=ResumableSampler(len(dataset)))"
+                "ResumableLoader needs DataLoader(..., sampler=ResumableSampler(len(dataset))) "
+                f"(this loader samples with {type(loader.sampler).__name__}, whose position "
+                "and order cannot be restored exactly)"
             )
+        if loader.generator is None:
+            # Never the global RNG: see the module docstring.
+            loader.generator = torch.Generator().manual_seed(loader.sampler.seed + _OWN_SEED)
         self.loader = loader
         self.sampler: ResumableSampler = loader.sampler
         self.epoch = 0
         self.consumed = 0  # samples of the current epoch handed to the training loop
+        self._epoch_rng: torch.Tensor | None = None  # loader.generator at this epoch's start
 
     def __iter__(self) -> Iterator[Any]:
         self.sampler.epoch, self.sampler.start = self.epoch, self.consumed
+        if self._epoch_rng is not None:  # resumed mid-epoch: the same draws as the first time
+            self.loader.generator.set_state(self._epoch_rng)
+        self._epoch_rng = self.loader.generator.get_state()
         for batch in self.loader:
             self.consumed += _batch_size(batch)
             yield batch
         self.epoch += 1
         self.consumed = 0
+        self._epoch_rng = None
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.sampler.seed}
+        rng = self._epoch_rng if self._epoch_rng is not None else self.loader.generator.get_state()
+        return {
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "seed": self.sampler.seed,
+            "generator": rng.clone(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("seed", self.sampler.seed) != self.sampler.seed:
@@ -77,6 +104,13 @@ class ResumableLoader:
                 f"uses {self.sampler.seed}: use the same seed to resume the same data order"
             )
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+        rng = state.get("generator")  # absent in data positions saved before it was kept
+        if rng is not None:
+            self._epoch_rng = torch.as_tensor(rng, dtype=torch.uint8).clone()
+            self.loader.generator.set_state(self._epoch_rng)
+
+
+_OWN_SEED = 0x5EED  # offset, so the loader's stream differs from the sampler's permutations
 
 
 def _batch_size(batch: Any) -> int:

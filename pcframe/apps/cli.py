@@ -8,8 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from pcframe.errors import CheckpointError
-from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME, read_manifest
+from pcframe.errors import CheckpointError, ManifestError
+from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME, Manifest, read_manifest
 from pcframe.format.names import version_number
 from pcframe.restore.reader import load_version
 from pcframe.store.directory import CheckpointDir
@@ -26,22 +26,44 @@ def _pick(directory: CheckpointDir, version: int | None) -> int:
     return version
 
 
+def _manifest(directory: CheckpointDir, version: int) -> Manifest:
+    """The validated manifest of ``version``, which must say it is that version."""
+    path = directory.path(version) / MANIFEST_NAME
+    manifest = read_manifest(str(path))
+    if manifest.version != version:
+        raise ManifestError(
+            f"{path}: 'version' is {manifest.version}, but the folder is "
+            f"{directory.path(version).name}"
+        )
+    return manifest
+
+
+def _when(wall_time: float) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(wall_time))
+    except (OverflowError, OSError, ValueError):  # validated, but a platform may disagree
+        return f"{wall_time:.0f}s"
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     directory = CheckpointDir(args.directory)
     versions = directory.committed_versions()
     latest = directory.latest_hint()
     print(f"{'version':>8} {'step':>10} {'size':>12}  written              ")
+    unreadable = 0
     for version in versions:
         try:
-            manifest = read_manifest(str(directory.path(version) / MANIFEST_NAME))
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(manifest.wall_time))
-            mark = "  <- LATEST" if version == latest else ""
-            print(f"{version:>8} {manifest.step:>10} {manifest.data_size:>12}  {when}{mark}")
-        except CheckpointError as exc:
-            print(f"{version:>8} {'?':>10} {'?':>12}  unreadable: {exc}")
+            manifest = _manifest(directory, version)
+        except (CheckpointError, OSError) as exc:
+            unreadable += 1
+            print(f"{version:>8} {'?':>10} {'?':>12}  unreadable: {_one_line(exc)}")
+            continue
+        mark = "  <- LATEST" if version == latest else ""
+        when = _when(manifest.wall_time)
+        print(f"{version:>8} {manifest.step:>10} {manifest.data_size:>12}  {when}{mark}")
     if not versions:
         print(f"(no committed versions in {directory.root})")
-    return 0
+    return 1 if unreadable else 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -52,21 +74,25 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 1
     failures = 0
     for version in versions:
-        try:
-            loaded = load_version(directory.path(version), threads=args.threads)
-            print(
-                f"v{version}: OK ({len(loaded.tensors)} tensors, {loaded.manifest.data_size} bytes)"
-            )
+        try:  # every chunk checksummed, every segment checksummed and decoded, the tree too
+            loaded = load_version(directory.path(version), threads=max(1, args.threads))
+            loaded.state_tree()
         except (CheckpointError, OSError) as exc:
             failures += 1
-            print(f"v{version}: FAILED: {exc}")
+            print(f"v{version}: FAILED: {_one_line(exc)}")
+            continue
+        except Exception as exc:  # a bug, not the file: still one line, then the next version
+            failures += 1
+            print(f"v{version}: FAILED: internal error: {type(exc).__name__}: {_one_line(exc)}")
+            continue
+        print(f"v{version}: OK ({len(loaded.tensors)} tensors, {loaded.manifest.data_size} bytes)")
     return 1 if failures else 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     directory = CheckpointDir(args.directory)
     version = _pick(directory, args.version)
-    manifest = read_manifest(str(directory.path(version) / MANIFEST_NAME))
+    manifest = _manifest(directory, version)
     summary = {
         "version": manifest.version,
         "step": manifest.step,
@@ -149,14 +175,35 @@ def _check_directory(path: str) -> None:
         )
 
 
+def _one_line(exc: BaseException) -> str:
+    """The message on one line, control characters and lone surrogates escaped (a hostile
+    name must not break the terminal or the output encoding)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command: 0 when all is well, 1 when a version failed, 2 on an error.
+
+    Whatever a checkpoint directory holds, the answer is at most one line per version and
+    never a traceback.
+    """
     args = build_parser().parse_args(argv)
     try:
         _check_directory(args.directory)
         return args.func(args)
     except (CheckpointError, OSError) as exc:
-        print(f"pcframe {args.command}: {exc}", file=sys.stderr)
+        print(f"pcframe {args.command}: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # a bug, not the user's input: still one line, not a traceback
+        print(
+            f"pcframe {args.command}: internal error: {type(exc).__name__}: {_one_line(exc)} "
+            "(please report it)",
+            file=sys.stderr,
+        )
+        return 3
 
 
 if __name__ == "__main__":

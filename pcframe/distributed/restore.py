@@ -60,7 +60,14 @@ class Prepared:
 
     def apply(self, objects: TrainingObjects) -> None:
         """Load the prepared state into ``objects`` (every rank prepared successfully)."""
-        apply_tree(objects, self.tree(), "the global version", partial=True, owner=None)
+        apply_tree(
+            objects,
+            self.tree(),
+            "the global version",
+            partial=True,
+            owner=None,
+            hint="Pass the same objects that were checkpointed",
+        )
 
 
 def prepare(

@@ -35,7 +35,7 @@ from pcframe.errors import CorruptCheckpoint, ManifestError
 from pcframe.format.checksum import CHECKSUMS
 from pcframe.format.files import open_regular
 from pcframe.format.layout import Entry
-from pcframe.format.names import SAFE_FILE
+from pcframe.format.names import MAX_VERSION, SAFE_FILE
 from pcframe.format.records import (
     CODEC_NAME,
     DATA_NAME,
@@ -48,6 +48,7 @@ from pcframe.format.records import (
     Manifest,
     SegmentRecord,
 )
+from pcframe.format.tree import check_tree
 from pcframe.kernels.dtypes import DTYPES
 
 __all__ = [
@@ -77,6 +78,13 @@ MAX_TENSORS = 1_000_000
 MAX_DIMS = 32
 MAX_CHUNK_BYTES = 1 << 30
 MAX_CHAIN = 100  # deepest delta chain a reader follows (EngineConfig.full_every <= 100)
+MAX_STEP = 1 << 62  # |step| at most this
+MAX_WALL_TIME = 253402300799.0  # 9999-12-31 23:59:59 UTC: what time.strftime can show
+# Elements of one tensor, counting zero-sized dimensions as 1 (torch.empty([0, 10**30])
+# overflows; a non-empty tensor is bounded by its nbytes anyway).
+MAX_NUMEL = 1 << 56
+# Tensors that decode back to numpy arrays ('numpy_tensors'): dtypes numpy can hold.
+_NUMPY_DTYPES = frozenset(DTYPES) - {"bfloat16", "float8_e4m3fn", "float8_e5m2"}
 
 
 def read_manifest(path: str) -> Manifest:
@@ -103,12 +111,12 @@ def read_manifest(path: str) -> Manifest:
         raise CorruptCheckpoint(f"{path}: manifest has no header line (truncated?)")
     try:
         header = json.loads(line)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise CorruptCheckpoint(f"{path}: manifest header is not JSON ({exc})") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ManifestError(f"{path}: not a pcframe manifest (header {line[:80]!r})")
     format_version = header.get("format_version")
-    if format_version not in READABLE_VERSIONS:
+    if type(format_version) is not int or format_version not in READABLE_VERSIONS:
         raise ManifestError(
             f"{path}: manifest format_version {format_version!r} is not supported by this "
             f"pcframe (reads versions {', '.join(map(str, READABLE_VERSIONS))}); upgrade pcframe "
@@ -143,14 +151,21 @@ def parse_body(body: Any, path: str = "<manifest>", format_version: int = 1) -> 
 
     if not isinstance(body, dict):
         raise fail("body must be a JSON object")
-    version = integer(body.get("version"), "version")
-    step = integer(body.get("step"), "step", lo=-(1 << 62))
+    version = integer(body.get("version"), "version", 0, MAX_VERSION)
+    step = integer(body.get("step"), "step", -MAX_STEP, MAX_STEP)
     wall_time = body.get("wall_time", 0.0)
-    if not isinstance(wall_time, int | float) or not math.isfinite(wall_time):
-        raise fail("wall_time must be a finite number")
+    if (
+        isinstance(wall_time, bool)
+        or not isinstance(wall_time, int | float)
+        or not 0 <= wall_time <= MAX_WALL_TIME  # False for NaN too
+    ):
+        raise fail(
+            f"wall_time must be seconds since 1970 in [0, {MAX_WALL_TIME:.0f}], "
+            f"got {wall_time!r:.40}"
+        )
     checksum = body.get("checksum")
-    if checksum not in CHECKSUMS:
-        raise fail(f"unknown checksum algorithm {checksum!r}")
+    if not isinstance(checksum, str) or checksum not in CHECKSUMS:
+        raise fail(f"unknown checksum algorithm {checksum!r:.40}; known: {', '.join(CHECKSUMS)}")
     chunk_bytes = integer(body.get("chunk_bytes"), "chunk_bytes", 1, MAX_CHUNK_BYTES)
 
     files = body.get("files")
@@ -191,6 +206,7 @@ def parse_body(body: Any, path: str = "<manifest>", format_version: int = 1) -> 
         raise fail(f"{len(raw_tensors)} tensors is over the limit of {MAX_TENSORS}")
     coded = _CodedParser(fail, integer, chunk_bytes, codec_size, format_version)
     entries = [_parse_entry(t, i, data_size, fail, coded) for i, t in enumerate(raw_tensors)]
+    _check_unique_names(entries, fail)
     _check_no_overlap([e for e in entries if e.raw], fail)
     coded.check_tiling()
     delta = _parse_delta(body.get("delta"), version, integer, fail)
@@ -199,14 +215,14 @@ def parse_body(body: Any, path: str = "<manifest>", format_version: int = 1) -> 
     if delta is not None and format_version < 2:
         raise fail("'delta' needs manifest format version 2")
 
-    numpy_tensors = body.get("numpy_tensors", [])
-    if not isinstance(numpy_tensors, list) or not all(
-        isinstance(i, int) and 0 <= i < len(entries) for i in numpy_tensors
-    ):
-        raise fail("'numpy_tensors' must list tensor indices")
+    numpy_tensors = _parse_numpy_tensors(body.get("numpy_tensors", []), entries, fail)
     for key in ("codecs", "metadata", "engine"):
         if not isinstance(body.get(key, {}), dict):
             raise fail(f"'{key}' must be an object")
+    try:  # every tag and tensor reference, so a restore never fails after choosing a version
+        check_tree(body.get("tree"), len(entries), numpy_tensors)
+    except ManifestError as exc:
+        raise fail(str(exc)) from None
     return Manifest(
         version=version,
         step=step,
@@ -234,9 +250,11 @@ def _parse_entry(raw: Any, i: int, data_size: int, fail: Any, coded: _CodedParse
     if not isinstance(name, str) or len(name) > 4096:
         raise fail(f"tensor {i} has no valid name")
     dtype = raw.get("dtype")
-    if dtype not in DTYPES:
-        raise fail(f"tensor {name!r} has unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise fail(f"tensor {name!r} has unknown dtype {dtype!r:.40}; known: {', '.join(DTYPES)}")
     codec = raw.get("codec", "raw")
+    if not isinstance(codec, str):
+        raise fail(f"tensor {name!r} has a codec {codec!r:.40} that is not a name")
     if codec != "raw":
         coded.check_codec(name, codec)
     expected_file = DATA_NAME if codec == "raw" else CODEC_NAME
@@ -250,17 +268,19 @@ def _parse_entry(raw: Any, i: int, data_size: int, fail: Any, coded: _CodedParse
         or len(shape) > MAX_DIMS
         or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     ):
-        raise fail(f"tensor {name!r} has an invalid shape {shape!r}")
+        raise fail(f"tensor {name!r} has an invalid shape {shape!r:.200}")
     offset = raw.get("offset") if codec == "raw" else 0  # coded tensors live in segments
     nbytes = raw.get("nbytes")
     for value, what in ((offset, "offset"), (nbytes, "nbytes")):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise fail(f"tensor {name!r} has an invalid {what} {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 62:
+            raise fail(f"tensor {name!r} has an invalid {what} {value!r:.40}")
     itemsize = DTYPES[dtype].itemsize
     if math.prod(shape) * itemsize != nbytes:
         raise fail(f"tensor {name!r}: shape {shape} x {itemsize} bytes != nbytes {nbytes}")
+    if math.prod(max(d, 1) for d in shape) > MAX_NUMEL:  # e.g. [0, 10**30]: empty, unbuildable
+        raise fail(f"tensor {name!r} has a shape {shape!r:.200} over {MAX_NUMEL} elements")
     if codec != "raw":
-        coded.parse(i, name, codec, math.prod(shape), itemsize, raw.get("segments"))
+        coded.parse(i, name, codec, math.prod(shape), dtype, raw.get("segments"))
         return Entry(name, dtype, tuple(shape), 0, nbytes, codec)
     if offset + nbytes > data_size:
         raise fail(f"tensor {name!r} ends at byte {offset + nbytes}, past the data ({data_size})")
@@ -293,8 +313,11 @@ class _CodedParser:
             )
         self.needs_base = self.needs_base or get_codec(codec).needs_previous
 
-    def parse(self, index: int, name: str, codec: Any, numel: int, itemsize: int, raw: Any) -> None:
+    def parse(self, index: int, name: str, codec: str, numel: int, dtype: str, raw: Any) -> None:
+        from pcframe.kernels.codecs import get_codec
+
         fail, integer = self.fail, self.integer
+        itemsize, decoder = DTYPES[dtype].itemsize, get_codec(codec)
         if not isinstance(raw, list) or (numel and not raw) or len(raw) > numel:
             raise fail(f"tensor {name!r}: 'segments' must be a list of 1..{numel} segments")
         records, cursor = [], 0
@@ -314,6 +337,10 @@ class _CodedParser:
                 raise fail(f"{where} starts at element {start}, expected {cursor}")
             if not isinstance(item[5], dict):
                 raise fail(f"{where} meta must be an object")
+            try:  # the codec's own schema: sizes, ranges, flags, agreeing with the tensor
+                decoder.check_meta(item[5], DTYPES[dtype], (count,), length)
+            except ValueError as exc:
+                raise fail(f"{where} meta: {exc}") from None
             cursor += count
             records.append(SegmentRecord(offset, length, item[2], start, count, item[5]))
         if cursor != numel:
@@ -343,6 +370,30 @@ def _parse_delta(raw: Any, version: int, integer: Any, fail: Any) -> DeltaLink |
         raise fail(f"delta base {base} must be older than version {version}")
     depth = integer(raw.get("depth"), "delta depth", 1, MAX_CHAIN)
     return DeltaLink(base, depth)
+
+
+def _check_unique_names(entries: list[Entry], fail: Any) -> None:
+    seen: set[str] = set()
+    for entry in entries:
+        if entry.name in seen:
+            raise fail(f"tensor name {entry.name!r} appears more than once in 'tensors'")
+        seen.add(entry.name)
+
+
+def _parse_numpy_tensors(raw: Any, entries: list[Entry], fail: Any) -> list[int]:
+    if not isinstance(raw, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(entries) for i in raw
+    ):
+        raise fail(f"'numpy_tensors' must list tensor indices in [0, {len(entries)})")
+    if len(set(raw)) != len(raw):
+        raise fail("'numpy_tensors' lists a tensor more than once")
+    for i in raw:
+        if entries[i].dtype not in _NUMPY_DTYPES:
+            raise fail(
+                f"'numpy_tensors' lists tensor {entries[i].name!r} of dtype {entries[i].dtype}, "
+                "which numpy cannot hold"
+            )
+    return raw
 
 
 def _check_no_overlap(entries: list[Entry], fail: Any) -> None:

@@ -1,17 +1,48 @@
-"""Apply: a verified state tree loaded into the live training objects.
+"""Apply: a verified state tree loaded into the live training objects, all or nothing.
 
 The one apply of both front doors: :class:`~pcframe.Checkpointer` applies a whole decoded
 version, :class:`~pcframe.distributed.DistributedCheckpointer` the tree one rank assembled
 from the shards (``partial=True``: only the sections that rank loads).
+
+First :func:`~pcframe.restore.check.check_tree` compares everything with the live objects
+and nothing is touched: a mismatch raises one :class:`~pcframe.restore.check.StateMismatch`
+listing every problem (``strict``), or the objects that do not fit are left out and listed
+(``strict=False``). Then each object is loaded after its undo is recorded, and a
+``load_state_dict`` that fails anyway rolls every object back, so a failed restore changes
+nothing:
+
+* optimizer: torch's ``load_state_dict`` builds the new state and swaps it in, so the undo
+  keeps the old ``state`` and ``param_groups`` by reference (no copy); an optimizer with its
+  own ``load_state_dict`` gets a deep copy of its ``state_dict()`` instead;
+* model: the parameters and buffers, copied to host memory just before the model is loaded
+  (the model is loaded last of the fallible objects) and copied back in place on failure;
+* scheduler, scaler, stateful objects, policy: a deep copy of their ``state_dict()``;
+* RNG and extra: their current state (they cannot fail once checked).
 """
 
 from __future__ import annotations
 
+import copy
+import logging
+from collections.abc import Callable
+from itertools import chain
 from typing import Any
+
+import torch
+from torch.optim.optimizer import Optimizer
 
 from pcframe.errors import CheckpointError
 from pcframe.objects import TrainingObjects
-from pcframe.rng import restore_rng
+from pcframe.restore.check import LoadPlan, StateMismatch, check_tree, describe_problems
+from pcframe.rng import capture_rng, restore_rng
+
+log = logging.getLogger("pcframe")
+
+RESTORE_HINT = (
+    "Pass the same objects that were checkpointed, or restore(strict=False) to load only what "
+    "fits"
+)
+CAST_HINT = "; restore(allow_cast=True) casts tensors to the live dtypes"
 
 
 def apply_tree(
@@ -20,57 +51,199 @@ def apply_tree(
     where: str,
     *,
     partial: bool = False,
+    strict: bool = True,
+    allow_cast: bool = False,
     owner: str | None = "the Checkpointer",
-) -> None:
+    hint: str | None = RESTORE_HINT,
+) -> list[str]:
     """Load ``tree`` (a decoded version) into ``objects``; ``where`` names the version.
 
     Args:
         partial: ``tree`` holds only the sections this caller loads (a multi-rank restore,
             whose caller checked what it needs: a rank beyond the saved world size keeps its
             own per-rank state); a section missing from it is left alone, not refused.
+        strict: refuse any mismatch (the default). ``False``: load what fits (the model's
+            matching keys, every other object whose state fits) and return the rest.
+        allow_cast: load tensors saved in another dtype, cast to the live one (otherwise a
+            dtype difference is a mismatch).
         owner: the front door the objects were given to, named in the errors (``None``:
             not named).
+        hint: the advice that ends a mismatch message (``None``: none).
+
+    Returns:
+        What was not loaded, one line per mismatch (empty after a strict restore).
 
     Raises:
-        CheckpointError: the version lacks state an object needs, or does not fit it.
+        StateMismatch: (a CheckpointError) ``strict`` and the version does not fit the
+            objects; the message lists every mismatch. Nothing was changed.
+        CheckpointError: a ``load_state_dict`` failed after the checks; every object was
+            rolled back to its state before the call.
     """
+    given = f"the objects given to {owner}" if owner else "the objects given"
+    plan = check_tree(objects, tree, partial=partial, allow_cast=allow_cast, owner=owner)
+    if plan.problems and strict:
+        advice = hint + (CAST_HINT if plan.casts else "") if hint else None
+        raise StateMismatch(describe_problems(where, given, plan.problems, advice), plan.problems)
+    not_loaded = list(plan.problems)
+    undo = _Undo()
+    for name, load in _loads(objects, plan):
+        try:
+            load(undo)
+        except BaseException as exc:
+            if strict or not isinstance(exc, Exception):
+                undo.all()
+                if not isinstance(exc, Exception):
+                    raise
+                raise CheckpointError(
+                    f"{where} does not fit {given}: loading {name} failed "
+                    f"({type(exc).__name__}: {exc}); every object was rolled back, nothing "
+                    "was loaded"
+                ) from exc
+            undo.last()
+            not_loaded.append(f"{name}: load_state_dict failed: {type(exc).__name__}: {exc}")
+        undo.commit_step()
+    if not_loaded:
+        log.warning("pcframe: %s: not loaded (strict=False): %s", where, "; ".join(not_loaded))
+    return not_loaded
 
-    def has(key: str, obj: Any) -> bool:
-        """Whether to load section ``key`` into ``obj`` (refusing a missing one if needed)."""
-        if obj is None:
-            return False
-        if key in tree:
-            return True
-        if partial:
-            return False
-        raise CheckpointError(
-            f"{where} has no '{key}' state, but {owner} was given one; "
-            f"pass the same objects that were checkpointed"
-        )
 
-    try:
-        if has("model", objects.model):
-            objects.model.load_state_dict(tree["model"])
-        if has("optimizer", objects.optimizer):
-            objects.optimizer.load_state_dict(tree["optimizer"])
-        if has("scheduler", objects.scheduler):
-            objects.scheduler.load_state_dict(tree["scheduler"])
-        if has("scaler", objects.scaler):
-            objects.scaler.load_state_dict(tree["scaler"])
-        if objects.stateful and has("stateful", objects.stateful):
-            states = tree["stateful"]
-            for name, obj in objects.stateful.items():
-                if name not in states:
-                    raise CheckpointError(f"{where} has no stateful object named {name!r}")
-                obj.load_state_dict(states[name])
-    except CheckpointError:
-        raise
-    except (RuntimeError, ValueError, KeyError) as exc:
-        given = f"the objects given to {owner}" if owner else "the objects given"
-        raise CheckpointError(f"{where} does not fit {given}: {exc}") from exc
-    restore_rng(tree.get("rng", {}))
-    if objects.policy is not None and "policy" in tree:
-        objects.policy.load_state_dict(tree["policy"])
-    if isinstance(objects.extra, dict) and "extra" in tree:
-        objects.extra.clear()
-        objects.extra.update(tree["extra"])
+def _loads(objects: TrainingObjects, plan: LoadPlan) -> list[tuple[str, Callable[[Any], None]]]:
+    """(name, load) for every object the plan loads, in the order of ``check.SECTIONS``."""
+    states = plan.states
+    loads: list[tuple[str, Callable[[Any], None]]] = [
+        (f"stateful[{name!r}]", _state_load(objects.stateful[name], state))
+        for name, state in plan.stateful.items()
+    ]
+    for section in ("scheduler", "scaler", "policy"):
+        if section in states:
+            loads.append((section, _state_load(getattr(objects, section), states[section])))
+    if "optimizer" in states:
+        loads.append(("optimizer", _optimizer_load(objects.optimizer, states["optimizer"])))
+    if "model" in states:
+        loads.append(("model", _model_load(objects.model, states["model"], plan.model_complete)))
+    if "rng" in states:
+        loads.append(("rng", _rng_load(states["rng"], plan.rng_skip)))
+    if "extra" in states:
+        loads.append(("extra", _extra_load(objects.extra, states["extra"])))
+    return loads
+
+
+class _Undo:
+    """Undo steps, grouped per object: ``last()`` undoes one object, ``all()`` everything."""
+
+    def __init__(self) -> None:
+        self.done: list[list[Callable[[], None]]] = []
+        self.current: list[Callable[[], None]] = []
+
+    def push(self, step: Callable[[], None]) -> None:
+        self.current.append(step)
+
+    def commit_step(self) -> None:
+        self.done.append(self.current)
+        self.current = []
+
+    def last(self) -> None:
+        self._run(self.current)
+        self.current = []
+
+    def all(self) -> None:
+        self._run(self.current + [step for steps in self.done for step in steps])
+        self.current, self.done = [], []
+
+    @staticmethod
+    def _run(steps: list[Callable[[], None]]) -> None:
+        failed = []
+        for step in reversed(steps):
+            try:
+                step()
+            except Exception as exc:  # undo what can be undone; say what could not
+                failed.append(exc)
+                log.error("pcframe: rolling back a failed restore: %s", exc)
+        if failed:
+            raise CheckpointError(
+                f"a restore failed and rolling it back failed too ({failed[0]}): the objects "
+                "may be partly loaded; restore again or rebuild them"
+            ) from failed[0]
+
+
+def _deep_copy(state: Any) -> Any:
+    """A copy that later loads cannot change (tensors cloned)."""
+    return copy.deepcopy(state)
+
+
+def _state_load(obj: Any, state: Any) -> Callable[[_Undo], None]:
+    def load(undo: _Undo) -> None:
+        before = _deep_copy(obj.state_dict())
+        undo.push(lambda: obj.load_state_dict(before))
+        obj.load_state_dict(state)
+
+    return load
+
+
+def _optimizer_load(optimizer: Optimizer, state: Any) -> Callable[[_Undo], None]:
+    def load(undo: _Undo) -> None:
+        if type(optimizer).load_state_dict is Optimizer.load_state_dict:
+            # torch builds the new state and param groups, then swaps them in: keep the old.
+            kept = {k: optimizer.__dict__[k] for k in ("state", "param_groups")}
+            undo.push(lambda: optimizer.__dict__.update(kept))
+        else:
+            before = _deep_copy(optimizer.state_dict())
+            undo.push(lambda: optimizer.load_state_dict(before))
+        optimizer.load_state_dict(state)
+
+    return load
+
+
+def _model_load(
+    model: torch.nn.Module, state: dict[str, Any], complete: bool
+) -> Callable[[_Undo], None]:
+    def load(undo: _Undo) -> None:
+        saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        seen: set[int] = set()
+        for tensor in chain(model.parameters(), model.buffers()):
+            if id(tensor) in seen or tensor.is_meta:
+                continue
+            seen.add(id(tensor))
+            local = _local(tensor).detach()
+            saved.append((tensor, local.to("cpu", copy=True)))
+
+        def put_back() -> None:
+            with torch.no_grad():
+                for tensor, host in saved:
+                    _local(tensor).copy_(host)
+
+        undo.push(put_back)
+        model.load_state_dict(state, strict=complete)
+
+    return load
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor holding this rank's data (a DTensor's local shard)."""
+    return getattr(tensor, "_local_tensor", tensor)
+
+
+def _rng_load(state: dict[str, Any], skip: set[str]) -> Callable[[_Undo], None]:
+    def load(undo: _Undo) -> None:
+        before = capture_rng()
+        if "cuda" in state and torch.cuda.is_available() and "cuda" not in skip:
+            before["cuda"] = torch.cuda.get_rng_state_all()
+        undo.push(lambda: restore_rng(before))
+        restore_rng(state, skip)
+
+    return load
+
+
+def _extra_load(extra: dict[str, Any], state: dict[str, Any]) -> Callable[[_Undo], None]:
+    def load(undo: _Undo) -> None:
+        before = _deep_copy(extra)
+
+        def put_back() -> None:
+            extra.clear()
+            extra.update(before)
+
+        undo.push(put_back)
+        extra.clear()
+        extra.update(state)
+
+    return load

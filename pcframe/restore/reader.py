@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from pcframe.errors import CorruptCheckpoint
+from pcframe.errors import CorruptCheckpoint, ManifestError
 from pcframe.format.checksum import checksum_function
 from pcframe.format.files import open_regular
 from pcframe.format.layout import Chunk
@@ -40,7 +40,7 @@ from pcframe.format.manifest import (
     SegmentRecord,
     read_manifest,
 )
-from pcframe.format.names import version_name
+from pcframe.format.names import VERSION_DIR, version_name
 from pcframe.format.tree import DTYPES, decode_tree
 
 _IOV_MAX = 1024
@@ -73,6 +73,13 @@ def load_version(directory: str | Path, threads: int = 4, verify: bool = True) -
     """
     directory = Path(directory)
     manifest = read_manifest(str(directory / MANIFEST_NAME))
+    named = VERSION_DIR.match(directory.name)
+    if named and int(named.group(1)) != manifest.version:
+        # A version number restore would count new versions from: it must be the folder's.
+        raise ManifestError(
+            f"{directory / MANIFEST_NAME}: 'version' is {manifest.version}, but the folder is "
+            f"{directory.name}; the manifest belongs to another version (copied or tampered)"
+        )
     reader = _VersionReader(directory, manifest, threads, verify)
     wanted = range(len(manifest.entries))
     tensors, chain = reader.read(wanted)
@@ -231,8 +238,12 @@ class _VersionReader:
                 previous=base[span] if base is not None else None,
                 out=flat[span],
             )
-        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
-            raise CorruptCheckpoint(f"{where} ({entry.codec}) does not decode: {exc}") from None
+        except (OSError, MemoryError):
+            raise  # the machine, not the bytes
+        except Exception as exc:  # any decoder failure on verified bytes: hostile or corrupt
+            raise CorruptCheckpoint(
+                f"{where} ({entry.codec}) does not decode: {type(exc).__name__}: {exc}"
+            ) from None
 
     def _base_values(self, coded: list[int]) -> tuple[dict[int, torch.Tensor], list[int]]:
         """For a delta version: its delta tensors' values in the base version, by entry."""

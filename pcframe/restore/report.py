@@ -13,6 +13,7 @@ class RestoreReport:
     skipped: list[tuple[int, str]] = field(default_factory=list)  # (version, why)
     tier: str | None = None  # the tier the version was read from (None without tiers)
     unavailable: list[str] = field(default_factory=list)  # tiers that could not be listed
+    not_loaded: list[str] = field(default_factory=list)  # restore(strict=False): what did not fit
 
 
 @dataclass

@@ -75,7 +75,9 @@ class SavePipeline:
         self.writer = Writer(config)
         self.persist = choose_persist(storage.root, config.persist)
         self.deltas = DeltaTracker(config.full_every, storage)
-        bases: list[KeepBases] = [self.deltas] if config.codecs else []
+        # Delta chains are closed over even without codecs configured now: versions of an
+        # earlier run may be deltas, and a kept one must keep its base.
+        bases: list[KeepBases] = [self.deltas]
         self.retention = Retention(storage, [KeepLast(config.keep_last), *keep], bases)
         self.committer = Committer(config, storage, self.deltas, self.retention, self.persist)
         # Who needs every version to be full (replica tiers copy single versions, not delta

@@ -9,7 +9,8 @@ from pcframe.store.tiers.base import Tier, TierCancelled, TierError
 from pcframe.store.tiers.local import LocalTier
 from pcframe.store.tiers.memory import is_memory_backed, memory_directory
 from pcframe.store.tiers.replicator import Replicator, TierStatus
-from pcframe.store.tiers.tierset import Secured, Source, Tiers, make_tier
+from pcframe.store.tiers.specs import make_tier
+from pcframe.store.tiers.tierset import Secured, Source, Tiers, attach_tiers
 
 
 def __getattr__(name: str) -> object:
@@ -32,6 +33,7 @@ __all__ = [
     "TierError",
     "TierStatus",
     "Tiers",
+    "attach_tiers",
     "is_memory_backed",
     "make_tier",
     "memory_directory",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,50 +35,9 @@ from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.tiers.base import Tier, TierError
 from pcframe.store.tiers.local import LocalTier
 from pcframe.store.tiers.replicator import Job, Replicator, TierStatus
+from pcframe.store.tiers.specs import TierSpec, make_tier
 
 log = logging.getLogger("pcframe.store.tiers")
-
-TierSpec = str | os.PathLike[str] | Tier | Mapping[str, Any]
-
-
-def make_tier(name: str, spec: TierSpec) -> Tier:
-    """A tier from a path (local directory), a URL (fsspec remote), a mapping or a Tier.
-
-    Mappings are the config form: ``{"path": "/data/ckpt"}`` or ``{"url": "s3://b/run",
-    "storage_options": {...}, "timeout": 30}``.
-    """
-    if isinstance(spec, Tier):
-        tier = spec
-    elif isinstance(spec, str | os.PathLike):
-        text = os.fspath(spec)
-        if text.startswith("file://"):
-            tier = LocalTier(text[len("file://") :])
-        elif "://" in text:
-            from pcframe.store.tiers.remote import RemoteTier
-
-            tier = RemoteTier(text)
-        else:
-            tier = LocalTier(text)
-    elif isinstance(spec, Mapping):
-        options = dict(spec)
-        if "url" in options:
-            from pcframe.store.tiers.remote import RemoteTier
-
-            tier = RemoteTier(options.pop("url"), **options)
-        elif "path" in options and len(options) == 1:
-            tier = LocalTier(options["path"])
-        else:
-            raise TierError(
-                f"tiers.{name}: {spec!r} needs a 'path' (local directory) or a 'url' (remote, "
-                "with optional storage_options, timeout, min_throughput)"
-            )
-    else:
-        raise TierError(
-            f"tiers.{name}: {type(spec).__name__} is not a tier; give a directory path, a URL "
-            "such as 's3://bucket/run', a {'url': ...} mapping or a Tier object"
-        )
-    tier.name = name
-    return tier
 
 
 @dataclass(frozen=True)
@@ -433,3 +391,27 @@ class Tiers:
         for tier in self.replicas.values():
             with contextlib.suppress(Exception):
                 tier.close()
+
+
+def attach_tiers(
+    tiers: Tiers | Mapping[str, TierSpec] | None,
+    placement: PlacementPolicy | None,
+    primary: WritableCheckpointDir,
+    keep_last: int,
+) -> tuple[Tiers, int]:
+    """The engine's tiers (the null object without replicas or placement), attached.
+
+    Returns them and the newest version any replica holds (0 if none).
+    """
+    if tiers is None and placement is None:
+        tiers = Tiers.primary_only()
+    elif not isinstance(tiers, Tiers):
+        tiers = Tiers(tiers or {}, placement)
+    elif placement is not None:
+        tiers.placement = placement
+    try:
+        newest = tiers.attach(primary, keep_last)
+    except BaseException:
+        tiers.close()
+        raise
+    return tiers, newest

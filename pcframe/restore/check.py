@@ -1,0 +1,216 @@
+"""Check: a decoded state tree against the live objects, before any of them is touched.
+
+:func:`check_tree` compares every section of a version with the object it would be loaded
+into and returns a :class:`LoadPlan`: what to load and every mismatch, one line each.
+:func:`~pcframe.restore.apply.apply_tree` refuses a plan with mismatches (strict) or loads
+only what fits (``strict=False``). What is compared:
+
+* model: keys both ways, and per tensor the shape and (unless ``allow_cast``) the dtype;
+* optimizer (:mod:`pcframe.restore.check_optimizer`): class, param groups, hyperparameters
+  and per-parameter state keys, shapes and dtypes;
+* scheduler, scaler, extra: present when an object is given (a GradScaler's state complete);
+* stateful objects: every name given is saved;
+* RNG: every generator state loads into a scratch generator (:func:`pcframe.rng.check_rng`).
+
+The policy's learned state is not compared (any policy may read another's state); a failing
+``load_state_dict`` of it, or of anything else, is rolled back by the apply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pcframe.errors import CheckpointError
+from pcframe.objects import TrainingObjects
+from pcframe.restore.check_optimizer import check_optimizer
+from pcframe.rng import check_rng
+
+# Sections loaded as one state each, in the order the apply loads them (the model last of
+# the fallible ones: its snapshot is the largest, and is taken only when it is reached).
+SECTIONS = ("stateful", "scheduler", "scaler", "policy", "optimizer", "model", "rng", "extra")
+
+
+class StateMismatch(CheckpointError):
+    """The saved state does not fit the objects given; nothing was loaded.
+
+    ``mismatches`` lists every problem found, one line each (also in the message).
+    """
+
+    def __init__(self, message: str, mismatches: list[str]) -> None:
+        super().__init__(message)
+        self.mismatches = list(mismatches)
+
+
+@dataclass
+class LoadPlan:
+    """What to load into each object (a section absent: leave that object alone)."""
+
+    problems: list[str] = field(default_factory=list)
+    states: dict[str, Any] = field(default_factory=dict)  # section -> state to load
+    stateful: dict[str, Any] = field(default_factory=dict)  # name -> state to load
+    rng_skip: set[str] = field(default_factory=set)  # generators whose saved state is refused
+    casts: bool = False  # a dtype mismatch was among the problems
+    model_complete: bool = False  # the model's state covers every key of the model
+
+
+def check_tree(
+    objects: TrainingObjects,
+    tree: Any,
+    *,
+    partial: bool = False,
+    allow_cast: bool = False,
+    owner: str | None = "the Checkpointer",
+) -> LoadPlan:
+    """Compare ``tree`` (a decoded version) with ``objects``; nothing is changed.
+
+    ``partial``: a section missing from ``tree`` is left alone instead of being a problem
+    (a multi-rank restore, whose tree holds only what that rank loads).
+    """
+    plan = LoadPlan()
+    if not isinstance(tree, dict):
+        plan.problems.append(f"the state tree is a {type(tree).__name__}, not a dict")
+        return plan
+    given = owner or "the restore"
+
+    def wanted(section: str, obj: Any) -> bool:
+        if obj is None:
+            return False
+        if section in tree:
+            return True
+        if not partial:
+            plan.problems.append(
+                f"{section}: the checkpoint holds no {section} state, but {given} was given one"
+            )
+        return False
+
+    if objects.stateful and wanted("stateful", objects.stateful):
+        _check_stateful(objects.stateful, tree["stateful"], plan)
+    if wanted("scheduler", objects.scheduler):
+        plan.states["scheduler"] = tree["scheduler"]
+    if wanted("scaler", objects.scaler):
+        _check_scaler(objects.scaler, tree["scaler"], plan)
+    if objects.policy is not None and "policy" in tree:
+        plan.states["policy"] = tree["policy"]
+    if wanted("optimizer", objects.optimizer):
+        saved_class = tree.get("optimizer_class")
+        before = len(plan.problems)
+        state = check_optimizer(
+            objects.optimizer,
+            tree["optimizer"],
+            saved_class if isinstance(saved_class, str) else None,
+            allow_cast,
+            plan.problems,
+        )
+        plan.casts |= any("dtype" in p for p in plan.problems[before:])
+        if len(plan.problems) == before:
+            plan.states["optimizer"] = state
+    if wanted("model", objects.model):
+        _check_model(objects.model, tree["model"], allow_cast, plan)
+    if "rng" in tree:
+        refused = check_rng(tree["rng"])
+        plan.problems += [f"rng[{name!r}]: {why}" for name, why in refused.items()]
+        if "rng" not in refused:  # the whole section is unusable
+            plan.states["rng"] = tree["rng"]
+            plan.rng_skip = set(refused)
+    if isinstance(objects.extra, dict) and wanted("extra", objects.extra):
+        if isinstance(tree["extra"], dict):
+            plan.states["extra"] = tree["extra"]
+        else:
+            plan.problems.append(f"extra: the checkpoint holds a {type(tree['extra']).__name__}")
+    return plan
+
+
+def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
+    """The name a version stores as ``optimizer_class`` next to the optimizer's state."""
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def describe_problems(where: str, given: str, problems: list[str], hint: str | None) -> str:
+    """One message listing every problem (the text of a :class:`StateMismatch`)."""
+    count = f"{len(problems)} mismatch{'es' if len(problems) != 1 else ''}"
+    lines = "".join(f"\n  - {problem}" for problem in problems)
+    tail = f"\n{hint}" if hint else ""
+    return f"{where} does not fit {given} ({count}; nothing was loaded):{lines}{tail}"
+
+
+def _check_model(model: torch.nn.Module, saved: Any, allow_cast: bool, plan: LoadPlan) -> None:
+    if not isinstance(saved, dict):
+        plan.problems.append(f"model: the checkpoint holds a {type(saved).__name__}, not a state dict")
+        return
+    live = model.state_dict()
+    missing = [key for key in live if key not in saved]
+    unexpected = [key for key in saved if key not in live]
+    fits: dict[str, Any] = {}
+    for key, value in live.items():
+        if key not in saved:
+            continue
+        problem = tensor_misfit(value, saved[key], allow_cast)
+        if problem:
+            plan.casts |= "dtype" in problem
+            plan.problems.append(f"model[{key!r}]: {problem}")
+        else:
+            fits[key] = saved[key]
+    if missing:
+        plan.problems.append(f"model: keys the checkpoint lacks: {missing}{_prefix_hint(missing, unexpected)}")
+    if unexpected:
+        plan.problems.append(f"model: keys the model lacks: {unexpected}")
+    if fits:
+        plan.states["model"] = fits
+        plan.model_complete = len(fits) == len(live)
+
+
+def tensor_misfit(live: Any, saved: Any, allow_cast: bool) -> str | None:
+    """Why ``saved`` cannot be loaded into the live tensor ``live`` (``None``: it can)."""
+    if not isinstance(live, torch.Tensor):
+        return None  # extra state: the module's own set_extra_state judges it
+    if not isinstance(saved, torch.Tensor):
+        return f"the checkpoint holds a {type(saved).__name__}, not a tensor"
+    if tuple(saved.shape) != tuple(live.shape):
+        return f"shape {tuple(saved.shape)} in the checkpoint, {tuple(live.shape)} here"
+    if saved.dtype != live.dtype and not allow_cast:
+        return f"dtype {saved.dtype} in the checkpoint, {live.dtype} here"
+    return None
+
+
+def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
+    """A hint when the two key lists differ only by a wrapper's prefix (DDP's 'module.')."""
+    if not missing or len(missing) != len(unexpected):
+        return ""
+    pairs = ((sorted(unexpected), sorted(missing), "checkpoint"), (sorted(missing), sorted(unexpected), "model"))
+    for longer, shorter, side in pairs:
+        if len(longer[0]) > len(shorter[0]) and longer[0].endswith(shorter[0]):
+            prefix = longer[0][: len(longer[0]) - len(shorter[0])]
+            if [prefix + key for key in shorter] == longer:
+                return f" (the {side}'s keys carry an extra prefix {prefix!r}: the same wrapping?)"
+    return ""
+
+
+def _check_stateful(given: Any, saved: Any, plan: LoadPlan) -> None:
+    if not isinstance(saved, dict):
+        plan.problems.append(f"stateful: the checkpoint holds a {type(saved).__name__}, not a dict")
+        return
+    for name in given:
+        if name in saved:
+            plan.stateful[name] = saved[name]
+        else:
+            plan.problems.append(
+                f"stateful[{name!r}]: the checkpoint has no stateful object named {name!r} "
+                f"(it has {sorted(saved)})"
+            )
+
+
+def _check_scaler(scaler: Any, saved: Any, plan: LoadPlan) -> None:
+    live = scaler.state_dict()
+    if isinstance(live, dict) and live:  # an enabled GradScaler reads every key it saves
+        lacking = sorted(set(live) - set(saved)) if isinstance(saved, dict) else sorted(live)
+        if lacking:
+            plan.problems.append(
+                f"scaler: the checkpoint's scaler state lacks {lacking} (saved from a disabled "
+                "scaler, or another kind of object?)"
+            )
+            return
+    plan.states["scaler"] = saved

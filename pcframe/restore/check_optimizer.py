@@ -1,0 +1,193 @@
+"""Whether a saved optimizer ``state_dict()`` fits the live optimizer, before it is loaded.
+
+``Optimizer.load_state_dict`` checks only the number and sizes of the param groups: it takes
+another class's state (Adam's into SGD) and the step fails later (``KeyError: 'momentum'``),
+or silently starts fresh moments. After a load the optimizer runs with the *saved* param
+groups' hyperparameters and the *saved* per-parameter state, so this checks exactly that
+pair against the live class:
+
+* the class, when the version names it (``optimizer_class`` next to the state);
+* param groups: count and sizes;
+* hyperparameters: every key the live class reads (its ``defaults`` and the live groups'
+  keys) is in each saved group, except those the class's own ``__setstate__`` fills in
+  (torch's path for checkpoints of older torch versions, found on a scratch instance);
+* per-parameter state: every key a step of the live class with the saved hyperparameters
+  creates is in the saved state, and state shaped like its parameter has that parameter's
+  shape (and dtype, unless ``allow_cast``). The keys a step creates are found by one step
+  of a scratch optimizer of the same class over tiny scratch parameters (torch's own
+  optimizers only, whose step has no side effects; no hooks run). For other classes, or
+  when the scratch step fails, the live optimizer's own state for that parameter (if any)
+  is the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+import torch
+import torch.optim.optimizer as optimizer_module
+from torch.optim.optimizer import Optimizer
+
+PRIME_DIMS = (2, 3, 5, 7, 11, 13)  # scratch parameter sizes: a state shaped like it is telling
+GROUP_BOOKKEEPING = {"params", "param_names"}
+
+
+def check_optimizer(
+    optimizer: Optimizer,
+    saved: Any,
+    saved_class: str | None,
+    allow_cast: bool,
+    problems: list[str],
+) -> Any:
+    """Append to ``problems`` why ``saved`` does not fit ``optimizer``; return ``saved``."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not (
+        isinstance(saved, dict)
+        and isinstance(saved.get("state"), dict)
+        and isinstance(groups, list)
+        and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+    ):
+        problems.append("optimizer: the checkpoint's state is not an optimizer state_dict()")
+        return saved
+    cls = type(optimizer)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if saved_class is not None and saved_class != name:
+        problems.append(f"optimizer: saved from a {saved_class}, this optimizer is a {name}")
+    live_groups = optimizer.param_groups
+    if len(groups) != len(live_groups):
+        problems.append(
+            f"optimizer: {len(groups)} param groups in the checkpoint, {len(live_groups)} here"
+        )
+        return saved
+    sizes = [(len(g["params"]), len(lg["params"])) for g, lg in zip(groups, live_groups, strict=True)]
+    if any(a != b for a, b in sizes):
+        listed = ", ".join(f"group {i}: {a} vs {b}" for i, (a, b) in enumerate(sizes) if a != b)
+        problems.append(f"optimizer: param group sizes differ (checkpoint vs here: {listed})")
+        return saved
+    filled = _filled_by_setstate(cls)
+    for index, (group, live_group) in enumerate(zip(groups, live_groups, strict=True)):
+        needed = (set(optimizer.defaults) | set(live_group)) - GROUP_BOOKKEEPING - filled
+        lacking = sorted(needed - set(group))
+        if lacking:
+            problems.append(
+                f"optimizer param group {index}: lacks hyperparameters {lacking} that "
+                f"{cls.__name__} reads (the state of another optimizer class?)"
+            )
+    params: dict[Any, torch.Tensor] = {}
+    for group, live_group in zip(groups, live_groups, strict=True):
+        params.update(zip(group["params"], live_group["params"], strict=True))
+    fresh = _fresh_state(optimizer, groups)
+    found: dict[str, list[str]] = {}  # problem -> the saved parameter ids it concerns
+    for saved_id, entry in saved["state"].items():
+        param = params.get(saved_id)
+        if param is None:
+            found.setdefault("is state of no parameter any param group lists", []).append(saved_id)
+            continue
+        if not isinstance(entry, dict):
+            found.setdefault("is not a dict", []).append(saved_id)
+            continue
+        if fresh is not None:
+            expected, made = fresh.get(param), "a step of"
+        else:
+            expected, made = _reference(optimizer.state.get(param), param), "the live"
+        if expected is None:
+            continue
+        lacking = sorted(set(expected) - set(entry))
+        if lacking:
+            problem = (
+                f"lacks {lacking}, which {made} {cls.__name__} has (the state of another "
+                "optimizer class or setup?)"
+            )
+            found.setdefault(problem, []).append(saved_id)
+        for key, value in entry.items():
+            like_param = expected.get(key)
+            if isinstance(value, torch.Tensor) and like_param is not None:
+                problem = _state_misfit(value, param, like_param, allow_cast)
+                if problem:
+                    found.setdefault(f"[{key!r}]: {problem}", []).append(saved_id)
+    for problem, ids in found.items():
+        which = f"parameter {ids[0]!r}" if len(ids) == 1 else f"parameters {', '.join(map(repr, ids))}"
+        problems.append(f"optimizer state of {which}: {problem}")
+    return saved
+
+
+def _state_misfit(
+    value: torch.Tensor, param: torch.Tensor, like: tuple[bool, bool], allow_cast: bool
+) -> str | None:
+    same_shape, same_dtype = like
+    if same_shape and tuple(value.shape) != tuple(param.shape):
+        return f"shape {tuple(value.shape)} in the checkpoint, its parameter's is {tuple(param.shape)}"
+    if same_dtype and value.dtype != param.dtype and not allow_cast:
+        return f"dtype {value.dtype} in the checkpoint, its parameter's is {param.dtype}"
+    return None
+
+
+def _reference(state: Any, param: torch.Tensor) -> dict[str, tuple[bool, bool]] | None:
+    """The live state of ``param`` as a reference: key -> (shaped like it, its dtype)."""
+    if not state:
+        return None
+    return {
+        key: (
+            (tuple(v.shape) == tuple(param.shape), v.dtype == param.dtype)
+            if isinstance(v, torch.Tensor)
+            else (False, False)
+        )
+        for key, v in state.items()
+    }
+
+
+@functools.cache
+def _filled_by_setstate(cls: type) -> frozenset[str]:
+    """Group keys the class's ``__setstate__`` supplies when a saved group lacks them."""
+    group: dict[str, Any] = {"params": []}
+    try:
+        scratch = cls.__new__(cls)
+        scratch.__setstate__({"defaults": {}, "state": {}, "param_groups": [group]})
+    except Exception:  # a class whose __setstate__ needs more: every key is needed
+        return frozenset()
+    return frozenset(group) - GROUP_BOOKKEEPING
+
+
+def _fresh_state(optimizer: Optimizer, groups: list[dict[str, Any]]) -> dict[Any, Any] | None:
+    """Per live parameter, the state a first step of its class would create (see above)."""
+    cls = type(optimizer)
+    global_hooks = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+    if not cls.__module__.startswith("torch.optim.") or any(
+        getattr(optimizer_module, name, None) for name in global_hooks
+    ):
+        return None
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    scratch_groups = []
+    try:
+        for group, live_group in zip(groups, optimizer.param_groups, strict=True):
+            scratch_params = []
+            for param in live_group["params"]:
+                shape = PRIME_DIMS[: param.dim()] if param.dim() <= len(PRIME_DIMS) else (1,) * param.dim()
+                scratch = torch.zeros(shape, dtype=param.dtype, device=param.device, requires_grad=True)
+                scratch.grad = torch.full_like(scratch, 1e-3, requires_grad=False)
+                scratch_params.append(scratch)
+                pairs.append((param, scratch))
+            # the saved hyperparameters, as after a load; the live ones where the saved lack one
+            hyper = {**live_group, **group}
+            hyper = {k: v for k, v in hyper.items() if k not in GROUP_BOOKKEEPING}
+            scratch_groups.append({**hyper, "params": scratch_params})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            scratch_optimizer = cls(scratch_groups)
+            scratch_optimizer.step(lambda: torch.zeros(()))
+    except Exception:  # e.g. sparse gradients needed, or a setup the scratch cannot mirror
+        return None
+    fresh = {}
+    for param, scratch in pairs:
+        state = scratch_optimizer.state.get(scratch)
+        fresh[param] = {
+            key: (
+                (tuple(v.shape) == tuple(scratch.shape), v.dtype == scratch.dtype)
+                if isinstance(v, torch.Tensor)
+                else (False, False)
+            )
+            for key, v in (state or {}).items()
+        }
+    return fresh
