@@ -30,5 +30,13 @@ class TrainingObjects:
 
     def __post_init__(self) -> None:
         for name, obj in self.stateful.items():
-            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(f"stateful[{name!r}] needs state_dict() and load_state_dict()")
+            if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+                continue
+            if isinstance(obj, torch.utils.data.DataLoader):
+                raise TypeError(
+                    f"stateful[{name!r}] is a plain DataLoader, whose position cannot be saved: "
+                    "wrap it as pcframe.ResumableLoader(DataLoader(..., "
+                    "sampler=pcframe.ResumableSampler(len(dataset)))), or use torchdata's "
+                    "StatefulDataLoader"
+                )
+            raise TypeError(f"stateful[{name!r}] needs state_dict() and load_state_dict()")

@@ -90,14 +90,17 @@ def _check_python(value: Any) -> str | None:
 
 def _check_numpy(value: Any) -> str | None:
     if not isinstance(value, dict):
-        return f"must be the dict np.random.get_state(legacy=False) returns, not a {type(value).__name__}"
+        kind = type(value).__name__
+        return f"must be the dict np.random.get_state(legacy=False) returns, not a {kind}"
     if value.get("bit_generator") != "MT19937":
         return f"bit_generator {value.get('bit_generator')!r} is not 'MT19937'"
     inner = value.get("state")
     if not isinstance(inner, dict):
         return "'state' must be a dict with 'key' and 'pos'"
     key, pos = inner.get("key"), inner.get("pos")
-    if not (isinstance(key, np.ndarray) and key.dtype == np.uint32 and key.shape == (MT19937_WORDS,)):
+    if not (
+        isinstance(key, np.ndarray) and key.dtype == np.uint32 and key.shape == (MT19937_WORDS,)
+    ):
         found = f"{key.dtype} {key.shape}" if isinstance(key, np.ndarray) else type(key).__name__
         return f"'key' must be a uint32 array of shape ({MT19937_WORDS},), not {found}"
     if not (_is_int(pos) and 0 <= pos <= MT19937_WORDS):

@@ -138,13 +138,23 @@ class ShuffleZstd:
             raise ValueError(
                 f"zstd payload does not hold exactly {nbytes} bytes (its frame says {declared})"
             )
-        out = torch.empty(nbytes, dtype=torch.uint8)
-        view = memoryview(out.numpy())
+        # A frame that records its size (what compress_bytes writes) is read in place; one
+        # that does not is read piece by piece, so a hostile one never makes us allocate
+        # ``nbytes`` up front for what turns out to be a few bytes.
+        known = declared == nbytes
+        out = torch.empty(nbytes if known else 0, dtype=torch.uint8)
+        pieces: list[bytes] = []
         try:
             with zstandard.ZstdDecompressor().stream_reader(data) as reader:
                 filled = 0
+                view = memoryview(out.numpy())
                 while filled < nbytes:
-                    got = reader.readinto(view[filled:])
+                    if known:
+                        got = reader.readinto(view[filled:])
+                    else:
+                        piece = reader.read(min(nbytes - filled, 1 << 20))
+                        pieces.append(piece)
+                        got = len(piece)
                     if got == 0:
                         break
                     filled += got
@@ -153,6 +163,8 @@ class ShuffleZstd:
             raise ValueError(f"zstd payload does not decompress ({exc})") from None
         if filled != nbytes or extra:
             raise ValueError(f"zstd payload does not hold exactly {nbytes} bytes")
+        if not known and nbytes:
+            out = torch.frombuffer(bytearray(b"".join(pieces)), dtype=torch.uint8)
         return out
 
     def decompress(

@@ -4,7 +4,7 @@ The one apply of both front doors: :class:`~pcframe.Checkpointer` applies a whol
 version, :class:`~pcframe.distributed.DistributedCheckpointer` the tree one rank assembled
 from the shards (``partial=True``: only the sections that rank loads).
 
-First :func:`~pcframe.restore.check.check_tree` compares everything with the live objects
+First :func:`~pcframe.restore.check.plan_load` compares everything with the live objects
 and nothing is touched: a mismatch raises one :class:`~pcframe.restore.check.StateMismatch`
 listing every problem (``strict``), or the objects that do not fit are left out and listed
 (``strict=False``). Then each object is loaded after its undo is recorded, and a
@@ -33,14 +33,13 @@ from torch.optim.optimizer import Optimizer
 
 from pcframe.errors import CheckpointError
 from pcframe.objects import TrainingObjects
-from pcframe.restore.check import LoadPlan, StateMismatch, check_tree, describe_problems
+from pcframe.restore.check import LoadPlan, StateMismatch, describe_problems, plan_load
 from pcframe.rng import capture_rng, restore_rng
 
 log = logging.getLogger("pcframe")
 
 RESTORE_HINT = (
-    "Pass the same objects that were checkpointed, or restore(strict=False) to load only what "
-    "fits"
+    "Pass the same objects that were checkpointed, or restore(strict=False) to load only what fits"
 )
 CAST_HINT = "; restore(allow_cast=True) casts tensors to the live dtypes"
 
@@ -80,7 +79,7 @@ def apply_tree(
             rolled back to its state before the call.
     """
     given = f"the objects given to {owner}" if owner else "the objects given"
-    plan = check_tree(objects, tree, partial=partial, allow_cast=allow_cast, owner=owner)
+    plan = plan_load(objects, tree, partial=partial, allow_cast=allow_cast, owner=owner)
     if plan.problems and strict:
         advice = hint + (CAST_HINT if plan.casts else "") if hint else None
         raise StateMismatch(describe_problems(where, given, plan.problems, advice), plan.problems)
@@ -108,7 +107,12 @@ def apply_tree(
 
 
 def _loads(objects: TrainingObjects, plan: LoadPlan) -> list[tuple[str, Callable[[Any], None]]]:
-    """(name, load) for every object the plan loads, in the order of ``check.SECTIONS``."""
+    """(name, load) for every object the plan loads, in the order they are loaded.
+
+    The small objects first; then the optimizer (torch's load is all-or-nothing by itself);
+    the model last of the fallible ones (its snapshot is the largest, taken only when it is
+    reached); RNG and extra, which cannot fail once checked, at the end.
+    """
     states = plan.states
     loads: list[tuple[str, Callable[[Any], None]]] = [
         (f"stateful[{name!r}]", _state_load(objects.stateful[name], state))
@@ -204,13 +208,13 @@ def _model_load(
             if id(tensor) in seen or tensor.is_meta:
                 continue
             seen.add(id(tensor))
-            local = _local(tensor).detach()
+            local = _local_shard(tensor).detach()
             saved.append((tensor, local.to("cpu", copy=True)))
 
         def put_back() -> None:
             with torch.no_grad():
                 for tensor, host in saved:
-                    _local(tensor).copy_(host)
+                    _local_shard(tensor).copy_(host)
 
         undo.push(put_back)
         model.load_state_dict(state, strict=complete)
@@ -218,7 +222,7 @@ def _model_load(
     return load
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def _local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor holding this rank's data (a DTensor's local shard)."""
     return getattr(tensor, "_local_tensor", tensor)
 

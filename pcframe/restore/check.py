@@ -1,6 +1,6 @@
 """Check: a decoded state tree against the live objects, before any of them is touched.
 
-:func:`check_tree` compares every section of a version with the object it would be loaded
+:func:`plan_load` compares every section of a version with the object it would be loaded
 into and returns a :class:`LoadPlan`: what to load and every mismatch, one line each.
 :func:`~pcframe.restore.apply.apply_tree` refuses a plan with mismatches (strict) or loads
 only what fits (``strict=False``). What is compared:
@@ -25,12 +25,10 @@ import torch
 
 from pcframe.errors import CheckpointError
 from pcframe.objects import TrainingObjects
-from pcframe.restore.check_optimizer import check_optimizer
-from pcframe.rng import check_rng
+from pcframe.restore.check_optimizer import check_optimizer, optimizer_class_name
 
-# Sections loaded as one state each, in the order the apply loads them (the model last of
-# the fallible ones: its snapshot is the largest, and is taken only when it is reached).
-SECTIONS = ("stateful", "scheduler", "scaler", "policy", "optimizer", "model", "rng", "extra")
+__all__ = ["LoadPlan", "StateMismatch", "optimizer_class_name", "plan_load", "tensor_misfit"]
+from pcframe.rng import check_rng
 
 
 class StateMismatch(CheckpointError):
@@ -56,7 +54,7 @@ class LoadPlan:
     model_complete: bool = False  # the model's state covers every key of the model
 
 
-def check_tree(
+def plan_load(
     objects: TrainingObjects,
     tree: Any,
     *,
@@ -73,7 +71,7 @@ def check_tree(
     if not isinstance(tree, dict):
         plan.problems.append(f"the state tree is a {type(tree).__name__}, not a dict")
         return plan
-    given = owner or "the restore"
+    given = f"{owner} was given one" if owner else "one was given"
 
     def wanted(section: str, obj: Any) -> bool:
         if obj is None:
@@ -81,9 +79,7 @@ def check_tree(
         if section in tree:
             return True
         if not partial:
-            plan.problems.append(
-                f"{section}: the checkpoint holds no {section} state, but {given} was given one"
-            )
+            plan.problems.append(f"{section}: the checkpoint holds no {section} state, but {given}")
         return False
 
     if objects.stateful and wanted("stateful", objects.stateful):
@@ -112,7 +108,7 @@ def check_tree(
     if "rng" in tree:
         refused = check_rng(tree["rng"])
         plan.problems += [f"rng[{name!r}]: {why}" for name, why in refused.items()]
-        if "rng" not in refused:  # the whole section is unusable
+        if "rng" not in refused:  # a dict of generator states: restore the valid ones
             plan.states["rng"] = tree["rng"]
             plan.rng_skip = set(refused)
     if isinstance(objects.extra, dict) and wanted("extra", objects.extra):
@@ -121,12 +117,6 @@ def check_tree(
         else:
             plan.problems.append(f"extra: the checkpoint holds a {type(tree['extra']).__name__}")
     return plan
-
-
-def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
-    """The name a version stores as ``optimizer_class`` next to the optimizer's state."""
-    cls = type(optimizer)
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def describe_problems(where: str, given: str, problems: list[str], hint: str | None) -> str:
@@ -139,7 +129,9 @@ def describe_problems(where: str, given: str, problems: list[str], hint: str | N
 
 def _check_model(model: torch.nn.Module, saved: Any, allow_cast: bool, plan: LoadPlan) -> None:
     if not isinstance(saved, dict):
-        plan.problems.append(f"model: the checkpoint holds a {type(saved).__name__}, not a state dict")
+        plan.problems.append(
+            f"model: the checkpoint holds a {type(saved).__name__}, not a state dict"
+        )
         return
     live = model.state_dict()
     missing = [key for key in live if key not in saved]
@@ -155,7 +147,9 @@ def _check_model(model: torch.nn.Module, saved: Any, allow_cast: bool, plan: Loa
         else:
             fits[key] = saved[key]
     if missing:
-        plan.problems.append(f"model: keys the checkpoint lacks: {missing}{_prefix_hint(missing, unexpected)}")
+        plan.problems.append(
+            f"model: keys the checkpoint lacks: {missing}{_prefix_hint(missing, unexpected)}"
+        )
     if unexpected:
         plan.problems.append(f"model: keys the model lacks: {unexpected}")
     if fits:
@@ -180,7 +174,10 @@ def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
     """A hint when the two key lists differ only by a wrapper's prefix (DDP's 'module.')."""
     if not missing or len(missing) != len(unexpected):
         return ""
-    pairs = ((sorted(unexpected), sorted(missing), "checkpoint"), (sorted(missing), sorted(unexpected), "model"))
+    pairs = (
+        (sorted(unexpected), sorted(missing), "checkpoint"),
+        (sorted(missing), sorted(unexpected), "model"),
+    )
     for longer, shorter, side in pairs:
         if len(longer[0]) > len(shorter[0]) and longer[0].endswith(shorter[0]):
             prefix = longer[0][: len(longer[0]) - len(shorter[0])]

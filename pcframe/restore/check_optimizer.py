@@ -52,7 +52,7 @@ def check_optimizer(
         problems.append("optimizer: the checkpoint's state is not an optimizer state_dict()")
         return saved
     cls = type(optimizer)
-    name = f"{cls.__module__}.{cls.__qualname__}"
+    name = optimizer_class_name(optimizer)
     if saved_class is not None and saved_class != name:
         problems.append(f"optimizer: saved from a {saved_class}, this optimizer is a {name}")
     live_groups = optimizer.param_groups
@@ -61,7 +61,9 @@ def check_optimizer(
             f"optimizer: {len(groups)} param groups in the checkpoint, {len(live_groups)} here"
         )
         return saved
-    sizes = [(len(g["params"]), len(lg["params"])) for g, lg in zip(groups, live_groups, strict=True)]
+    sizes = [
+        (len(g["params"]), len(lg["params"])) for g, lg in zip(groups, live_groups, strict=True)
+    ]
     if any(a != b for a, b in sizes):
         listed = ", ".join(f"group {i}: {a} vs {b}" for i, (a, b) in enumerate(sizes) if a != b)
         problems.append(f"optimizer: param group sizes differ (checkpoint vs here: {listed})")
@@ -108,9 +110,17 @@ def check_optimizer(
                 if problem:
                     found.setdefault(f"[{key!r}]: {problem}", []).append(saved_id)
     for problem, ids in found.items():
-        which = f"parameter {ids[0]!r}" if len(ids) == 1 else f"parameters {', '.join(map(repr, ids))}"
+        which = (
+            f"parameter {ids[0]!r}" if len(ids) == 1 else f"parameters {', '.join(map(repr, ids))}"
+        )
         problems.append(f"optimizer state of {which}: {problem}")
     return saved
+
+
+def optimizer_class_name(optimizer: Optimizer) -> str:
+    """The name a version may store as ``optimizer_class`` next to the optimizer's state."""
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _state_misfit(
@@ -118,7 +128,9 @@ def _state_misfit(
 ) -> str | None:
     same_shape, same_dtype = like
     if same_shape and tuple(value.shape) != tuple(param.shape):
-        return f"shape {tuple(value.shape)} in the checkpoint, its parameter's is {tuple(param.shape)}"
+        return (
+            f"shape {tuple(value.shape)} in the checkpoint, its parameter's is {tuple(param.shape)}"
+        )
     if same_dtype and value.dtype != param.dtype and not allow_cast:
         return f"dtype {value.dtype} in the checkpoint, its parameter's is {param.dtype}"
     return None
@@ -164,8 +176,14 @@ def _fresh_state(optimizer: Optimizer, groups: list[dict[str, Any]]) -> dict[Any
         for group, live_group in zip(groups, optimizer.param_groups, strict=True):
             scratch_params = []
             for param in live_group["params"]:
-                shape = PRIME_DIMS[: param.dim()] if param.dim() <= len(PRIME_DIMS) else (1,) * param.dim()
-                scratch = torch.zeros(shape, dtype=param.dtype, device=param.device, requires_grad=True)
+                shape = (
+                    PRIME_DIMS[: param.dim()]
+                    if param.dim() <= len(PRIME_DIMS)
+                    else (1,) * param.dim()
+                )
+                scratch = torch.zeros(
+                    shape, dtype=param.dtype, device=param.device, requires_grad=True
+                )
                 scratch.grad = torch.full_like(scratch, 1e-3, requires_grad=False)
                 scratch_params.append(scratch)
                 pairs.append((param, scratch))

@@ -183,7 +183,12 @@ def torch_rng_is_weights(body: dict) -> None:
 
 # case: (saved without, live changes, manifest mutation, what the error must say)
 CASES: dict[str, tuple[dict, dict, Any, list[str]]] = {
-    "missing key": ({}, {"extra_buffer": True}, None, [r"keys the checkpoint lacks: \['calibration'\]"]),
+    "missing key": (
+        {},
+        {"extra_buffer": True},
+        None,
+        [r"keys the checkpoint lacks: \['calibration'\]"],
+    ),
     "extra key": (
         {},
         {"norm_stats": False},
@@ -226,7 +231,12 @@ CASES: dict[str, tuple[dict, dict, Any, list[str]]] = {
         lambda b: tree_of(b).update(optimizer_class="torch.optim.sgd.SGD"),
         [r"saved from a torch.optim.sgd.SGD, this optimizer is a torch.optim.adam.Adam"],
     ),
-    "param group count": ({}, {"optimizer": "adam two groups"}, None, [r"1 param groups in the checkpoint, 2 here"]),
+    "param group count": (
+        {},
+        {"optimizer": "adam two groups"},
+        None,
+        [r"1 param groups in the checkpoint, 2 here"],
+    ),
     "param group size": ({}, {"optimizer": "adam first layer"}, None, [r"group 0: 6 vs 2"]),
     "scheduler the checkpoint lacks": (
         {"scheduler": False},
@@ -234,18 +244,48 @@ CASES: dict[str, tuple[dict, dict, Any, list[str]]] = {
         None,
         ["scheduler: the checkpoint holds no scheduler state, but the Checkpointer was given one"],
     ),
-    "scaler the checkpoint lacks": ({"scaler": False}, {}, None, ["scaler: the checkpoint holds no scaler state"]),
+    "scaler the checkpoint lacks": (
+        {"scaler": False},
+        {},
+        None,
+        ["scaler: the checkpoint holds no scaler state"],
+    ),
     "missing stateful name": (
         {},
         {"counters": {"counter": Counter(5)}},
         None,
         [r"stateful\['counter'\]: the checkpoint has no stateful object named 'counter'"],
     ),
-    "python rng too short": ({}, {}, python_rng_short, [r"rng\['python'\]: refused by random.setstate"]),
-    "numpy rng position": ({}, {}, numpy_pos_out_of_range, [r"rng\['numpy'\]: 'pos' 1000000 is not"]),
-    "torch rng of another dtype": ({}, {}, torch_rng_is_weights, [r"rng\['torch'\]: must be a 1-d uint8 tensor"]),
-    "extra the checkpoint lacks": ({"extra": None}, {}, None, ["extra: the checkpoint holds no extra state"]),
-    "extra not a dict": ({}, {}, lambda b: tree_of(b).update(extra=[1, 2]), ["extra: the checkpoint holds a list"]),
+    "python rng too short": (
+        {},
+        {},
+        python_rng_short,
+        [r"rng\['python'\]: refused by random.setstate"],
+    ),
+    "numpy rng position": (
+        {},
+        {},
+        numpy_pos_out_of_range,
+        [r"rng\['numpy'\]: 'pos' 1000000 is not"],
+    ),
+    "torch rng of another dtype": (
+        {},
+        {},
+        torch_rng_is_weights,
+        [r"rng\['torch'\]: must be a 1-d uint8 tensor"],
+    ),
+    "extra the checkpoint lacks": (
+        {"extra": None},
+        {},
+        None,
+        ["extra: the checkpoint holds no extra state"],
+    ),
+    "extra not a dict": (
+        {},
+        {},
+        lambda b: tree_of(b).update(extra=[1, 2]),
+        ["extra: the checkpoint holds a list"],
+    ),
 }
 
 
@@ -284,8 +324,13 @@ def test_every_mismatch_is_listed_in_one_error(saved):
         ckpt.restore()
     assert live.everything() == before
     text = str(caught.value)
-    for needle in ("stateful['counter']", "scheduler: the checkpoint holds no", "model['0.weight']: dtype",
-                   "optimizer state of parameters", "rng['numpy']"):
+    for needle in (
+        "stateful['counter']",
+        "scheduler: the checkpoint holds no",
+        "model['0.weight']: dtype",
+        "optimizer state of parameters",
+        "rng['numpy']",
+    ):
         assert needle in text, needle
     assert text.count("\n  - ") == len(caught.value.mismatches) >= 5
 
@@ -304,7 +349,10 @@ def test_after_a_mismatch_the_same_version_still_restores(saved):
 
 def test_a_recorded_optimizer_class_that_matches_loads(saved):
     directory, job = saved()
-    rewrite(directory / "v00000001", lambda b: tree_of(b).update(optimizer_class="torch.optim.adam.Adam"))
+    rewrite(
+        directory / "v00000001",
+        lambda b: tree_of(b).update(optimizer_class="torch.optim.adam.Adam"),
+    )
     live = Job(seed=7)
     with live.checkpointer(directory) as ckpt:
         assert ckpt.restore() == SAVED_STEP
@@ -337,7 +385,9 @@ def test_a_failing_load_rolls_every_object_back(saved, where):
         with pytest.raises(CheckpointError, match="rolled back, nothing was loaded") as caught:
             ckpt.restore()
         assert not isinstance(caught.value, StateMismatch)
-        assert "injected load failure" in str(caught.value) or "counter refuses" in str(caught.value)
+        assert "injected load failure" in str(caught.value) or "counter refuses" in str(
+            caught.value
+        )
         assert live.everything() == before
     committed_untouched(directory)
 
@@ -378,9 +428,13 @@ def test_strict_false_loads_the_matching_keys_and_reports_the_rest(saved):
     assert freeze(live.data.state_dict()) == freeze(job.data.state_dict())
     assert live.extra == job.extra
     assert torch.equal(torch.get_rng_state(), _saved_rng(directory)["torch"])
-    for needle in ("model['3.weight']: shape", "keys the checkpoint lacks: ['calibration']",
-                   "optimizer state of parameter 4", "scheduler: the checkpoint holds no",
-                   "stateful['counter']"):
+    for needle in (
+        "model['3.weight']: shape",
+        "keys the checkpoint lacks: ['calibration']",
+        "optimizer state of parameter 4",
+        "scheduler: the checkpoint holds no",
+        "stateful['counter']",
+    ):
         assert any(needle in line for line in not_loaded), (needle, not_loaded)
 
 
@@ -413,7 +467,9 @@ def test_allow_cast_loads_cast_values(saved, dtype):
         assert torch.equal(restored, value.to(restored.dtype)), key
     saved_moments = job.opt.state_dict()["state"][0]["exp_avg"]
     restored_moments = live.opt.state_dict()["state"][0]["exp_avg"]
-    assert restored_moments.dtype == dtype and torch.equal(restored_moments, saved_moments.to(dtype))
+    assert restored_moments.dtype == dtype and torch.equal(
+        restored_moments, saved_moments.to(dtype)
+    )
 
 
 def _saved_rng(directory) -> dict[str, Any]:
@@ -441,3 +497,66 @@ def test_check_rng_accepts_captured_states_and_names_each_damaged_one():
     assert "1-d uint8" in problems["torch"] and "list" in problems["cuda"]
     assert check_rng([1, 2]) == {"rng": "is a list, not a dict of generator states"}
     assert check_rng({"torch": torch.zeros(5056, dtype=torch.uint8)})["torch"].startswith("refused")
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
+    ],
+)
+def test_checks_and_rollback_on_the_device(tmp_path, device):
+    """Device tensors: the scratch optimizer step, the host snapshot, the CUDA RNG check."""
+
+    def build(seed: int, optimizer=torch.optim.Adam):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).to(device)
+        opt = optimizer(model.parameters(), lr=1e-2)
+        model(torch.randn(4, 8, device=device)).sum().backward()
+        opt.step()
+        return model, opt
+
+    def state(model, opt):
+        rng = torch.cuda.get_rng_state_all() if device == "cuda" else []
+        return freeze({"model": model.state_dict(), "opt": opt.state_dict(), "cuda": rng})
+
+    saved_model, saved_opt = build(0)
+    with Checkpointer(tmp_path, model=saved_model, optimizer=saved_opt) as ckpt:
+        ckpt.save(step=1).wait()
+    model, opt = build(1, lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.5))
+    before = state(model, opt)
+    with (
+        Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt,
+        pytest.raises(StateMismatch, match=r"lacks \['momentum_buffer'\]"),
+    ):
+        ckpt.restore()
+    assert state(model, opt) == before
+    model, opt = build(1)
+    model.register_load_state_dict_post_hook(_raise)
+    before = state(model, opt)
+    with (
+        Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt,
+        pytest.raises(CheckpointError, match="rolled back"),
+    ):
+        ckpt.restore()
+    assert state(model, opt) == before
+    if device == "cuda":
+        rewrite(
+            tmp_path / "v00000001",
+            lambda b: tree_of(b)["rng"].update(cuda=[{"$t": model_ref(b)}]),
+        )
+        model, opt = build(1)
+        before = state(model, opt)
+        with (
+            Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt,
+            pytest.raises(StateMismatch, match=r"rng\['cuda'\]: device 0: must be a 1-d uint8"),
+        ):
+            ckpt.restore()
+        assert state(model, opt) == before
