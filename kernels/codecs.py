@@ -18,14 +18,23 @@ name               lossless  payload
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
+from pcframe.kernels._codec_meta import (
+    check_block_meta,
+    check_block_values,
+    check_zstd_meta,
+    decode_shape,
+    element_size_of,
+    meta_equal,
+    meta_flag,
+    payload_size,
+    require,
+)
 from pcframe.kernels._tensor_bytes import (
     BytesLike,
     as_uint8_array,
@@ -34,18 +43,15 @@ from pcframe.kernels._tensor_bytes import (
     tensor_nbytes,
 )
 from pcframe.kernels.delta import decode_delta, encode_delta
-from pcframe.kernels.dtypes import DTYPE_NAMES, dtype_name
+from pcframe.kernels.dtypes import dtype_name
 from pcframe.kernels.lossless import ShuffleZstd
 from pcframe.kernels.quantize import (
     DEFAULT_BLOCK_SIZE,
-    MAX_BLOCK_SIZE,
-    SUPPORTED_DTYPES,
     QuantizedTensor,
     dequantize_blockwise,
     error_bounds,
     quantize_blockwise,
 )
-from pcframe.kernels.quantize.reference import QMAX
 
 FORMAT_VERSION = 1
 
@@ -71,61 +77,6 @@ def _numel(shape: Sequence[int]) -> int:
     for s in shape:
         n *= int(s)
     return n
-
-
-def _require(meta: Mapping[str, Any], key: str, codec: str) -> Any:
-    if key not in meta:
-        raise ValueError(f"codec {codec!r}: meta lacks key {key!r}")
-    return meta[key]
-
-
-_ABSENT = object()
-
-
-def _meta_int(
-    meta: Mapping[str, Any], key: str, codec: str, lo: int, hi: int, default: Any = _ABSENT
-) -> int:
-    """``meta[key]`` as an int in ``[lo, hi]`` (``default`` when absent, if given)."""
-    if default is not _ABSENT and key not in meta:
-        return default
-    value = _require(meta, key, codec)
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ValueError(
-            f"codec {codec!r}: meta {key!r} must be an integer in [{lo}, {hi}], got {value!r:.40}"
-        )
-    return value
-
-
-def _meta_flag(meta: Mapping[str, Any], key: str, codec: str, default: Any = _ABSENT) -> bool:
-    """``meta[key]`` as a JSON boolean (``default`` when absent, if given)."""
-    if default is not _ABSENT and key not in meta:
-        return default
-    value = _require(meta, key, codec)
-    if not isinstance(value, bool):
-        raise ValueError(f"codec {codec!r}: meta {key!r} must be true or false, got {value!r:.40}")
-    return value
-
-
-def _meta_equal(meta: Mapping[str, Any], key: str, codec: str, expected: Any) -> None:
-    """An optional meta key that, when present, must hold exactly ``expected``."""
-    if key in meta and (type(meta[key]) is not type(expected) or meta[key] != expected):
-        raise ValueError(
-            f"codec {codec!r}: meta {key!r} is {meta[key]!r:.40}, expected {expected!r}"
-        )
-
-
-def _payload_nbytes(payload: BytesLike) -> int:
-    if isinstance(payload, torch.Tensor):
-        return payload.numel() * payload.element_size()
-    if isinstance(payload, np.ndarray):
-        return int(payload.nbytes)
-    return memoryview(payload).nbytes
-
-
-def _itemsize(dtype: torch.dtype, codec: str) -> int:
-    if dtype not in DTYPE_NAMES:
-        raise ValueError(f"codec {codec!r}: cannot decode into dtype {dtype}")
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 class Codec(ABC):
@@ -186,8 +137,8 @@ class Codec(ABC):
             ValueError: Meta from another format version, missing keys, or a payload
                 that does not match ``dtype`` and ``shape``.
         """
-        shape = _check_shape(shape, self.name)
-        self.check_meta(meta, dtype, shape, _payload_nbytes(payload))
+        shape = decode_shape(shape, self.name)
+        self.check_meta(meta, dtype, shape, payload_size(payload))
         if self.needs_previous and previous is None:
             raise ValueError(f"codec {self.name!r} needs previous= (the previous version)")
         if out is not None and (out.dtype != dtype or tuple(out.shape) != shape):
@@ -223,15 +174,15 @@ class Codec(ABC):
         """
         if not isinstance(meta, Mapping):
             raise ValueError(f"codec {self.name!r}: meta must be an object, got {meta!r:.40}")
-        version = _require(meta, "format_version", self.name)
+        version = require(meta, "format_version", self.name)
         if type(version) is not int or version != FORMAT_VERSION:
             raise ValueError(
                 f"codec {self.name!r}: format_version {version!r:.40} is not {FORMAT_VERSION}"
             )
-        shape = _check_shape(shape, self.name)
+        shape = decode_shape(shape, self.name)
         if isinstance(payload_nbytes, bool) or not isinstance(payload_nbytes, int):
             raise ValueError(f"codec {self.name!r}: payload size {payload_nbytes!r:.40}")
-        self._check_meta(meta, dtype, shape, _itemsize(dtype, self.name), payload_nbytes)
+        self._check_meta(meta, dtype, shape, element_size_of(dtype, self.name), payload_nbytes)
 
     def _check_meta(
         self,
@@ -259,18 +210,6 @@ class Codec(ABC):
         previous: torch.Tensor | None,
         out: torch.Tensor | None,
     ) -> torch.Tensor: ...
-
-
-def _check_shape(shape: Sequence[int], codec: str) -> tuple[int, ...]:
-    try:
-        dims = tuple(shape)
-    except TypeError:
-        raise ValueError(f"codec {codec!r}: shape {shape!r:.40} is not a sequence") from None
-    if not all(isinstance(d, int | np.integer) and not isinstance(d, bool) for d in dims) or any(
-        d < 0 for d in dims
-    ):
-        raise ValueError(f"codec {codec!r}: shape {shape!r:.80} must be non-negative integers")
-    return tuple(int(d) for d in dims)
 
 
 def register_codec(cls: type[Codec]) -> type[Codec]:
@@ -309,7 +248,7 @@ class RawCodec(Codec):
 
     def _check_meta(self, meta, dtype, shape, itemsize, payload_nbytes):
         expected = _numel(shape) * itemsize
-        nbytes = _require(meta, "nbytes", self.name)
+        nbytes = require(meta, "nbytes", self.name)
         if payload_nbytes != expected or type(nbytes) is not int or nbytes != expected:
             raise ValueError(
                 f"raw payload has {payload_nbytes} bytes (meta nbytes {nbytes!r:.40}), "
@@ -353,22 +292,11 @@ class ZstdCodec(Codec):
         return payload, meta
 
     def _check_meta(self, meta, dtype, shape, itemsize, payload_nbytes):
-        _check_zstd_meta(meta, self.name, _numel(shape) * itemsize, payload_nbytes, None)
+        check_zstd_meta(meta, self.name, _numel(shape) * itemsize, payload_nbytes, None)
 
     def _decode(self, payload, meta, dtype, shape, previous, out):
-        shuffled = _meta_flag(meta, "shuffle", self.name)
+        shuffled = meta_flag(meta, "shuffle", self.name)
         return self._zstd.decompress(payload, dtype, shape, shuffled=shuffled)
-
-
-def _check_zstd_meta(
-    meta: Mapping[str, Any], codec: str, nbytes: int, payload_nbytes: int, shuffle: Any
-) -> None:
-    """The meta of the zstd codecs: shuffle flag, level, and the decoded size if recorded."""
-    _meta_flag(meta, "shuffle", codec, *(() if shuffle is None else (shuffle,)))
-    _meta_int(meta, "level", codec, -7, 22, default=0)  # what ShuffleZstd accepts
-    _meta_int(meta, "nbytes", codec, nbytes, nbytes, default=nbytes)
-    if payload_nbytes < 1 and nbytes:
-        raise ValueError(f"codec {codec!r}: an empty payload cannot hold {nbytes} bytes")
 
 
 class _BlockQuantCodec(Codec):
@@ -403,48 +331,16 @@ class _BlockQuantCodec(Codec):
         return payload.numpy(), meta
 
     def _check_meta(self, meta, dtype, shape, itemsize, payload_nbytes):
-        name = self.name
-        fmt = _require(meta, "fmt", name)
-        if fmt != self.fmt or not isinstance(fmt, str):
-            raise ValueError(f"codec {name!r}: meta fmt {fmt!r:.40} is not {self.fmt!r}")
-        if dtype not in SUPPORTED_DTYPES:
-            raise ValueError(
-                f"codec {name!r}: decodes to {[dtype_name(d) for d in SUPPORTED_DTYPES]}, "
-                f"not {dtype_name(dtype)}"
-            )
-        n = _numel(shape)
-        block_size = _meta_int(meta, "block_size", name, 1, MAX_BLOCK_SIZE)
-        blocks = -(-n // block_size)
-        _meta_int(meta, "codes_nbytes", name, n, n)
-        _meta_int(meta, "n_blocks", name, blocks, blocks)
-        _meta_int(meta, "scales_offset", name, -(-n // 4) * 4, -(-n // 4) * 4)
-        _meta_equal(meta, "scales_dtype", name, "float32")
-        _meta_equal(meta, "source_dtype", name, dtype_name(dtype))
-        bound = meta.get("error_bound", 0.0)
-        if (
-            isinstance(bound, bool)
-            or not isinstance(bound, int | float)
-            or not (math.isfinite(bound) and bound >= 0)
-        ):
-            raise ValueError(
-                f"codec {name!r}: meta 'error_bound' must be a finite number >= 0, "
-                f"got {bound!r:.40}"
-            )
-        expected = -(-n // 4) * 4 + 4 * blocks
-        if payload_nbytes != expected:
-            raise ValueError(
-                f"codec {name!r}: payload has {payload_nbytes} bytes, {dtype_name(dtype)}{shape} "
-                f"in blocks of {block_size} needs {expected}"
-            )
+        check_block_meta(meta, self.name, self.fmt, dtype, shape, payload_nbytes)
 
     def _decode(self, payload, meta, dtype, shape, previous, out):
-        get = lambda key: _require(meta, key, self.name)  # noqa: E731
+        get = lambda key: require(meta, key, self.name)  # noqa: E731
         data = as_uint8_tensor(payload)
         n, n_blocks, offset = get("codes_nbytes"), get("n_blocks"), get("scales_offset")
         device = out.device if out is not None else torch.device("cpu")
         scales = torch.empty(n_blocks, dtype=torch.float32)
         byte_view(scales).copy_(data[offset:])
-        overflow_possible = self._check_decoded(data[:n], scales, dtype)
+        overflow_possible = check_block_values(self.name, self.fmt, data[:n], scales, dtype)
         codes = data[:n].to(device)
         scales = scales.to(device)
         q = QuantizedTensor(
@@ -463,31 +359,6 @@ class _BlockQuantCodec(Codec):
                 "infinities (the encoder never writes such a payload)"
             )
         return result
-
-    def _check_decoded(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> bool:
-        """Scales and codes the encoder could have written; True if a value may still overflow.
-
-        The encoder refuses non-finite input, so its scales are finite, >= 0 and at most
-        ``finfo(dtype).max / QMAX`` (rounding aside); fp8 codes never hold e4m3fn's NaN. Only
-        scales near that limit (never seen outside hostile files) need the output checked.
-        """
-        s = scales.numpy()
-        top = float(torch.finfo(dtype).max)
-        limit = top / QMAX[self.fmt] * (1 + 2.0**-10)
-        if s.size and not (np.isfinite(s).all() and (s >= 0).all() and s.max() <= limit):
-            bad = int(np.flatnonzero(~(np.isfinite(s) & (s >= 0) & (s <= limit)))[0])
-            raise ValueError(
-                f"codec {self.name!r}: block {bad} has scale {float(s[bad])!r}, not a finite "
-                f"value in [0, {limit:.4g}] ({dtype_name(dtype)})"
-            )
-        if self.fmt == "fp8_e4m3" and codes.numel():
-            nan = torch.bitwise_and(codes, 0x7F) == 0x7F
-            if bool(nan.any()):
-                raise ValueError(
-                    f"codec {self.name!r}: element {int(nan.nonzero()[0, 0])} holds an "
-                    "e4m3fn NaN code"
-                )
-        return bool(s.size) and float(s.max()) * (QMAX[self.fmt] + 1) > top / 2
 
 
 @register_codec
@@ -533,8 +404,8 @@ class XorDeltaZstdCodec(Codec):
         return payload, meta
 
     def _check_meta(self, meta, dtype, shape, itemsize, payload_nbytes):
-        _check_zstd_meta(meta, self.name, _numel(shape) * itemsize, payload_nbytes, True)
-        _meta_equal(meta, "base", self.name, "previous")
+        check_zstd_meta(meta, self.name, _numel(shape) * itemsize, payload_nbytes, True)
+        meta_equal(meta, "base", self.name, "previous")
 
     def _decode(self, payload, meta, dtype, shape, previous, out):
         assert previous is not None  # checked by decode()
@@ -545,7 +416,7 @@ class XorDeltaZstdCodec(Codec):
             payload,
             torch.uint8,
             (_numel(shape) * width,),
-            shuffled=_meta_flag(meta, "shuffle", self.name, True),
+            shuffled=meta_flag(meta, "shuffle", self.name, True),
             itemsize=width,
         )
         prev = previous.detach()

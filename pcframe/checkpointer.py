@@ -20,9 +20,8 @@ from typing import Any
 import torch
 
 from pcframe.config import EngineConfig
-from pcframe.errors import CheckpointError, NoValidCheckpoint
+from pcframe.errors import CheckpointError
 from pcframe.feed import PolicyFeed, earliest_notice, policy_notice, process_age
-from pcframe.format.names import version_name
 from pcframe.objects import Stateful, TrainingObjects
 from pcframe.policies.base import (
     Decision,
@@ -35,9 +34,9 @@ from pcframe.policies.base import (
 from pcframe.policies.fixed import FixedSteps
 from pcframe.policies.notices.base import NoticeSource
 from pcframe.policies.placement.base import PlacementPolicy
-from pcframe.restore.apply import apply_tree
 from pcframe.restore.report import RestoreReport
-from pcframe.restore.sources import load_first_valid, restore_sources
+from pcframe.restore.restorer import load_and_apply
+from pcframe.restore.sources import restore_sources
 from pcframe.save.capture import Capture
 from pcframe.save.flight import InFlight
 from pcframe.save.handle import SaveHandle, SaveRecord
@@ -119,7 +118,7 @@ class Checkpointer:
         self.storage = WritableCheckpointDir(directory)
         if self.storage.removed_leftovers:
             log.info(
-                "pcframe: removed leftovers of an interrupted run: %s",
+                "removed leftovers of an interrupted run: %s",
                 self.storage.removed_leftovers,
             )
         self._next_version = self.storage.next_version()
@@ -340,28 +339,23 @@ class Checkpointer:
                 corruption: the version is neither quarantined nor skipped.
         """
         self.wait()
-        start = time.perf_counter()
-        report = RestoreReport()
+        report = self.last_restore = RestoreReport()
         sources = restore_sources(self.tiers, version, report)
         if sources:
             # Number new versions above every version any tier holds, valid or not.
             self._next_version = max(self._next_version, sources[0].version + 1)
-        loaded = load_first_valid(sources, self.config.read_threads, report)
-        if loaded is None:
-            self.last_restore = report
-            if report.skipped:
-                reasons = "; ".join(f"v{v}: {why}" for v, why in report.skipped)
-                raise NoValidCheckpoint(f"no valid checkpoint in {self.storage.root}: {reasons}")
-            return None
-        manifest = loaded.manifest
-        where = f"version {manifest.version} ({version_name(manifest.version)})"
-        report.not_loaded = apply_tree(
-            self.objects, loaded.state_tree(), where, strict=strict, allow_cast=allow_cast
+        manifest = load_and_apply(
+            sources,
+            self.objects,
+            report,
+            threads=self.config.read_threads,
+            strict=strict,
+            allow_cast=allow_cast,
+            root=self.storage.root,
         )
+        if manifest is None:
+            return None
         self._next_version = max(self._next_version, manifest.version + 1)
-        report.version, report.step = manifest.version, manifest.step
-        report.seconds = time.perf_counter() - start
-        self.last_restore = report
         self.resumed(manifest.step)
         return manifest.step
 
@@ -374,8 +368,6 @@ class Checkpointer:
         self.feed.resumed(step, restart_cost)
         clean = self.storage.previous_exit_clean
         self.policy.observe(Restarted(time.monotonic(), restart_cost, step, clean))
-
-    # --- wiring ------------------------------------------------------------------------------
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -439,7 +431,7 @@ class Checkpointer:
         try:
             self._close(CLOSE_TIMEOUT_AT_EXIT, clean)
         except CheckpointError as exc:
-            log.error("pcframe: at exit: %s", exc)
+            log.error("at exit: %s", exc)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -40,3 +40,9 @@ class TrainingObjects:
                     "StatefulDataLoader"
                 )
             raise TypeError(f"stateful[{name!r}] needs state_dict() and load_state_dict()")
+
+
+def optimizer_class_name(optimizer: Any) -> str:
+    """The name a version stores as ``optimizer_class`` next to the optimizer's state."""
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"

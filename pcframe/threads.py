@@ -41,7 +41,7 @@ def _openmp_runtime() -> ctypes.CDLL | None:
                 # The same file is already loaded: dlopen returns that instance.
                 return ctypes.CDLL(path)
             except OSError as exc:
-                log.debug("pcframe: cannot open the OpenMP runtime %s: %s", path, exc)
+                log.debug("cannot open the OpenMP runtime %s: %s", path, exc)
     return None
 
 

@@ -1,15 +1,22 @@
 """``pcframe-run``: train a built-in workload with checkpointing and print what it cost.
 
 ``failure=none`` trains in this process, with and without checkpointing, and reports the
-overhead. ``failure=poisson|trace`` runs training as a child process under a
-:class:`~pcframe.apps.preemption.Supervisor` that SIGKILLs it at the injected preemption times and
-restarts it; the summary then reports goodput, lost steps and restart time, and whether the
-final model equals an uninterrupted run's.
+overhead with its uncertainty. ``failure=poisson|trace`` runs training as a child process
+under a :class:`~pcframe.apps.preemption.Supervisor` that SIGKILLs it at the injected
+preemption times and restarts it; the kill schedule (and a default checkpoint interval) is
+fitted to this machine from an uninterrupted reference run
+(:mod:`pcframe.apps.preemption.plan`), and the summary reports goodput, lost steps and
+restart time, and whether the final model equals the uninterrupted run's.
+
+Every mode shows a progress bar, writes ``summary.json`` / ``summary.csv`` into the run's
+output folder and ends with the checkpoint folder and the command that lists it; a
+``--multirun`` sweep also gets one merged table (:class:`~pcframe.apps.summary.AggregateRuns`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import statistics
 from pathlib import Path
 from typing import Any
@@ -17,22 +24,27 @@ from typing import Any
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-from rich.table import Table
 
 from pcframe.apps.compose import engine_config, quiet_missing_user_conf
-from pcframe.apps.preemption import ChildSpec, Supervisor, compare_finals, kill_times
+from pcframe.apps.errors import run_app
+from pcframe.apps.machine import describe_threads, resolve_threads
+from pcframe.apps.preemption import ChildSpec, Supervisor, compare_finals
+from pcframe.apps.preemption.plan import Measured, check, plan
+from pcframe.apps.progress import StepProgress
 from pcframe.apps.schemas import register
+from pcframe.apps.summary import Summary, overhead_text, print_summary, write_summary
 from pcframe.apps.targets import check_targets
 from pcframe.apps.training import train
+from pcframe.apps.tuning.report import tuned_config_warnings
 from pcframe.apps.workloads import build
+from pcframe.policies.fixed import FixedSteps
 
 register()
 
-Summary = dict[str, float | int | str]
+WARMUP_STEPS = 30
 
 
 def run(cfg: DictConfig, out_dir: str | Path | None = None) -> Summary:
@@ -43,49 +55,164 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> Summary:
     return run_supervised(cfg, out)
 
 
+def _common(cfg: DictConfig, threads: int) -> Summary:
+    return {
+        "workload": cfg.workload.name,
+        "steps": cfg.steps,
+        "threads": describe_threads(cfg.threads, threads),
+    }
+
+
 def run_in_process(cfg: DictConfig) -> Summary:
-    torch.set_num_threads(cfg.threads)
+    threads = resolve_threads(cfg.threads)
+    torch.set_num_threads(threads)
     engine = engine_config(cfg)
     workload_args = OmegaConf.to_container(cfg.workload.args, resolve=True)
-    summary: Summary = {}
-    # Warm up allocator, kernels and caches so the first timed run is not penalised.
-    train(build(cfg.workload.name, **workload_args), min(cfg.steps, 30))
+    summary = _common(cfg, threads)
 
-    def baseline() -> float:
-        return train(build(cfg.workload.name, **workload_args), cfg.steps)[0].steps_per_second
+    def fresh() -> Any:
+        return build(cfg.workload.name, **workload_args)
 
-    # The baseline runs before and after the checkpointed run: their mean cancels drift of
-    # the machine's speed, and their difference shows how much a run varies by itself.
-    before = baseline() if cfg.baseline else None
-    policy = instantiate(cfg.policy.interval)
-    result, checkpointer = train(
-        build(cfg.workload.name, **workload_args), cfg.steps, cfg.directory, policy, engine
-    )
-    if before is not None:
-        after = baseline()
-        summary["baseline_steps_per_s"] = (before + after) / 2
-        summary["baseline_spread_pct"] = 100 * abs(before - after) / ((before + after) / 2)
-    records = [r for r in checkpointer.records.values() if r.status == "committed"]
-    stalls = [r.stall for r in records] or [0.0]
+    with StepProgress(enabled=cfg.progress) as bar:
+        # Warm up allocator, kernels and caches so the first timed run is not penalised.
+        warm = min(cfg.steps, WARMUP_STEPS)
+        bar.start("warm-up", warm)
+        train(fresh(), warm, progress=bar.step)
+        bar.finish()
+
+        def baseline(label: str) -> float:
+            bar.start(label, cfg.steps)
+            rate = train(fresh(), cfg.steps, progress=bar.step)[0].steps_per_second
+            bar.finish()
+            return rate
+
+        # The baseline runs before and after the checkpointed run: their mean cancels drift
+        # of the machine's speed, and their difference shows how much a run varies by itself.
+        before = baseline("without checkpoints (1 of 2)") if cfg.baseline else None
+        policy = instantiate(cfg.policy.interval)
+        bar.start("with checkpoints", cfg.steps)
+        result, checkpointer = train(
+            fresh(),
+            cfg.steps,
+            cfg.directory,
+            policy,
+            engine,
+            progress=bar.step,
+            on_restored=lambda step, seconds: bar.resume(step or 0),
+            on_commit=lambda count, step: bar.set_commits(count),
+        )
+        bar.finish(f"{bar.commits} checkpoints committed")
+        after = baseline("without checkpoints (2 of 2)") if cfg.baseline else None
+
+    records = list(checkpointer.records.values())
+    committed = [r for r in records if r.status == "committed"]
+    failed = [r for r in records if r.status == "failed"]
+    stalls = [r.stall for r in committed] or [0.0]
     summary.update(
+        policy=describe_policy(policy),
         steps_per_s=result.steps_per_second,
         start_step=result.start_step,
         final_loss=result.losses[-1] if result.losses else float("nan"),
-        checkpoints=len(records),
-        bytes_written=sum(r.nbytes for r in records),
+        checkpoints=len(committed),
+        bytes_written=sum(r.nbytes for r in committed),
         stall_mean_ms=1e3 * statistics.fmean(stalls),
         stall_max_ms=1e3 * max(stalls),
-        durable_mean_ms=1e3 * statistics.fmean([r.durable for r in records] or [0.0]),
+        durable_mean_ms=1e3 * statistics.fmean([r.durable for r in committed] or [0.0]),
         directory=str(Path(cfg.directory).resolve()),
     )
-    if "baseline_steps_per_s" in summary:
-        summary["overhead_pct"] = 100 * (
-            1 - summary["steps_per_s"] / summary["baseline_steps_per_s"]
+    if failed:
+        summary["saves_failed"] = len(failed)
+    if before is not None and after is not None:
+        mean = (before + after) / 2
+        summary["baseline_steps_per_s"] = mean
+        summary["baseline_spread_pct"] = 100 * abs(before - after) / mean if mean else 0.0
+        if committed:
+            # A run varies by about the baselines' spread by itself: that is the uncertainty.
+            overhead = 100 * (1 - result.steps_per_second / mean) if mean else 0.0
+            noise = summary["baseline_spread_pct"]
+            summary["overhead_pct"] = overhead
+            summary["overhead_noise_pct"] = noise
+            summary["overhead_within_noise"] = abs(overhead) <= noise
+            summary["overhead"] = overhead_text(overhead, noise)
+        else:
+            summary["overhead"] = "n/a: no checkpoint committed"
+    warnings = []
+    if result.start_step:
+        warnings.append(
+            f"{cfg.directory} already held a checkpoint at step {result.start_step}: the "
+            f"checkpointed run resumed there and trained {cfg.steps - result.start_step} of "
+            f"{cfg.steps} steps, so its numbers are not comparable with the baselines; give "
+            "a new directory=... (or none: each run's own output folder) to measure afresh"
         )
+    if not committed:
+        warnings.append(no_commit_reason(policy, cfg, result.seconds, result.start_step, failed))
+    summary["warnings"] = warnings
     return summary
 
 
-def child_spec(cfg: DictConfig, directory: str | Path, final: Path | None) -> ChildSpec:
+def describe_policy(policy: Any) -> str:
+    """``"FixedSteps: every 100 steps"``, ``"Young: interval 84.9 s"``, or the class name."""
+    name = type(policy).__name__
+    if isinstance(policy, FixedSteps):
+        return f"{name}: every {policy.every} steps"
+    seconds = getattr(policy, "seconds", None)
+    if isinstance(seconds, int | float):
+        return f"{name}: every {seconds:g} s"
+    interval = getattr(policy, "last_interval", None)
+    if isinstance(interval, int | float):
+        return f"{name}: interval {interval:,.1f} s (as last computed)"
+    k = getattr(policy, "k", None)
+    if isinstance(k, int):
+        return f"{name}: every {k} steps (as last computed)"
+    return name
+
+
+def _policy_from_config(node: DictConfig) -> str:
+    target = str(node.get("_target_", "policy"))
+    name = target.rsplit(".", 1)[-1]
+    if "every" in node:
+        return f"{name}: every {node.every} steps"
+    if "seconds" in node:
+        return f"{name}: every {node.seconds:g} s"
+    return name
+
+
+def no_commit_reason(
+    policy: Any, cfg: DictConfig, seconds: float, start_step: int, failed: list[Any]
+) -> str:
+    """Why a run committed no checkpoint, and what to change."""
+    trained = cfg.steps - start_step
+    head = "no checkpoint was committed: "
+    if trained <= 0:
+        return head + (
+            f"the checkpoint folder already held step {start_step}, so there was nothing "
+            "left to train; give a new directory=... or more steps"
+        )
+    if failed:
+        return head + f"{len(failed)} save(s) failed, the first with: {failed[0].error}"
+    if isinstance(policy, FixedSteps):
+        return head + (
+            f"FixedSteps saves every {policy.every} steps, but the run had {trained} steps: "
+            "the interval is longer than the run; lower policy.interval.every (e.g. "
+            f"policy.interval.every={max(1, trained // 5)}) or raise steps"
+        )
+    interval = getattr(policy, "last_interval", None) or getattr(policy, "seconds", None)
+    name = type(policy).__name__
+    if isinstance(interval, int | float):
+        return head + (
+            f"{name}'s interval is {interval:,.1f} s, but training took {seconds:.1f} s: the "
+            "interval is longer than the run; choose a shorter one (e.g. "
+            "policy/interval=fixed_steps policy.interval.every=20) or raise steps"
+        )
+    return head + (
+        f"{name} asked for no save in {trained} steps ({seconds:.1f} s): its interval is "
+        "longer than the run; choose a shorter one or raise steps"
+    )
+
+
+def child_spec(
+    cfg: DictConfig, directory: str | Path, final: Path | None, threads: int | None = None
+) -> ChildSpec:
     return ChildSpec(
         directory=str(directory),
         steps=cfg.steps,
@@ -93,50 +220,84 @@ def child_spec(cfg: DictConfig, directory: str | Path, final: Path | None) -> Ch
         workload_args=OmegaConf.to_container(cfg.workload.args, resolve=True),
         engine=engine_config(cfg).to_dict(),
         policy=OmegaConf.to_container(cfg.policy.interval, resolve=True),
-        threads=cfg.threads,
+        threads=threads if threads is not None else resolve_threads(cfg.threads),
         final=str(final) if final is not None else None,
     )
+
+
+def fixed_steps_interval(cfg: DictConfig) -> tuple[int | None, bool]:
+    """``(every, pinned)`` of a ``FixedSteps`` interval policy (``(None, True)`` otherwise).
+
+    ``pinned``: set on purpose (on the command line or by an experiment: anything but the
+    shipped default), so a supervised run keeps it instead of deriving one.
+    """
+    node = cfg.policy.interval
+    try:
+        if get_object(str(node.get("_target_"))) is not FixedSteps:
+            return None, True
+    except Exception:
+        return None, True
+    every = int(node.every)
+    if HydraConfig.initialized():
+        keys = {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
+        if "policy.interval.every" in keys:
+            return every, True
+    default = importlib.resources.files("pcframe.conf") / "policy/interval/fixed_steps.yaml"
+    return every, every != OmegaConf.load(str(default)).get("every")
 
 
 def run_supervised(cfg: DictConfig, out: Path, progress: bool = True) -> Summary:
     """Train under the supervisor with the ``failure`` group's kills (and a reference run)."""
     failure = cfg.failure
-    times = kill_times(failure)
+    threads = resolve_threads(cfg.threads)
     out.mkdir(parents=True, exist_ok=True)
     final = out / "final.safetensors"
-    spec = child_spec(cfg, cfg.directory, final if failure.reference else None)
-    summary: Summary = {}
-    with _StepProgress(cfg.steps, enabled=progress) as bar:
+    spec = child_spec(cfg, cfg.directory, final if failure.reference else None, threads)
+    every, pinned = fixed_steps_interval(cfg)
+    summary = _common(cfg, threads)
+    summary["policy"] = _policy_from_config(cfg.policy.interval)
+    measured = None
+    with StepProgress(enabled=cfg.progress and progress, kills=True) as bar:
         if failure.reference:
             reference = dataclasses.replace(
                 spec,
                 directory=str(out / "reference-checkpoints"),
                 final=str(out / "reference.safetensors"),
             )
-            bar.start("uninterrupted reference run")
+            bar.start("reference run, no kills", cfg.steps)
             ref = Supervisor(
                 reference,
                 timeout=failure.timeout,
                 log_dir=out / "logs" / "reference",
-                on_line=bar.line,
+                on_line=_feed(bar),
             ).run()
+            bar.finish(f"{ref.commits} checkpoints committed")
             summary["reference_wall_s"] = ref.wall
-        bar.start(f"run with {len(times)} scheduled kills")
+            measured = Measured.from_life(ref.lives[0], cfg.steps)
+        schedule = plan(failure, measured, every=every, every_pinned=pinned)
+        if schedule.every is not None:
+            spec.policy = {**(spec.policy or {}), "every": schedule.every}
+            summary["policy"] = f"FixedSteps: every {schedule.every} steps ({schedule.interval})"
+        if measured is not None:
+            check(schedule, failure, measured, summary["policy"].split(" (")[0], every)
+        summary["schedule"] = schedule.schedule
+        bar.start("run with kills", cfg.steps)
         result = Supervisor(
             spec,
-            times,
+            schedule.times,
             restart_delay=failure.restart_delay,
             timeout=failure.timeout,
             log_dir=out / "logs" / "supervised",
-            on_line=bar.line,
+            on_line=_feed(bar),
         ).run()
+        bar.finish(f"{result.kills} kills, {result.commits} checkpoints committed")
     restarts = result.restart_seconds
     restores = [life.restore_seconds for life in result.lives[1:] if life.start_step is not None]
     summary.update(
         start_step=result.lives[0].start_step or 0,  # > 0: the directory held a checkpoint
-        steps=result.steps,
         kills=result.kills,
         processes=len(result.lives),
+        checkpoints=result.commits,
         executed_steps=result.executed_steps,
         lost_steps=result.lost_steps,
         wall_s=result.wall,
@@ -151,101 +312,62 @@ def run_supervised(cfg: DictConfig, out: Path, progress: bool = True) -> Summary
         summary["matches_reference"] = (
             "yes, bit-identical" if not differing else f"NO: {len(differing)} tensors differ"
         )
+    warnings = []
+    if result.kills == 0:
+        first = f" (the first at {schedule.times[0]:.1f} s)" if schedule.times else ""
+        warnings.append(
+            f"no kill landed: the run was over after {result.wall:.1f} s, before any of the "
+            f"{len(schedule.times)} scheduled kills{first}; leave failure.mtbf / "
+            "failure.compression null to fit the schedule to this machine, or raise steps"
+        )
+    if result.commits == 0:
+        warnings.append(
+            "no checkpoint was committed: the interval is longer than what a process lived "
+            f"({summary['policy']}); lower policy.interval.every or raise steps"
+        )
+    summary["warnings"] = warnings
     return summary
 
 
-class _StepProgress:
-    """A rich progress bar fed by the supervisor's stdout lines (quiet when not a terminal)."""
+def _feed(bar: StepProgress) -> Any:
+    """A supervisor ``on_line`` callback that drives the progress bar."""
+    commits = 0
 
-    def __init__(self, steps: int, enabled: bool) -> None:
-        self.steps = steps
-        self.progress = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("kills {task.fields[kills]}"),
-            transient=True,
-            disable=not enabled,
-        )
-        self.task: Any = None
-        self._last_index = 0
+    def line(index: int, text: str) -> None:
+        nonlocal commits
+        if index != bar.kills:
+            bar.set_kills(index)
+        if text.startswith("step "):
+            bar.step(int(text.split()[1]))
+        elif text.startswith("pcframe-event ") and '"committed"' in text:
+            commits += 1
+            bar.set_commits(commits)
 
-    def __enter__(self) -> _StepProgress:
-        self.progress.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.progress.__exit__(*exc)
-
-    def start(self, description: str) -> None:
-        if self.task is not None:
-            self.progress.remove_task(self.task)
-        self.task = self.progress.add_task(description, total=self.steps, kills=0)
-        self._last_index = 0
-
-    def line(self, index: int, line: str) -> None:
-        if index != self._last_index:
-            self._last_index = index
-            self.progress.update(self.task, kills=index)
-        if line.startswith("step "):
-            self.progress.update(self.task, completed=int(line.split()[1]))
-
-
-LABELS = {
-    "baseline_steps_per_s": "steps/s without checkpointing",
-    "steps_per_s": "steps/s with checkpointing",
-    "overhead_pct": "throughput overhead (%)",
-    "baseline_spread_pct": "run-to-run spread of the baseline (%)",
-    "start_step": "resumed from step",
-    "final_loss": "final loss",
-    "checkpoints": "checkpoints committed",
-    "bytes_written": "bytes written",
-    "stall_mean_ms": "stall per checkpoint, mean (ms)",
-    "stall_max_ms": "stall per checkpoint, max (ms)",
-    "durable_mean_ms": "save() to durable, mean (ms)",
-    "steps": "training steps",
-    "kills": "preemptions injected (SIGKILL)",
-    "processes": "training processes started",
-    "executed_steps": "steps executed (incl. lost)",
-    "lost_steps": "steps lost to preemptions",
-    "wall_s": "wall time (s)",
-    "goodput_steps_per_s": "goodput (useful steps/s)",
-    "restart_mean_s": "restart time, kill to next step, mean (s)",
-    "restore_mean_s": "restore from checkpoint, mean (s)",
-    "reference_wall_s": "wall time without preemptions (s)",
-    "efficiency": "efficiency (reference / actual wall time)",
-    "matches_reference": "final model equals uninterrupted run",
-    "directory": "checkpoints in",
-}
-
-
-def print_summary(summary: Summary, title: str = "pcframe-run summary") -> None:
-    table = Table(title=title, show_header=True)
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key, label in LABELS.items():
-        if key in summary:
-            value = summary[key]
-            text = (
-                f"{value:,.3f}"
-                if isinstance(value, float)
-                else f"{value:,}"
-                if isinstance(value, int)
-                else str(value)
-            )
-            table.add_row(label, text)
-    Console().print(table)
+    return line
 
 
 @hydra.main(version_base="1.3", config_path="pkg://pcframe.conf", config_name="run")
 def _app(cfg: DictConfig) -> None:
     check_targets(cfg)
-    print_summary(run(cfg, HydraConfig.get().runtime.output_dir))
+    hydra_cfg = HydraConfig.get()
+    console = Console()
+    tuned = tuned_config_warnings(cfg, hydra_cfg)
+    for warning in tuned:  # now, before the run, and again with the summary
+        console.print(f"[bold yellow]warning:[/bold yellow] {warning}", soft_wrap=True)
+    out = hydra_cfg.runtime.output_dir
+    summary = run(cfg, out)
+    summary.setdefault("warnings", []).extend(tuned)
+    title = "pcframe-run summary"
+    if hydra_cfg.mode is not None and hydra_cfg.mode.name == "MULTIRUN":
+        title += f" (job {hydra_cfg.job.num})"
+    print_summary(summary, title, console)
+    write_summary(summary, out, list(hydra_cfg.overrides.task), hydra_cfg.job.num)
+    print(f"summary: {Path(out).resolve() / 'summary.json'}")
 
 
 def main() -> None:
     quiet_missing_user_conf()
-    _app()
+    run_app(_app, "pcframe-run")
 
 
 if __name__ == "__main__":

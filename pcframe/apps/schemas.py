@@ -62,23 +62,32 @@ class InjectedFailure(FailureConfig):
     Attributes:
         restart_delay: seconds between a kill and the restart (a replacement VM booting).
         max_kills: stop injecting after this many kills (the run then finishes).
-        reference: also train once without kills, to measure the ideal time and to check
-            that the final model is bit-identical (built-in workloads are deterministic).
+        reference: also train once without kills, to measure the ideal time and this
+            machine's speed (start-up, step time, time to durable), and to check that the
+            final model is bit-identical (built-in workloads are deterministic).
         timeout: give up (error) when the whole supervised run takes longer, in seconds.
+        target_kills: a derived schedule (``mtbf`` / ``compression`` null) puts kills
+            ``restart_delay + start-up + training / target_kills`` seconds apart on average,
+            so about this many land (see :mod:`pcframe.apps.preemption.plan`).
+        check: refuse, naming the keys to change, a schedule under which no kill would land
+            or no checkpoint would commit before a kill (estimated from the reference run).
     """
 
     restart_delay: float = 0.0
     max_kills: int = 20
     reference: bool = True
     timeout: float = 3600.0
+    target_kills: float = 4.0
+    check: bool = True
 
 
 @dataclass
 class PoissonFailure(InjectedFailure):
-    """Kills at exponentially distributed intervals of mean ``mtbf`` wall seconds."""
+    """Kills at exponentially distributed intervals of mean ``mtbf`` wall seconds
+    (``null``: derived from the reference run, see ``target_kills``)."""
 
     kind: str = "poisson"
-    mtbf: float = 30.0
+    mtbf: float | None = None
     seed: int = 0
 
 
@@ -90,14 +99,16 @@ class TraceFailure(InjectedFailure):
         path: a trace file in any format :func:`pcframe.policies.traces.load_trace` reads
             (SkyNomad, Bamboo, PCcheck, pcframe CSV/JSON); kills happen where the up-count drops.
         times: explicit kill times in trace seconds, instead of ``path``.
-        compression: trace seconds per wall second (3600: one trace hour per second).
+        compression: trace seconds per wall second (3600: one trace hour per second);
+            ``null``: derived from the reference run so that the trace's kills come
+            ``restart_delay + start-up + training / target_kills`` seconds apart on average.
         offset: skip this many trace seconds from the start of the trace.
     """
 
     kind: str = "trace"
     path: str | None = None
     times: list[float] | None = None
-    compression: float = 3600.0
+    compression: float | None = None
     offset: float = 0.0
 
 
@@ -111,8 +122,10 @@ class RunConfig:
     policy: Any = MISSING
     failure: Any = MISSING
     steps: int = 300
-    threads: int = 2
+    # torch threads: a number, or auto (usable CPUs minus one for the engine; apps/machine.py)
+    threads: int | str = "auto"
     baseline: bool = True
+    progress: bool = True
     directory: str = "${storage.directory}"
 
 
@@ -152,7 +165,7 @@ class TuneAppConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
     workload: Any = MISSING
     tune: TuneConfig = field(default_factory=TuneConfig)
-    threads: int = 2
+    threads: int | str = "auto"
 
 
 def workload_schemas() -> dict[str, type]:
@@ -168,7 +181,10 @@ def workload_schemas() -> dict[str, type]:
 
 
 def register() -> None:
-    """Store every schema in Hydra's ConfigStore (idempotent)."""
+    """Store every schema in Hydra's ConfigStore (idempotent), and the help resolver."""
+    from pcframe.apps.errors import register_resolvers
+
+    register_resolvers()
     store = ConfigStore.instance()
     store.store(name="run_schema", node=RunConfig)
     store.store(name="tune_app_schema", node=TuneAppConfig)

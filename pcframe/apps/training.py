@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from pcframe.config import EngineConfig
 from pcframe.feed import process_age
 from pcframe.policies.base import IntervalPolicy
 from pcframe.policies.fixed import FixedSteps
+from pcframe.save.status import SaveStatus
 
 
 @dataclass
@@ -43,6 +44,38 @@ def batches(workload: Workload) -> Iterator[Any]:
         yield from workload.loader
 
 
+class CommitWatch:
+    """Calls ``on_commit(count, step)`` when a checkpointer's committed versions grow.
+
+    Looks only at versions not yet finished, so watching costs nothing per step however
+    many versions a long run has written.
+    """
+
+    def __init__(self, checkpointer: Checkpointer, on_commit: Callable[[int, int], None]):
+        self.checkpointer = checkpointer
+        self.on_commit = on_commit
+        self.count = 0
+        self._known = 0
+        self._pending: list[int] = []
+
+    def poll(self) -> None:
+        records = self.checkpointer.records
+        if len(records) != self._known:
+            self._pending += list(records)[self._known :]
+            self._known = len(records)
+        if not self._pending:
+            return
+        still = []
+        for version in self._pending:
+            record = records[version]
+            if record.status == SaveStatus.COMMITTED:
+                self.count += 1
+                self.on_commit(self.count, record.step)
+            elif not record.status.finished:
+                still.append(version)
+        self._pending = still
+
+
 def train(
     workload: Workload,
     steps: int,
@@ -51,11 +84,13 @@ def train(
     engine: EngineConfig | None = None,
     progress: Any = None,
     on_restored: Any = None,
+    on_commit: Callable[[int, int], None] | None = None,
 ) -> tuple[TrainResult, Checkpointer | None]:
     """Train to ``steps`` total, resuming from ``directory`` when it holds a checkpoint.
 
     ``progress(step)`` is called after every step, ``on_restored(step, seconds)`` once after
-    the restore attempt (step ``None`` when there was nothing to resume from).
+    the restore attempt (step ``None`` when there was nothing to resume from), and
+    ``on_commit(count, step)`` each time a version commits (``count`` committed so far).
     Returns the result and the (closed) checkpointer, whose ``records`` hold per-save costs.
     """
     checkpointer = None
@@ -75,6 +110,7 @@ def train(
         if on_restored is not None:
             report = checkpointer.last_restore
             on_restored(restored, report.seconds if report else 0.0)
+    watch = CommitWatch(checkpointer, on_commit) if checkpointer and on_commit else None
     result = TrainResult(steps, start_step, 0.0, restored_from=start_step or None)
     stream = batches(workload)
     begin = time.perf_counter()
@@ -83,10 +119,14 @@ def train(
             result.losses.append(workload.train_step(next(stream)))
             if checkpointer is not None:
                 checkpointer.maybe_save(step)
+                if watch is not None:
+                    watch.poll()
             if progress is not None:
                 progress(step)
         if checkpointer is not None:
             checkpointer.wait()
+            if watch is not None:
+                watch.poll()
     finally:
         result.seconds = time.perf_counter() - begin
         if checkpointer is not None:
@@ -158,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         on_restored=lambda step, seconds: emit(
             "restored", step=step or 0, seconds=seconds, age=process_age()
         ),
+        on_commit=lambda count, step: emit("committed", step=step, count=count),
     )
     print(f"done start={result.start_step} steps={result.steps}", flush=True)
     if args.final:
@@ -170,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds=result.seconds,
         checkpoints=len(records),
         stall=sum(r.stall for r in records),
+        durable=sum(r.durable for r in records),
         nbytes=sum(r.nbytes for r in records),
     )
     return 0

@@ -12,10 +12,12 @@ from pathlib import Path
 import hydra
 import optuna
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from pcframe.apps.compose import quiet_missing_user_conf
+from pcframe.apps.errors import run_app, user_config_dir
+from pcframe.apps.machine import resolve_threads
 from pcframe.apps.schemas import register
 from pcframe.apps.targets import check_targets
 from pcframe.apps.tuning import (
@@ -50,9 +52,16 @@ def finish(tuner: Tuner, study: optuna.Study) -> dict[str, Path]:
             f"{written['table']})"
         ) from None
     if tune.write_config:
-        _, engine = tuner.trial_config(dict(best.params))
+        cfg, engine = tuner.trial_config(dict(best.params))
+        workload = {"name": cfg.workload.name, "args": OmegaConf.to_container(cfg.workload.args)}
         written["config"] = write_tuned_config(
-            tune.write_config, engine, study, best, tuner.objectives
+            tune.write_config,
+            engine,
+            study,
+            best,
+            tuner.objectives,
+            workload=workload,
+            threads=resolve_threads(cfg.threads),
         )
     return written
 
@@ -76,12 +85,21 @@ def _app(cfg: DictConfig) -> None:
     for what, path in written.items():
         console.print(f"{what}: {path}")
     if "config" in written:
-        console.print(f"use it: pcframe-run engine={written['config'].stem}")
+        path = written["config"].resolve()
+        use = f"pcframe-run engine={path.stem}"
+        if path.parent.parent != user_config_dir():
+            use = f"PCFRAME_CONFIG_DIR={path.parent.parent} {use}"
+        console.print(f"use it: {use}", soft_wrap=True)
+        console.print(
+            f"(engine options are looked up in $PCFRAME_CONFIG_DIR, default ./pcframe-conf: "
+            f"from another folder, set PCFRAME_CONFIG_DIR={path.parent.parent})",
+            soft_wrap=True,
+        )
 
 
 def main() -> None:
     quiet_missing_user_conf()
-    _app()
+    run_app(_app, "pcframe-tune")
 
 
 if __name__ == "__main__":

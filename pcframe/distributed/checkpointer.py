@@ -273,7 +273,7 @@ class DistributedCheckpointer:
     def _raise_errors(self) -> None:
         errors = self.protocol.take_errors()
         for extra in errors[1:]:
-            log.error("pcframe: %s", extra)
+            log.error("%s", extra)
         if errors:
             raise errors[0]
 
@@ -345,7 +345,7 @@ class DistributedCheckpointer:
             bad = [f"rank {r}: {s[1]}" for r, s in enumerate(statuses) if s[0] == "corrupt"]
             if bad:
                 report.skipped.append((record.version, "; ".join(bad)))
-                log.warning("pcframe: skipping global version %d: %s", record.version, bad)
+                log.warning("skipping global version %d: %s", record.version, bad)
                 continue
             prepared.apply(objects)
             self.local.resumed(record.step)

@@ -239,13 +239,13 @@ class CommitProtocol:
             rec.write_record(self.root, record)
         except OSError as exc:
             decision["reason"] = f"could not write the global record: {exc}"
-            log.warning("pcframe: global version %d not published: %s", version, exc)
+            log.warning("global version %d not published: %s", version, exc)
             return decision
         crash_point("global_record_written")
         try:
             rec.write_pointer(self.root, version)
         except OSError as exc:  # the record is the commit point; GLOBAL is only a hint
-            log.warning("pcframe: could not update %s: %s", self.root / rec.POINTER, exc)
+            log.warning("could not update %s: %s", self.root / rec.POINTER, exc)
         crash_point("global_published")
         retained = sorted({*self.retained, version})[-self.keep_global :]
         for old in rec.record_versions(self.root):
@@ -253,7 +253,7 @@ class CommitProtocol:
                 try:
                     rec.delete_record(self.root, old)
                 except OSError as exc:
-                    log.warning("pcframe: could not delete global record v%d: %s", old, exc)
+                    log.warning("could not delete global record v%d: %s", old, exc)
         decision.update(status=SaveStatus.COMMITTED, retained=retained)
         return decision
 
@@ -269,7 +269,7 @@ class CommitProtocol:
         round_.reason = reason or (decision or {}).get("reason", "")
         round_.decided_at = time.perf_counter()
         if not round_.published:
-            log.info("pcframe: version %d is not global: %s", round_.version, round_.reason)
+            log.info("version %d is not global: %s", round_.version, round_.reason)
         round_.decided.set()
 
 

@@ -172,7 +172,8 @@ def parse_body(body: Any, path: str = "<manifest>", format_version: int = 1) -> 
     allowed = [{DATA_NAME}] + ([{DATA_NAME, CODEC_NAME}] if format_version >= 2 else [])
     if not isinstance(files, dict) or set(files) not in allowed:
         also = f" (and {CODEC_NAME!r} from format version 2)" if format_version < 2 else ""
-        raise fail(f"'files' must list {DATA_NAME!r}{also}, got {sorted(files) if isinstance(files, dict) else files!r:.80}")
+        got = sorted(files) if isinstance(files, dict) else files
+        raise fail(f"'files' must list {DATA_NAME!r}{also}, got {got!r:.200}")
     data = files[DATA_NAME]
     if not isinstance(data, dict):
         raise fail(f"files/{DATA_NAME} must be an object")

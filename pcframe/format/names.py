@@ -44,7 +44,7 @@ def version_from_digits(digits: str, where: str) -> int | None:
         if where not in _warned:  # once per name: listings run at every commit
             _warned.add(where)
             log.warning(
-                "pcframe: ignoring %s: version number %s is above the limit %d (not "
+                "ignoring %s: version number %s is above the limit %d (not "
                 "written by pcframe; remove or rename it)",
                 where,
                 digits[:24] + ("..." if len(digits) > 24 else ""),

@@ -102,7 +102,7 @@ def apply_tree(
             not_loaded.append(f"{name}: load_state_dict failed: {type(exc).__name__}: {exc}")
         undo.commit_step()
     if not_loaded:
-        log.warning("pcframe: %s: not loaded (strict=False): %s", where, "; ".join(not_loaded))
+        log.warning("%s: not loaded (strict=False): %s", where, "; ".join(not_loaded))
     return not_loaded
 
 
@@ -162,7 +162,7 @@ class _Undo:
                 step()
             except Exception as exc:  # undo what can be undone; say what could not
                 failed.append(exc)
-                log.error("pcframe: rolling back a failed restore: %s", exc)
+                log.error("rolling back a failed restore: %s", exc)
         if failed:
             raise CheckpointError(
                 f"a restore failed and rolling it back failed too ({failed[0]}): the objects "

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from pcframe.errors import CheckpointError
-from pcframe.objects import TrainingObjects
-from pcframe.restore.check_optimizer import check_optimizer, optimizer_class_name
+from pcframe.objects import TrainingObjects, optimizer_class_name
+from pcframe.restore.check_optimizer import check_optimizer
 
 __all__ = ["LoadPlan", "StateMismatch", "optimizer_class_name", "plan_load", "tensor_misfit"]
 from pcframe.rng import check_rng

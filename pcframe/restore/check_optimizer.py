@@ -30,6 +30,8 @@ import torch
 import torch.optim.optimizer as optimizer_module
 from torch.optim.optimizer import Optimizer
 
+from pcframe.objects import optimizer_class_name
+
 PRIME_DIMS = (2, 3, 5, 7, 11, 13)  # scratch parameter sizes: a state shaped like it is telling
 GROUP_BOOKKEEPING = {"params", "param_names"}
 
@@ -81,7 +83,7 @@ def check_optimizer(
     for group, live_group in zip(groups, live_groups, strict=True):
         params.update(zip(group["params"], live_group["params"], strict=True))
     fresh = _fresh_state(optimizer, groups)
-    found: dict[str, list[str]] = {}  # problem -> the saved parameter ids it concerns
+    found: dict[str, list[Any]] = {}  # problem -> the saved parameter ids it concerns
     for saved_id, entry in saved["state"].items():
         param = params.get(saved_id)
         if param is None:
@@ -115,12 +117,6 @@ def check_optimizer(
         )
         problems.append(f"optimizer state of {which}: {problem}")
     return saved
-
-
-def optimizer_class_name(optimizer: Optimizer) -> str:
-    """The name a version may store as ``optimizer_class`` next to the optimizer's state."""
-    cls = type(optimizer)
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _state_misfit(
@@ -166,7 +162,7 @@ def _fresh_state(optimizer: Optimizer, groups: list[dict[str, Any]]) -> dict[Any
     """Per live parameter, the state a first step of its class would create (see above)."""
     cls = type(optimizer)
     global_hooks = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
-    if not cls.__module__.startswith("torch.optim.") or any(
+    if not f"{cls.__module__}.".startswith("torch.optim.") or any(
         getattr(optimizer_module, name, None) for name in global_hooks
     ):
         return None

@@ -41,7 +41,7 @@ def restore_sources(tiers: Tiers, version: int | None, report: RestoreReport) ->
     """
     sources, report.unavailable = tiers.sources(version)
     for reason in report.unavailable:
-        log.warning("pcframe: restore cannot see tier %s", reason)
+        log.warning("restore cannot see tier %s", reason)
     if version is not None and not sources:
         assert tiers.primary is not None
         where = f"{tiers.primary.root} or any tier" if tiers.replicated else tiers.primary.root
@@ -73,14 +73,14 @@ def load_first_valid(
         except ManifestError as exc:
             reason = f"in tier {source.tier}: {exc}" if source.tier else str(exc)
             report.skipped.append((source.version, reason))
-            log.warning("pcframe: skipping checkpoint version %d: %s", source.version, reason)
+            log.warning("skipping checkpoint version %d: %s", source.version, reason)
             source.quarantine()
             continue
         except (OSError, TierError) as exc:
             where = f"tier {source.tier}: " if source.tier else ""
             io_failed.setdefault(source.version, []).append(where + _describe_io(exc))
             log.warning(
-                "pcframe: cannot read checkpoint version %d %s(%s); not quarantined",
+                "cannot read checkpoint version %d %s(%s); not quarantined",
                 source.version,
                 f"from tier {source.tier} " if source.tier else "",
                 _describe_io(exc),

@@ -17,7 +17,7 @@ import torch
 from pcframe.config import EngineConfig
 from pcframe.format.layout import Layout
 from pcframe.format.tree import TensorRef, encode_tree
-from pcframe.objects import TrainingObjects
+from pcframe.objects import TrainingObjects, optimizer_class_name
 from pcframe.rng import capture_rng
 from pcframe.save.request import SaveRequest
 
@@ -61,6 +61,9 @@ class Capture:
             tree["model"] = o.model.state_dict()
         if o.optimizer is not None:
             tree["optimizer"] = o.optimizer.state_dict()
+            if isinstance(o.optimizer, torch.optim.Optimizer):  # not a multi-rank stand-in
+                # So a restore can refuse Adam state for AdamW (same keys, other maths).
+                tree["optimizer_class"] = optimizer_class_name(o.optimizer)
         if o.scheduler is not None:
             tree["scheduler"] = o.scheduler.state_dict()
         if o.scaler is not None:

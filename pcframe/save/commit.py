@@ -82,9 +82,7 @@ class Committer:
             try:
                 listener(request.version, self.storage.path(request.version), manifest)
             except Exception as exc:  # a listener (e.g. an uploader) must not undo the commit
-                log.warning(
-                    "pcframe: commit listener failed for version %d: %s", request.version, exc
-                )
+                log.warning("commit listener failed for version %d: %s", request.version, exc)
         self.retention.apply()
 
     def _manifest(self, write: VersionWrite) -> Manifest:

@@ -90,7 +90,7 @@ class DeltaTracker:
             if not self._warned:
                 self._warned = True
                 log.warning(
-                    "pcframe: xor_delta_zstd tensors are stored as full (zstd) versions: "
+                    "xor_delta_zstd tensors are stored as full (zstd) versions: "
                     "%s copy single versions, not delta chains",
                     ", ".join(blockers),
                 )

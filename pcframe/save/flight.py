@@ -9,6 +9,7 @@ next engine call: records updated, the policy told, and the first unreported fai
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +19,9 @@ from pcframe.errors import SaveError
 from pcframe.save.handle import SaveRecord
 from pcframe.save.progress import SaveProgress
 from pcframe.save.status import SaveStatus, Stage
+
+log = logging.getLogger("pcframe")
+SUMMARY_EVERY = 60.0  # seconds between INFO lines summing up commits
 
 
 class InFlight:
@@ -29,6 +33,7 @@ class InFlight:
         self._finished_lock = threading.Lock()
         self._copying: list[SaveProgress] = []  # snapshot copy not yet done
         self._unfinished: list[SaveProgress] = []  # not yet reported as finished
+        self._commits, self._summary_at = 0, None  # for the periodic INFO line
 
     # --- training thread ---------------------------------------------------------------
 
@@ -100,6 +105,7 @@ class InFlight:
             if progress.status == SaveStatus.COMMITTED:
                 record.durable = progress.durable_at - progress.started
                 committed(progress, record)
+                self._summarise(progress, record)
             elif progress.error is not None:
                 record.stage, record.error = progress.stage or "", str(progress.error)
                 if not progress.reported:
@@ -110,6 +116,24 @@ class InFlight:
             raise SaveError(first.version, first.step, first.stage or "", first.error) from (
                 first.error
             )
+
+    def _summarise(self, progress: SaveProgress, record: SaveRecord) -> None:
+        """One INFO line at the first commit, then at most one per :data:`SUMMARY_EVERY`."""
+        self._commits += 1
+        now = time.monotonic()
+        if self._summary_at is not None and now - self._summary_at < SUMMARY_EVERY:
+            return
+        self._summary_at = now
+        log.info(
+            "committed version %d (step %d): %.1f MB, stall %.1f ms, durable after %.2f s; "
+            "%d versions committed by this engine",
+            progress.version,
+            progress.step,
+            progress.nbytes / 1e6,
+            record.stall * 1e3,
+            record.durable,
+            self._commits,
+        )
 
     def abandon(self, progress: SaveProgress, exc: BaseException) -> None:
         """A save that failed before the pipeline took it: finished, failed, slot freed.

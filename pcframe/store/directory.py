@@ -91,7 +91,7 @@ class CheckpointDir:
             elif path.is_symlink() and str(path) not in _warned_links:
                 _warned_links.add(str(path))
                 log.warning(
-                    "pcframe: ignoring %s: a version directory must not be a symbolic link "
+                    "ignoring %s: a version directory must not be a symbolic link "
                     "(move the version itself into %s)",
                     path,
                     self.root,
@@ -111,7 +111,7 @@ class CheckpointDir:
         except FileNotFoundError:
             return None
         except (OSError, NotRegularFile) as exc:
-            log.warning("pcframe: ignoring %s (%s); the directory listing decides", path, exc)
+            log.warning("ignoring %s (%s); the directory listing decides", path, exc)
             return None
         try:
             text = raw.decode("ascii").strip()
@@ -120,7 +120,7 @@ class CheckpointDir:
         version = version_number(text, str(path)) if text else None
         if version is None and raw.strip():
             log.warning(
-                "pcframe: ignoring %s: %r does not name a version; the directory listing decides",
+                "ignoring %s: %r does not name a version; the directory listing decides",
                 path,
                 raw[:32],
             )
@@ -217,7 +217,7 @@ class WritableCheckpointDir(CheckpointDir):
             # LATEST is a hint: the listing (which has the version) decides. A full disk must
             # not make a committed version look failed.
             log.warning(
-                "pcframe: version %d is committed but LATEST could not be updated (%s); "
+                "version %d is committed but LATEST could not be updated (%s); "
                 "LATEST lags until the next commit",
                 version,
                 exc,

@@ -109,7 +109,7 @@ class Retention:
                 try:
                     self.storage.delete(old)
                 except OSError as exc:  # the new version is committed; retry next time
-                    log.warning("pcframe: could not delete old checkpoint version %d: %s", old, exc)
+                    log.warning("could not delete old checkpoint version %d: %s", old, exc)
                     break
                 deleted.append(old)
         return deleted

@@ -14,7 +14,8 @@ and ``pcframe verify`` agrees with that outcome in one line per version (exit 0 
 an internal error). The same for codec meta straight through ``Codec.decode``: a result of
 the right dtype and shape (finite, for the lossy codecs) or a ``ValueError``.
 
-The default run is small (a few seconds); ``-m slow`` runs many more examples.
+The default run is small (a few seconds); the ``slow`` variants run many more examples
+(``PCFRAME_FUZZ_EXAMPLES`` sets how many).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +42,15 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 FAST = settings(
-    max_examples=60,
+    max_examples=100,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     database=None,
 )
-SLOW = settings(FAST, max_examples=1500)
+# Slow tests still run by default here, so the many-examples variant stays within ~30 s;
+# PCFRAME_FUZZ_EXAMPLES=20000 (say) fuzzes for as long as you like.
+MANY = int(os.environ.get("PCFRAME_FUZZ_EXAMPLES", "600"))
+SLOW = settings(FAST, max_examples=MANY)
 
 # --- what goes in ----------------------------------------------------------------------------
 
@@ -90,6 +95,22 @@ def paths(node: Any, prefix: tuple = ()) -> list[tuple]:
     return found
 
 
+def regions(body: dict[str, Any]) -> dict[str, list[tuple]]:
+    """The body's paths by part, so each part is fuzzed as often as the big state tree."""
+    parts: dict[str, list[tuple]] = {}
+    for path in paths(body):
+        if len(path) <= 1:
+            part = "top level"
+        elif path[0] == "tensors" and "segments" in path:
+            part = "segment meta" if len(path) > 5 and path[5] == 5 else "segments"
+        elif path[0] in ("files", "tensors", "tree"):
+            part = path[0]
+        else:
+            part = "other"  # numpy_tensors, delta, codecs, metadata, engine
+        parts.setdefault(part, []).append(path)
+    return parts
+
+
 def _get(body: Any, path: tuple) -> Any:
     for key in path:
         body = body[key]
@@ -97,15 +118,20 @@ def _get(body: Any, path: tuple) -> Any:
 
 
 @st.composite
-def mutation(draw: Any, template: dict[str, Any], where: list[tuple]) -> tuple:
-    path = draw(st.sampled_from(where))
+def mutation(draw: Any, template: dict[str, Any], where: dict[str, list[tuple]]) -> tuple:
+    part = draw(st.sampled_from(sorted(where)))
+    path = draw(st.sampled_from(where[part]))
     target = _get(template, path)
     kinds = ["set", "set", "delete", "extra"]
     if isinstance(target, int) and not isinstance(target, bool):
         kinds += ["nudge", "nudge", "scale"]
     if isinstance(target, list):
         kinds += ["duplicate", "truncate"]
+    if isinstance(target, str):
+        kinds += ["word", "word"]
     kind = draw(st.sampled_from(kinds))
+    if kind == "word":  # another plausible string: a real name, or this one slightly changed
+        return ("set", path, draw(st.sampled_from([*WORDS, target[:-1], target + "0", target * 2])))
     if kind == "set":
         return (kind, path, draw(values))
     if kind == "extra":
@@ -123,7 +149,8 @@ def apply(body: Any, change: tuple) -> Any:
     if not path and kind in ("set", "delete"):
         return change[2] if kind == "set" else {}
     if not path:
-        return {**body, change[2]: change[3]} if kind == "extra" and isinstance(body, dict) else body
+        extra = kind == "extra" and isinstance(body, dict)
+        return {**body, change[2]: change[3]} if extra else body
     try:
         parent = _get(body, path[:-1])
         key = path[-1]
@@ -194,7 +221,7 @@ def _fuzz_manifest(checkpoints: dict[str, Path], data: Any) -> None:
     which = data.draw(st.sampled_from(sorted(checkpoints)), label="checkpoint")
     root = checkpoints[which]
     template = read_body(root / "v00000002")
-    where = paths(template)
+    where = regions(template)
     body = copy.deepcopy(template)
     for change in data.draw(st.lists(mutation(template, where), min_size=1, max_size=3)):
         body = apply(body, change)
@@ -312,7 +339,7 @@ def test_mutated_codec_meta_decodes_or_raises_value_error(case):
 
 
 @pytest.mark.slow
-@settings(SLOW, max_examples=5000)
+@settings(SLOW, max_examples=4 * MANY)
 @given(case=meta_case())
 def test_mutated_codec_meta_decodes_or_raises_value_error_many(case):
     _fuzz_meta(case)

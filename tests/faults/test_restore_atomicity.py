@@ -560,3 +560,59 @@ def test_checks_and_rollback_on_the_device(tmp_path, device):
         ):
             ckpt.restore()
         assert state(model, opt) == before
+
+
+OPTIMIZERS = {
+    "SGD": {"momentum": 0.9, "nesterov": True},
+    "Adam": {"amsgrad": True},
+    "AdamW": {},
+    "Adagrad": {},
+    "Adadelta": {},
+    "Adamax": {},
+    "ASGD": {},
+    "NAdam": {},
+    "RAdam": {},
+    "RMSprop": {"momentum": 0.5, "centered": True},
+    "Rprop": {},
+    "LBFGS": {},
+    "Adafactor": {},
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_torch_optimizer_restores_its_own_state(tmp_path, name):
+    """No false alarms: each class's state (trained or fresh target) passes the checks."""
+    cls = getattr(torch.optim, name, None)
+    if cls is None:
+        pytest.skip(f"torch.optim.{name} is not in this torch")
+
+    def build(seed: int, steps: int):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+        opt = cls(model.parameters(), lr=0.01, **OPTIMIZERS[name])
+
+        def closure():
+            opt.zero_grad()
+            loss = model(torch.randn(4, 6)).pow(2).mean()
+            loss.backward()
+            return loss
+
+        for _ in range(steps):
+            opt.step(closure)
+        return model, opt
+
+    model, opt = build(0, 3)
+    with Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt:
+        ckpt.save(step=3).wait()
+    for steps in (2, 0):  # into an optimizer with state, and into a fresh one
+        live_model, live_opt = build(1, steps)
+        with Checkpointer(tmp_path, model=live_model, optimizer=live_opt) as ckpt:
+            assert ckpt.restore() == 3
+        assert freeze(live_opt.state_dict()) == freeze(opt.state_dict())
+    wrong = torch.optim.SGD if name != "SGD" else torch.optim.Adam
+    live_model, _ = build(1, 0)
+    with (
+        Checkpointer(tmp_path, model=live_model, optimizer=wrong(live_model.parameters())) as ckpt,
+        pytest.raises(StateMismatch, match="optimizer"),
+    ):
+        ckpt.restore()

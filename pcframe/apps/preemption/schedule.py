@@ -74,16 +74,44 @@ def trace_times(
     return [(t - offset) / compression for t in source if t >= offset]
 
 
-def kill_times(failure: Any) -> list[float]:
-    """Kill schedule of a ``failure`` config node (``kind`` none, poisson or trace)."""
+def derived(failure: Any) -> bool:
+    """Whether ``failure``'s schedule is derived from this machine's speed: ``mtbf`` (Poisson)
+    or ``compression`` (trace) left ``null`` (see :mod:`pcframe.apps.preemption.plan`)."""
+    if failure.kind == "poisson":
+        return failure.mtbf is None
+    if failure.kind == "trace":
+        return failure.compression is None
+    return False
+
+
+def kill_times(failure: Any, gap: float | None = None) -> list[float]:
+    """Kill schedule of a ``failure`` config node (``kind`` none, poisson or trace).
+
+    A derived schedule (``derived(failure)``) is scaled so that its mean gap between kills
+    is ``gap`` seconds; without ``gap`` its times are in units of the mean gap.
+    """
     kind = failure.kind
     if kind == "none":
         return []
     if failure.max_kills < 0:
         raise ConfigError(f"failure.max_kills={failure.max_kills} is invalid: use 0 or more")
+    if gap is not None and not gap > 0:
+        raise ConfigError(f"the mean gap between kills must be positive, got {gap!r}")
+    unit = 1.0 if gap is None else gap
     if kind == "poisson":
-        return poisson_times(failure.mtbf, failure.max_kills, failure.seed)
+        return poisson_times(failure.mtbf or unit, failure.max_kills, failure.seed)
     if kind == "trace":
-        times = trace_times(failure.path, failure.times, failure.compression, failure.offset)
-        return times[: failure.max_kills]
+        compression = failure.compression
+        times = trace_times(failure.path, failure.times, compression or 1.0, failure.offset)
+        times = times[: failure.max_kills]
+        if compression is None and times:
+            mean = times[-1] / len(times)
+            times = [t / mean * unit for t in times] if mean > 0 else times
+        return times
     raise ConfigError(f"failure.kind={kind!r} is unknown; use failure=none, poisson or trace")
+
+
+def trace_compression(failure: Any, gap: float) -> float:
+    """Trace seconds per wall second of a derived trace schedule with mean gap ``gap``."""
+    times = trace_times(failure.path, failure.times, 1.0, failure.offset)[: failure.max_kills]
+    return (times[-1] / len(times)) / gap if times and times[-1] > 0 else 1.0

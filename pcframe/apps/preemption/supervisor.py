@@ -84,6 +84,19 @@ class Life:
     ended: float = 0.0
     killed: bool = False
     returncode: int | None = None
+    commits: int = 0  # versions this process committed (its ``committed`` events)
+    commit_steps: list[int] = field(default_factory=list)
+    done: dict[str, Any] | None = None  # the ``done`` event of a process that finished
+
+    @property
+    def training_seconds(self) -> float:
+        """From the first step to the end of the process (0 if it never trained)."""
+        return self.ended - self.first_step_at if self.first_step_at is not None else 0.0
+
+    @property
+    def startup_seconds(self) -> float | None:
+        """From spawn to the end of the first step (interpreter, imports, restore)."""
+        return self.first_step_at - self.spawned if self.first_step_at is not None else None
 
     @property
     def executed(self) -> int:
@@ -102,6 +115,11 @@ class SupervisedRun:
     @property
     def kills(self) -> int:
         return sum(life.killed for life in self.lives)
+
+    @property
+    def commits(self) -> int:
+        """Checkpoint versions committed, by every process together."""
+        return sum(life.commits for life in self.lives)
 
     @property
     def executed_steps(self) -> int:
@@ -272,6 +290,11 @@ class Supervisor:
                 life.restore_seconds = float(event["seconds"])
             elif event["event"] == "first_step":
                 life.first_step_at = at
+            elif event["event"] == "committed":
+                life.commits += 1
+                life.commit_steps.append(int(event["step"]))
+            elif event["event"] == "done":
+                life.done = event
 
     def _log_path(self, index: int) -> Path | None:
         if self.log_dir is None:

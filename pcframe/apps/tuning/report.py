@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import optuna
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from optuna.trial import FrozenTrial, TrialState
 
+from pcframe.apps.machine import machine_differences, machine_identity
 from pcframe.config import EngineConfig
+
+META_PREFIX = "# pcframe-tune-meta: "
 
 UNITS = {
     "overhead": ("overhead %", 100.0),
@@ -154,8 +159,17 @@ def write_tuned_config(
     study: optuna.Study,
     trial: FrozenTrial,
     objectives: Sequence[str],
+    *,
+    workload: Mapping[str, Any] | None = None,
+    threads: int | None = None,
 ) -> Path:
-    """Write ``engine`` as an ``engine`` group option (``pcframe-run engine=<file stem>``)."""
+    """Write ``engine`` as an ``engine`` group option (``pcframe-run engine=<file stem>``).
+
+    The header records what it was tuned for: the workload (name and arguments), the torch
+    threads and this machine (:func:`~pcframe.apps.machine.machine_identity`), as readable
+    comments and as one ``# pcframe-tune-meta: {json}`` line that ``pcframe-run`` compares
+    with its own setup (:func:`tuned_config_warnings`).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     values = ", ".join(
@@ -167,12 +181,90 @@ def write_tuned_config(
         values += (
             f" (mean of {len(same)} measurement(s): {_in_unit(objectives[0], mean_value(same))})"
         )
+    machine = machine_identity()
+    meta = {
+        "study": study.study_name,
+        "trial": trial.number,
+        "written": dt.datetime.now().isoformat(timespec="seconds"),
+        "workload": dict(workload) if workload is not None else None,
+        "threads": threads,
+        "machine": machine,
+    }
+    tuned_for = (
+        f"workload {describe_workload(workload)}, " if workload is not None else ""
+    ) + (
+        f"{machine['cpus']} CPUs ({machine['cpu']}), {machine['memory_gib']} GiB, "
+        f"host {machine['host']}"
+    )
     header = [
-        f"# Written by pcframe-tune on {dt.datetime.now().isoformat(timespec='seconds')}.",
+        f"# Written by pcframe-tune on {meta['written']}.",
         f"# Study {study.study_name!r}, trial {trial.number}: {values}.",
+        f"# Tuned for {tuned_for}.",
         f"# Use it with: pcframe-run engine={path.stem}   (searched in $PCFRAME_CONFIG_DIR,",
-        "# default ./pcframe-conf; see docs/tuning.md). Measured on the machine that wrote it.",
+        "# default ./pcframe-conf; see docs/tuning.md). pcframe-run warns when its workload",
+        "# or machine differs from the one recorded here.",
+        META_PREFIX + json.dumps(meta, sort_keys=True),
     ]
     body = OmegaConf.create({"defaults": ["engine_schema", "_self_"], **engine.to_dict()})
     path.write_text("\n".join(header) + "\n" + OmegaConf.to_yaml(body))
     return path
+
+
+def describe_workload(workload: Mapping[str, Any] | None) -> str:
+    if not workload:
+        return "?"
+    args = workload.get("args") or {}
+    shown = ", ".join(f"{k}={v}" for k, v in args.items())
+    return f"{workload.get('name')}({shown})"
+
+
+def read_tuned_meta(path: str | Path) -> dict[str, Any] | None:
+    """The ``# pcframe-tune-meta:`` record of a tuned config (``None``: not written by the tuner)."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(META_PREFIX):
+                return json.loads(line[len(META_PREFIX) :])
+            if not line.startswith("#"):
+                break
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def option_file(hydra_cfg: Any, group: str, option: str) -> Path | None:
+    """The YAML file an option was loaded from, if it came from a folder on disk."""
+    for source in hydra_cfg.runtime.config_sources:
+        if source.get("schema") == "file":
+            candidate = Path(source.path) / group / f"{option}.yaml"
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def tuned_config_warnings(cfg: DictConfig, hydra_cfg: Any) -> list[str]:
+    """Warnings when the selected engine option was tuned for another workload or machine."""
+    choice = hydra_cfg.runtime.choices.get("engine")
+    path = option_file(hydra_cfg, "engine", choice) if choice else None
+    meta = read_tuned_meta(path) if path is not None else None
+    if not meta:
+        return []
+    problems = []
+    tuned = meta.get("workload")
+    here = {"name": cfg.workload.name, "args": OmegaConf.to_container(cfg.workload.args)}
+    if tuned and tuned.get("name") != here["name"]:
+        problems.append(f"workload {tuned.get('name')} there, {here['name']} here")
+    elif tuned:
+        there_args, here_args = tuned.get("args") or {}, here["args"] or {}
+        problems += [
+            f"workload.args.{k} {there_args.get(k)!r} there, {here_args.get(k)!r} here"
+            for k in sorted(set(there_args) | set(here_args))
+            if there_args.get(k) != here_args.get(k)
+        ]
+    problems += machine_differences(meta.get("machine") or {}, machine_identity())
+    if not problems:
+        return []
+    return [
+        f"engine={choice} ({path}) was tuned for another setup: {'; '.join(problems)}. Its "
+        "values may not suit this one; run pcframe-tune with this workload on this machine "
+        "to tune for it"
+    ]

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pcframe.apps.compose import engine_config
+from pcframe.apps.machine import resolve_threads
 from pcframe.apps.tuning.measure import OBJECTIVES, Measurement, measure
 from pcframe.apps.tuning.report import UNITS, groups, mean_value
 from pcframe.apps.tuning.space import (
@@ -226,7 +227,7 @@ class Tuner:
         except ConfigError as exc:  # e.g. a staging budget below one chunk: no such engine
             trial.set_user_attr("pruned_because", str(exc))
             raise optuna.TrialPruned(str(exc)) from None
-        torch.set_num_threads(cfg.threads)
+        torch.set_num_threads(resolve_threads(cfg.threads))
         workload = build(cfg.workload.name, **OmegaConf.to_container(cfg.workload.args))
         directory = Path(cfg.storage.directory) / f"trial-{trial.number}-{os.getpid()}"
         try:

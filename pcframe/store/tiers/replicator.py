@@ -186,7 +186,7 @@ class Replicator:
             try:
                 self._replicate(job)
             except Exception as exc:  # a bug must not kill the worker silently
-                log.exception("pcframe: tier %s: unexpected error", self.tier.name)
+                log.exception("tier %s: unexpected error", self.tier.name)
                 self._note_error(job, exc)
             finally:
                 with self._cond:
@@ -202,7 +202,7 @@ class Replicator:
         try:
             listed = tuple(self.tier.committed_versions())
         except TierError as exc:
-            log.warning("pcframe: %s", exc)
+            log.warning("%s", exc)
             return None
         with self._cond:
             self.status_.committed = listed
@@ -230,7 +230,7 @@ class Replicator:
             reason = "" if source.is_dir() else f"{source} is gone from the primary tier"
             reason = reason or self._conflict(job)
             if reason:
-                log.error("pcframe: tier %s: version %d: %s", self.tier.name, job.version, reason)
+                log.error("tier %s: version %d: %s", self.tier.name, job.version, reason)
                 with self._cond:
                     self.status_.abandoned += 1
                     self.status_.last_error = f"version {job.version}: {reason}"
@@ -246,7 +246,7 @@ class Replicator:
                 attempt += 1
                 self._note_error(job, exc)
                 log.warning(
-                    "pcframe: tier %s: writing version %d failed (attempt %d of %d): %s",
+                    "tier %s: writing version %d failed (attempt %d of %d): %s",
                     self.tier.name,
                     job.version,
                     attempt,
@@ -301,9 +301,7 @@ class Replicator:
             try:
                 self.tier.delete(version)
             except Exception as exc:  # retried after the next write
-                log.warning(
-                    "pcframe: tier %s: deleting version %d: %s", self.tier.name, version, exc
-                )
+                log.warning("tier %s: deleting version %d: %s", self.tier.name, version, exc)
         if doomed:
             self._refresh_listing()
         self._sweep()
@@ -312,7 +310,7 @@ class Replicator:
         try:
             removed = self.tier.sweep()
         except Exception as exc:
-            log.warning("pcframe: tier %s: sweeping leftovers: %s", self.tier.name, exc)
+            log.warning("tier %s: sweeping leftovers: %s", self.tier.name, exc)
             return
         if removed:
-            log.info("pcframe: tier %s: removed leftovers %s", self.tier.name, removed)
+            log.info("tier %s: removed leftovers %s", self.tier.name, removed)

@@ -155,7 +155,7 @@ class Tiers:
                 if tier.local:  # locked by another writer, or unusable: fail at start-up
                     self.close()
                     raise
-                log.warning("pcframe: %s (replication will retry)", exc)
+                log.warning("%s (replication will retry)", exc)
                 committed = None
             self._replicators[name] = Replicator(
                 tier,
@@ -247,7 +247,7 @@ class Tiers:
             # A delta version is only readable next to its base chain, which replicas do not
             # manage yet: they take self-contained (full) versions only.
             self._delta_versions.add(version)
-            log.info("pcframe: version %d is a delta version: not replicated", version)
+            log.info("version %d is a delta version: not replicated", version)
             return
         decision = self._place(version, manifest.step, None)
         self._primary_keep = set(decision.keep.get(self.primary_name, ()))
@@ -280,7 +280,7 @@ class Tiers:
             return Secured(version, (self.primary_name,), True, decision.reason)
         if version in self._delta_versions:
             reason = "a delta version cannot be replicated; save full versions on a notice"
-            log.error("pcframe: emergency version %d: %s", version, reason)
+            log.error("emergency version %d: %s", version, reason)
             return Secured(version, (self.primary_name,), False, reason)
         deadline = notice.deadline if notice is not None else now + self.secure_timeout
         for name in targets:
@@ -291,7 +291,7 @@ class Tiers:
         )
         if not durable:
             log.error(
-                "pcframe: emergency version %d did not reach tier(s) %s before the deadline "
+                "emergency version %d did not reach tier(s) %s before the deadline "
                 "(%s); the newest version there is what a restart will find",
                 version,
                 targets,
@@ -378,7 +378,7 @@ class Tiers:
         for name, replicator in self._replicators.items():
             if not replicator.finish_close(max(0.0, deadline - time.monotonic())):
                 log.warning(
-                    "pcframe: tier %s: replication still running after %.0f s at close; "
+                    "tier %s: replication still running after %.0f s at close; "
                     "aborted (status: %s)",
                     name,
                     self.drain_timeout,

@@ -1,0 +1,63 @@
+"""One restore: the first source that verifies, checked against and applied to the objects."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from pcframe.errors import NoValidCheckpoint
+from pcframe.format.manifest import Manifest
+from pcframe.format.names import version_name
+from pcframe.objects import TrainingObjects
+from pcframe.restore.apply import apply_tree
+from pcframe.restore.report import RestoreReport
+from pcframe.restore.sources import load_first_valid
+from pcframe.store.tiers import Source
+
+log = logging.getLogger("pcframe")
+
+
+def load_and_apply(
+    sources: list[Source],
+    objects: TrainingObjects,
+    report: RestoreReport,
+    *,
+    threads: int,
+    strict: bool,
+    allow_cast: bool,
+    root: Path,
+) -> Manifest | None:
+    """Load the newest valid source into ``objects``; fill ``report``; return its manifest.
+
+    Returns ``None`` when there is no checkpoint at all.
+
+    Raises:
+        NoValidCheckpoint: every committed version failed verification.
+        RestoreIOError: the newest version cannot be read (I/O errors after retries).
+        CheckpointError: the version does not fit the objects (nothing was changed).
+    """
+    start = time.perf_counter()
+    loaded = load_first_valid(sources, threads, report)
+    if loaded is None:
+        if report.skipped:
+            reasons = "; ".join(f"v{v}: {why}" for v, why in report.skipped)
+            raise NoValidCheckpoint(f"no valid checkpoint in {root}: {reasons}")
+        log.info("no checkpoint in %s: training starts from the beginning", root)
+        return None
+    manifest = loaded.manifest
+    where = f"version {manifest.version} ({version_name(manifest.version)})"
+    report.not_loaded = apply_tree(
+        objects, loaded.state_tree(), where, strict=strict, allow_cast=allow_cast
+    )
+    report.version, report.step = manifest.version, manifest.step
+    report.seconds = time.perf_counter() - start
+    log.info(
+        "restored version %d (step %d) in %.2f s%s%s",
+        manifest.version,
+        manifest.step,
+        report.seconds,
+        f" from tier {report.tier}" if report.tier else "",
+        f", after skipping {len(report.skipped)} damaged version(s)" if report.skipped else "",
+    )
+    return manifest
