@@ -13,6 +13,7 @@ from pcframe.errors import (
     RestoreIOError,
     SaveError,
 )
+from pcframe.restore.load import load
 
 __version__ = "0.1.0"
 
@@ -32,4 +33,5 @@ __all__ = [
     "SaveError",
     "SaveHandle",
     "SaveRecord",
+    "load",
 ]

@@ -1,8 +1,10 @@
 """``pcframe-sim``: simulate a checkpointed training job over spot traces (a Hydra app).
 
 One run simulates the configured interval (and resource) policy, plus the baselines, on
-every selected trace and writes ``results.csv``, ``results.md`` and plots into Hydra's output
-folder; ``--multirun`` sweeps also get merged results in the sweep folder. See
+every selected trace and writes ``results.csv`` (plain CSV), ``results.meta.json`` (the
+command and what each column means), ``results.md`` (with a legend) and plots into Hydra's
+output folder; ``--multirun`` sweeps also get merged results in the sweep folder. The
+terminal table shows the columns that fit the terminal, never cut, with a legend. See
 ``conf/sim.yaml`` and docs/simulator.md.
 """
 
@@ -17,43 +19,68 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
+from pcframe.apps.errors import register_resolvers, run_app
 from pcframe.apps.targets import check_targets
 from pcframe.sim.app_config import (
-    TABLE_COLUMNS,
+    SHORT,
+    legend,
     register_schemas,
     results_rows,
     run_config,
+    terminal_columns,
     write_outputs,
 )
 from pcframe.sim.report import fmt
 
 register_schemas()
+register_resolvers()
 
 
-def run(cfg: DictConfig, out_dir: str | Path, cwd: str | Path) -> list[Path]:
+def run(
+    cfg: DictConfig, out_dir: str | Path, cwd: str | Path, console: Console | None = None
+) -> list[Path]:
     """Simulate what ``cfg`` asks for and write the outputs to ``out_dir``."""
     check_targets(cfg.policy, "policy")
     if cfg.sim.predictor is not None:
         check_targets(cfg.sim.predictor, "sim.predictor")
     rows = results_rows(run_config(cfg, cwd))
     overrides = " ".join(HydraConfig.get().overrides.task) if HydraConfig.initialized() else ""
-    header = f"pcframe-sim {overrides}".strip()
-    written = write_outputs(rows, out_dir, cfg.output, header=header)
-    table = Table(title="pcframe-sim")
-    columns = (*TABLE_COLUMNS[:4], "preemptions", "saves", "cost")
-    for column in columns:
-        table.add_column(column, justify="left" if column in ("trace", "label") else "right")
-    for row in rows:
-        table.add_row(*(fmt(row.get(c)) for c in columns))
-    Console().print(table)
+    command = f"pcframe-sim {overrides}".strip()
+    written = write_outputs(rows, out_dir, cfg.output, header=command)
+    console = console or Console()
+    print_table(rows, console)
     return written
 
 
+def print_table(rows: list[dict], console: Console) -> None:
+    """The rows with the columns that fit the console (trace names whole), and a legend."""
+    columns = terminal_columns(rows, console.width)
+    table = Table(title="pcframe-sim", title_justify="left")
+    for column in columns:
+        table.add_column(
+            SHORT.get(column, column),
+            justify="left" if column in ("trace", "label") else "right",
+            overflow="fold",  # a narrow terminal wraps a trace name, never cuts it
+            no_wrap=column not in ("trace", "label"),
+        )
+    for row in rows:
+        table.add_row(*(fmt(row.get(c)) for c in columns))
+    console.print(table)
+    for line in legend(columns):
+        header, _, meaning = line.partition(": ")
+        console.print(f"[dim]{SHORT.get(header, header)}: {meaning}[/dim]", highlight=False)
+    console.print("[dim]every column, per row: results.csv (described in results.meta.json)[/dim]")
+
+
 @hydra.main(version_base="1.3", config_path="pkg://pcframe.conf", config_name="sim")
-def main(cfg: DictConfig) -> None:
+def _app(cfg: DictConfig) -> None:
     out_dir = HydraConfig.get().runtime.output_dir
     for path in run(cfg, out_dir, get_original_cwd()):
         print(f"wrote {path}")
+
+
+def main() -> None:
+    run_app(_app, "pcframe-sim")
 
 
 if __name__ == "__main__":

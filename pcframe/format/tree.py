@@ -116,15 +116,15 @@ def check_tree(node: Any, num_tensors: int, numpy: Collection[int] = ()) -> None
     Raises:
         ManifestError: naming the path in the tree and what is wrong there.
     """
-    _check(node, num_tensors, frozenset(numpy), "tree", 0)
+    _check_node(node, num_tensors, frozenset(numpy), "tree", 0)
 
 
-def _check(node: Any, n: int, numpy: frozenset[int], path: str, depth: int) -> None:
+def _check_node(node: Any, n: int, numpy: frozenset[int], path: str, depth: int) -> None:
     if depth > MAX_DEPTH:
         raise ManifestError(f"state tree nested deeper than {MAX_DEPTH} levels")
     if isinstance(node, list):
         for i, v in enumerate(node):
-            _check(v, n, numpy, f"{path}/{i}", depth + 1)
+            _check_node(v, n, numpy, f"{path}/{i}", depth + 1)
         return
     if not isinstance(node, dict):
         _at(path, _scalar, node)
@@ -132,20 +132,20 @@ def _check(node: Any, n: int, numpy: frozenset[int], path: str, depth: int) -> N
     tag = _at(path, _tag, node)
     if tag is None:
         for k, v in node.items():
-            _check(v, n, numpy, f"{path}/{k}", depth + 1)
+            _check_node(v, n, numpy, f"{path}/{k}", depth + 1)
         return
     value = node[tag]
     if tag == "$t":
         _at(path, _tensor_index, value, n)
     elif tag == "$tuple":
         for i, v in enumerate(_at(path, _as_list, value, tag)):
-            _check(v, n, numpy, f"{path}/{i}", depth + 1)
+            _check_node(v, n, numpy, f"{path}/{i}", depth + 1)
     elif tag == "$dict":
         for i, (k, v) in enumerate(_at(path, _pairs, value)):
-            _check(k, n, numpy, f"{path}/<key {i}>", depth + 1)
+            _check_node(k, n, numpy, f"{path}/<key {i}>", depth + 1)
             if not _hashable_node(k, numpy):
                 raise ManifestError(f"state tree at '{path}': unhashable dict key {k!r:.80}")
-            _check(v, n, numpy, f"{path}/{i}", depth + 1)
+            _check_node(v, n, numpy, f"{path}/{i}", depth + 1)
     else:
         _at(path, _TAG_VALUES[tag], value)
 

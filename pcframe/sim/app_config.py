@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -200,20 +201,162 @@ def run_config(cfg: DictConfig, cwd: str | Path | None = None) -> list[SimResult
 
 
 # --- outputs ------------------------------------------------------------------------------
+# What the columns mean: results.md's legend, results.meta.json, the terminal's legend.
+COLUMN_HELP = {
+    "trace": "the trace (file name; a count trace also gives its VMs)",
+    "source": "the trace's collection (skynomad, bamboo, pccheck, ...)",
+    "label": "the policy; oracle = saves just before each preemption (an upper bound), "
+    "best_fixed = the best FixedSteps interval in hindsight",
+    "interval_policy": "the interval policy's config name",
+    "resource_policy": "the resource policy's config name",
+    "wall_hours": "simulated wall time",
+    "useful_steps": "training steps that survived (durable progress at the end)",
+    "lost_steps": "steps rolled back by preemptions",
+    "goodput": "useful steps per wall second",
+    "goodput_ratio": "goodput / the ideal (the requested VMs always up, no checkpoint, no "
+    "restart): 1.0 is perfect",
+    "efficiency": "useful time / wall time",
+    "useful_hours": "wall hours of steps that survived",
+    "lost_hours": "wall hours of work lost to preemptions",
+    "stall_hours": "wall hours training was blocked by checkpoints",
+    "restart_hours": "wall hours of VMs booting and restoring",
+    "waiting_hours": "wall hours with no VM to run on",
+    "cost": "dollars, spot + on-demand (n/a: the trace has no prices; set sim.options."
+    "spot_price)",
+    "spot_cost": "dollars on spot VMs",
+    "on_demand_cost": "dollars on on-demand VMs",
+    "steps_per_dollar": "useful steps per dollar",
+    "dollars_per_kstep": "dollars per 1000 useful steps",
+    "spot_vm_hours": "VM hours on spot",
+    "on_demand_vm_hours": "VM hours on demand",
+    "preemptions": "preemptions that hit the job",
+    "starts": "processes started (the first and every restart)",
+    "changeovers": "planned VM changes by the resource policy",
+    "saves": "checkpoints started",
+    "saves_lost": "checkpoints still in flight when a preemption hit",
+    "emergency_saves": "checkpoints saved on a preemption notice",
+    "finished": "the job completed sim.job.total_steps; with total_steps null (the "
+    "default) the job trains for the whole trace and never 'finishes', so this is no",
+    "finish_hours": "when the last step was durable (total_steps set)",
+    "deadline_met": "finished by sim.job.deadline (empty without a deadline)",
+    "sim_seconds": "CPU seconds the simulation took",
+    "job": "the sweep job the row comes from",
+}
+PARAM_HELP = "p_<key>: the job parameter sim.job.<key> (and the seed) of the row"
+
+# Shorter headers for the terminal table.
+SHORT = {
+    "goodput_ratio": "goodput/ideal",
+    "goodput": "steps/s",
+    "useful_hours": "useful h",
+    "lost_hours": "lost h",
+    "stall_hours": "stall h",
+    "restart_hours": "restart h",
+    "waiting_hours": "waiting h",
+    "preemptions": "preempt.",
+    "dollars_per_kstep": "$/kstep",
+    "cost": "cost $",
+    "label": "policy",
+}
+# Terminal columns in order of priority: as many as fit the terminal's width.
+TERMINAL_COLUMNS = (
+    "trace",
+    "label",
+    "goodput_ratio",
+    "preemptions",
+    "saves",
+    "lost_hours",
+    "stall_hours",
+    "restart_hours",
+    "goodput",
+    "cost",
+    "waiting_hours",
+    "useful_hours",
+)
+
+
+def applicable_columns(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> list[str]:
+    """``columns`` without those that say nothing for these rows: ``finished`` when no job has
+    ``total_steps`` (it would be "no" everywhere), ``deadline_met`` without a deadline."""
+    def all_none(key: str) -> bool:
+        return all(row.get(key) is None for row in rows)
+
+    drop = set()
+    if all_none("p_total_steps"):
+        drop |= {"finished", "finish_hours"}
+    if all_none("p_deadline"):
+        drop.add("deadline_met")
+    return [c for c in columns if c not in drop]
+
+
+def legend(columns: Sequence[str]) -> list[str]:
+    """``"column: meaning"`` lines for ``columns``."""
+    lines = [f"{c}: {COLUMN_HELP[c]}" for c in columns if c in COLUMN_HELP]
+    if any(c.startswith("p_") for c in columns):
+        lines.append(PARAM_HELP)
+    return lines
+
+
 def write_outputs(
     rows: Sequence[dict[str, Any]], out_dir: str | Path, output: Any, header: str = ""
 ) -> list[Path]:
-    """CSV, Markdown table and (optionally) plots of ``rows`` in ``out_dir``."""
+    """Plain CSV, Markdown table with a legend, a JSON sidecar and (optionally) plots.
+
+    ``header`` (the command that produced the rows) goes into the sidecar
+    ``<csv stem>.meta.json`` and the Markdown title, never into the CSV: the CSV's first
+    line is its header row, as ``csv.DictReader`` and spreadsheets expect.
+    """
     out = Path(out_dir)
-    written = [write_csv(rows, out / output.csv, header)]
+    csv_path = write_csv(rows, out / output.csv)
+    columns: list[str] = []
+    for row in rows:
+        columns += [k for k in row if k not in columns]
+    meta = csv_path.with_name(f"{csv_path.stem}.meta.json")
+    meta.write_text(
+        json.dumps(
+            {
+                "command": header,
+                "rows": len(rows),
+                "csv": csv_path.name,
+                "columns": {c: COLUMN_HELP.get(c, PARAM_HELP if c.startswith("p_") else "")
+                            for c in columns},
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    written = [csv_path, meta]
     md = out / output.markdown
-    title = f"# pcframe-sim results\n\n{header}\n\n" if header else "# pcframe-sim results\n\n"
-    md.write_text(title + markdown_table(rows, TABLE_COLUMNS))
+    title = f"# pcframe-sim results\n\n`{header}`\n\n" if header else "# pcframe-sim results\n\n"
+    shown = applicable_columns(rows, TABLE_COLUMNS)
+    if "job" in columns:
+        shown = ["job", *shown]
+    explained = "\n".join(f"- {line}" for line in legend(shown))
+    md.write_text(title + markdown_table(rows, shown) + "\nColumns:\n\n" + explained + "\n")
     written.append(md)
     if output.plots and rows:
         written.append(plot_grouped_bars(rows, out / "goodput.png", title="goodput / ideal"))
         written.append(plot_breakdown(rows, out / "breakdown.png", title="where the time went"))
     return written
+
+
+def terminal_columns(rows: Sequence[dict[str, Any]], width: int) -> list[str]:
+    """The columns of :data:`TERMINAL_COLUMNS` that fit in ``width`` characters, in priority
+    order (trace and policy always)."""
+    from pcframe.sim.report import fmt
+
+    def need(column: str) -> int:
+        cells = [len(fmt(row.get(column))) for row in rows] or [0]
+        return max(len(SHORT.get(column, column)), *cells) + 3  # padding and border
+
+    chosen: list[str] = []
+    used = 1
+    for column in applicable_columns(rows, TERMINAL_COLUMNS):
+        cost = need(column)
+        if column in ("trace", "label") or used + cost <= width:
+            chosen.append(column)
+            used += cost
+    return chosen
 
 
 def results_rows(results: Sequence[SimResult]) -> list[dict[str, Any]]:
@@ -237,3 +380,4 @@ class AggregateSweep(Callback):
                 {"csv": f"sweep_{config.output.csv}", "markdown": "sweep_results.md", "plots": True}
             )
             write_outputs(rows, sweep, output, header=f"{len(rows)} rows from {sweep}")
+            print(f"wrote {sweep / output.csv} ({len(rows)} rows from {len(set(r['job'] for r in rows))} jobs)")
