@@ -28,19 +28,23 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 def on_side_stream(
     device: torch.device, stream: torch.cuda.Stream | None = None
 ) -> Iterator[torch.cuda.Stream | None]:
-    """Run the body on a side stream that first waits for the current stream's work.
+    """Run the body on a side stream; one made here first waits for the current stream.
 
-    The wait makes the copy see every value the training step has written so far, while
-    the training stream itself goes on without waiting for the copy. On CPU this is a
+    That wait makes the copy see every value the training step has written so far, while
+    the training stream itself goes on without waiting for the copy. A ``stream`` given by
+    the caller is used as it is: the caller has ordered it already (the engine's copy stage
+    waits on an event recorded at ``save()``; waiting on the current stream here would
+    make every chunk wait for whatever training work is queued by then). On CPU this is a
     no-op that yields ``None``.
     """
     if device.type != "cuda":
         yield None
         return
-    s = stream if stream is not None else side_stream(device)
-    s.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(s):
-        yield s
+    if stream is None:
+        stream = side_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield stream
 
 
 class Completion(Generic[T]):

@@ -139,7 +139,11 @@ class SavePipeline:
             try:
                 flats: list[torch.Tensor | None] = [None] * len(write.request.tensors)
                 if write.request.cuda_ready is not None:
-                    self._side_stream = self._side_stream or torch.cuda.Stream()
+                    # On the device the tensors live on: this thread's current device is 0
+                    # whatever device the training thread set.
+                    device = next(t.device for t in write.request.tensors if t.is_cuda)
+                    if self._side_stream is None or self._side_stream.device != device:
+                        self._side_stream = torch.cuda.Stream(device=device)
                     self._side_stream.wait_event(write.request.cuda_ready)
                 plan = write.plan
                 for chunk in plan.layout.chunks if plan and not write.failed else ():
