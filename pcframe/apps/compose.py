@@ -72,6 +72,10 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
     if unknown:  # only reachable with a `+engine.<key>=` override: the schema has no such key
         key = unknown[0]
         close = difflib.get_close_matches(key, known, n=1)
-        hint = f"did you mean engine.{close[0]}?" if close else "see `pcframe-run --cfg job`"
+        hint = (
+            f"did you mean engine.{close[0]}?"
+            if close
+            else f"remove it; the engine's options are {', '.join(sorted(known))}"
+        )
         raise ConfigError(f"engine.{key} is not an engine option; {hint}")
     return EngineConfig(**values)

@@ -10,13 +10,14 @@ whole stack of every error, as Hydra documents.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import os
 import re
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,27 +57,57 @@ def user_config_dir() -> Path:
     return Path(os.environ.get("PCFRAME_CONFIG_DIR", "pcframe-conf")).expanduser().absolute()
 
 
+_user_full_error = False  # HYDRA_FULL_ERROR=1 was set by the user, not by run_app
+
+
 def run_app(app: Callable[[], Any], prog: str) -> None:
-    """Run a ``@hydra.main`` function; report errors as described in the module docstring."""
+    """Run a ``@hydra.main`` function; report errors as described in the module docstring.
+
+    Errors while Hydra composes the config arrive here; errors inside the task function are
+    reported by :func:`reported` (which the apps wrap their body in), so that Hydra's
+    "Error executing job" line does not precede the one line.
+    """
+    global _user_full_error
     if os.environ.get(FULL_ERROR) == "1":
+        _user_full_error = True
         app()
         return
     os.environ[FULL_ERROR] = "1"  # Hydra then re-raises instead of printing a trimmed stack
     try:
         app()
+    except BrokenPipeError:  # `pcframe-run --help | head`: the reader left, nothing to report
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        raise SystemExit(1) from None
     except Exception as exc:
-        code, text = describe(exc)
-        if text is None:
-            traceback.print_exc()
-            sys.stderr.write(f"{prog}: unexpected error (a bug: please report it)\n")
-        else:
-            sys.stderr.write(f"{prog}: error: {text}\n")
-        sys.exit(code)
+        _exit(exc, prog)
     finally:
         os.environ.pop(FULL_ERROR, None)
 
 
-def describe(exc: BaseException) -> tuple[int, str | None]:
+@contextlib.contextmanager
+def reported(prog: str) -> Iterator[None]:
+    """Inside a task function: report a known error in one line and exit (2: config)."""
+    try:
+        yield
+    except Exception as exc:
+        if _user_full_error or describe_error(exc)[1] is None:
+            raise
+        _exit(exc, prog)
+
+
+def _exit(exc: BaseException, prog: str) -> None:
+    code, text = describe_error(exc)
+    if text is None:
+        traceback.print_exc()
+        sys.stderr.write(f"{prog}: unexpected error (a bug: please report it)\n")
+    else:
+        sys.stderr.write(f"{prog}: error: {text}\n")
+    sys.stdout.flush()
+    raise SystemExit(code)
+
+
+def describe_error(exc: BaseException) -> tuple[int, str | None]:
     """``(exit code, message)``; ``None`` as message for an unexpected error (a bug)."""
     if isinstance(exc, ConfigError) or _is_sim_config_error(exc):
         return USAGE_ERROR, _flat(str(exc))
@@ -200,7 +231,9 @@ def help_groups(app: str) -> str:
     """
     from hydra.core.global_hydra import GlobalHydra
 
-    loader = GlobalHydra.instance().config_loader() if GlobalHydra.instance().is_initialized() else None
+    loader = (
+        GlobalHydra.instance().config_loader() if GlobalHydra.instance().is_initialized() else None
+    )
     lines = []
     for group in APP_GROUPS.get(app, ()):
         options: list[str] = []

@@ -36,7 +36,9 @@ class _Rate(ProgressColumn):
 class StepProgress:
     """One bar per phase (``start``), fed with ``step``; ``commits``/``kills`` as they change."""
 
-    def __init__(self, *, enabled: bool = True, kills: bool = False, console: Console | None = None):
+    def __init__(
+        self, *, enabled: bool = True, kills: bool = False, console: Console | None = None
+    ):
         self.console = console or Console(stderr=True)
         self.enabled = enabled
         columns: list[Any] = [

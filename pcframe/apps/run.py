@@ -29,10 +29,10 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from pcframe.apps.compose import engine_config, quiet_missing_user_conf
-from pcframe.apps.errors import run_app
+from pcframe.apps.errors import reported, run_app
 from pcframe.apps.machine import describe_threads, resolve_threads
 from pcframe.apps.preemption import ChildSpec, Supervisor, compare_finals
-from pcframe.apps.preemption.plan import Measured, check, plan
+from pcframe.apps.preemption.plan import Measured, check_plan, plan
 from pcframe.apps.progress import StepProgress
 from pcframe.apps.schemas import register
 from pcframe.apps.summary import Summary, overhead_text, print_summary, write_summary
@@ -257,6 +257,7 @@ def run_supervised(cfg: DictConfig, out: Path, progress: bool = True) -> Summary
     summary = _common(cfg, threads)
     summary["policy"] = _policy_from_config(cfg.policy.interval)
     measured = None
+    reference_lives: list[Any] = []
     with StepProgress(enabled=cfg.progress and progress, kills=True) as bar:
         if failure.reference:
             reference = dataclasses.replace(
@@ -274,12 +275,13 @@ def run_supervised(cfg: DictConfig, out: Path, progress: bool = True) -> Summary
             bar.finish(f"{ref.commits} checkpoints committed")
             summary["reference_wall_s"] = ref.wall
             measured = Measured.from_life(ref.lives[0], cfg.steps)
+            reference_lives = ref.lives
         schedule = plan(failure, measured, every=every, every_pinned=pinned)
         if schedule.every is not None:
             spec.policy = {**(spec.policy or {}), "every": schedule.every}
             summary["policy"] = f"FixedSteps: every {schedule.every} steps ({schedule.interval})"
         if measured is not None:
-            check(schedule, failure, measured, summary["policy"].split(" (")[0], every)
+            check_plan(schedule, failure, measured, summary["policy"].split(" (")[0], every)
         summary["schedule"] = schedule.schedule
         bar.start("run with kills", cfg.steps)
         result = Supervisor(
@@ -293,6 +295,13 @@ def run_supervised(cfg: DictConfig, out: Path, progress: bool = True) -> Summary
         bar.finish(f"{result.kills} kills, {result.commits} checkpoints committed")
     restarts = result.restart_seconds
     restores = [life.restore_seconds for life in result.lives[1:] if life.start_step is not None]
+    # Stall and time to durable per checkpoint, as the children measured them: the
+    # uninterrupted reference run's if there was one, else the process that finished.
+    costs = [life.done for life in reference_lives + result.lives[-1:]]
+    done = next((d for d in costs if d and d.get("checkpoints")), None)
+    if done is not None:
+        summary["stall_mean_ms"] = 1e3 * done["stall"] / done["checkpoints"]
+        summary["durable_mean_ms"] = 1e3 * done.get("durable", 0.0) / done["checkpoints"]
     summary.update(
         start_step=result.lives[0].start_step or 0,  # > 0: the directory held a checkpoint
         kills=result.kills,
@@ -348,6 +357,11 @@ def _feed(bar: StepProgress) -> Any:
 
 @hydra.main(version_base="1.3", config_path="pkg://pcframe.conf", config_name="run")
 def _app(cfg: DictConfig) -> None:
+    with reported("pcframe-run"):
+        _task(cfg)
+
+
+def _task(cfg: DictConfig) -> None:
     check_targets(cfg)
     hydra_cfg = HydraConfig.get()
     console = Console()
@@ -357,11 +371,10 @@ def _app(cfg: DictConfig) -> None:
     out = hydra_cfg.runtime.output_dir
     summary = run(cfg, out)
     summary.setdefault("warnings", []).extend(tuned)
-    title = "pcframe-run summary"
-    if hydra_cfg.mode is not None and hydra_cfg.mode.name == "MULTIRUN":
-        title += f" (job {hydra_cfg.job.num})"
+    job = OmegaConf.select(hydra_cfg, "job.num", default=None, throw_on_missing=False)
+    title = "pcframe-run summary" + (f" (job {job})" if job is not None else "")
     print_summary(summary, title, console)
-    write_summary(summary, out, list(hydra_cfg.overrides.task), hydra_cfg.job.num)
+    write_summary(summary, out, list(hydra_cfg.overrides.task), job)
     print(f"summary: {Path(out).resolve() / 'summary.json'}")
 
 

@@ -67,8 +67,8 @@ class InjectedFailure(FailureConfig):
             final model is bit-identical (built-in workloads are deterministic).
         timeout: give up (error) when the whole supervised run takes longer, in seconds.
         target_kills: a derived schedule (``mtbf`` / ``compression`` null) puts kills
-            ``restart_delay + start-up + training / target_kills`` seconds apart on average,
-            so about this many land (see :mod:`pcframe.apps.preemption.plan`).
+            ``restart_delay + start-up + training / target_kills`` seconds apart on average
+            (see :mod:`pcframe.apps.preemption.plan`): the larger, the more kills land.
         check: refuse, naming the keys to change, a schedule under which no kill would land
             or no checkpoint would commit before a kill (estimated from the reference run).
     """

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from pcframe.apps.errors import register_resolvers, run_app
+from pcframe.apps.errors import register_resolvers, reported, run_app
 from pcframe.apps.targets import check_targets
 from pcframe.sim.app_config import (
     SHORT,
@@ -74,9 +74,10 @@ def print_table(rows: list[dict], console: Console) -> None:
 
 @hydra.main(version_base="1.3", config_path="pkg://pcframe.conf", config_name="sim")
 def _app(cfg: DictConfig) -> None:
-    out_dir = HydraConfig.get().runtime.output_dir
-    for path in run(cfg, out_dir, get_original_cwd()):
-        print(f"wrote {path}")
+    with reported("pcframe-sim"):
+        out_dir = HydraConfig.get().runtime.output_dir
+        for path in run(cfg, out_dir, get_original_cwd()):
+            print(f"wrote {path}")
 
 
 def main() -> None:

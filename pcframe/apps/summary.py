@@ -187,9 +187,7 @@ def merge_sweep(sweep: str | Path, console: Console | None = None) -> list[Path]
         for row in rows:
             writer.writerow({k: "" if row.get(k) is None else row.get(k) for k in columns})
     overrides = set().union(*(_override_columns(r["overrides"].split()) for r in rows))
-    varying = [
-        k for k in columns if k in overrides and len({str(r.get(k)) for r in rows}) > 1
-    ]
+    varying = [k for k in columns if k in overrides and len({str(r.get(k)) for r in rows}) > 1]
     shown = ["job", *varying] + [k for k in SWEEP_COLUMNS if any(k in r for r in rows)]
     headers = [SWEEP_COLUMNS.get(k, k) for k in shown]
     cells = [[text(row.get(k)) for k in shown] for row in rows]

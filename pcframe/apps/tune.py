@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from pcframe.apps.compose import quiet_missing_user_conf
-from pcframe.apps.errors import run_app, user_config_dir
+from pcframe.apps.errors import reported, run_app, user_config_dir
 from pcframe.apps.machine import resolve_threads
 from pcframe.apps.schemas import register
 from pcframe.apps.targets import check_targets
@@ -68,6 +68,11 @@ def finish(tuner: Tuner, study: optuna.Study) -> dict[str, Path]:
 
 @hydra.main(version_base="1.3", config_path="pkg://pcframe.conf", config_name="tune")
 def _app(cfg: DictConfig) -> None:
+    with reported("pcframe-tune"):
+        _task(cfg)
+
+
+def _task(cfg: DictConfig) -> None:
     check_targets(cfg)
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # the tuner prints its own lines
     task = list(HydraConfig.get().overrides.task)

@@ -24,7 +24,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -42,6 +41,7 @@ from pcframe.save.progress import SaveProgress
 from pcframe.save.request import SaveRequest
 from pcframe.save.staging import StagingPool
 from pcframe.save.status import SaveStatus, Stage
+from pcframe.save.workers import WorkerPool
 from pcframe.save.write import VersionWrite, Writer
 from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.retention import KeepBases, KeepLast, KeepReason, Retention
@@ -87,9 +87,7 @@ class SavePipeline:
         self._plan_source: Layout | None = None
         self._copy_queue: queue.Queue[VersionWrite | None] = queue.Queue()
         self._commit_queue: queue.Queue[VersionWrite | None] = queue.Queue()
-        self._writers = ThreadPoolExecutor(
-            config.writer_threads, thread_name_prefix="pcframe-w", initializer=single_threaded_torch
-        )
+        self._writers = WorkerPool(config.writer_threads, "pcframe-w")
         self._side_stream: Any = None
         self._copy_thread = threading.Thread(
             target=self._copy_loop, name="pcframe-copy", daemon=True
@@ -113,7 +111,7 @@ class SavePipeline:
     def close(self) -> None:
         self._copy_queue.put(None)
         self._copy_thread.join()
-        self._writers.shutdown(wait=True)
+        self._writers.shutdown()
         self._commit_queue.put(None)
         self._commit_thread.join()
         self.pool.close()

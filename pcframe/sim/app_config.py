@@ -221,8 +221,7 @@ COLUMN_HELP = {
     "stall_hours": "wall hours training was blocked by checkpoints",
     "restart_hours": "wall hours of VMs booting and restoring",
     "waiting_hours": "wall hours with no VM to run on",
-    "cost": "dollars, spot + on-demand (n/a: the trace has no prices; set sim.options."
-    "spot_price)",
+    "cost": "dollars, spot + on-demand (n/a: the trace has no prices; set sim.options.spot_price)",
     "spot_cost": "dollars on spot VMs",
     "on_demand_cost": "dollars on on-demand VMs",
     "steps_per_dollar": "useful steps per dollar",
@@ -278,6 +277,7 @@ TERMINAL_COLUMNS = (
 def applicable_columns(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> list[str]:
     """``columns`` without those that say nothing for these rows: ``finished`` when no job has
     ``total_steps`` (it would be "no" everywhere), ``deadline_met`` without a deadline."""
+
     def all_none(key: str) -> bool:
         return all(row.get(key) is None for row in rows)
 
@@ -318,8 +318,9 @@ def write_outputs(
                 "command": header,
                 "rows": len(rows),
                 "csv": csv_path.name,
-                "columns": {c: COLUMN_HELP.get(c, PARAM_HELP if c.startswith("p_") else "")
-                            for c in columns},
+                "columns": {
+                    c: COLUMN_HELP.get(c, PARAM_HELP if c.startswith("p_") else "") for c in columns
+                },
             },
             indent=2,
         )
@@ -380,4 +381,5 @@ class AggregateSweep(Callback):
                 {"csv": f"sweep_{config.output.csv}", "markdown": "sweep_results.md", "plots": True}
             )
             write_outputs(rows, sweep, output, header=f"{len(rows)} rows from {sweep}")
-            print(f"wrote {sweep / output.csv} ({len(rows)} rows from {len(set(r['job'] for r in rows))} jobs)")
+            jobs = len({r["job"] for r in rows})
+            print(f"wrote {sweep / output.csv} ({len(rows)} rows from {jobs} jobs)")

@@ -21,6 +21,7 @@ def test_failure_trace_kills_restarts_and_reports(tmp_path, app_env):
         "experiment=smoke",
         "steps=200",
         "failure.times=[1.0]",  # during the first process's start-up: a kill before any step
+        "failure.compression=1.0",  # wall seconds as given (smoke derives its schedule)
         "failure.reference=false",  # the bit-identical check: test_supervisor.py
         f"storage.directory={ckpt}",
         f"hydra.run.dir={tmp_path / 'hydra'}",

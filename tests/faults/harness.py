@@ -15,6 +15,7 @@ committed is printed as ``committed <version> <step>``; a crash must never lose 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -119,7 +120,7 @@ MODES: dict[str, Mode] = {
             "dist",
             ranks=2,
             extra_points=("global_record_written", "global_published"),
-            fast_points=("global_record_written", "data_synced"),
+            fast_points=("global_record_written",),
         ),
     ]
 }
@@ -130,6 +131,66 @@ COORDINATOR_POINTS = ("global_record_written", "global_published")
 
 def crash_rank(point: str) -> int:
     return 0 if point in COORDINATOR_POINTS else 1
+
+
+# --- an I/O fault injector (installed in a child process) -------------------------------------
+
+_ERRNOS = {"EIO": errno.EIO, "EINTR": errno.EINTR, "ENOSPC": errno.ENOSPC, "EMFILE": errno.EMFILE}
+_FD_FUNCS = ("pread", "preadv", "pwrite", "fsync", "fdatasync")
+
+
+class Injector:
+    """Monkeypatches ``os.<fn>`` so that calls on files under ``root`` fail or come up short.
+
+    ``after`` matching calls pass first; then ``times`` calls fail (``-1``: every call) with
+    ``err`` (an errno name) or, for ``err="short"``, transfer only part of what was asked.
+    """
+
+    def __init__(self, fn: str, err: str, after: int, times: int, root: str) -> None:
+        self.fn, self.err, self.after, self.times = fn, err, after, times
+        self.root = os.path.realpath(root)
+        self.armed = False
+        self.seen = self.fired = 0
+        self.original = getattr(os, fn)
+        setattr(os, fn, self._wrapper)
+
+    def arm(self) -> None:
+        """Start counting afresh: each armed phase (CLI, restore, saves) gets the fault."""
+        self.armed, self.seen, self.fired = True, 0, 0
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def _path(self, args: tuple) -> str:
+        if self.fn == "open":
+            return os.path.realpath(os.fsdecode(args[0]))
+        try:
+            return os.readlink(f"/proc/self/fd/{args[0]}")
+        except OSError:
+            return ""
+
+    def _wrapper(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.armed or not self._path(args).startswith(self.root):
+            return self.original(*args, **kwargs)
+        self.seen += 1
+        if self.seen <= self.after or (0 <= self.times <= self.fired):
+            return self.original(*args, **kwargs)
+        self.fired += 1
+        if self.err != "short":
+            code = _ERRNOS[self.err]
+            raise OSError(code, os.strerror(code), self._path(args))
+        if self.fn == "preadv":
+            fd, buffers, offset = args[0], args[1], args[2]
+            first = memoryview(buffers[0]).cast("B")
+            return self.original(fd, [first[: max(1, len(first) // 2)]], offset)
+        if self.fn == "pread":
+            fd, n, offset = args
+            return self.original(fd, max(1, n // 2), offset)
+        if self.fn == "pwrite":
+            fd, data, offset = args
+            data = memoryview(data).cast("B")
+            return self.original(fd, data[: max(1, len(data) // 2)], offset)
+        return self.original(*args, **kwargs)
 
 
 # --- the child ------------------------------------------------------------------------------
@@ -187,8 +248,15 @@ def _single_saver(config: dict[str, Any]) -> None:
             pending = _report(pending)
         ckpt.wait()
         _report(pending)
-    print("limit reached without crashing", flush=True)
-    sys.exit(3)
+    _limit_reached(config)
+
+
+def _limit_reached(config: dict[str, Any]) -> None:
+    """``limit`` steps saved: exit 3 (a crash point that never fired), or ``exit_code``."""
+    code = config.get("exit_code", 3)
+    if code:
+        print("limit reached without crashing", flush=True)
+    sys.exit(code)
 
 
 def _report(pending: list) -> list:
@@ -232,8 +300,7 @@ def _dist_saver(config: dict[str, Any]) -> None:
         pending = _report(pending)
     ckpt.close()
     dist.destroy_process_group()
-    print("limit reached without crashing", flush=True)
-    sys.exit(3)
+    _limit_reached(config)
 
 
 def _dist_resume(config: dict[str, Any]) -> None:
@@ -241,7 +308,19 @@ def _dist_resume(config: dict[str, Any]) -> None:
     dist = _init_rank()
     model, opt = build(MODES[config["mode"]].moments)
     ckpt = _dist_checkpointer(config, model, opt)
-    step = ckpt.restore()
+    spec, injector = config.get("io"), None
+    if spec and int(os.environ["RANK"]) == spec.get("rank", 1):
+        injector = Injector(spec["fn"], spec["err"], spec["after"], spec["times"], config["root"])
+        injector.arm()
+    try:
+        step = ckpt.restore()
+    except Exception as exc:  # reported, then this rank leaves (the others too)
+        print("result", json.dumps({"error": f"{type(exc).__name__}: {exc}"[:600]}), flush=True)
+        raise
+    finally:
+        if injector:
+            injector.disarm()
+    skipped = [list(s) for s in ckpt.last_restore.skipped] if ckpt.last_restore else []
     restored = step or 0
     stamped = all(bool((p == float(restored)).all()) for p in model.parameters()) if step else True
     version = ckpt.last_restore.version if ckpt.last_restore else None
@@ -253,7 +332,14 @@ def _dist_resume(config: dict[str, Any]) -> None:
     print(
         "result",
         json.dumps(
-            {"step": step, "version": version, "stamped": stamped, "status": str(status)}
+            {
+                "step": step,
+                "version": version,
+                "stamped": stamped,
+                "status": str(status),
+                "skipped": skipped,
+                "fired": injector.fired if injector else None,
+            }
         ),
         flush=True,
     )
@@ -323,12 +409,14 @@ def run_children(
     timeout: float = 90.0,
     logdir: Path | None = None,
     kill_others: bool = True,
+    started: list | None = None,
 ) -> ChildResult:
     """Run the saver (or the 2-rank resume) of ``config``; arm ``crash_at`` on ``rank``.
 
     Like torchrun, when one rank dies the others are SIGKILLed (unless ``kill_others`` is
     false: then the survivors must exit by themselves). A job still running after
-    ``timeout`` seconds is SIGKILLed and reported as ``timed_out``.
+    ``timeout`` seconds is SIGKILLed and reported as ``timed_out``. The processes are
+    appended to ``started`` (if given) as they start, each the leader of its own session.
     """
     ranks = MODES[config["mode"]].ranks
     base = child_env()
@@ -355,6 +443,8 @@ def run_children(
                 start_new_session=True,
             )
         )
+        if started is not None:
+            started.append(procs[-1])
     deadline = time.monotonic() + timeout
     timed_out = False
     try:
@@ -403,13 +493,16 @@ def check_version(loaded) -> int:
     return step
 
 
-def check_directory(root: Path, told: dict[int, int], previous_latest: int = 0) -> dict[int, int]:
+def check_directory(
+    root: Path, told: dict[int, int], previous_latest: int = 0, strict_latest: bool = True
+) -> dict[int, int]:
     """A local checkpoint directory after a crash: returns {version: step} of what it holds.
 
     Every committed version verifies (with its delta chain) and holds one step; LATEST names
     a committed version and is not behind a version the writer was told is committed; no
     such version was lost (it is still listed, or retention legitimately deleted it because
-    a newer one is committed).
+    a newer one is committed). ``strict_latest=False`` (after injected I/O errors, which may
+    legitimately leave LATEST lagging) checks only that LATEST is not ahead of the listing.
     """
     from pcframe.restore.reader import load_version
     from pcframe.store.directory import CheckpointDir
@@ -418,11 +511,17 @@ def check_directory(root: Path, told: dict[int, int], previous_latest: int = 0) 
     versions = directory.committed_versions()
     steps = {v: check_version(load_version(directory.path(v))) for v in versions}
     latest = directory.latest_hint()
-    if latest is not None:
+    if latest is not None and not strict_latest:
+        assert latest <= max(versions, default=0), f"{root}: LATEST v{latest} ahead of {versions}"
+    elif latest is not None:
         assert latest in versions, f"{root}: LATEST names v{latest}, committed: {versions}"
         assert latest >= previous_latest, f"{root}: LATEST went back {previous_latest}->{latest}"
     newest_told = max(told, default=0)
-    if newest_told:
+    if newest_told and not strict_latest:
+        assert versions and max(versions) >= newest_told, (
+            f"{root}: v{newest_told} was reported committed but the newest is {versions}"
+        )
+    elif newest_told:
         assert versions and max(versions) >= newest_told, (
             f"{root}: v{newest_told} was reported committed but the newest is {versions}"
         )

@@ -50,13 +50,18 @@ def _cases() -> list[Any]:
             nth = DEFAULT_NTH[point]
             fast = point in mode.fast_points
             marks = () if fast else (pytest.mark.slow,)
-            cases.append(pytest.param(mode.name, point, nth, marks=marks, id=f"{mode.name}-{point}"))
+            cases.append(
+                pytest.param(mode.name, point, nth, marks=marks, id=f"{mode.name}-{point}")
+            )
             if nth != 1:  # the very first pass too: often nothing is committed yet
                 cases.append(
                     pytest.param(
-                        mode.name, point, 1, marks=(pytest.mark.slow,),
+                        mode.name,
+                        point,
+                        1,
+                        marks=(pytest.mark.slow,),
                         id=f"{mode.name}-{point}-first",
-                    )  # fmt: skip
+                    )
                 )
     return cases
 

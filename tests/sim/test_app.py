@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +109,42 @@ def test_an_unknown_baseline_is_rejected_with_the_choices() -> None:
     cfg = _compose("baselines=[oracle,clairvoyant]")
     with pytest.raises(SimConfigError, match=r"unknown \['clairvoyant'\]; choose from"):
         cases_from_config(cfg, [])
+
+
+def test_terminal_table_fits_and_csv_is_plain(tmp_path: Path, child_env: dict) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            *_script(),
+            "traces=skynomad/gcp-h100-16-2025/*.json",  # long names: asia-southeast1-b_h100_16
+            "baselines=[oracle]",
+            "progress=false",
+            "output.plots=false",
+            f"hydra.run.dir={out}",
+        ],
+        cwd=tmp_path,
+        env={**child_env, "COLUMNS": "80"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with (out / "results.csv").open(newline="") as f:  # no comment line to skip
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert reader.fieldnames[:3] == ["trace", "source", "label"]
+    traces = {r["trace"] for r in rows}
+    assert len(traces) > 5
+    table = [line for line in proc.stdout.splitlines() if line.startswith("│")]
+    assert table and all(len(line) <= 80 for line in table)
+    shown = {line.split("│")[1].strip() for line in table}
+    assert shown == traces  # every name whole: the rows can be told apart
+    assert "finished" not in proc.stdout.split("┃", 1)[1].split("\n", 1)[0]  # header row
+    assert "preemptions that hit the job" in proc.stdout  # a legend under the table
+    meta = json.loads((out / "results.meta.json").read_text())
+    assert meta["command"].startswith("pcframe-sim traces=skynomad/gcp-h100-16-2025/*.json")
+    assert "total_steps" in meta["columns"]["finished"]
+    assert set(meta["columns"]) == set(reader.fieldnames)
+    md = (out / "results.md").read_text()
+    assert "Columns:" in md and "- goodput_ratio: goodput / the ideal" in md
+    assert "| finished |" not in md  # no total_steps: a column of "no" says nothing

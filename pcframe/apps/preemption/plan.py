@@ -57,7 +57,7 @@ class Measured:
 
 
 @dataclass
-class Estimate:
+class KillEstimate:
     """The supervised run as the model expects it."""
 
     landed: int = 0  # kills that hit a running process
@@ -66,13 +66,13 @@ class Estimate:
 
 
 @dataclass
-class Plan:
+class KillPlan:
     times: list[float]
     schedule: str  # for the summary, e.g. "poisson, mean gap 6.3 s (derived)"
     mean_gap: float | None
     every: int | None = None  # the FixedSteps interval to run with (None: as configured)
     interval: str = ""  # how it was chosen, for the summary
-    estimate: Estimate = field(default_factory=Estimate)
+    estimate: KillEstimate = field(default_factory=KillEstimate)
 
 
 def target_gap(failure: Any, measured: Measured) -> float:
@@ -88,7 +88,7 @@ def plan(
     *,
     every: int | None = None,
     every_pinned: bool = True,
-) -> Plan:
+) -> KillPlan:
     """The kill times (and FixedSteps interval) for ``failure``; see the module docstring.
 
     ``every`` is the configured ``FixedSteps`` interval (``None`` for other policies);
@@ -106,28 +106,31 @@ def plan(
     how = f" (derived: {_derivation(failure, measured)})" if gap is not None else ""
     times = kill_times(failure, gap)
     if failure.kind == "poisson":
-        gap = failure.mtbf or gap
+        gap = gap if failure.mtbf is None else failure.mtbf
         schedule = f"poisson, mean gap {gap:.1f} s{how}"
     else:
-        compression = failure.compression or trace_compression(failure, gap)
+        compression = failure.compression
+        if compression is None:
+            compression = trace_compression(failure, gap)
         gap = times[-1] / len(times) if times else None
         where = failure.path if failure.path is not None else f"times {list(failure.times)}"
         shown = f"mean gap {gap:.1f} s, " if gap else ""
         schedule = f"trace {where}, {shown}compression {compression:,.4g}x{how}"
-    result = Plan(times, schedule, gap)
+    result = KillPlan(times, schedule, gap)
     if measured is None:
         return result
     if every is not None and not every_pinned and gap is not None:
         living = gap - failure.restart_delay - measured.startup
         if living > 0:
-            derived_every = int(living / (CHECKPOINTS_PER_LIFE * measured.step_seconds))
+            # ~4 checkpoints in each process's life, and at least 4 in the whole run
+            per_life = living / (CHECKPOINTS_PER_LIFE * measured.step_seconds)
+            derived_every = int(min(per_life, measured.steps / CHECKPOINTS_PER_LIFE))
             derived_every = max(1, min(every, derived_every))
             if derived_every < every:
                 result.every = derived_every
                 result.interval = (
-                    f"derived from {1e3 * measured.step_seconds:.0f} ms/step: about "
-                    f"{CHECKPOINTS_PER_LIFE} checkpoints between kills; set "
-                    "policy.interval.every to choose"
+                    f"derived: ~{CHECKPOINTS_PER_LIFE} between kills at "
+                    f"{1e3 * measured.step_seconds:.0f} ms/step"
                 )
     interval_steps = result.every or every or _reference_interval(measured)
     result.estimate = estimate(times, measured, failure.restart_delay, interval_steps)
@@ -138,7 +141,7 @@ def _derivation(failure: Any, measured: Measured) -> str:
     delay = f"{failure.restart_delay:g} s restart delay + " if failure.restart_delay else ""
     return (
         f"{delay}{measured.startup:.1f} s start-up + {measured.training:.1f} s training / "
-        f"failure.target_kills={failure.target_kills:g}"
+        f"{failure.target_kills:g}"
     )
 
 
@@ -148,10 +151,10 @@ def _reference_interval(measured: Measured) -> float | None:
 
 def estimate(
     times: list[float], measured: Measured, restart_delay: float, every: float | None
-) -> Estimate:
+) -> KillEstimate:
     """Replay ``times`` against a model of the run: lives that start up, train at the measured
     step time, commit a checkpoint every ``every`` steps (durable after the measured time)."""
-    result = Estimate(first_kill=times[0] if times else None)
+    result = KillEstimate(first_kill=times[0] if times else None)
     durable_step = 0.0
     now = 0.0
     pending = sorted(times)
@@ -173,7 +176,9 @@ def estimate(
         now = kill + restart_delay
 
 
-def check(plan_: Plan, failure: Any, measured: Measured, policy: str, every: int | None) -> None:
+def check_plan(
+    plan_: KillPlan, failure: Any, measured: Measured, policy: str, every: int | None
+) -> None:
     """Refuse a schedule that cannot show what the mode is for (see the module docstring)."""
     if not failure.check:
         return
@@ -190,28 +195,32 @@ def check(plan_: Plan, failure: Any, measured: Measured, policy: str, every: int
         f"a run without kills is over after {measured.wall:.1f} s ({measured.startup:.1f} s "
         f"start-up + {measured.training:.1f} s training)"
     )
+    first = plan_.estimate.first_kill
+    if plan_.estimate.landed == 0:
+        when = f"the first kill comes at {first:.1f} s, but " if first is not None else ""
+        raise ConfigError(f"no kill would land: {when}{run}; {fix_kills}{note}")
     if measured.commits == 0 and (every is None or plan_.every is None):
         raise ConfigError(
             f"{policy} committed no checkpoint in an uninterrupted run of {measured.steps} "
             f"steps ({measured.training:.1f} s), so every killed process would start over; "
             f"{_interval_fix(every, measured)}{note}"
         )
-    first = plan_.estimate.first_kill
-    if plan_.estimate.landed == 0:
-        when = f"the first kill comes at {first:.1f} s, but " if first is not None else ""
-        raise ConfigError(f"no kill would land: {when}{run}; {fix_kills}{note}")
-    if plan_.estimate.commits_before_kills == 0:
+    commits, landed = plan_.estimate.commits_before_kills, plan_.estimate.landed
+    if 2 * commits < landed:  # fewer than one checkpoint per two kills: hardly any progress
         gap = f"{plan_.mean_gap:.1f} s" if plan_.mean_gap else "the schedule's gaps"
         raise ConfigError(
-            f"no checkpoint would commit before a kill: kills come every {gap} on average, "
-            f"but a process needs {measured.startup:.1f} s to start and {policy} checkpoints "
-            f"less often than that; {_interval_fix(every, measured)}, or give the kills more "
-            f"room (a larger failure.mtbf / failure.compression, or null){note}"
+            f"kills would come faster than checkpoints commit: about {commits} checkpoint(s) "
+            f"before {landed} kills (kills every {gap} on average; a process needs "
+            f"{measured.startup:.1f} s to start, and {policy} checkpoints less often); "
+            f"{_interval_fix(every, measured)}, or give the kills more room (a larger "
+            f"failure.mtbf / failure.compression, or null){note}"
         )
 
 
 def _interval_fix(every: int | None, measured: Measured) -> str:
     if every is not None:
         suggestion = max(1, measured.steps // 20)
-        return f"lower policy.interval.every (e.g. policy.interval.every={suggestion}) or raise steps"
+        return (
+            f"lower policy.interval.every (e.g. policy.interval.every={suggestion}) or raise steps"
+        )
     return "use a shorter interval (e.g. policy/interval=fixed_steps) or raise steps"

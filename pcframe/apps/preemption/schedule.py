@@ -99,10 +99,12 @@ def kill_times(failure: Any, gap: float | None = None) -> list[float]:
         raise ConfigError(f"the mean gap between kills must be positive, got {gap!r}")
     unit = 1.0 if gap is None else gap
     if kind == "poisson":
-        return poisson_times(failure.mtbf or unit, failure.max_kills, failure.seed)
+        mtbf = unit if failure.mtbf is None else failure.mtbf
+        return poisson_times(mtbf, failure.max_kills, failure.seed)
     if kind == "trace":
         compression = failure.compression
-        times = trace_times(failure.path, failure.times, compression or 1.0, failure.offset)
+        scale = 1.0 if compression is None else compression
+        times = trace_times(failure.path, failure.times, scale, failure.offset)
         times = times[: failure.max_kills]
         if compression is None and times:
             mean = times[-1] / len(times)

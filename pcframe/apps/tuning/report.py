@@ -190,9 +190,7 @@ def write_tuned_config(
         "threads": threads,
         "machine": machine,
     }
-    tuned_for = (
-        f"workload {describe_workload(workload)}, " if workload is not None else ""
-    ) + (
+    tuned_for = (f"workload {describe_workload(workload)}, " if workload is not None else "") + (
         f"{machine['cpus']} CPUs ({machine['cpu']}), {machine['memory_gib']} GiB, "
         f"host {machine['host']}"
     )
@@ -219,7 +217,7 @@ def describe_workload(workload: Mapping[str, Any] | None) -> str:
 
 
 def read_tuned_meta(path: str | Path) -> dict[str, Any] | None:
-    """The ``# pcframe-tune-meta:`` record of a tuned config (``None``: not written by the tuner)."""
+    """The ``# pcframe-tune-meta:`` record of a tuned config (``None``: not from the tuner)."""
     try:
         for line in Path(path).read_text().splitlines():
             if line.startswith(META_PREFIX):

@@ -1,0 +1,126 @@
+"""What pcframe-run tells its user: progress, an honest summary, warnings, files, sweeps."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+import pytest
+
+from pcframe.apps.machine import ENGINE_RESERVE, resolve_threads, usable_cpus
+from pcframe.apps.run import run
+from pcframe.apps.summary import overhead_text, print_summary
+from pcframe.errors import ConfigError
+from tests.apps.conftest import compose, run_module
+
+TINY = ("workload=tiny", "threads=1")
+
+
+def test_threads_auto_leaves_a_core_to_the_engine():
+    assert resolve_threads("auto") == max(1, usable_cpus() - ENGINE_RESERVE)
+    assert usable_cpus() <= len(os.sched_getaffinity(0))
+    assert resolve_threads(3) == 3 and resolve_threads("2") == 2
+    for bad in (0, -1, "many", 1.5, True):
+        with pytest.raises(ConfigError, match="threads="):
+            resolve_threads(bad)
+
+
+def test_the_shipped_configs_default_to_threads_auto(tmp_path):
+    assert compose("run", directory=tmp_path).threads == "auto"
+    assert compose("tune", directory=tmp_path).threads == "auto"
+
+
+def test_overhead_is_shown_with_its_uncertainty():
+    assert overhead_text(3.0, 5.0) == "+3.0 % ± 5.0 % (within noise)"
+    assert overhead_text(-58.9, 62.0).endswith("(within noise)")
+    assert overhead_text(12.0, 2.5) == "+12.0 % ± 2.5 %"
+
+
+def test_a_run_that_commits_nothing_says_so_and_why(tmp_path, capsys):
+    cfg = compose("run", *TINY, "steps=20", "progress=false", directory=tmp_path / "ckpt")
+    summary = run(cfg)
+    assert summary["checkpoints"] == 0
+    assert summary["overhead"] == "n/a: no checkpoint committed"
+    (warning,) = summary["warnings"]
+    assert "no checkpoint was committed" in warning
+    assert "every 100 steps, but the run had 20 steps" in warning
+    assert "interval is longer than the run" in warning
+    assert "policy.interval.every=4" in warning  # the fix, with a value that works
+    assert summary["policy"] == "FixedSteps: every 100 steps"
+
+
+def test_a_time_policy_that_never_saves_names_its_interval(tmp_path):
+    cfg = compose(
+        "run", *TINY, "steps=20", "progress=false", "policy/interval=young", "baseline=false",
+        directory=tmp_path / "ckpt",
+    )  # fmt: skip
+    (warning,) = run(cfg)["warnings"]
+    assert "Young's interval is" in warning and "longer than the run" in warning
+
+
+def test_summary_prints_the_whole_path_and_the_next_command(tmp_path, capsys):
+    from rich.console import Console
+
+    deep = tmp_path / ("a-rather-long-folder-name-" * 4) / "checkpoints"
+    summary = {"steps": 10, "checkpoints": 1, "directory": str(deep), "warnings": ["x"]}
+    print_summary(summary, console=Console(width=80, force_terminal=False))
+    out = capsys.readouterr().out
+    assert f"checkpoints: {deep}\n" in out
+    assert f"next: pcframe list {deep}\n" in out
+    assert "WARNING" in out
+
+
+def test_a_multirun_warns_writes_summaries_and_one_merged_table(tmp_path, app_env):
+    sweep = tmp_path / "sweep"
+    result = run_module(
+        "pcframe.apps.run",
+        "-m",
+        "policy.interval.every=5,100",
+        *TINY,
+        "steps=20",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+        env={**app_env, "COLUMNS": "80"},
+    )
+    assert result.returncode == 0, result.stderr
+    # progress: one line per phase, even without a terminal
+    for phase in ("warm-up", "without checkpoints (1 of 2)", "with checkpoints"):
+        assert f"{phase}: " in result.stderr
+    # job 1 (every 100 steps, 20 steps): a loud warning saying why
+    assert "WARNING" in result.stdout and "no checkpoint was committed" in result.stdout
+    for job in ("0", "1"):
+        ckpt = sweep / job / "checkpoints"
+        assert f"checkpoints: {ckpt}\n" in result.stdout  # whole, at 80 columns
+        assert f"next: pcframe list {ckpt}\n" in result.stdout
+    document = json.loads((sweep / "1" / "summary.json").read_text())
+    assert document["summary"]["checkpoints"] == 0 and document["warnings"]
+    assert "policy.interval.every=100" in document["overrides"]
+    (row,) = csv.DictReader((sweep / "0" / "summary.csv").open())
+    assert row["checkpoints"] == "4" and row["workload"] == "mlp"
+    # ...and the merged table
+    assert "pcframe-run sweep: 2 jobs" in result.stdout
+    rows = list(csv.DictReader((sweep / "sweep_summary.csv").open()))
+    assert [(r["job"], r["policy.interval.every"], r["checkpoints"]) for r in rows] == [
+        ("0", "5", "4"),
+        ("1", "100", "0"),
+    ]
+    assert "no checkpoint was committed" in rows[1]["warnings"]
+    assert rows[0]["overhead_pct"] and rows[0]["overhead_noise_pct"]
+    table = (sweep / "sweep_summary.md").read_text()
+    assert "| job | policy.interval.every |" in table and "job 1: no checkpoint" in table
+
+
+@pytest.mark.slow
+def test_the_smoke_experiment_kills_twice_and_resumes_bit_identically(tmp_path, app_env):
+    """The README's demo, end to end: the schedule fits whatever speed this machine has."""
+    out = tmp_path / "hydra"
+    result = run_module(
+        "pcframe.apps.run", "experiment=smoke", f"hydra.run.dir={out}", cwd=tmp_path, env=app_env
+    )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())["summary"]
+    assert summary["kills"] == 2 and summary["processes"] == 3
+    assert summary["checkpoints"] > 10  # committed between the kills
+    assert summary["matches_reference"] == "yes, bit-identical"
+    assert "derived" in summary["schedule"]
