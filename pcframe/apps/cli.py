@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
+from pcframe import __version__
 from pcframe.errors import CheckpointError, ManifestError
 from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME, Manifest, read_manifest
 from pcframe.format.names import version_number
@@ -93,49 +95,140 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     directory = CheckpointDir(args.directory)
     version = _pick(directory, args.version)
     manifest = _manifest(directory, version)
-    summary = {
+    if args.json:
+        print(json.dumps(_summary(manifest, args.tensors), indent=2))
+        return 0
+    engine = manifest.engine if isinstance(manifest.engine, dict) else {}
+    config = engine.get("config", {}) if isinstance(engine.get("config"), dict) else {}
+    stored = engine.get("stored_bytes", manifest.data_size)
+    codecs = sorted({e.codec for e in manifest.entries if e.codec != "raw"})
+    rows = [
+        ("version", f"{manifest.version} ({directory.path(version).name})"),
+        ("step", str(manifest.step)),
+        ("written", _when(manifest.wall_time)),
+        ("state", f"{len(manifest.entries)} tensors, {_size(_state_bytes(manifest))}"),
+        ("stored", f"{_size(stored)} in {len(manifest.chunks)} chunks"),
+        ("checksum", f"{manifest.checksum} per chunk and segment"),
+        ("codecs", ", ".join(codecs) or "none (every tensor raw, bit-exact)"),
+        ("delta", f"of version {manifest.delta.base} (depth {manifest.delta.depth})"
+         if manifest.delta is not None else "no (a full version)"),
+        ("engine", ", ".join(f"{k}={config[k]}" for k in _ENGINE_KEYS if k in config) or "?"),
+        ("metadata", json.dumps(manifest.metadata) if manifest.metadata else "none"),
+    ]  # fmt: skip
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:>{width}}  {_one_line(value)}")
+    print()
+    groups: dict[str, list[int]] = {}
+    for entry in manifest.entries:
+        group = groups.setdefault(_group(entry.name), [0, 0])
+        group[0] += 1
+        group[1] += entry.nbytes
+    print(f"{'group':<24} {'tensors':>8} {'bytes':>12}")
+    for name, (count, nbytes) in groups.items():
+        print(f"{_one_line(name):<24} {count:>8} {_size(nbytes):>12}")
+    if args.tensors:
+        print()
+        print(f"{'tensor':<48} {'dtype':<10} {'shape':<20} {'codec':<14} {'bytes':>10}")
+        for e in manifest.entries:
+            shape = "x".join(map(str, e.shape)) or "scalar"
+            print(f"{_one_line(e.name):<48} {e.dtype:<10} {shape:<20} {e.codec:<14} {e.nbytes:>10}")
+    else:
+        print("(--tensors lists every tensor; --json prints the manifest summary as JSON)")
+    return 0
+
+
+_ENGINE_KEYS = ("max_in_flight", "chunk_bytes", "o_direct", "persist", "copy_backend", "keep_last")
+
+
+def _summary(manifest: Manifest, tensors: bool) -> dict:
+    return {
         "version": manifest.version,
         "step": manifest.step,
         "wall_time": manifest.wall_time,
+        "written": _when(manifest.wall_time),
         "bytes": manifest.data_size,
         "chunks": len(manifest.chunks),
         "checksum": manifest.checksum,
         "metadata": manifest.metadata,
         "engine": manifest.engine,
         "tensors": [
-            {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "bytes": e.nbytes}
+            {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "bytes": e.nbytes,
+             "codec": e.codec}
             for e in manifest.entries
         ]
-        if args.tensors
+        if tensors
         else len(manifest.entries),
-    }
-    print(json.dumps(summary, indent=2))
-    return 0
+    }  # fmt: skip
+
+
+def _state_bytes(manifest: Manifest) -> int:
+    return sum(e.nbytes for e in manifest.entries)
+
+
+def _group(name: str) -> str:
+    """``model``, ``optimizer/state``, ``rng``, ``stateful/data``: what a tensor belongs to."""
+    parts = name.split("/")
+    return "/".join(parts[:2]) if parts[0] in ("optimizer", "stateful") else parts[0]
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    import torch
     from safetensors.torch import save_file
 
     directory = CheckpointDir(args.directory)
     version = _pick(directory, args.version)
     loaded = load_version(directory.path(version))
     tensors = {name: t.contiguous() for name, t in loaded.named_tensors().items()}
+    if args.only:
+        prefix = args.only.rstrip("/") + "/"
+        tensors = {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)}
+        if not tensors:
+            groups = sorted({_group(n) for n in loaded.named_tensors()})
+            raise CheckpointError(
+                f"version {version} has no tensors under {prefix!r}; it has {groups}"
+            )
+    if args.dtype:
+        dtype = getattr(torch, args.dtype)
+        tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
     metadata = {
         "pcframe_version": str(version),
         "pcframe_step": str(loaded.manifest.step),
-        "pcframe_tree": json.dumps(loaded.manifest.tree),
+        "pcframe_only": args.only or "",
     }
+    if not args.only:  # the whole state: keep its structure so it can be rebuilt
+        metadata["pcframe_tree"] = json.dumps(loaded.manifest.tree)
     output = Path(args.output or f"{directory.path(version).name}.safetensors")
     save_file(tensors, str(output), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(output, 0o666 & ~umask)  # an ordinary file, as the user's umask says
+    what = f"'{args.only}' tensors" if args.only else "tensors"
     print(
-        f"wrote {output} ({len(tensors)} tensors from version {version}, "
-        f"step {loaded.manifest.step})"
+        f"wrote {output} ({len(tensors)} {what} from version {version}, "
+        f"step {loaded.manifest.step}"
+        + (f", as {args.dtype}" if args.dtype else "")
+        + (
+            "; load with model.load_state_dict(safetensors.torch.load_file(path))"
+            if args.only == "model"
+            else ""
+        )
+        + ")"
     )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pcframe", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"pcframe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("list", help="committed versions, newest last")
     p.add_argument("directory")
@@ -145,16 +238,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", type=int)
     p.add_argument("--threads", type=int, default=8)
     p.set_defaults(func=cmd_verify)
-    p = sub.add_parser("inspect", help="print a version's manifest summary as JSON")
+    p = sub.add_parser("inspect", help="a version's summary: state, storage, codecs, engine")
     p.add_argument("directory")
-    p.add_argument("--version", type=int)
+    p.add_argument("--version", type=int, help="the version to show (default: the newest)")
     p.add_argument("--tensors", action="store_true", help="list every tensor")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("export", help=f"export a version ({DATA_NAME}) to another format")
     p.add_argument("directory")
     p.add_argument("--version", type=int)
     p.add_argument("--format", choices=["safetensors"], default="safetensors")
     p.add_argument("--output", "-o")
+    p.add_argument(
+        "--only",
+        help="export one group with its prefix stripped, e.g. 'model' (straight into "
+        "model.load_state_dict) or 'optimizer/state'",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16", "float64"],
+        help="cast floating-point tensors (e.g. bfloat16 to publish weights)",
+    )
     p.set_defaults(func=cmd_export)
     return parser
 

@@ -322,6 +322,12 @@ def run_supervised(cfg: DictConfig, out: Path, progress: bool = True) -> Summary
             "yes, bit-identical" if not differing else f"NO: {len(differing)} tensors differ"
         )
     warnings = []
+    if summary["start_step"]:
+        warnings.append(
+            f"{cfg.directory} already held a checkpoint at step {summary['start_step']}: the "
+            "supervised run resumed there instead of training from the start; give a new "
+            "directory=... (or none: each run's own output folder) for a whole run"
+        )
     if result.kills == 0:
         first = f" (the first at {schedule.times[0]:.1f} s)" if schedule.times else ""
         warnings.append(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import torch
@@ -38,7 +39,7 @@ def test_list_verify_inspect_export(tmp_path, python):
     verify = cli(python, "verify", tmp_path)
     assert verify.returncode == 0 and verify.stdout.count("OK") == 2
 
-    inspect = cli(python, "inspect", tmp_path, "--tensors")
+    inspect = cli(python, "inspect", tmp_path, "--tensors", "--json")
     info = json.loads(inspect.stdout)
     assert info["step"] == 20 and info["metadata"] == {"note": "hi"}
     assert {t["name"] for t in info["tensors"]} >= {"model/weight", "model/bias"}
@@ -75,3 +76,23 @@ def test_clear_errors_for_missing_things(tmp_path, python):
     assert result.returncode == 2 and "version 7 not found" in result.stderr
     result = cli(python, "verify", tmp_path / "v00000002")
     assert result.returncode == 2 and "pick the version with --version 2" in result.stderr
+
+
+def test_version_readable_inspect_and_export_of_one_group(tmp_path, python):
+    model = make(tmp_path)
+    version = cli(python, "--version")
+    assert version.returncode == 0 and version.stdout.startswith("pcframe ")
+    table = cli(python, "inspect", tmp_path)
+    assert table.returncode == 0
+    assert "step  20" in table.stdout and "model" in table.stdout and "{" not in table.stdout[:40]
+    out = tmp_path / "model.safetensors"
+    export = cli(python, "export", tmp_path, "--only", "model", "--dtype", "float64", "-o", out)
+    assert export.returncode == 0, export.stderr
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask
+    fresh = torch.nn.Linear(model.in_features, model.out_features).double()
+    fresh.load_state_dict(load_file(out))  # prefixes stripped: straight into load_state_dict
+    assert torch.equal(fresh.weight, model.weight.detach().double())
+    missing = cli(python, "export", tmp_path, "--only", "nope", "-o", tmp_path / "x.st")
+    assert missing.returncode == 2 and "has no tensors under 'nope/'" in missing.stderr

@@ -136,7 +136,6 @@ def crash_rank(point: str) -> int:
 # --- an I/O fault injector (installed in a child process) -------------------------------------
 
 _ERRNOS = {"EIO": errno.EIO, "EINTR": errno.EINTR, "ENOSPC": errno.ENOSPC, "EMFILE": errno.EMFILE}
-_FD_FUNCS = ("pread", "preadv", "pwrite", "fsync", "fdatasync")
 
 
 class Injector:

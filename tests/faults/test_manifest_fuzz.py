@@ -207,7 +207,7 @@ def check_outcome(root: Path, body: Any) -> None:
         assert "internal error" not in out
         code, out, err = run_cli("list", root)
         assert code in (0, 1) and len(out.splitlines()) == 3 and not err, (out, err)
-        code, out, err = run_cli("inspect", root, "--tensors")
+        code, out, err = run_cli("inspect", root, "--tensors", "--json")
         assert code in (0, 2) and "internal error" not in err, err
         if code == 0:
             json.loads(out)
