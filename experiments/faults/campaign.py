@@ -190,20 +190,26 @@ def child_probe(config: dict[str, Any]) -> dict[str, Any]:
             out["restore_again"] = _restore_again(ckpt)
         stage("save")
         opt.count = step or 0
-        opt.step()
-        try:
-            handle = ckpt.save(opt.count)
-            out["saved"] = {"version": handle.version, "status": str(handle.wait(60))}
-            if mode.tier is not None:
-                ckpt.tiers.wait_idle(60)
-        except BaseException as exc:
-            out["save_error"] = _error(exc)
+        out["saved"] = []
+        for _ in range(2):  # two saves: the second shows a number the first pushed too far
+            opt.step()
+            try:
+                handle = ckpt.save(opt.count)
+                out["saved"].append([handle.version, str(handle.wait(60))])
+                if mode.tier is not None:
+                    ckpt.tiers.wait_idle(60)
+            except BaseException as exc:
+                out["save_error"] = _error(exc)
+                break
     finally:
         stage("close")
         try:
             ckpt.close()
         except BaseException as exc:
             out["close_error"] = _error(exc)
+    from pcframe.store.directory import CheckpointDir
+
+    out["listed_after"] = CheckpointDir(root).committed_versions()
     out["quarantined"] = sorted(p.name for p in Path(root).iterdir() if ".corrupt-" in p.name)
     return out
 
@@ -446,6 +452,17 @@ def _cli_checks(result: dict[str, Any]) -> None:
             raise Verdict("traceback", f"pcframe {command} exited {cli['rc']}: {text[-800:]}")
 
 
+def _where(error: dict[str, Any]) -> str:
+    """The innermost pcframe frames of an error's traceback (``path:line function`` > ...)."""
+    import re
+
+    frames = re.findall(r'File "([^"]*/pcframe/[^"]*)", line (\d+), in (\w+)', error["trace"])
+    if not frames:
+        return "?"
+    names = [f"{p[p.rindex('/pcframe/') + 1 :]}:{n} {f}" for p, n, f in frames[-3:]]
+    return " > ".join(names)
+
+
 def _common(result: dict[str, Any]) -> None:
     if result.get("hung"):
         raise Verdict("hung", f"no answer within the timeout, last {result['stage']}")
@@ -455,7 +472,8 @@ def _common(result: dict[str, Any]) -> None:
     for key in ("open_error", "restore_error", "save_error", "close_error"):
         error = result.get(key)
         if error and not error["expected"]:
-            raise Verdict("traceback", f"{key}: {error['type']}: {error['trace']}")
+            summary = f"{key}: {error['type']}: {error['message']} (raised at {_where(error)})"
+            raise Verdict("traceback", f"{summary}\n{error['trace']}")
 
 
 def _check_restore(
@@ -490,13 +508,21 @@ def _check_restore(
 
 
 def _check_saved(result: dict[str, Any], top: int) -> None:
-    saved = result.get("saved")
-    if not saved:
-        raise Verdict("other", f"the next save failed: {result.get('save_error')}")
-    if saved["status"] != "committed":
-        raise Verdict("other", f"the next save ended {saved['status']}")
-    if not top < saved["version"] <= top + 1:
-        raise Verdict("other", f"the next save is numbered {saved['version']}, newest real v{top}")
+    """Both saves of the probe committed, numbered above ``top``, and are listed afterwards
+    (a version reported committed that the listing does not show is lost)."""
+    saved = result.get("saved") or []
+    if len(saved) < 2:
+        raise Verdict("other", f"the next saves failed: {result.get('save_error')}")
+    listed = set(result.get("listed_after", []))
+    for version, status in saved:
+        if status != "committed":
+            raise Verdict("other", f"the next save (v{version}) ended {status}")
+        if version not in listed:
+            raise Verdict(
+                "lost", f"v{version} was reported committed but is not listed: {sorted(listed)}"
+            )
+    if saved[0][0] <= top:
+        raise Verdict("other", f"the next save is numbered {saved[0][0]}, newest real v{top}")
 
 
 # --- the trials ----------------------------------------------------------------------------------
@@ -678,7 +704,7 @@ def trial_corrupt(ws: Workspace, spec: dict[str, Any]) -> None:
 IO_FUNCS = {
     "save": ("pwrite", "fsync", "fdatasync", "open"),
     "restore": ("preadv", "open"),
-    "open": ("open", "fsync", "pwrite", "pread"),  # the writer opening its directory
+    "open": ("open", "fsync", "pwrite"),  # the writer opening its directory
 }
 IO_ERRS = ("EIO", "EINTR", "ENOSPC", "EMFILE", "short")
 
@@ -775,7 +801,9 @@ HOSTILE = (
     "latest_garbage",
     "latest_big",
     "latest_weird",
+    "latest_nearmax",
     "dir_huge",
+    "dir_nearmax",
     "dir_above_max",
     "dir_symlink",
     "lock_fifo",
@@ -839,6 +867,8 @@ def trial_hostile(ws: Workspace, spec: dict[str, Any]) -> None:
             latest.write_bytes(bytes(rng.randrange(256) for _ in range(4096)))
         elif kind == "big":
             latest.write_bytes(b"v" + b"9" * (64 << 20))
+        elif kind == "nearmax":  # within the limit: a numbering hint at MAX_VERSION - 1
+            latest.write_text(f"v{10**12 - 1}\n")
         else:
             latest.write_bytes(rng.choice([b"", b"v-3\n", b"../v00000001\n", b"\x00" * 8, b"v1e9"]))
     elif what == "dir":
@@ -847,6 +877,8 @@ def trial_hostile(ws: Workspace, spec: dict[str, Any]) -> None:
             shutil.copytree(source, root / "v99999999999999999999")
         elif kind == "above":
             shutil.copytree(source, root / f"v{10**12 + 1}")
+        elif kind == "nearmax":  # a listed version at MAX_VERSION - 1 (the newest, then)
+            shutil.copytree(source, root / f"v{10**12 - 1}")
         else:
             elsewhere = ws.top / spec["name"] / "elsewhere"
             shutil.copytree(source, elsewhere)
@@ -958,7 +990,8 @@ def plan(
             fn = rng.choice(IO_FUNCS[phase])
             err = rng.choice(IO_ERRS if fn in ("pwrite", "preadv") else IO_ERRS[:-1])
             times = rng.choice((1, 1, -1))
-            io_spec = {"fn": fn, "err": err, "after": rng.randint(0, 6), "times": times}
+            after = rng.randint(0, 1 if phase == "open" else 6)  # opening makes few calls
+            io_spec = {"fn": fn, "err": err, "after": after, "times": times}
             specs.append({"kind": "io", "mode": mode.name, "phase": phase, "io": io_spec})
         variants = DIST_HOSTILE if dist else HOSTILE
         count = max(1, int(scale["hostile"] * factor))
@@ -1087,7 +1120,7 @@ def main(argv: list[str] | None = None) -> int:
         scale = (
             {"sigkill": 1, "corrupt": 1, "io": 2, "hostile": 1}
             if args.quick
-            else {"sigkill": 2, "corrupt": 4, "io": 6, "hostile": 3}
+            else {"sigkill": 2, "corrupt": 3, "io": 5, "hostile": 3}
         )
         modes, kinds = set(args.modes.split(",")), set(args.kinds.split(","))
         specs = [

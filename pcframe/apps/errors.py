@@ -28,7 +28,7 @@ from hydra.errors import (
     MissingConfigException,
     OverrideParseException,
 )
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from pcframe.errors import CheckpointError, ConfigError
@@ -147,7 +147,7 @@ def _omegaconf(exc: OmegaConfBaseException, override: str | None = None) -> str:
     msg = str(getattr(exc, "msg", None) or exc).split("\n")[0].strip()
     if isinstance(exc, ConfigKeyError | AttributeError) and " not in " in msg:
         parent, _, name = str(key).rpartition(".")
-        fields = _fields(getattr(exc, "object_type", None))
+        fields = _fields(getattr(exc, "object_type", None)) or _keys(exc)
         close = difflib.get_close_matches(name, fields, n=1)
         where = f" of {parent}" if parent else ""
         hint = (
@@ -183,6 +183,14 @@ def _fields(object_type: Any) -> list[str]:
     return []
 
 
+def _keys(exc: OmegaConfBaseException) -> list[str]:
+    """The keys of an untyped node (a policy's ``_target_`` config), Hydra's left out."""
+    parent = getattr(exc, "parent_node", None)
+    if isinstance(parent, DictConfig):
+        return [str(k) for k in parent if not str(k).startswith("_")]
+    return []
+
+
 def _composition(exc: HydraException) -> str:
     text = str(exc)
     cause = exc.__cause__
@@ -212,6 +220,16 @@ def _missing_option(exc: MissingConfigException) -> str:
         f"{group}={option}: no such option{have}; {group} options are looked up in the "
         f"installed pcframe.conf and in $PCFRAME_CONFIG_DIR ({user}{state})"
     )
+    if group.startswith(("policy/", "sim/predictor")):
+        from pcframe.apps.plugins import broken_plugins
+
+        why = broken_plugins().get(option)
+        line += (
+            f"; the plugin {option!r} is installed but failed: {_flat(why)}"
+            if why
+            else "; a policy installed through the 'pcframe.policies' entry point is an "
+            "option by its registry name (pcframe.policies.available())"
+        )
     if group == "engine":
         line += (
             "; pcframe-tune writes engine/tuned.yaml there, relative to the folder it ran "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import inspect
 import statistics
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,8 @@ def describe_policy(policy: Any) -> str:
     name = type(policy).__name__
     if isinstance(policy, FixedSteps):
         return f"{name}: every {policy.every} steps"
+    if not type(policy).__module__.startswith("pcframe."):
+        return _describe_plugin(policy)
     seconds = getattr(policy, "seconds", None)
     if isinstance(seconds, int | float):
         return f"{name}: every {seconds:g} s"
@@ -167,9 +170,29 @@ def describe_policy(policy: Any) -> str:
     return name
 
 
+def _describe_plugin(policy: Any) -> str:
+    """A third-party policy: ``"StepsOrSeconds(steps=5, seconds=900)"`` (its plain
+    constructor arguments that it keeps as attributes of the same name)."""
+    name = type(policy).__name__
+    try:
+        params = inspect.signature(type(policy)).parameters
+    except (TypeError, ValueError):
+        return name
+    shown = []
+    for key in params:
+        value = getattr(policy, key, None)
+        if isinstance(value, bool | int | float | str):
+            shown.append(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}")
+    return f"{name}({', '.join(shown)})" if shown else name
+
+
 def _policy_from_config(node: DictConfig) -> str:
     target = str(node.get("_target_", "policy"))
     name = target.rsplit(".", 1)[-1]
+    if not target.startswith("pcframe."):  # a plugin: its plain arguments
+        values = {str(k): v for k, v in node.items() if not str(k).startswith("_")}
+        plain = [f"{k}={v}" for k, v in values.items() if isinstance(v, bool | int | float | str)]
+        return f"{name}({', '.join(plain)})" if plain else name
     if "every" in node:
         return f"{name}: every {node.every} steps"
     if "seconds" in node:

@@ -181,8 +181,10 @@ def workload_schemas() -> dict[str, type]:
 
 
 def register() -> None:
-    """Store every schema in Hydra's ConfigStore (idempotent), and the help resolver."""
+    """Store every schema in Hydra's ConfigStore (idempotent), the help resolver, and a
+    config option for every registered policy without a YAML (entry-point plugins)."""
     from pcframe.apps.errors import register_resolvers
+    from pcframe.apps.plugins import register_policy_configs
 
     register_resolvers()
     store = ConfigStore.instance()
@@ -196,3 +198,4 @@ def register() -> None:
     store.store(group="tune", name="tune_schema", node=TuneConfig)
     for name, schema in workload_schemas().items():
         store.store(group="workload", name=f"{name}_schema", node=schema)
+    register_policy_configs()

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pcframe.apps.errors import register_resolvers, reported, run_app
+from pcframe.apps.plugins import register_policy_configs
 from pcframe.apps.targets import check_targets
 from pcframe.sim.app_config import (
     SHORT,
@@ -34,6 +35,7 @@ from pcframe.sim.report import fmt
 
 register_schemas()
 register_resolvers()
+register_policy_configs()  # entry-point policies are options of policy/* and sim/predictor
 
 
 def run(

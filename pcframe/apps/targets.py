@@ -74,15 +74,17 @@ def _check_node(node: DictConfig, path: str) -> None:
                     f"{where}.{key}: {target} has no parameter {key!r}; "
                     f"it takes: {', '.join(named) or 'no arguments'}. Fix or remove the key"
                 )
+    # A ``???`` value (a required argument of a generated plugin config) is not given.
+    given = [k for k in keys if not OmegaConf.is_missing(node, k)]
     if not node.get("_partial_", False) and "_args_" not in node:
-        missing = [n for n, p in named.items() if p.default is p.empty and n not in keys]
+        missing = [n for n, p in named.items() if p.default is p.empty and n not in given]
         if missing:
             raise ConfigError(
                 f"{where}: {target} needs {', '.join(missing)}; add "
                 + ", ".join(f"{where}.{m}=..." for m in missing)
             )
     hints = _hints(obj)
-    for key in keys:
+    for key in given:
         if key in hints and not OmegaConf.is_interpolation(node, key):
             value = node._get_node(key)._value()
             if not _fits(value, hints[key]):

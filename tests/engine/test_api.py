@@ -22,7 +22,7 @@ def test_optimizer_step_waits_for_the_snapshot(tmp_path, monkeypatch):
     original_fill = SavePipeline._fill
 
     def slow_fill(self, *args):
-        time.sleep(0.02)  # a slow copy: without the gate the next steps would race it
+        time.sleep(0.05)  # a slow copy: without the gate the next steps would race it
         original_fill(self, *args)
 
     monkeypatch.setattr(SavePipeline, "_fill", slow_fill)

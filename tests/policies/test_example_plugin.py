@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import csv
 import importlib.metadata
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -90,3 +92,98 @@ def test_the_plugins_own_suite_passes_with_the_conformance_kit(installed: Path) 
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert " passed" in done.stdout and "failed" not in done.stdout
+
+
+def _app(name: str, *args: str, target: Path, cwd: Path) -> subprocess.CompletedProcess:
+    """The installed console script ``name``, with the plugin's install folder importable
+    (as a ``pip install`` into the environment would make it)."""
+    exe = Path(sys.executable).with_name(name)
+    assert exe.exists(), f"{name} is not installed: pip install -e . --no-deps"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PCFRAME_CONFIG_DIR": str(cwd / "user-conf")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), env.get("PYTHONPATH")]))
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run(
+        [str(exe), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_pcframe_run_selects_the_plugin_by_name_with_its_arguments(installed: Path, tmp_path):
+    """No YAML anywhere: the entry-point name is a ``policy/interval`` option of the apps."""
+    out = tmp_path / "out"
+    done = _app(
+        "pcframe-run",
+        "policy/interval=steps_or_seconds",
+        "policy.interval.steps=5",  # a constructor argument, overridden like a built-in's
+        "steps=30",
+        "workload=tiny",
+        "baseline=false",
+        "progress=false",
+        f"hydra.run.dir={out}",
+        target=installed,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((out / "summary.json").read_text())["summary"]
+    assert summary["policy"] == "StepsOrSeconds(steps=5, seconds=900)", summary
+    assert summary["checkpoints"] >= 5, summary  # every 5 of 30 steps
+    assert "StepsOrSeconds(steps=5" in done.stdout
+    assert not (
+        EXAMPLE.parents[1] / "conf" / "policy" / "interval" / "steps_or_seconds.yaml"
+    ).exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("+policy.interval.stepz=5", "StepsOrSeconds has no parameter 'stepz'; it takes: steps"),
+        ("policy.interval.stepz=5", "did you mean policy.interval.steps?"),
+        ("policy.interval.steps=abc", "policy.interval.steps='abc' has the wrong type"),
+    ],
+    ids=str,
+)
+def test_a_wrong_plugin_argument_is_one_line_and_exit_code_2(
+    installed: Path, tmp_path: Path, override: str, expected: str
+) -> None:
+    done = _app(
+        "pcframe-run",
+        "policy/interval=steps_or_seconds",
+        override,
+        f"hydra.run.dir={tmp_path / 'out'}",
+        target=installed,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("pcframe-run: error: ") and expected in line, line
+    assert done.stdout == ""
+
+
+def test_pcframe_sim_and_help_know_the_plugin(installed: Path, tmp_path: Path) -> None:
+    from pcframe.policies.traces import shared_traces_dir
+
+    traces = shared_traces_dir()
+    if traces is None or not (traces / "pccheck" / "gpus_trace.csv").is_file():
+        pytest.skip("the shipped PCcheck trace is not in this checkout")
+    helped = _app("pcframe-sim", "--help", target=installed, cwd=tmp_path)
+    assert helped.returncode == 0, helped.stderr
+    interval = next(
+        x for x in helped.stdout.splitlines() if x.strip().startswith("policy/interval:")
+    )
+    assert "steps_or_seconds" in interval and "daly" in interval
+    out = tmp_path / "sim"
+    done = _app(
+        "pcframe-sim",
+        "policy/interval=steps_or_seconds",
+        "policy.interval.steps=50",
+        "traces=pccheck/gpus_trace.csv",
+        "baselines=[]",
+        "output.plots=false",
+        "progress=false",
+        f"hydra.run.dir={out}",
+        target=installed,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(out / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and {r["label"] for r in rows} == {"StepsOrSeconds"}, rows
