@@ -22,6 +22,7 @@ import torch
 from pcframe.config import EngineConfig
 from pcframe.errors import CheckpointError
 from pcframe.feed import PolicyFeed, earliest_notice, policy_notice, process_age
+from pcframe.format.names import MAX_VERSION
 from pcframe.objects import Stateful, TrainingObjects
 from pcframe.policies.base import (
     Decision,
@@ -236,6 +237,11 @@ class Checkpointer:
             )
         self._check_open()
         self._report_finished()
+        if (version or self._next_version) > MAX_VERSION:
+            raise CheckpointError(
+                f"version {version or self._next_version} would be above the limit "
+                f"{MAX_VERSION}: start a new checkpoint directory"
+            )
         entered = time.perf_counter()
         self.flight.acquire()
         try:
@@ -315,28 +321,23 @@ class Checkpointer:
     ) -> int | None:
         """Load the newest valid committed version (or ``version``); return its step.
 
-        Versions that fail verification are skipped with the reason logged and recorded in
-        :attr:`last_restore`, moved aside as ``.corrupt-vNNNNNNNN-<pid>`` (not deleted), and the
-        next older one is tried. Returns ``None`` when the directory holds no checkpoint.
-
-        The version that verified is checked against the objects before any of them is
-        touched: model keys, shapes and dtypes; the optimizer's class, param groups,
-        hyperparameters and per-parameter state; scheduler, scaler, extra and stateful
-        objects present; every RNG state valid. A restore that fails changes nothing.
+        A version that fails verification is logged, recorded in :attr:`last_restore`,
+        moved aside as ``.corrupt-vNNNNNNNN-<pid>`` and the next older one is tried; an I/O
+        error is retried, then raised (``RestoreIOError``), renaming nothing. Returns
+        ``None`` when there is no checkpoint. The version is checked against every object
+        before any is touched (``pcframe.restore.check``): a failed restore changes nothing.
 
         Args:
-            strict: any mismatch raises (the default). ``False``: load what fits (the model's
-                matching keys, each other object whose state fits) and list the rest in
-                ``last_restore.not_loaded``.
-            allow_cast: load tensors saved in another dtype cast to the live dtype (e.g.
-                float32 into a bfloat16 model); otherwise a dtype difference is a mismatch.
+            strict: any mismatch raises (the default); ``False`` loads what fits and lists
+                the rest in ``last_restore.not_loaded``.
+            allow_cast: cast tensors saved in another dtype (else a dtype difference is a
+                mismatch).
 
         Raises:
             NoValidCheckpoint: every committed version failed verification.
-            CheckpointError: the version does not fit the objects given (a
-                :class:`~pcframe.restore.check.StateMismatch` listing every mismatch), or a
-                ``load_state_dict`` failed and every object was rolled back. This is not
-                corruption: the version is neither quarantined nor skipped.
+            RestoreIOError: the newest version cannot be read (storage, not corruption).
+            CheckpointError: the version does not fit the objects (``StateMismatch`` lists
+                every mismatch); not corruption: nothing is quarantined.
         """
         self.wait()
         report = self.last_restore = RestoreReport()

@@ -31,9 +31,16 @@ from pcframe.distributed.handle import DistributedSaveHandle
 from pcframe.distributed.index import SavedIndex
 from pcframe.distributed.protocol import CommitProtocol, Round
 from pcframe.distributed.restore import ReshardError, prepare
-from pcframe.errors import CheckpointError, ManifestError, NoValidCheckpoint, SaveError
+from pcframe.errors import (
+    CheckpointError,
+    ManifestError,
+    NoValidCheckpoint,
+    RestoreIOError,
+    SaveError,
+)
 from pcframe.objects import TrainingObjects
 from pcframe.restore.report import DistributedRestoreReport
+from pcframe.restore.sources import BACKOFF, READ_ATTEMPTS
 from pcframe.save.handle import SaveHandle
 from pcframe.save.status import SaveStatus
 from pcframe.store.retention import KeepWhere
@@ -329,9 +336,15 @@ class DistributedCheckpointer:
             status: tuple[str, str, str] = ("ok", "", "")
             try:
                 index = SavedIndex(self.root, record)
-                prepared = prepare(index, objects, self.rank, self.world_size, reshard, threads)
-            except (ManifestError, OSError) as exc:
+                prepared = _with_retries(
+                    lambda index=index: prepare(
+                        index, objects, self.rank, self.world_size, reshard, threads
+                    )
+                )
+            except ManifestError as exc:
                 status = ("corrupt", str(exc), type(exc).__name__)
+            except OSError as exc:  # storage, not corruption: retried already; never go back
+                status = ("io", str(exc), type(exc).__name__)
             except Exception as exc:  # every rank must still reach the collective below
                 error, status = exc, ("incompatible", str(exc), type(exc).__name__)
             statuses: list[Any] = [None] * self.world_size
@@ -342,6 +355,14 @@ class DistributedCheckpointer:
                         raise error
                     cls = ReshardError if name == "ReshardError" else CheckpointError
                     raise cls(f"rank {rank}: {message}")
+            unreadable = [f"rank {r}: {s[1]}" for r, s in enumerate(statuses) if s[0] == "io"]
+            if unreadable:
+                self.last_restore = report
+                raise RestoreIOError(
+                    f"cannot read global version {record.version}: {'; '.join(unreadable)} "
+                    f"(after {READ_ATTEMPTS} attempts); nothing was renamed or deleted: fix "
+                    "the storage and restore again"
+                )
             bad = [f"rank {r}: {s[1]}" for r, s in enumerate(statuses) if s[0] == "corrupt"]
             if bad:
                 report.skipped.append((record.version, "; ".join(bad)))
@@ -393,3 +414,19 @@ class DistributedCheckpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _with_retries(read: Any) -> Any:
+    """``read()``, retried with backoff on an I/O error (as the single-rank restore does)."""
+    delay = BACKOFF
+    for attempt in range(READ_ATTEMPTS):
+        try:
+            return read()
+        except ManifestError:
+            raise
+        except OSError:
+            if attempt == READ_ATTEMPTS - 1:
+                raise
+            time.sleep(delay)
+            delay *= 2
+    raise AssertionError("unreachable")

@@ -154,19 +154,30 @@ class WritableCheckpointDir(CheckpointDir):
                 "only one writer per directory: close the other Checkpointer or use another "
                 "directory"
             ) from None
-        os.ftruncate(self._lock_fd, 0)
-        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
-        self.removed_leftovers = self._remove_leftovers()
-        self.previous_exit_clean = self._take_clean_exit()
+        try:
+            os.ftruncate(self._lock_fd, 0)
+            os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+            self.removed_leftovers = self._remove_leftovers()
+            self.previous_exit_clean = self._take_clean_exit()
+        except OSError as exc:  # release the lock: this process must be able to retry
+            self.close()
+            raise CheckpointError(
+                f"cannot open {self.root} for writing: {exc.strerror or exc} "
+                f"({exc.filename or self.root}); check the storage, then retry"
+            ) from exc
 
     def _take_clean_exit(self) -> bool:
         """Whether the previous writer closed cleanly; the mark is removed (durably) at once.
 
         So if this writer is then killed or preempted, the next one does not see a mark.
         """
+        path = self.root / CLEAN_EXIT
         try:
-            (self.root / CLEAN_EXIT).unlink()
+            path.unlink()
         except FileNotFoundError:
+            return False
+        except IsADirectoryError:  # not ours: a clean exit is never a directory
+            log.warning("ignoring %s: a directory, not pcframe's clean-exit mark", path)
             return False
         fsync_dir(self.root)
         return True

@@ -18,7 +18,7 @@ For each (mode, point) a child saves in a loop and SIGKILLs itself at the point
 
 The default suite runs each point once in raw mode and each mode at its own points
 (``Mode.fast_points``); the whole cross product, at an early and a late pass of each point,
-is marked ``slow``.
+is marked ``campaign`` (not in the default run: ``pytest -m campaign``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _cases() -> list[Any]:
         for point in mode.points:
             nth = DEFAULT_NTH[point]
             fast = point in mode.fast_points
-            marks = () if fast else (pytest.mark.slow,)
+            marks = () if fast else (pytest.mark.campaign,)
             cases.append(
                 pytest.param(mode.name, point, nth, marks=marks, id=f"{mode.name}-{point}")
             )
@@ -59,7 +59,7 @@ def _cases() -> list[Any]:
                         mode.name,
                         point,
                         1,
-                        marks=(pytest.mark.slow,),
+                        marks=(pytest.mark.campaign,),
                         id=f"{mode.name}-{point}-first",
                     )
                 )
