@@ -18,7 +18,6 @@ import re
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 from hydra.errors import (
@@ -31,6 +30,7 @@ from hydra.errors import (
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from pcframe.apps.paths import user_config_dir
 from pcframe.errors import CheckpointError, ConfigError
 
 USAGE_ERROR = 2  # exit code of a configuration mistake
@@ -50,11 +50,6 @@ APP_GROUPS = {
     "tune": ("tune", "workload", "engine", "kernels", "storage"),
     "sim": ("sim/job", "policy/interval", "policy/resource", "sim/predictor"),
 }
-
-
-def user_config_dir() -> Path:
-    """``$PCFRAME_CONFIG_DIR`` (default ``./pcframe-conf``), absolute."""
-    return Path(os.environ.get("PCFRAME_CONFIG_DIR", "pcframe-conf")).expanduser().absolute()
 
 
 _user_full_error = False  # HYDRA_FULL_ERROR=1 was set by the user, not by run_app

@@ -87,7 +87,7 @@ def register_policy_configs() -> list[tuple[str, str]]:
     that does not ask for it. Idempotent; call :func:`pcframe.policies.refresh` first to
     see a plugin installed in this process.
     """
-    from pcframe.apps.errors import user_config_dir
+    from pcframe.apps.paths import user_config_dir
 
     user_dirs = [user_config_dir()]
     store = ConfigStore.instance()

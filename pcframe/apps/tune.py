@@ -16,8 +16,9 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from pcframe.apps.compose import quiet_missing_user_conf
-from pcframe.apps.errors import reported, run_app, user_config_dir
+from pcframe.apps.errors import reported, run_app
 from pcframe.apps.machine import resolve_threads
+from pcframe.apps.paths import user_config_dir
 from pcframe.apps.schemas import register
 from pcframe.apps.targets import check_targets
 from pcframe.apps.tuning import (
