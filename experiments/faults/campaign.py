@@ -409,12 +409,14 @@ def _ints(d: dict) -> dict[int, Any]:
     return {int(k): v for k, v in d.items()}
 
 
-def expected_version(info: dict[str, Any], damaged: set[int]) -> int | None:
+def expected_version(
+    info: dict[str, Any], damaged: set[int], damaged_replica: frozenset[int] = frozenset()
+) -> int | None:
     """The newest version with an intact copy in some tier (its delta chain intact)."""
     primary, replica, bases = _ints(info["primary"]), _ints(info["replica"]), _ints(info["bases"])
 
     def intact(v: int) -> bool:
-        if v in replica:  # replicas hold full versions only
+        if v in replica and v not in damaged_replica:  # replicas hold full versions only
             return True
         if v not in primary or v in damaged:
             return False
@@ -511,8 +513,12 @@ def _check_saved(result: dict[str, Any], top: int) -> None:
     """Both saves of the probe committed, numbered above ``top``, and are listed afterwards
     (a version reported committed that the listing does not show is lost)."""
     saved = result.get("saved") or []
-    if len(saved) < 2:
-        raise Verdict("other", f"the next saves failed: {result.get('save_error')}")
+    error = result.get("save_error") or {}
+    # Refusing, clearly, to number a version above MAX_VERSION (a hostile hint pushed the
+    # numbering there) loses nothing: the versions before stay listed.
+    refused = error.get("expected") and "limit" in error.get("message", "")
+    if len(saved) < 2 and not refused:
+        raise Verdict("other", f"the next saves failed: {error}")
     listed = set(result.get("listed_after", []))
     for version, status in saved:
         if status != "committed":
@@ -521,7 +527,7 @@ def _check_saved(result: dict[str, Any], top: int) -> None:
             raise Verdict(
                 "lost", f"v{version} was reported committed but is not listed: {sorted(listed)}"
             )
-    if saved[0][0] <= top:
+    if saved and saved[0][0] <= top:
         raise Verdict("other", f"the next save is numbered {saved[0][0]}, newest real v{top}")
 
 
@@ -687,18 +693,41 @@ def trial_corrupt(ws: Workspace, spec: dict[str, Any]) -> None:
     target = Path(config["root"]) / f"v{version:08d}" / name
     spec["did"] = f"v{version}/{name}: {corrupt_file(target, spec['how'], rng)}"
     config["target_version"] = version
+    damaged_replica: frozenset[int] = frozenset()
+    if version in _ints(info["replica"]) and rng.random() < 0.5:  # the replica's copy too
+        how = rng.choice(("truncate", "delete"))  # always detectable
+        spec["did"] += f"; replica: {corrupt_replica(ws, config, version, name, how, rng)}"
+        damaged_replica = frozenset({version})
     result = run_child("probe", config, PROBE_TIMEOUT)
     _common(result)
     direct = result.get("direct", {})
     if "wrong" in direct:
         raise Verdict("undetected", f"the damaged v{version} loads with wrong values: {direct}")
     damaged = set() if "step" in direct else {version}
-    want = expected_version(info, damaged)
+    want = expected_version(info, damaged, damaged_replica)
     verify = result["cli_verify"]
     if damaged and verify["rc"] == 0:
         raise Verdict("undetected", f"pcframe verify passed the damaged v{version}")
     _check_restore(result, info, want)
     _check_saved(result, max([0, *_ints(info["primary"]), *_ints(info["replica"])]))
+
+
+def corrupt_replica(
+    ws: Workspace, config: dict[str, Any], version: int, name: str, how: str, rng: random.Random
+) -> str:
+    """Damage the replica tier's copy of one file (a local directory or an S3 object)."""
+    if "replica" in config:
+        return corrupt_file(Path(config["replica"]) / f"v{version:08d}" / name, how, rng)
+    bucket, _, prefix = config["remote_url"][len("s3://") :].partition("/")
+    key = f"{prefix}/v{version:08d}/{name}"
+    s3 = ws.server.client()
+    if how == "delete":
+        s3.delete_object(Bucket=bucket, Key=key)
+        return f"deleted s3 {key}"
+    body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    size = rng.randrange(len(body)) if body else 0
+    s3.put_object(Bucket=bucket, Key=key, Body=body[:size])
+    return f"truncated s3 {key} {len(body)}->{size}"
 
 
 IO_FUNCS = {
@@ -1103,7 +1132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=2024)
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds")
-    parser.add_argument("--budget", type=float, default=570.0, help="seconds; stop after")
+    parser.add_argument("--budget", type=float, default=580.0, help="seconds; stop after")
     parser.add_argument("--out", default=str(REPO / "experiments" / "results" / "faults.md"))
     parser.add_argument("--workdir", help="keep trial directories here (default: a temp dir)")
     parser.add_argument("--repro", help="rerun one trial from its JSON spec; keeps its files")
@@ -1120,7 +1149,7 @@ def main(argv: list[str] | None = None) -> int:
         scale = (
             {"sigkill": 1, "corrupt": 1, "io": 2, "hostile": 1}
             if args.quick
-            else {"sigkill": 2, "corrupt": 3, "io": 5, "hostile": 3}
+            else {"sigkill": 2, "corrupt": 3, "io": 4, "hostile": 3}
         )
         modes, kinds = set(args.modes.split(",")), set(args.kinds.split(","))
         specs = [
