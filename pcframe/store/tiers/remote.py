@@ -262,9 +262,17 @@ class RemoteTier(Tier):
         try:
             for name, size in marker["files"].items():
                 target = scratch / name
-                self._calls(
-                    "get_file", self._key(version, name), str(target), timeout=self._deadline(size)
-                )
+                try:
+                    self._calls(
+                        "get_file",
+                        self._key(version, name),
+                        str(target),
+                        timeout=self._deadline(size),
+                    )
+                except FileNotFoundError:  # listed by the marker, gone now: damaged, not I/O
+                    raise CorruptCheckpoint(
+                        f"{self._key(version, name)}: listed in the commit marker but missing"
+                    ) from None
                 got = os.path.getsize(target)
                 if got != size:
                     raise CorruptCheckpoint(
