@@ -19,6 +19,24 @@ waited out) and classifies what happened:
 Modes are those of the crash matrix (``tests/faults/harness.py``): raw, zstd, int8, delta,
 mmap, local (replica tier), remote (moto S3 on loopback), dist (2 gloo ranks).
 
+Fault kinds (each trial starts from a copy of a base directory holding versions 1..5):
+
+* ``sigkill``: two rounds of a saver killed at a random crash point (random n-th pass) or
+  at a random moment; every committed version verifies, none reported committed is lost,
+  a fresh writer restores the newest and saves;
+* ``corrupt``: a bit flip, several flips, a truncation, a zeroed 4 KiB block, a deleted
+  file or appended garbage in one file of a committed version (with a replica tier, half
+  the time the replica's copy too);
+* ``io``: an injected ``OSError`` (EIO, EINTR, ENOSPC, EMFILE) or a short transfer from
+  ``os.pwrite/fsync/fdatasync/open`` while saving, ``os.preadv/open`` while restoring (and
+  while the CLI reads), ``os.open/fsync/pwrite`` while the writer opens its directory; once
+  or on every call (``tests.faults.harness.Injector``, in the child process);
+* ``hostile``: FIFOs, symlinks, devices and directories in place of ``manifest.json``,
+  ``data.bin``, LATEST, ``.writer.lock``, ``.clean-exit``; links as leftovers; huge,
+  garbage, 64 MiB and near-limit LATEST; version directories above/near ``MAX_VERSION`` or
+  linked; with replica tiers also "the VM is gone and the replica's newest lost its data";
+  for 2 ranks a bad GLOBAL pointer or global record.
+
 Usage::
 
     python experiments/faults/campaign.py --quick            # a short smoke run (~2 min)
@@ -846,6 +864,9 @@ HOSTILE = (
     "trash_symlink",
     "latesttmp_dir",
 )
+# Only for modes with a replica tier (always run there): the primary directory is gone (the
+# VM was lost) and the replica's newest version has lost its data file.
+TIER_HOSTILE = ("vmlost_replicahole",)
 DIST_HOSTILE = ("global_garbage", "global_huge", "global_fifo", "record_fifo", "record_huge")
 
 
@@ -879,6 +900,7 @@ def trial_hostile(ws: Workspace, spec: dict[str, Any]) -> None:
     primary = _ints(info["primary"])
     newest = max(primary)
     damaged: set[int] = set()
+    damaged_replica: frozenset[int] = frozenset()
     what, _, kind = variant.partition("_")
     if what in ("manifest", "data"):
         name = "manifest.json" if what == "manifest" else "data.bin"
@@ -924,6 +946,14 @@ def trial_hostile(ws: Workspace, spec: dict[str, Any]) -> None:
     elif what == "latesttmp":
         (root / "LATEST.tmp").mkdir()
         (root / "LATEST.tmp" / "inner").write_text("x")
+    elif what == "vmlost":
+        shutil.rmtree(root)
+        replica = _ints(info["replica"])
+        hole = max(replica)
+        spec["did"] = corrupt_replica(ws, config, hole, "data.bin", "delete", rng)
+        info = {**info, "primary": {}, "bases": {}}  # what is left: the replica alone
+        damaged_replica = frozenset({hole})
+        primary = {}
     before = outside.read_bytes()
     result = run_child("probe", config, PROBE_TIMEOUT)
     _common(result)
@@ -934,7 +964,7 @@ def trial_hostile(ws: Workspace, spec: dict[str, Any]) -> None:
     direct = result.get("direct", {})
     if "wrong" in direct:
         raise Verdict("undetected", f"the hostile v{newest} loads with wrong values: {direct}")
-    want = expected_version(info, damaged)
+    want = expected_version(info, damaged, damaged_replica)
     _check_restore(result, info, want)
     _check_saved(result, max([0, *primary, *_ints(info["replica"])]))
     return None
@@ -1027,6 +1057,8 @@ def plan(
         if mode.name == "raw" and every_hostile_raw:
             count = len(variants)
         chosen = list(variants) if count >= len(variants) else rng.sample(variants, count)
+        if mode.tier is not None:
+            chosen += TIER_HOSTILE
         for variant in chosen:
             specs.append(
                 {"kind": "hostile", "mode": mode.name, "variant": variant,
@@ -1069,6 +1101,50 @@ def start_server(specs: list[dict[str, Any]]) -> Any:
     server = MotoServer()
     server.start()
     return server
+
+
+# What earlier runs of this campaign (and the crash matrix) found; each was fixed, and the
+# test named keeps it fixed. Listed under the table so the history survives a rerun.
+FOUND = (
+    (
+        "hung (atexit): a script ending, or dying of an exception, with saves in flight hung "
+        "for up to 600 s: ThreadPoolExecutor refused the copy stage's chunks after interpreter "
+        "shutdown, so the version never finished (also a 2-rank survivor after its peer died)",
+        "tests/faults/test_exit_with_saves_in_flight.py",
+        "fcd107e",
+    ),
+    (
+        "traceback + lock leak: a `.clean-exit` directory, or one EIO/EMFILE/EINTR from "
+        "fsync/open/pwrite while the writer opens its directory, raised a raw OSError from "
+        "`Checkpointer()` and kept the flock (the process then locked itself out)",
+        "tests/faults/test_writer_open_failures.py",
+        "83fe70d",
+    ),
+    (
+        "lost: LATEST (or a version directory) at MAX_VERSION - 1 made the writer number "
+        "versions above MAX_VERSION: reported committed, never listed, later saves failing",
+        "tests/faults/test_version_limit.py",
+        "83fe70d",
+    ),
+    (
+        "lost: the 2-rank restore took one EIO/EINTR/ENOSPC on one rank for corruption and "
+        "resumed the previous global version; a persistent one raised NoValidCheckpoint",
+        "tests/faults/test_dist_restore_io.py",
+        "83fe70d",
+    ),
+    (
+        "lost: a remote version with a missing object (marker present) raised RestoreIOError "
+        "instead of falling back to the previous version",
+        "tests/faults/test_remote_missing_object.py",
+        "d01bc43",
+    ),
+)
+
+
+def history_section() -> list[str]:
+    lines = ["## Found by earlier runs (fixed; the tests keep them fixed)", ""]
+    lines += [f"- {what} — `{test}` (fix {commit})" for what, test, commit in FOUND]
+    return [*lines, ""]
 
 
 def write_table(path: Path, command: str, results: list[dict[str, Any]], seconds: float) -> str:
@@ -1120,6 +1196,7 @@ def write_table(path: Path, command: str, results: list[dict[str, Any]], seconds
             f"  repro: `python experiments/faults/campaign.py --repro '{json.dumps(r['spec'])}'`",
         ]
     lines.append("")
+    lines += history_section()
     text = "\n".join(lines)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
