@@ -109,12 +109,9 @@ class Checkpointer:
             config = EngineConfig(**{**config.to_dict(), **overrides})
         config.check_runtime()  # e.g. copy_backend="triton" without CUDA: refuse before locking
         self.config = config
-        named = dict(stateful or {})
-        if data is not None:
-            named["data"] = data
         self.policy = policy if policy is not None else FixedSteps(100)
-        self.objects = TrainingObjects(
-            model, optimizer, scheduler, scaler, named, extra, self.policy
+        self.objects = TrainingObjects.given(
+            model, optimizer, scheduler, scaler, data, stateful, extra, self.policy
         )
         self.storage = WritableCheckpointDir(directory)
         if self.storage.removed_leftovers:

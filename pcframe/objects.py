@@ -28,6 +28,24 @@ class TrainingObjects:
     extra: dict[str, Any] | None = None
     policy: Any = None  # the interval policy, whose learned state is saved with each version
 
+    @classmethod
+    def given(
+        cls,
+        model: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: Any,
+        scaler: Any,
+        data: Stateful | None,
+        stateful: Mapping[str, Stateful] | None,
+        extra: dict[str, Any] | None,
+        policy: Any = None,
+    ) -> TrainingObjects:
+        """From the front doors' arguments: ``data`` is ``stateful["data"]``."""
+        named = dict(stateful or {})
+        if data is not None:
+            named["data"] = data
+        return cls(model, optimizer, scheduler, scaler, named, extra, policy)
+
     def __post_init__(self) -> None:
         for name, obj in self.stateful.items():
             if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):

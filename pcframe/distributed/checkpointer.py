@@ -40,7 +40,7 @@ from pcframe.errors import (
 )
 from pcframe.objects import TrainingObjects
 from pcframe.restore.report import DistributedRestoreReport
-from pcframe.restore.sources import BACKOFF, READ_ATTEMPTS
+from pcframe.restore.sources import READ_ATTEMPTS, read_with_retries
 from pcframe.save.handle import SaveHandle
 from pcframe.save.status import SaveStatus
 from pcframe.store.retention import KeepWhere
@@ -336,7 +336,7 @@ class DistributedCheckpointer:
             status: tuple[str, str, str] = ("ok", "", "")
             try:
                 index = SavedIndex(self.root, record)
-                prepared = _with_retries(
+                prepared = read_with_retries(
                     lambda index=index: prepare(
                         index, objects, self.rank, self.world_size, reshard, threads
                     )
@@ -414,19 +414,3 @@ class DistributedCheckpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _with_retries(read: Any) -> Any:
-    """``read()``, retried with backoff on an I/O error (as the single-rank restore does)."""
-    delay = BACKOFF
-    for attempt in range(READ_ATTEMPTS):
-        try:
-            return read()
-        except ManifestError:
-            raise
-        except OSError:
-            if attempt == READ_ATTEMPTS - 1:
-                raise
-            time.sleep(delay)
-            delay *= 2
-    raise AssertionError("unreachable")

@@ -47,10 +47,7 @@ def load(
     Raises:
         NoValidCheckpoint, RestoreIOError, CheckpointError: as ``Checkpointer.restore``.
     """
-    named = dict(stateful or {})
-    if data is not None:
-        named["data"] = data
-    objects = TrainingObjects(model, optimizer, scheduler, scaler, named, extra, None)
+    objects = TrainingObjects.given(model, optimizer, scheduler, scaler, data, stateful, extra)
     root = CheckpointDir(directory)
     if not root.root.is_dir():
         raise CheckpointError(f"{root.root} is not a directory: give a checkpoint directory")

@@ -18,6 +18,8 @@ from __future__ import annotations
 import errno
 import logging
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from pcframe.errors import CheckpointError, ManifestError, RestoreIOError
 from pcframe.restore.reader import LoadedVersion, load_version
@@ -25,6 +27,7 @@ from pcframe.restore.report import RestoreReport
 from pcframe.store.tiers import Source, TierError, Tiers
 
 log = logging.getLogger("pcframe")
+T = TypeVar("T")
 
 READ_ATTEMPTS = 4  # per source: the first read and three retries
 BACKOFF = 0.05  # seconds before the first retry; doubled each time (0.05, 0.1, 0.2)
@@ -98,20 +101,33 @@ def load_first_valid(
     return None
 
 
-def _load_with_retries(source: Source, threads: int, backoff: float) -> LoadedVersion:
+def read_with_retries(
+    read: Callable[[], T], backoff: float = BACKOFF, transient: tuple[type, ...] = (OSError,)
+) -> T:
+    """``read()``, retried with doubling backoff on a ``transient`` error (not corruption).
+
+    Used by both restores (single- and multi-rank): the last attempt's error propagates.
+    """
     delay = backoff
     for attempt in range(READ_ATTEMPTS):
         try:
-            with source.fetch() as path:
-                return load_version(path, threads)
+            return read()
         except ManifestError:
             raise
-        except (OSError, TierError):
+        except transient:
             if attempt == READ_ATTEMPTS - 1:
                 raise
             time.sleep(delay)
             delay *= 2
     raise AssertionError("unreachable")
+
+
+def _load_with_retries(source: Source, threads: int, backoff: float) -> LoadedVersion:
+    def read() -> LoadedVersion:
+        with source.fetch() as path:
+            return load_version(path, threads)
+
+    return read_with_retries(read, backoff, (OSError, TierError))
 
 
 def _describe_io(exc: BaseException) -> str:
