@@ -35,4 +35,5 @@ class SaveRequest:
 
     @property
     def on_cuda(self) -> bool:
-        return any(t.is_cuda for t in self.tensors)
+        # Capture records the event exactly when some tensor is on a GPU: no second scan.
+        return self.cuda_ready is not None
