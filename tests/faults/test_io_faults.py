@@ -68,11 +68,8 @@ def test_persistent_read_errors_raise_and_rename_nothing(tmp_path, monkeypatch, 
     message = str(caught.value)
     assert "version 3" in message and os.strerror(code) in message
     assert ("data.bin" in message) or ("manifest.json" in message) or ("v00000003" in message)
-    assert listing(tmp_path) == [n for n in before] or set(listing(tmp_path)) >= {
-        "v00000001",
-        "v00000002",
-        "v00000003",
-    }
+    versions = [n for n in listing(tmp_path) if n.startswith("v")]
+    assert versions == [n for n in before if n.startswith("v")]  # nothing renamed or removed
     assert not [n for n in listing(tmp_path) if n.startswith(".corrupt")]
     assert state_equal(model.state_dict(), untouched)  # a failed restore changed nothing
     # The storage heals: the next run restores the newest version.
