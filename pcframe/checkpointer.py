@@ -142,6 +142,7 @@ class Checkpointer:
         self._last_step_seen: int | None = None  # the newest step maybe_save/decide saw
         keep = [KeepWhere("tiers", self.tiers.keep)]
         self.pipeline = SavePipeline(config, self.storage, self.flight.finished, keep)
+        self.flight.wait_for_copies = self.pipeline.wait_for_copies
         self.add_commit_listener(self.tiers.on_commit)
         if self.tiers.replicated:
             self.pipeline.delta_blockers.append("storage tiers")
@@ -259,7 +260,8 @@ class Checkpointer:
             raise
         del request  # the pipeline holds the snapshot's sources only while it needs them
         if self.optimizer is None:
-            progress.copy_done.wait()  # nothing gates the next update: copy before returning
+            # Nothing gates the next update: the copy is done before this returns.
+            self.flight.wait_for_copies([progress])
         progress.stall += time.perf_counter() - entered
         self.feed.saved(step, time.monotonic())
         return SaveHandle(progress)

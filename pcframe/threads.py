@@ -16,9 +16,11 @@ starts: its torch ops then run on the thread itself and no second team is ever m
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
+from collections.abc import Iterator
 
 import torch
 
@@ -57,3 +59,22 @@ def single_threaded_torch() -> None:
     runtime = _openmp_runtime()
     if runtime is not None:
         runtime.omp_set_num_threads(1)
+
+
+@contextlib.contextmanager
+def one_openmp_thread() -> Iterator[None]:
+    """Run the torch CPU ops of this block on the calling thread alone, then restore.
+
+    For the training thread while it helps an engine thread copy: its own OpenMP team would
+    oversubscribe the cores. Only this thread's OpenMP setting changes.
+    """
+    runtime = _openmp_runtime()
+    if runtime is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    runtime.omp_set_num_threads(1)
+    try:
+        yield
+    finally:
+        runtime.omp_set_num_threads(before)

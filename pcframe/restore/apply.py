@@ -15,7 +15,11 @@ nothing:
   keeps the old ``state`` and ``param_groups`` by reference (no copy); an optimizer with its
   own ``load_state_dict`` gets a deep copy of its ``state_dict()`` instead;
 * model: the parameters and buffers, copied to host memory just before the model is loaded
-  (the model is loaded last of the fallible objects) and copied back in place on failure;
+  (the model is loaded last of the fallible objects) and copied back in place on failure.
+  Tensors the reader fills in place (``fill_model``: :mod:`pcframe.restore.in_place`) have
+  no copy: every byte was verified before, and the fill is the model's load itself, after
+  every other object loaded; only a failure of that last step (an I/O error re-reading
+  verified bytes, a hook raising) leaves them changed, and the error says so;
 * scheduler, scaler, stateful objects, policy: a deep copy of their ``state_dict()``;
 * RNG and extra: their current state (they cannot fail once checked).
 """
@@ -54,6 +58,7 @@ def apply_tree(
     allow_cast: bool = False,
     owner: str | None = "the Checkpointer",
     hint: str | None = RESTORE_HINT,
+    fill_model: Callable[[], None] | None = None,
 ) -> list[str]:
     """Load ``tree`` (a decoded version) into ``objects``; ``where`` names the version.
 
@@ -68,6 +73,8 @@ def apply_tree(
         owner: the front door the objects were given to, named in the errors (``None``:
             not named).
         hint: the advice that ends a mismatch message (``None``: none).
+        fill_model: reads the verified bytes of the model tensors that ``tree`` holds as the
+            live tensors themselves (the reader's in-place targets); run as the model loads.
 
     Returns:
         What was not loaded, one line per mismatch (empty after a strict restore).
@@ -85,7 +92,7 @@ def apply_tree(
         raise StateMismatch(describe_problems(where, given, plan.problems, advice), plan.problems)
     not_loaded = list(plan.problems)
     undo = _Undo()
-    for name, load in _loads(objects, plan):
+    for name, load in _loads(objects, plan, fill_model):
         try:
             load(undo)
         except BaseException as exc:
@@ -106,7 +113,9 @@ def apply_tree(
     return not_loaded
 
 
-def _loads(objects: TrainingObjects, plan: LoadPlan) -> list[tuple[str, Callable[[Any], None]]]:
+def _loads(
+    objects: TrainingObjects, plan: LoadPlan, fill_model: Callable[[], None] | None
+) -> list[tuple[str, Callable[[Any], None]]]:
     """(name, load) for every object the plan loads, in the order they are loaded.
 
     The small objects first; then the optimizer (torch's load is all-or-nothing by itself);
@@ -124,7 +133,8 @@ def _loads(objects: TrainingObjects, plan: LoadPlan) -> list[tuple[str, Callable
     if "optimizer" in states:
         loads.append(("optimizer", _optimizer_load(objects.optimizer, states["optimizer"])))
     if "model" in states:
-        loads.append(("model", _model_load(objects.model, states["model"], plan.model_complete)))
+        model_load = _model_load(objects.model, states["model"], plan.model_complete, fill_model)
+        loads.append(("model", model_load))
     if "rng" in states:
         loads.append(("rng", _rng_load(states["rng"], plan.rng_skip)))
     if "extra" in states:
@@ -199,9 +209,18 @@ def _optimizer_load(optimizer: Optimizer, state: Any) -> Callable[[_Undo], None]
 
 
 def _model_load(
-    model: torch.nn.Module, state: dict[str, Any], complete: bool
+    model: torch.nn.Module,
+    state: dict[str, Any],
+    complete: bool,
+    fill: Callable[[], None] | None,
 ) -> Callable[[_Undo], None]:
     def load(undo: _Undo) -> None:
+        # The live tensors the state holds itself: filled in place, nothing to copy first.
+        in_place = (
+            {v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor)}
+            if fill is not None
+            else set()
+        )
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         seen: set[int] = set()
         for tensor in chain(model.parameters(), model.buffers()):
@@ -209,14 +228,23 @@ def _model_load(
                 continue
             seen.add(id(tensor))
             local = _local_shard(tensor).detach()
+            if local.numel() and local.data_ptr() in in_place:
+                continue
             saved.append((tensor, local.to("cpu", copy=True)))
 
         def put_back() -> None:
             with torch.no_grad():
                 for tensor, host in saved:
                     _local_shard(tensor).copy_(host)
+            if in_place:
+                raise CheckpointError(
+                    "the model's tensors read in place hold the checkpoint's values and "
+                    "cannot be rolled back"
+                )
 
         undo.push(put_back)
+        if fill is not None:
+            fill()
         model.load_state_dict(state, strict=complete)
 
     return load

@@ -14,6 +14,7 @@ class RestoreReport:
     tier: str | None = None  # the tier the version was read from (None without tiers)
     unavailable: list[str] = field(default_factory=list)  # tiers that could not be listed
     not_loaded: list[str] = field(default_factory=list)  # restore(strict=False): what did not fit
+    in_place_bytes: int = 0  # bytes read straight into the live model's tensors
 
 
 @dataclass

@@ -11,6 +11,7 @@ from pcframe.format.manifest import Manifest
 from pcframe.format.names import version_name
 from pcframe.objects import TrainingObjects
 from pcframe.restore.apply import apply_tree
+from pcframe.restore.in_place import in_place_targets
 from pcframe.restore.report import RestoreReport
 from pcframe.restore.sources import load_first_valid
 from pcframe.store.tiers import Source
@@ -38,7 +39,8 @@ def load_and_apply(
         CheckpointError: the version does not fit the objects (nothing was changed).
     """
     start = time.perf_counter()
-    loaded = load_first_valid(sources, threads, report)
+    targets = in_place_targets(objects.model)
+    loaded = load_first_valid(sources, threads, report, targets=targets)
     if loaded is None:
         if report.skipped:
             reasons = "; ".join(f"v{v}: {why}" for v, why in report.skipped)
@@ -47,10 +49,19 @@ def load_and_apply(
         return None
     manifest = loaded.manifest
     where = f"version {manifest.version} ({version_name(manifest.version)})"
-    report.not_loaded = apply_tree(
-        objects, loaded.state_tree(), where, strict=strict, allow_cast=allow_cast
-    )
+    try:
+        report.not_loaded = apply_tree(
+            objects,
+            loaded.state_tree(),
+            where,
+            strict=strict,
+            allow_cast=allow_cast,
+            fill_model=loaded.fill if loaded.in_place_bytes else None,
+        )
+    finally:
+        loaded.release()
     report.version, report.step = manifest.version, manifest.step
+    report.in_place_bytes = loaded.in_place_bytes
     report.seconds = time.perf_counter() - start
     log.info(
         "restored version %d (step %d) in %.2f s%s%s",

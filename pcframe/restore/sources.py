@@ -15,11 +15,14 @@ checkpoint:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TypeVar
+
+import torch
 
 from pcframe.errors import CheckpointError, ManifestError, RestoreIOError
 from pcframe.restore.reader import LoadedVersion, load_version
@@ -56,12 +59,17 @@ def restore_sources(tiers: Tiers, version: int | None, report: RestoreReport) ->
 
 
 def load_first_valid(
-    sources: list[Source], threads: int, report: RestoreReport, backoff: float = BACKOFF
+    sources: list[Source],
+    threads: int,
+    report: RestoreReport,
+    backoff: float = BACKOFF,
+    targets: Mapping[str, torch.Tensor] | None = None,
 ) -> LoadedVersion | None:
     """Load the newest source that verifies; quarantine each one that is corrupt.
 
     Skipped versions are logged and recorded in ``report.skipped``; ``report.tier`` names
-    the tier the loaded version came from (``None`` without tiers).
+    the tier the loaded version came from (``None`` without tiers). ``targets``: live
+    tensors to read into after verification (:func:`~pcframe.restore.reader.load_version`).
 
     Raises:
         RestoreIOError: a version could not be read from any tier holding it (I/O errors
@@ -72,7 +80,7 @@ def load_first_valid(
         if io_failed and source.version < max(io_failed):
             break  # a newer version failed only with I/O errors: never go back silently
         try:
-            loaded = _load_with_retries(source, threads, backoff)
+            loaded = _load_with_retries(source, threads, backoff, targets)
         except ManifestError as exc:
             reason = f"in tier {source.tier}: {exc}" if source.tier else str(exc)
             report.skipped.append((source.version, reason))
@@ -122,10 +130,35 @@ def read_with_retries(
     raise AssertionError("unreachable")
 
 
-def _load_with_retries(source: Source, threads: int, backoff: float) -> LoadedVersion:
+def _load_with_retries(
+    source: Source,
+    threads: int,
+    backoff: float,
+    targets: Mapping[str, torch.Tensor] | None,
+) -> LoadedVersion:
     def read() -> LoadedVersion:
-        with source.fetch() as path:
-            return load_version(path, threads)
+        files = contextlib.ExitStack()
+        try:
+            path = files.enter_context(source.fetch())
+            loaded = load_version(path, threads, targets=targets)
+        except BaseException:
+            files.close()
+            raise
+        if not loaded.in_place_bytes:
+            files.close()
+            return loaded
+        # The verified files stay (a remote tier's download is not removed) until the
+        # targets are filled from them or the caller lets the version go.
+        fill = loaded.fill
+
+        def fill_then_release() -> None:
+            try:
+                read_with_retries(fill, backoff)
+            finally:
+                files.close()
+
+        loaded.fill, loaded.release = fill_then_release, files.close
+        return loaded
 
     return read_with_retries(read, backoff, (OSError, TierError))
 

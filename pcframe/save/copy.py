@@ -10,12 +10,48 @@ piece while it is in cache, so the writer does not read the chunk a second time.
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 import pcframe.kernels as kernels
 from pcframe.kernels.copy import PieceLike, make_plan, reference
+
+
+class SharedChunks:
+    """The host chunks of one version still to be staged, taken one at a time by any thread.
+
+    The copy thread works through them; a training thread that would otherwise wait for the
+    copy takes chunks too.
+    """
+
+    def __init__(self, write: Any, chunks: Sequence[Any], flats: list[Any]) -> None:
+        self.write, self.flats = write, flats
+        self._chunks = iter(chunks)
+        self._busy = 0
+        self._cond = threading.Condition()
+
+    def take(self) -> Any | None:
+        """The next chunk to stage (the caller must call :meth:`done`), or None at the end."""
+        with self._cond:
+            chunk = next(self._chunks, None)
+            if chunk is not None:
+                self._busy += 1
+            return chunk
+
+    def done(self) -> None:
+        with self._cond:
+            self._busy -= 1
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        """No more chunks for anyone; returns once every taken chunk is staged."""
+        with self._cond:
+            self._chunks = iter(())
+            while self._busy:
+                self._cond.wait()
 
 
 class Copier:
@@ -27,6 +63,10 @@ class Copier:
         # A kernel backend computes pcf64 in the copy pass; the other algorithms come from
         # their libraries, a second pass in the writer thread.
         self.fuses_checksum = self.kernels and checksum == "pcf64"
+        # Whether two threads may fill buffers at once (the training thread helping the copy
+        # thread): Triton kernels of host tensors run in its interpreter, which is not
+        # thread-safe.
+        self.shareable = backend in ("torch", "numba")
 
     def fill(
         self, pieces: list[PieceLike], view: torch.Tensor, stream: Any, *, checksum: bool = False

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pcframe.errors import SaveError
@@ -34,6 +34,9 @@ class InFlight:
         self._copying: list[SaveProgress] = []  # snapshot copy not yet done
         self._unfinished: list[SaveProgress] = []  # not yet reported as finished
         self._commits, self._summary_at = 0, None  # for the periodic INFO line
+        # How the training thread waits for snapshot copies (the pipeline's
+        # wait_for_copies: it helps copy, and the writers let the copy go first).
+        self.wait_for_copies: Callable[[Sequence[SaveProgress]], None] = _wait_each
 
     # --- training thread ---------------------------------------------------------------
 
@@ -61,8 +64,7 @@ class InFlight:
         still = [p for p in self._copying if not p.copy_done.is_set()]
         if still:
             start = time.perf_counter()
-            for progress in still:
-                progress.copy_done.wait()
+            self.wait_for_copies(still)
             still[-1].stall += time.perf_counter() - start
         self._copying = [p for p in self._copying if not p.copy_done.is_set()]
 
@@ -153,3 +155,8 @@ class InFlight:
         with self._finished_lock:
             self._finished.append(progress)
         self._slots.release()
+
+
+def _wait_each(progresses: Sequence[SaveProgress]) -> None:
+    for progress in progresses:
+        progress.copy_done.wait()

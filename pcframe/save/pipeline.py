@@ -7,6 +7,10 @@ Threads (all started once per engine, reused by every version):
   ``copy_backend``, see :mod:`pcframe.save.copy`). Coded tensors (``codecs``) are copied raw
   into staging too, segment by segment (:mod:`pcframe.save.codec`). When every chunk and
   segment of a version is staged, its ``copy_done`` is set: the optimizer may step again.
+  A training thread that has to wait for that (:meth:`SavePipeline.wait_for_copies`, the
+  optimizer gate) copies host chunks of the same version meanwhile instead of idling, and
+  the writers hold off (:class:`~pcframe.save.staging.StagingPool`): with nothing to
+  overlap, the snapshot then runs at the memory's speed, not at one thread's.
 * a pool of **writer** threads checksums and persists each staged chunk into ``data.bin``
   and encodes each staged segment, appending it to ``codec.bin``
   (:mod:`pcframe.save.write`); then returns the buffer to the pool.
@@ -34,7 +38,7 @@ from pcframe.format.layout import Chunk, Layout
 from pcframe.format.manifest import CODEC_NAME, DATA_NAME
 from pcframe.save.codec import CodecPlan, Segment
 from pcframe.save.commit import CommitListener, Committer
-from pcframe.save.copy import Copier
+from pcframe.save.copy import Copier, SharedChunks
 from pcframe.save.delta import DeltaTracker
 from pcframe.save.persist import WrittenFile, choose_persist, open_data_file
 from pcframe.save.progress import SaveProgress
@@ -45,7 +49,7 @@ from pcframe.save.workers import WorkerPool
 from pcframe.save.write import VersionWrite, Writer
 from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.retention import KeepBases, KeepLast, KeepReason, Retention
-from pcframe.threads import single_threaded_torch
+from pcframe.threads import one_openmp_thread, single_threaded_torch
 
 
 class SavePipeline:
@@ -89,14 +93,15 @@ class SavePipeline:
         self._commit_queue: queue.Queue[VersionWrite | None] = queue.Queue()
         self._writers = WorkerPool(config.writer_threads, "pcframe-w")
         self._side_stream: Any = None
+        self._sharing: SharedChunks | None = None  # the host chunks being copied now
+        self._sharing_changed = threading.Condition()  # notified when _sharing is set or done
         self._copy_thread = threading.Thread(
             target=self._copy_loop, name="pcframe-copy", daemon=True
         )
         self._commit_thread = threading.Thread(
             target=self._commit_loop, name="pcframe-commit", daemon=True
         )
-        self._copy_thread.start()
-        self._commit_thread.start()
+        self._started = False  # the threads start with the first version (restore needs none)
 
     # --- public ------------------------------------------------------------------------
 
@@ -106,9 +111,44 @@ class SavePipeline:
 
     def submit(self, request: SaveRequest, progress: SaveProgress) -> None:
         self.pool.ensure(self._staging_budget(request.nbytes), pinned=request.on_cuda)
+        if not self._started:
+            self._started = True
+            self._copy_thread.start()
+            self._commit_thread.start()
         self._copy_queue.put(VersionWrite(request, progress))
 
+    def wait_for_copies(self, progresses: Sequence[SaveProgress]) -> None:
+        """Block the training thread until these versions' snapshots are copied.
+
+        Meanwhile the writers hold off, and the training thread takes host chunks of the
+        version being copied and stages them itself (a CPU that would idle copies too).
+        """
+        with self.pool.training_waits():
+            for progress in progresses:
+                while not progress.copy_done.is_set():
+                    with self._sharing_changed:
+                        sharing = self._sharing
+                        if sharing is None or sharing.write.progress is not progress:
+                            # Not being copied yet (or copied by the device stream): wait for
+                            # the copy thread to start it or finish it.
+                            self._sharing_changed.wait(0.05)
+                            continue
+                    self._help_copy(sharing)
+                    progress.copy_done.wait()
+
+    def _help_copy(self, sharing: SharedChunks) -> None:
+        cpu = time.thread_time()
+        # One thread of its own: with the copy thread beside it, an OpenMP team here would
+        # put more threads than cores on the copy (measured: twice as slow on 2 cores).
+        # A failure is the version's (recorded in its progress), not the training step's.
+        with one_openmp_thread(), contextlib.suppress(Exception):
+            self._copy_shared(sharing)
+        sharing.write.progress.add_cpu(cpu)
+
     def close(self) -> None:
+        if not self._started:
+            self.pool.close()
+            return
         self._copy_queue.put(None)
         self._copy_thread.join()
         self._writers.shutdown()
@@ -144,10 +184,8 @@ class SavePipeline:
                         self._side_stream = torch.cuda.Stream(device=device)
                     self._side_stream.wait_event(write.request.cuda_ready)
                 plan = write.plan
-                for chunk in plan.layout.chunks if plan and not write.failed else ():
-                    if write.failed:
-                        break
-                    self._stage(write, self.writer.write_chunk, self._fill, chunk, flats)
+                if plan and not write.failed:
+                    self._copy_chunks(write, plan.layout.chunks, flats)
                 for segment in plan.segments if plan and not write.failed else ():
                     if write.failed:
                         break
@@ -160,8 +198,41 @@ class SavePipeline:
                 progress.copy_seconds = time.perf_counter() - start
                 progress.add_cpu(cpu)
                 progress.copy_done.set()
+                with self._sharing_changed:
+                    self._sharing_changed.notify_all()  # a training thread waiting for it
                 if write.copy_finished():
                     self._commit_queue.put(write)
+
+    def _copy_chunks(self, write: VersionWrite, chunks: list[Chunk], flats: list[Any]) -> None:
+        """Stage every data.bin chunk; a waiting training thread may take some of them."""
+        if write.request.cuda_ready is not None or not self.copier.shareable:
+            # Device copies (one stream) and the Triton interpreter: one thread.
+            for chunk in chunks:
+                if write.failed:
+                    break
+                self._stage(write, self.writer.write_chunk, self._fill, chunk, flats)
+            return
+        sharing = SharedChunks(write, chunks, flats)
+        with self._sharing_changed:
+            self._sharing = sharing
+            self._sharing_changed.notify_all()
+        try:
+            self._copy_shared(sharing)
+        finally:
+            with self._sharing_changed:
+                self._sharing = None
+            sharing.finish()  # a chunk the training thread took is staged before copy_done
+
+    def _copy_shared(self, sharing: SharedChunks) -> None:
+        write = sharing.write
+        while not write.failed and (chunk := sharing.take()) is not None:
+            try:
+                self._stage(write, self.writer.write_chunk, self._fill, chunk, sharing.flats)
+            except BaseException as exc:
+                write.progress.fail(Stage.SNAPSHOT, exc)
+                raise
+            finally:
+                sharing.done()
 
     def _begin(self, write: VersionWrite) -> None:
         """Plan the version's storage (codecs, delta or full) and open its files."""
@@ -198,6 +269,7 @@ class SavePipeline:
 
     def _run_writer(self, task: Callable, write: VersionWrite, unit: Any, buffer: Any) -> None:
         try:
+            self.pool.writer_turn()  # the copy first while training waits for it
             task(write, unit, buffer)
         finally:
             self.pool.release(buffer)
@@ -206,12 +278,14 @@ class SavePipeline:
 
     def _flat(self, write: VersionWrite, index: int, flats: list[Any]) -> torch.Tensor:
         """Byte view of one source tensor (made contiguous once, only if it is not)."""
-        if flats[index] is None:
+        flat = flats[index]
+        if flat is None:
             tensor = write.request.tensors[index]
             if not tensor.is_contiguous():
                 tensor = tensor.contiguous()
-            flats[index] = tensor.reshape(-1).view(torch.uint8)
-        return flats[index]
+            # Two threads may race here: each makes the same bytes, the list keeps one.
+            flat = flats[index] = tensor.reshape(-1).view(torch.uint8)
+        return flat
 
     def _fill(
         self, write: VersionWrite, chunk: Chunk, buffer: torch.Tensor, flats: list[Any]

@@ -3,11 +3,21 @@
 Host memory for checkpointing never grows past the pool's budget: when every buffer is in
 use (writers are behind), the copy stage waits for one to come back. That wait is the
 engine's backpressure, and it is measured as training stall when it delays a step.
+
+The pool also decides who goes first when the training thread is blocked on a snapshot
+(its optimizer step waits in the gate): the copy. Measured on a 2-core host, a 576 MiB
+snapshot copy took 0.05-0.09 s while four writers checksummed and wrote the chunks already
+staged, and 0.035 s (one memcpy: 0.03 s) when they held off until it was done: the writers
+compete for the same cores and memory bandwidth. So while :meth:`StagingPool.training_waits`
+is active, a writer about to start a chunk waits, unless the copy itself needs a buffer
+back (no free buffer left). When training is not blocked, copy and writes overlap as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -25,6 +35,7 @@ class StagingPool:
         self._out = 0
         self._pinned = False
         self._closed = False
+        self._training_waits = 0  # training-thread waits in progress (copy goes first)
 
     @property
     def capacity_bytes(self) -> int:
@@ -41,6 +52,7 @@ class StagingPool:
                 return
             if self._out:
                 return  # try again at a later save
+            self._free = []  # free the old pool before the new one
             try:
                 self._free = self._allocate(count, pinned)
             except (MemoryError, RuntimeError) as exc:  # numpy / torch refuse the allocation
@@ -70,14 +82,39 @@ class StagingPool:
             if self._closed:
                 raise RuntimeError("staging pool is closed")
             self._out += 1
-            return self._free.pop()
+            buffer = self._free.pop()
+            if not self._free:
+                self._cond.notify_all()  # held writers: the copy now needs buffers back
+            return buffer
 
     def release(self, buffer: torch.Tensor) -> None:
         with self._cond:
             self._out -= 1
             if buffer.numel() == self.chunk_bytes and len(self._free) < self._count:
                 self._free.append(buffer)
-            self._cond.notify()
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def training_waits(self) -> Iterator[None]:
+        """While the training thread waits for a snapshot: writers let the copy go first."""
+        with self._cond:
+            self._training_waits += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._training_waits -= 1
+                self._cond.notify_all()
+
+    def writer_turn(self) -> None:
+        """Called by a writer before it starts a staged chunk: wait while the copy goes first.
+
+        Waits only while the training thread is blocked on a copy that still has free
+        buffers to fill: once the pool is empty the copy needs this writer to free one.
+        """
+        with self._cond:
+            while self._training_waits and self._free and not self._closed:
+                self._cond.wait()
 
     def close(self) -> None:
         with self._cond:

@@ -28,15 +28,20 @@ class WorkerPool:
         self._threads = [
             threading.Thread(target=self._run, name=f"{name}{i}", daemon=True) for i in range(count)
         ]
-        for thread in self._threads:
-            thread.start()
+        self._started = False
 
     def submit(self, task: Callable[..., None], *args: Any) -> None:
         """Run ``task(*args)`` on a worker; tasks report their own failures."""
+        if not self._started:  # first use: a Checkpointer that only restores starts none
+            self._started = True
+            for thread in self._threads:
+                thread.start()
         self._queue.put((task, args))
 
     def shutdown(self) -> None:
         """Finish every queued task, then stop the threads."""
+        if not self._started:
+            return
         for _ in self._threads:
             self._queue.put(None)
         for thread in self._threads:

@@ -1,0 +1,95 @@
+"""While the training thread waits for a snapshot, the copy goes first.
+
+The waiting training thread stages chunks itself (in parallel with the copy thread) and the
+writers hold off until the copy no longer needs the CPU or a buffer back; the bytes written
+are the same either way.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from pcframe import Checkpointer
+from pcframe.save import copy as copy_stage
+from pcframe.save.staging import StagingPool
+
+CHUNK = 64 * 1024
+
+
+def _state() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(8)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 128)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_the_waiting_training_thread_stages_chunks_and_the_bytes_are_exact(tmp_path, monkeypatch):
+    model, optimizer = _state()
+    fillers: list[str] = []
+    original = copy_stage.Copier.fill
+
+    def slow_fill(self, pieces, view, stream, *, checksum=False):
+        fillers.append(threading.current_thread().name)
+        time.sleep(0.01)  # long enough that the training thread reaches the gate mid-copy
+        return original(self, pieces, view, stream, checksum=checksum)
+
+    monkeypatch.setattr(copy_stage.Copier, "fill", slow_fill)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, chunk_bytes=CHUNK) as ckpt:
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        ckpt.save(1)
+        optimizer.step()  # the gate: waits, and helps
+        ckpt.wait()
+    assert threading.main_thread().name in fillers
+    assert "pcframe-copy" in fillers
+    fresh = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(8)])
+    with Checkpointer(tmp_path, model=fresh) as ckpt:
+        ckpt.restore(strict=False)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
+
+
+def _pool(buffers: int) -> StagingPool:
+    pool = StagingPool(4096)
+    pool.ensure(buffers * 4096, pinned=False)
+    return pool
+
+
+def _turn_taken(pool: StagingPool, within: float) -> bool:
+    done = threading.Event()
+    threading.Thread(target=lambda: (pool.writer_turn(), done.set()), daemon=True).start()
+    return done.wait(within)
+
+
+def test_writers_hold_off_while_training_waits_and_buffers_are_free():
+    pool = _pool(3)
+    buffer = pool.acquire()
+    assert _turn_taken(pool, 1.0)  # nobody waits: writers go
+    with pool.training_waits():
+        assert not _turn_taken(pool, 0.2)  # the copy has free buffers: writers hold
+    pool.release(buffer)
+
+
+def test_writers_go_when_the_copy_needs_a_buffer_back():
+    pool = _pool(2)
+    with pool.training_waits():
+        first = pool.acquire()
+        done = threading.Event()
+        threading.Thread(target=lambda: (pool.writer_turn(), done.set()), daemon=True).start()
+        assert not done.wait(0.2)
+        second = pool.acquire()  # the last free buffer: the copy now waits for writers
+        assert done.wait(1.0)
+    pool.release(first)
+    pool.release(second)
+
+
+def test_a_held_writer_goes_once_training_stops_waiting():
+    pool = _pool(2)
+    done = threading.Event()
+    with pool.training_waits():
+        threading.Thread(target=lambda: (pool.writer_turn(), done.set()), daemon=True).start()
+        assert not done.wait(0.2)
+    assert done.wait(1.0)
