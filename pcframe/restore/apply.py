@@ -15,11 +15,12 @@ nothing:
   keeps the old ``state`` and ``param_groups`` by reference (no copy); an optimizer with its
   own ``load_state_dict`` gets a deep copy of its ``state_dict()`` instead;
 * model: the parameters and buffers, copied to host memory just before the model is loaded
-  (the model is loaded last of the fallible objects) and copied back in place on failure.
-  Tensors the reader fills in place (``fill_model``: :mod:`pcframe.restore.in_place`) have
-  no copy: every byte was verified before, and the fill is the model's load itself, after
-  every other object loaded; only a failure of that last step (an I/O error re-reading
-  verified bytes, a hook raising) leaves them changed, and the error says so;
+  (the model is loaded last of the fallible objects) and copied back in place on failure;
+* tensors the reader fills in place (``fill``: :mod:`pcframe.restore.in_place`): no copy.
+  The model and optimizer load with those tensors as they are (their values unchanged, so
+  an undo above restores everything), and the fill, reading the verified bytes into them,
+  is the last step that can fail, for the sections that loaded. Only a failure of the fill
+  itself (an I/O error re-reading verified bytes) cannot be rolled back; the error says so;
 * scheduler, scaler, stateful objects, policy: a deep copy of their ``state_dict()``;
 * RNG and extra: their current state (they cannot fail once checked).
 """
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from itertools import chain
 from typing import Any
 
@@ -38,6 +39,7 @@ from torch.optim.optimizer import Optimizer
 from pcframe.errors import CheckpointError
 from pcframe.objects import TrainingObjects
 from pcframe.restore.check import LoadPlan, StateMismatch, describe_problems, plan_load
+from pcframe.restore.in_place import SECTIONS
 from pcframe.rng import capture_rng, restore_rng
 
 log = logging.getLogger("pcframe")
@@ -58,7 +60,7 @@ def apply_tree(
     allow_cast: bool = False,
     owner: str | None = "the Checkpointer",
     hint: str | None = RESTORE_HINT,
-    fill_model: Callable[[], None] | None = None,
+    fill: Callable[[Collection[str]], int] | None = None,
 ) -> list[str]:
     """Load ``tree`` (a decoded version) into ``objects``; ``where`` names the version.
 
@@ -73,8 +75,9 @@ def apply_tree(
         owner: the front door the objects were given to, named in the errors (``None``:
             not named).
         hint: the advice that ends a mismatch message (``None``: none).
-        fill_model: reads the verified bytes of the model tensors that ``tree`` holds as the
-            live tensors themselves (the reader's in-place targets); run as the model loads.
+        fill: ``fill(sections)`` reads the verified bytes of the tensors that ``tree`` holds
+            as the live tensors themselves (the reader's in-place targets) into them, for
+            the sections that loaded; run after every other fallible load.
 
     Returns:
         What was not loaded, one line per mismatch (empty after a strict restore).
@@ -92,9 +95,15 @@ def apply_tree(
         raise StateMismatch(describe_problems(where, given, plan.problems, advice), plan.problems)
     not_loaded = list(plan.problems)
     undo = _Undo()
-    for name, load in _loads(objects, plan, fill_model):
+    loaded: set[str] = set()
+    loads = _loads(objects, plan)
+    if fill is not None:  # after the model and optimizer, before RNG and extra
+        at = next((i for i, (name, _) in enumerate(loads) if name in ("rng", "extra")), None)
+        loads.insert(len(loads) if at is None else at, ("in-place tensors", _fill(fill, loaded)))
+    for name, load in loads:
         try:
             load(undo)
+            loaded.add(name)
         except BaseException as exc:
             if strict or not isinstance(exc, Exception):
                 undo.all()
@@ -113,9 +122,7 @@ def apply_tree(
     return not_loaded
 
 
-def _loads(
-    objects: TrainingObjects, plan: LoadPlan, fill_model: Callable[[], None] | None
-) -> list[tuple[str, Callable[[Any], None]]]:
+def _loads(objects: TrainingObjects, plan: LoadPlan) -> list[tuple[str, Callable[[Any], None]]]:
     """(name, load) for every object the plan loads, in the order they are loaded.
 
     The small objects first; then the optimizer (torch's load is all-or-nothing by itself);
@@ -133,8 +140,7 @@ def _loads(
     if "optimizer" in states:
         loads.append(("optimizer", _optimizer_load(objects.optimizer, states["optimizer"])))
     if "model" in states:
-        model_load = _model_load(objects.model, states["model"], plan.model_complete, fill_model)
-        loads.append(("model", model_load))
+        loads.append(("model", _model_load(objects.model, states["model"], plan.model_complete)))
     if "rng" in states:
         loads.append(("rng", _rng_load(states["rng"], plan.rng_skip)))
     if "extra" in states:
@@ -209,18 +215,12 @@ def _optimizer_load(optimizer: Optimizer, state: Any) -> Callable[[_Undo], None]
 
 
 def _model_load(
-    model: torch.nn.Module,
-    state: dict[str, Any],
-    complete: bool,
-    fill: Callable[[], None] | None,
+    model: torch.nn.Module, state: dict[str, Any], complete: bool
 ) -> Callable[[_Undo], None]:
     def load(undo: _Undo) -> None:
-        # The live tensors the state holds itself: filled in place, nothing to copy first.
-        in_place = (
-            {v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor)}
-            if fill is not None
-            else set()
-        )
+        # A tensor the state holds itself (read in place later) keeps its value through
+        # load_state_dict: nothing to copy for it.
+        in_place = {v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor)}
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         seen: set[int] = set()
         for tensor in chain(model.parameters(), model.buffers()):
@@ -236,16 +236,26 @@ def _model_load(
             with torch.no_grad():
                 for tensor, host in saved:
                     _local_shard(tensor).copy_(host)
-            if in_place:
-                raise CheckpointError(
-                    "the model's tensors read in place hold the checkpoint's values and "
-                    "cannot be rolled back"
-                )
 
         undo.push(put_back)
-        if fill is not None:
-            fill()
         model.load_state_dict(state, strict=complete)
+
+    return load
+
+
+def _fill(fill: Callable[[Collection[str]], int], loaded: set[str]) -> Callable[[_Undo], None]:
+    def load(undo: _Undo) -> None:
+        sections = loaded & set(SECTIONS)
+
+        def cannot() -> None:
+            raise CheckpointError(
+                f"the {' and '.join(sorted(sections))} tensors read in place were being "
+                "overwritten with the checkpoint's values when the read failed, and cannot "
+                "be rolled back"
+            )
+
+        undo.push(cannot)
+        fill(sections)
 
     return load
 

@@ -52,8 +52,8 @@ from pcframe.format.tree import DTYPES, decode_tree
 _IOV_MAX = 1024
 
 
-def _nothing() -> None:
-    pass
+def _nothing(*_: object) -> int:
+    return 0
 
 
 @dataclass
@@ -61,11 +61,12 @@ class LoadedVersion:
     manifest: Manifest
     tensors: list[torch.Tensor]  # an in-place target's entry holds the target itself
     chain: list[int] = field(default_factory=list)  # versions read, the full one first
-    # Reads the verified bytes of the in-place targets into them (a no-op without targets).
-    # Until it runs, the targets are untouched; OSError if the second read fails.
-    fill: Callable[[], None] = _nothing
-    in_place_bytes: int = 0  # bytes ``fill`` writes
-    release: Callable[[], None] = _nothing  # lets go of the files ``fill`` would read
+    # ``fill(sections)`` reads the verified bytes of the in-place targets of those tree
+    # sections ("model", "optimizer") into them and returns the bytes written. Until it
+    # runs, the targets are untouched; OSError if the second read fails.
+    fill: Callable[[Collection[str]], int] = _nothing
+    in_place_bytes: int = 0  # bytes ``fill`` would write for every section
+    release: Callable[[], object] = _nothing  # lets go of the files ``fill`` would read
 
     def state_tree(self) -> Any:
         values: list[Any] = list(self.tensors)
@@ -241,17 +242,27 @@ class _VersionReader:
             return [lambda c=c: self._read_pieces(c, flats) for c in chunks]
         return [lambda c=c: self._read_chunk(c, flats) for c in chunks]
 
-    def fill(self) -> None:
-        """Read the in-place targets' bytes into them (the chunks were verified by ``read``)."""
-        if not self._deferred:
-            return
-        flats = {i: t.reshape(-1).view(torch.uint8) for i, t in self._targets.items()}
+    def fill(self, sections: Collection[str]) -> int:
+        """Read the in-place targets of ``sections`` (the chunks were verified by ``read``).
+
+        Returns the bytes written.
+        """
+        entries = self.manifest.entries
+        flats = {
+            i: t.reshape(-1).view(torch.uint8)
+            for i, t in self._targets.items()
+            if entries[i].name.split("/", 1)[0] in sections
+        }
+        chunks = [c for c in self._deferred if any(p.entry in flats for p in c.pieces)]
+        if not chunks:
+            return 0
         self._data_fd = open_regular(self.data_path)
         try:
-            self._run([lambda c=c: self._read_pieces(c, flats) for c in self._deferred])
+            self._run([lambda c=c: self._read_pieces(c, flats) for c in chunks])
         finally:
             os.close(self._data_fd)
             self._data_fd = -1
+        return sum(t.numel() for t in flats.values())
 
     def _read_pieces(self, chunk: Chunk, flats: dict[int, torch.Tensor]) -> None:
         """Read only the pieces of ``chunk`` that belong to ``flats`` (no verification)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 from pcframe.errors import NoValidCheckpoint
@@ -39,7 +40,7 @@ def load_and_apply(
         CheckpointError: the version does not fit the objects (nothing was changed).
     """
     start = time.perf_counter()
-    targets = in_place_targets(objects.model)
+    targets = in_place_targets(objects.model, objects.optimizer)
     loaded = load_first_valid(sources, threads, report, targets=targets)
     if loaded is None:
         if report.skipped:
@@ -49,6 +50,13 @@ def load_and_apply(
         return None
     manifest = loaded.manifest
     where = f"version {manifest.version} ({version_name(manifest.version)})"
+    filled = 0
+
+    def fill(sections: Collection[str]) -> int:
+        nonlocal filled
+        filled = loaded.fill(sections)
+        return filled
+
     try:
         report.not_loaded = apply_tree(
             objects,
@@ -56,12 +64,12 @@ def load_and_apply(
             where,
             strict=strict,
             allow_cast=allow_cast,
-            fill_model=loaded.fill if loaded.in_place_bytes else None,
+            fill=fill if loaded.in_place_bytes else None,
         )
     finally:
         loaded.release()
     report.version, report.step = manifest.version, manifest.step
-    report.in_place_bytes = loaded.in_place_bytes
+    report.in_place_bytes = filled
     report.seconds = time.perf_counter() - start
     log.info(
         "restored version %d (step %d) in %.2f s%s%s",

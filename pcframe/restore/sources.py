@@ -19,7 +19,7 @@ import contextlib
 import errno
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TypeVar
 
 import torch
@@ -151,9 +151,9 @@ def _load_with_retries(
         # targets are filled from them or the caller lets the version go.
         fill = loaded.fill
 
-        def fill_then_release() -> None:
+        def fill_then_release(sections: Collection[str]) -> int:
             try:
-                read_with_retries(fill, backoff)
+                return read_with_retries(lambda: fill(sections), backoff)
             finally:
                 files.close()
 

@@ -1,8 +1,9 @@
-"""Restore reads the model's tensors straight into their live storage, and stays all-or-nothing.
+"""Restore reads the model's and optimizer's tensors straight into their live storage.
 
-The reader verifies every chunk before it writes a byte of a live tensor: a damaged or
-mismatching version leaves the model exactly as it was, and a model whose loading is not
-plain torch (a load hook, an override) is loaded the ordinary way.
+And it stays all-or-nothing: the reader verifies every chunk before it writes a byte of a
+live tensor, the bytes are written last, after every object loaded; a damaged or
+mismatching version leaves the objects exactly as they were, and an object whose loading
+is not plain torch (a load hook, an override) is loaded the ordinary way.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 from pcframe import Checkpointer
 from pcframe.errors import CheckpointError, NoValidCheckpoint
-from pcframe.restore.in_place import in_place_targets, plain_loading
+from pcframe.restore.in_place import in_place_targets, plain_module_loading
 
 
 def _model() -> torch.nn.Module:
@@ -43,21 +44,55 @@ def _perturb(model: torch.nn.Module) -> None:
             p.add_(1.0)
 
 
-def test_model_is_read_into_its_own_storage(tmp_path):
+def _moments(optimizer: torch.optim.Optimizer) -> dict[tuple[int, str], torch.Tensor]:
+    return {
+        (i, key): value
+        for i, state in enumerate(optimizer.state.values())
+        for key, value in state.items()
+        if key != "step"
+    }
+
+
+def test_model_and_optimizer_are_read_into_their_own_storage(tmp_path):
+    model = _model()
+    optimizer = _trained(model)
+    saved = _snapshot(model)
+    saved_moments = {k: v.clone() for k, v in _moments(optimizer).items()}
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        ckpt.save(1).wait()
+    pointers = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    moment_pointers = {k: v.data_ptr() for k, v in _moments(optimizer).items()}
+    _perturb(model)
+    model(torch.randn(8, 256)).sum().backward()
+    optimizer.step()  # the moments move on too
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        ckpt.restore()
+        report = ckpt.last_restore
+    assert _same(model, saved)
+    assert all(torch.equal(v, saved_moments[k]) for k, v in _moments(optimizer).items())
+    assert {k: v.data_ptr() for k, v in model.state_dict().items()} == pointers
+    assert {k: v.data_ptr() for k, v in _moments(optimizer).items()} == moment_pointers
+    expected = sum(v.numel() * v.element_size() for v in model.state_dict().values())
+    expected += sum(v.numel() * v.element_size() for v in saved_moments.values())
+    assert report is not None and report.in_place_bytes == expected
+
+
+def test_a_refused_optimizer_keeps_its_state_while_the_model_loads(tmp_path):
     model = _model()
     optimizer = _trained(model)
     saved = _snapshot(model)
     with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
         ckpt.save(1).wait()
-    pointers = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    other = torch.optim.Adam(model.parameters(), lr=1e-2)  # AdamW was saved: refused
+    model(torch.randn(8, 256)).sum().backward()
+    other.step()
     _perturb(model)
-    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
-        ckpt.restore()
-        report = ckpt.last_restore
+    before = {k: v.clone() for k, v in _moments(other).items()}
+    with Checkpointer(tmp_path, model=model, optimizer=other) as ckpt:
+        not_loaded = ckpt.restore(strict=False) and ckpt.last_restore.not_loaded
+    assert any("optimizer" in line for line in not_loaded)
     assert _same(model, saved)
-    assert {k: v.data_ptr() for k, v in model.state_dict().items()} == pointers
-    model_bytes = sum(v.numel() * v.element_size() for v in model.state_dict().values())
-    assert report is not None and report.in_place_bytes == model_bytes
+    assert all(torch.equal(v, before[k]) for k, v in _moments(other).items())
 
 
 def test_a_corrupt_version_changes_no_live_tensor(tmp_path):
@@ -113,7 +148,7 @@ def test_a_module_with_its_own_loading_is_loaded_the_ordinary_way(tmp_path):
     saved = model[0].weight.detach().clone()
     with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
         ckpt.save(1).wait()
-    assert not plain_loading(model) and in_place_targets(model) == {}
+    assert not plain_module_loading(model) and in_place_targets(model, optimizer) == {}
     with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
         ckpt.restore()
         assert ckpt.last_restore.in_place_bytes == 0
@@ -131,7 +166,7 @@ def test_a_load_hook_sees_the_restored_values(tmp_path):
     model.register_load_state_dict_post_hook(
         lambda module, keys: seen.append(module[0].weight.detach().clone())
     )
-    assert in_place_targets(model) == {}
+    assert not any(n.startswith("model/") for n in in_place_targets(model, optimizer))
     with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
         ckpt.restore()
     assert torch.equal(seen[0], saved)
@@ -148,5 +183,46 @@ def test_only_plain_cpu_contiguous_tensors_are_targets():
     model = torch.nn.Linear(4, 4)
     with torch.no_grad():
         model.weight.set_(model.weight.t().contiguous().t())  # a strided parameter
-    targets = in_place_targets(model)
-    assert set(targets) == {"model/bias"}
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    state = optimizer.state[model.bias]
+    state["exp_avg_sq"] = state["exp_avg_sq"].double()  # not its parameter's dtype
+    targets = in_place_targets(model, optimizer)
+    # the weight and its moments (made like it) are strided; exp_avg_sq is float64
+    assert set(targets) == {"model/bias", "optimizer/state/1/exp_avg"}
+
+
+def test_an_optimizer_with_a_load_hook_is_loaded_the_ordinary_way():
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    optimizer.register_load_state_dict_pre_hook(lambda opt, state: state)
+    assert not any(name.startswith("optimizer/") for name in in_place_targets(model, optimizer))
+
+
+def test_a_failing_second_read_says_what_could_not_be_rolled_back(tmp_path, monkeypatch):
+    import errno
+
+    from pcframe.restore import reader
+
+    model = _model()
+    optimizer = _trained(model)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, scheduler=scheduler) as ckpt:
+        ckpt.save(1).wait()
+    optimizer.step()
+    scheduler.step()
+    scheduler_before = scheduler.state_dict()
+
+    def broken(self, chunk, flats):
+        raise OSError(errno.EIO, "Input/output error", str(self.data_path))
+
+    monkeypatch.setattr(reader._VersionReader, "_read_pieces", broken)
+    with (
+        Checkpointer(tmp_path, model=model, optimizer=optimizer, scheduler=scheduler) as ckpt,
+        pytest.raises(CheckpointError, match="cannot be rolled back"),
+    ):
+        ckpt.restore()
+    assert scheduler.state_dict() == scheduler_before  # what can be rolled back was
