@@ -38,6 +38,18 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef]) -> Any:
     Raises:
         TypeError: naming the path of a value that cannot be stored without pickle.
     """
+    # Exact built-in types first: a save encodes ~1000 nodes on the training thread, and
+    # these checks are most of them (the isinstance chain below cost twice as much).
+    kind = type(obj)
+    if kind is str or kind is int or kind is bool or obj is None:
+        return obj
+    if kind is torch.Tensor:
+        refs.append(TensorRef(path, obj.detach()))
+        return {"$t": len(refs) - 1}
+    if kind is list:
+        return [encode_tree(v, f"{path}/{i}", refs) for i, v in enumerate(obj)]
+    if kind is dict and all(type(k) is str and not k.startswith("$") for k in obj):
+        return {k: encode_tree(v, f"{path}/{k}", refs) for k, v in obj.items()}
     if isinstance(obj, torch.Tensor):
         refs.append(TensorRef(path, obj.detach()))
         return {"$t": len(refs) - 1}
