@@ -65,6 +65,10 @@ def test_late_version_is_discarded_and_latest_only_moves_forward(tmp_path, monke
         for step in range(1, 5):
             blob.tensor = torch.full((50_000,), float(step))
             handles.append(ckpt.save(step))
+            if step == 1:
+                # Committed before the race below: on a loaded machine version 1's writes
+                # could otherwise land after version 3's too (discarded, by the same rule).
+                handles[0].wait()
         statuses = [h.wait() for h in handles]
     watcher.stop.set()
     watcher.join()
