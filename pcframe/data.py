@@ -74,6 +74,10 @@ class ResumableLoader:
         self._epoch_rng: torch.Tensor | None = None  # loader.generator at this epoch's start
 
     def __iter__(self) -> Iterator[Any]:
+        if self._epoch_rng is not None and self._exhausted():
+            # A consumer that stops after len(self) batches (Lightning, the HF Trainer) never
+            # resumed the last epoch's generator to its end: roll over to the next epoch here.
+            self._next_epoch()
         self.sampler.epoch, self.sampler.start = self.epoch, self.consumed
         if self._epoch_rng is not None:  # resumed mid-epoch: the same draws as the first time
             self.loader.generator.set_state(self._epoch_rng)
@@ -81,18 +85,32 @@ class ResumableLoader:
         for batch in self.loader:
             self.consumed += _batch_size(batch)
             yield batch
+        self._next_epoch()
+
+    def _next_epoch(self) -> None:
         self.epoch += 1
         self.consumed = 0
         self._epoch_rng = None
+
+    def _exhausted(self) -> bool:
+        """Every batch of the current epoch was handed out."""
+        left = self.sampler.num_samples - self.consumed
+        batch_size = self.loader.batch_size
+        return left <= 0 or bool(self.loader.drop_last and batch_size and left < batch_size)
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def state_dict(self) -> dict[str, Any]:
+        epoch, consumed = self.epoch, self.consumed
         rng = self._epoch_rng if self._epoch_rng is not None else self.loader.generator.get_state()
+        if self._epoch_rng is not None and self._exhausted():
+            # Saved after the epoch's last batch: the position is the start of the next epoch,
+            # whose iterator draws from the generator as it is now (as a run without a stop).
+            epoch, consumed, rng = epoch + 1, 0, self.loader.generator.get_state()
         return {
-            "epoch": self.epoch,
-            "consumed": self.consumed,
+            "epoch": epoch,
+            "consumed": consumed,
             "seed": self.sampler.seed,
             "generator": rng.clone(),
         }

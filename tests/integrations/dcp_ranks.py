@@ -1,0 +1,193 @@
+"""Child processes of the DCP storage tests: real ranks on gloo, real SIGKILLs.
+
+Run as ``python -m tests.integrations.dcp_ranks SCENARIO ROOT`` with the torchrun
+environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); :func:`run_ranks` starts a job.
+
+The training state of step ``k`` is exact by construction (parameters filled, gradients set,
+one AdamW step per step: elementwise maths only), so the parent process rebuilds the very
+same bits with :func:`training_state` and compares a loaded state with ``==``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.distributed.launch import REPO, base_env, free_port
+
+SHARDED = (8, 6)  # the global shape of the DTensor the ranks shard by rows
+
+
+def model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def trained(step: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model and AdamW after ``step`` deterministic steps (the same on every process)."""
+    net = model()
+    with torch.no_grad():
+        for i, p in enumerate(net.parameters()):
+            p.copy_(torch.linspace(-1.0, 1.0, p.numel()).reshape(p.shape) * (i + 1))
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01, betas=(0.8, 0.95), weight_decay=0.1)
+    for k in range(1, step + 1):
+        for i, p in enumerate(net.parameters()):
+            ramp = torch.linspace(0, 1, p.numel()).reshape(p.shape)
+            p.grad = torch.full_like(p, 0.01 * k * (i + 1)) + ramp
+        opt.step()
+    return net, opt
+
+
+def sharded_value(step: int) -> torch.Tensor:
+    return torch.arange(SHARDED[0] * SHARDED[1], dtype=torch.float32).reshape(SHARDED) + step
+
+
+def training_state(step: int) -> dict[str, Any]:
+    """What a save at ``step`` holds, as one process sees it (for the comparisons)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    net, opt = trained(step)
+    msd, osd = get_state_dict(net, opt)
+    return {"model": msd, "optim": osd, "step": step}
+
+
+def fresh_state() -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+    """A model and optimizer with other values, and the state dict DCP loads into."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    net, opt = trained(7)
+    for group in opt.param_groups:
+        group["lr"] = 99.0
+    msd, osd = get_state_dict(net, opt)
+    return net, opt, {"model": msd, "optim": osd, "step": -1}
+
+
+def assert_loaded(net: torch.nn.Module, opt: torch.optim.Optimizer, state: dict, step: int) -> None:
+    """``state`` (loaded by DCP) applied to ``net``/``opt`` equals the state of ``step``."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    ref_net, ref_opt = trained(step)
+    for (name, a), b in zip(net.state_dict().items(), ref_net.state_dict().values(), strict=True):
+        assert torch.equal(a, b), f"model {name} differs"
+    got, want = opt.state_dict(), ref_opt.state_dict()
+    assert got["param_groups"] == want["param_groups"], (got["param_groups"], want["param_groups"])
+    for key, entries in want["state"].items():
+        for name, value in entries.items():
+            assert torch.equal(got["state"][key][name], value), f"optimizer {key}/{name} differs"
+    assert state["step"] == step, state["step"]
+
+
+# --- scenarios (in the rank processes) ------------------------------------------------------
+
+
+def _two_ranks(root: Path) -> None:
+    """Saves 1..3 (keep_last=2), an async save with DefaultStager, a 2-rank load of it."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from pcframe.integrations.dcp import StorageReader, StorageWriter
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def state_of(step: int) -> dict[str, Any]:
+        state = training_state(step)
+        state["sharded"] = distribute_tensor(sharded_value(step), mesh, [Shard(0)])
+        state[f"rank{rank}"] = torch.full((3,), float(10 * rank + step))
+        return state
+
+    for step in (1, 2, 3):
+        dcp.save(state_of(step), storage_writer=StorageWriter(root, keep_last=2, step=step))
+    stager = DefaultStager(StagingOptions(False, False, True, False))
+    response = dcp.async_save(
+        state_of(4), storage_writer=StorageWriter(root, keep_last=2, step=4), async_stager=stager
+    )
+    response.upload_completion.result()
+    stager.close()
+
+    net, opt, state = fresh_state()
+    state["sharded"] = distribute_tensor(torch.zeros(SHARDED), mesh, [Shard(0)])
+    state[f"rank{rank}"] = torch.zeros(3)
+    dcp.load(state, storage_reader=StorageReader(root))
+    assert_loaded(net, opt, state, 4)
+    assert torch.equal(state["sharded"].full_tensor(), sharded_value(4))
+    assert torch.equal(state[f"rank{rank}"], torch.full((3,), float(10 * rank + 4)))
+    dist.barrier()
+    dist.destroy_process_group()
+    print("ok", flush=True)
+
+
+def _saves(root: Path) -> None:
+    """One process saving steps 1, 2, ... (tiny chunks: many chunk writes per version).
+
+    Prints ``committed <step>`` after each save returned; a crash point (PCFRAME_CRASH_AT) or
+    the parent's SIGKILL ends it somewhere inside a save.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from pcframe.integrations.dcp import StorageWriter
+
+    writer_options = {"keep_last": 1, "chunk_bytes": 4096, "writer_threads": 2}
+    padding = int(os.environ.get("DCP_TEST_PADDING", "0"))
+    for step in range(1, int(os.environ.get("DCP_TEST_STEPS", "3")) + 1):
+        state = training_state(step)
+        state["padding"] = torch.full((padding + 4096,), float(step))
+        dcp.save(state, storage_writer=StorageWriter(root, step=step, **writer_options))
+        print(f"committed {step}", flush=True)
+
+
+SCENARIOS = {"two_ranks": _two_ranks, "saves": _saves}
+
+
+# --- the parent's side ---------------------------------------------------------------------
+
+
+def run_ranks(
+    world_size: int, scenario: str, root: Path, timeout: float = 120.0, env: dict | None = None
+) -> list[tuple[int, str]]:
+    """Run ``scenario`` on ``world_size`` rank processes; (returncode, output) per rank.
+
+    As torchrun does, a rank that dies takes the others down (SIGKILL).
+    """
+    base = {**base_env(), "WORLD_SIZE": str(world_size), "MASTER_PORT": str(free_port())}
+    base.update(env or {})
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.integrations.dcp_ranks", scenario, str(root)],
+            cwd=REPO,
+            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world_size)
+    ]
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                time.sleep(0.3)
+                for p in procs:
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGKILL)
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [(p.wait(), p.stdout.read() if p.stdout else "") for p in procs]
+
+
+if __name__ == "__main__":
+    SCENARIOS[sys.argv[1]](Path(sys.argv[2]))

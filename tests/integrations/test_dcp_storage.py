@@ -1,0 +1,229 @@
+"""pcframe as torch.distributed.checkpoint storage: real DCP, real gloo ranks, real files."""
+
+from __future__ import annotations
+
+import fractions
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from pcframe.apps import cli
+from pcframe.errors import CorruptCheckpoint
+from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME, read_manifest
+from pcframe.integrations.dcp import StorageReader, StorageWriter
+from tests.integrations.dcp_ranks import (
+    SHARDED,
+    assert_loaded,
+    fresh_state,
+    run_ranks,
+    sharded_value,
+    trained,
+    training_state,
+)
+
+# DCP warns on every call that no process group is initialized (one process is our intent).
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _failure(exc: CheckpointException) -> BaseException:
+    """The one rank's exception DCP wrapped (a single-process load has rank 0 only)."""
+    (wrapped,) = exc.failures.values()
+    return wrapped[0] if isinstance(wrapped, tuple) else wrapped
+
+
+def _load(root: Path, step: int, **reader: object) -> None:
+    net, opt, state = fresh_state()
+    dcp.load(state, storage_reader=StorageReader(root, **reader))
+    assert_loaded(net, opt, state, step)
+
+
+def test_round_trip_one_rank_is_a_pcframe_version(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "ckpt"
+    dcp.save(training_state(3), storage_writer=StorageWriter(root))
+    _load(root, 3)
+
+    # An ordinary pcframe version: the CLI lists, verifies, inspects and exports it.
+    manifest = read_manifest(str(root / "v00000001" / MANIFEST_NAME))
+    names = {e.name for e in manifest.entries}
+    assert "model/0.weight" in names and "optim/state/0.weight/exp_avg" in names
+    assert cli.main(["list", str(root)]) == 0
+    assert cli.main(["verify", str(root)]) == 0
+    assert "v1: OK" in capsys.readouterr().out
+    assert cli.main(["inspect", str(root), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 1  # no step given: the version
+    out = tmp_path / "model.safetensors"
+    assert cli.main(["export", str(root), "--only", "model", "-o", str(out)]) == 0
+    from safetensors.torch import load_file
+
+    net, _ = trained(3)
+    assert all(torch.equal(v, net.state_dict()[k]) for k, v in load_file(out).items())
+
+    # Non-tensor items (param groups, the int step) are JSON in the manifest, not pickles.
+    items = manifest.tree["dcp"]["items"]
+    assert {i["kind"] for i in items} == {"tensor", "value"}
+
+
+def test_keep_last_step_labels_and_chosen_versions(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    for step in (1, 2, 3, 4):
+        writer = StorageWriter(root, keep_last=2)
+        dcp.save(training_state(step), checkpoint_id=root / f"step-{step}", storage_writer=writer)
+        assert writer.last_version == step
+    assert sorted(p.name for p in root.glob("v*")) == ["v00000003", "v00000004"]
+    assert read_manifest(str(root / "v00000004" / MANIFEST_NAME)).step == 4  # from step-4
+    _load(root, 4)
+    _load(root, 3, version=3)
+    # torchtitan-style: the checkpoint_id of the save picks its version.
+    net, opt, state = fresh_state()
+    dcp.load(state, checkpoint_id=root / "step-3", storage_reader=StorageReader(root))
+    assert_loaded(net, opt, state, 3)
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(
+            fresh_state()[2], checkpoint_id=root / "step-1", storage_reader=StorageReader(root)
+        )
+    assert "no committed version was saved with checkpoint_id" in str(_failure(info.value))
+
+
+@pytest.mark.parametrize("stager", [True, False], ids=["DefaultStager", "internal-stager"])
+def test_async_save(tmp_path: Path, stager: bool) -> None:
+    root = tmp_path / "ckpt"
+    if stager:
+        default = DefaultStager(StagingOptions(False, False, True, False))
+        response = dcp.async_save(
+            training_state(2), storage_writer=StorageWriter(root), async_stager=default
+        )
+        response.upload_completion.result()
+        default.close()
+    else:
+        dcp.async_save(training_state(2), storage_writer=StorageWriter(root)).result()
+    _load(root, 2)
+
+
+def test_corrupt_data_file_is_one_clear_error(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    dcp.save(training_state(1), storage_writer=StorageWriter(root))
+    data = root / "v00000001" / DATA_NAME
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0x40
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(fresh_state()[2], storage_reader=StorageReader(root))
+    error = _failure(info.value)
+    assert isinstance(error, CorruptCheckpoint)
+    assert "\n" not in str(error) and str(data) in str(error)
+    assert "checksum mismatch" in str(error) and "version=N" in str(error)
+    assert cli.main(["verify", str(root)]) == 1
+
+
+def test_damaged_manifest_falls_back_to_the_previous_version(tmp_path: Path, caplog) -> None:
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        dcp.save(training_state(step), storage_writer=StorageWriter(root, step=step))
+    (root / "v00000002" / MANIFEST_NAME).write_text("garbage")
+    _load(root, 1)
+    assert "skipping checkpoint version 2" in caplog.text
+    with pytest.raises(CheckpointException):  # asked for by number: no silent fallback
+        dcp.load(fresh_state()[2], storage_reader=StorageReader(root, version=2))
+
+
+def test_pickled_values_are_refused_unless_allowed(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    state = {"w": torch.ones(3), "odd": fractions.Fraction(1, 3), "plain": {"a": (1, 2.5)}}
+    dcp.save(state, storage_writer=StorageWriter(root))
+    target = {"w": torch.zeros(3), "odd": None, "plain": {"a": None}}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(target, storage_reader=StorageReader(root))
+    message = str(_failure(info.value))
+    assert "'odd' was stored as pickled bytes" in message and "allow_pickle=True" in message
+    dcp.load(target, storage_reader=StorageReader(root, allow_pickle=True))
+    assert target["odd"] == fractions.Fraction(1, 3) and target["plain"] == {"a": (1, 2.5)}
+    assert torch.equal(target["w"], torch.ones(3))
+
+
+def test_bad_setup_is_one_line_error(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"w": torch.ones(2)}, storage_writer=StorageWriter())
+    assert "StorageWriter has no directory" in str(_failure(info.value))
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"w": torch.ones(2)}, storage_reader=StorageReader(tmp_path / "none"))
+    assert "no committed pcframe version" in str(_failure(info.value))
+    with pytest.raises(TypeError, match="unknown engine option"):
+        StorageWriter(tmp_path, writer_thread=3)
+
+
+def test_two_gloo_ranks_then_reshard_to_one(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    results = run_ranks(2, "two_ranks", root)
+    assert [rc for rc, _ in results] == [0, 0], "\n".join(out[-3000:] for _, out in results)
+    # Global versions 3 and 4 (keep_last=2); each rank's shard is a pcframe version.
+    records = sorted(p.name for p in (root / "global").iterdir())
+    assert records == ["v00000003.json", "v00000004.json"]
+    for rank in (0, 1):
+        assert cli.main(["verify", str(root / f"rank-{rank}")]) == 0
+    # 2 -> 1: one process loads the whole DTensor, both ranks' tensors, model and optimizer.
+    net, opt, state = fresh_state()
+    state.update(sharded=torch.zeros(SHARDED), rank0=torch.zeros(3), rank1=torch.zeros(3))
+    dcp.load(state, storage_reader=StorageReader(root))
+    assert_loaded(net, opt, state, 4)
+    assert torch.equal(state["sharded"], sharded_value(4))
+    assert torch.equal(state["rank1"], torch.full((3,), 14.0))
+    net, opt, state = fresh_state()
+    state["sharded"] = torch.zeros(SHARDED)
+    dcp.load(state, storage_reader=StorageReader(root, version=3))
+    assert_loaded(net, opt, state, 3)
+    # A one-rank save continues the same root as a one-rank global version.
+    dcp.save({"sharded": sharded_value(5)}, storage_writer=StorageWriter(root, keep_last=2))
+    assert (root / "global" / "v00000005.json").exists()
+    loaded = {"sharded": torch.zeros(SHARDED)}
+    dcp.load(loaded, storage_reader=StorageReader(root))
+    assert torch.equal(loaded["sharded"], sharded_value(5))
+
+
+def test_example_runs(tmp_path: Path, child_env: dict[str, str], python: str) -> None:
+    import subprocess
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "integrations" / "dcp_example.py"
+    done = subprocess.run(
+        [python, str(example), str(tmp_path / "ckpt")],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "resumed at step 20" in done.stdout
+
+
+def test_writer_pickles_for_process_async_and_ids_validate(tmp_path: Path) -> None:
+    import pickle
+
+    # AsyncCheckpointerType.PROCESS sends the writer to another process: plain attributes.
+    writer = StorageWriter(tmp_path, keep_last=2, writer_threads=2)
+    clone = pickle.loads(pickle.dumps(writer))
+    assert clone.root == writer.root and clone.config.writer_threads == 2
+    assert StorageReader.validate_checkpoint_id(tmp_path) is False  # nothing committed yet
+    dcp.save({"w": torch.ones(2)}, storage_writer=writer)
+    assert StorageReader.validate_checkpoint_id(tmp_path) is True
+    assert StorageWriter.validate_checkpoint_id(tmp_path / "new") is True
+
+
+def test_a_save_overlapping_another_in_this_process_is_refused(tmp_path: Path) -> None:
+    from pcframe.store.directory import WritableCheckpointDir
+
+    root = tmp_path / "ckpt"
+    dcp.save(training_state(1), storage_writer=StorageWriter(root))
+    busy = WritableCheckpointDir(root)  # what a still-running async_save holds
+    try:
+        with pytest.raises(CheckpointException) as info:
+            dcp.save(training_state(2), storage_writer=StorageWriter(root))
+    finally:
+        busy.close()
+    assert "still running in this process" in str(_failure(info.value))
+    _load(root, 1)  # the committed version is untouched
+    dcp.save(training_state(2), storage_writer=StorageWriter(root))
+    _load(root, 2)

@@ -1,0 +1,132 @@
+"""PcframeCallback with a real transformers.Trainer (tiny GPT-2 from a config, CPU)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pcframe.restore.reader import load_version
+from pcframe.store.directory import CheckpointDir
+from tests.integrations.killing import (
+    final_version,
+    kill_and_resume,
+    newest,
+    tensor_differences,
+    tree_differences,
+)
+
+pytest.importorskip("transformers")
+
+CHILD = Path(__file__).with_name("train_child_hf.py")
+STEPS = 30  # 10 batches an epoch: the kills land in different epochs and mid-epoch
+
+
+def start(python, env, directory: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [python, str(CHILD), str(directory), str(STEPS), *extra],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def test_sigkilled_trainer_resumes_bit_identical(tmp_path, python, child_env):
+    sigkill_campaign(tmp_path, python, child_env, kills=2, seed=16)
+
+
+@pytest.mark.campaign
+@pytest.mark.parametrize("seed", range(4))
+def test_sigkill_campaign(tmp_path, python, child_env, seed):
+    sigkill_campaign(tmp_path, python, child_env, kills=6, seed=200 + seed)
+
+
+def sigkill_campaign(tmp_path: Path, python: str, env: dict, kills: int, seed: int) -> None:
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    finish(start(python, env, reference, "--delay", "0"))
+    landed = kill_and_resume(lambda: start(python, env, killed), killed, kills=kills, seed=seed)
+    assert landed >= min(kills, 2), f"only {landed} kills landed"
+    step_a, tensors_a, tree_a = final_version(reference)
+    step_b, tensors_b, tree_b = final_version(killed)
+    assert step_a == step_b == STEPS
+    assert any(k.startswith("model/") for k in tensors_a)
+    assert any(k.startswith("optimizer/") for k in tensors_a)
+    assert not tensor_differences(tensors_a, tensors_b)  # weights, Adam moments, RNGs
+    assert not tree_differences(tree_a["scheduler"], tree_b["scheduler"])
+    # TrainerState: global_step, epoch (a float, bit for bit), flos, tokens seen, ...
+    assert not tree_differences(tree_a["stateful"], tree_b["stateful"])
+
+
+def test_import_error_names_the_extra(python, child_env):
+    code = (
+        "import sys; sys.modules['transformers'] = None\nimport pcframe.integrations.transformers"
+    )
+    proc = subprocess.run([python, "-c", code], env=child_env, capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "ImportError: pcframe.integrations.transformers needs transformers: "
+        "pip install 'pcframe[transformers]'"
+    )
+
+
+def test_example_runs(tmp_path, python, child_env):
+    example = Path(__file__).parents[2] / "examples" / "integrations" / "hf_example.py"
+    proc = subprocess.run(
+        [python, str(example)], cwd=tmp_path, env=child_env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "trained to step 40" in proc.stdout and "resumed" not in proc.stdout  # fresh start
+    versions = newest(tmp_path / "ckpts")
+    assert versions == 4  # save_steps=10
+    # A finished run started again resumes its last step and trains no further.
+    again = subprocess.run(
+        [python, str(example)], cwd=tmp_path, env=child_env, capture_output=True, text=True
+    )
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "resumed from step 40" in again.stdout and "trained to step 40" in again.stdout
+    assert newest(tmp_path / "ckpts") == versions  # nothing trained, nothing saved
+
+
+def test_policy_by_name_and_object(tmp_path):
+    from pcframe.integrations.transformers import PcframeCallback
+    from pcframe.policies import FixedSteps, Young
+
+    policy = Young()
+    assert PcframeCallback(tmp_path, policy=policy).policy is policy
+    assert isinstance(PcframeCallback(tmp_path, policy="young").policy, Young)
+    assert PcframeCallback(tmp_path, save_steps=4).policy.every == 4
+    with pytest.raises(ValueError, match="not both"):
+        PcframeCallback(tmp_path, policy=FixedSteps(3), save_steps=4)
+
+
+def test_corrupt_newest_version_falls_back(tmp_path, python, child_env):
+    run = tmp_path / "run"
+    # The policy by name: FixedSteps() saves every 10 steps.
+    out = finish(start(python, child_env, run, "--delay", "0", "--policy", "fixed_steps"))
+    assert "resumed_step None global_step 30" in out  # nothing there yet: a fresh start
+    assert [final_step(run, v) for v in CheckpointDir(run).committed_versions()] == [10, 20, 30]
+    store = CheckpointDir(run)
+    data = store.path(store.committed_versions()[-1]) / "data.bin"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 3] ^= 0x01  # one flipped bit: the chunk checksum fails
+    data.write_bytes(bytes(raw))
+    out = finish(start(python, child_env, run, "--delay", "0", "--policy", "fixed_steps"))
+    assert "resumed_step 20 global_step 30" in out  # the previous valid version, then 21..30
+    assert any(p.name.startswith(".corrupt-") for p in run.iterdir())
+
+
+def final_step(directory: Path, version: int) -> int:
+    return load_version(CheckpointDir(directory).path(version)).manifest.step
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
