@@ -1,0 +1,187 @@
+"""The machine's own limits for a checkpoint: how fast memory copies, how fast the disk writes.
+
+A checkpointing engine cannot snapshot faster than one memcpy of the state, nor make it
+durable faster than the disk takes synced writes. The benchmarks and ``pcframe-tune`` state
+their results as ratios to these numbers, measured in the same run:
+
+* **memcpy**: copying ``nbytes`` between two buffers already faulted in, with torch's
+  ``copy_`` on the calling thread's threads (the fastest copy this process can do) and on
+  one thread (what one engine thread can do);
+* **disk write**: ``nbytes`` written with ``O_DIRECT`` in large blocks and fsynced, by 1 and
+  by 4 parallel writers (the best of them is the limit; both are reported, since the better
+  one depends on the device). Where ``O_DIRECT`` is refused (tmpfs), buffered writes + fsync;
+* **disk read**: the same file read back with ``O_DIRECT`` by 4 parallel readers (no page
+  cache: what a cold restore can get at best).
+
+Each number is the median of ``repeats``; the spread (min..max) comes with it, because a
+shared machine drifts.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from pcframe.save.persist import pwrite_all
+from pcframe.threads import single_threaded_torch
+
+BLOCK = 64 << 20  # bytes per write: large, so request size is not what is measured
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Bytes per second: median and spread over repeats."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, nbytes: int, seconds: list[float]) -> Throughput:
+        rates = [nbytes / s for s in seconds]
+        return cls(statistics.median(rates), min(rates), max(rates))
+
+    def text(self) -> str:
+        return f"{self.median / 1e9:.2f} GB/s ({self.low / 1e9:.2f}..{self.high / 1e9:.2f})"
+
+
+@dataclass(frozen=True)
+class MachineLimits:
+    nbytes: int
+    memcpy: Throughput  # torch copy_ with this thread's OpenMP threads
+    memcpy_one_thread: Throughput
+    disk_write_1: Throughput  # one O_DIRECT writer, fsync included
+    disk_write_4: Throughput  # four parallel writers
+    disk_read: Throughput  # four parallel O_DIRECT readers (buffered where O_DIRECT is refused)
+    direct: bool  # O_DIRECT was used (False: buffered + fsync)
+
+    @property
+    def disk_write(self) -> Throughput:
+        """The better of 1 and 4 writers: the disk's limit."""
+        return max(self.disk_write_1, self.disk_write_4, key=lambda r: r.median)
+
+    def memcpy_seconds(self, nbytes: int) -> float:
+        return nbytes / self.memcpy.median
+
+    def disk_seconds(self, nbytes: int) -> float:
+        return nbytes / self.disk_write.median
+
+    def read_seconds(self, nbytes: int) -> float:
+        return nbytes / self.disk_read.median
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def lines(self) -> list[str]:
+        return [
+            f"memcpy ({torch.get_num_threads()} threads): {self.memcpy.text()}; "
+            f"one thread: {self.memcpy_one_thread.text()}",
+            f"disk write ({'O_DIRECT' if self.direct else 'buffered'} + fsync, "
+            f"{BLOCK >> 20} MiB blocks): 1 writer {self.disk_write_1.text()}, "
+            f"4 writers {self.disk_write_4.text()}",
+            f"disk read ({'O_DIRECT' if self.direct else 'buffered'}, 4 readers): "
+            f"{self.disk_read.text()}",
+        ]
+
+
+def measure_limits(
+    directory: str | os.PathLike[str], nbytes: int, repeats: int = 5
+) -> MachineLimits:
+    """Measure memcpy and disk-write limits for ``nbytes`` (a temporary file in ``directory``)."""
+    nbytes = max(BLOCK, -(-nbytes // BLOCK) * BLOCK)
+    memcpy, one = _copy_times(nbytes, repeats)
+    path = Path(directory) / f".pcframe-limits-{os.getpid()}.bin"
+    try:
+        direct = _opens_direct(path)
+        writes = {n: [_write(path, nbytes, n, direct) for _ in range(repeats)] for n in (1, 4)}
+        reads = [_read(path, nbytes, 4, direct) for _ in range(repeats)]
+    finally:
+        path.unlink(missing_ok=True)
+    return MachineLimits(
+        nbytes,
+        Throughput.of(nbytes, memcpy),
+        Throughput.of(nbytes, one),
+        Throughput.of(nbytes, writes[1]),
+        Throughput.of(nbytes, writes[4]),
+        Throughput.of(nbytes, reads),
+        direct,
+    )
+
+
+def _copy_times(nbytes: int, repeats: int) -> tuple[list[float], list[float]]:
+    """Seconds per copy of ``nbytes``: with this thread's OpenMP threads, and on one thread."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)  # both faulted in: the copy alone is timed
+    many = [_timed(lambda: dst.copy_(src)) for _ in range(repeats)]
+    one: list[float] = []
+
+    def one_thread() -> None:
+        single_threaded_torch()
+        one.extend(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+
+    worker = threading.Thread(target=one_thread)
+    worker.start()
+    worker.join()
+    return many, one
+
+
+def _timed(work) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+def _opens_direct(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+def _write(path: Path, nbytes: int, writers: int, direct: bool) -> float:
+    """Seconds to write ``nbytes`` with ``writers`` threads, each its own range, then fsync."""
+    block = mmap.mmap(-1, BLOCK)  # page-aligned, as O_DIRECT needs
+    block.write(os.urandom(1 << 20) * (BLOCK >> 20))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        offsets = range(0, nbytes, BLOCK)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(writers) as pool:
+            list(pool.map(lambda offset: pwrite_all(fd, memoryview(block), offset), offsets))
+        os.fsync(fd)
+        return time.perf_counter() - start
+    finally:
+        os.close(fd)
+
+
+def _read(path: Path, nbytes: int, readers: int, direct: bool) -> float:
+    """Seconds to read ``nbytes`` of ``path`` with ``readers`` threads, each its own blocks."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    offsets = list(range(0, nbytes, BLOCK))
+
+    def reader(k: int) -> None:
+        buffer = mmap.mmap(-1, BLOCK)  # page-aligned, one per reader
+        for offset in offsets[k::readers]:
+            os.preadv(fd, [buffer], offset)
+
+    try:
+        if not direct:  # the buffered fallback: cold only if the cache can be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(readers) as pool:
+            list(pool.map(reader, range(readers)))
+        return time.perf_counter() - start
+    finally:
+        os.close(fd)
