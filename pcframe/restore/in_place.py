@@ -11,14 +11,18 @@ then, as the last step that can fail, the bytes are read a second time, from the
 cache, into the live storage (:attr:`~pcframe.restore.reader.LoadedVersion.fill`). Until
 that last step every object is exactly as before, so a rollback needs no copy.
 
-That is the same as an ordinary load only where loading is plain torch: a module with its
-own ``_load_from_state_dict`` (outside torch) or with load-state-dict hooks, or an optimizer
-with its own ``load_state_dict`` or load hooks, may transform what it is given, so those
-objects load the ordinary way. Per tensor: a plain CPU tensor, contiguous and non-empty
-(the reader also checks dtype and shape against the manifest); for optimizer state only
-tensors with their parameter's dtype (others torch would convert into a new tensor), and
-never the ``step`` counters (tiny, and torch may convert them). GPU, sharded (DTensor) and
-strided tensors take the ordinary path.
+That is the same as an ordinary load only where saving and loading are plain torch: a
+module with its own ``state_dict`` / ``_load_from_state_dict`` / extra state (outside
+torch) or with state-dict or load-state-dict hooks, or an optimizer with its own
+``state_dict`` / ``load_state_dict`` or such hooks, may hand out copies or transform what
+it is given, so those objects load the ordinary way. And a target must *be* the live
+storage: a model entry only where the state dict's tensor is the module's own parameter or
+persistent buffer of that name (same storage, offset, shape, dtype), an optimizer entry
+only where it is the tensor in ``optimizer.state``. Per tensor: a plain CPU tensor,
+contiguous and non-empty (the reader also checks dtype and shape against the manifest);
+for optimizer state only tensors with their parameter's dtype (others torch would convert
+into a new tensor), and never the ``step`` counters (tiny, and torch may convert them).
+GPU, sharded (DTensor) and strided tensors take the ordinary path.
 """
 
 from __future__ import annotations
@@ -37,24 +41,48 @@ def in_place_targets(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
     """``{manifest entry name: live tensor}`` for the tensors a restore may fill in place."""
     targets: dict[str, torch.Tensor] = {}
     if isinstance(model, torch.nn.Module) and plain_module_loading(model):
-        targets.update(_named({"model": model.state_dict()}))
+        own = {
+            **dict(model.named_parameters(remove_duplicate=False)),
+            **dict(model.named_buffers(remove_duplicate=False)),
+        }
+        state = {k: v for k, v in model.state_dict().items() if _is_live(v, own.get(k))}
+        targets.update(_named({"model": state}))
     if isinstance(optimizer, Optimizer) and plain_optimizer_loading(optimizer):
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        state = optimizer.state_dict()["state"]
+        # Indices as torch's Optimizer.state_dict numbers them: each group's parameters
+        # from a running start (advanced by the group's length), the first index kept.
+        index: dict[int, int] = {}
+        start = 0
+        for group in optimizer.param_groups:
+            for i, param in enumerate(group["params"], start):
+                index.setdefault(id(param), i)
+            start += len(group["params"])
         fitting = {
-            index: {
+            index[id(param)]: {
                 key: value
                 for key, value in per_param.items()
                 if key != "step"
                 and isinstance(value, torch.Tensor)
-                and index < len(params)
-                and value.dtype == params[index].dtype
-                and value.device == params[index].device
+                and value.dtype == param.dtype
+                and value.device == param.device
             }
-            for index, per_param in state.items()
+            for param, per_param in optimizer.state.items()
+            if isinstance(param, torch.Tensor) and id(param) in index
         }
         targets.update(_named({"optimizer": {"state": fitting}}))
     return targets
+
+
+def _is_live(value: object, own: torch.Tensor | None) -> bool:
+    """``value`` (from ``state_dict()``) is the very storage of the module's own tensor."""
+    return (
+        isinstance(value, torch.Tensor)
+        and own is not None
+        and value.untyped_storage().data_ptr() == own.untyped_storage().data_ptr()
+        and value.storage_offset() == own.storage_offset()
+        and value.shape == own.shape
+        and value.dtype == own.dtype
+        and value.stride() == own.stride()
+    )
 
 
 def _named(tree: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -71,24 +99,46 @@ def _named(tree: dict[str, Any]) -> dict[str, torch.Tensor]:
     }
 
 
+_MODULE_METHODS = ("_load_from_state_dict", "_save_to_state_dict")
+_MODULE_HOOKS = (
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+)
+
+
 def plain_module_loading(model: torch.nn.Module) -> bool:
-    """True when ``model.load_state_dict`` only copies values (no hook, no override)."""
-    if type(model).load_state_dict is not torch.nn.Module.load_state_dict:
+    """True when ``state_dict`` / ``load_state_dict`` only hand out and copy values."""
+    root = type(model)
+    if (
+        root.load_state_dict is not torch.nn.Module.load_state_dict
+        or root.state_dict is not torch.nn.Module.state_dict
+    ):
         return False
     for module in model.modules():
-        if module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks:
+        if any(getattr(module, hooks, None) for hooks in _MODULE_HOOKS):
             return False
-        if not type(module)._load_from_state_dict.__module__.startswith("torch."):
+        for name in _MODULE_METHODS:
+            if not getattr(type(module), name).__module__.startswith("torch."):
+                return False
+        # Extra state (set_extra_state) is set from the state dict during load_state_dict,
+        # before any fill; a module that defines it loads the ordinary way.
+        if type(module).get_extra_state is not torch.nn.Module.get_extra_state:
             return False
     return True
 
 
 def plain_optimizer_loading(optimizer: Optimizer) -> bool:
     """True when the optimizer loads with torch's own ``load_state_dict`` and no hooks."""
+    kind = type(optimizer)
     return (
-        type(optimizer).load_state_dict is Optimizer.load_state_dict
-        and type(optimizer)._process_value_according_to_param_policy
+        kind.load_state_dict is Optimizer.load_state_dict
+        and kind.state_dict is Optimizer.state_dict
+        and kind._process_value_according_to_param_policy
         is Optimizer._process_value_according_to_param_policy
         and not optimizer._optimizer_load_state_dict_pre_hooks
         and not optimizer._optimizer_load_state_dict_post_hooks
+        and not optimizer._optimizer_state_dict_pre_hooks
+        and not optimizer._optimizer_state_dict_post_hooks
     )

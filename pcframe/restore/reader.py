@@ -48,6 +48,7 @@ from pcframe.format.manifest import (
 )
 from pcframe.format.names import VERSION_DIR, version_name
 from pcframe.format.tree import DTYPES, decode_tree
+from pcframe.threads import single_threaded_torch
 
 _IOV_MAX = 1024
 
@@ -107,7 +108,12 @@ def load_version(
     wanted = range(len(manifest.entries))
     tensors, chain = reader.read(wanted, reader.match(targets or {}))
     return LoadedVersion(
-        manifest, [tensors[i] for i in wanted], chain, reader.fill, reader.in_place_bytes
+        manifest,
+        [tensors[i] for i in wanted],
+        chain,
+        reader.fill,
+        reader.in_place_bytes,
+        reader.release,
     )
 
 
@@ -142,6 +148,7 @@ class _VersionReader:
         _check_size(self.data_path, manifest.data_size)
         if manifest.coded:
             _check_size(self.codec_path, manifest.codec_size)
+        self._data_fd = self._codec_fd = -1
         self._scratch = threading.local()  # one chunk-sized buffer per reading thread
         self._deferred: list[Chunk] = []  # chunks holding bytes of in-place targets
         self._targets: dict[int, torch.Tensor] = {}
@@ -199,12 +206,18 @@ class _VersionReader:
             tasks += self._segment_tasks(out, coded, previous)
         self._data_fd = open_regular(self.data_path) if raw else -1
         self._codec_fd = open_regular(self.codec_path) if coded else -1
+        kept = False
         try:
             self._run(tasks)
+            # The fill reads the verified file through the same descriptor: a version
+            # deleted meanwhile (another process's retention) is still readable then.
+            kept = bool(self._deferred)
         finally:
-            for fd in (self._data_fd, self._codec_fd):
-                if fd >= 0:
-                    os.close(fd)
+            if self._codec_fd >= 0:
+                os.close(self._codec_fd)
+            if self._data_fd >= 0 and not kept:
+                os.close(self._data_fd)
+                self._data_fd = -1
         return out, chain
 
     def _run(self, tasks: list[Callable[[], None]]) -> None:
@@ -256,13 +269,16 @@ class _VersionReader:
         chunks = [c for c in self._deferred if any(p.entry in flats for p in c.pieces)]
         if not chunks:
             return 0
-        self._data_fd = open_regular(self.data_path)
-        try:
-            self._run([lambda c=c: self._read_pieces(c, flats) for c in chunks])
-        finally:
+        if self._data_fd < 0:  # released, or a retry after a failed fill
+            self._data_fd = open_regular(self.data_path)
+        self._run([lambda c=c: self._read_pieces(c, flats) for c in chunks])
+        return sum(t.numel() for t in flats.values())
+
+    def release(self) -> None:
+        """Close the descriptor kept for :meth:`fill` (idempotent)."""
+        if self._data_fd >= 0:
             os.close(self._data_fd)
             self._data_fd = -1
-        return sum(t.numel() for t in flats.values())
 
     def _read_pieces(self, chunk: Chunk, flats: dict[int, torch.Tensor]) -> None:
         """Read only the pieces of ``chunk`` that belong to ``flats`` (no verification)."""
@@ -399,6 +415,17 @@ _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
 
+def _forget_pools_after_fork() -> None:
+    # A forked child has none of the parent's threads: a pool inherited from it would take
+    # tasks and never run them.
+    global _POOLS_LOCK
+    _POOLS.clear()
+    _POOLS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools_after_fork)
+
+
 def _reading_pool(threads: int) -> ThreadPoolExecutor:
     """The reading threads for ``threads``-way reads, started once and kept.
 
@@ -408,7 +435,9 @@ def _reading_pool(threads: int) -> ThreadPoolExecutor:
     with _POOLS_LOCK:
         pool = _POOLS.get(threads)
         if pool is None:
-            pool = _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="pcframe-read")
+            pool = _POOLS[threads] = ThreadPoolExecutor(
+                threads, thread_name_prefix="pcframe-read", initializer=single_threaded_torch
+            )
         return pool
 
 

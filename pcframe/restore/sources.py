@@ -144,6 +144,7 @@ def _load_with_retries(
         except BaseException:
             files.close()
             raise
+        files.callback(loaded.release)  # the descriptor kept for the fill
         if not loaded.in_place_bytes:
             files.close()
             return loaded

@@ -30,28 +30,38 @@ class SharedChunks:
     def __init__(self, write: Any, chunks: Sequence[Any], flats: list[Any]) -> None:
         self.write, self.flats = write, flats
         self._chunks = iter(chunks)
+        self._returned: list[Any] = []  # taken, then given back unstaged
         self._busy = 0
+        self._closed = False
         self._cond = threading.Condition()
 
     def take(self) -> Any | None:
         """The next chunk to stage (the caller must call :meth:`done`), or None at the end."""
         with self._cond:
-            chunk = next(self._chunks, None)
+            if self._closed:
+                return None
+            chunk = self._returned.pop() if self._returned else next(self._chunks, None)
             if chunk is not None:
                 self._busy += 1
             return chunk
 
-    def done(self) -> None:
+    def done(self, unstaged: Any | None = None) -> None:
+        """A taken chunk is staged, or (``unstaged``) given back for another thread."""
         with self._cond:
             self._busy -= 1
+            if unstaged is not None:
+                self._returned.append(unstaged)
             self._cond.notify_all()
 
-    def finish(self) -> None:
-        """No more chunks for anyone; returns once every taken chunk is staged."""
+    def finish(self) -> list[Any]:
+        """No more chunks for anyone; once every taken chunk is staged or given back,
+        returns the chunks given back after the copy thread stopped taking."""
         with self._cond:
-            self._chunks = iter(())
+            self._closed = True
             while self._busy:
                 self._cond.wait()
+            returned, self._returned = self._returned, []
+            return returned
 
 
 class Copier:

@@ -111,8 +111,9 @@ class SavePipeline:
 
     def submit(self, request: SaveRequest, progress: SaveProgress) -> None:
         self.pool.ensure(self._staging_budget(request.nbytes), pinned=request.on_cuda)
-        if not self._started:
+        if not self._started:  # the training thread: one caller, no race
             self._started = True
+            self._writers.start()
             self._copy_thread.start()
             self._commit_thread.start()
         self._copy_queue.put(VersionWrite(request, progress))
@@ -140,10 +141,14 @@ class SavePipeline:
         cpu = time.thread_time()
         # One thread of its own: with the copy thread beside it, an OpenMP team here would
         # put more threads than cores on the copy (measured: twice as slow on 2 cores).
-        # A failure is the version's (recorded in its progress), not the training step's.
-        with one_openmp_thread(), contextlib.suppress(Exception):
-            self._copy_shared(sharing)
-        sharing.write.progress.add_cpu(cpu)
+        # A failure is the version's (recorded in its progress), not the training step's;
+        # an interrupt (Ctrl-C, a signal handler raising) is the step's: the chunk it cut
+        # short goes back to the copy thread and the version still commits.
+        try:
+            with one_openmp_thread(), contextlib.suppress(Exception):
+                self._copy_shared(sharing, helping=True)
+        finally:
+            sharing.write.progress.add_cpu(cpu)
 
     def close(self) -> None:
         if not self._started:
@@ -221,18 +226,33 @@ class SavePipeline:
         finally:
             with self._sharing_changed:
                 self._sharing = None
-            sharing.finish()  # a chunk the training thread took is staged before copy_done
+            # A chunk the training thread took is staged before copy_done; one it gave back
+            # (interrupted) after this thread's last take is staged here.
+            leftovers = sharing.finish()
+        for chunk in leftovers:
+            if write.failed:
+                break
+            self._stage(write, self.writer.write_chunk, self._fill, chunk, flats)
 
-    def _copy_shared(self, sharing: SharedChunks) -> None:
+    def _copy_shared(self, sharing: SharedChunks, *, helping: bool = False) -> None:
         write = sharing.write
         while not write.failed and (chunk := sharing.take()) is not None:
+            handed = False
             try:
-                self._stage(write, self.writer.write_chunk, self._fill, chunk, sharing.flats)
-            except BaseException as exc:
+                handed = self._stage(
+                    write, self.writer.write_chunk, self._fill, chunk, sharing.flats
+                )
+            except Exception as exc:
                 write.progress.fail(Stage.SNAPSHOT, exc)
                 raise
+            except BaseException as exc:
+                if not helping:
+                    write.progress.fail(Stage.SNAPSHOT, exc)
+                raise
             finally:
-                sharing.done()
+                # A chunk the helping training thread did not hand to a writer (it was
+                # interrupted) is staged by the copy thread after all.
+                sharing.done(None if handed or write.failed else chunk)
 
     def _begin(self, write: VersionWrite) -> None:
         """Plan the version's storage (codecs, delta or full) and open its files."""
@@ -256,8 +276,8 @@ class SavePipeline:
 
     def _stage(
         self, write: VersionWrite, task: Callable, fill: Callable, unit: Any, flats: list[Any]
-    ) -> None:
-        """Copy one chunk or segment into a staging buffer and hand it to a writer."""
+    ) -> bool:
+        """Copy one chunk or segment into a staging buffer and hand it to a writer (True)."""
         buffer = self.pool.acquire()
         try:
             fill(write, unit, buffer, flats)
@@ -266,6 +286,7 @@ class SavePipeline:
             raise
         write.staged()
         self._writers.submit(self._run_writer, task, write, unit, buffer)
+        return True
 
     def _run_writer(self, task: Callable, write: VersionWrite, unit: Any, buffer: Any) -> None:
         try:

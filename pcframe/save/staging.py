@@ -56,6 +56,7 @@ class StagingPool:
             try:
                 self._free = self._allocate(count, pinned)
             except (MemoryError, RuntimeError) as exc:  # numpy / torch refuse the allocation
+                self._count = 0  # no pool now: the next save allocates again
                 raise ConfigError(
                     f"cannot allocate a staging pool of {count * self.chunk_bytes} bytes "
                     f"({type(exc).__name__}): lower engine.staging_bytes or "

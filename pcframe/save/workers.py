@@ -29,19 +29,27 @@ class WorkerPool:
             threading.Thread(target=self._run, name=f"{name}{i}", daemon=True) for i in range(count)
         ]
         self._started = False
+        self._start_lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the threads (once; idempotent). Until then nothing runs: a Checkpointer
+        that only restores starts none."""
+        with self._start_lock:
+            if not self._started:
+                for thread in self._threads:
+                    thread.start()
+                self._started = True
 
     def submit(self, task: Callable[..., None], *args: Any) -> None:
-        """Run ``task(*args)`` on a worker; tasks report their own failures."""
-        if not self._started:  # first use: a Checkpointer that only restores starts none
-            self._started = True
-            for thread in self._threads:
-                thread.start()
+        """Run ``task(*args)`` on a worker (after :meth:`start`); tasks report their own
+        failures."""
         self._queue.put((task, args))
 
     def shutdown(self) -> None:
         """Finish every queued task, then stop the threads."""
-        if not self._started:
-            return
+        with self._start_lock:
+            if not self._started:
+                return
         for _ in self._threads:
             self._queue.put(None)
         for thread in self._threads:

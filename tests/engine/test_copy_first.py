@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from pcframe import Checkpointer
@@ -93,3 +94,51 @@ def test_a_held_writer_goes_once_training_stops_waiting():
         threading.Thread(target=lambda: (pool.writer_turn(), done.set()), daemon=True).start()
         assert not done.wait(0.2)
     assert done.wait(1.0)
+
+
+def test_an_interrupt_while_helping_leaves_the_version_to_the_copy_thread(tmp_path, monkeypatch):
+    model, optimizer = _state()
+    original = copy_stage.Copier.fill
+    interrupted = []
+
+    def fill(self, pieces, view, stream, *, checksum=False):
+        if threading.current_thread() is threading.main_thread() and not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt  # Ctrl-C (or a signal handler raising) mid-chunk
+        time.sleep(0.005)
+        return original(self, pieces, view, stream, checksum=checksum)
+
+    monkeypatch.setattr(copy_stage.Copier, "fill", fill)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, chunk_bytes=CHUNK) as ckpt:
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        handle = ckpt.save(1)
+        with pytest.raises(KeyboardInterrupt):
+            optimizer.step()  # the gate helps, is interrupted: the step is, not the version
+        assert handle.wait() == "committed"
+    assert interrupted
+    fresh = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(8)])
+    with Checkpointer(tmp_path, model=fresh) as ckpt:
+        ckpt.restore(strict=False)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
+
+
+def test_a_refused_pool_resize_leaves_the_engine_usable(tmp_path, monkeypatch):
+    from pcframe.errors import ConfigError
+
+    model = torch.nn.Linear(256, 256)
+    optimizer = torch.optim.Adam(model.parameters())
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, chunk_bytes=CHUNK) as ckpt:
+        ckpt.save(0).wait()  # no Adam state yet: a small pool
+        model(torch.randn(2, 256)).sum().backward()
+        optimizer.step()
+        real = StagingPool._allocate
+        monkeypatch.setattr(
+            StagingPool,
+            "_allocate",
+            lambda self, count, pinned: (_ for _ in ()).throw(MemoryError("refused")),
+        )
+        with pytest.raises(ConfigError):
+            ckpt.save(1)  # the bigger pool is refused
+        monkeypatch.setattr(StagingPool, "_allocate", real)
+        optimizer.state.clear()  # small again (an optimizer reset)
+        assert ckpt.save(2).wait(timeout=30) == "committed"

@@ -226,3 +226,98 @@ def test_a_failing_second_read_says_what_could_not_be_rolled_back(tmp_path, monk
     ):
         ckpt.restore()
     assert scheduler.state_dict() == scheduler_before  # what can be rolled back was
+
+
+class Scaled(torch.nn.Module):
+    """A module with tensor extra state: set from the state dict inside load_state_dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.scale = torch.ones(4)
+
+    def get_extra_state(self):
+        return {"scale": self.scale.clone()}
+
+    def set_extra_state(self, state) -> None:
+        self.scale = state["scale"].clone()
+
+
+def test_extra_state_is_restored(tmp_path):
+    model = Scaled()
+    model.scale.fill_(2.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        ckpt.save(1).wait()
+    model.scale.fill_(7.0)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        ckpt.restore()
+    assert torch.equal(model.scale, torch.full((4,), 2.0))
+
+
+def test_a_state_dict_of_copies_is_restored_into_the_parameters(tmp_path):
+    model = torch.nn.Linear(3, 1, bias=False)
+
+    def as_bf16(module, state, prefix, local_metadata):  # hands out copies, not the storage
+        for key in list(state):
+            state[key] = state[key].to(torch.bfloat16)
+
+    model._register_state_dict_hook(as_bf16)
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        ckpt.save(1).wait()
+    with torch.no_grad():
+        model.weight.fill_(3.0)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        ckpt.restore(allow_cast=True)
+    assert torch.equal(model.weight, torch.full((1, 3), 0.5))
+
+
+def test_a_version_deleted_after_verification_still_fills(tmp_path, monkeypatch):
+    from pcframe.restore import restorer
+
+    model = _model()
+    optimizer = _trained(model)
+    saved = _snapshot(model)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        ckpt.save(1).wait()
+    _perturb(model)
+    real_apply = restorer.apply_tree
+
+    def delete_then_apply(*args, **kwargs):
+        for data in tmp_path.glob("v*/data.bin"):
+            data.unlink()  # e.g. another process's retention, between verification and fill
+        return real_apply(*args, **kwargs)
+
+    monkeypatch.setattr(restorer, "apply_tree", delete_then_apply)
+    import pcframe
+
+    pcframe.load(tmp_path, model=model, optimizer=optimizer)
+    assert _same(model, saved)
+
+
+def test_a_forked_child_can_restore_after_its_parent(tmp_path):
+    import multiprocessing
+
+    model = _model()
+    optimizer = _trained(model)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        ckpt.save(1).wait()
+    import pcframe
+
+    pcframe.load(tmp_path, model=model, optimizer=optimizer)  # the parent's reading pool
+
+    def child() -> None:
+        # No OpenMP team in the child: GNU OpenMP itself can hang after a fork (not ours).
+        torch.set_num_threads(1)
+        pcframe.load(tmp_path, model=model, optimizer=optimizer)
+
+    process = multiprocessing.get_context("fork").Process(target=child)
+    process.start()
+    process.join(60)
+    alive = process.is_alive()
+    if alive:
+        process.kill()
+    assert not alive and process.exitcode == 0
