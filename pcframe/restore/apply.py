@@ -249,9 +249,9 @@ def _fill(fill: Callable[[Collection[str]], int], loaded: set[str]) -> Callable[
 
         def cannot() -> None:
             raise CheckpointError(
-                f"the {' and '.join(sorted(sections))} tensors read in place were being "
-                "overwritten with the checkpoint's values when the read failed, and cannot "
-                "be rolled back"
+                f"the {' and '.join(sorted(sections))} tensors read in place may hold part "
+                "of the checkpoint's values (re-reading the verified bytes failed) and "
+                "cannot be rolled back"
             )
 
         undo.push(cannot)
