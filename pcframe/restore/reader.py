@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,9 +48,7 @@ from pcframe.format.manifest import (
 )
 from pcframe.format.names import VERSION_DIR, version_name
 from pcframe.format.tree import DTYPES, decode_tree
-from pcframe.threads import single_threaded_torch
-
-_IOV_MAX = 1024
+from pcframe.restore.reading import check_size, preadv_all, reading_pool
 
 
 def _nothing(*_: object) -> int:
@@ -145,9 +143,9 @@ class _VersionReader:
         self.checksum = checksum_function(manifest.checksum)
         self.data_path = directory / DATA_NAME
         self.codec_path = directory / CODEC_NAME
-        _check_size(self.data_path, manifest.data_size)
+        check_size(self.data_path, manifest.data_size)
         if manifest.coded:
-            _check_size(self.codec_path, manifest.codec_size)
+            check_size(self.codec_path, manifest.codec_size)
         self._data_fd = self._codec_fd = -1
         self._scratch = threading.local()  # one chunk-sized buffer per reading thread
         self._deferred: list[Chunk] = []  # chunks holding bytes of in-place targets
@@ -226,7 +224,7 @@ class _VersionReader:
                 task()
             return
         try:
-            pool = _reading_pool(self.threads)
+            pool = reading_pool(self.threads)
             futures = [pool.submit(task) for task in tasks]
         except RuntimeError:  # the interpreter is shutting down: read on this thread
             for task in tasks:
@@ -286,7 +284,7 @@ class _VersionReader:
             if piece.entry in flats:
                 target = flats[piece.entry][piece.src_start : piece.src_start + piece.nbytes]
                 offset = chunk.offset + piece.dst_start
-                _preadv_all(self._data_fd, [memoryview(target.numpy())], offset, self.data_path)
+                preadv_all(self._data_fd, [memoryview(target.numpy())], offset, self.data_path)
 
     def _scratch_for(self, length: int) -> memoryview:
         buffer = getattr(self._scratch, "buffer", None)
@@ -309,7 +307,7 @@ class _VersionReader:
             cursor = piece.dst_start + piece.nbytes
         if cursor < chunk.length:
             buffers.append(scratch[cursor : chunk.length])
-        _preadv_all(self._data_fd, buffers, chunk.offset, self.data_path)
+        preadv_all(self._data_fd, buffers, chunk.offset, self.data_path)
         record = self.manifest.chunks[chunk.index]
         if self.verify and self.checksum(buffers) != record.checksum:
             raise CorruptCheckpoint(
@@ -347,7 +345,7 @@ class _VersionReader:
 
         entry = self.manifest.entries[index]
         payload = memoryview(bytearray(segment.length))
-        _preadv_all(self._codec_fd, [payload], segment.offset, self.codec_path)
+        preadv_all(self._codec_fd, [payload], segment.offset, self.codec_path)
         where = f"{self.codec_path}: tensor {entry.name!r} segment {k}"
         if self.verify and self.checksum([payload]) != segment.checksum:
             raise CorruptCheckpoint(
@@ -409,74 +407,3 @@ class _VersionReader:
         reader = _VersionReader(base_dir, base, self.threads, self.verify)
         values, chain = reader.read(sorted(wanted.values()))
         return {i: values[j].reshape(-1) for i, j in wanted.items()}, chain
-
-
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
-
-
-def _forget_pools_after_fork() -> None:
-    # A forked child has none of the parent's threads: a pool inherited from it would take
-    # tasks and never run them.
-    global _POOLS_LOCK
-    _POOLS.clear()
-    _POOLS_LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pools_after_fork)
-
-
-def _reading_pool(threads: int) -> ThreadPoolExecutor:
-    """The reading threads for ``threads``-way reads, started once and kept.
-
-    Starting threads for every restore cost 50 ms on a loaded 2-core machine (15 thread
-    starts, measured), a sixth of a cold restore of 576 MiB.
-    """
-    with _POOLS_LOCK:
-        pool = _POOLS.get(threads)
-        if pool is None:
-            pool = _POOLS[threads] = ThreadPoolExecutor(
-                threads, thread_name_prefix="pcframe-read", initializer=single_threaded_torch
-            )
-        return pool
-
-
-def _check_size(path: Path, expected: int) -> None:
-    """The file is a regular file (not a link, FIFO or device) of the expected size."""
-    try:
-        fd = open_regular(path)
-    except FileNotFoundError:
-        raise CorruptCheckpoint(f"{path}: data file is missing") from None
-    try:
-        actual = os.fstat(fd).st_size
-    finally:
-        os.close(fd)
-    if actual != expected:
-        raise CorruptCheckpoint(
-            f"{path}: holds {actual} bytes, manifest says {expected} (truncated?)"
-        )
-
-
-def _preadv_all(fd: int, buffers: list[memoryview], offset: int, path: Path) -> None:
-    """Fill ``buffers`` from consecutive file bytes starting at ``offset`` (handles short reads)."""
-    pending = [b for b in buffers if len(b)]
-    while pending:
-        batch = pending[:_IOV_MAX]
-        try:
-            got = os.preadv(fd, batch, offset)
-        except OSError as exc:  # an I/O error, not corruption: name the file for the user
-            raise OSError(
-                exc.errno, f"{exc.strerror} (reading at byte {offset})", str(path)
-            ) from exc
-        if got == 0:
-            raise CorruptCheckpoint(f"{path}: unexpected end of file at byte {offset}")
-        offset += got
-        # Drop fully filled buffers; keep the unread tail of a partially filled one.
-        while got and pending:
-            head = pending[0]
-            if got >= len(head):
-                got -= len(head)
-                pending.pop(0)
-            else:
-                pending[0] = head[got:]
-                got = 0
