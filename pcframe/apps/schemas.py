@@ -155,6 +155,9 @@ class TuneConfig:
     write_config: str | None = None
     report_dir: str = "."
     progress: bool = True
+    # the storage measured on (conf/tune/target/: {name, kind, ...}); checked by
+    # pcframe.apps.tuning.targets.TargetSpec.from_config, untyped so each kind has its keys
+    target: Any = None
 
 
 @dataclass

@@ -17,6 +17,7 @@ from rich.console import Console
 
 from pcframe.apps.compose import quiet_missing_user_conf
 from pcframe.apps.errors import reported, run_app
+from pcframe.apps.limits import measure_limits
 from pcframe.apps.machine import resolve_threads
 from pcframe.apps.paths import user_config_dir
 from pcframe.apps.schemas import register
@@ -25,33 +26,53 @@ from pcframe.apps.tuning import (
     Tuner,
     best_trial,
     fixed_knobs,
+    limit_lines,
     plot,
     trials_table,
     write_tuned_config,
 )
+from pcframe.apps.tuning.targets import ActiveTarget, TargetSpec, open_target
 from pcframe.errors import ConfigError
 
 register()
 
 
-def finish(tuner: Tuner, study: optuna.Study) -> dict[str, Path]:
-    """Write the trials table, the plot and (if asked) the tuned engine config."""
+def finish(
+    tuner: Tuner, study: optuna.Study, target: ActiveTarget | None = None
+) -> tuple[dict[str, Path], list[str]]:
+    """Write the trials table, the plot and (if asked) the tuned engine config.
+
+    Returns the files written and the lines stating the best trial against the machine's
+    limits (one memcpy of the checkpoint, the disk's synced write rate), measured now
+    (inside ``target``, when one is set up: a throttled disk's limit is the throttle).
+    """
     tune = tuner.tune
     out = Path(tune.report_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = {"table": out / "tune_trials.md", "plot": out / "tune_plot.png"}
-    written["table"].write_text(
-        f"# pcframe-tune study `{study.study_name}`\n\n" + trials_table(study, tuner.objectives)
-    )
-    plot(study, tuner.objectives, written["plot"])
+    table = trials_table(study, tuner.objectives)
     try:
         best = best_trial(study, tuner.objectives)
     except ValueError:
+        written["table"].write_text(f"# pcframe-tune study `{study.study_name}`\n\n{table}")
         raise ConfigError(
             f"study {study.study_name!r} has no completed trial: every trial was pruned or "
             "failed; loosen tune.memory_budget or widen tune.space (see the table in "
             f"{written['table']})"
         ) from None
+    directory = Path(tuner.cfg.storage.directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    nbytes = int(best.user_attrs.get("checkpoint_bytes") or 0)
+    limits = measure_limits(directory, nbytes, repeats=3) if nbytes else None
+    against = limit_lines(best, limits)
+    if target is not None:
+        against += target.remote_lines(nbytes)
+    written["table"].write_text(
+        f"# pcframe-tune study `{study.study_name}`\n\n"
+        + "".join(f"- {line}\n" for line in against)
+        + f"\n{table}"
+    )
+    plot(study, tuner.objectives, written["plot"])
     if tune.write_config:
         cfg, engine = tuner.trial_config(dict(best.params))
         workload = {"name": cfg.workload.name, "args": OmegaConf.to_container(cfg.workload.args)}
@@ -63,8 +84,9 @@ def finish(tuner: Tuner, study: optuna.Study) -> dict[str, Path]:
             tuner.objectives,
             workload=workload,
             threads=resolve_threads(cfg.threads),
+            target=target.identity() if target is not None else None,
         )
-    return written
+    return written, against
 
 
 @hydra.main(version_base="1.3", config_path="pkg://pcframe.conf", config_name="tune")
@@ -78,16 +100,23 @@ def _task(cfg: DictConfig) -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # the tuner prints its own lines
     task = list(HydraConfig.get().overrides.task)
     console = Console()
-    tuner = Tuner(
-        cfg,
-        compose=lambda extra: hydra.compose("tune", overrides=[*task, *extra]),
-        fixed=fixed_knobs(task),
-        console=console,
-    )
-    study = tuner.run()
-    written = finish(tuner, study)
+    spec = TargetSpec.from_config(cfg.tune.target)
+    # The target is set up for the whole study and the limits measured at the end (a
+    # throttled disk: this process stays in the cgroup; s3: the server runs throughout).
+    with open_target(spec, cfg.storage.directory) as target:
+        tuner = Tuner(
+            cfg,
+            compose=lambda extra: hydra.compose("tune", overrides=[*task, *extra]),
+            fixed=fixed_knobs(task),
+            console=console,
+            tiers=target.tiers,
+        )
+        study = tuner.run()
+        written, against = finish(tuner, study, target)
     best = best_trial(study, tuner.objectives)
     console.print(f"best trial {best.number}: {best.params}")
+    for line in against:
+        console.print(line, soft_wrap=True)
     for what, path in written.items():
         console.print(f"{what}: {path}")
     if "config" in written:

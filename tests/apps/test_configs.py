@@ -21,14 +21,27 @@ from tests.apps.conftest import CONF, compose
 PRIMARY = {p.stem for p in CONF.glob("*.yaml")}  # run, tune (and any app added later)
 
 
-def groups_of(primary: str) -> set[str]:
-    """Config groups the primary config's defaults list selects."""
-    defaults = OmegaConf.to_container(OmegaConf.load(CONF / f"{primary}.yaml")).get("defaults", [])
+def _selected(path) -> set[str]:
+    defaults = OmegaConf.to_container(OmegaConf.load(path)).get("defaults", [])
     return {
         next(iter(entry)).removeprefix("optional ").removeprefix("override ").strip("/")
         for entry in defaults
         if isinstance(entry, dict)
     }
+
+
+def groups_of(primary: str) -> set[str]:
+    """Config groups the primary config's defaults list selects, and the groups nested in
+    the options it selects by default (``tune: default`` selects ``tune/target``)."""
+    groups = _selected(CONF / f"{primary}.yaml")
+    primary_defaults = OmegaConf.to_container(OmegaConf.load(CONF / f"{primary}.yaml"))
+    for entry in primary_defaults.get("defaults", []):
+        if isinstance(entry, dict):
+            group, option = next(iter(entry.items()))
+            path = CONF / str(group) / f"{option}.yaml"
+            if path.is_file():
+                groups |= {f"{group}/{nested}" for nested in _selected(path)}
+    return groups
 
 
 def options() -> list[tuple[str, str]]:
@@ -104,6 +117,8 @@ def test_option_composes_and_instantiates(group, option, tmp_path):
         if isinstance(value, str) and "${" in value:
             continue  # resolved in context (the Hydra output folder), replaced in tests
         full = f"{package}.{key}" if package else key
+        if ours and full == "storage.directory":
+            continue  # the test points every run at its own folder (tune/target presets)
         got = OmegaConf.select(cfg, full, throw_on_missing=True)
         if OmegaConf.is_config(got):
             got = OmegaConf.to_container(got, resolve=True)

@@ -7,7 +7,13 @@ and measures it with :func:`measure`. See docs/tuning.md.
 """
 
 from pcframe.apps.tuning.measure import Measurement, measure
-from pcframe.apps.tuning.report import best_trial, plot, trials_table, write_tuned_config
+from pcframe.apps.tuning.report import (
+    best_trial,
+    limit_lines,
+    plot,
+    trials_table,
+    write_tuned_config,
+)
 from pcframe.apps.tuning.space import (
     Knob,
     base_params,
@@ -29,6 +35,7 @@ __all__ = [
     "best_trial",
     "engine_values",
     "fixed_knobs",
+    "limit_lines",
     "measure",
     "open_storage",
     "overrides",

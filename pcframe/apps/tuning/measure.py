@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pcframe.apps.training import batches
 from pcframe.apps.workloads import Workload
@@ -28,7 +29,7 @@ from pcframe.checkpointer import Checkpointer
 from pcframe.config import EngineConfig
 from pcframe.policies.fixed import FixedSteps
 
-OBJECTIVES = ("overhead", "stall", "cpu", "cost", "memory")
+OBJECTIVES = ("overhead", "stall", "cpu", "cost", "lost", "memory")
 
 
 @dataclass
@@ -42,6 +43,10 @@ class Measurement:
     durable: list[float] = field(default_factory=list)  # per checkpoint, save() to committed
     memory: int = 0  # host staging pool actually allocated
     checkpoint_bytes: int = 0
+    # per checkpoint: the seconds a B segment waited at its end for its versions to be
+    # durable (and uploaded, with tiers), spread over its checkpoints: the backlog storage
+    # still had, which a longer run would pay as stall once its in-flight slots fill up
+    drains: list[float] = field(default_factory=list)
 
     @property
     def overhead(self) -> float:
@@ -71,8 +76,22 @@ class Measurement:
         """Training seconds lost per checkpoint when training uses every core: stall + CPU."""
         return self.stall + self.cpu
 
+    @property
+    def drain(self) -> float:
+        """Mean seconds per checkpoint waited at a segment's end for storage to catch up."""
+        return statistics.fmean(self.drains) if self.drains else 0.0
+
+    @property
+    def lost(self) -> float:
+        """``cost`` + ``drain``: training seconds lost per checkpoint when storage must keep up.
+
+        ``cost`` alone rewards a deep in-flight queue that only defers a slow disk's
+        backlog past the segment; counting the wait for the last versions charges it back.
+        """
+        return self.cost + self.drain
+
     def objective(self, name: str) -> float:
-        if name in ("overhead", "stall", "cpu", "cost"):
+        if name in ("overhead", "stall", "cpu", "cost", "lost"):
             return getattr(self, name)
         if name == "memory":
             return float(self.memory)
@@ -87,6 +106,8 @@ class Measurement:
             "durable_s": statistics.fmean(self.durable) if self.durable else 0.0,
             "memory_bytes": float(self.memory),
             "checkpoint_bytes": float(self.checkpoint_bytes),
+            "drain_s": self.drain,
+            "lost_s": self.lost,
             "baseline_step_s": statistics.median(self.baseline_step),
             "checkpoint_step_s": statistics.median(self.checkpoint_step),
         }
@@ -103,9 +124,13 @@ def measure(
     warmup_steps: int = 5,
     on_memory: Callable[[int], None] | None = None,
     on_repeat: Callable[[int, Measurement], None] | None = None,
+    tiers: dict[str, Any] | None = None,
 ) -> Measurement:
     """Measure ``engine`` on ``workload`` (see the module docstring).
 
+    ``tiers``: replica tiers (``Checkpointer(tiers=...)``, e.g. a remote store); a
+    checkpointed segment then ends when its versions are on every tier, so an upload that
+    cannot keep up with the interval shows in the segment's step time.
     ``on_memory(bytes)`` is called once the staging pool is sized (after one untimed save),
     ``on_repeat(i, so_far)`` after each A/B pair; either may raise to stop early (pruning).
     """
@@ -127,7 +152,12 @@ def measure(
             if save and step % interval == 0:
                 ckpt.save(step)
         if save:
+            trained = time.perf_counter()
             ckpt.wait()  # the segment ends when its checkpoints are durable
+            if tiers:
+                ckpt.tiers.wait_idle()  # ... and on every replica tier
+            saves = steps // interval
+            result.drains += [(time.perf_counter() - trained) / saves] * saves
         return (time.perf_counter() - begin) / steps
 
     with Checkpointer(
@@ -138,12 +168,14 @@ def measure(
         data=workload.loader,
         policy=FixedSteps(10**9),  # saves are triggered here, not by a policy
         config=engine,
+        tiers=tiers,
     ) as ckpt:
         for _ in range(warmup_steps):
             workload.train_step(next(stream))
         # One untimed save: file creation, layout and staging pool happen once per run.
         warm = ckpt.save(step)
         warm.wait()
+        ckpt.tiers.wait_idle()
         result.memory = ckpt.pipeline.pool.capacity_bytes
         result.checkpoint_bytes = ckpt.records[warm.version].nbytes
         if on_memory is not None:

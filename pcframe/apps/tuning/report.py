@@ -13,7 +13,9 @@ import optuna
 from omegaconf import DictConfig, OmegaConf
 from optuna.trial import FrozenTrial, TrialState
 
+from pcframe.apps.limits import MachineLimits
 from pcframe.apps.machine import machine_differences, machine_identity
+from pcframe.apps.tuning.targets import target_differences
 from pcframe.config import EngineConfig
 
 META_PREFIX = "# pcframe-tune-meta: "
@@ -23,9 +25,16 @@ UNITS = {
     "stall": ("stall ms", 1e3),
     "cpu": ("cpu ms", 1e3),
     "cost": ("cost ms", 1e3),
+    "lost": ("lost ms", 1e3),
     "memory": ("MiB", 2**-20),
 }
-ATTRS = {"overhead": "overhead", "stall": "stall_s", "cpu": "cpu_s", "cost": "cost_s"}
+ATTRS = {
+    "overhead": "overhead",
+    "stall": "stall_s",
+    "cpu": "cpu_s",
+    "cost": "cost_s",
+    "lost": "lost_s",
+}
 
 
 def groups(study: optuna.Study) -> list[list[FrozenTrial]]:
@@ -59,6 +68,32 @@ def best_trial(study: optuna.Study, objectives: Sequence[str]) -> FrozenTrial:
     if not front:
         raise ValueError(f"study {study.study_name!r} has no completed trial yet")
     return min(front, key=lambda t: tuple(t.values))
+
+
+def limit_lines(best: FrozenTrial, limits: MachineLimits | None) -> list[str]:
+    """The best trial's stall and time to durable beside the machine's limits.
+
+    A stall can be no shorter than one memcpy of the checkpoint (with nothing to overlap),
+    a version no sooner durable than the disk writes it: the ratios say how much is left.
+    """
+    if limits is None:
+        return ["machine limits not measured: the best trial recorded no checkpoint size"]
+    attrs = best.user_attrs
+    nbytes = int(attrs["checkpoint_bytes"])
+    memcpy, disk = limits.memcpy_seconds(nbytes), limits.disk_seconds(nbytes)
+    lines = [f"machine limits (measured now, {nbytes / 1e6:.0f} MB): " + "; ".join(limits.lines())]
+    stall, durable = attrs.get("stall_s"), attrs.get("durable_s")
+    if stall is not None:
+        lines.append(
+            f"best stall {stall * 1e3:.2f} ms per checkpoint = {stall / memcpy:.2f}x one memcpy "
+            f"of it ({memcpy * 1e3:.2f} ms)"
+        )
+    if durable:
+        lines.append(
+            f"best time to durable {durable * 1e3:.0f} ms = {durable / disk:.2f}x what the disk "
+            f"needs to write it ({disk * 1e3:.0f} ms)"
+        )
+    return lines
 
 
 def _in_unit(name: str, value: float | None) -> str:
@@ -162,11 +197,14 @@ def write_tuned_config(
     *,
     workload: Mapping[str, Any] | None = None,
     threads: int | None = None,
+    target: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``engine`` as an ``engine`` group option (``pcframe-run engine=<file stem>``).
 
     The header records what it was tuned for: the workload (name and arguments), the torch
-    threads and this machine (:func:`~pcframe.apps.machine.machine_identity`), as readable
+    threads, this machine (:func:`~pcframe.apps.machine.machine_identity`) and the target
+    (:meth:`~pcframe.apps.tuning.targets.ActiveTarget.identity`: its name, the storage
+    directory's device and file system, a blkio throttle, a remote tier), as readable
     comments and as one ``# pcframe-tune-meta: {json}`` line that ``pcframe-run`` compares
     with its own setup (:func:`tuned_config_warnings`).
     """
@@ -189,23 +227,37 @@ def write_tuned_config(
         "workload": dict(workload) if workload is not None else None,
         "threads": threads,
         "machine": machine,
+        "target": dict(target) if target is not None else None,
     }
     tuned_for = (f"workload {describe_workload(workload)}, " if workload is not None else "") + (
         f"{machine['cpus']} CPUs ({machine['cpu']}), {machine['memory_gib']} GiB, "
         f"host {machine['host']}"
     )
+    if target is not None:
+        tuned_for += f"; target {describe_target(target)}"
     header = [
         f"# Written by pcframe-tune on {meta['written']}.",
         f"# Study {study.study_name!r}, trial {trial.number}: {values}.",
         f"# Tuned for {tuned_for}.",
         f"# Use it with: pcframe-run engine={path.stem}   (searched in $PCFRAME_CONFIG_DIR,",
-        "# default ./pcframe-conf; see docs/tuning.md). pcframe-run warns when its workload",
-        "# or machine differs from the one recorded here.",
+        "# default ./pcframe-conf; see docs/tuning.md). pcframe-run warns when its workload,",
+        "# machine or storage target differs from the one recorded here.",
         META_PREFIX + json.dumps(meta, sort_keys=True),
     ]
     body = OmegaConf.create({"defaults": ["engine_schema", "_self_"], **engine.to_dict()})
     path.write_text("\n".join(header) + "\n" + OmegaConf.to_yaml(body))
     return path
+
+
+def describe_target(target: Mapping[str, Any]) -> str:
+    """``throttled (ext4 on 254:0, write limit 50 MiB/s)`` for a recorded target."""
+    parts = [f"{target.get('fs_type') or '?'} on {target.get('device') or '?'}"]
+    for key, label in (("write_bps", "write limit"), ("read_bps", "read limit")):
+        if target.get(key):
+            parts.append(f"{label} {target[key] / 2**20:.0f} MiB/s")
+    if target.get("remote"):
+        parts.append(f"remote {target['remote']}")
+    return f"{target.get('name')} ({', '.join(parts)})"
 
 
 def describe_workload(workload: Mapping[str, Any] | None) -> str:
@@ -259,10 +311,17 @@ def tuned_config_warnings(cfg: DictConfig, hydra_cfg: Any) -> list[str]:
             if there_args.get(k) != here_args.get(k)
         ]
     problems += machine_differences(meta.get("machine") or {}, machine_identity())
-    if not problems:
+    target = meta.get("target")
+    storage = target_differences(target, cfg.storage.directory) if target else []
+    if not problems and not storage:
         return []
+    fix = "run pcframe-tune with this workload on this machine to tune for it"
+    if storage:
+        fix = (
+            "run pcframe-tune with storage.directory on this run's storage (and the "
+            "tune/target preset that matches it) to tune for it"
+        )
     return [
-        f"engine={choice} ({path}) was tuned for another setup: {'; '.join(problems)}. Its "
-        "values may not suit this one; run pcframe-tune with this workload on this machine "
-        "to tune for it"
+        f"engine={choice} ({path}) was tuned for another setup: "
+        f"{'; '.join(problems + storage)}. Its values may not suit this one; {fix}"
     ]

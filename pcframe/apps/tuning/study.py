@@ -49,6 +49,7 @@ class Tuner:
         compose: builds the full config for a list of extra overrides (one trial's
             ``engine.<knob>=<value>``); inside the app this is Hydra's compose API.
         fixed: engine knobs pinned on the command line, left out of the search.
+        tiers: replica tiers for a trial, by label (the ``s3`` target's remote prefix).
     """
 
     def __init__(
@@ -58,8 +59,10 @@ class Tuner:
         *,
         fixed: set[str] = frozenset(),
         console: Console | None = None,
+        tiers: Callable[[str], dict[str, Any] | None] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.tiers = tiers
         self.tune = cfg.tune
         self.compose = compose
         self.console = console or Console()
@@ -241,6 +244,7 @@ class Tuner:
                 warmup_steps=self.tune.warmup_steps,
                 on_memory=lambda nbytes: self._check_memory(trial, nbytes),
                 on_repeat=lambda i, so_far: self._report(trial, i, so_far),
+                tiers=self.tiers(f"trial-{trial.number}") if self.tiers else None,
             )
         finally:
             shutil.rmtree(directory, ignore_errors=True)
