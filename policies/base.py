@@ -102,6 +102,11 @@ class Restarted:
     # The previous process closed its Checkpointer normally, with no preemption notice
     # pending: this restart is not a preemption (a finished job resumed, a planned stop).
     clean: bool = False
+    # Processes started after the restored version was written that died before committing
+    # a newer one (so their policy state was lost with them). Without it a policy learns
+    # only from lives long enough to checkpoint: a survivor bias that hides the harshest
+    # zones. 0 when the engine does not count (the simulator counts exactly).
+    unseen_starts: int = 0
 
 
 Event = SaveCompleted | Preempted | Restarted

@@ -1,8 +1,11 @@
 """Emergency checkpoint on a preemption notice, wrapped around any periodic policy.
 
-On a notice with deadline D at time t: if the learned time to durable (pessimistic: mean +
-``z`` deviations) fits into D − t − ``margin``, save now and let the engine wait for it;
-otherwise don't start a save that would die half-written and rely on the last periodic one.
+On a notice with deadline D at time t: if the time to durable fits into D − t − ``margin``,
+save now and let the engine wait for it; otherwise don't start a save that would die
+half-written and rely on the last periodic one. The time to durable is that of the fastest
+tier that survives the VM when the engine estimates one (``ctx.tier_write_times`` for the
+tiers named in ``tiers``: an emergency save goes there, not to the periodic saves' tier),
+else the learned time of the periodic saves (pessimistic: mean + ``z`` deviations).
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ class NoticeDriven(IntervalPolicy):
         save_time_prior: seconds to durable assumed until a save has been measured.
         z: how many mean deviations of the save time to add for safety.
         alpha: smoothing of the learned save time.
+        tiers: the tiers that survive the loss of the VM, where the placement sends an
+            emergency save (for :class:`~pcframe.policies.placement.TieredPlacement`, the
+            rules with ``survives_preemption``; name yours, the engine's names depend on the
+            storage config). ``"survivor"`` is the simulator's (``JobSpec.survivor_...``).
     """
 
     name = "notice"
@@ -51,6 +58,7 @@ class NoticeDriven(IntervalPolicy):
         save_time_prior: float = 30.0,
         z: float = 2.0,
         alpha: float = 0.3,
+        tiers: tuple[str, ...] | list[str] = ("survivor",),
     ) -> None:
         if margin < 0 or z < 0:
             raise ValueError(f"margin={margin} and z={z} must be >= 0")
@@ -58,13 +66,24 @@ class NoticeDriven(IntervalPolicy):
         self.source = source
         self.margin = float(margin)
         self.z = float(z)
+        self.tiers = tuple(tiers)
         self.save_time = RunningEstimate(save_time_prior, alpha)
         self._started = False
         self._handled: float | None = None  # deadline of the notice already acted upon
+        # Step of the emergency save in flight for the current notice; at the next restart
+        # it says whether the notice secured the newest state (restored from that step).
+        self._emergency_step: int | None = None
+        # Beta(secured, missed) over preemptions: how often a notice saved the work. The
+        # inner policy plans its periodic interval only for the missed ones.
+        self.secured, self.missed = 1.0, 1.0
         self.last_notice_decision: Decision | None = None
 
     def estimated_save_time(self, ctx: PolicyContext) -> float:
-        """Pessimistic seconds from ``save()`` to durable, learned from completed saves."""
+        """Seconds from an emergency ``save()`` to durable: the fastest surviving tier's
+        estimate if the engine gives one, else pessimistic, learned from completed saves."""
+        known = [ctx.tier_write_times[t] for t in self.tiers if t in ctx.tier_write_times]
+        if known:
+            return min(known)
         return self.save_time.upper(self.z, ctx.save_duration)
 
     def _notice(self, ctx: PolicyContext) -> Notice | None:
@@ -96,6 +115,7 @@ class NoticeDriven(IntervalPolicy):
         if ctx.last_save_step is not None and ctx.last_save_step >= ctx.step:
             d = Decision(False, f"notice: step {ctx.step} is already saved")
         elif need + self.margin <= left:
+            self._emergency_step = ctx.step
             d = Decision(
                 True,
                 f"notice ({notice.source}): save takes ~{need:.1f} s, {left:.1f} s left",
@@ -131,9 +151,25 @@ class NoticeDriven(IntervalPolicy):
         if isinstance(event, SaveCompleted):
             self.save_time.update(event.duration)
         elif isinstance(event, Restarted):
+            if not event.clean:
+                hit = self._emergency_step is not None and event.step == self._emergency_step
+                self.secured += 1.0 if hit else 0.0
+                self.missed += (0.0 if hit else 1.0) + event.unseen_starts
             self._handled = None
+            self._emergency_step = None
+            self._scale_inner()
         if self.inner is not None:
             self.inner.observe(event)
+
+    def miss_fraction(self) -> float:
+        """Posterior mean share of preemptions a notice did not secure."""
+        return self.missed / (self.secured + self.missed)
+
+    def _scale_inner(self) -> None:
+        # Only the preemptions no notice secures cost work: a rate-driven inner policy
+        # (``rate_scale``, e.g. PreemptionAware) plans its periodic saves for those.
+        if self.inner is not None and hasattr(self.inner, "rate_scale"):
+            self.inner.rate_scale = self.miss_fraction()
 
     def close(self) -> None:
         """Release the notice source (signal handlers, poller thread)."""
@@ -145,11 +181,16 @@ class NoticeDriven(IntervalPolicy):
         return {
             "save_time": self.save_time.state_dict(),
             "handled": self._handled,
+            "emergency_step": self._emergency_step,
+            "notices": [self.secured, self.missed],
             "inner": self.inner.state_dict() if self.inner is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.save_time.load_state_dict(state.get("save_time", {}))
         self._handled = state.get("handled")
+        self._emergency_step = state.get("emergency_step")
+        self.secured, self.missed = (float(x) for x in state.get("notices", [1.0, 1.0]))
         if self.inner is not None and state.get("inner") is not None:
             self.inner.load_state_dict(state["inner"])
+        self._scale_inner()

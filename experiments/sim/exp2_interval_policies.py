@@ -8,8 +8,10 @@ blocking save, the stall is the whole write), spot only, the job on every VM of 
   takes that long on all of the trace's VMs);
 * Young and Daly with the trace's own MTBF (hindsight knowledge of the zone);
 * CheckFreq (adaptive k from measured costs) and OverheadBudget (5 % stall budget);
-* preemption-aware (Daly at the rate predicted by a Gamma-Poisson model whose prior comes
-  from the *other* shipped traces, updated with the job's own restarts);
+* preemption-aware, as a user gets it (``PreemptionAware`` with its defaults and the
+  predictor ``GammaPoissonRate.from_traces(history)``, history = the shipped traces of
+  every *other* zone): the interval that maximises durable work per second at the VM's
+  age, for the rate and life shape learned from the job's own restarts (docs/policies.md);
 * the oracle (upper bound) and the best fixed interval in hindsight.
 
     python experiments/sim/exp2_interval_policies.py
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from common import RESULTS, csv_header, header
+from loo import history_for
 from profiles import job_for
 
 import pcframe.policies as P
@@ -53,11 +56,7 @@ def policies(trace: Trace, others: list[Trace], it: float) -> dict[str, Any]:
             "Daly": lambda t: P.Daly(mtbf=mtbf),
             "CheckFreq": lambda t: P.CheckFreq(),
             "overhead 5%": lambda t: P.OverheadBudget(0.05),
-            "preemption-aware": lambda t: P.PreemptionAware(
-                P.GammaPoissonRate.from_traces(others, prior_strength=21600.0),
-                min_interval=30.0,
-                max_interval=21600.0,
-            ),
+            "preemption-aware": lambda t: P.PreemptionAware(P.GammaPoissonRate.from_traces(others)),
             "oracle": lambda t: Oracle(),
             "best fixed (hindsight)": BEST_FIXED,
         }
@@ -75,7 +74,7 @@ def main() -> None:
     for regime in args.regimes:
         for trace in traces:
             job = job_for(trace, regime)
-            others = [t for t in traces if t is not trace]
+            others = history_for(trace, traces)
             step = job.step_time(trace.capacity)
             for label, make in policies(trace, others, step).items():
                 cases.append(

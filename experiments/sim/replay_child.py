@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         on_restored=lambda step, seconds: emit(
             "restored", step=step or 0, seconds=seconds, age=process_age()
         ),
+        # When each version became durable: the validation compares these instants with the
+        # simulator's (a kill loses everything after the newest commit, not the newest save).
+        on_commit=lambda count, step: emit("committed", step=step, age=process_age()),
     )
     records = [r for r in ckpt.records.values() if r.status == "committed"]
     emit(

@@ -12,7 +12,11 @@ real engine, and compare the measured goodput with the simulator's prediction.
    possible) until ``--steps`` are trained.
 3. Predict: the same kill times as a pcframe trace (up, except one 0.05 s tick at each
    kill) and the calibrated ``JobSpec`` through ``pcframe.sim.simulate`` with the same
-   interval policy; goodput = steps / wall seconds to the end of the job.
+   interval policy; goodput = steps / wall seconds to the end of the job. The prediction
+   is the mean over ``--draws`` seeds of runs whose restart and step times are drawn with
+   the spread measured in step 1 (``JobSpec.restart_jitter``, ``iteration_jitter``): with
+   long intervals a fixed phase decides whether each kill lands just before or just after
+   a checkpoint, and the kill gaps (which shifting does not change) repeat that luck.
 
     python experiments/sim/validate_replay.py
 """
@@ -47,6 +51,9 @@ from pcframe.sim import SimOptions, job_from_records, simulate
 from pcframe.sim.report import markdown_table, write_csv
 
 TICK = 0.05  # seconds per tick of the replayed trace given to the simulator
+# Floors of the measured spreads: a handful of samples can agree by chance.
+MIN_RESTART_JITTER = 0.05
+MIN_ITERATION_JITTER = 0.005
 WORKLOAD = {"hidden": 512, "layers": 4, "samples": 8192}  # 10 MB of state with AdamW
 
 
@@ -104,7 +111,9 @@ def supervised(
             json.loads(line[len(EVENT_PREFIX) :])  # well-formed, or fail loudly
 
     spec = child(args, directory, steps, every, n)
-    run = Supervisor(spec, kills, timeout=3600.0, on_line=on_line).run()
+    # The children's stderr is kept next to their checkpoints: a child that fails says why.
+    logs = directory.with_name(directory.name + "-logs")
+    run = Supervisor(spec, kills, timeout=3600.0, on_line=on_line, log_dir=logs).run()
     return run, timeline
 
 
@@ -124,21 +133,54 @@ def calibrate(args: argparse.Namespace, every: int, n: int, root: Path) -> dict[
     )
     records = list(ckpt.records.values())
     shutil.rmtree(directory, ignore_errors=True)
-    steps = int(45.0 / iteration_time)
-    run, _ = supervised(args, every, n, [10.0, 20.0, 30.0], root / "restart", steps)
+    steps = int(55.0 / iteration_time)
+    run, timeline = supervised(args, every, n, [10.0, 20.0, 30.0, 40.0], root / "restart", steps)
     shutil.rmtree(root / "restart", ignore_errors=True)
     samples = run.restart_seconds
     # A sample ends with the first step trained; the simulator adds that step itself.
     restart = max(statistics.fmean(samples) - iteration_time, 0.0)
+    # The step time of the loop as the replay runs it: the supervised child with the engine
+    # in the loop, printing each step, at this interval (the bare in-process loop above is
+    # ~0.5 % faster, and at long intervals that moves checkpoints across kills). Its spread
+    # over lives (and over the bare runs) is the jitter of the prediction.
+    lives = life_step_times(timeline)
+    if lives:
+        iteration_time = statistics.fmean(lives)
+    per_life = [r.seconds / r.steps for r in runs] + lives
     return {
         "iteration_time": iteration_time,
+        "iteration_bare": statistics.fmean(r.seconds / r.steps for r in runs),
         "records": records,
         "restart": restart,
         "restart_samples": samples,
+        "restart_jitter": max(statistics.stdev(samples), MIN_RESTART_JITTER),
+        "iteration_jitter": max(
+            statistics.stdev(per_life) / statistics.fmean(per_life), MIN_ITERATION_JITTER
+        ),
     }
 
 
-def predict(cal: dict[str, Any], every: int, n: int, kills: list[float], steps: int) -> Any:
+def life_step_times(timeline: list[tuple[float, int]], min_steps: int = 20) -> list[float]:
+    """Mean step time of each life of a supervised run (a life: steps counting up)."""
+    out, life = [], []
+    for t, step in timeline:
+        if life and step <= life[-1][1]:
+            out.append(life)
+            life = []
+        life.append((t, step))
+    out.append(life)
+    return [
+        (life[-1][0] - life[0][0]) / (life[-1][1] - life[0][1])
+        for life in out
+        if len(life) > min_steps
+    ]
+
+
+def predict(
+    cal: dict[str, Any], every: int, n: int, kills: list[float], steps: int, draws: int = 0
+) -> Any:
+    """The calibrated job and its prediction: one fixed phase (``draws=0``), or the mean
+    goodput over ``draws`` seeds with the calibrated restart and step-time spread."""
     job = job_from_records(
         cal["records"],
         cal["iteration_time"],
@@ -147,10 +189,16 @@ def predict(cal: dict[str, Any], every: int, n: int, kills: list[float], steps: 
         total_steps=steps,
         final_save=True,
     )
-    return job, simulate_kills(job, every, kills, steps)
+    if not draws:
+        return job, simulate_kills(job, every, kills, steps)
+    jittered = dataclasses.replace(
+        job, restart_jitter=cal["restart_jitter"], iteration_jitter=cal["iteration_jitter"]
+    )
+    runs = [simulate_kills(jittered, every, kills, steps, seed) for seed in range(draws)]
+    return jittered, runs
 
 
-def simulate_kills(job: Any, every: int, kills: list[float], steps: int) -> Any:
+def simulate_kills(job: Any, every: int, kills: list[float], steps: int, seed: int = 0) -> Any:
     """``job`` (restart cost as measured) under exactly these kill times, ``FixedSteps(every)``."""
     horizon = 4.0 * steps * job.iteration_time + 600.0
     up = np.ones(int(horizon / TICK), dtype=np.int64)
@@ -161,7 +209,7 @@ def simulate_kills(job: Any, every: int, kills: list[float], steps: int) -> Any:
     trace = Trace("replayed-kills", "replay", TICK, 1, up)
     # The outage tick is part of the measured restart time: take it out of the cost.
     job = dataclasses.replace(job, restart_cost=max(job.restart_cost - TICK, 0.0))
-    return simulate(trace, P.FixedSteps(every), job, options=SimOptions())
+    return simulate(trace, P.FixedSteps(every), job, options=SimOptions(seed=seed))
 
 
 def main() -> None:
@@ -170,7 +218,13 @@ def main() -> None:
     parser.add_argument("--compression", type=float, default=15.0)
     parser.add_argument("--steps", type=int, default=1600)
     parser.add_argument(
-        "--configs", nargs="+", default=["50:2", "200:1"], help="every:in_flight pairs"
+        "--configs",
+        nargs="+",
+        default=["50:2", "200:1", "300:1"],
+        help="every:in_flight pairs",
+    )
+    parser.add_argument(
+        "--draws", type=int, default=48, help="seeds of the jittered prediction (its mean)"
     )
     parser.add_argument("--accelerator-ms", type=float, default=90.0)
     parser.add_argument(
@@ -203,16 +257,18 @@ def main() -> None:
                 directory = root / f"replay-{config}-{offset:g}"
                 run, timeline = supervised(args, every, n, shifted, directory, args.steps)
                 job, sim = predict(cal, every, n, shifted, args.steps)
-                # Secondary: the same prediction with the restart time measured in the replay
-                # itself (Python start-up swings by seconds with the shared machine's load).
-                own = cal
-                if run.restart_seconds:
-                    restart = statistics.fmean(run.restart_seconds) - cal["iteration_time"]
-                    own = dict(cal, restart=restart)
-                _, sim_own = predict(own, every, n, shifted, args.steps)
-                per_offset.append(row(args, every, n, offset, cal, job, run, sim, sim_own))
+                _, before = predict(cal, every, n, shifted, args.steps, args.draws)
+                # The model check: the same prediction from this replay's own restart and
+                # step times (their means and spread), which the load of this shared
+                # 2-core machine moves by seconds and percents between runs.
+                own = measured_inputs(cal, run, timeline)
+                _, draws = predict(own, every, n, shifted, args.steps, args.draws)
+                per_offset.append(
+                    row(args, every, n, offset, cal, own, job, run, sim, before, draws)
+                )
                 if offset == args.offsets[0]:
-                    timelines[f"every {every}, N={n}"] = (timeline, sim.wall_seconds, shifted)
+                    wall = statistics.fmean(d.wall_seconds for d in draws)
+                    timelines[f"every {every}, N={n}"] = (timeline, wall, shifted)
                 print({k: per_offset[-1][k] for k in ("every", "offset_s", "error_pct")})
             rows += per_offset
             if len(per_offset) > 1:
@@ -222,28 +278,59 @@ def main() -> None:
     write_outputs(args, rows, timelines)
 
 
-def row(args, every, n, offset, cal, job, run, sim, sim_own) -> dict[str, Any]:
+def measured_inputs(cal: dict[str, Any], run: Any, timeline: list) -> dict[str, Any]:
+    """The calibration with restart and step time (mean, spread) as measured in ``run``."""
+    lives = life_step_times(timeline)
+    it = statistics.fmean(lives) if lives else cal["iteration_time"]
+    samples = run.restart_seconds or cal["restart_samples"]
+    return dict(
+        cal,
+        iteration_time=it,
+        restart=max(statistics.fmean(samples) - it, 0.0),
+        restart_samples=samples,
+        restart_jitter=max(
+            statistics.stdev(samples) if len(samples) > 1 else 0.0, MIN_RESTART_JITTER
+        ),
+        iteration_jitter=max(
+            statistics.stdev(lives) / it if len(lives) > 1 else 0.0, MIN_ITERATION_JITTER
+        ),
+    )
+
+
+def row(args, every, n, offset, cal, own, job, run, sim, before, draws) -> dict[str, Any]:
     measured = args.steps / run.wall
+    goodputs = [d.goodput for d in draws]
+    predicted = statistics.fmean(goodputs)
+    calibrated = statistics.fmean(d.goodput for d in before)
     return {
         "every": every,
         "in_flight": n,
         "offset_s": f"{offset:g}",
         "steps": args.steps,
         "goodput_measured": measured,
-        "goodput_predicted": sim.goodput,
-        "error_pct": 100.0 * (sim.goodput / measured - 1.0),
-        "goodput_predicted_own_restarts": sim_own.goodput,
-        "error_own_restarts_pct": 100.0 * (sim_own.goodput / measured - 1.0),
+        "goodput_predicted": predicted,
+        "error_pct": 100.0 * (predicted / measured - 1.0),
+        "predicted_p10": float(np.percentile(goodputs, 10)),
+        "predicted_p90": float(np.percentile(goodputs, 90)),
+        "goodput_one_phase": sim.goodput,
+        "error_one_phase_pct": 100.0 * (sim.goodput / measured - 1.0),
+        "goodput_calibrated": calibrated,
+        "error_calibrated_pct": 100.0 * (calibrated / measured - 1.0),
         "wall_measured_s": run.wall,
-        "wall_predicted_s": sim.wall_seconds,
+        "wall_predicted_s": statistics.fmean(d.wall_seconds for d in draws),
         "kills_measured": run.kills,
-        "kills_predicted": sim.preemptions,
+        "kills_predicted": statistics.fmean(d.preemptions for d in draws),
         "lost_steps_measured": run.lost_steps,
-        "lost_steps_predicted": sim.lost_steps,
-        "iteration_ms": 1e3 * job.iteration_time,
+        "lost_steps_predicted": statistics.fmean(d.lost_steps for d in draws),
+        "iteration_ms": 1e3 * own["iteration_time"],
+        "iteration_calibrated_ms": 1e3 * cal["iteration_time"],
         "stall_ms": 1e3 * job.save_stall,
         "durable_ms": 1e3 * job.save_duration,
-        "restart_s": cal["restart"] + cal["iteration_time"],
+        "restart_s": own["restart"] + own["iteration_time"],
+        "restart_calibrated_s": cal["restart"] + cal["iteration_time"],
+        "iteration_bare_ms": 1e3 * cal["iteration_bare"],
+        "restart_jitter_s": own["restart_jitter"],
+        "iteration_jitter_pct": 100.0 * own["iteration_jitter"],
         "restart_samples_s": " ".join(f"{s:.2f}" for s in cal["restart_samples"]),
         "restart_in_replay_s": (
             statistics.fmean(run.restart_seconds) if run.restart_seconds else math.nan
@@ -260,7 +347,8 @@ def mean_row(rows: list[dict]) -> dict[str, Any]:
         out[key] = statistics.fmean(r[key] for r in rows)
     for measured, predicted, error in (
         ("goodput_measured", "goodput_predicted", "error_pct"),
-        ("goodput_measured", "goodput_predicted_own_restarts", "error_own_restarts_pct"),
+        ("goodput_measured", "goodput_one_phase", "error_one_phase_pct"),
+        ("goodput_measured", "goodput_calibrated", "error_calibrated_pct"),
     ):
         out[error] = 100.0 * (out[predicted] / out[measured] - 1.0)
     out["restart_samples_s"] = ""
@@ -280,9 +368,16 @@ def write_outputs(args: argparse.Namespace, rows: list[dict], timelines: dict) -
         f"restart. Training child: the real engine and a real MLP (10 MB of state) whose "
         f"steps also sleep {args.accelerator_ms:g} ms for the accelerator (see "
         f"`replay_child.py`), `FixedSteps(every)`, N in flight, {args.steps} steps. "
-        "`goodput_predicted` uses only inputs measured before the replay; "
-        "`..._own_restarts` takes the restart time measured during the replay instead "
-        "(process start-up on this shared 2-core machine varies by seconds). With several "
+        "`goodput_predicted` (the check of the simulator's model): the mean over "
+        f"{args.draws} seeds of the simulator with each start's restart time and each "
+        "process's step time drawn around the means measured in this replay, with their "
+        "spread there (`restart_s`, `iteration_ms`, `restart_jitter_s`, "
+        "`iteration_jitter_pct`; p10-p90 of the draws beside it), stall and time to durable "
+        "from the calibration. `goodput_calibrated`: the same from inputs measured only "
+        "before the replay (its error adds how far this shared machine's load moved between "
+        "the calibration and the replay). `goodput_one_phase`: the old prediction, "
+        "calibrated inputs and exactly one restart and step time (one phase of kills vs "
+        "checkpoints). With several "
         f"offsets ({', '.join(f'{o:g}' for o in args.offsets)} s) the kill schedule is "
         "replayed shifted earlier by each, and the `mean` row compares the mean measured "
         "goodput with the mean prediction: with long intervals a single replay's lost work "
@@ -295,8 +390,12 @@ def write_outputs(args: argparse.Namespace, rows: list[dict], timelines: dict) -
         "goodput_measured",
         "goodput_predicted",
         "error_pct",
-        "goodput_predicted_own_restarts",
-        "error_own_restarts_pct",
+        "predicted_p10",
+        "predicted_p90",
+        "goodput_calibrated",
+        "error_calibrated_pct",
+        "goodput_one_phase",
+        "error_one_phase_pct",
         "wall_measured_s",
         "wall_predicted_s",
         "kills_measured",
@@ -311,9 +410,14 @@ def write_outputs(args: argparse.Namespace, rows: list[dict], timelines: dict) -
         "in_flight",
         "offset_s",
         "iteration_ms",
+        "iteration_calibrated_ms",
+        "iteration_bare_ms",
         "stall_ms",
         "durable_ms",
         "restart_s",
+        "restart_calibrated_s",
+        "restart_jitter_s",
+        "iteration_jitter_pct",
         "restart_samples_s",
         "restart_in_replay_s",
     ]

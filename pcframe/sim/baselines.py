@@ -31,12 +31,19 @@ class Oracle(IntervalPolicy):
         self._kill = math.inf
         self._duration = 0.0
         self._it = 1.0
+        self._emergency = False
         self._saved_for: float | None = None
 
     def foresee(self, kill_at: float, job: JobSpec, step_time: float) -> None:
         """Called by the simulator when a process starts: when it will die, and its costs."""
         self._kill = kill_at
         self._duration = job.save_duration
+        # With a faster tier that survives the VM, the last save goes there (as an emergency
+        # save would): later, so it keeps more work. No notice-driven policy can do better.
+        self._emergency = False
+        fast = job.survivor_tier_duration
+        if fast is not None and fast < job.save_duration:
+            self._duration, self._emergency = fast, True
         self._it = step_time
         self._saved_for = None
 
@@ -51,7 +58,8 @@ class Oracle(IntervalPolicy):
         if ctx.last_save_step is not None and ctx.last_save_step >= ctx.step:
             return Decision(False)
         self._saved_for = self._kill
-        return Decision(True, f"oracle: preemption in {self._kill - ctx.now:.1f} s")
+        reason = f"oracle: preemption in {self._kill - ctx.now:.1f} s"
+        return Decision(True, reason, emergency=self._emergency)
 
     def save_hint(self, ctx: PolicyContext) -> SaveHint:
         if math.isinf(self._kill) or self._saved_for == self._kill:

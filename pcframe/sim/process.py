@@ -30,7 +30,9 @@ from pcframe.sim.fastpath import NO_LIMIT, FastPaths
 from pcframe.sim.spec import JobSpec, SimOptions
 from pcframe.sim.state import Commit, Flight, Ledger, Versions, by_durable
 
-__all__ = ["Commit", "Flight", "Ledger", "Process", "Versions"]
+__all__ = ["SURVIVOR_TIER", "Commit", "Flight", "Ledger", "Process", "Versions"]
+
+SURVIVOR_TIER = "survivor"  # the tier name notice-driven saves go to (JobSpec.survivor_...)
 
 
 class Process(FastPaths):
@@ -50,8 +52,11 @@ class Process(FastPaths):
         notice: Notice | None,
         preemption_rate: float | None = None,
         unix0: float | None = None,
+        life: int = 0,
+        restart_cost: float | None = None,
     ) -> None:
         self.policy = policy
+        self.life = life  # this process's index among the job's starts
         self.job = job
         self.ledger = ledger
         self.commit = commit
@@ -62,7 +67,9 @@ class Process(FastPaths):
         self.rate = preemption_rate
         self.unix0 = unix0
         self.start = start
-        self.ready = start + job.restart_cost
+        # This start's restart time (drawn around job.restart_cost when it has jitter).
+        self.restart_cost = job.restart_cost if restart_cost is None else restart_cost
+        self.ready = start + self.restart_cost
         self.it = step_time
         self.step0 = commit.step
         self.step = commit.step
@@ -73,12 +80,15 @@ class Process(FastPaths):
         self.notice = notice
         self.notice_at = notice.received_at if notice is not None else math.inf
         self.inflight: list[Flight] = []
+        survivor = job.survivor_tier_duration
+        # The engine's estimate per tier; the sim knows only the tier notices write to.
+        self.tiers = None if survivor is None else {SURVIVOR_TIER: survivor}
         self.stall = 0.0
         # The iteration time is the job's, not measured: the feed takes no samples of it.
         self.feed = PolicyFeed(iteration_time=step_time)
         self.restored = commit.version > 0
         if self.restored:
-            self.feed.resumed(commit.step, job.restart_cost)
+            self.feed.resumed(commit.step, self.restart_cost)
         self.last_decide = self.ready
         self.hint: SaveHint | None = None
         self.finished = False
@@ -132,6 +142,7 @@ class Process(FastPaths):
             wall_time=None if self.unix0 is None else self.unix0 + now,
             in_flight=in_flight,
             preemption_rate=self.rate,
+            tier_write_times=self.tiers,
         )
 
     # --- running ------------------------------------------------------------------------------
@@ -217,10 +228,12 @@ class Process(FastPaths):
         if len(busy) >= job.max_in_flight:
             start = min(busy)  # backpressure: a slot frees when the oldest is durable
         last = max((f.durable_at for f in self.inflight), default=-math.inf)
-        if job.persist == "serial" and last > start:
-            durable = last + job.save_duration
-        else:
-            durable = start + job.save_duration
+        duration = job.save_duration
+        if emergency and job.survivor_tier_duration is not None:
+            # A notice's save goes to the fastest tier that survives the VM, by itself.
+            duration, last = job.survivor_tier_duration, -math.inf
+        serial = job.persist == "serial" and last > start
+        durable = (last if serial else start) + duration
         end = start + job.save_stall
         if emergency:
             end = max(end, durable)  # the engine waits until the version is durable
@@ -258,6 +271,7 @@ class Process(FastPaths):
     def _set_commit(self, step: int, version: int, at: float, state: dict | None) -> None:
         c = self.commit
         c.step, c.version, c.time, c.policy_state = step, version, at, state
+        c.life = self.life
 
     # --- endings ------------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -336,7 +350,7 @@ class Process(FastPaths):
     def _close(self, end: float, kept: int) -> None:
         self.ended = True
         led = self.ledger
-        led.restart += min(self.job.restart_cost, end - self.start)
+        led.restart += min(self.restart_cost, end - self.start)
         if end <= self.ready:
             return
         training = end - self.ready

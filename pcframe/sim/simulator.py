@@ -13,6 +13,8 @@ import math
 import time
 from typing import Any
 
+import numpy as np
+
 from pcframe.policies.base import IntervalPolicy, Notice, Preempted, Restarted
 from pcframe.policies.predictors.base import Prediction, Predictor
 from pcframe.policies.resource import ResourceContext, ResourceDecision, ResourcePolicy, SpotOnly
@@ -95,6 +97,8 @@ class _Simulation:
         self.context_rate = rate
         self.spot_cost = self.od_cost = self.spot_vm_s = self.od_vm_s = 0.0
         self.preemptions = self.starts = self.changeovers = 0
+        self._trained: list[int] = []  # indices of the processes that reached training
+        self._jitter = np.random.default_rng([options.seed, 0x6A17])
         self.finish: float | None = None
         self._fed = self.cap.tick(self.start) - 1
 
@@ -182,6 +186,7 @@ class _Simulation:
         job, opts = self.job, self.options
         spot, od = vms
         kill_at = self.cap.next_kill(t, spot) if spot else math.inf
+        restart, step_time = self._draw_costs(job.step_time(spot + od))
         notice = None
         if job.notice_window > 0 and math.isfinite(kill_at):
             notice = Notice(max(kill_at - job.notice_window, t), kill_at, "trace")
@@ -197,18 +202,54 @@ class _Simulation:
             commit=self.commit,
             versions=self.versions,
             start=t,
-            step_time=job.step_time(spot + od),
+            step_time=step_time,
             notice=notice,
             preemption_rate=self.context_rate,
             unix0=self.unix0,
+            life=self.starts,
+            restart_cost=restart,
         )
         if restored or (opts.policy_state == "process" and self.starts > 0):
-            proc.pending_events.append(Restarted(proc.ready, job.restart_cost, self.commit.step))
+            # The engine's count of starts whose state died with them (see Restarted).
+            # Only processes that got as far as training count: one preempted while booting
+            # never reached the engine, which counts restores.
+            unseen = 0
+            if opts.policy_state == "checkpoint":
+                unseen = sum(1 for life in self._trained if life > self.commit.life)
+            proc.pending_events.append(
+                Restarted(proc.ready, restart, self.commit.step, unseen_starts=unseen)
+            )
+        elif opts.policy_state == "checkpoint" and self._trained:
+            # Nothing to restore, but earlier processes trained and died before their first
+            # commit: the engine's start count still says so (the newest of them is the
+            # "previous process" of Restarted, the others are unseen).
+            unseen = len(self._trained) - 1
+            proc.pending_events.append(Restarted(proc.ready, restart, 0, unseen_starts=unseen))
+        if kill_at > proc.ready:
+            if self._trained and self._trained[0] <= self.commit.life:
+                self._trained = [life for life in self._trained if life > self.commit.life]
+            self._trained.append(self.starts)
         foresee = getattr(self.interval, "foresee", None)
         if callable(foresee):  # clairvoyant baselines (the oracle) learn this process's end
             foresee(kill_at, job, proc.it)
         self.starts += 1
         return proc, kill_at
+
+    def _draw_costs(self, step_time: float) -> tuple[float, float]:
+        """This start's restart time and step time: the job's, or drawn around them.
+
+        Real restarts and step times vary (start-up on a loaded machine, noisy neighbours);
+        with long intervals whether a kill lands just before or just after a checkpoint
+        depends on that variation, so a prediction is the mean over seeds of jittered runs.
+        The draws use their own seeded stream, apart from the VM-drop draws.
+        """
+        job = self.job
+        if not (job.restart_jitter or job.iteration_jitter):
+            return job.restart_cost, step_time
+        z_restart, z_step = self._jitter.standard_normal(2)
+        restart = max(job.restart_cost + job.restart_jitter * z_restart, 0.0)
+        factor = max(1.0 + job.iteration_jitter * z_step, 0.05)
+        return restart, step_time * factor
 
     def _preempted(self, t: float, lost: int) -> None:
         event = Preempted(t, lost)

@@ -58,6 +58,15 @@ class JobSpec:
         scaling_efficiency: fraction of linear speedup kept per doubling of VMs (data
             parallel): ``n`` VMs run ``n * scaling_efficiency ** log2(n)`` times faster.
         final_save: the job is done only when its last step is durable (a blocking save).
+        survivor_tier_duration: seconds to make the newest state durable on the fastest tier
+            that survives the loss of the VM (a persistent disk, a peer in another zone),
+            where a notice's emergency save goes (``save(emergency=True)``); the policy sees
+            it as ``ctx.tier_write_times["survivor"]``. ``None``: only the checkpoint tier
+            (``save_duration``) exists.
+        restart_jitter: standard deviation (seconds) of each start's restart time around
+            ``restart_cost`` (normal, floored at 0); 0: every restart takes exactly that.
+        iteration_jitter: relative standard deviation of each process's step time (one
+            draw per process: the load of the machine it got); 0: exactly the step time.
     """
 
     # Where error messages say the keys live; from_dict can name another place.
@@ -76,12 +85,21 @@ class JobSpec:
     min_vms: int = 1
     scaling_efficiency: float = 1.0
     final_save: bool = True
+    survivor_tier_duration: float | None = None
+    restart_jitter: float = 0.0
+    iteration_jitter: float = 0.0
 
     def __post_init__(self) -> None:
         p = self.KEY_PREFIX
         if not (_finite(self.iteration_time) and self.iteration_time > 0):
             raise _bad(p, "iteration_time", self.iteration_time, "give seconds per step > 0")
-        for key in ("save_stall", "save_duration", "restart_cost", "notice_window"):
+        for key in (
+            "save_stall",
+            "save_duration",
+            "restart_cost",
+            "notice_window",
+            "restart_jitter",
+        ):
             value = getattr(self, key)
             if not (_finite(value) and value >= 0):
                 raise _bad(p, key, value, "give a finite number of seconds >= 0")
@@ -112,6 +130,17 @@ class JobSpec:
             raise _bad(p, "vms", self.vms, "ask for at least 1 VM, or null for the trace's")
         if not (isinstance(self.min_vms, int) and self.min_vms >= 1):
             raise _bad(p, "min_vms", self.min_vms, "use at least 1")
+        if self.survivor_tier_duration is not None and not (
+            _finite(self.survivor_tier_duration) and self.survivor_tier_duration > 0
+        ):
+            raise _bad(
+                p,
+                "survivor_tier_duration",
+                self.survivor_tier_duration,
+                "give seconds > 0 to durable on the tier that survives the VM, or null",
+            )
+        if not (_finite(self.iteration_jitter) and 0 <= self.iteration_jitter < 1):
+            raise _bad(p, "iteration_jitter", self.iteration_jitter, "use [0, 1), e.g. 0.01")
         if not (_finite(self.scaling_efficiency) and 0 < self.scaling_efficiency <= 1):
             raise _bad(p, "scaling_efficiency", self.scaling_efficiency, "use (0, 1]")
 

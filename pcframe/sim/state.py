@@ -15,6 +15,7 @@ class Commit:
     version: int = 0
     time: float = -math.inf
     policy_state: dict[str, Any] | None = None
+    life: int = -1  # index of the process that wrote it (-1: none yet)
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from pcframe.policies.base import Event
@@ -22,6 +23,7 @@ from pcframe.policies.predictors.history import (
     pooled_rate,
     resolve_traces,
 )
+from pcframe.policies.predictors.lifetime import LifeShapePosterior, rate_prior, shape_prior
 from pcframe.policies.registry import register
 
 
@@ -46,6 +48,7 @@ class GammaPoissonRate(Predictor):
         forget_halflife: float | None = None,
         prior_availability: float | None = None,
         availability_strength: float = 10.0,
+        life_prior: Sequence[float] | None = None,
     ) -> None:
         if prior_mtbf <= 0 or prior_strength <= 0:
             raise ValueError(
@@ -56,6 +59,8 @@ class GammaPoissonRate(Predictor):
         if prior_availability is not None and not 0.0 <= prior_availability <= 1.0:
             raise ValueError(f"prior_availability={prior_availability} must be in [0, 1]")
         check_confidence(confidence)
+        self.life_prior = None if life_prior is None else [float(x) for x in life_prior]
+        self.lives = None if life_prior is None else LifeShapePosterior(self.life_prior)
         self.prior_mtbf = float(prior_mtbf)
         self.prior_strength = float(prior_strength)
         self.confidence = confidence
@@ -74,14 +79,36 @@ class GammaPoissonRate(Predictor):
     def from_traces(
         cls, traces: TraceSource = None, zone: str | None = None, **kwargs: Any
     ) -> GammaPoissonRate:
-        """Prior rate and availability pooled over historical traces (of one zone)."""
+        """Prior rate and availability pooled over historical traces (of one zone).
+
+        Unless given: ``prior_strength`` is fitted to the spread of the traces' rates (a
+        prior as uncertain as zones differ, :func:`~.lifetime.rate_prior`; ``None`` fits
+        too) and ``life_prior`` to the dispersion of their lives (:func:`~.lifetime.shape_prior`).
+        """
         found = resolve_traces(traces, zone)
         count, exposure = pooled_rate(found)
         up, n = pooled_availability(found)
         # No preemption in the history: act as if half of one had been seen (a finite MTBF).
         kwargs.setdefault("prior_mtbf", exposure / max(count, 0.5))
         kwargs.setdefault("prior_availability", up / n)
+        if kwargs.get("prior_strength") is None:
+            kwargs["prior_strength"] = rate_prior(found)[1]
+        if "life_prior" not in kwargs:
+            kwargs["life_prior"] = shape_prior(found)
         return cls(**kwargs)
+
+    def mean_rate(self) -> float:
+        """The posterior mean rate (what ``predict().rate.value`` is), without quantiles."""
+        return self.alpha / self.beta
+
+    def mtbf_at_age(self, age: float, mtbf: float) -> float:
+        """1 / hazard ``age`` seconds into a life whose mean is ``mtbf`` (Poisson: ``mtbf``)."""
+        return mtbf if self.lives is None else self.lives.mtbf_at_age(age, mtbf)
+
+    def observe_life(self, lo: float, hi: float) -> None:
+        """A life of the job ended between ages ``lo`` and ``hi`` s (updates the shape)."""
+        if self.lives is not None:
+            self.lives.observe(lo, hi)
 
     def _forget(self, dt: float) -> None:
         if self.forget_halflife is None or dt <= 0:
@@ -133,6 +160,7 @@ class GammaPoissonRate(Predictor):
             "beta": self.beta,
             "avail": [self._a, self._b],
             "clock": self._clock.state_dict(),
+            **({} if self.lives is None else {"lives": self.lives.state_dict()}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -140,3 +168,5 @@ class GammaPoissonRate(Predictor):
         self.beta = float(state.get("beta", self.beta0))
         self._a, self._b = (float(x) for x in state.get("avail", [self._a0, self._b0]))
         self._clock.load_state_dict(state.get("clock", {}))
+        if self.lives is not None:
+            self.lives.load_state_dict(state.get("lives", {}))

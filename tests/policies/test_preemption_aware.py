@@ -113,13 +113,18 @@ def test_restart_without_preempted_event_counts_when_asked(count: bool, clean: b
     pred = P.GammaPoissonRate(prior_mtbf=3600.0, prior_strength=3600.0)
     policy = make(pred, count_restarts=count)
     interval(policy, 100.0)
+    window = policy._window()  # the interval plus time to durable in force at the death
     # A new process, a new clock; after a clean close it is never a preemption.
     policy.observe(Restarted(time=5.0, restart_cost=30.0, clean=clean))
-    assert pred.alpha == pytest.approx(2.0 if count and not clean else 1.0)
+    counted = count and not clean
+    assert pred.alpha == pytest.approx(2.0 if counted else 1.0)
     interval(policy, 10.0)
     interval(policy, 20.0)
-    # downtime and the new clock never count as exposure: only the 10 s since the restart
-    assert pred.beta == pytest.approx(3600.0 + 10.0)
+    # Downtime and the new clock never count as exposure: only the 10 s since the restart,
+    # plus, for a counted death, half a window for the time the dead process ran on after
+    # it was last seen (it died before its next save could be durable).
+    assert pred.beta == pytest.approx(3600.0 + 10.0 + (window / 2.0 if counted else 0.0))
+    assert 0.0 < window < 2 * daly_interval_exact(C, 3600.0) + 100.0
 
 
 def _stormy_at_three_am(days: int = 20) -> Trace:
