@@ -7,8 +7,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Triton reads TRITON_INTERPRET when it is first imported and when kernels are decorated.
+# Set it here, before any test module is collected: some collected modules import libraries
+# (lightning, transformers) that import triton, which then would compile for a GPU that is
+# not there (tests/kernels/conftest.py is collected too late for that).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture
