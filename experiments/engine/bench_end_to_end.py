@@ -4,8 +4,10 @@ Real compute on CPU (the ``gpt`` workload of ``conf/workload/gpt.yaml``: 3.7 M p
 a 44 MB checkpoint with AdamW's moments; torch threads from ``threads: auto``, which leaves
 one core to the engine), the engine's defaults, a checkpoint every ``--intervals`` steps.
 
-Design: pairs of segments of ``--steps`` training steps, one without checkpoints (A) and one
-with them (B), back to back in the same process, in the order AB BA AB ... . Slowdown per
+Design (the tuner's own A/B measurement, :func:`pcframe.apps.tuning.measure.measure`, with
+``timed_drain=False``): pairs of segments of ``--steps`` training steps, one without
+checkpoints (A) and one with them (B), back to back in the same process, in the order AB BA
+AB ... . Slowdown per
 pair = B's time / A's time - 1; reported as the median and the mean with its 95 %
 confidence interval (Student t over pairs). In B the saves fall at steps ``interval // 2``
 mod ``interval`` of the segment, so the last one's write overlaps the segment's tail like
@@ -26,69 +28,45 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from scipy import stats
 
-from pcframe import Checkpointer
 from pcframe.apps.machine import resolve_threads, usable_cpus
-from pcframe.apps.training import batches
+from pcframe.apps.tuning.measure import measure
 from pcframe.apps.workloads import build
-from pcframe.policies import FixedSteps
+from pcframe.config import EngineConfig
 
 
 def run(interval: int, steps: int, pairs: int, directory: Path) -> dict:
-    workload = build("gpt")
-    stream = batches(workload)
-    for _ in range(5):  # warm-up: allocator, autograd graph, first-time kernels
-        workload.train_step(next(stream))
-    a_times, b_times = [], []
-    with Checkpointer(
+    """The tuner's A/B measurement (pcframe.apps.tuning.measure) of the default engine,
+    training time only (``timed_drain=False``)."""
+    result = measure(
+        build("gpt"),
+        EngineConfig(),
         directory,
-        model=workload.model,
-        optimizer=workload.optimizer,
-        scheduler=workload.scheduler,
-        data=workload.loader,
-        policy=FixedSteps(10**9),  # the saves are placed here
-        keep_last=2,
-    ) as ckpt:
-        ckpt.save(0).wait()  # one untimed save: files, layout, staging pool
-        first = max(ckpt.records) + 1
-        step = 0
-
-        def segment(save: bool) -> float:
-            nonlocal step
-            start = time.perf_counter()
-            for i in range(steps):
-                step += 1
-                workload.train_step(next(stream))
-                if save and i % interval == interval // 2:
-                    ckpt.save(step)
-            seconds = time.perf_counter() - start
-            ckpt.wait()  # drained before the next segment: untimed
-            return seconds
-
-        for k in range(pairs):
-            for save in (False, True) if k % 2 == 0 else (True, False):
-                (b_times if save else a_times).append(segment(save))
-        records = [r for v, r in ckpt.records.items() if v >= first]
-    slowdowns = [b / a - 1 for a, b in zip(a_times, b_times, strict=True)]
+        interval=interval,
+        steps=steps,
+        repeats=pairs,
+        timed_drain=False,
+    )
+    pairs_ = zip(result.baseline_step, result.checkpoint_step, strict=True)
+    slowdowns = [b / a - 1 for a, b in pairs_]
     mean = statistics.fmean(slowdowns)
     low, high = stats.t.interval(0.95, len(slowdowns) - 1, loc=mean, scale=stats.sem(slowdowns))
     return {
         "interval": interval,
-        "step_ms": statistics.median(a_times) / steps * 1000,
+        "step_ms": statistics.median(result.baseline_step) * 1000,
         "slowdowns": slowdowns,
         "median": statistics.median(slowdowns),
         "mean": mean,
         "ci": (low, high),
-        "stall_ms": statistics.median(r.stall for r in records) * 1000,
-        "durable_ms": statistics.median(r.durable for r in records) * 1000,
-        "committed": sum(r.status == "committed" for r in records),
-        "saves": len(records),
-        "nbytes": records[0].nbytes,
+        "stall_ms": statistics.median(result.stalls) * 1000,
+        "durable_ms": statistics.median(result.durable) * 1000,
+        "committed": len(result.durable),
+        "saves": pairs * (steps // interval),
+        "nbytes": result.checkpoint_bytes,
     }
 
 

@@ -50,12 +50,10 @@ def load_and_apply(
         return None
     manifest = loaded.manifest
     where = f"version {manifest.version} ({version_name(manifest.version)})"
-    filled = 0
 
     def fill(sections: Collection[str]) -> int:
-        nonlocal filled
-        filled = loaded.fill(sections)
-        return filled
+        report.in_place_bytes = loaded.fill(sections)
+        return report.in_place_bytes
 
     try:
         report.not_loaded = apply_tree(
@@ -69,7 +67,6 @@ def load_and_apply(
     finally:
         loaded.release()
     report.version, report.step = manifest.version, manifest.step
-    report.in_place_bytes = filled
     report.seconds = time.perf_counter() - start
     log.info(
         "restored version %d (step %d) in %.2f s%s%s",

@@ -212,10 +212,7 @@ class SavePipeline:
         """Stage every data.bin chunk; a waiting training thread may take some of them."""
         if write.request.cuda_ready is not None or not self.copier.shareable:
             # Device copies (one stream) and the Triton interpreter: one thread.
-            for chunk in chunks:
-                if write.failed:
-                    break
-                self._stage(write, self.writer.write_chunk, self._fill, chunk, flats)
+            self._stage_chunks(write, chunks, flats)
             return
         sharing = SharedChunks(write, chunks, flats)
         with self._sharing_changed:
@@ -229,7 +226,10 @@ class SavePipeline:
             # A chunk the training thread took is staged before copy_done; one it gave back
             # (interrupted) after this thread's last take is staged here.
             leftovers = sharing.finish()
-        for chunk in leftovers:
+        self._stage_chunks(write, leftovers, flats)
+
+    def _stage_chunks(self, write: VersionWrite, chunks: list[Chunk], flats: list[Any]) -> None:
+        for chunk in chunks:
             if write.failed:
                 break
             self._stage(write, self.writer.write_chunk, self._fill, chunk, flats)
@@ -239,9 +239,8 @@ class SavePipeline:
         while not write.failed and (chunk := sharing.take()) is not None:
             handed = False
             try:
-                handed = self._stage(
-                    write, self.writer.write_chunk, self._fill, chunk, sharing.flats
-                )
+                self._stage(write, self.writer.write_chunk, self._fill, chunk, sharing.flats)
+                handed = True
             except Exception as exc:
                 write.progress.fail(Stage.SNAPSHOT, exc)
                 raise
@@ -276,8 +275,8 @@ class SavePipeline:
 
     def _stage(
         self, write: VersionWrite, task: Callable, fill: Callable, unit: Any, flats: list[Any]
-    ) -> bool:
-        """Copy one chunk or segment into a staging buffer and hand it to a writer (True)."""
+    ) -> None:
+        """Copy one chunk or segment into a staging buffer and hand it to a writer."""
         buffer = self.pool.acquire()
         try:
             fill(write, unit, buffer, flats)
@@ -286,7 +285,6 @@ class SavePipeline:
             raise
         write.staged()
         self._writers.submit(self._run_writer, task, write, unit, buffer)
-        return True
 
     def _run_writer(self, task: Callable, write: VersionWrite, unit: Any, buffer: Any) -> None:
         try:

@@ -125,12 +125,17 @@ def measure(
     on_memory: Callable[[int], None] | None = None,
     on_repeat: Callable[[int, Measurement], None] | None = None,
     tiers: dict[str, Any] | None = None,
+    timed_drain: bool = True,
 ) -> Measurement:
     """Measure ``engine`` on ``workload`` (see the module docstring).
 
     ``tiers``: replica tiers (``Checkpointer(tiers=...)``, e.g. a remote store); a
     checkpointed segment then ends when its versions are on every tier, so an upload that
     cannot keep up with the interval shows in the segment's step time.
+    ``timed_drain=False`` measures training alone, as a long run sees it: saves fall in the
+    middle of each interval (so the last one's write overlaps timed steps like the others)
+    and the wait for them at a segment's end is not timed (the tuner times it: a backlog a
+    configuration leaves is its cost there).
     ``on_memory(bytes)`` is called once the staging pool is sized (after one untimed save),
     ``on_repeat(i, so_far)`` after each A/B pair; either may raise to stop early (pruning).
     """
@@ -142,6 +147,7 @@ def measure(
     result = Measurement()
     stream = batches(workload)
     step = 0
+    phase = 0 if timed_drain else interval // 2  # where in an interval a save falls
 
     def segment(save: bool) -> float:
         nonlocal step
@@ -149,16 +155,17 @@ def measure(
         for _ in range(steps):
             step += 1
             workload.train_step(next(stream))
-            if save and step % interval == 0:
+            if save and step % interval == phase:
                 ckpt.save(step)
+        trained = time.perf_counter()
         if save:
-            trained = time.perf_counter()
             ckpt.wait()  # the segment ends when its checkpoints are durable
             if tiers:
                 ckpt.tiers.wait_idle()  # ... and on every replica tier
             saves = steps // interval
             result.drains += [(time.perf_counter() - trained) / saves] * saves
-        return (time.perf_counter() - begin) / steps
+        end = time.perf_counter() if timed_drain else trained
+        return (end - begin) / steps
 
     with Checkpointer(
         directory,
