@@ -137,7 +137,11 @@ def test_killed_worker_trial_is_failed_and_retried(tmp_path, app_env):
     worker.send_signal(signal.SIGKILL)
     assert worker.wait(timeout=30) == -signal.SIGKILL
     assert load(db).trials[running.number].state == TrialState.RUNNING  # left behind
-    time.sleep(2.5)  # a restarted worker comes up after the grace period (2 beats)
+    # A restarted worker must come up after the grace period (2 beats = 2 s). SQLite's
+    # CURRENT_TIMESTAMP, which Optuna compares, has whole-second resolution, so a beat
+    # written at 10.0 s and a check at 12.9 s read as 2 s apart, not stale yet: wait
+    # grace + one second of truncation on each side.
+    time.sleep(4.2)
     study = tuner(tmp_path, f"tune.storage={db}", "tune.heartbeat=1", "tune.n_trials=2").run()
     killed = study.trials[running.number]
     assert killed.state == TrialState.FAIL
