@@ -115,10 +115,7 @@ class Checkpointer:
         )
         self.storage = WritableCheckpointDir(directory)
         if self.storage.removed_leftovers:
-            log.info(
-                "removed leftovers of an interrupted run: %s",
-                self.storage.removed_leftovers,
-            )
+            log.info("removed leftovers of an interrupted run: %s", self.storage.removed_leftovers)
         self._next_version = self.storage.next_version()
         self.notices = list(notices or [])
         self.notice: Notice | None = None  # the pending preemption notice, as last seen
@@ -291,16 +288,11 @@ class Checkpointer:
 
     def _committed(self, progress: SaveProgress, record: SaveRecord) -> None:
         self.feed.committed(record.stall, record.durable)
-        self.policy.observe(
-            SaveCompleted(
-                progress.version,
-                progress.step,
-                time.monotonic(),
-                record.stall,
-                record.durable,
-                progress.nbytes,
-            )
+        now, nbytes = time.monotonic(), progress.nbytes
+        done = SaveCompleted(
+            progress.version, progress.step, now, record.stall, record.durable, nbytes
         )
+        self.policy.observe(done)
 
     def add_commit_listener(self, listener: Any) -> None:
         """Call ``listener(version, path, manifest)`` on the commit thread after each commit.
@@ -354,20 +346,26 @@ class Checkpointer:
             root=self.storage.root,
         )
         if manifest is None:
+            if self.storage.starts.number > 1:  # earlier writers died before a first commit
+                self.resumed(0, written_by=None)
             return None
         self._next_version = max(self._next_version, manifest.version + 1)
-        self.resumed(manifest.step)
+        writer = manifest.engine.get("writer_start")
+        self.resumed(manifest.step, writer if type(writer) is int else 0)
         return manifest.step
 
-    def resumed(self, step: int) -> None:
+    def resumed(self, step: int, written_by: int | None = 0) -> None:
         """Training goes on from ``step``, whose state was just loaded: tell the policy.
 
-        Called by :meth:`restore`, and by a multi-rank restore that loaded the state itself.
+        ``written_by``: the number of the writer that saved it (``Starts``; 0: unknown;
+        ``None``: nothing was loaded). Called by :meth:`restore`, and by a multi-rank
+        restore that loaded the state itself.
         """
-        restart_cost = process_age()
-        self.feed.resumed(step, restart_cost)
+        if written_by is not None:
+            self.feed.resumed(step, process_age())
+        unseen = self.storage.starts.unseen(written_by)
         clean = self.storage.previous_exit_clean
-        self.policy.observe(Restarted(time.monotonic(), restart_cost, step, clean))
+        self.policy.observe(Restarted(time.monotonic(), process_age(), step, clean, unseen))
 
     # --- lifecycle ---------------------------------------------------------------------------
 

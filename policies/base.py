@@ -105,7 +105,8 @@ class Restarted:
     # Processes started after the restored version was written that died before committing
     # a newer one (so their policy state was lost with them). Without it a policy learns
     # only from lives long enough to checkpoint: a survivor bias that hides the harshest
-    # zones. 0 when the engine does not count (the simulator counts exactly).
+    # zones. The engine numbers the writers of a directory (``store.directory.Starts``);
+    # the simulator counts the same lives.
     unseen_starts: int = 0
 
 
