@@ -18,8 +18,9 @@ Per method, after one warm-up checkpoint: stall (seconds the training thread is 
 checkpoint) in two loops, one with **no compute** between ``save()`` and the next
 ``optimizer.step()`` (the worst case: nothing to overlap the copy with) and one with an idle
 iteration of ``--iteration-ms`` (accelerator compute leaves the CPU free); time to durable;
-peak extra host memory (RSS high-water mark over the resident state); cold restore (page
-cache dropped first), median of ``--restores``. Every number is a median with its min..max.
+peak extra host memory (RSS high-water mark over the resident state). Then ``--restores``
+rounds of cold restores of every method's newest checkpoint in one process, paired within
+each round (``restore_rounds.py``). Every number is a median with its min..max.
 
 In the same run, the limits (:mod:`pcframe.apps.limits`): one memcpy of the state's bytes
 and the disk's synced O_DIRECT write rate with 1 and 4 writers. The table gives each method's
@@ -132,6 +133,12 @@ class Method:
     def restore(self, model, optimizer) -> None:
         """Load the newest checkpoint into ``model`` and ``optimizer``."""
         raise NotImplementedError
+
+    def prune(self) -> None:
+        """Delete every checkpoint but the newest (pcframe's retention does it itself)."""
+        for path in self.dir.glob("ckpt*"):
+            if path.name not in (f"ckpt{self.n}", f"ckpt{self.n}.pt"):
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 class NoCheckpoint(Method):
@@ -295,28 +302,9 @@ def run_method(args: argparse.Namespace) -> dict:
     idle = loop(impl, args.checkpoints, 1, 0.0)
     overlap = loop(impl, args.checkpoints, args.every, args.iteration_ms / 1000)
     peak_extra = rss_bytes("VmHWM") - baseline
-    restores, resumes, cold = [], [], False
-    for _ in range(args.restores if not isinstance(impl, NoCheckpoint) else 0):
-        cold = drop_caches()
-        start = time.perf_counter()
-        impl.restore(model, optimizer)  # into the live objects (state allocated)
-        restores.append(time.perf_counter() - start)
-    for _ in range(len(restores)):
-        fresh_model, fresh_optimizer = fresh_objects(args.size_gb)
-        cold = drop_caches()
-        start = time.perf_counter()
-        impl.restore(fresh_model, fresh_optimizer)  # as after a preemption: no Adam state yet
-        resumes.append(time.perf_counter() - start)
-        del fresh_model, fresh_optimizer
-    return {
-        "bytes": nbytes,
-        "idle": idle,
-        "overlap": overlap,
-        "peak_extra_bytes": peak_extra,
-        "restores": restores,
-        "resumes": resumes,
-        "cold_cache": cold,
-    }
+    impl.finish()
+    impl.prune()  # the restore rounds read only the newest checkpoint: free the disk
+    return {"bytes": nbytes, "idle": idle, "overlap": overlap, "peak_extra_bytes": peak_extra}
 
 
 # --- the parent: limits, one process per method, the table ---------------------------------
@@ -335,7 +323,7 @@ def main() -> None:
     parser.add_argument("--checkpoints", type=int, default=5, help="measured per loop")
     parser.add_argument("--every", type=int, default=3, help="steps between checkpoints")
     parser.add_argument("--iteration-ms", type=float, default=300.0)
-    parser.add_argument("--restores", type=int, default=3, help="cold restores per method")
+    parser.add_argument("--restores", type=int, default=5, help="rounds of cold restores")
     parser.add_argument("--dir", default=None, help="directory on the disk to measure")
     parser.add_argument("--out", default="experiments/results/engine_cpu.md")
     parser.add_argument("--method", help=argparse.SUPPRESS)
@@ -355,24 +343,33 @@ def main() -> None:
     base.mkdir(parents=True, exist_ok=True)
     nbytes = build_state_bytes(args.size_gb)
     limits = [measure_limits(base, nbytes, repeats=3)]
-    results = []
-    for method, options in METHODS:
-        directory = base / "run"
+    results, restorable = [], []
+    for i, (method, options) in enumerate(METHODS):
+        directory = base / f"run{i}"
         shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir()
         out = base / "result.json"
         cmd = [sys.executable, __file__, "--method", method, "--options", options]
         cmd += ["--json", str(out), "--dir", str(directory), "--size-gb", str(args.size_gb)]
         cmd += ["--checkpoints", str(args.checkpoints), "--every", str(args.every)]
-        cmd += ["--restores", str(args.restores), "--iteration-ms", str(args.iteration_ms)]
+        cmd += ["--iteration-ms", str(args.iteration_ms)]
         subprocess.run(cmd, check=True)
         result = json.loads(out.read_text())
-        result["method"] = method if method != "pcframe" else f"pcframe {options}"
+        result["method"] = label = method if method != "pcframe" else f"pcframe {options}"
         results.append(result)
-        print(result["method"], json.dumps({k: result[k] for k in ("idle", "restores", "resumes")}))
+        print(label, json.dumps(result["idle"]))
+        if method != "no checkpoint":
+            restorable.append([label, method, options, str(directory)])
         limits.append(measure_limits(base, nbytes, repeats=1))
+    # Restores in rounds over every method's newest checkpoint, in one process (paired).
+    rounds_json = base / "rounds.json"
+    cmd = [sys.executable, str(Path(__file__).with_name("restore_rounds.py"))]
+    cmd += ["--size-gb", str(args.size_gb), "--rounds", str(args.restores)]
+    cmd += ["--methods", json.dumps(restorable), "--json", str(rounds_json)]
+    subprocess.run(cmd, check=True)
+    rounds = json.loads(rounds_json.read_text())
     shutil.rmtree(base, ignore_errors=True)
-    write_table(args, results, limits)
+    write_table(args, results, limits, rounds)
 
 
 def build_state_bytes(size_gb: float) -> int:
@@ -382,7 +379,7 @@ def build_state_bytes(size_gb: float) -> int:
     return layers * per_layer * 12
 
 
-def write_table(args, results: list[dict], limits: list) -> None:
+def write_table(args, results: list[dict], limits: list, rounds: list[dict]) -> None:
     from pcframe.apps.limits import MachineLimits, Throughput
 
     nbytes = results[0]["bytes"]
@@ -408,8 +405,6 @@ def write_table(args, results: list[dict], limits: list) -> None:
     by = {r["method"]: r for r in results}
     med = statistics.median
     stager = med(by["dcp.async_save + DefaultStager"]["idle"]["stalls"])
-    torch_load = med(by["torch.save"]["restores"])
-    dcp_load = med(by["dcp.save"]["restores"])
     gib = 1 << 30
     lines = [
         "# Engine benchmark (CPU): pcframe vs the 2026 anchors and the machine's limits",
@@ -465,30 +460,43 @@ def write_table(args, results: list[dict], limits: list) -> None:
             f"| {r['method']} | {spread(stalls, 1000, 1)} | {spread(durables, digits=2)} | "
             f"{r['peak_extra_bytes'] / gib:.2f} | {above / gib:.2f} | {above / nbytes:.2f} |"
         )
-    torch_resume = med(by["torch.save"]["resumes"])
-    dcp_resume = med(by["dcp.save"]["resumes"])
-    read_s = lim.read_seconds(nbytes)
+    labels = list(rounds[0]["live"])
+
+    def times(kind: str, label: str) -> list[float]:
+        return [r[kind][label] for r in rounds]
+
+    def paired(kind: str, label: str, anchor: str) -> str:
+        """Median (min..max) over rounds of label ÷ anchor, both timed in the same round."""
+        ratios = [r[kind][label] / r[kind][anchor] for r in rounds]
+        return spread(ratios, digits=2)
+
+    read_limits = [r["read_limit"] for r in rounds if r["read_limit"]]
     lines += [
         "",
         "## Cold restore (page cache "
-        + ("dropped" if any(r["cold_cache"] for r in results) else "warm: could not drop it")
+        + ("dropped" if all(r["cold_cache"] for r in rounds) else "warm: could not drop it")
         + " before each)",
         "",
-        "Into the live objects (the optimizer already has its state, as in a rollback), and "
-        "as a resumed job does it: a model built afresh and an optimizer without state.",
+        f"{len(rounds)} rounds in one process (`restore_rounds.py`): each round restores every "
+        "method's newest checkpoint into the live objects (the optimizer already has its "
+        "state, as in a rollback) and as a resumed job does (a model built afresh and an "
+        "optimizer without state), in an order rotated per round, then reads pcframe's data "
+        "file cold with plain threads (the disk's read limit, best of 1/2/4 readers × 16 MiB, "
+        f"this run: {spread(read_limits, digits=3)} s). Ratios are paired: each round's time "
+        "÷ the anchor's in the same round, median (min..max) over rounds.",
         "",
         "| method | into live objects (s) | ÷ torch.load | ÷ dcp.load | resume (s) | "
-        "÷ torch.load | ÷ dcp.load | resume ÷ disk read limit |",
+        "÷ torch.load | ÷ dcp.load | resume ÷ read limit |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in results:
-        if not r["restores"]:
-            continue
-        restore, resume = med(r["restores"]), med(r["resumes"])
+    for label in labels:
+        to_limit = [r["resume"][label] / r["read_limit"] for r in rounds if r["read_limit"]]
         lines.append(
-            f"| {r['method']} | {spread(r['restores'], digits=2)} | {restore / torch_load:.2f} | "
-            f"{restore / dcp_load:.2f} | {spread(r['resumes'], digits=2)} | "
-            f"{resume / torch_resume:.2f} | {resume / dcp_resume:.2f} | {resume / read_s:.2f} |"
+            f"| {label} | {spread(times('live', label), digits=2)} | "
+            f"{paired('live', label, 'torch.save')} | {paired('live', label, 'dcp.save')} | "
+            f"{spread(times('resume', label), digits=2)} | "
+            f"{paired('resume', label, 'torch.save')} | {paired('resume', label, 'dcp.save')} | "
+            f"{spread(to_limit, digits=2)} |"
         )
     lines += [
         "",

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from pcframe.config import EngineConfig
+from pcframe.config import PAGE, EngineConfig
 from pcframe.format.checksum import format_digest
 from pcframe.format.layout import Chunk, Layout
 from pcframe.format.manifest import CODEC_NAME, DATA_NAME
@@ -176,9 +176,10 @@ class SavePipeline:
             progress = write.progress
             start, cpu = time.perf_counter(), time.thread_time()
             try:
-                self._begin(write)
+                self._plan_version(write)
             except BaseException as exc:
-                progress.fail(Stage.PERSIST if write.plan else Stage.ENCODE, exc)
+                progress.fail(Stage.ENCODE, exc)
+                write.opened.set()
             try:
                 flats: list[torch.Tensor | None] = [None] * len(write.request.tensors)
                 if write.request.cuda_ready is not None:
@@ -200,6 +201,7 @@ class SavePipeline:
             except BaseException as exc:
                 progress.fail(Stage.SNAPSHOT, exc)
             finally:
+                write.opened.set()  # no writer may wait for files this version never opened
                 progress.copy_seconds = time.perf_counter() - start
                 progress.add_cpu(cpu)
                 progress.copy_done.set()
@@ -212,6 +214,7 @@ class SavePipeline:
         """Stage every data.bin chunk; a waiting training thread may take some of them."""
         if write.request.cuda_ready is not None or not self.copier.shareable:
             # Device copies (one stream) and the Triton interpreter: one thread.
+            self._open_files(write)
             self._stage_chunks(write, chunks, flats)
             return
         sharing = SharedChunks(write, chunks, flats)
@@ -219,6 +222,9 @@ class SavePipeline:
             self._sharing = sharing
             self._sharing_changed.notify_all()
         try:
+            # The files are created while a waiting training thread already copies: the
+            # staged chunks need no file, their writers wait for it.
+            self._open_files(write)
             self._copy_shared(sharing)
         finally:
             with self._sharing_changed:
@@ -253,25 +259,38 @@ class SavePipeline:
                 # interrupted) is staged by the copy thread after all.
                 sharing.done(None if handed or write.failed else chunk)
 
-    def _begin(self, write: VersionWrite) -> None:
-        """Plan the version's storage (codecs, delta or full) and open its files."""
+    def _plan_version(self, write: VersionWrite) -> None:
+        """Plan the version's storage (codecs; the plan is reused while the layout is)."""
         layout = write.request.layout
         if self._plan is None or self._plan_source is not layout:
             self._plan = CodecPlan.build(layout, self.config.codecs, self.config.tensor_align)
             self._plan_source = layout
-        plan = write.plan = self._plan
-        directory = self.storage.staging_path(write.version)
-        directory.mkdir()
-        write.data_file = open_data_file(
-            directory / DATA_NAME, plan.layout.data_size, self.persist, self.config.o_direct
-        )
-        write.o_direct = write.data_file.direct
-        write.checksums = [""] * plan.layout.num_chunks
-        if plan.segments:
-            write.codec_file = WrittenFile(directory / CODEC_NAME, 0)
-            # Retention keeps every chain a kept version needs; replica tiers are what
-            # cannot take deltas.
-            write.delta = self.deltas.begin(write.version, plan, self.delta_blockers)
+        write.plan = self._plan
+        write.checksums = [""] * write.plan.layout.num_chunks
+
+    def _open_files(self, write: VersionWrite) -> None:
+        """Create the staging directory and files, choose delta or full; then ``opened``.
+
+        A failure fails the version (the copy stops at its next chunk), never this thread.
+        """
+        plan = write.plan
+        assert plan is not None
+        try:
+            directory = self.storage.staging_path(write.version)
+            directory.mkdir()
+            write.data_file = open_data_file(
+                directory / DATA_NAME, plan.layout.data_size, self.persist, self.config.o_direct
+            )
+            write.o_direct = write.data_file.direct
+            if plan.segments:
+                write.codec_file = WrittenFile(directory / CODEC_NAME, 0)
+                # Retention keeps every chain a kept version needs; replica tiers are what
+                # cannot take deltas.
+                write.delta = self.deltas.begin(write.version, plan, self.delta_blockers)
+        except BaseException as exc:
+            write.progress.fail(Stage.PERSIST, exc)
+        finally:
+            write.opened.set()
 
     def _stage(
         self, write: VersionWrite, task: Callable, fill: Callable, unit: Any, flats: list[Any]
@@ -289,6 +308,7 @@ class SavePipeline:
     def _run_writer(self, task: Callable, write: VersionWrite, unit: Any, buffer: Any) -> None:
         try:
             self.pool.writer_turn()  # the copy first while training waits for it
+            write.opened.wait()  # set by the copy thread before it copies a chunk itself
             task(write, unit, buffer)
         finally:
             self.pool.release(buffer)
@@ -310,15 +330,16 @@ class SavePipeline:
         self, write: VersionWrite, chunk: Chunk, buffer: torch.Tensor, flats: list[Any]
     ) -> None:
         """Stage one data.bin chunk (and, fused into the copy, its pcf64 checksum)."""
-        assert write.data_file is not None
-        length = write.data_file.write_length(chunk.length)
+        # Staged to whole pages (the file may not be open yet): an O_DIRECT write reads the
+        # zero tail, a buffered one only ``chunk.length``.
+        length = min(-(-chunk.length // PAGE) * PAGE, len(buffer))
         pieces = [
             (self._flat(write, p.entry, flats), p.src_start, p.dst_start, p.nbytes)
             for p in chunk.pieces
         ]
         # Fused only where the writer would hash the staged bytes itself (not on the mmap
         # path, which hashes while it copies into the mapping).
-        if not self.copier.fuses_checksum or write.data_file.checksums_on_write:
+        if not self.copier.fuses_checksum or self.persist == "mmap":
             self.copier.fill(pieces, buffer[:length], self._side_stream)
             return
         value = self.copier.fill(pieces, buffer[: chunk.length], self._side_stream, checksum=True)

@@ -40,6 +40,9 @@ class VersionWrite:
     checksums: list[str] = field(default_factory=list)  # per data.bin chunk
     o_direct: bool = False
     delta: DeltaChoice | None = None
+    # Set once its files are open (or opening failed): the copy starts before, the writers
+    # wait for it.
+    opened: threading.Event = field(default_factory=threading.Event, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _outstanding: int = 0  # chunks and segments handed to writers, not yet done
     _copy_finished: bool = False
