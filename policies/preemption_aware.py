@@ -6,11 +6,12 @@ from the engine. The prediction moves all the time, so the adopted interval only
 the new value differs by more than ``hysteresis`` (relative): otherwise a noisy estimate
 would jitter the checkpoint schedule without any gain.
 
-Two refinements make it learn like the traces behave (docs/policies.md, "How PA learns"):
-the hazard falls with the age of the VM when the predictor knows how over-dispersed lives
-are (``age_hazard``: Daly at ``1/h(age)``, short intervals right after a restart, long ones
-once the VM has proved stable), and restarts whose state died with them
-(``Restarted.unseen_starts``) are counted, so harsh zones are not mistaken for calm ones.
+Refinements make it learn like the traces behave (docs/policies.md, "How PA learns"):
+when the predictor knows how over-dispersed lives are, the interval follows the VM's age
+(``age_hazard``, ``schedule``: short intervals right after a restart, long ones once the
+VM has proved stable), and restarts
+whose state died with them (``Restarted.unseen_starts``) are counted, so harsh zones are
+not mistaken for calm ones.
 """
 
 from __future__ import annotations
@@ -19,16 +20,20 @@ import dataclasses
 import math
 from typing import Any, Literal
 
+import numpy as np
+
 from pcframe.policies.base import Event, PolicyContext, Preempted, Restarted
 from pcframe.policies.daly import Form, daly_interval
 from pcframe.policies.periodic import SecondsIntervalPolicy
 from pcframe.policies.predictors.base import Predictor
 from pcframe.policies.predictors.gamma_poisson import GammaPoissonRate
 from pcframe.policies.predictors.lifetime import LifeShapePosterior, cycle_interval
+from pcframe.policies.predictors.schedule import kept_work_schedule
 from pcframe.policies.registry import register
 from pcframe.policies.young import CostKind, checkpoint_cost
 
 Bound = Literal["mean", "upper"]
+Schedule = Literal["kept_work", "cycle"]
 
 
 @register()
@@ -52,6 +57,12 @@ class PreemptionAware(SecondsIntervalPolicy):
         age_hazard: plan with the hazard at the VM's age (time since training resumed)
             when the predictor has a life shape (``GammaPoissonRate.from_traces`` fits one):
             ``MTBF_eff = ((k - 1)·MTBF + age) / k``. ``False``: the mean rate at every age.
+        schedule: with ``age_hazard``, how the interval at an age is chosen: ``cycle``
+            (the best ratio of one cycle at that age,
+            :func:`~.predictors.lifetime.cycle_interval`; the default, ahead on the mean of
+            both regimes of experiment 5) or ``kept_work`` (the schedule that maximises the
+            work a whole life keeps, Bellman's equation of :mod:`~.predictors.schedule`;
+            ahead on the harshest traces).
         **kw: clamps and priors of :class:`~pcframe.policies.periodic.SecondsIntervalPolicy`;
             ``min_interval`` and ``max_interval`` bound τ whatever the prediction says.
     """
@@ -71,6 +82,7 @@ class PreemptionAware(SecondsIntervalPolicy):
         reevaluate_every: float = 30.0,
         max_interval: float | None = 6 * 3600.0,
         age_hazard: bool = True,
+        schedule: Schedule = "cycle",
         **kw: Any,
     ) -> None:
         if bound not in ("mean", "upper"):
@@ -79,6 +91,8 @@ class PreemptionAware(SecondsIntervalPolicy):
             raise ValueError(f"hysteresis={hysteresis} must be in [0, 1)")
         if form not in ("exact", "series"):
             raise ValueError(f"form={form!r} must be 'exact' or 'series'")
+        if schedule not in ("kept_work", "cycle"):
+            raise ValueError(f"schedule={schedule!r} must be 'kept_work' or 'cycle'")
         if reevaluate_every < 0:
             raise ValueError(f"reevaluate_every={reevaluate_every} must be >= 0 seconds")
         super().__init__(max_interval=max_interval, **kw)
@@ -90,6 +104,7 @@ class PreemptionAware(SecondsIntervalPolicy):
         self.count_restarts = count_restarts
         self.reevaluate_every = float(reevaluate_every)
         self.age_hazard = age_hazard
+        self.schedule: Schedule = schedule
         # Share of preemptions that cost work: set by a NoticeDriven wrapper that learns how
         # often notices secure the newest state (1.0: every preemption loses work).
         self.rate_scale = 1.0
@@ -194,29 +209,44 @@ class PreemptionAware(SecondsIntervalPolicy):
             self.predictor.observe(event)
 
     def _cycle(self, rate: float, stall: float, durable: float, lives: LifeShapePosterior) -> float:
-        """The interval of :func:`~.lifetime.cycle_interval` at this age, memoised. Inputs
-        are bucketed (age and MTBF to 5 %, shape weights to 0.05): finer than the 20 %
-        hysteresis, and a 45-day trace then needs a few hundred evaluations, not 10⁴."""
+        """Seconds from this save's start to the next at this age, memoised on bucketed
+        inputs (MTBF and age to 5 %, costs to 0.1 s, shape weights to 0.05: finer than the
+        20 % hysteresis). ``cycle``: :func:`~.lifetime.cycle_interval` per age bucket (a
+        45-day trace needs a few hundred). ``kept_work``: the schedule of
+        :func:`~.schedule.kept_work_schedule` plus the stall; it covers every age, so it is
+        memoised without the age (a few dozen) and the age is read off by interpolation."""
         mtbf = math.inf if not rate > 0 else 1.0 / rate
         if math.isinf(mtbf):
             return math.inf
-        weights = tuple(round(20.0 * w) / 20.0 for w in lives.weights(0.0, mtbf))
+        raw = lives.weights(0.0, mtbf)
+        weights = tuple(round(20.0 * w) / 20.0 for w in raw)
         if not any(weights):  # every weight rounded away: keep the heaviest
-            raw = lives.weights(0.0, mtbf)
             weights = tuple(float(w == max(raw)) for w in raw)
-        age_b = round(20.0 * math.log1p(self._age / 60.0))
         mtbf_b = round(20.0 * math.log(mtbf))
-        key = (mtbf_b, age_b, round(stall, 1), round(durable, 1), weights)
-        tau = self._cycle_memo.get(key)
-        if tau is None:
-            if len(self._cycle_memo) > 4096:
+        if self.schedule == "cycle":  # one evaluation per age bucket (5 %)
+            age_b = round(20.0 * math.log1p(self._age / 60.0))
+            key = ("cycle", mtbf_b, age_b, round(stall, 1), round(durable, 1), weights)
+            tau = self._cycle_memo.get(key)
+            if tau is None:
+                if len(self._cycle_memo) > 4096:
+                    self._cycle_memo.clear()
+                age = 60.0 * math.expm1(age_b / 20.0)
+                tau = cycle_interval(
+                    age, math.exp(mtbf_b / 20.0), key[3], max(key[4], key[3]), list(weights)
+                )
+                self._cycle_memo[key] = tau
+            return tau
+        key = (mtbf_b, round(stall, 1), round(durable, 1), weights)
+        table = self._cycle_memo.get(key)
+        if table is None:
+            if len(self._cycle_memo) > 512:
                 self._cycle_memo.clear()
-            age = 60.0 * math.expm1(age_b / 20.0)
-            tau = cycle_interval(
-                age, math.exp(mtbf_b / 20.0), key[2], max(key[3], key[2]), list(weights)
+            table = kept_work_schedule(
+                math.exp(mtbf_b / 20.0), key[1], max(key[2], key[1]), list(weights)
             )
-            self._cycle_memo[key] = tau
-        return tau
+            self._cycle_memo[key] = table
+        ages, taus = table
+        return float(np.interp(self._age, ages, taus)) + stall
 
     def _count_unseen(self, died: float, lives: int) -> None:
         """Preemptions of processes that never committed: each died before its first save

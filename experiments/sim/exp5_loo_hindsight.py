@@ -52,6 +52,17 @@ def pa_no_age(trace: Trace, history: list[Trace]) -> P.IntervalPolicy:
     return P.PreemptionAware(P.GammaPoissonRate.from_traces(history), age_hazard=False)
 
 
+def pa_kept_work(trace: Trace, history: list[Trace]) -> P.IntervalPolicy:
+    """Variant: the schedule that keeps the most work over a whole life (``kept_work``)."""
+    return P.PreemptionAware(P.GammaPoissonRate.from_traces(history), schedule="kept_work")
+
+
+def pa_one_gamma(trace: Trace, history: list[Trace]) -> P.IntervalPolicy:
+    """Ablation: the previous rate prior, one Gamma fitted to the zones' spread (no mixture)."""
+    pred = P.GammaPoissonRate.from_traces(history, prior_components=None)
+    return P.PreemptionAware(pred)
+
+
 def pa_fixed_prior(trace: Trace, history: list[Trace]) -> P.IntervalPolicy:
     """Ablation: the old prior (6 h of history whatever the zones' spread), no life shape."""
     pred = P.GammaPoissonRate.from_traces(history, prior_strength=21600.0, life_prior=None)
@@ -61,6 +72,10 @@ def pa_fixed_prior(trace: Trace, history: list[Trace]) -> P.IntervalPolicy:
 # Measured with this experiment's harness on the code before this policy (commit 28580c7:
 # a 6 h prior, Daly at the mean rate, restarts that died before committing not counted).
 BEFORE = {"async": (0.9882, 0.8435, 15, 2), "sync": (0.9300, 0.5714, 1, 0)}
+# The same harness on the policy before the mixture prior (commit 80679d9: one Gamma
+# prior, the best single cycle at each age).
+PREVIOUS = {"async": (0.9949, 0.9319, 16, 7), "sync": (0.9714, 0.7140, 10, 6)}
+ABLATIONS = ("PA", "PA kept-work", "PA one Gamma", "PA no age", "PA 6 h prior")
 
 
 def main() -> None:
@@ -78,7 +93,13 @@ def main() -> None:
         traces,
         args.regimes,
         curves,
-        {"PA": pa, "PA no age": pa_no_age, "PA 6 h prior": pa_fixed_prior},
+        {
+            "PA": pa,
+            "PA kept-work": pa_kept_work,
+            "PA one Gamma": pa_one_gamma,
+            "PA no age": pa_no_age,
+            "PA 6 h prior": pa_fixed_prior,
+        },
     )
     notice = notice_rows(traces, args.regimes)
     out = Path(args.out)
@@ -96,9 +117,13 @@ def main() -> None:
         "best mean over the other zones' traces, relative to their own hindsight best. Job "
         "presets as in experiment 2 (`v100_llm`, `h100_llm`; `sync`: the stall is the whole "
         "write, one in flight). Spot only, notices not used (section 2 uses them). "
-        "Ablations: `PA no age` (`age_hazard=False`: Daly at the learned mean rate), `PA 6 h "
-        "prior` (the old fixed prior weight, no life shape; restarts that died unseen are "
-        "still counted). `PA before`: this harness on the code before this change.",
+        "Variants: `PA kept-work` (`schedule='kept_work'`: the schedule that keeps the most work "
+        "over a life instead of the best ratio of one cycle at each age), `PA one Gamma` (one "
+        "Gamma prior fitted to the zones' spread instead of the mixture of one Gamma per trace: "
+        "the previous policy), `PA no age` (`age_hazard=False`: Daly at the learned mean rate), "
+        "`PA 6 h prior` (the old fixed prior weight, no life shape; restarts that died unseen are "
+        "still counted). `PA before`: this harness on the code before the learning policy "
+        "(28580c7); `PA previous`: on the policy before the mixture prior (80679d9).",
     )
     for regime in args.regimes:
         part = [r for r in rows if r["regime"] == regime]
@@ -112,9 +137,7 @@ def main() -> None:
 def _relative(r: dict[str, Any]) -> dict[str, float]:
     h = r["hindsight"]
     return {
-        "PA": r["PA"] / h,
-        "PA no age": r["PA no age"] / h,
-        "PA 6 h prior": r["PA 6 h prior"] / h,
+        **{label: r[label] / h for label in ABLATIONS},
         "Daly@prior": r["daly_prior"] / h,
         "in advance": r["in_advance"] / h,
         "oracle": r["oracle"] / h,
@@ -124,18 +147,20 @@ def _relative(r: dict[str, Any]) -> dict[str, float]:
 def _summary(rows: list[dict[str, Any]]) -> str:
     table = []
     regime = rows[0]["regime"]
-    if regime in BEFORE:
-        mean, low, good, above = BEFORE[regime]
+    for name, numbers in (("PA before (28580c7)", BEFORE), ("PA previous (80679d9)", PREVIOUS)):
+        if regime not in numbers:
+            continue
+        mean, low, good, above = numbers[regime]
         table.append(
             {
-                "policy / hindsight-best fixed": "PA before (28580c7)",
+                "policy / hindsight-best fixed": name,
                 "mean": mean,
                 "min": low,
                 "traces >= 0.995": f"{good} / {len(rows)}",
                 "traces >= 1.0": f"{above} / {len(rows)}",
             }
         )
-    for label in ("PA", "PA no age", "PA 6 h prior", "Daly@prior", "in advance", "oracle"):
+    for label in (*ABLATIONS, "Daly@prior", "in advance", "oracle"):
         xs = [_relative(r)[label] for r in rows]
         table.append(
             {
@@ -158,9 +183,7 @@ def _per_trace(rows: list[dict[str, Any]]) -> str:
             {
                 "trace": r["trace"],
                 "MTBF h": r["mtbf_h"],
-                "PA": rel["PA"],
-                "PA no age": rel["PA no age"],
-                "PA 6 h prior": rel["PA 6 h prior"],
+                **{label: rel[label] for label in ABLATIONS},
                 "Daly@prior": rel["Daly@prior"],
                 "in advance": rel["in advance"],
                 "hindsight goodput": r["hindsight"],

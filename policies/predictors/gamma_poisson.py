@@ -6,6 +6,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+from scipy.special import gammaln
+
 from pcframe.policies.base import Event
 from pcframe.policies.predictors.base import (
     Estimate,
@@ -23,7 +26,12 @@ from pcframe.policies.predictors.history import (
     pooled_rate,
     resolve_traces,
 )
-from pcframe.policies.predictors.lifetime import LifeShapePosterior, rate_prior, shape_prior
+from pcframe.policies.predictors.lifetime import (
+    LifeShapePosterior,
+    rate_mixture,
+    rate_prior,
+    shape_prior,
+)
 from pcframe.policies.registry import register
 
 
@@ -36,6 +44,11 @@ class GammaPoissonRate(Predictor):
     the prior is worth: small lets the job's own preemptions dominate quickly. With
     ``forget_halflife`` the evidence decays (the regime of a zone changes over days).
     Availability uses a Beta posterior over capacity samples in the same way.
+
+    ``prior_components`` (``(α_i, β_i)`` pairs, equal weights) makes the prior a mixture of
+    Gammas instead: the same counts update every component, and each is weighted by how
+    well it predicted them (its negative-binomial marginal likelihood), so the evidence
+    picks the kind of zone this is (docs/policies.md, "How PA learns").
     """
 
     name = "gamma_poisson"
@@ -49,6 +62,7 @@ class GammaPoissonRate(Predictor):
         prior_availability: float | None = None,
         availability_strength: float = 10.0,
         life_prior: Sequence[float] | None = None,
+        prior_components: Sequence[Sequence[float]] | None = None,
     ) -> None:
         if prior_mtbf <= 0 or prior_strength <= 0:
             raise ValueError(
@@ -59,6 +73,13 @@ class GammaPoissonRate(Predictor):
         if prior_availability is not None and not 0.0 <= prior_availability <= 1.0:
             raise ValueError(f"prior_availability={prior_availability} must be in [0, 1]")
         check_confidence(confidence)
+        self.prior_components = None
+        if prior_components is not None:
+            comps = np.array([[float(a), float(b)] for a, b in prior_components])
+            if comps.size == 0 or not (comps > 0).all():
+                raise ValueError(f"prior_components={prior_components!r}: (alpha, beta) > 0")
+            self.prior_components = [list(map(float, c)) for c in comps]
+            self._mix_a, self._mix_b = comps[:, 0], comps[:, 1]
         self.life_prior = None if life_prior is None else [float(x) for x in life_prior]
         self.lives = None if life_prior is None else LifeShapePosterior(self.life_prior)
         self.prior_mtbf = float(prior_mtbf)
@@ -83,7 +104,9 @@ class GammaPoissonRate(Predictor):
 
         Unless given: ``prior_strength`` is fitted to the spread of the traces' rates (a
         prior as uncertain as zones differ, :func:`~.lifetime.rate_prior`; ``None`` fits
-        too) and ``life_prior`` to the dispersion of their lives (:func:`~.lifetime.shape_prior`).
+        too), and then the prior is the mixture of one Gamma per trace of
+        :func:`~.lifetime.rate_mixture` (``prior_components=None``: the one Gamma);
+        ``life_prior`` is fitted to the dispersion of their lives (:func:`~.lifetime.shape_prior`).
         """
         found = resolve_traces(traces, zone)
         count, exposure = pooled_rate(found)
@@ -93,13 +116,27 @@ class GammaPoissonRate(Predictor):
         kwargs.setdefault("prior_availability", up / n)
         if kwargs.get("prior_strength") is None:
             kwargs["prior_strength"] = rate_prior(found)[1]
+            kwargs.setdefault("prior_components", rate_mixture(found))
         if "life_prior" not in kwargs:
             kwargs["life_prior"] = shape_prior(found)
         return cls(**kwargs)
 
     def mean_rate(self) -> float:
         """The posterior mean rate (what ``predict().rate.value`` is), without quantiles."""
-        return self.alpha / self.beta
+        if self.prior_components is None:
+            return self.alpha / self.beta
+        w, a, b = self._mixture()
+        return float((w * a / b).sum())
+
+    def _mixture(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Posterior weights and Gamma parameters of the components, after ``n`` preemptions
+        in ``T`` s: ``w_i ∝ Γ(α_i+n)/Γ(α_i) · β_i^α_i / (β_i+T)^(α_i+n)``."""
+        n = max(self.alpha - self.alpha0, 0.0)
+        t = max(self.beta - self.beta0, 0.0)
+        a, b = self._mix_a, self._mix_b
+        log_w = gammaln(a + n) - gammaln(a) + a * np.log(b) - (a + n) * np.log(b + t)
+        w = np.exp(log_w - log_w.max())
+        return w / w.sum(), a + n, b + t
 
     def mtbf_at_age(self, age: float, mtbf: float) -> float:
         """1 / hazard ``age`` seconds into a life whose mean is ``mtbf`` (Poisson: ``mtbf``)."""
@@ -137,9 +174,15 @@ class GammaPoissonRate(Predictor):
 
     def predict(self, now: float | None = None) -> Prediction:
         tail = (1.0 - self.confidence) / 2.0
-        lo = gamma_quantile(tail, self.alpha, self.beta)
-        hi = gamma_quantile(1.0 - tail, self.alpha, self.beta)
-        rate = clamp_estimate(self.alpha / self.beta, lo, hi, self.confidence)
+        alpha, beta = self.alpha, self.beta
+        if self.prior_components is not None:  # quantiles of the moment-matched Gamma
+            w, a, b = self._mixture()
+            mean = float((w * a / b).sum())
+            var = float((w * (a / b**2 + (a / b) ** 2)).sum()) - mean * mean
+            alpha, beta = mean * mean / max(var, 1e-300), mean / max(var, 1e-300)
+        lo = gamma_quantile(tail, alpha, beta)
+        hi = gamma_quantile(1.0 - tail, alpha, beta)
+        rate = clamp_estimate(alpha / beta, lo, hi, self.confidence)
         avail = None
         if self._a > 0 and self._b > 0:
             m = self._a / (self._a + self._b)

@@ -97,6 +97,25 @@ def rate_prior(traces: Sequence[Trace]) -> tuple[float, float]:
     return mtbf, alpha0 * mtbf
 
 
+def rate_mixture(traces: Sequence[Trace]) -> list[tuple[float, float]] | None:
+    """Gamma components ``(α, β)`` of a prior over a new zone's rate: one per trace, centred
+    on its rate, as wide as a kernel density estimate of the log rates needs (Silverman's
+    bandwidth ``b = 1.06·sd·N^(-1/5)``, and ``ψ₁(α) = b²``). A single Gamma (:func:`rate_prior`)
+    is one bump in log rate; zones are not (calm ones and harsh ones, few between), and with
+    a mixture a few lives of the job pick the bump they fit (``None``: fewer than 3 traces).
+    """
+    counts = np.array([t.preemption_count() for t in traces], dtype=float)
+    exposure = np.array([t.up_seconds() for t in traces], dtype=float)
+    keep = exposure > 0
+    if keep.sum() < 3:
+        return None
+    n = counts[keep] + 0.5
+    logs = np.log(n / exposure[keep])
+    width = 1.06 * float(np.std(logs, ddof=1)) * logs.size**-0.2
+    alpha = _inverse_trigamma(max(width * width, 1e-3))
+    return [(alpha, alpha / math.exp(x)) for x in logs]
+
+
 def _inverse_trigamma(y: float) -> float:
     """The α > 0 with ψ₁(α) = y (ψ₁ falls monotonically from +∞ to 0)."""
     f = lambda a: float(polygamma(1, a)) - y  # noqa: E731

@@ -137,9 +137,14 @@ def test_hazard_learns_from_own_preemptions_in_their_hour() -> None:
 
 def test_from_shipped_traces(traces_dir: Path) -> None:
     h100 = load_traces(traces_dir / "skynomad" / "gcp-h100-16-2025")
-    g = P.GammaPoissonRate.from_traces(h100)
+    g = P.GammaPoissonRate.from_traces(h100, prior_components=None)  # one Gamma
     pooled = sum(t.preemption_count() for t in h100) / sum(t.up_seconds() for t in h100)
     assert g.predict().rate.value == pytest.approx(pooled)
+    # The mixture (the default): one component per trace, so the prior mean is the mean of
+    # the traces' own rates, each trace weighing the same.
+    mix = P.GammaPoissonRate.from_traces(h100)
+    rates = [(t.preemption_count() + 0.5) / t.up_seconds() for t in h100]
+    assert mix.predict().rate.value == pytest.approx(np.mean(rates))
     one = P.GammaPoissonRate.from_traces(h100, zone="us-east4-a")
     assert one.predict().rate.value > g.predict().rate.value  # the stormiest H100 zone
     hz = P.HazardByTimeOfDay(traces_dir / "skynomad" / "gcp-h100-16-2025")
