@@ -10,6 +10,12 @@ import time
 from pathlib import Path
 
 from pcframe import __version__
+from pcframe.apps.cli_ranks import (
+    is_multi_rank_root,
+    list_global,
+    refuse_multi_rank_root,
+    verify_global,
+)
 from pcframe.errors import CheckpointError, ManifestError
 from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME, Manifest, read_manifest
 from pcframe.format.names import version_number
@@ -48,6 +54,8 @@ def _when(wall_time: float) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    if is_multi_rank_root(Path(args.directory)):
+        return list_global(Path(args.directory), _when, _one_line)
     directory = CheckpointDir(args.directory)
     versions = directory.committed_versions()
     latest = directory.latest_hint()
@@ -69,6 +77,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    if is_multi_rank_root(Path(args.directory)):
+        return verify_global(Path(args.directory), args.version, args.threads, _one_line)
     directory = CheckpointDir(args.directory)
     versions = [args.version] if args.version is not None else directory.committed_versions()
     if not versions:
@@ -92,6 +102,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    refuse_multi_rank_root(Path(args.directory), "inspect")
     directory = CheckpointDir(args.directory)
     version = _pick(directory, args.version)
     manifest = _manifest(directory, version)
@@ -184,6 +195,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     import torch
     from safetensors.torch import save_file
 
+    refuse_multi_rank_root(Path(args.directory), "export")
     directory = CheckpointDir(args.directory)
     version = _pick(directory, args.version)
     loaded = load_version(directory.path(version))

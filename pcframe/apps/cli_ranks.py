@@ -1,0 +1,96 @@
+"""``pcframe list`` and ``verify`` on a multi-rank checkpoint root (``global/`` + ``rank-N/``).
+
+A global version is valid when its record reads back and every rank's shard is the very
+version the record pins (the manifest checksum) and verifies chunk by chunk; this is what a
+multi-rank restore checks before it chooses a version.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pcframe.distributed import record as rec
+from pcframe.errors import CheckpointError, ManifestError
+from pcframe.format.manifest import MANIFEST_NAME
+from pcframe.format.names import version_name
+from pcframe.restore.reader import load_version
+
+
+def is_multi_rank_root(root: Path) -> bool:
+    """A root written by ``DistributedCheckpointer`` (its record folder or pointer)."""
+    return (root / rec.RECORDS).is_dir() or (root / rec.POINTER).is_file()
+
+
+def refuse_multi_rank_root(root: Path, command: str) -> None:
+    """``inspect`` and ``export`` read one rank's shard: say which directory to give."""
+    if is_multi_rank_root(root):
+        ranks = sorted(p.name for p in root.glob("rank-*") if p.is_dir())
+        example = root / (ranks[0] if ranks else rec.rank_dirname(0))
+        raise CheckpointError(
+            f"{root} is a multi-rank checkpoint root ({len(ranks)} rank directories): "
+            f"{command} one rank's shard, e.g. pcframe {command} {example}"
+        )
+
+
+def list_global(root: Path, when, one_line) -> int:
+    """One line per global version, newest last; 1 if any record is unreadable."""
+    latest = rec.read_pointer(root)
+    good, bad = rec.valid_records(root)
+    rows = {r.version: r for r in good}
+    unreadable = dict(bad)
+    print(f"{'version':>8} {'step':>10} {'ranks':>5} {'size':>12}  written              ")
+    for version in sorted(set(rows) | set(unreadable)):
+        if version in unreadable:
+            reason = one_line(unreadable[version])
+            print(f"{version:>8} {'?':>10} {'?':>5} {'?':>12}  unreadable: {reason}")
+            continue
+        record = rows[version]
+        size = sum(s.nbytes for s in record.shards)
+        mark = "  <- GLOBAL" if version == latest else ""
+        print(
+            f"{version:>8} {record.step:>10} {record.world_size:>5} {size:>12}  "
+            f"{when(record.wall_time)}{mark}"
+        )
+    if not rows and not unreadable:
+        print(f"(no committed global versions in {root})")
+    return 1 if unreadable else 0
+
+
+def verify_global(root: Path, version: int | None, threads: int, one_line) -> int:
+    """Verify every shard of every global version (or one); 1 if any fails."""
+    good, bad = rec.valid_records(root)
+    found = {r.version for r in good} | {v for v, _ in bad}
+    if version is not None and version not in found:
+        raise CheckpointError(f"{root}: global version {version} not found; have {sorted(found)}")
+    failures = 0
+    for v, reason in sorted(bad):
+        if version in (None, v):
+            failures += 1
+            print(f"v{v}: FAILED: {one_line(reason)}")
+    for record in sorted(good, key=lambda r: r.version):
+        if version not in (None, record.version):
+            continue
+        problems, tensors = [], 0
+        for shard in record.shards:
+            where = root / shard.directory / version_name(shard.version)
+            try:
+                if rec.manifest_crc(where / MANIFEST_NAME) != shard.manifest_crc32c:
+                    raise ManifestError(f"{where}: not the shard the global record pins")
+                loaded = load_version(where, threads=max(1, threads))
+                loaded.state_tree()
+                tensors += len(loaded.tensors)
+            except (CheckpointError, OSError) as exc:
+                problems.append(f"rank {shard.rank}: {one_line(exc)}")
+        if problems:
+            failures += 1
+            print(f"v{record.version}: FAILED: {'; '.join(problems)}")
+        else:
+            size = sum(s.nbytes for s in record.shards)
+            print(
+                f"v{record.version}: OK ({record.world_size} ranks, {tensors} tensors, "
+                f"{size} bytes)"
+            )
+    if not found:
+        print(f"no committed global versions in {root}")
+        return 1
+    return 1 if failures else 0
