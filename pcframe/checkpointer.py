@@ -45,6 +45,7 @@ from pcframe.save.pipeline import SavePipeline
 from pcframe.save.progress import SaveProgress
 from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.retention import KeepWhere, Retention
+from pcframe.store.starts import UNKNOWN_WRITER
 from pcframe.store.tiers import Secured, Tiers, attach_tiers
 
 log = logging.getLogger("pcframe")
@@ -128,6 +129,9 @@ class Checkpointer:
             for source in self.notices:
                 source.start()  # signal handlers: must run in the main thread
         except BaseException:
+            if self.storage.previous_exit_clean:  # this attempt never ran: keep the mark
+                with contextlib.suppress(OSError):
+                    self.storage.mark_clean_exit()
             self.storage.close()
             raise
         self.capture = Capture(self.objects, config)
@@ -144,6 +148,7 @@ class Checkpointer:
         if self.tiers.replicated:
             self.pipeline.delta_blockers.append("storage tiers")
         self._hook = optimizer.register_step_pre_hook(self.flight.gate) if optimizer else None
+        self.storage.count_start()  # fully built: from here on, an end without close() counts
         atexit.register(self._atexit)
 
     # The live objects, as given (read-only views of self.objects).
@@ -347,23 +352,22 @@ class Checkpointer:
         )
         if manifest is None:
             if self.storage.starts.number > 1:  # earlier writers died before a first commit
-                self.resumed(0, written_by=None)
+                self.resumed(0, written=None)
             return None
         self._next_version = max(self._next_version, manifest.version + 1)
-        writer = manifest.engine.get("writer_start")
-        self.resumed(manifest.step, writer if type(writer) is int else 0)
+        self.resumed(manifest.step, manifest.engine)
         return manifest.step
 
-    def resumed(self, step: int, written_by: int | None = 0) -> None:
+    def resumed(self, step: int, written: Mapping[str, Any] | None = UNKNOWN_WRITER) -> None:
         """Training goes on from ``step``, whose state was just loaded: tell the policy.
 
-        ``written_by``: the number of the writer that saved it (``Starts``; 0: unknown;
-        ``None``: nothing was loaded). Called by :meth:`restore`, and by a multi-rank
-        restore that loaded the state itself.
+        ``written``: the loaded manifest's ``engine`` section, which names its writer
+        (:meth:`Starts.unseen`); ``None``: nothing was loaded. Called by :meth:`restore`,
+        and by a multi-rank restore that loaded the state itself.
         """
-        if written_by is not None:
+        if written is not None:
             self.feed.resumed(step, process_age())
-        unseen = self.storage.starts.unseen(written_by)
+        unseen = self.storage.starts.unseen(written)
         clean = self.storage.previous_exit_clean
         self.policy.observe(Restarted(time.monotonic(), process_age(), step, clean, unseen))
 

@@ -38,12 +38,15 @@ from pcframe.errors import (
     RestoreIOError,
     SaveError,
 )
+from pcframe.format.manifest import MANIFEST_NAME, read_manifest
+from pcframe.format.names import version_name
 from pcframe.objects import TrainingObjects
 from pcframe.restore.report import DistributedRestoreReport
 from pcframe.restore.sources import READ_ATTEMPTS, read_with_retries
 from pcframe.save.handle import SaveHandle
 from pcframe.save.status import SaveStatus
 from pcframe.store.retention import KeepWhere
+from pcframe.store.starts import UNKNOWN_WRITER
 
 log = logging.getLogger("pcframe")
 
@@ -369,7 +372,7 @@ class DistributedCheckpointer:
                 log.warning("skipping global version %d: %s", record.version, bad)
                 continue
             prepared.apply(objects)
-            self.local.resumed(record.step)
+            self.local.resumed(record.step, self._shard_writer(record))
             report.version, report.step = record.version, record.step
             report.saved_world_size = record.world_size
             report.resharded, report.per_rank_state_from = (
@@ -383,12 +386,29 @@ class DistributedCheckpointer:
         if report.skipped:
             reasons = "; ".join(f"v{v}: {why}" for v, why in report.skipped)
             raise NoValidCheckpoint(f"no valid global checkpoint in {self.root}: {reasons}")
+        if self.local.storage.starts.number > 1:  # this rank's earlier writers all died
+            self.local.resumed(0, None)
         return None
+
+    def _shard_writer(self, record: rec.GlobalRecord) -> Mapping[str, Any]:
+        """This rank's shard manifest's ``engine`` section (which writer made it), if this
+        rank wrote a shard of ``record`` in this directory; else unknown."""
+        if self.rank >= record.world_size:
+            return UNKNOWN_WRITER
+        shard = record.shards[self.rank]
+        path = self.root / shard.directory / version_name(shard.version) / MANIFEST_NAME
+        try:
+            return read_manifest(str(path)).engine
+        except (CheckpointError, OSError):  # verified moments ago; a count is not worth a raise
+            return UNKNOWN_WRITER
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Finish every started version, stop the threads, release the directory (collective)."""
+    def close(self, *, clean: bool = True) -> None:
+        """Finish every started version, stop the threads, release the directory (collective).
+
+        ``clean=False`` (leaving a ``with`` block on an exception) does not mark a clean exit.
+        """
         if self._closed:
             return
         try:
@@ -397,7 +417,7 @@ class DistributedCheckpointer:
         finally:
             self._closed = True
             self.protocol.close()
-            self.local.close()
+            self.local._close(None, clean)
             if dist.is_initialized():
                 if self.protocol.healthy:
                     dist.barrier(group=self._control)  # nobody tears down a group still in use
@@ -412,5 +432,5 @@ class DistributedCheckpointer:
     def __enter__(self) -> DistributedCheckpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(clean=exc_type is None)

@@ -109,8 +109,8 @@ class Committer:
                 "o_direct": write.o_direct,
                 "persist": self.persist,
                 "stored_bytes": write.stored_bytes,
-                # Which writer of the directory made it (Starts.died_since on restore).
-                "writer_start": self.storage.starts.number,
+                # Which writer of the directory made it (Starts.unseen on restore).
+                **self.storage.starts.manifest_fields(),
             },
             segments={i: sorted(r, key=lambda s: s.start) for i, r in write.segments.items()},
             codec_size=write.codec_size,

@@ -5,7 +5,7 @@ Layout::
     root/
       .writer.lock          flock held by the one process that writes here
       .clean-exit           present while no writer runs, if the last one closed cleanly
-      .starts               how many writers opened the directory, and the last to close cleanly
+      .starts               writer count: numbers each Checkpointer (pcframe.store.starts)
       LATEST                newest committed version (a hint, never ahead of the directories)
       v00000012/            a committed version: manifest.json + data.bin
       v00000013.tmp/        a version being written; removed on the next start
@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 from pcframe.errors import CheckpointError, DirectoryLocked
 from pcframe.faults import crash_point
 from pcframe.format.files import NotRegularFile, is_real_directory, open_regular, read_small
 from pcframe.format.names import version_name, version_number
+from pcframe.store.starts import Starts, count_start
 
 log = logging.getLogger("pcframe")
 _LATEST_LIMIT = 64  # bytes: "v" + at most 13 digits + newline, with room to spare
@@ -38,7 +37,6 @@ _warned_links: set[str] = set()
 LATEST = "LATEST"
 LOCK = ".writer.lock"
 CLEAN_EXIT = ".clean-exit"
-STARTS = ".starts"
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -65,45 +63,6 @@ def write_file_durably(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
-
-
-@dataclass(frozen=True)
-class Starts:
-    """This writer's number among every writer of the directory, and the newest of them
-    that closed cleanly (0: none)."""
-
-    number: int = 0
-    last_clean: int = 0
-
-    def unseen(self, written_by: int | None) -> int:
-        """``Restarted.unseen_starts`` for this writer: the writers that ended without a
-        clean close (killed, preempted, crashed) after the one numbered ``written_by`` made
-        the version being restored, not counting the newest of them (that one is the
-        ``Restarted`` event itself). ``written_by`` counts if it did not close cleanly
-        afterwards; ``None``: nothing was restored (every earlier writer counts); 0:
-        unknown (a manifest of an older pcframe)."""
-        if written_by is None:
-            written_by = 1
-        elif not 0 < written_by < self.number:
-            return 0  # unknown, or the count was started afresh since
-        if self.last_clean >= written_by:
-            died = self.number - 1 - self.last_clean
-        else:
-            died = self.number - written_by
-        return max(0, died - 1)
-
-    def to_bytes(self) -> bytes:
-        return json.dumps({"starts": self.number, "last_clean": self.last_clean}).encode()
-
-    @classmethod
-    def parse(cls, raw: bytes) -> Starts | None:
-        try:
-            body = json.loads(raw)
-            number, last_clean = body["starts"], body["last_clean"]
-        except (ValueError, TypeError, KeyError):
-            return None
-        ok = all(type(v) is int and 0 <= v < 1 << 62 for v in (number, last_clean))
-        return cls(number, last_clean) if ok and last_clean <= number else None
 
 
 class CheckpointDir:
@@ -202,7 +161,7 @@ class WritableCheckpointDir(CheckpointDir):
             os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
             self.removed_leftovers = self._remove_leftovers()
             self.previous_exit_clean = self._take_clean_exit()
-            self.starts = self._count_start(self.previous_exit_clean)
+            self.starts = Starts()  # not counted until count_start()
         except OSError as exc:  # release the lock: this process must be able to retry
             self.close()
             raise CheckpointError(
@@ -226,35 +185,12 @@ class WritableCheckpointDir(CheckpointDir):
         fsync_dir(self.root)
         return True
 
-    def _count_start(self, previous_clean: bool) -> Starts:
-        """Number this writer (1, 2, ...) durably, before it can write a version.
-
-        A version's manifest records the number of the writer that made it, so a later
-        writer knows how many processes started after it and died without committing
-        (:meth:`Starts.unseen`): their lives would otherwise be lost to the policy.
-        """
-        path = self.root / STARTS
-        previous = Starts()
-        try:
-            raw = read_small(path, 256)
-        except FileNotFoundError:
-            raw = None
-        except (OSError, NotRegularFile) as exc:
-            log.warning("ignoring %s (%s): counting writer starts afresh", path, exc)
-            raw = None
-        if raw is not None:
-            previous = Starts.parse(raw)
-            if previous is None:
-                log.warning("ignoring %s: not pcframe's start count; counting afresh", path)
-                previous = Starts()
-        last_clean = previous.number if previous_clean else previous.last_clean
-        starts = Starts(previous.number + 1, last_clean)
-        try:
-            write_file_durably(path, starts.to_bytes())
-        except OSError as exc:  # a count must never stop training: go on without one
-            log.warning("cannot write %s (%s): restarts will not be counted", path, exc)
-            return Starts()
-        return starts
+    def count_start(self) -> Starts:
+        """Number this writer (:mod:`pcframe.store.starts`): called by the ``Checkpointer``
+        once it is fully built, so a failed construction is not counted as a death, and a
+        tier replica or a DCP save that opens a directory is not counted at all."""
+        self.starts = count_start(self.root, self.previous_exit_clean, write_file_durably)
+        return self.starts
 
     def mark_clean_exit(self) -> None:
         """Record that this writer is closing normally (called last, under the lock)."""

@@ -7,6 +7,7 @@ lives long enough to checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import subprocess
 import sys
@@ -19,7 +20,8 @@ from pcframe import Checkpointer
 from pcframe.format.manifest import read_manifest
 from pcframe.policies import FixedSteps
 from pcframe.policies.base import Restarted
-from pcframe.store.directory import STARTS, Starts, WritableCheckpointDir
+from pcframe.store.directory import WritableCheckpointDir
+from pcframe.store.starts import STARTS, Starts
 
 
 class Recording(FixedSteps):
@@ -95,32 +97,126 @@ def test_the_version_records_its_writer(tmp_path):
             ckpt.save(expected).wait()
             assert ckpt.storage.starts.number == expected
     manifest = read_manifest(str(tmp_path / "v00000002" / "manifest.json"))
-    assert manifest.engine["writer_start"] == 2
+    epoch = Starts.parse((tmp_path / STARTS).read_bytes()).epoch
+    expected = written(2, 1, epoch)  # writer 2, after one clean close (writer 1's)
+    assert {key: manifest.engine.get(key) for key in expected} == expected
+
+
+def ended(root, *, restore=False, save=None, clean: bool, **kw) -> list[Restarted]:
+    """A writer in this process: maybe restores and saves, then closes cleanly or leaves
+    on an exception (no clean-exit mark, as after a kill). Returns its Restarted events."""
+    policy = Recording()
+    with (
+        contextlib.suppress(KeyError),
+        Checkpointer(root, model=torch.nn.Linear(2, 2), policy=policy, **kw) as ckpt,
+    ):
+        if restore:
+            ckpt.restore()
+        if save is not None:
+            ckpt.save(save).wait()
+            ckpt.tiers.wait_idle(30)
+        if not clean:
+            raise KeyError("killed")
+    return [e for e in policy.events if isinstance(e, Restarted)]
+
+
+def test_deaths_before_a_later_clean_close_still_count(tmp_path):
+    ended(tmp_path, save=1, clean=False)  # writer 1 commits v1 and dies
+    ended(tmp_path, restore=True, clean=True)  # 2 restores v1, closes cleanly without saving
+    ended(tmp_path, restore=True, clean=False)  # 3 dies before a commit
+    (event,) = ended(tmp_path, restore=True, clean=True)
+    # Writers 1 and 3 died since v1: the newest is this Restarted, one is unseen.
+    assert (event.clean, event.unseen_starts) == (False, 1)
+
+
+def test_a_version_written_through_another_directory_is_not_compared(tmp_path):
+    # Two machines' primaries share a replica tier: a version machine A wrote carries A's
+    # writer number, which says nothing about who died in B's directory.
+    a, b, shared = tmp_path / "a", tmp_path / "b", {"t": tmp_path / "shared"}
+    for step in (1, 2, 3):
+        ended(b, restore=True, save=step, clean=False, tiers=shared)
+    ended(a, restore=True, save=4, clean=False, tiers=shared)
+    (event,) = ended(b, restore=True, clean=True, tiers=shared)
+    assert (event.step, event.unseen_starts) == (4, 0)
+
+
+def test_a_count_started_afresh_is_not_compared_with_the_old_numbers(tmp_path):
+    for step in (1, 2, 3):
+        ended(tmp_path, restore=True, save=step, clean=False)
+    (tmp_path / STARTS).write_bytes(b"garbage")  # the next writer counts afresh
+    for _ in range(4):
+        ended(tmp_path, restore=True, clean=False)
+    (event,) = ended(tmp_path, restore=True, clean=True)
+    assert (event.step, event.unseen_starts) == (3, 0)  # v3's writer is of the old count
+
+
+class FailingNotice:
+    def start(self) -> None:
+        raise RuntimeError("a notice source that cannot start")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_failed_construction_is_not_a_death_and_keeps_the_clean_mark(tmp_path):
+    ended(tmp_path, save=1, clean=True)  # writer 1 commits and closes cleanly
+    with pytest.raises(RuntimeError):
+        Checkpointer(tmp_path, model=torch.nn.Linear(2, 2), notices=[FailingNotice()])
+    (event,) = ended(tmp_path, restore=True, clean=True)  # the same process retries
+    assert (event.clean, event.unseen_starts) == (True, 0)
+
+
+def test_tier_replicas_do_not_count_writers(tmp_path):
+    ended(tmp_path / "primary", save=1, clean=True, tiers={"t": tmp_path / "replica"})
+    assert not (tmp_path / "replica" / STARTS).exists()
+    assert Starts.parse((tmp_path / "primary" / STARTS).read_bytes()).number == 1
+
+
+EPOCH = "0123456789abcdef"
+
+
+def written(number: int, clean: int, epoch: str = EPOCH) -> dict:
+    return {"writer_start": number, "writer_clean": clean, "writer_epoch": epoch}
 
 
 @pytest.mark.parametrize(
-    ("starts", "written_by", "unseen"),
+    ("starts", "version", "unseen"),
     [
-        (Starts(5, 0), 2, 2),  # writers 2, 3, 4 died: 4 is the Restarted itself
-        (Starts(5, 3), 2, 0),  # 3 closed cleanly after 2's version; 4 died
-        (Starts(5, 4), 2, 0),  # the previous writer closed cleanly
-        (Starts(5, 0), None, 3),  # nothing restored: 1..4 died, 4 is the Restarted
-        (Starts(5, 0), 0, 0),  # unknown writer (older manifest)
-        (Starts(2, 0), 9, 0),  # counted afresh since the version was written
-        (Starts(0, 0), 1, 0),  # no count (the file could not be written)
+        (Starts(5, 0, EPOCH), written(2, 0), 2),  # 2, 3, 4 died: 4 is the Restarted itself
+        (Starts(5, 1, EPOCH), written(2, 0), 1),  # one of 2..4 closed cleanly
+        (Starts(5, 3, EPOCH), written(2, 0), 0),  # 2, 3 and 4 all closed cleanly
+        (Starts(5, 2, EPOCH), written(2, 2), 2),  # the clean closes were before 2
+        (Starts(5, 0, EPOCH), None, 3),  # nothing restored: 1..4 died, 4 is the Restarted
+        (Starts(5, 1, EPOCH), None, 2),
+        (Starts(5, 0, EPOCH), {}, 0),  # unknown writer (an older manifest)
+        (Starts(5, 0, EPOCH), written(2, 0, "fedcba9876543210"), 0),  # another count
+        (Starts(2, 0, EPOCH), written(9, 0), 0),  # inconsistent numbers: unknown
+        (Starts(5, 0, EPOCH), written(2, 1), 0),  # more clean closes then than now
+        (Starts(5, 0, EPOCH), {**written(2, 0), "writer_start": True}, 0),
+        (Starts(), written(1, 0, ""), 0),  # not counted (the file could not be written)
     ],
 )
-def test_unseen_arithmetic(starts, written_by, unseen):
-    assert starts.unseen(written_by) == unseen
+def test_unseen_arithmetic(starts, version, unseen):
+    assert starts.unseen(version) == unseen
 
 
-@pytest.mark.parametrize("content", [b"garbage", b'{"starts": -1, "last_clean": 0}', b"{}"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"garbage",
+        b'{"starts": -1, "clean": 0, "epoch": "0123456789abcdef"}',
+        b'{"starts": 2, "clean": 2, "epoch": "0123456789abcdef"}',
+        b'{"starts": 2, "clean": 0, "epoch": "../x"}',
+        b"{}",
+    ],
+)
 def test_a_damaged_count_is_restarted_with_a_warning(tmp_path, caplog, content):
     (tmp_path / STARTS).write_bytes(content)
     with caplog.at_level(logging.WARNING, logger="pcframe"):
         storage = WritableCheckpointDir(tmp_path)
+        starts = storage.count_start()
     storage.close()
-    assert storage.starts == Starts(1, 0)
+    assert (starts.number, starts.clean) == (1, 0) and len(starts.epoch) == 16
     assert any(STARTS in r.getMessage() for r in caplog.records)
 
 
