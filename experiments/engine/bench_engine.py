@@ -19,8 +19,8 @@ checkpoint) in two loops, one with **no compute** between ``save()`` and the nex
 ``optimizer.step()`` (the worst case: nothing to overlap the copy with) and one with an idle
 iteration of ``--iteration-ms`` (accelerator compute leaves the CPU free); time to durable;
 peak extra host memory (RSS high-water mark over the resident state). Then ``--restores``
-rounds of cold restores of every method's newest checkpoint in one process, paired within
-each round (``restore_rounds.py``). Every number is a median with its min..max.
+rounds of cold restores of every method's newest checkpoint, each in a fresh process, paired
+within each round (``restore_rounds.py``). Every number is a median with its min..max.
 
 In the same run, the limits (:mod:`pcframe.apps.limits`): one memcpy of the state's bytes
 and the disk's synced O_DIRECT write rate with 1 and 4 writers. The table gives each method's
@@ -361,7 +361,7 @@ def main() -> None:
         if method != "no checkpoint":
             restorable.append([label, method, options, str(directory)])
         limits.append(measure_limits(base, nbytes, repeats=1))
-    # Restores in rounds over every method's newest checkpoint, in one process (paired).
+    # Restores in rounds over every method's newest checkpoint, a process each (paired).
     rounds_json = base / "rounds.json"
     cmd = [sys.executable, str(Path(__file__).with_name("restore_rounds.py"))]
     cmd += ["--size-gb", str(args.size_gb), "--rounds", str(args.restores)]
@@ -477,10 +477,11 @@ def write_table(args, results: list[dict], limits: list, rounds: list[dict]) -> 
         + ("dropped" if all(r["cold_cache"] for r in rounds) else "warm: could not drop it")
         + " before each)",
         "",
-        f"{len(rounds)} rounds in one process (`restore_rounds.py`): each round restores every "
+        f"{len(rounds)} rounds (`restore_rounds.py`): each round restores every "
         "method's newest checkpoint into the live objects (the optimizer already has its "
         "state, as in a rollback) and as a resumed job does (a model built afresh and an "
-        "optimizer without state), in an order rotated per round, then reads pcframe's data "
+        "optimizer without state), each restore in a fresh process of its own, in an order "
+        "rotated per round, then reads pcframe's data "
         "file cold with plain threads (the disk's read limit, best of 1/2/4 readers × 16 MiB, "
         f"this run: {spread(read_limits, digits=3)} s). Ratios are paired: each round's time "
         "÷ the anchor's in the same round, median (min..max) over rounds.",

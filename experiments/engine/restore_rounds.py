@@ -1,10 +1,12 @@
 """Cold restores of every method's newest checkpoint, in rounds: paired ratios.
 
-``bench_engine.py`` runs this once every method has saved. One process holds the live model
-and optimizer; each round restores every method's checkpoint once into them ("into live
-objects", as a rollback does) and once into objects built afresh ("resume", as a restarted
-job does), the page cache dropped before each, the order rotated from round to round, and
-reads the pcframe data file cold with plain threads (the disk's read limit in that round).
+``bench_engine.py`` runs this once every method has saved. Each round restores every
+method's checkpoint once into live objects (the optimizer has its state, as in a rollback)
+and once into objects built afresh ("resume", as a restarted job does), each restore in a
+fresh process of its own (as a restarted job is; a restore also leaves the allocator and
+page cache of its process in a state that measurably slows the next method's), the page
+cache dropped first, the order rotated from round to round; then it reads the pcframe data
+file cold with plain threads (the disk's read limit in that round).
 
 A shared machine drifts by tens of percent within a minute, more than the differences
 measured: a ratio is therefore taken inside each round (method ÷ torch.load of the same
@@ -19,6 +21,8 @@ import json
 import mmap
 import os
 import re
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -59,47 +63,58 @@ def cold_read_seconds(path: Path) -> float:
     return min(once(readers) for readers in (1, 2, 4))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-gb", type=float, required=True)
-    parser.add_argument("--rounds", type=int, required=True)
-    parser.add_argument("--methods", required=True, help="JSON [[label, method, options, dir]]")
-    parser.add_argument("--json", required=True)
-    args = parser.parse_args()
+def restore_once(args: argparse.Namespace) -> float:
+    """In this fresh process: build the objects, drop the page cache, time one restore."""
     import torch
 
     torch.set_num_threads(2)
-    model, optimizer, _ = build_state(args.size_gb)
-    impls, data_file = {}, None
-    for label, method, options, directory in json.loads(args.methods):
-        impl = make_method(method, json.loads(options), model, optimizer, Path(directory))
-        if isinstance(impl, PCFrame):
-            newest = max(impl.ckpt.committed_versions())
-            data_file = data_file or impl.ckpt.storage.path(newest) / "data.bin"
-        else:
-            impl.n = newest_number(Path(directory))
-        impls[label] = impl
-    labels = list(impls)
+    _, method, options, directory = json.loads(args.one)
+    if args.kind == "live":
+        model, optimizer, _ = build_state(args.size_gb)  # the optimizer has its state
+    else:
+        model, optimizer = fresh_objects(args.size_gb)  # as a restarted job builds them
+    impl = make_method(method, json.loads(options), model, optimizer, Path(directory))
+    if not isinstance(impl, PCFrame):
+        impl.n = newest_number(Path(directory))
+    if not drop_caches():
+        raise SystemExit("cannot drop the page cache (needs root): a warm restore is no anchor")
+    start = time.perf_counter()
+    impl.restore(model, optimizer)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-gb", type=float, required=True)
+    parser.add_argument("--rounds", type=int, default=0)
+    parser.add_argument("--methods", help="JSON [[label, method, options, dir]]")
+    parser.add_argument("--json")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # one restore, in a child
+    parser.add_argument("--kind", choices=["live", "resume"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(restore_once(args)))
+        return
+    methods = json.loads(args.methods)
+    data_file = None
+    for _, method, _, directory in methods:
+        versions = sorted(Path(directory).glob("v*/data.bin"))
+        if method == "pcframe" and versions and data_file is None:
+            data_file = versions[-1]
     rounds = []
     for r in range(args.rounds):
-        order = labels[r % len(labels) :] + labels[: r % len(labels)]
+        order = methods[r % len(methods) :] + methods[: r % len(methods)]
         row: dict = {"live": {}, "resume": {}}
-        for label in order:
-            cold = drop_caches()
-            start = time.perf_counter()
-            impls[label].restore(model, optimizer)
-            row["live"][label] = time.perf_counter() - start
-        for label in order:
-            fresh_model, fresh_optimizer = fresh_objects(args.size_gb)
-            drop_caches()
-            start = time.perf_counter()
-            impls[label].restore(fresh_model, fresh_optimizer)
-            row["resume"][label] = time.perf_counter() - start
-            del fresh_model, fresh_optimizer
+        for kind in ("live", "resume"):
+            for entry in order:
+                cmd = [sys.executable, __file__, "--size-gb", str(args.size_gb)]
+                cmd += ["--one", json.dumps(entry), "--kind", kind]
+                done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+                row[kind][entry[0]] = json.loads(done.stdout.strip().splitlines()[-1])
         row["read_limit"] = cold_read_seconds(data_file) if data_file else None
-        row["cold_cache"] = cold
+        row["cold_cache"] = True
         rounds.append(row)
-        print(f"restore round {r + 1}: " + json.dumps(row))
+        print(f"restore round {r + 1}: " + json.dumps(row), flush=True)
     Path(args.json).write_text(json.dumps(rounds))
 
 
