@@ -102,7 +102,7 @@ def measure_limits(
 ) -> MachineLimits:
     """Measure memcpy and disk-write limits for ``nbytes`` (a temporary file in ``directory``)."""
     nbytes = max(BLOCK, -(-nbytes // BLOCK) * BLOCK)
-    memcpy, one = _copy_times(nbytes, repeats)
+    memcpy, one = copy_times(nbytes, repeats)
     path = Path(directory) / f".pcframe-limits-{os.getpid()}.bin"
     try:
         direct = _opens_direct(path)
@@ -137,7 +137,7 @@ def measure_limits(
     )
 
 
-def _copy_times(nbytes: int, repeats: int) -> tuple[list[float], list[float]]:
+def copy_times(nbytes: int, repeats: int) -> tuple[list[float], list[float]]:
     """Seconds per copy of ``nbytes``: with this thread's OpenMP threads, and on one thread."""
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.zeros(nbytes, dtype=torch.uint8)  # both faulted in: the copy alone is timed
