@@ -215,6 +215,7 @@ class Checkpointer:
             tier_write_times=self.tiers.write_times(self.feed.save_duration),
             wall_time=time.time(),
             in_flight=self.flight.count(),
+            max_in_flight=self.config.max_in_flight,
         )
 
     def save(

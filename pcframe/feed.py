@@ -106,14 +106,15 @@ class PolicyFeed:
         notice: Notice | None = None,
         wall_time: float | None = None,
         in_flight: int = 0,
+        max_in_flight: int | None = None,
         tier_write_times: dict[str, float] | None = None,
         preemption_rate: float | None = None,
     ) -> PolicyContext:
         """The :class:`PolicyContext` at ``step`` and ``now`` from the measurements so far.
 
         What the feed does not measure is passed in: the pending ``notice``, the Unix time
-        at ``now``, the saves not yet durable, the tiers' estimated write times and a
-        predicted preemption rate.
+        at ``now``, the saves not yet durable (and how many may be), the tiers' estimated
+        write times and a predicted preemption rate.
         """
         return PolicyContext(
             step=step,
@@ -127,6 +128,7 @@ class PolicyFeed:
             preemption_rate=preemption_rate,
             notice=notice,
             in_flight=in_flight,
+            max_in_flight=max_in_flight,
             tier_write_times={} if tier_write_times is None else tier_write_times,
             wall_time=wall_time,
         )

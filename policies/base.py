@@ -41,6 +41,8 @@ class PolicyContext:
     preemption_rate: float | None = None
     notice: Notice | None = None
     in_flight: int = 0
+    # Checkpoints the engine lets persist at once (its max_in_flight; None: not known).
+    max_in_flight: int | None = None
     # Several tiers may be offered to placement-aware policies: name -> estimated write time.
     tier_write_times: dict[str, float] = field(default_factory=dict)
     # Unix time at ``now``, if the engine knows it. ``now`` may be a monotonic clock; policies

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
-from typing import Any
+from typing import Any, Literal
 
 from pcframe.policies.base import (
     Decision,
@@ -31,7 +31,9 @@ class SecondsIntervalPolicy(IntervalPolicy):
             When it conflicts with the floor below, ``max_interval`` wins: it is the user's.
         concurrency: checkpoints the engine may have in flight. A new save cannot start
             sooner than time-to-durable / concurrency without piling up (PCcheck's rule), so
-            that is a floor. ``None`` disables the floor.
+            that is a floor. ``"engine"`` (default): the engine's own ``max_in_flight``
+            (``ctx.max_in_flight``; 1 where the caller does not say). ``None`` disables
+            the floor.
         stall_prior, duration_prior, restart_prior, iteration_prior: seconds; used only
             until the engine has measured the real values.
         alpha: smoothing of the learned costs (weight of the newest sample).
@@ -42,7 +44,7 @@ class SecondsIntervalPolicy(IntervalPolicy):
         *,
         min_interval: float = 1.0,
         max_interval: float | None = None,
-        concurrency: int | None = 1,
+        concurrency: int | Literal["engine"] | None = "engine",
         stall_prior: float = 1.0,
         duration_prior: float = 10.0,
         restart_prior: float = 60.0,
@@ -53,8 +55,10 @@ class SecondsIntervalPolicy(IntervalPolicy):
             raise ValueError(f"min_interval={min_interval} must be >= 0 seconds")
         if max_interval is not None and max_interval <= 0:
             raise ValueError(f"max_interval={max_interval} must be > 0 seconds or None")
-        if concurrency is not None and concurrency < 1:
-            raise ValueError(f"concurrency={concurrency} must be >= 1 or None")
+        if concurrency not in (None, "engine") and not (
+            isinstance(concurrency, int) and not isinstance(concurrency, bool) and concurrency >= 1
+        ):
+            raise ValueError(f"concurrency={concurrency!r} must be >= 1, 'engine' or None")
         self.min_interval = float(min_interval)
         self.max_interval = None if max_interval is None else float(max_interval)
         self.concurrency = concurrency
@@ -74,7 +78,8 @@ class SecondsIntervalPolicy(IntervalPolicy):
             tau = math.inf
         floor = self.min_interval
         if self.concurrency is not None:
-            floor = max(floor, self.costs.save_duration(ctx) / self.concurrency)
+            n = (ctx.max_in_flight or 1) if self.concurrency == "engine" else self.concurrency
+            floor = max(floor, self.costs.save_duration(ctx) / n)
         tau = max(tau, floor)
         if self.max_interval is not None:
             tau = min(tau, self.max_interval)

@@ -141,6 +141,7 @@ class Process(FastPaths):
             notice=self.notice if now >= self.notice_at else None,
             wall_time=None if self.unix0 is None else self.unix0 + now,
             in_flight=in_flight,
+            max_in_flight=self.job.max_in_flight,
             preemption_rate=self.rate,
             tier_write_times=self.tiers,
         )

@@ -77,6 +77,29 @@ def test_clamps_and_in_flight_floor() -> None:
     assert r.last_interval == 5.0
     with pytest.raises(ValueError, match="concurrency"):
         P.Young(concurrency=0)
+    with pytest.raises(ValueError, match="concurrency"):
+        P.Young(concurrency="two")
+
+
+@pytest.mark.parametrize(("engine_n", "floor"), [(None, 30.0), (1, 30.0), (2, 15.0), (3, 10.0)])
+def test_default_floor_follows_the_engines_checkpoints_in_flight(engine_n, floor) -> None:
+    # concurrency="engine" (the default): the floor is time-to-durable / the engine's own
+    # max_in_flight, 1 where the caller does not say; an explicit number overrides it.
+    p = P.Daly(mtbf=3600.0, stall_prior=0.0, duration_prior=30.0)
+    p.decide(ctx(0, 0.0, max_in_flight=engine_n))
+    assert p.last_interval == pytest.approx(floor)
+    q = P.Daly(mtbf=3600.0, stall_prior=0.0, duration_prior=30.0, concurrency=1)
+    q.decide(ctx(0, 0.0, max_in_flight=engine_n))
+    assert q.last_interval == pytest.approx(30.0)
+
+
+def test_the_engine_tells_policies_its_max_in_flight(tmp_path) -> None:
+    import torch
+
+    from pcframe import Checkpointer
+
+    with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2), max_in_flight=3) as ckpt:
+        assert ckpt.context(0).max_in_flight == 3
 
 
 def test_interval_restarts_from_a_restore() -> None:

@@ -126,3 +126,17 @@ def test_age_aware_pa_fast_paths_agree_with_asking_every_step() -> None:
     assert fast_run.preemptions == slow_run.preemptions >= 5
     assert fast_run.goodput == pytest.approx(slow_run.goodput, rel=0.005)
     assert fast_run.decisions < 0.05 * slow_run.decisions
+
+
+def test_policies_are_told_the_jobs_checkpoints_in_flight() -> None:
+    seen: set[int | None] = set()
+
+    class Looking(P.FixedSteps):
+        def decide(self, ctx):
+            seen.add(ctx.max_in_flight)
+            return super().decide(ctx)
+
+    trace = _kills_at([3000], 4000)
+    job = JobSpec(iteration_time=1.0, save_stall=1.0, save_duration=5.0, max_in_flight=3)
+    simulate(trace, Looking(600), job)
+    assert seen == {3}
