@@ -214,8 +214,7 @@ class Checkpointer:
             notice=notice,
             tier_write_times=self.tiers.write_times(self.feed.save_duration),
             wall_time=time.time(),
-            in_flight=self.flight.count(),
-            max_in_flight=self.config.max_in_flight,
+            **self.flight.occupancy(),
         )
 
     def save(

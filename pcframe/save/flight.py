@@ -59,6 +59,10 @@ class InFlight:
         """Versions started and not yet finished."""
         return sum(1 for p in self._unfinished if not p.finished.is_set())
 
+    def occupancy(self) -> dict[str, int]:
+        """``in_flight`` and ``max_in_flight`` as the policy's context takes them."""
+        return {"in_flight": self.count(), "max_in_flight": self.max_in_flight}
+
     def gate(self, *_: Any) -> None:
         """Optimizer step pre-hook: wait for in-flight snapshots of the weights it will change."""
         still = [p for p in self._copying if not p.copy_done.is_set()]
