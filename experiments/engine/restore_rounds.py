@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
-import os
 import re
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench_engine import PCFrame, build_state, drop_caches, fresh_objects, make_method
+
+from pcframe.apps.limits import cold_read_seconds
 
 READ_BLOCK = 16 << 20
 
@@ -38,29 +37,10 @@ def newest_number(directory: Path) -> int:
     return max(int(m.group(1)) for m in names if m)
 
 
-def cold_read_seconds(path: Path) -> float:
+def read_limit_seconds(path: Path) -> float:
     """The fastest cold read of ``path`` by 1, 2 or 4 threads of 16 MiB buffered requests."""
     size = path.stat().st_size
-    offsets = list(range(0, size, READ_BLOCK))
-
-    def once(readers: int) -> float:
-        drop_caches()
-        fd = os.open(path, os.O_RDONLY)
-
-        def reader(k: int) -> None:
-            buffer = mmap.mmap(-1, READ_BLOCK)
-            for offset in offsets[k::readers]:
-                os.preadv(fd, [buffer], offset)
-
-        try:
-            start = time.perf_counter()
-            with ThreadPoolExecutor(readers) as pool:
-                list(pool.map(reader, range(readers)))
-            return time.perf_counter() - start
-        finally:
-            os.close(fd)
-
-    return min(once(readers) for readers in (1, 2, 4))
+    return min(cold_read_seconds(path, size, readers, READ_BLOCK) for readers in (1, 2, 4))
 
 
 def restore_once(args: argparse.Namespace) -> float:
@@ -111,7 +91,7 @@ def main() -> None:
                 cmd += ["--one", json.dumps(entry), "--kind", kind]
                 done = subprocess.run(cmd, check=True, capture_output=True, text=True)
                 row[kind][entry[0]] = json.loads(done.stdout.strip().splitlines()[-1])
-        row["read_limit"] = cold_read_seconds(data_file) if data_file else None
+        row["read_limit"] = read_limit_seconds(data_file) if data_file else None
         row["cold_cache"] = True
         rounds.append(row)
         print(f"restore round {r + 1}: " + json.dumps(row), flush=True)

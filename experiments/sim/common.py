@@ -11,6 +11,15 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "experiments" / "results"
+# Trace sources grouped into the families the result tables report.
+FAMILIES = {
+    "skynomad-aws-v100-availability": "V100 zones (6, 45 d)",
+    "skynomad-aws-v100-4node": "V100 4/16 nodes (2)",
+    "skynomad-aws-v100-16node": "V100 4/16 nodes (2)",
+    "bamboo": "Bamboo + PCcheck (3)",
+    "pccheck": "Bamboo + PCcheck (3)",
+    "skynomad-gcp-h100": "H100 zones (9, 15 d)",
+}
 
 
 def command() -> str:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS, csv_header, header
+from common import FAMILIES, RESULTS, csv_header, header
 from loo import history_for
 from profiles import job_for
 
@@ -149,16 +149,6 @@ def _claim_section(rows: list[dict[str, Any]], regime: str) -> str:
         "step survived.\n\n"
     )
     return f"Gain of dynamic over fixed intervals ({regime}). " + note + markdown_table(lines, cols)
-
-
-FAMILIES = {
-    "skynomad-aws-v100-availability": "V100 zones (6, 45 d)",
-    "skynomad-aws-v100-4node": "V100 4/16 nodes (2)",
-    "skynomad-aws-v100-16node": "V100 4/16 nodes (2)",
-    "bamboo": "Bamboo + PCcheck (3)",
-    "pccheck": "Bamboo + PCcheck (3)",
-    "skynomad-gcp-h100": "H100 zones (9, 15 d)",
-}
 
 
 def _summary(rows: list[dict[str, Any]]) -> str:

@@ -22,7 +22,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS, csv_header, header
+from common import FAMILIES, RESULTS, csv_header, header
 from loo import SECONDS_GRID, compute_curves, evaluate, history_for, load_or_compute
 from profiles import job_for
 
@@ -31,14 +31,6 @@ from pcframe.policies.traces import Trace, load_traces, shared_traces_dir
 from pcframe.sim import Oracle, simulate
 from pcframe.sim.report import markdown_table, write_csv
 
-FAMILIES = {
-    "skynomad-aws-v100-availability": "V100 zones (6, 45 d)",
-    "skynomad-aws-v100-4node": "V100 4/16 nodes (2)",
-    "skynomad-aws-v100-16node": "V100 4/16 nodes (2)",
-    "bamboo": "Bamboo + PCcheck (3)",
-    "pccheck": "Bamboo + PCcheck (3)",
-    "skynomad-gcp-h100": "H100 zones (9, 15 d)",
-}
 SURVIVOR_SECONDS = (10.0, 20.0, 25.0, 30.0)
 
 

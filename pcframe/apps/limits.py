@@ -119,7 +119,7 @@ def measure_limits(
         reads = _best(
             nbytes,
             [
-                [_read(path, nbytes, 4, b, mode) for _ in range(repeats)]
+                [cold_read_seconds(path, nbytes, 4, b, mode) for _ in range(repeats)]
                 for b in BLOCKS
                 for mode in modes
             ],
@@ -192,8 +192,11 @@ def _write(path: Path, nbytes: int, writers: int, size: int, direct: bool) -> fl
         os.close(fd)
 
 
-def _read(path: Path, nbytes: int, readers: int, size: int, direct: bool) -> float:
-    """Seconds to read ``nbytes`` of ``path`` with ``readers`` threads in ``size`` requests."""
+def cold_read_seconds(
+    path: Path, nbytes: int, readers: int, size: int, direct: bool = False
+) -> float:
+    """Seconds to read ``nbytes`` of ``path`` cold with ``readers`` threads in ``size``
+    requests (buffered: the file's clean pages are dropped first)."""
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
     offsets = list(range(0, nbytes, size))
 

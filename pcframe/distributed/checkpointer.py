@@ -38,8 +38,6 @@ from pcframe.errors import (
     RestoreIOError,
     SaveError,
 )
-from pcframe.format.manifest import MANIFEST_NAME, read_manifest
-from pcframe.format.names import version_name
 from pcframe.objects import TrainingObjects
 from pcframe.restore.report import DistributedRestoreReport
 from pcframe.restore.sources import READ_ATTEMPTS, read_with_retries
@@ -372,7 +370,9 @@ class DistributedCheckpointer:
                 log.warning("skipping global version %d: %s", record.version, bad)
                 continue
             prepared.apply(objects)
-            self.local.resumed(record.step, self._shard_writer(record))
+            # Which writer of this rank's directory made its shard (none after a resize).
+            shard = index.manifests.get(self.rank)
+            self.local.resumed(record.step, shard.engine if shard else UNKNOWN_WRITER)
             report.version, report.step = record.version, record.step
             report.saved_world_size = record.world_size
             report.resharded, report.per_rank_state_from = (
@@ -389,18 +389,6 @@ class DistributedCheckpointer:
         if self.local.storage.starts.number > 1:  # this rank's earlier writers all died
             self.local.resumed(0, None)
         return None
-
-    def _shard_writer(self, record: rec.GlobalRecord) -> Mapping[str, Any]:
-        """This rank's shard manifest's ``engine`` section (which writer made it), if this
-        rank wrote a shard of ``record`` in this directory; else unknown."""
-        if self.rank >= record.world_size:
-            return UNKNOWN_WRITER
-        shard = record.shards[self.rank]
-        path = self.root / shard.directory / version_name(shard.version) / MANIFEST_NAME
-        try:
-            return read_manifest(str(path)).engine
-        except (CheckpointError, OSError):  # verified moments ago; a count is not worth a raise
-            return UNKNOWN_WRITER
 
     # --- lifecycle ---------------------------------------------------------------------------
 

@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,42 +10,12 @@ from typing import Any
 
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pcframe.apps.tuning.loopback_s3 import LoopbackS3
 
 
-class MotoServer:
-    """``python -m moto.server`` on 127.0.0.1; can be SIGKILLed, stopped and restarted."""
-
-    def __init__(self) -> None:
-        self.port = _free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 60.0) -> None:
-        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env=env,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"moto server exited with {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=1.0):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"moto server on port {self.port} not ready after {timeout} s")
+class MotoServer(LoopbackS3):
+    """The tuner's loopback server (``start``, ``client``), which these tests may also
+    SIGKILL, stop and restart on the same port."""
 
     def kill(self) -> None:
         """A real crash: SIGKILL, everything the server held in memory is gone."""
@@ -82,18 +46,6 @@ class MotoServer:
                 **config,
             },
         }
-
-    def client(self) -> Any:
-        """A boto3 client to look at the raw objects behind the tier's back."""
-        import boto3
-
-        return boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            region_name="us-east-1",
-        )
 
     def keys(self, bucket: str) -> list[str]:
         pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket)

@@ -78,14 +78,15 @@ class LoopbackS3:
             region_name="us-east-1",
         )
 
-    def __enter__(self) -> LoopbackS3:
+    def start(self, timeout: float = 60.0) -> None:
+        """Start the server on this port and wait until it answers."""
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env={**os.environ, "PYTHONWARNINGS": "ignore"},
         )
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
                 raise ConfigError(
@@ -94,14 +95,17 @@ class LoopbackS3:
                 )
             try:
                 with urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=1.0):
-                    break
+                    return
             except OSError:
                 if time.monotonic() > deadline:
                     self.stop()
                     raise ConfigError(
-                        "tune.target=s3: the moto server did not answer within 60 s"
+                        f"tune.target=s3: the moto server did not answer within {timeout:.0f} s"
                     ) from None
                 time.sleep(0.05)
+
+    def __enter__(self) -> LoopbackS3:
+        self.start()
         self.client().create_bucket(Bucket=self.bucket)
         return self
 
