@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_engine import PCFrame, build_state, drop_caches, fresh_objects, make_method
+from methods import PCFrame, build_state, drop_caches, fresh_objects, make_method
 
 from pcframe.apps.limits import cold_read_seconds
 

@@ -21,6 +21,7 @@ from pcframe.errors import ManifestError
 from pcframe.kernels.dtypes import DTYPES, dtype_name
 
 MAX_DEPTH = 64
+_PLAIN = frozenset({int, str, bool, type(None)})  # stored as they are, no tensor inside
 
 
 @dataclass
@@ -46,6 +47,10 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef]) -> Any:
     if kind is torch.Tensor:
         refs.append(TensorRef(path, obj.detach()))
         return {"$t": len(refs) - 1}
+    if (kind is list or kind is tuple) and all(type(v) in _PLAIN for v in obj):
+        # Flat sequences of plain values (an RNG state is a tuple of 625 ints): one node,
+        # not one call and one path string per element (half of save() before this).
+        return list(obj) if kind is list else {"$tuple": list(obj)}
     if kind is list:
         return [encode_tree(v, f"{path}/{i}", refs) for i, v in enumerate(obj)]
     if kind is dict and all(type(k) is str and not k.startswith("$") for k in obj):

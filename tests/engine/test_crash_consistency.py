@@ -73,10 +73,11 @@ def start(python, env, root):
     return proc, int(line.split()[1])
 
 
-def test_random_sigkills_always_recover(tmp_path, python, child_env):
+@pytest.mark.parametrize("trials", [4, pytest.param(16, marks=pytest.mark.campaign)])
+def test_random_sigkills_always_recover(tmp_path, python, child_env, trials):
     rng = random.Random()
     latest, last_step = 0, 0
-    for trial in range(8):
+    for trial in range(trials):
         proc, step = start(python, child_env, tmp_path)
         assert step >= last_step, f"trial {trial}: resumed at step {step} < {last_step}"
         time.sleep(rng.uniform(0.05, 0.6))

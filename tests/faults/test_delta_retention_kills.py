@@ -64,7 +64,15 @@ def run(python, env, root, seconds: float | None) -> int:
         proc.stdout.close()
 
 
-@pytest.mark.parametrize("nth", [1, 2, 3, 5])
+@pytest.mark.parametrize(
+    "nth",
+    [
+        1,
+        3,
+        pytest.param(2, marks=pytest.mark.campaign),
+        pytest.param(5, marks=pytest.mark.campaign),
+    ],
+)
 def test_kill_between_retention_deletes(tmp_path, python, child_env, nth):
     for point in ("trash_renamed", "retention"):
         env = dict(child_env, PCFRAME_CRASH_AT=f"{point}:{nth}")
@@ -72,9 +80,12 @@ def test_kill_between_retention_deletes(tmp_path, python, child_env, nth):
         assert every_version_verifies(tmp_path)
 
 
-def test_random_kills_during_delta_saves(tmp_path, python, child_env):
-    rng = random.Random(7)
-    for _ in range(6):
+@pytest.mark.parametrize(
+    "seed, kills", [(7, 3), *[pytest.param(s, 8, marks=pytest.mark.campaign) for s in range(4)]]
+)
+def test_random_kills_during_delta_saves(tmp_path, python, child_env, seed, kills):
+    rng = random.Random(seed)
+    for _ in range(kills):
         run(python, child_env, tmp_path, rng.uniform(0.3, 1.2))
         every_version_verifies(tmp_path)
     assert CheckpointDir(tmp_path).committed_versions()
