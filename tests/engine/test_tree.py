@@ -15,11 +15,13 @@ plain = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.text(max_s
 scalars = plain | st.floats(allow_nan=False)
 trees = st.recursive(
     scalars,
-    lambda inner: st.lists(inner, max_size=5)
-    | st.tuples(inner, inner)
-    | st.lists(plain, max_size=700).map(tuple)  # long flat tuples (an RNG state) included
-    | st.dictionaries(st.text(max_size=4).filter(lambda k: not k.startswith("$")), inner)
-    | st.dictionaries(st.integers(0, 9), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=5)
+        | st.tuples(inner, inner)
+        | st.lists(plain, max_size=700).map(tuple)  # long flat tuples (an RNG state) included
+        | st.dictionaries(st.text(max_size=4).filter(lambda k: not k.startswith("$")), inner)
+        | st.dictionaries(st.integers(0, 9), inner, max_size=3)
+    ),
     max_leaves=30,
 )
 
