@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -299,7 +300,8 @@ def _one_line(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command: 0 when all is well, 1 when a version failed, 2 on an error.
+    """Run one command: 0 when all is well, 1 when a version failed, 2 on an error (141,
+    silently, when the reader of its output went away).
 
     Whatever a checkpoint directory holds, the answer is at most one line per version and
     never a traceback.
@@ -308,6 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_directory(args.directory)
         return args.func(args)
+    except BrokenPipeError:
+        # The reader went away (`pcframe list DIR | head`): no message, the shell's status
+        # for a writer stopped by SIGPIPE. Point stdout at /dev/null so the interpreter's
+        # final flush does not fail on the same pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (CheckpointError, OSError) as exc:
         print(f"pcframe {args.command}: {_one_line(exc)}", file=sys.stderr)
         return 2

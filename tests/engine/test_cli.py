@@ -96,3 +96,19 @@ def test_version_readable_inspect_and_export_of_one_group(tmp_path, python):
     assert torch.equal(fresh.weight, model.weight.detach().double())
     missing = cli(python, "export", tmp_path, "--only", "nope", "-o", tmp_path / "x.st")
     assert missing.returncode == 2 and "has no tensors under 'nope/'" in missing.stderr
+
+
+def test_a_reader_that_goes_away_is_no_error_message(tmp_path, python):
+    """`pcframe list DIR | head`: the pipe closes before the listing is written."""
+    make(tmp_path)
+    proc = subprocess.Popen(
+        [python, "-m", "pcframe.apps.cli", "list", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.close()  # the only reader: the listing's first write finds no one
+    stderr = proc.stderr.read()
+    proc.stderr.close()
+    assert proc.wait(timeout=60) == 141  # as a writer stopped by SIGPIPE
+    assert stderr == ""
