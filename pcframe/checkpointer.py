@@ -122,33 +122,39 @@ class Checkpointer:
         self.notice: Notice | None = None  # the pending preemption notice, as last seen
         self.last_decision: Decision | None = None  # the policy's answer at the last maybe_save
         self.last_secured: Secured | None = None  # where the last emergency version went
-        try:
+        started: list[NoticeSource] = []
+        try:  # a failure on the way leaves no lock, no handler, no tier thread, the mark kept
             self.tiers, newest = attach_tiers(tiers, placement, self.storage, config.keep_last)
             # Number new versions above every tier's, so no tier ever sees a number reused.
             self._next_version = max(self._next_version, newest + 1)
             for source in self.notices:
                 source.start()  # signal handlers: must run in the main thread
+                started.append(source)
+            self.capture = Capture(self.objects, config)
+            self.flight = InFlight(config.max_in_flight)
+            keep = [KeepWhere("tiers", self.tiers.keep)]
+            self.pipeline = SavePipeline(config, self.storage, self.flight.finished, keep)
+            self.flight.wait_for_copies = self.pipeline.wait_for_copies
+            self.add_commit_listener(self.tiers.on_commit)
+            if self.tiers.replicated:
+                self.pipeline.delta_blockers.append("storage tiers")
+            self._hook = optimizer.register_step_pre_hook(self.flight.gate) if optimizer else None
+            self.storage.count_start()  # fully built: from here on, an end without close() counts
         except BaseException:
-            if self.storage.previous_exit_clean:  # this attempt never ran: keep the mark
-                with contextlib.suppress(OSError):
-                    self.storage.mark_clean_exit()
-            self.storage.close()
+            if getattr(self, "_hook", None) is not None:
+                self._hook.remove()
+            for source in started:
+                with contextlib.suppress(Exception):
+                    source.close()
+            if hasattr(self, "tiers"):
+                self.tiers.close(hurry=True)
+            self.storage.abandon()
             raise
-        self.capture = Capture(self.objects, config)
-        self.flight = InFlight(config.max_in_flight)
         self.last_restore: RestoreReport | None = None
         self.feed = PolicyFeed()
         self._closed = False
         self.save_last = save_last
         self._last_step_seen: int | None = None  # the newest step maybe_save/decide saw
-        keep = [KeepWhere("tiers", self.tiers.keep)]
-        self.pipeline = SavePipeline(config, self.storage, self.flight.finished, keep)
-        self.flight.wait_for_copies = self.pipeline.wait_for_copies
-        self.add_commit_listener(self.tiers.on_commit)
-        if self.tiers.replicated:
-            self.pipeline.delta_blockers.append("storage tiers")
-        self._hook = optimizer.register_step_pre_hook(self.flight.gate) if optimizer else None
-        self.storage.count_start()  # fully built: from here on, an end without close() counts
         atexit.register(self._atexit)
 
     # The live objects, as given (read-only views of self.objects).
@@ -293,11 +299,8 @@ class Checkpointer:
 
     def _committed(self, progress: SaveProgress, record: SaveRecord) -> None:
         self.feed.committed(record.stall, record.durable)
-        now, nbytes = time.monotonic(), progress.nbytes
-        done = SaveCompleted(
-            progress.version, progress.step, now, record.stall, record.durable, nbytes
-        )
-        self.policy.observe(done)
+        at, cost = time.monotonic(), (record.stall, record.durable, progress.nbytes)
+        self.policy.observe(SaveCompleted(progress.version, progress.step, at, *cost))
 
     def add_commit_listener(self, listener: Any) -> None:
         """Call ``listener(version, path, manifest)`` on the commit thread after each commit.
@@ -420,12 +423,9 @@ class Checkpointer:
             atexit.unregister(self._atexit)
 
     def _save_last(self) -> None:
-        step = self._last_step_seen
-        if step is None or (
-            self.feed.last_save_step is not None and step <= self.feed.last_save_step
-        ):
-            return
-        self.save(step, reason="save_last")
+        step, last = self._last_step_seen, self.feed.last_save_step
+        if step is not None and (last is None or step > last):
+            self.save(step, reason="save_last")
 
     def _atexit(self) -> None:
         # An unhandled exception on the way out was printed and left in sys.last_value.

@@ -47,6 +47,12 @@ class TrainingObjects:
         return cls(model, optimizer, scheduler, scaler, named, extra, policy)
 
     def __post_init__(self) -> None:
+        if self.optimizer is not None and not hasattr(self.optimizer, "register_step_pre_hook"):
+            raise TypeError(
+                f"optimizer ({type(self.optimizer).__name__}) is not a torch.optim.Optimizer: "
+                "the engine gates its step() with register_step_pre_hook; pass the torch "
+                "optimizer it wraps, or give its state as stateful={'optimizer': ...}"
+            )
         for name, obj in self.stateful.items():
             if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
                 continue

@@ -196,6 +196,14 @@ class WritableCheckpointDir(CheckpointDir):
         """Record that this writer is closing normally (called last, under the lock)."""
         write_file_durably(self.root / CLEAN_EXIT, f"{os.getpid()}\n".encode())
 
+    def abandon(self) -> None:
+        """Release the directory of a writer that never ran (its construction failed), as
+        it was found: a clean mark the previous writer left stays."""
+        if self.previous_exit_clean:
+            with contextlib.suppress(OSError):
+                self.mark_clean_exit()
+        self.close()
+
     def close(self) -> None:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # releases the flock

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import subprocess
 import sys
 import textwrap
@@ -20,6 +21,7 @@ from pcframe import Checkpointer
 from pcframe.format.manifest import read_manifest
 from pcframe.policies import FixedSteps
 from pcframe.policies.base import Restarted
+from pcframe.policies.notices import SignalNoticeSource
 from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.starts import STARTS, Starts
 
@@ -164,6 +166,38 @@ def test_a_failed_construction_is_not_a_death_and_keeps_the_clean_mark(tmp_path)
         Checkpointer(tmp_path, model=torch.nn.Linear(2, 2), notices=[FailingNotice()])
     (event,) = ended(tmp_path, restore=True, clean=True)  # the same process retries
     assert (event.clean, event.unseen_starts) == (True, 0)
+
+
+def test_a_construction_interrupted_late_leaves_nothing_behind(tmp_path):
+    """Ctrl-C as the optimizer gate is installed, after the notice source took its signal:
+    the lock, the handler and the clean mark are as they were, and nothing is counted."""
+    ended(tmp_path, save=1, clean=True)
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    optimizer.register_step_pre_hook = interrupted
+    source = SignalNoticeSource(signals=("SIGUSR1",))
+    before = signal.getsignal(signal.SIGUSR1)
+    with pytest.raises(KeyboardInterrupt):
+        Checkpointer(tmp_path, optimizer=optimizer, notices=[source])
+    assert signal.getsignal(signal.SIGUSR1) is before
+    (event,) = ended(tmp_path, restore=True, clean=True)  # the lock is free: same process
+    assert (event.clean, event.unseen_starts) == (True, 0)
+
+
+def test_an_optimizer_without_the_step_hook_is_a_clear_error(tmp_path):
+    class Wrapper:  # a wrapper exposing the state but not the torch optimizer itself
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    with pytest.raises(TypeError, match=r"optimizer \(Wrapper\) is not a torch.optim.Optimizer"):
+        Checkpointer(tmp_path, optimizer=Wrapper())
+    assert ended(tmp_path, clean=True) == []  # nothing was locked or counted: a first start
 
 
 def test_tier_replicas_do_not_count_writers(tmp_path):
