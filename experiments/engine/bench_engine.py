@@ -12,7 +12,7 @@ each method in a process of its own (so peak memory is per method; :mod:`methods
 * pcframe with one and two versions in flight (the defaults otherwise).
 
 **Stall with nothing to overlap**, in rounds: every method's process is started once and
-kept; each round gives every method a turn, in an order rotated per round, of
+kept; each round gives every method a turn, in a fresh random order (seeded), of
 ``--checkpoints`` checkpoints with no compute between ``save()`` and the next
 ``optimizer.step()`` (the worst case: nothing to overlap the copy with). Each checkpoint
 starts once the previous one is durable, so its stall is the snapshot alone (for
@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -154,6 +155,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds of stall turns")
     parser.add_argument("--checkpoints", type=int, default=3, help="per method per round")
     parser.add_argument("--every", type=int, default=3, help="steps between checkpoints")
+    parser.add_argument("--seed", type=int, default=0, help="of the turns' random order")
     parser.add_argument("--iteration-ms", type=float, default=300.0)
     parser.add_argument("--restores", type=int, default=5, help="rounds of cold restores")
     parser.add_argument("--dir", default=None, help="directory on the disk to measure")
@@ -185,10 +187,13 @@ def main() -> None:
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.zeros(nbytes, dtype=torch.uint8)
     saving = [label for label in processes if label != "no checkpoint"]
+    # A fresh random order each round (seeded): a rotation would keep every method right
+    # behind the same one, and whatever a turn leaves behind would bias its successor.
+    order = random.Random(args.seed)
     rounds = []
     for r in range(args.rounds):
         row: dict = {"memcpy": {}, "idle": {}}
-        for label in saving[r % len(saving) :] + saving[: r % len(saving)]:
+        for label in order.sample(saving, len(saving)):
             row["memcpy"][label] = memcpy_seconds(src, dst)
             row["idle"][label] = processes[label].ask(do="idle", checkpoints=args.checkpoints)
         row["limits"] = measure_limits(base, nbytes, repeats=1)
@@ -259,6 +264,7 @@ def write_table(
         "",
         "Command: `python experiments/engine/bench_engine.py "
         f"--size-gb {args.size_gb} --rounds {args.rounds} --checkpoints {args.checkpoints} "
+        f"--seed {args.seed} "
         f"--every {args.every} --iteration-ms {args.iteration_ms:g} "
         f"--restores {args.restores} --out {args.out}`",
         "",
@@ -275,8 +281,8 @@ def write_table(
         "## Stall with nothing to overlap (save(), then optimizer.step() at once)",
         "",
         f"{args.rounds} rounds; in each, every method's process takes a turn of "
-        f"{args.checkpoints} checkpoints (order rotated per round), each started once the "
-        "previous one is durable. The parent times one memcpy of the state's bytes (2 "
+        f"{args.checkpoints} checkpoints (a fresh random order each round), each started once "
+        "the previous one is durable. The parent times one memcpy of the state's bytes (2 "
         "threads, median of 3) just before each turn, and the disk's limit after each round. "
         "Ratios are paired: the turn's median ÷ DefaultStager's in the same round, ÷ the "
         "memcpy just before the turn, the round's disk limit ÷ the turn's time to durable; "
@@ -286,7 +292,7 @@ def write_table(
         "durable rate ÷ disk limit |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for label in rounds[0]["idle"]:
+    for label in [r["method"] for r in results if r["method"] in rounds[0]["idle"]]:
         stalls = [s for r in rounds for s in r["idle"][label]["stalls"]]
         durables = [d for r in rounds for d in r["idle"][label]["durables"]]
         pairs = zip(per_round(label, "stalls"), per_round(anchor, "stalls"), strict=True)
