@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -22,8 +23,8 @@ import torch
 from pcframe.config import EngineConfig
 from pcframe.errors import CheckpointError
 from pcframe.feed import PolicyFeed, earliest_notice, policy_notice, process_age
-from pcframe.format.names import MAX_VERSION
-from pcframe.objects import Stateful, TrainingObjects
+from pcframe.format.names import check_new_version
+from pcframe.objects import Stateful, TrainingObjects, require_step_hook
 from pcframe.policies.base import (
     Decision,
     IntervalPolicy,
@@ -114,22 +115,22 @@ class Checkpointer:
         self.objects = TrainingObjects.given(
             model, optimizer, scheduler, scaler, data, stateful, extra, self.policy
         )
+        require_step_hook(optimizer)  # before locking: nothing to undo
         self.storage = WritableCheckpointDir(directory)
-        if self.storage.removed_leftovers:
-            log.info("removed leftovers of an interrupted run: %s", self.storage.removed_leftovers)
-        self._next_version = self.storage.next_version()
-        self.notices = list(notices or [])
-        self.notice: Notice | None = None  # the pending preemption notice, as last seen
-        self.last_decision: Decision | None = None  # the policy's answer at the last maybe_save
-        self.last_secured: Secured | None = None  # where the last emergency version went
         started: list[NoticeSource] = []
         try:  # a failure on the way leaves no lock, no handler, no tier thread, the mark kept
+            if leftovers := self.storage.removed_leftovers:
+                log.info("removed leftovers of an interrupted run: %s", leftovers)
+            self._next_version = self.storage.next_version()
+            self.notices = list(notices or [])
+            self.notice: Notice | None = None  # the pending preemption notice, as last seen
+            self.last_decision: Decision | None = None  # the policy's answer at the last maybe_save
+            self.last_secured: Secured | None = None  # where the last emergency version went
             self.tiers, newest = attach_tiers(tiers, placement, self.storage, config.keep_last)
-            # Number new versions above every tier's, so no tier ever sees a number reused.
-            self._next_version = max(self._next_version, newest + 1)
+            self._next_version = max(self._next_version, newest + 1)  # no tier sees one reused
             for source in self.notices:
+                started.append(source)  # first: a start that fails half-way is undone too
                 source.start()  # signal handlers: must run in the main thread
-                started.append(source)
             self.capture = Capture(self.objects, config)
             self.flight = InFlight(config.max_in_flight)
             keep = [KeepWhere("tiers", self.tiers.keep)]
@@ -141,14 +142,7 @@ class Checkpointer:
             self._hook = optimizer.register_step_pre_hook(self.flight.gate) if optimizer else None
             self.storage.count_start()  # fully built: from here on, an end without close() counts
         except BaseException:
-            if getattr(self, "_hook", None) is not None:
-                self._hook.remove()
-            for source in started:
-                with contextlib.suppress(Exception):
-                    source.close()
-            if hasattr(self, "tiers"):
-                self.tiers.close(hurry=True)
-            self.storage.abandon()
+            self._abandon(started)
             raise
         self.last_restore: RestoreReport | None = None
         self.feed = PolicyFeed()
@@ -237,17 +231,9 @@ class Checkpointer:
         and, without an optimizer to gate, until the snapshot is copied. ``version`` forces
         the version number (coordinated multi-rank saves); it must be above every earlier one.
         """
-        if version is not None and version < self._next_version:
-            raise CheckpointError(
-                f"version {version} is not above the last version {self._next_version - 1}"
-            )
+        check_new_version(version, self._next_version)
         self._check_open()
         self._report_finished()
-        if (version or self._next_version) > MAX_VERSION:
-            raise CheckpointError(
-                f"version {version or self._next_version} would be above the limit "
-                f"{MAX_VERSION}: start a new checkpoint directory"
-            )
         entered = time.perf_counter()
         self.flight.acquire()
         try:
@@ -421,6 +407,20 @@ class Checkpointer:
                     self.storage.mark_clean_exit()
             self.storage.close()
             atexit.unregister(self._atexit)
+
+    def _abandon(self, started: list[NoticeSource]) -> None:
+        """Undo a failed construction: every step is tried, the lock is always released."""
+        undo = [source.close for source in started]
+        if getattr(self, "_hook", None) is not None:
+            undo.append(self._hook.remove)
+        if hasattr(self, "tiers"):
+            undo.append(functools.partial(self.tiers.close, hurry=True))
+        try:
+            for step in undo:
+                with contextlib.suppress(Exception):
+                    step()
+        finally:
+            self.storage.abandon()
 
     def _save_last(self) -> None:
         step, last = self._last_step_seen, self.feed.last_save_step

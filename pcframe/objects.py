@@ -47,12 +47,6 @@ class TrainingObjects:
         return cls(model, optimizer, scheduler, scaler, named, extra, policy)
 
     def __post_init__(self) -> None:
-        if self.optimizer is not None and not hasattr(self.optimizer, "register_step_pre_hook"):
-            raise TypeError(
-                f"optimizer ({type(self.optimizer).__name__}) is not a torch.optim.Optimizer: "
-                "the engine gates its step() with register_step_pre_hook; pass the torch "
-                "optimizer it wraps, or give its state as stateful={'optimizer': ...}"
-            )
         for name, obj in self.stateful.items():
             if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
                 continue
@@ -70,3 +64,19 @@ def optimizer_class_name(optimizer: Any) -> str:
     """The name a version stores as ``optimizer_class`` next to the optimizer's state."""
     cls = type(optimizer)
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def require_step_hook(optimizer: Any) -> None:
+    """The engine gates ``optimizer.step()`` (the snapshot of the weights it changes is
+    copied first): a save's gate needs ``register_step_pre_hook``.
+
+    Raises:
+        TypeError: naming the optimizer's type and the fix.
+    """
+    if optimizer is not None and not hasattr(optimizer, "register_step_pre_hook"):
+        raise TypeError(
+            f"optimizer ({type(optimizer).__name__}) is not a torch.optim.Optimizer: the "
+            "engine gates its step() with register_step_pre_hook; pass the torch optimizer it "
+            "wraps (or give it as stateful={'optimizer': ...}: saved, but its step not gated, "
+            "so each save copies the whole state before returning)"
+        )

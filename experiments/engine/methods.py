@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -167,17 +168,29 @@ class DCP(Method):
             dcp.save(self.state(), checkpoint_id=path)
             self.durables.append(time.perf_counter() - self.started)
         elif self.mode == "async":
-            self.pending = dcp.async_save(self.state(), checkpoint_id=path)
+            self._track(dcp.async_save(self.state(), checkpoint_id=path))
         else:
             response = dcp.async_save(self.state(), checkpoint_id=path, async_stager=self.stager)
             response.staging_completion.result()  # before optimizer.step(), per the tutorial
-            self.pending = response.upload_completion
+            self._track(response.upload_completion)
         return time.perf_counter() - start
+
+    def _track(self, future) -> None:
+        """Time to durable when the upload completes, not when the loop next waits for it."""
+        self.done_at, self.done = None, threading.Event()
+
+        def completed(_) -> None:
+            self.done_at = time.perf_counter()
+            self.done.set()
+
+        future.add_done_callback(completed)  # run at once if it is already done
+        self.pending = future
 
     def finish(self) -> None:
         if self.pending is not None:
             self.pending.result()
-            self.durables.append(time.perf_counter() - self.started)
+            self.done.wait()  # callbacks run just after the result is set
+            self.durables.append(self.done_at - self.started)
             self.pending = None
 
     def restore(self, model, optimizer) -> None:

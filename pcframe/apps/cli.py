@@ -309,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _check_directory(args.directory)
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, not at exit: a reader that went away is seen below
+        return code
     except BrokenPipeError:
         # The reader went away (`pcframe list DIR | head`): no message, the shell's status
         # for a writer stopped by SIGPIPE. Point stdout at /dev/null so the interpreter's

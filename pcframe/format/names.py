@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import re
 
+from pcframe.errors import CheckpointError
+
 log = logging.getLogger("pcframe")
 
 # The largest version number pcframe writes or reads: a trillion versions (one per second
@@ -28,6 +30,22 @@ VERSION_DIR = re.compile(rf"^{VERSION_DIGITS}$")
 # A file name a version may hold: no path separators, no leading dot, at most 128 characters.
 SAFE_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 _warned: set[str] = set()
+
+
+def check_new_version(forced: int | None, next_version: int) -> None:
+    """Refuse a new version number: a ``forced`` one (coordinated multi-rank saves) at or
+    below the last, or one above :data:`MAX_VERSION`.
+
+    Raises:
+        CheckpointError: naming the number and the fix.
+    """
+    if forced is not None and forced < next_version:
+        raise CheckpointError(f"version {forced} is not above the last version {next_version - 1}")
+    if (forced or next_version) > MAX_VERSION:
+        raise CheckpointError(
+            f"version {forced or next_version} would be above the limit {MAX_VERSION}: start a "
+            "new checkpoint directory"
+        )
 
 
 def version_name(version: int) -> str:

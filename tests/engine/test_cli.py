@@ -101,11 +101,13 @@ def test_version_readable_inspect_and_export_of_one_group(tmp_path, python):
 def test_a_reader_that_goes_away_is_no_error_message(tmp_path, python):
     """`pcframe list DIR | head`: the pipe closes before the listing is written."""
     make(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as in a shell
     proc = subprocess.Popen(
         [python, "-m", "pcframe.apps.cli", "list", str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=env,
     )
     proc.stdout.close()  # the only reader: the listing's first write finds no one
     stderr = proc.stderr.read()

@@ -187,6 +187,19 @@ def test_a_construction_interrupted_late_leaves_nothing_behind(tmp_path):
     assert (event.clean, event.unseen_starts) == (True, 0)
 
 
+def test_a_notice_source_that_fails_half_way_is_undone(tmp_path):
+    """SIGUSR2 is taken, then SIGKILL cannot be: the handler taken is given back."""
+    before = signal.getsignal(signal.SIGUSR2)
+    with pytest.raises(OSError):
+        Checkpointer(
+            tmp_path,
+            model=torch.nn.Linear(2, 2),
+            notices=[SignalNoticeSource(signals=("SIGUSR2", "SIGKILL"))],
+        )
+    assert signal.getsignal(signal.SIGUSR2) is before
+    assert ended(tmp_path, clean=True) == []  # the lock is free, nothing was counted
+
+
 def test_an_optimizer_without_the_step_hook_is_a_clear_error(tmp_path):
     class Wrapper:  # a wrapper exposing the state but not the torch optimizer itself
         def state_dict(self):

@@ -83,7 +83,18 @@ def test_found_by_name_through_the_entry_point(installed: Path) -> None:
 def test_the_plugins_own_suite_passes_with_the_conformance_kit(installed: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(installed), *sys.path])}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLE / "tests")],
+        # -n 0: the repository's pytest options (found from cwd) would start xdist workers
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-n",
+            "0",
+            "-p",
+            "no:cacheprovider",
+            str(EXAMPLE / "tests"),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
