@@ -34,7 +34,7 @@ from typing import Any
 import crc32c
 
 from pcframe.errors import CorruptCheckpoint, ManifestError
-from pcframe.format.files import read_small
+from pcframe.format.files import NotRegularFile, read_small
 from pcframe.format.names import version_from_digits, version_name, version_number
 from pcframe.store.directory import fsync_dir, write_file_durably
 
@@ -141,9 +141,9 @@ def write_pointer(root: Path, version: int) -> None:
 
 def read_pointer(root: Path) -> int | None:
     """The version GLOBAL names, or ``None`` (it is a hint; the records are authoritative)."""
-    try:
-        text = (root / POINTER).read_text().strip()
-    except (OSError, UnicodeDecodeError):
+    try:  # a regular file only, read with a bound: a FIFO named GLOBAL must not hang a reader
+        text = read_small(root / POINTER, 64).decode().strip()
+    except (OSError, NotRegularFile, UnicodeDecodeError):
         return None
     return version_number(text)
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -128,6 +131,19 @@ def record(version: int = 3, world: int = 2) -> rec.GlobalRecord:
         rec.ShardRef(r, rec.rank_dirname(r), version, 30, f"{r:08x}", 100 + r) for r in range(world)
     )
     return rec.GlobalRecord(version, 30, 1.5, world, shards)
+
+
+def test_a_fifo_named_global_is_ignored_not_waited_on(tmp_path):
+    rec.write_record(tmp_path, record(3))
+    os.mkfifo(tmp_path / rec.POINTER)  # a hostile or broken root: nobody will ever write it
+    listing = subprocess.run(
+        [sys.executable, "-m", "pcframe.apps.cli", "list", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,  # the old read_text() blocked here for ever
+    )
+    assert "Traceback" not in listing.stderr and "3" in listing.stdout, listing
+    assert rec.read_pointer(tmp_path) is None  # a hint only: the records still list v3
 
 
 def test_record_round_trip_and_pointer(tmp_path):

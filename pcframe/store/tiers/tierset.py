@@ -374,14 +374,16 @@ class Tiers:
         """
         for replicator in self._replicators.values():
             replicator.begin_close()
-        deadline = time.monotonic() + (0.0 if hurry else self.drain_timeout)
+        waited = 0.0 if hurry else self.drain_timeout
+        deadline = time.monotonic() + waited
         for name, replicator in self._replicators.items():
             if not replicator.finish_close(max(0.0, deadline - time.monotonic())):
                 log.warning(
-                    "tier %s: replication still running after %.0f s at close; "
+                    "tier %s: replication still running after %.0f s at close%s; "
                     "aborted (status: %s)",
                     name,
-                    self.drain_timeout,
+                    waited,
+                    " (in a hurry: preempted or never started)" if hurry else "",
                     replicator.status(),
                 )
         self._replicators.clear()
