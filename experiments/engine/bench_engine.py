@@ -45,7 +45,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from methods import (
@@ -74,14 +73,14 @@ def serve_method(args: argparse.Namespace) -> None:
         channel.flush()
 
     torch.set_num_threads(2)
-    model, optimizer, nbytes = build_state(args.size_gb)
+    model, optimizer, _ = build_state(args.size_gb)
     # Imports and construction before the baseline: peak extra memory is what checkpointing
     # holds (staging, cached copies, buffers), not the size of a library's code.
     impl = make_method(args.method, json.loads(args.options), model, optimizer, Path(args.dir))
     baseline = rss_bytes()
     reset_peak()
     loop(impl, 1, 1, 0.0)  # warm-up: first-time allocations, imports, thread starts
-    reply({"bytes": nbytes})
+    reply({"ready": True})
     for line in sys.stdin:
         command = json.loads(line)
         if command["do"] == "idle":
@@ -106,7 +105,7 @@ class MethodProcess:
         cmd = [sys.executable, __file__, "--method", method, "--options", options]
         cmd += ["--dir", str(directory), "--size-gb", str(args.size_gb)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.bytes = self.read()["bytes"]  # built and warmed up
+        self.read()  # built and warmed up
 
     def ask(self, **command) -> dict:
         assert self.proc.stdin is not None
@@ -125,16 +124,6 @@ class MethodProcess:
         if self.proc.stdin is not None:
             self.proc.stdin.close()
         self.proc.wait()
-
-
-def memcpy_seconds(src, dst, repeats: int = 3) -> float:
-    """The median of ``repeats`` copies of ``src`` into ``dst`` (both already faulted in)."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 # --- the parent: processes, rounds, the table ------------------------------------------------
@@ -171,7 +160,7 @@ def main() -> None:
 
     import torch
 
-    from pcframe.apps.limits import measure_limits
+    from pcframe.apps.limits import copy_seconds, measure_limits
 
     torch.set_num_threads(2)
     base = Path(args.dir or tempfile.mkdtemp(prefix="pcframe-bench-", dir="/var/tmp"))
@@ -196,7 +185,7 @@ def main() -> None:
     for r in range(args.rounds):
         row: dict = {"memcpy": {}, "idle": {}}
         for label in order.sample(saving, len(saving)):
-            row["memcpy"][label] = memcpy_seconds(src, dst)
+            row["memcpy"][label] = statistics.median(copy_seconds(dst, src, 3))
             row["idle"][label] = processes[label].ask(do="idle", checkpoints=args.checkpoints)
         row["limits"] = measure_limits(base, nbytes, repeats=1)
         limits.append(row["limits"])

@@ -47,13 +47,19 @@ def drop_caches() -> bool:
         return False
 
 
+WIDTH = 4096
+PER_LAYER = WIDTH * WIDTH + WIDTH  # one Linear's weight and bias, in elements
+
+
+def layers_for(size_gb: float) -> int:
+    """Linear layers whose weights and two Adam moments (fp32) make about ``size_gb`` GiB."""
+    return max(1, round(size_gb * (1 << 30) / 12 / PER_LAYER))
+
+
 def build_model(size_gb: float):
     import torch
 
-    width = 4096
-    per_layer = width * width + width
-    layers = max(1, round(size_gb * (1 << 30) / 12 / per_layer))  # weights + 2 Adam moments
-    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers_for(size_gb))])
 
 
 def fresh_objects(size_gb: float):
@@ -269,7 +275,4 @@ def loop(impl: Method, checkpoints: int, every: int, iteration: float) -> dict:
 
 def build_state_bytes(size_gb: float) -> int:
     """The bytes :func:`build_state` makes, without making them."""
-    width = 4096
-    per_layer = width * width + width
-    layers = max(1, round(size_gb * (1 << 30) / 12 / per_layer))
-    return layers * per_layer * 12
+    return layers_for(size_gb) * PER_LAYER * 12

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from common import FAMILIES, RESULTS, csv_header, header
-from loo import SECONDS_GRID, compute_curves, evaluate, history_for, load_or_compute
+from loo import SECONDS_GRID, evaluate, fixed_curves, history_for
 from profiles import job_for
 
 import pcframe.policies as P
@@ -77,10 +77,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "sim_exp5_loo_hindsight"))
     args = parser.parse_args()
     traces = load_traces(shared_traces_dir())
-    if args.cache:
-        curves = load_or_compute(Path(args.cache), traces, args.regimes)
-    else:
-        curves = compute_curves(traces, args.regimes)
+    curves = fixed_curves(traces, args.regimes, args.cache)
     rows = evaluate(
         traces,
         args.regimes,

@@ -22,7 +22,7 @@ from typing import Any
 
 from common import RESULTS, header
 from exp5_loo_hindsight import pa
-from loo import compute_curves, history_for, key_of, load_or_compute
+from loo import fixed_curves, history_for, key_of
 from profiles import job_for
 
 import pcframe.policies as P
@@ -79,10 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     start = time.perf_counter()
     traces = load_traces(shared_traces_dir())
-    if args.cache:
-        curves = load_or_compute(Path(args.cache), traces, args.regimes)
-    else:
-        curves = compute_curves(traces, args.regimes)
+    curves = fixed_curves(traces, args.regimes, args.cache)
     text = header(
         "Hindsight-best fixed interval: how much is phase luck",
         "For each shipped trace (job presets and hindsight search as in experiment 5), the "

@@ -89,6 +89,13 @@ def compute_curves(traces: Sequence[Trace], regimes: Sequence[str]) -> FixedCurv
     return FixedCurves(grid, hind, every, oracle)
 
 
+def fixed_curves(traces: Sequence[Trace], regimes: Sequence[str], cache: str | None) -> FixedCurves:
+    """The fixed-interval curves, kept between runs in ``cache`` (a JSON file) if given."""
+    if cache:
+        return load_or_compute(Path(cache), traces, regimes)
+    return compute_curves(traces, regimes)
+
+
 def load_or_compute(path: Path, traces: Sequence[Trace], regimes: Sequence[str]) -> FixedCurves:
     if path.exists():
         data = json.loads(path.read_text())

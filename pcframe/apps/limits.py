@@ -141,17 +141,23 @@ def copy_times(nbytes: int, repeats: int) -> tuple[list[float], list[float]]:
     """Seconds per copy of ``nbytes``: with this thread's OpenMP threads, and on one thread."""
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.zeros(nbytes, dtype=torch.uint8)  # both faulted in: the copy alone is timed
-    many = [_timed(lambda: dst.copy_(src)) for _ in range(repeats)]
+    many = copy_seconds(dst, src, repeats)
     one: list[float] = []
 
     def one_thread() -> None:
         single_threaded_torch()
-        one.extend(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+        one.extend(copy_seconds(dst, src, repeats))
 
     worker = threading.Thread(target=one_thread)
     worker.start()
     worker.join()
     return many, one
+
+
+def copy_seconds(dst: torch.Tensor, src: torch.Tensor, repeats: int) -> list[float]:
+    """Seconds per ``dst.copy_(src)``, ``repeats`` times (buffers the caller keeps, so a
+    benchmark can time the same copy again and again without faulting new memory)."""
+    return [_timed(lambda: dst.copy_(src)) for _ in range(repeats)]
 
 
 def _best(nbytes: int, candidates: list[list[float]]) -> Throughput:
