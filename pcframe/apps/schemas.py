@@ -67,8 +67,9 @@ class InjectedFailure(FailureConfig):
             final model is bit-identical (built-in workloads are deterministic).
         timeout: give up (error) when the whole supervised run takes longer, in seconds.
         target_kills: a derived schedule (``mtbf`` / ``compression`` null) puts kills
-            ``restart_delay + start-up + training / target_kills`` seconds apart on average
-            (see :mod:`pcframe.apps.preemption.plan`): the larger, the more kills land.
+            ``training / target_kills`` seconds apart on average, counted in training
+            seconds (start-ups and restart delays do not count; see
+            :mod:`pcframe.apps.preemption.plan`): the larger, the more kills land.
         check: refuse, naming the keys to change, a schedule under which no kill would land
             or no checkpoint would commit before a kill (estimated from the reference run).
     """
@@ -101,7 +102,7 @@ class TraceFailure(InjectedFailure):
         times: explicit kill times in trace seconds, instead of ``path``.
         compression: trace seconds per wall second (3600: one trace hour per second);
             ``null``: derived from the reference run so that the trace's kills come
-            ``restart_delay + start-up + training / target_kills`` seconds apart on average.
+            ``training / target_kills`` training seconds apart on average.
         offset: skip this many trace seconds from the start of the trace.
     """
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from pcframe.apps.preemption import kill_times, poisson_times
+from pcframe.apps.preemption import KillClock, kill_times, poisson_times
 from pcframe.apps.preemption.plan import Measured, check_plan, estimate, plan
 from pcframe.errors import ConfigError
 from tests.apps.conftest import compose, run_module
@@ -24,12 +26,12 @@ def test_the_readme_poisson_launch_fits_any_machine(tmp_path, machine):
     # pcframe-run workload=gpt failure=poisson: FixedSteps(100) by default, mtbf derived
     f = failure(tmp_path, "workload=gpt", "failure=poisson")
     result = plan(f, machine, every=100, every_pinned=False)
-    gap = machine.startup + machine.training / f.target_kills
-    assert result.mean_gap == pytest.approx(gap)
+    gap = machine.training / f.target_kills  # training seconds: start-ups do not count
+    assert result.mean_gap == pytest.approx(gap) and result.clock is KillClock.TRAINING
     assert result.times == pytest.approx(poisson_times(gap, f.max_kills, f.seed))
     # the interval comes down so that a process lives through several checkpoints
     assert result.every is not None and result.every < 100
-    assert result.every * machine.step_seconds * 4 <= gap - machine.startup
+    assert result.every * machine.step_seconds * 4 <= gap
     assert result.estimate.landed >= 1 and result.estimate.commits_before_kills >= 1
     check_plan(result, f, machine, "FixedSteps", 100)  # accepted
 
@@ -65,9 +67,27 @@ def test_the_old_fixed_schedule_is_refused_with_the_reason(tmp_path):
 def test_a_derived_trace_schedule_is_the_trace_compressed_to_the_gap(tmp_path):
     f = failure(tmp_path, "failure=trace", "failure.path=null", "failure.times=[1.0,2.0]")
     result = plan(f, FAST, every=10, every_pinned=True)
-    gap = FAST.startup + FAST.training / f.target_kills
+    gap = FAST.training / f.target_kills
     assert result.times == pytest.approx([gap, 2 * gap]) and result.every is None
     assert "compression" in result.schedule and "derived" in result.schedule
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["failure=poisson"], ["failure=trace", "failure.path=null", "failure.times=[1.0,2.0]"]],
+    ids=["poisson", "trace"],
+)
+def test_a_slow_start_up_does_not_move_derived_kills(tmp_path, overrides):
+    # The reference run is the first process on a cold page cache: its start-up can take
+    # several times a later one's. On the training clock that cannot shift the kills.
+    f = failure(tmp_path, *overrides)
+    cold = dataclasses.replace(FAST, startup=10 * FAST.startup)
+    warm, slow = plan(f, FAST, every=10), plan(f, cold, every=10)
+    assert slow.times == pytest.approx(warm.times) and slow.clock is KillClock.TRAINING
+    assert slow.estimate.landed == warm.estimate.landed >= 2
+    # explicit times stay on the job clock, where start-ups take time
+    explicit = failure(tmp_path, "failure=poisson", "failure.mtbf=5")
+    assert plan(explicit, FAST, every=10).clock is KillClock.JOB
 
 
 def test_a_derived_schedule_needs_the_reference_run(tmp_path):

@@ -7,7 +7,13 @@ import signal
 
 import pytest
 
-from pcframe.apps.preemption import ChildSpec, Supervisor, SupervisorError, compare_finals
+from pcframe.apps.preemption import (
+    ChildSpec,
+    KillClock,
+    Supervisor,
+    SupervisorError,
+    compare_finals,
+)
 from pcframe.store.directory import CheckpointDir
 
 EVERY = 10
@@ -32,16 +38,17 @@ def spec(tmp_path, name: str) -> ChildSpec:
 def test_sigkill_restart_resume_matches_an_uninterrupted_run(tmp_path, child_env):
     reference = Supervisor(spec(tmp_path, "reference"), env=child_env).run()
     assert reference.kills == 0 and len(reference.lives) == 1
-    # Start-up (interpreter, torch import) is most of a life on a loaded 2-core machine, so
-    # each life is killed a start-up plus 40 % of the reference's training after it began:
-    # two lives cover at most 80 % of the work, so the third has to finish it, and the kill
-    # times scale with this machine's speed instead of assuming it.
-    startup = reference.lives[0].first_step_at
-    training = reference.wall - startup
+    # Start-up (interpreter, torch import) is most of a life on a loaded 2-core machine and
+    # varies with the load, so the kills are on the training clock: each life trains 40 % of
+    # the reference's training and is killed, two lives cover at most 80 % of the work, the
+    # third has to finish it, and the kill times scale with this machine's speed.
+    training = reference.lives[0].training_seconds
     assert training > 0.5, "the workload got too fast for this test: raise STEPS"
-    life = startup + 0.4 * training
-    kills = [life, 2 * life]
-    run = Supervisor(spec(tmp_path, "killed"), kills, env=child_env, log_dir=tmp_path / "logs")
+    kills = [0.4 * training, 0.8 * training]
+    logs = tmp_path / "logs"
+    run = Supervisor(
+        spec(tmp_path, "killed"), kills, clock=KillClock.TRAINING, env=child_env, log_dir=logs
+    )
     result = run.run()
 
     assert result.kills == 2 and len(result.lives) == 3
@@ -60,6 +67,19 @@ def test_sigkill_restart_resume_matches_an_uninterrupted_run(tmp_path, child_env
     assert compare_finals(tmp_path / "reference.safetensors", tmp_path / "killed.safetensors") == []
     assert CheckpointDir(tmp_path / "killed").committed_versions()
     assert (tmp_path / "logs" / "child-0.stderr").exists()
+
+
+def test_the_training_clock_stands_still_while_a_process_starts(tmp_path, child_env):
+    # On the job clock a kill 0.3 s after the spawn lands while the child is still importing
+    # torch; on the training clock the same time means 0.3 s after each first step.
+    kills = [0.3, 0.6]
+    job = Supervisor(spec(tmp_path, "job"), kills[:1], env=child_env).run()
+    assert job.lives[0].killed and job.lives[0].first_step_at is None
+    run = Supervisor(spec(tmp_path, "training"), kills, clock=KillClock.TRAINING, env=child_env)
+    lives = run.run().lives
+    assert [life.killed for life in lives] == [True, True, False]
+    for life in lives[:2]:  # each trained 0.3 s (plus the time to notice its first step)
+        assert life.first_step_at is not None and 0.3 <= life.training_seconds < 1.3, life
 
 
 def test_a_child_that_fails_by_itself_is_an_error_with_its_stderr(tmp_path, child_env):

@@ -18,6 +18,7 @@ from pcframe.apps.preemption.schedule import (
 )
 from pcframe.apps.preemption.supervisor import (
     ChildSpec,
+    KillClock,
     Life,
     SupervisedRun,
     Supervisor,
@@ -27,6 +28,7 @@ from pcframe.apps.preemption.supervisor import (
 
 __all__ = [
     "ChildSpec",
+    "KillClock",
     "KillPlan",
     "Life",
     "Measured",

@@ -7,10 +7,12 @@ less often than the kills, so no process lives to commit one. The supervised mod
 start-up time, step time and time to durable, and then
 
 * derives what was left open: ``failure.mtbf=null`` (Poisson) and ``failure.compression=null``
-  (a trace) become a mean gap between kills of ``restart_delay + start-up +
-  training / failure.target_kills``, so about ``target_kills`` kills land and every process
-  trains for a while; a ``FixedSteps`` interval that was not set explicitly is lowered so
-  that about four checkpoints commit between two kills;
+  (a trace) become a mean gap between kills of ``training / failure.target_kills`` seconds
+  on the training clock (:class:`KillClock`: start-ups and restart delays do not count), so
+  about ``target_kills`` kills land and every process trains for a while, however long its
+  start-up took (a cold page cache for the reference run, a loaded machine later);
+  a ``FixedSteps`` interval that was not set explicitly is lowered so that about four
+  checkpoints commit between two kills;
 * estimates, with a small model of the supervised run, how many kills land and how many
   checkpoints commit before a kill, and refuses (naming the keys to change) a schedule in
   which no kill lands or no checkpoint commits in time (``failure.check=false`` runs it
@@ -20,11 +22,11 @@ start-up time, step time and time to durable, and then
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pcframe.apps.preemption.schedule import derived, kill_times, trace_compression
-from pcframe.apps.preemption.supervisor import Life
+from pcframe.apps.preemption.supervisor import KillClock, Life
 from pcframe.errors import ConfigError
 
 CHECKPOINTS_PER_LIFE = 4  # a derived FixedSteps interval fits this many between two kills
@@ -71,15 +73,17 @@ class KillPlan:
     schedule: str  # for the summary, e.g. "poisson, mean gap 6.3 s (derived)"
     mean_gap: float | None
     every: int | None = None  # the FixedSteps interval to run with (None: as configured)
+    clock: KillClock = KillClock.JOB  # what ``times`` count (derived: training seconds)
     interval: str = ""  # how it was chosen, for the summary
     estimate: KillEstimate = field(default_factory=KillEstimate)
 
 
 def target_gap(failure: Any, measured: Measured) -> float:
+    """The mean gap of a derived schedule, in training seconds."""
     kills = failure.target_kills
     if not (isinstance(kills, int | float) and kills > 0):
         raise ConfigError(f"failure.target_kills={kills!r} is invalid: give a number > 0, e.g. 4")
-    return failure.restart_delay + measured.startup + measured.training / kills
+    return measured.training / kills
 
 
 def plan(
@@ -102,25 +106,29 @@ def plan(
             f"{key}=null derives the kill schedule from an uninterrupted run: keep "
             f"failure.reference=true, or give {key}=<number>"
         )
+    clock = KillClock.TRAINING if derived(failure) else KillClock.JOB
     gap = target_gap(failure, measured) if derived(failure) else None
     how = f" (derived: {_derivation(failure, measured)})" if gap is not None else ""
+    unit = " s of training" if clock is KillClock.TRAINING else " s"
     times = kill_times(failure, gap)
     if failure.kind == "poisson":
         gap = gap if failure.mtbf is None else failure.mtbf
-        schedule = f"poisson, mean gap {gap:.1f} s{how}"
+        schedule = f"poisson, mean gap {gap:.1f}{unit}{how}"
     else:
         compression = failure.compression
         if compression is None:
             compression = trace_compression(failure, gap)
         gap = times[-1] / len(times) if times else None
         where = failure.path if failure.path is not None else f"times {list(failure.times)}"
-        shown = f"mean gap {gap:.1f} s, " if gap else ""
+        shown = f"mean gap {gap:.1f}{unit}, " if gap else ""
         schedule = f"trace {where}, {shown}compression {compression:,.4g}x{how}"
-    result = KillPlan(times, schedule, gap)
+    result = KillPlan(times, schedule, gap, clock=clock)
     if measured is None:
         return result
     if every is not None and not every_pinned and gap is not None:
-        living = gap - failure.restart_delay - measured.startup
+        # seconds a process trains between two kills (a start-up takes none on training time)
+        starting = failure.restart_delay + measured.startup if clock is KillClock.JOB else 0.0
+        living = gap - starting
         if living > 0:
             # ~4 checkpoints in each process's life, and at least 4 in the whole run
             per_life = living / (CHECKPOINTS_PER_LIFE * measured.step_seconds)
@@ -133,16 +141,12 @@ def plan(
                     f"{1e3 * measured.step_seconds:.0f} ms/step"
                 )
     interval_steps = result.every or every or _reference_interval(measured)
-    result.estimate = estimate(times, measured, failure.restart_delay, interval_steps)
+    result.estimate = estimate(times, measured, failure.restart_delay, interval_steps, clock)
     return result
 
 
 def _derivation(failure: Any, measured: Measured) -> str:
-    delay = f"{failure.restart_delay:g} s restart delay + " if failure.restart_delay else ""
-    return (
-        f"{delay}{measured.startup:.1f} s start-up + {measured.training:.1f} s training / "
-        f"{failure.target_kills:g}"
-    )
+    return f"{measured.training:.1f} s training / {failure.target_kills:g}"
 
 
 def _reference_interval(measured: Measured) -> float | None:
@@ -150,10 +154,18 @@ def _reference_interval(measured: Measured) -> float | None:
 
 
 def estimate(
-    times: list[float], measured: Measured, restart_delay: float, every: float | None
+    times: list[float],
+    measured: Measured,
+    restart_delay: float,
+    every: float | None,
+    clock: KillClock = KillClock.JOB,
 ) -> KillEstimate:
     """Replay ``times`` against a model of the run: lives that start up, train at the measured
-    step time, commit a checkpoint every ``every`` steps (durable after the measured time)."""
+    step time, commit a checkpoint every ``every`` steps (durable after the measured time).
+    On the training clock start-ups and restart delays take no time."""
+    if clock is KillClock.TRAINING:
+        measured = replace(measured, startup=0.0)
+        restart_delay = 0.0
     result = KillEstimate(first_kill=times[0] if times else None)
     durable_step = 0.0
     now = 0.0
@@ -197,7 +209,8 @@ def check_plan(
     )
     first = plan_.estimate.first_kill
     if plan_.estimate.landed == 0:
-        when = f"the first kill comes at {first:.1f} s, but " if first is not None else ""
+        unit = " s of training" if plan_.clock is KillClock.TRAINING else " s"
+        when = f"the first kill comes at {first:.1f}{unit}, but " if first is not None else ""
         raise ConfigError(f"no kill would land: {when}{run}; {fix_kills}{note}")
     if measured.commits == 0 and (every is None or plan_.every is None):
         raise ConfigError(
@@ -208,10 +221,12 @@ def check_plan(
     commits, landed = plan_.estimate.commits_before_kills, plan_.estimate.landed
     if 2 * commits < landed:  # fewer than one checkpoint per two kills: hardly any progress
         gap = f"{plan_.mean_gap:.1f} s" if plan_.mean_gap else "the schedule's gaps"
+        starting = f"a process needs {measured.startup:.1f} s to start, and "
+        starting = "" if plan_.clock is KillClock.TRAINING else starting
         raise ConfigError(
             f"kills would come faster than checkpoints commit: about {commits} checkpoint(s) "
-            f"before {landed} kills (kills every {gap} on average; a process needs "
-            f"{measured.startup:.1f} s to start, and {policy} checkpoints less often); "
+            f"before {landed} kills (kills every {gap} on average; {starting}{policy} "
+            "checkpoints less often); "
             f"{_interval_fix(every, measured)}, or give the kills more room (a larger "
             f"failure.mtbf / failure.compression, or null){note}"
         )

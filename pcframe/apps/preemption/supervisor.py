@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -31,6 +32,18 @@ _EOF = object()
 
 class SupervisorError(CheckpointError):
     """The child failed on its own (not killed by us) or the run timed out."""
+
+
+class KillClock(Enum):
+    """What a kill time counts."""
+
+    # Wall seconds since the first spawn, start-ups and restart delays included, as a VM's
+    # clock: a kill can land while a process imports or restores.
+    JOB = "job"
+    # Seconds some process spent training (from each process's first step on). A derived
+    # schedule uses it, so that how long start-ups take (a cold page cache, a loaded machine)
+    # cannot move the kills past the end of the run.
+    TRAINING = "training"
 
 
 @dataclass
@@ -161,11 +174,13 @@ class SupervisedRun:
 
 
 class Supervisor:
-    """Start a child, kill it at ``kill_times`` (job-clock seconds), restart until it finishes.
+    """Start a child, kill it at ``kill_times`` (seconds on ``clock``), restart until it finishes.
 
     The job clock starts when the first child is spawned and includes every start-up and
     restart delay, as a VM's wall clock would. Kill times that fall while no child is
     running (during ``restart_delay``) are skipped: a VM that is not up cannot be preempted.
+    On the training clock no kill falls outside training, so none is skipped. Every time
+    the supervisor reports (``Life``) is on the job clock.
     ``on_line(life_index, line)`` sees every stdout line of every child (progress displays).
     """
 
@@ -175,6 +190,7 @@ class Supervisor:
         kill_times: Sequence[float] = (),
         *,
         restart_delay: float = 0.0,
+        clock: KillClock = KillClock.JOB,
         timeout: float = 3600.0,
         log_dir: str | Path | None = None,
         env: dict[str, str] | None = None,
@@ -185,6 +201,7 @@ class Supervisor:
         self.spec = spec
         self.kill_times = sorted(kill_times)
         self.restart_delay = restart_delay
+        self.clock = clock
         self.timeout = timeout
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.env = _child_env(env, spec.threads)
@@ -197,9 +214,10 @@ class Supervisor:
         pending = list(self.kill_times)
         start = time.monotonic()
         while True:
-            now = time.monotonic() - start
+            trained = sum(life.training_seconds for life in lives)
+            now = time.monotonic() - start if self.clock is KillClock.JOB else trained
             pending = [t for t in pending if t > now]
-            life = self._run_life(len(lives), start, pending)
+            life = self._run_life(len(lives), start, pending, trained)
             lives.append(life)
             if not life.killed:
                 return SupervisedRun(self.spec.steps, lives, life.ended, len(self.kill_times))
@@ -209,7 +227,7 @@ class Supervisor:
 
     # --- one process ---------------------------------------------------------------------
 
-    def _run_life(self, index: int, start: float, pending: list[float]) -> Life:
+    def _run_life(self, index: int, start: float, pending: list[float], trained: float) -> Life:
         def clock() -> float:
             return time.monotonic() - start
 
@@ -228,7 +246,7 @@ class Supervisor:
             reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
             reader.start()
             try:
-                self._watch(proc, life, lines, clock, pending, start)
+                self._watch(proc, life, lines, clock, pending, start, trained)
             except BaseException:
                 _kill(proc)
                 raise
@@ -252,10 +270,11 @@ class Supervisor:
         clock: Any,
         pending: list[float],
         start: float,
+        trained: float,
     ) -> None:
         while True:
             now = clock()
-            next_kill = pending[0] if pending else float("inf")
+            next_kill = self._next_kill(life, pending, trained)
             if now >= self.timeout:
                 raise SupervisorError(
                     f"supervised run exceeded failure.timeout={self.timeout} s at step "
@@ -277,6 +296,17 @@ class Supervisor:
                 proc.wait()
                 return
             self._parse(item[1], life, item[0] - start)
+
+    def _next_kill(self, life: Life, pending: list[float], trained: float) -> float:
+        """When the next kill falls on the job clock; ``trained``: training seconds of the
+        lives before this one (infinite: no kill is pending, or it is not yet known)."""
+        if not pending:
+            return float("inf")
+        if self.clock is KillClock.JOB:
+            return pending[0]
+        if life.first_step_at is None:
+            return float("inf")  # the training clock stands still while a process starts
+        return life.first_step_at + pending[0] - trained
 
     def _parse(self, line: str, life: Life, at: float) -> None:
         if self.on_line is not None:
