@@ -81,10 +81,20 @@ def test_writers_go_when_the_copy_needs_a_buffer_back():
         done = threading.Event()
         threading.Thread(target=lambda: (pool.writer_turn(), done.set()), daemon=True).start()
         assert not done.wait(0.2)
-        second = pool.acquire()  # the last free buffer: the copy now waits for writers
-        assert done.wait(1.0)
-    pool.release(first)
+        # The last free buffer: the copy fills it without help, writers still hold (letting
+        # them start here cost 1-5 ms of stall while the last chunk was copied).
+        second = pool.acquire()
+        assert not done.wait(0.2)
+        third: list = []
+        threading.Thread(target=lambda: third.append(pool.acquire()), daemon=True).start()
+        assert done.wait(1.0)  # the copy now waits for a buffer: a writer must free one
+        pool.release(first)
+        deadline = time.monotonic() + 1.0
+        while not third and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert third, "the waiting copy got the freed buffer"
     pool.release(second)
+    pool.release(third[0])
 
 
 def test_a_held_writer_goes_once_training_stops_waiting():
