@@ -306,14 +306,18 @@ def write_table(
         f"## With {args.iteration_ms:g} ms of idle CPU per step (accelerator compute), a "
         f"checkpoint every {args.every} steps; host memory",
         "",
-        "| method | stall (ms) | time to durable (s) | peak extra host mem (GiB) | "
-        "above the loop alone (GiB) | ÷ state size | ÷ its staging budget |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "Here nothing waits for the copy, so the writers start at once; the durable rate is "
+        "divided by the run's median disk rate (this phase is not paired).",
+        "",
+        "| method | stall (ms) | time to durable (s) | durable rate ÷ the run's disk rate | "
+        "peak extra host mem (GiB) | above the loop alone (GiB) | ÷ state size | "
+        "÷ its staging budget |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         if r["method"] == "no checkpoint":
             lines.append(
-                f"| no checkpoint (the loop alone) | — | — | {baseline_peak / gib:.2f} "
+                f"| no checkpoint (the loop alone) | — | — | — | {baseline_peak / gib:.2f} "
                 "| — | — | — |"
             )
             continue
@@ -323,7 +327,8 @@ def write_table(
         budget = r["overlap"].get("staging_bytes")
         lines.append(
             f"| {r['method']} | {spread(stalls, 1000, 1)} | {spread(durables, digits=2)} | "
-            f"{peak / gib:.2f} | {above / gib:.2f} | {above / nbytes:.2f} | "
+            f"{disk_s / med(durables):.2f} | {peak / gib:.2f} | {above / gib:.2f} | "
+            f"{above / nbytes:.2f} | "
             f"{f'{above / budget:.2f}' if budget else '—'} |"
         )
     labels = list(restores[0]["live"])
