@@ -12,6 +12,7 @@ from pcframe.format.manifest import Manifest
 from pcframe.format.names import version_name
 from pcframe.objects import TrainingObjects
 from pcframe.restore.apply import apply_tree
+from pcframe.restore.check_optimizer import prefetch_fresh_state
 from pcframe.restore.in_place import in_place_targets
 from pcframe.restore.report import RestoreReport
 from pcframe.restore.sources import load_first_valid
@@ -41,7 +42,12 @@ def load_and_apply(
     """
     start = time.perf_counter()
     targets = in_place_targets(objects.model, objects.optimizer)
-    loaded = load_first_valid(sources, threads, report, targets=targets)
+    finding = prefetch_fresh_state(objects.optimizer)  # while the bytes are read
+    try:
+        loaded = load_first_valid(sources, threads, report, targets=targets)
+    finally:
+        if finding is not None:
+            finding.join()
     if loaded is None:
         if report.skipped:
             reasons = "; ".join(f"v{v}: {why}" for v, why in report.skipped)
