@@ -177,8 +177,10 @@ def prefetch_fresh_state(optimizer: Any) -> threading.Thread | None:
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
     def find() -> None:
+        # Warning filters are shared by every thread: this one leaves them alone, so a
+        # warning of the scratch step shows (as the same optimizer's own step's would).
         with contextlib.suppress(Exception):  # the check itself reports what goes wrong
-            _fresh_state(optimizer, groups)
+            _fresh_state(optimizer, groups, quiet=False)
 
     thread = threading.Thread(target=find, name="pcframe-fresh-state", daemon=True)
     thread.start()
@@ -196,14 +198,26 @@ def _hyperparameters(live_group: dict[str, Any], group: dict[str, Any]) -> dict[
     return {k: v for k, v in hyper.items() if k not in GROUP_BOOKKEEPING}
 
 
+# Hyperparameters a learning-rate schedule moves and no torch optimizer's state keys depend
+# on: left out of the key, so a restore after a decayed rate still finds the prefetched step.
+SCHEDULED = frozenset({"lr", "initial_lr"})
+
+
 def _fresh_key(optimizer: Optimizer, groups: list[dict[str, Any]]) -> tuple[Any, ...]:
-    """What a fresh state depends on: the class, each group's hyperparameters, and each
-    parameter's rank, dtype and device (the scratch parameters mirror nothing else)."""
+    """What a fresh state depends on: the class, each group's hyperparameters (but the
+    learning rate), and each parameter's rank, dtype and device (the scratch parameters
+    mirror nothing else)."""
     return (
         type(optimizer),
         tuple(
             (
-                repr(sorted(_hyperparameters(live_group, group).items())),
+                repr(
+                    sorted(
+                        (k, v)
+                        for k, v in _hyperparameters(live_group, group).items()
+                        if k not in SCHEDULED
+                    )
+                ),
                 tuple((p.dim(), p.dtype, p.device) for p in live_group["params"]),
             )
             for group, live_group in zip(groups, optimizer.param_groups, strict=True)
@@ -211,8 +225,11 @@ def _fresh_key(optimizer: Optimizer, groups: list[dict[str, Any]]) -> tuple[Any,
     )
 
 
-def _fresh_state(optimizer: Optimizer, groups: list[dict[str, Any]]) -> dict[Any, Any] | None:
-    """Per live parameter, the state a first step of its class would create (see above)."""
+def _fresh_state(
+    optimizer: Optimizer, groups: list[dict[str, Any]], *, quiet: bool = True
+) -> dict[Any, Any] | None:
+    """Per live parameter, the state a first step of its class would create (see above);
+    ``quiet`` silences the scratch step's warnings (on the calling thread only)."""
     cls = type(optimizer)
     global_hooks = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
     if not f"{cls.__module__}.".startswith("torch.optim.") or any(
@@ -223,7 +240,7 @@ def _fresh_state(optimizer: Optimizer, groups: list[dict[str, Any]]) -> dict[Any
     key = _fresh_key(optimizer, groups)
     found = _FOUND.get(key)
     if found is None:
-        found = _scratch_step(optimizer, groups)
+        found = _scratch_step(optimizer, groups, quiet)
         if found is None:
             return None
         if len(_FOUND) >= _FOUND_MAX:
@@ -233,7 +250,7 @@ def _fresh_state(optimizer: Optimizer, groups: list[dict[str, Any]]) -> dict[Any
 
 
 def _scratch_step(
-    optimizer: Optimizer, groups: list[dict[str, Any]]
+    optimizer: Optimizer, groups: list[dict[str, Any]], quiet: bool
 ) -> list[dict[str, tuple[bool, bool]]] | None:
     """One step of a scratch optimizer of the class over tiny stand-ins of the parameters:
     per parameter, in order, each state key and whether it is shaped like / typed like it."""
@@ -256,8 +273,9 @@ def _scratch_step(
                 scratch_params.append(scratch)
                 scratches.append(scratch)
             scratch_groups.append({**_hyperparameters(live_group, group), "params": scratch_params})
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings() if quiet else contextlib.nullcontext():
+            if quiet:
+                warnings.simplefilter("ignore")
             scratch_optimizer = cls(scratch_groups)
             scratch_optimizer.step(lambda: torch.zeros(()))
     except Exception:  # e.g. sparse gradients needed, or a setup the scratch cannot mirror

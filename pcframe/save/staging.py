@@ -60,6 +60,7 @@ class StagingPool:
                 self._free = self._allocate(count, pinned)
             except (MemoryError, RuntimeError) as exc:  # numpy / torch refuse the allocation
                 self._count = 0  # no pool now: the next save allocates again
+                self._cond.notify_all()  # a queued version's copy fails instead of waiting
                 raise ConfigError(
                     f"cannot allocate a staging pool of {count * self.chunk_bytes} bytes "
                     f"({type(exc).__name__}): lower engine.staging_bytes or "
@@ -81,16 +82,18 @@ class StagingPool:
 
     def acquire(self) -> torch.Tensor:
         with self._cond:
-            if not self._free and not self._closed:
-                self._acquiring += 1
-                self._cond.notify_all()  # held writers: the copy needs a buffer back
+            if not self._free and not self._closed and self._count:
                 try:
-                    while not self._free and not self._closed:
+                    self._acquiring += 1
+                    self._cond.notify_all()  # held writers: the copy needs a buffer back
+                    while not self._free and not self._closed and self._count:
                         self._cond.wait()
                 finally:
                     self._acquiring -= 1
             if self._closed:
                 raise RuntimeError("staging pool is closed")
+            if not self._free:  # no buffer will come back: the pool could not be allocated
+                raise RuntimeError("no staging pool: its allocation was refused at a later save")
             self._out += 1
             return self._free.pop()
 

@@ -152,3 +152,27 @@ def test_a_refused_pool_resize_leaves_the_engine_usable(tmp_path, monkeypatch):
         monkeypatch.setattr(StagingPool, "_allocate", real)
         optimizer.state.clear()  # small again (an optimizer reset)
         assert ckpt.save(2).wait(timeout=30) == "committed"
+
+
+def test_a_refused_resize_fails_the_next_copy_instead_of_hanging(monkeypatch):
+    from pcframe.errors import ConfigError
+
+    pool = _pool(1)
+    monkeypatch.setattr(
+        StagingPool, "_allocate", lambda self, count, pinned: (_ for _ in ()).throw(MemoryError())
+    )
+    with pytest.raises(ConfigError):
+        pool.ensure(4 * 4096, pinned=False)  # no buffer out: the old pool is freed first
+    # A version queued before that save copies now: there is no buffer to wait for.
+    failed: list[BaseException] = []
+    waiter = threading.Thread(target=lambda: _record(failed, pool.acquire), daemon=True)
+    waiter.start()
+    waiter.join(2.0)
+    assert not waiter.is_alive() and isinstance(failed[0], RuntimeError)
+
+
+def _record(into: list, call) -> None:
+    try:
+        call()
+    except BaseException as exc:
+        into.append(exc)

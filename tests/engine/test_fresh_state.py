@@ -4,12 +4,15 @@ and its result is used only for the hyperparameters it was found with."""
 from __future__ import annotations
 
 import threading
+import time
+import warnings
 
+import pytest
 import torch
 from torch import nn
 
 from pcframe import Checkpointer
-from pcframe.restore import check_optimizer
+from pcframe.restore import check_optimizer, restorer
 
 
 def _trained(amsgrad: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -26,8 +29,12 @@ def _fresh(amsgrad: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.Adam(model.parameters(), lr=0.01, amsgrad=amsgrad)
 
 
-def test_the_scratch_step_runs_once_beside_the_read(tmp_path, monkeypatch):
+@pytest.mark.parametrize("decayed", [False, True], ids=["same lr", "lr decayed by a schedule"])
+def test_the_scratch_step_runs_once_beside_the_read(tmp_path, monkeypatch, decayed):
     model, opt = _trained(amsgrad=False)
+    if decayed:  # as a schedule leaves them: saved lr 0.005 and initial_lr; live lr 0.01
+        for group in opt.param_groups:
+            group["initial_lr"], group["lr"] = group["lr"], group["lr"] / 2
     with Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt:
         ckpt.save(step=1).wait()
     steps: list[str] = []
@@ -61,3 +68,31 @@ def test_saved_hyperparameters_that_differ_are_checked_with_their_own_step(tmp_p
         assert ckpt.restore() == 1
     assert live_opt.param_groups[0]["amsgrad"] is False
     assert "max_exp_avg_sq" not in live_opt.state_dict()["state"][0]
+
+
+def test_the_prefetch_leaves_the_warning_filters_alone(tmp_path, monkeypatch):
+    # Warning filters are process-wide: a scratch step that silenced warnings on its thread
+    # would drop the main thread's while the read runs.
+    model, opt = _trained(amsgrad=False)
+    with Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt:
+        ckpt.save(step=1).wait()
+    real_step, real_load = torch.optim.Adam.step, restorer.load_first_valid
+
+    def slow_step(self, *args, **kwargs):
+        time.sleep(0.4)  # the scratch step is still running while the read warns
+        return real_step(self, *args, **kwargs)
+
+    def warning_load(*args, **kwargs):
+        time.sleep(0.1)
+        warnings.warn("from the read", UserWarning, stacklevel=1)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", slow_step)
+    monkeypatch.setattr(restorer, "load_first_valid", warning_load)
+    monkeypatch.setattr(check_optimizer, "_FOUND", {})
+    live_model, live_opt = _fresh(amsgrad=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Checkpointer(tmp_path, model=live_model, optimizer=live_opt) as ckpt:
+            assert ckpt.restore() == 1
+    assert any("from the read" in str(w.message) for w in seen)

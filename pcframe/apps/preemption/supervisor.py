@@ -286,8 +286,10 @@ class Supervisor:
             except queue.Empty:
                 if clock() < next_kill:
                     continue  # the timeout check comes round again
-                _kill(proc)
+                # The kill's time, before the reap (a process holding much memory takes a
+                # while to go): on the training clock the reap is no training time.
                 life.killed, life.ended = True, clock()
+                _kill(proc)
                 # Lines the child wrote before it died are still in the pipe: count them.
                 while (item := lines.get()) is not _EOF:
                     self._parse(item[1], life, item[0] - start)
