@@ -32,7 +32,7 @@ from rich.console import Console
 from pcframe.apps.compose import engine_config, quiet_missing_user_conf
 from pcframe.apps.errors import reported, run_app
 from pcframe.apps.machine import describe_threads, resolve_threads
-from pcframe.apps.preemption import ChildSpec, KillClock, Supervisor, compare_finals
+from pcframe.apps.preemption import ChildSpec, Supervisor, compare_finals
 from pcframe.apps.preemption.plan import Measured, check_plan, plan
 from pcframe.apps.progress import StepProgress
 from pcframe.apps.schemas import register
@@ -353,7 +353,7 @@ def run_supervised(cfg: DictConfig, out: Path, progress: bool = True) -> Summary
             "directory=... (or none: each run's own output folder) for a whole run"
         )
     if result.kills == 0:
-        unit = " s of training" if schedule.clock is KillClock.TRAINING else " s"
+        unit = schedule.clock.unit
         first = f" (the first at {schedule.times[0]:.1f}{unit})" if schedule.times else ""
         warnings.append(
             f"no kill landed: the run was over after {result.wall:.1f} s, before any of the "

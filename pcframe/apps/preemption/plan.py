@@ -109,7 +109,7 @@ def plan(
     clock = KillClock.TRAINING if derived(failure) else KillClock.JOB
     gap = target_gap(failure, measured) if derived(failure) else None
     how = f" (derived: {_derivation(failure, measured)})" if gap is not None else ""
-    unit = " s of training" if clock is KillClock.TRAINING else " s"
+    unit = clock.unit
     times = kill_times(failure, gap)
     if failure.kind == "poisson":
         gap = gap if failure.mtbf is None else failure.mtbf
@@ -209,7 +209,7 @@ def check_plan(
     )
     first = plan_.estimate.first_kill
     if plan_.estimate.landed == 0:
-        unit = " s of training" if plan_.clock is KillClock.TRAINING else " s"
+        unit = plan_.clock.unit
         when = f"the first kill comes at {first:.1f}{unit}, but " if first is not None else ""
         raise ConfigError(f"no kill would land: {when}{run}; {fix_kills}{note}")
     if measured.commits == 0 and (every is None or plan_.every is None):

@@ -45,6 +45,11 @@ class KillClock(Enum):
     # cannot move the kills past the end of the run.
     TRAINING = "training"
 
+    @property
+    def unit(self) -> str:
+        """How a time on this clock reads in a message: "3.0{unit}"."""
+        return " s of training" if self is KillClock.TRAINING else " s"
+
 
 @dataclass
 class ChildSpec:
