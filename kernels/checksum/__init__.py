@@ -78,6 +78,10 @@ def checksum_buffers(buffers: Iterable[Any], algo: str = DEFAULT_ALGORITHM) -> i
     The incremental form of :func:`checksum`: a chunk read back or staged in several
     pieces is verified without copying it together.
 
+    ``buffers`` is consumed one at a time, in order, and no buffer is read again once the
+    next one is taken: a reader may pass a generator that fills each buffer just before
+    yielding it, reusing scratch memory for the next (:mod:`pcframe.restore.reader` does).
+
     Args:
         buffers: bytes-like objects (memoryviews, ``bytes``, contiguous uint8 arrays), in order.
         algo: ``"pcf64"``, ``"crc32c"`` or ``"xxh3_64"``.

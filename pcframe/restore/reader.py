@@ -6,12 +6,16 @@ another rank's shard). Either way only the chunks and segments holding the wante
 are read, and each of them is verified.
 
 Raw chunks are read with ``preadv`` straight into freshly allocated tensors (no staging
-copy; the bytes of unwanted tensors sharing a chunk go to a per-thread scratch buffer, since
-a chunk is the unit of the stored checksum) and checksummed in the same worker thread while
-the bytes are still in cache. Tensors given as ``targets`` (live tensors of the same dtype
-and shape: :mod:`pcframe.restore.in_place`) are not written while the version is verified:
-their bytes go to scratch and are checksummed, and :attr:`LoadedVersion.fill` reads them a
-second time, from the page cache, into the targets once the caller decides to apply.
+copy) and checksummed in the same worker thread, a window of ``READ_WINDOW`` bytes at a
+time: each window is hashed right after it is read, while its bytes are still in the CPU's
+cache. Bytes only the checksum needs (unwanted tensors sharing a chunk, since a chunk is the
+unit of the stored checksum; padding) go to one scratch window per thread. Measured on the
+2-core VM, 0.56 GiB cold: a restore took 0.61-0.71 s reading and hashing whole 16 MiB
+chunks, 0.43-0.47 s with 64-512 KiB windows. Tensors given as ``targets`` (live tensors of
+the same dtype and shape: :mod:`pcframe.restore.in_place`) are not written while the
+version is verified: their bytes go through the scratch window and are checksummed, and
+:attr:`LoadedVersion.fill` reads them a second time, from the page cache, into the targets
+once the caller decides to apply.
 Coded tensors (format version 2) are read segment by segment from ``codec.bin``:
 each payload is checksummed, then decoded into its element range of a fresh tensor. A delta
 tensor first loads its value in the base version (recursively, down to the full version),
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent.futures import wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +53,10 @@ from pcframe.format.manifest import (
 from pcframe.format.names import VERSION_DIR, version_name
 from pcframe.format.tree import DTYPES, decode_tree
 from pcframe.restore.reading import check_size, preadv_all, reading_pool
+
+#: bytes read and hashed at a time: small enough to be hashed from the CPU's cache
+#: (a quarter of this VM's 1 MiB L2 per core; 64-512 KiB measured alike, 4 MiB slower)
+READ_WINDOW = 256 << 10
 
 
 def _nothing(*_: object) -> int:
@@ -293,27 +301,55 @@ class _VersionReader:
         return buffer
 
     def _read_chunk(self, chunk: Chunk, flats: dict[int, torch.Tensor]) -> None:
-        """Read one whole chunk (other bytes into scratch) and verify its checksum."""
-        scratch = self._scratch_for(chunk.length)  # byte i of the chunk at scratch[i]
-        buffers, cursor = [], 0
+        """Read one whole chunk (other bytes into scratch) and verify its checksum.
+
+        The chunk is read and hashed a window at a time, so the hash reads bytes still in the
+        CPU's cache, and the bytes that only the checksum needs (the in-place targets', read
+        again by :meth:`fill`; padding; unwanted tensors') share one small scratch window.
+        """
+        spans: list[tuple[int, int, memoryview | None]] = []  # (start, length, destination)
+        cursor = 0
         for piece in chunk.pieces:
             if piece.dst_start > cursor:
-                buffers.append(scratch[cursor : piece.dst_start])
+                spans.append((cursor, piece.dst_start - cursor, None))
+            target = None
             if piece.entry in flats:
-                target = flats[piece.entry][piece.src_start : piece.src_start + piece.nbytes]
-                buffers.append(memoryview(target.numpy()))
-            else:
-                buffers.append(scratch[piece.dst_start : piece.dst_start + piece.nbytes])
+                flat = flats[piece.entry][piece.src_start : piece.src_start + piece.nbytes]
+                target = memoryview(flat.numpy())
+            spans.append((piece.dst_start, piece.nbytes, target))
             cursor = piece.dst_start + piece.nbytes
         if cursor < chunk.length:
-            buffers.append(scratch[cursor : chunk.length])
-        preadv_all(self._data_fd, buffers, chunk.offset, self.data_path)
-        record = self.manifest.chunks[chunk.index]
-        if self.verify and self.checksum(buffers) != record.checksum:
+            spans.append((cursor, chunk.length - cursor, None))
+        scratch = self._scratch_for(READ_WINDOW)[:READ_WINDOW]
+        windows = self._windows(chunk, spans, scratch)
+        # The checksum consumes the windows in order, so each is read just before it is hashed.
+        if self.checksum(windows) != self.manifest.chunks[chunk.index].checksum:
             raise CorruptCheckpoint(
                 f"{self.data_path}: checksum mismatch in chunk {chunk.index} "
                 f"(bytes {chunk.offset}..{chunk.offset + chunk.length})"
             )
+
+    def _windows(
+        self, chunk: Chunk, spans: list[tuple[int, int, memoryview | None]], scratch: memoryview
+    ) -> Iterator[memoryview]:
+        """Read ``chunk`` window by window; yield each window's buffers once they are filled."""
+        window, spans_at = len(scratch), 0
+        for begin in range(0, chunk.length, window):
+            end = min(begin + window, chunk.length)
+            buffers = []
+            while spans_at < len(spans):
+                start, length, target = spans[spans_at]
+                lo, hi = max(start, begin), min(start + length, end)
+                if lo < hi:
+                    if target is None:
+                        buffers.append(scratch[lo - begin : hi - begin])
+                    else:
+                        buffers.append(target[lo - start : hi - start])
+                if start + length > end:
+                    break  # continues in the next window
+                spans_at += 1
+            preadv_all(self._data_fd, buffers, chunk.offset + begin, self.data_path)
+            yield from buffers
 
     # --- codec.bin ---------------------------------------------------------------------
 
