@@ -38,7 +38,9 @@ class StagingPool:
         self._pinned = False
         self._closed = False
         self._training_waits = 0  # training-thread waits in progress (copy goes first)
-        self._acquiring = 0  # threads waiting in acquire() for a buffer to come back
+        # Threads waiting in acquire() for a buffer to come back: a set of thread ids, not a
+        # count, so an interrupt inside acquire cannot leave it off by one for good.
+        self._acquiring: set[int] = set()
 
     @property
     def capacity_bytes(self) -> int:
@@ -82,14 +84,17 @@ class StagingPool:
 
     def acquire(self) -> torch.Tensor:
         with self._cond:
+            me = threading.get_ident()
+            # Left here only by an interrupt landing at this thread's last `finally` below.
+            self._acquiring.discard(me)
             if not self._free and not self._closed and self._count:
                 try:
-                    self._acquiring += 1
+                    self._acquiring.add(me)
                     self._cond.notify_all()  # held writers: the copy needs a buffer back
                     while not self._free and not self._closed and self._count:
                         self._cond.wait()
                 finally:
-                    self._acquiring -= 1
+                    self._acquiring.discard(me)
             if self._closed:
                 raise RuntimeError("staging pool is closed")
             if not self._free:  # no buffer will come back: the pool could not be allocated

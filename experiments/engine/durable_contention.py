@@ -1,0 +1,188 @@
+"""Time to durable while the training step takes the CPU, against the disk's limit.
+
+``bench_engine.py``'s stall phase runs ``optimizer.step()`` at once after ``save()``. On a
+CPU-only host that step is Adam over the whole model, on every core, for about as long as
+the disk needs to make the checkpoint durable: the writers' checksums and system calls
+share the cores with it. This script separates the two. In each round (a fresh random
+order of the cases, seeded) pcframe saves the same state:
+
+* ``step at once``: ``save()``, then ``optimizer.step()`` at once (the stall phase's loop);
+* ``nothing after``: ``save()``, then only the wait (the CPU is the writers' alone, as when
+  the step runs on an accelerator);
+
+and it times the step alone and measures the disk's synced O_DIRECT write limit (best of 1
+and 4 writers) right after the round. A plain writer (four threads writing the state's bytes
+with O_DIRECT in 16 MiB requests, no checksum, then ``fdatasync``) is timed alone and with
+the same step running beside it: how much of the slowdown is the machine's own (the disk's
+completions and the memory bus shared with Adam) rather than pcframe's. Ratios are paired
+within the round.
+
+    python experiments/engine/durable_contention.py --size-gb 0.47 --rounds 9 \\
+        --out experiments/results/durable_contention.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from methods import build_state
+
+CASES = ("step at once", "nothing after")
+BLOCK = 16 << 20
+
+
+def plain_write_seconds(path: Path, nbytes: int, beside: object = None) -> float:
+    """Four threads write ``nbytes`` with O_DIRECT, then fdatasync; ``beside()`` runs meanwhile."""
+    blocks = list(range(0, nbytes - nbytes % BLOCK, BLOCK))
+    buffers = [mmap.mmap(-1, BLOCK) for _ in range(4)]  # page-aligned, as O_DIRECT needs
+    for buffer in buffers:
+        buffer.write(b"\x5a" * BLOCK)  # touched: no first-touch faults inside the timing
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, len(blocks) * BLOCK)
+
+        def writer(k: int) -> None:
+            for offset in blocks[k::4]:
+                os.pwrite(fd, buffers[k], offset)
+
+        side = threading.Thread(target=beside) if callable(beside) else None
+        if side:
+            side.start()
+        start = time.perf_counter()
+        threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        os.fdatasync(fd)
+        seconds = time.perf_counter() - start
+        if side:
+            side.join()
+        return seconds
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
+def spread(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
+    med = statistics.median(values) * scale
+    return f"{med:.{digits}f} ({min(values) * scale:.{digits}f}..{max(values) * scale:.{digits}f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-gb", type=float, default=0.47)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--per-case", type=int, default=3, help="checkpoints per case per round")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-in-flight", type=int, default=2)
+    parser.add_argument("--out", default="experiments/results/durable_contention.md")
+    args = parser.parse_args()
+
+    import torch
+
+    from pcframe import Checkpointer
+    from pcframe.apps.limits import measure_limits
+
+    torch.set_num_threads(2)
+    base = Path(tempfile.mkdtemp(prefix="pcframe-bench-contention-", dir="/var/tmp"))
+    model, optimizer, nbytes = build_state(args.size_gb)
+    order = random.Random(args.seed)
+    rows: list[dict] = []
+    try:
+        with Checkpointer(
+            base / "ckpt", model=model, optimizer=optimizer, max_in_flight=args.max_in_flight
+        ) as ckpt:
+            step = 0
+            for _ in range(2):  # warm-up: the staging pool and the files' first use
+                step += 1
+                ckpt.save(step)
+                ckpt.wait()
+            for r in range(args.rounds):
+                durable: dict[str, list[float]] = {case: [] for case in CASES}
+                steps = []
+                for case in order.sample(CASES * args.per_case, len(CASES) * args.per_case):
+                    step += 1
+                    ckpt.save(step)
+                    if case == "step at once":
+                        optimizer.step()
+                    ckpt.wait()
+                    durable[case].append(ckpt.records[max(ckpt.records)].durable)
+                    start = time.perf_counter()
+                    optimizer.step()  # the step alone: nothing in flight now
+                    steps.append(time.perf_counter() - start)
+                plain = base / "plain.bin"
+                alone = [plain_write_seconds(plain, nbytes) for _ in range(2)]
+                stepping = [plain_write_seconds(plain, nbytes, optimizer.step) for _ in range(2)]
+                limits = measure_limits(base, nbytes, repeats=1)
+                row = {case: statistics.median(v) for case, v in durable.items()}
+                row["plain alone"] = statistics.median(alone)
+                row["plain beside the step"] = statistics.median(stepping)
+                row["step"] = statistics.median(steps)
+                row["disk"] = limits.disk_seconds(nbytes)
+                rows.append(row)
+                print(f"round {r + 1}:", {k: round(v, 3) for k, v in row.items()}, flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    write_table(args, nbytes, rows)
+
+
+def write_table(args: argparse.Namespace, nbytes: int, rows: list[dict]) -> None:
+    import platform
+
+    import torch
+
+    lines = [
+        "# Time to durable while the training step takes the CPU",
+        "",
+        "Command: `python experiments/engine/durable_contention.py "
+        f"--size-gb {args.size_gb} --rounds {args.rounds} --per-case {args.per_case} "
+        f"--seed {args.seed} --max-in-flight {args.max_in_flight} --out {args.out}`",
+        "",
+        f"State: {nbytes / (1 << 30):.2f} GiB (model + Adam moments, fp32, CPU), pcframe "
+        f"defaults with `max_in_flight: {args.max_in_flight}`, torch {torch.__version__} on "
+        f"{torch.get_num_threads()} threads, {platform.machine()}. {args.rounds} rounds of "
+        f"{args.per_case} checkpoints per case in a random order; the disk's limit (best of "
+        "1 and 4 synced O_DIRECT writers) measured after each round. Median (min..max) over "
+        "rounds of each round's median.",
+        "",
+        "| case | time to durable (s) | durable rate ÷ the round's disk rate |",
+        "|---|---:|---:|",
+    ]
+    cases = [(f"pcframe, {case}", case) for case in CASES] + [
+        ("plain O_DIRECT writer, alone", "plain alone"),
+        ("plain O_DIRECT writer, the step beside it", "plain beside the step"),
+    ]
+    for label, key in cases:
+        seconds = [row[key] for row in rows]
+        ratios = [row["disk"] / row[key] for row in rows]
+        lines.append(f"| {label} | {spread(seconds, digits=3)} | {spread(ratios)} |")
+    steps = [row["step"] for row in rows]
+    disk = [row["disk"] for row in rows]
+    cost = [row["step at once"] / row["nothing after"] for row in rows]
+    plain_cost = [row["plain beside the step"] / row["plain alone"] for row in rows]
+    lines += [
+        "",
+        f"- The Adam step alone: {spread(steps, digits=3)} s; the disk's limit for the state: "
+        f"{spread(disk, digits=3)} s, so the step takes "
+        f"{statistics.median(s / d for s, d in zip(steps, disk, strict=True)):.2f}x the "
+        "disk's time, on every core.",
+        f"- Time to durable with the step ÷ without it, paired: pcframe {spread(cost)}; "
+        f"the plain writer {spread(plain_cost)}.",
+        "",
+    ]
+    Path(args.out).write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
