@@ -28,14 +28,12 @@ files, so a hostile manifest cannot trigger a giant allocation.
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from pcframe.errors import CorruptCheckpoint, ManifestError
@@ -52,11 +50,12 @@ from pcframe.format.manifest import (
 )
 from pcframe.format.names import VERSION_DIR, version_name
 from pcframe.format.tree import DTYPES, decode_tree
-from pcframe.restore.reading import check_size, preadv_all, reading_pool
-
-#: bytes read and hashed at a time: small enough to be hashed from the CPU's cache
-#: (a quarter of this VM's 1 MiB L2 per core; 64-512 KiB measured alike, 4 MiB slower)
-READ_WINDOW = 256 << 10
+from pcframe.restore.reading import (
+    check_size,
+    preadv_all,
+    read_windows,
+    reading_pool,
+)
 
 
 def _nothing(*_: object) -> int:
@@ -155,7 +154,6 @@ class _VersionReader:
         if manifest.coded:
             check_size(self.codec_path, manifest.codec_size)
         self._data_fd = self._codec_fd = -1
-        self._scratch = threading.local()  # one chunk-sized buffer per reading thread
         self._deferred: list[Chunk] = []  # chunks holding bytes of in-place targets
         self._targets: dict[int, torch.Tensor] = {}
         self.in_place_bytes = 0
@@ -294,62 +292,18 @@ class _VersionReader:
                 offset = chunk.offset + piece.dst_start
                 preadv_all(self._data_fd, [memoryview(target.numpy())], offset, self.data_path)
 
-    def _scratch_for(self, length: int) -> memoryview:
-        buffer = getattr(self._scratch, "buffer", None)
-        if buffer is None or len(buffer) < length:
-            buffer = self._scratch.buffer = memoryview(np.empty(length, dtype=np.uint8))
-        return buffer
-
     def _read_chunk(self, chunk: Chunk, flats: dict[int, torch.Tensor]) -> None:
-        """Read one whole chunk (other bytes into scratch) and verify its checksum.
-
-        The chunk is read and hashed a window at a time, so the hash reads bytes still in the
-        CPU's cache, and the bytes that only the checksum needs (the in-place targets', read
-        again by :meth:`fill`; padding; unwanted tensors') share one small scratch window.
-        """
-        spans: list[tuple[int, int, memoryview | None]] = []  # (start, length, destination)
-        cursor = 0
-        for piece in chunk.pieces:
-            if piece.dst_start > cursor:
-                spans.append((cursor, piece.dst_start - cursor, None))
-            target = None
-            if piece.entry in flats:
-                flat = flats[piece.entry][piece.src_start : piece.src_start + piece.nbytes]
-                target = memoryview(flat.numpy())
-            spans.append((piece.dst_start, piece.nbytes, target))
-            cursor = piece.dst_start + piece.nbytes
-        if cursor < chunk.length:
-            spans.append((cursor, chunk.length - cursor, None))
-        scratch = self._scratch_for(READ_WINDOW)[:READ_WINDOW]
-        windows = self._windows(chunk, spans, scratch)
+        """Read one whole chunk (other bytes into scratch) and verify its checksum."""
+        targets = {
+            p.entry: memoryview(flats[p.entry].numpy()) for p in chunk.pieces if p.entry in flats
+        }
+        windows = read_windows(self._data_fd, self.data_path, chunk, targets)
         # The checksum consumes the windows in order, so each is read just before it is hashed.
         if self.checksum(windows) != self.manifest.chunks[chunk.index].checksum:
             raise CorruptCheckpoint(
                 f"{self.data_path}: checksum mismatch in chunk {chunk.index} "
                 f"(bytes {chunk.offset}..{chunk.offset + chunk.length})"
             )
-
-    def _windows(
-        self, chunk: Chunk, spans: list[tuple[int, int, memoryview | None]], scratch: memoryview
-    ) -> Iterator[memoryview]:
-        """Read ``chunk`` window by window; yield each window's buffers once they are filled."""
-        window, spans_at = len(scratch), 0
-        for begin in range(0, chunk.length, window):
-            end = min(begin + window, chunk.length)
-            buffers = []
-            while spans_at < len(spans):
-                start, length, target = spans[spans_at]
-                lo, hi = max(start, begin), min(start + length, end)
-                if lo < hi:
-                    if target is None:
-                        buffers.append(scratch[lo - begin : hi - begin])
-                    else:
-                        buffers.append(target[lo - start : hi - start])
-                if start + length > end:
-                    break  # continues in the next window
-                spans_at += 1
-            preadv_all(self._data_fd, buffers, chunk.offset + begin, self.data_path)
-            yield from buffers
 
     # --- codec.bin ---------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""The reader's I/O: its reading threads, file size checks and the ``preadv`` loop.
+"""The reader's I/O: its reading threads, file size checks, the ``preadv`` loop, and a
+chunk read a window at a time for hashing as it arrives.
 
 The reading threads are started once per thread count and kept (starting them for every
 restore cost 50 ms on a loaded 2-core machine); they run torch on one OpenMP thread like
@@ -9,14 +10,21 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 from pcframe.errors import CorruptCheckpoint
 from pcframe.format.files import open_regular
+from pcframe.format.layout import Chunk
 from pcframe.threads import single_threaded_torch
 
 _IOV_MAX = 1024
+#: bytes read and hashed at a time: small enough to be hashed from the CPU's cache
+#: (a quarter of this VM's 1 MiB L2 per core; 64-512 KiB measured alike, 4 MiB slower)
+READ_WINDOW = 256 << 10
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
@@ -88,3 +96,55 @@ def preadv_all(fd: int, buffers: list[memoryview], offset: int, path: Path) -> N
             else:
                 pending[0] = head[got:]
                 got = 0
+
+
+_WINDOWS = threading.local()  # one scratch window per reading thread, kept with the thread
+
+
+def _scratch_window() -> memoryview:
+    buffer = getattr(_WINDOWS, "buffer", None)
+    if buffer is None or len(buffer) != READ_WINDOW:
+        buffer = _WINDOWS.buffer = memoryview(np.empty(READ_WINDOW, dtype=np.uint8))
+    return buffer
+
+
+def read_windows(
+    fd: int, path: Path, chunk: Chunk, targets: Mapping[int, memoryview]
+) -> Iterator[memoryview]:
+    """Read ``chunk`` a window of ``READ_WINDOW`` bytes at a time, yielding each window's
+    buffers once they are filled (for a checksum that consumes them in order).
+
+    A piece of an entry in ``targets`` (``{entry: the entry's bytes}``) is read into its
+    target; everything else (other entries, padding) into this thread's scratch window,
+    which every window reuses: its bytes are only valid until the next window is read.
+    """
+    scratch = _scratch_window()
+    spans: list[tuple[int, int, memoryview | None]] = []  # (start, length, destination)
+    cursor = 0
+    for piece in chunk.pieces:
+        if piece.dst_start > cursor:
+            spans.append((cursor, piece.dst_start - cursor, None))
+        target = targets.get(piece.entry)
+        if target is not None:
+            target = target[piece.src_start : piece.src_start + piece.nbytes]
+        spans.append((piece.dst_start, piece.nbytes, target))
+        cursor = piece.dst_start + piece.nbytes
+    if cursor < chunk.length:
+        spans.append((cursor, chunk.length - cursor, None))
+    window, at = len(scratch), 0
+    for begin in range(0, chunk.length, window):
+        end = min(begin + window, chunk.length)
+        buffers = []
+        while at < len(spans):
+            start, length, target = spans[at]
+            lo, hi = max(start, begin), min(start + length, end)
+            if lo < hi:
+                if target is None:
+                    buffers.append(scratch[lo - begin : hi - begin])
+                else:
+                    buffers.append(target[lo - start : hi - start])
+            if start + length > end:
+                break  # continues in the next window
+            at += 1
+        preadv_all(fd, buffers, chunk.offset + begin, path)
+        yield from buffers

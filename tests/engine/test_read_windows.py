@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import pcframe.restore.reader as reader
+import pcframe.restore.reading as reading
 from pcframe import Checkpointer
 from pcframe.errors import NoValidCheckpoint
 from pcframe.format.manifest import MANIFEST_NAME, read_manifest
@@ -63,7 +64,7 @@ def _newest(directory: Path) -> Path:
 def test_restore_is_bit_identical_whatever_the_window(
     tmp_path, monkeypatch, window, checksum, into
 ):
-    monkeypatch.setattr(reader, "READ_WINDOW", window)
+    monkeypatch.setattr(reading, "READ_WINDOW", window)
     saved = _save(tmp_path, checksum)
     model = _model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -83,7 +84,7 @@ def test_restore_is_bit_identical_whatever_the_window(
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("checksum", ["crc32c", "pcf64"])
 def test_a_flipped_byte_in_any_window_is_caught(tmp_path, monkeypatch, window, checksum):
-    monkeypatch.setattr(reader, "READ_WINDOW", window)
+    monkeypatch.setattr(reading, "READ_WINDOW", window)
     # The first window, one straddling a window boundary, and the file's last byte.
     for offset in (3, window - 1, window, -1):
         directory = tmp_path / str(offset)
@@ -105,7 +106,7 @@ def test_a_flipped_byte_in_any_window_is_caught(tmp_path, monkeypatch, window, c
 
 
 def test_a_partial_read_gets_exactly_its_tensors(tmp_path, monkeypatch):
-    monkeypatch.setattr(reader, "READ_WINDOW", 1000)
+    monkeypatch.setattr(reading, "READ_WINDOW", 1000)
     saved = _save(tmp_path, "crc32c")
     directory = _newest(tmp_path)
     manifest = read_manifest(str(directory / MANIFEST_NAME))
