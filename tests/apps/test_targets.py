@@ -212,8 +212,10 @@ def test_tuning_on_a_throttled_target_records_it_and_pcframe_run_warns(tmp_path,
     assert result.returncode == 0, result.stderr
     # the limits are measured inside the throttle: its rate, not the disk's
     limits = re.search(r"disk write \(O_DIRECT \+ fsync.*?1 writer ([0-9.]+) GB/s", result.stdout)
-    # (64 MiB O_DIRECT writes pass the cap by up to ~1.6x here; the disk alone does >1.5 GB/s)
-    assert limits and 0.15 < float(limits[1]) < 0.45, result.stdout
+    # A tiny workload's limits write only a block or two, and the throttle lets a short burst
+    # through: 64 MiB O_DIRECT writes passed the 0.21 GB/s cap by up to 2.2x here (0.45 GB/s
+    # in one CI run). The disk alone does 1.2-3.4 GB/s, so 0.8 still tells the two apart.
+    assert limits and 0.15 < float(limits[1]) < 0.8, result.stdout
     tuned = Path(app_env["PCFRAME_CONFIG_DIR"]) / "engine" / "tuned.yaml"
     target = read_tuned_meta(tuned)["target"]
     assert target["kind"] == "throttled" and target["write_bps"] == 209715200
