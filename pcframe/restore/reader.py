@@ -50,12 +50,7 @@ from pcframe.format.manifest import (
 )
 from pcframe.format.names import VERSION_DIR, version_name
 from pcframe.format.tree import DTYPES, decode_tree
-from pcframe.restore.reading import (
-    check_size,
-    preadv_all,
-    read_windows,
-    reading_pool,
-)
+from pcframe.restore.reading import check_size, preadv_all, read_windows, reading_pool
 
 
 def _nothing(*_: object) -> int:
