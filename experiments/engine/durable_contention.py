@@ -11,11 +11,11 @@ order of the cases, seeded) pcframe saves the same state:
   the step runs on an accelerator);
 
 and it times the step alone and measures the disk's synced O_DIRECT write limit (best of 1
-and 4 writers) right after the round. A plain writer (four threads writing the state's bytes
-with O_DIRECT in 16 MiB requests, no checksum, then ``fdatasync``) is timed alone and with
-the same step running beside it: how much of the slowdown is the machine's own (the disk's
-completions and the memory bus shared with Adam) rather than pcframe's. Ratios are paired
-within the round.
+and 4 writers) right after the round. A plain writer (the limits module's: four threads
+writing the state's bytes with O_DIRECT in 16 MiB requests, no checksum, then ``fsync``) is
+timed alone and with the same step running beside it: how much of the slowdown is the
+machine's own (the disk's completions and the memory bus shared with Adam) rather than
+pcframe's. Ratios are paired within the round.
 
     python experiments/engine/durable_contention.py --size-gb 0.47 --rounds 9 \\
         --out experiments/results/durable_contention.md
@@ -24,58 +24,36 @@ within the round.
 from __future__ import annotations
 
 import argparse
-import mmap
-import os
 import random
 import shutil
 import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from bench_engine import spread
 from methods import build_state
 
 CASES = ("step at once", "nothing after")
 BLOCK = 16 << 20
 
 
-def plain_write_seconds(path: Path, nbytes: int, beside: object = None) -> float:
-    """Four threads write ``nbytes`` with O_DIRECT, then fdatasync; ``beside()`` runs meanwhile."""
-    blocks = list(range(0, nbytes - nbytes % BLOCK, BLOCK))
-    buffers = [mmap.mmap(-1, BLOCK) for _ in range(4)]  # page-aligned, as O_DIRECT needs
-    for buffer in buffers:
-        buffer.write(b"\x5a" * BLOCK)  # touched: no first-touch faults inside the timing
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+def plain_write_seconds(path: Path, nbytes: int, beside: Callable[[], object] | None) -> float:
+    """The limits module's writer (4 threads, O_DIRECT, 16 MiB requests, then fsync), with
+    ``beside()`` running on another thread meanwhile."""
+    from pcframe.apps.limits import write_seconds
+
+    side = threading.Thread(target=beside) if beside is not None else None
+    if side:
+        side.start()
     try:
-        os.posix_fallocate(fd, 0, len(blocks) * BLOCK)
-
-        def writer(k: int) -> None:
-            for offset in blocks[k::4]:
-                os.pwrite(fd, buffers[k], offset)
-
-        side = threading.Thread(target=beside) if callable(beside) else None
-        if side:
-            side.start()
-        start = time.perf_counter()
-        threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        os.fdatasync(fd)
-        seconds = time.perf_counter() - start
+        return write_seconds(path, nbytes, 4, BLOCK, direct=True)
+    finally:
         if side:
             side.join()
-        return seconds
-    finally:
-        os.close(fd)
-        path.unlink()
-
-
-def spread(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
-    med = statistics.median(values) * scale
-    return f"{med:.{digits}f} ({min(values) * scale:.{digits}f}..{max(values) * scale:.{digits}f})"
+        path.unlink(missing_ok=True)
 
 
 def main() -> None:
@@ -121,7 +99,7 @@ def main() -> None:
                     optimizer.step()  # the step alone: nothing in flight now
                     steps.append(time.perf_counter() - start)
                 plain = base / "plain.bin"
-                alone = [plain_write_seconds(plain, nbytes) for _ in range(2)]
+                alone = [plain_write_seconds(plain, nbytes, None) for _ in range(2)]
                 stepping = [plain_write_seconds(plain, nbytes, optimizer.step) for _ in range(2)]
                 limits = measure_limits(base, nbytes, repeats=1)
                 row = {case: statistics.median(v) for case, v in durable.items()}
@@ -165,7 +143,7 @@ def write_table(args: argparse.Namespace, nbytes: int, rows: list[dict]) -> None
     for label, key in cases:
         seconds = [row[key] for row in rows]
         ratios = [row["disk"] / row[key] for row in rows]
-        lines.append(f"| {label} | {spread(seconds, digits=3)} | {spread(ratios)} |")
+        lines.append(f"| {label} | {spread(seconds, digits=3)} | {spread(ratios, digits=2)} |")
     steps = [row["step"] for row in rows]
     disk = [row["disk"] for row in rows]
     cost = [row["step at once"] / row["nothing after"] for row in rows]
@@ -176,8 +154,8 @@ def write_table(args: argparse.Namespace, nbytes: int, rows: list[dict]) -> None
         f"{spread(disk, digits=3)} s, so the step takes "
         f"{statistics.median(s / d for s, d in zip(steps, disk, strict=True)):.2f}x the "
         "disk's time, on every core.",
-        f"- Time to durable with the step ÷ without it, paired: pcframe {spread(cost)}; "
-        f"the plain writer {spread(plain_cost)}.",
+        f"- Time to durable with the step ÷ without it, paired: pcframe {spread(cost, digits=2)}; "
+        f"the plain writer {spread(plain_cost, digits=2)}.",
         "",
     ]
     Path(args.out).write_text("\n".join(lines))

@@ -109,7 +109,10 @@ def measure_limits(
         writes = {
             n: _best(
                 nbytes,
-                [[_write(path, nbytes, n, b, direct) for _ in range(repeats)] for b in BLOCKS],
+                [
+                    [write_seconds(path, nbytes, n, b, direct) for _ in range(repeats)]
+                    for b in BLOCKS
+                ],
             )
             for n in (1, 4)
         }
@@ -180,7 +183,7 @@ def _opens_direct(path: Path) -> bool:
     return True
 
 
-def _write(path: Path, nbytes: int, writers: int, size: int, direct: bool) -> float:
+def write_seconds(path: Path, nbytes: int, writers: int, size: int, direct: bool) -> float:
     """Seconds to write ``nbytes`` with ``writers`` threads in ``size`` requests, then fsync."""
     block = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT needs
     block.write(os.urandom(1 << 20) * (size >> 20))

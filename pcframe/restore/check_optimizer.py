@@ -273,9 +273,7 @@ def _scratch_step(
                 scratch_params.append(scratch)
                 scratches.append(scratch)
             scratch_groups.append({**_hyperparameters(live_group, group), "params": scratch_params})
-        with warnings.catch_warnings() if quiet else contextlib.nullcontext():
-            if quiet:
-                warnings.simplefilter("ignore")
+        with warnings.catch_warnings(action="ignore") if quiet else contextlib.nullcontext():
             scratch_optimizer = cls(scratch_groups)
             scratch_optimizer.step(lambda: torch.zeros(()))
     except Exception:  # e.g. sparse gradients needed, or a setup the scratch cannot mirror
