@@ -55,6 +55,12 @@ def pa_one_gamma(trace: Trace, history: list[Trace]) -> P.IntervalPolicy:
     return P.PreemptionAware(pred)
 
 
+def pa_own_zone(trace: Trace, history: list[Trace]) -> P.IntervalPolicy:
+    """Yardstick: the shipped policy whose history also holds the evaluated trace itself
+    (a user who already has this zone's trace: its rate and life shape are in the prior)."""
+    return P.PreemptionAware(P.GammaPoissonRate.from_traces([*history, trace]))
+
+
 def pa_fixed_prior(trace: Trace, history: list[Trace]) -> P.IntervalPolicy:
     """Ablation: the old prior (6 h of history whatever the zones' spread), no life shape."""
     pred = P.GammaPoissonRate.from_traces(history, prior_strength=21600.0, life_prior=None)
@@ -67,7 +73,9 @@ BEFORE = {"async": (0.9882, 0.8435, 15, 2), "sync": (0.9300, 0.5714, 1, 0)}
 # The same harness on the policy before the mixture prior (commit 80679d9: one Gamma
 # prior, the best single cycle at each age).
 PREVIOUS = {"async": (0.9949, 0.9319, 16, 7), "sync": (0.9714, 0.7140, 10, 6)}
-ABLATIONS = ("PA", "PA kept-work", "PA one Gamma", "PA no age", "PA 6 h prior")
+ABLATIONS = ("PA", "PA kept-work", "PA one Gamma", "PA no age", "PA 6 h prior", "PA own zone")
+# What a policy told the answer's statistics in advance gets (not a policy a user can run).
+CLAIRVOYANT = ("Daly@true",)
 
 
 def main() -> None:
@@ -88,6 +96,7 @@ def main() -> None:
             "PA one Gamma": pa_one_gamma,
             "PA no age": pa_no_age,
             "PA 6 h prior": pa_fixed_prior,
+            "PA own zone": pa_own_zone,
         },
     )
     notice = notice_rows(traces, args.regimes)
@@ -111,8 +120,12 @@ def main() -> None:
         "Gamma prior fitted to the zones' spread instead of the mixture of one Gamma per trace: "
         "the previous policy), `PA no age` (`age_hazard=False`: Daly at the learned mean rate), "
         "`PA 6 h prior` (the old fixed prior weight, no life shape; restarts that died unseen are "
-        "still counted). `PA before`: this harness on the code before the learning policy "
-        "(28580c7); `PA previous`: on the policy before the mixture prior (80679d9).",
+        "still counted). Yardsticks no user has: `PA own zone` (the history also holds the "
+        "evaluated trace itself) and `Daly@true` (Daly at the evaluated trace's own MTBF, known in "
+        "advance); what they leave to the hindsight best is where the preemptions happened to "
+        "fall, which no interval chosen before them can know. `PA before`: this harness on "
+        "the code before the learning policy (28580c7); `PA previous`: on the policy before "
+        "the mixture prior (80679d9).",
     )
     for regime in args.regimes:
         part = [r for r in rows if r["regime"] == regime]
@@ -128,6 +141,7 @@ def _relative(r: dict[str, Any]) -> dict[str, float]:
     return {
         **{label: r[label] / h for label in ABLATIONS},
         "Daly@prior": r["daly_prior"] / h,
+        "Daly@true": r["daly_true"] / h,
         "in advance": r["in_advance"] / h,
         "oracle": r["oracle"] / h,
     }
@@ -149,7 +163,7 @@ def _summary(rows: list[dict[str, Any]]) -> str:
                 "traces >= 1.0": f"{above} / {len(rows)}",
             }
         )
-    for label in (*ABLATIONS, "Daly@prior", "in advance", "oracle"):
+    for label in (*ABLATIONS, "Daly@prior", *CLAIRVOYANT, "in advance", "oracle"):
         xs = [_relative(r)[label] for r in rows]
         table.append(
             {
@@ -174,6 +188,7 @@ def _per_trace(rows: list[dict[str, Any]]) -> str:
                 "MTBF h": r["mtbf_h"],
                 **{label: rel[label] for label in ABLATIONS},
                 "Daly@prior": rel["Daly@prior"],
+                "Daly@true": rel["Daly@true"],
                 "in advance": rel["in advance"],
                 "hindsight goodput": r["hindsight"],
                 "hindsight interval s": r["hindsight_s"],

@@ -6,6 +6,8 @@ that excludes the trace's zone (a new zone the user has no trace of), and compar
 * Daly at the MTBF of that history (what a user would configure from the other traces);
 * the fixed interval *chosen in advance*: the one (in seconds of training) with the best
   mean goodput, relative to each trace's hindsight best, over the other zones' traces;
+* Daly at the trace's own MTBF (clairvoyant: what knowing the zone's mean rate in advance
+  gives; what is left between it and the hindsight best is where the preemptions fell);
 * the best fixed interval in hindsight (the simulator's ``best_fixed_interval`` search);
 * the oracle.
 
@@ -140,6 +142,8 @@ def evaluate(
                 "in_advance": advance,
                 "in_advance_s": advance_s,
                 "daly_prior": simulate(trace, P.Daly(mtbf=prior_mtbf), job).goodput,
+                # Clairvoyant yardstick: Daly told this trace's own mean life in advance.
+                "daly_true": simulate(trace, P.Daly(mtbf=trace.mtbf()), job).goodput,
             }
             for label, make in policies.items():
                 result = simulate(trace, make(trace, history), job)
