@@ -105,7 +105,7 @@ def read_manifest(path: str) -> Manifest:
             raise ManifestError(
                 f"{path}: manifest is {size} bytes, over the {MAX_MANIFEST_BYTES} limit"
             )
-        raw = f.read(MAX_MANIFEST_BYTES + 1)
+        raw = f.read(size + 1)  # its own size: a buffer of the limit is 256 MiB up front
     line, sep, body = raw.partition(b"\n")
     if not sep:
         raise CorruptCheckpoint(f"{path}: manifest has no header line (truncated?)")

@@ -50,7 +50,15 @@ from pcframe.format.manifest import (
 )
 from pcframe.format.names import VERSION_DIR, version_name
 from pcframe.format.tree import DTYPES, decode_tree
-from pcframe.restore.reading import check_size, preadv_all, read_windows, reading_pool
+from pcframe.restore.reading import (
+    check_size,
+    fresh_tensor,
+    out_of_memory,
+    preadv_all,
+    read_windows,
+    reading_pool,
+    refused_memory,
+)
 
 
 def _nothing(*_: object) -> int:
@@ -182,9 +190,7 @@ class _VersionReader:
         raw_set = set(raw)
         self._targets = {i: t for i, t in (targets or {}).items() if i in raw_set}
         out = {
-            i: self._targets.get(i)
-            if i in self._targets
-            else torch.empty(entries[i].shape, dtype=DTYPES[entries[i].dtype])
+            i: self._targets[i] if i in self._targets else self._fresh(i, self.data_path)
             for i in raw
         }
         tasks: list[Callable[[], None]] = []
@@ -195,13 +201,7 @@ class _VersionReader:
             previous, base_chain = self._base_values(coded)
             chain = base_chain + chain
             for i in coded:
-                try:  # sizes are validated; a failure here is a refused (too big) allocation
-                    out[i] = torch.empty(entries[i].shape, dtype=DTYPES[entries[i].dtype])
-                except RuntimeError as exc:
-                    raise CorruptCheckpoint(
-                        f"{self.codec_path}: cannot allocate tensor {entries[i].name!r} "
-                        f"{list(entries[i].shape)}: {exc}"
-                    ) from None
+                out[i] = self._fresh(i, self.codec_path)
             tasks += self._segment_tasks(out, coded, previous)
         self._data_fd = open_regular(self.data_path) if raw else -1
         self._codec_fd = open_regular(self.codec_path) if coded else -1
@@ -279,6 +279,11 @@ class _VersionReader:
             os.close(self._data_fd)
             self._data_fd = -1
 
+    def _fresh(self, index: int, path: Path) -> torch.Tensor:
+        entry = self.manifest.entries[index]
+        shape = tuple(entry.shape)
+        return fresh_tensor(shape, DTYPES[entry.dtype], repr(entry.name), path)
+
     def _read_pieces(self, chunk: Chunk, flats: dict[int, torch.Tensor]) -> None:
         """Read only the pieces of ``chunk`` that belong to ``flats`` (no verification)."""
         for piece in chunk.pieces:
@@ -329,7 +334,11 @@ class _VersionReader:
         from pcframe.kernels.codecs import get_codec
 
         entry = self.manifest.entries[index]
-        payload = memoryview(bytearray(segment.length))
+        try:
+            payload = memoryview(bytearray(segment.length))
+        except MemoryError:
+            what = f"segment {k} of {entry.name!r}"
+            raise out_of_memory(what, segment.length, self.codec_path) from None
         preadv_all(self._codec_fd, [payload], segment.offset, self.codec_path)
         where = f"{self.codec_path}: tensor {entry.name!r} segment {k}"
         if self.verify and self.checksum([payload]) != segment.checksum:
@@ -348,9 +357,13 @@ class _VersionReader:
                 previous=base[span] if base is not None else None,
                 out=flat[span],
             )
-        except (OSError, MemoryError):
+        except OSError:
             raise  # the machine, not the bytes
         except Exception as exc:  # any decoder failure on verified bytes: hostile or corrupt
+            if refused_memory(exc):  # ...unless the machine refused the decoder memory
+                what = f"decoding segment {k} of {entry.name!r}"
+                nbytes = segment.count * flat.element_size()
+                raise out_of_memory(what, nbytes, self.codec_path) from None
             raise CorruptCheckpoint(
                 f"{where} ({entry.codec}) does not decode: {type(exc).__name__}: {exc}"
             ) from None

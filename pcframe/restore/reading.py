@@ -8,6 +8,8 @@ every engine thread (:mod:`pcframe.threads`), and a forked child forgets its par
 
 from __future__ import annotations
 
+import errno
+import math
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -15,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from pcframe.errors import CorruptCheckpoint
 from pcframe.format.files import open_regular
@@ -55,6 +58,34 @@ def reading_pool(threads: int) -> ThreadPoolExecutor:
                 threads, thread_name_prefix="pcframe-read", initializer=single_threaded_torch
             )
         return pool
+
+
+def out_of_memory(what: str, nbytes: int | None, path: Path | str) -> OSError:
+    """The error for a buffer the machine refused: ENOMEM, an ``OSError`` like any other
+    transient failure of a restore (retried, then ``RestoreIOError``; never quarantined).
+    Sizes were validated with the manifest, so a refusal says this machine is short of
+    memory now (a cgroup, a ulimit, a busy host), not that the checkpoint is bad."""
+    size = "" if nbytes is None else f" for {nbytes / 2**20:.1f} MiB"
+    return OSError(errno.ENOMEM, f"out of memory{size} ({what})", str(path))
+
+
+# How the allocators that can fail under a restore word a refusal (torch's CPU allocator
+# raises a plain RuntimeError, zstandard a ZstdError): told apart from corrupt bytes.
+_REFUSED = ("can't allocate memory", "cannot allocate memory", "out of memory", "not enough memory")
+
+
+def refused_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation the machine refused (not bad bytes)."""
+    return isinstance(exc, MemoryError) or any(w in str(exc).lower() for w in _REFUSED)
+
+
+def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype, what: str, path: Path) -> torch.Tensor:
+    """``torch.empty(shape, dtype)``; a refused allocation is :func:`out_of_memory`."""
+    try:
+        return torch.empty(shape, dtype=dtype)
+    except (RuntimeError, MemoryError):  # torch's allocator raises RuntimeError
+        nbytes = math.prod(shape) * dtype.itemsize
+        raise out_of_memory(f"tensor {what} {list(shape)}", nbytes, path) from None
 
 
 def check_size(path: Path, expected: int) -> None:

@@ -26,6 +26,7 @@ import torch
 
 from pcframe.errors import CheckpointError, ManifestError, RestoreIOError
 from pcframe.restore.reader import LoadedVersion, load_version
+from pcframe.restore.reading import out_of_memory
 from pcframe.restore.report import RestoreReport
 from pcframe.store.tiers import Source, TierError, Tiers
 
@@ -138,9 +139,14 @@ def _load_with_retries(
 ) -> LoadedVersion:
     def read() -> LoadedVersion:
         files = contextlib.ExitStack()
+        path = None
         try:
             path = files.enter_context(source.fetch())
             loaded = load_version(path, threads, targets=targets)
+        except MemoryError:  # anywhere on the way: the machine, not the checkpoint
+            files.close()
+            where = path if path is not None else f"version {source.version}"
+            raise out_of_memory("reading the version", None, where) from None
         except BaseException:
             files.close()
             raise
