@@ -36,10 +36,11 @@ from typing import Any
 import torch
 from torch.optim.optimizer import Optimizer
 
-from pcframe.errors import CheckpointError
+from pcframe.errors import CheckpointError, RestoreIOError
 from pcframe.objects import TrainingObjects
 from pcframe.restore.check import LoadPlan, StateMismatch, describe_problems, plan_load
 from pcframe.restore.in_place import SECTIONS
+from pcframe.restore.reading import refused_memory
 from pcframe.rng import capture_rng, restore_rng
 
 log = logging.getLogger("pcframe")
@@ -105,6 +106,13 @@ def apply_tree(
             load(undo)
             loaded.add(name)
         except BaseException as exc:
+            if isinstance(exc, Exception) and refused_memory(exc):
+                # The machine, not the checkpoint: never a mismatch, even with strict=False.
+                undo.all()
+                raise RestoreIOError(
+                    f"{where}: out of memory while loading {name} ({_first_line(exc)}); every "
+                    "object was rolled back, nothing was loaded: free memory and restore again"
+                ) from exc
             if strict or not isinstance(exc, Exception):
                 undo.all()
                 if not isinstance(exc, Exception):
@@ -120,6 +128,11 @@ def apply_tree(
     if not_loaded:
         log.warning("%s: not loaded (strict=False): %s", where, "; ".join(not_loaded))
     return not_loaded
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def _loads(objects: TrainingObjects, plan: LoadPlan) -> list[tuple[str, Callable[[Any], None]]]:

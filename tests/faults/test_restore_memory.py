@@ -38,6 +38,7 @@ try:
 except BaseException as exc:
     out = {{"error": type(exc).__name__, "message": str(exc)}}
 out["skipped"] = [v for v, _ in ckpt.last_restore.skipped]
+out["w0"] = float(module.w[0])  # the saved versions hold their step there; the live one 0
 print(json.dumps(out))
 """
 
@@ -86,14 +87,28 @@ def test_refused_allocation_renames_nothing_and_names_the_memory(tmp_path, case,
     assert out["skipped"] == []  # nothing judged corrupt
     assert versions(tmp_path) == before  # nothing renamed, nothing deleted
     # The same versions were good all along: with memory, the newest loads.
+    assert out["w0"] == 0.0  # the live objects are as they were
     assert restore_in_child(tmp_path, BIG, strided=strided, headroom=None) == {
         "step": 2,
         "skipped": [],
+        "w0": 2.0,
     }
+
+
+def test_refused_undo_copy_rolls_back_and_is_not_a_mismatch(tmp_path):
+    """The read fits, the rollback copy of a live tensor loaded out of place does not: the
+    restore is rolled back and says memory, not that the version does not fit."""
+    save_versions(tmp_path, BIG, {})
+    out = restore_in_child(tmp_path, BIG, strided=True, headroom=800)
+    assert out.get("error") == "RestoreIOError", out
+    assert "out of memory while loading model" in out["message"], out
+    assert "does not fit" not in out["message"] and "\n" not in out["message"]
+    assert out["w0"] == 0.0 and out["skipped"] == []
+    assert versions(tmp_path) == ["v00000001", "v00000002"]
 
 
 def test_a_small_manifest_needs_no_large_buffer(tmp_path):
     """Reading a manifest takes a buffer of its own size, not of the 256 MiB limit."""
     save_versions(tmp_path, 1024, {})
     out = restore_in_child(tmp_path, 1024, strided=False, headroom=200)
-    assert out == {"step": 2, "skipped": []}
+    assert out == {"step": 2, "skipped": [], "w0": 2.0}
