@@ -110,8 +110,9 @@ def apply_tree(
                 # The machine, not the checkpoint: never a mismatch, even with strict=False.
                 undo.all()
                 raise RestoreIOError(
-                    f"{where}: out of memory while loading {name} ({_first_line(exc)}); every "
-                    "object was rolled back, nothing was loaded: free memory and restore again"
+                    f"{where}: out of memory while loading {name} ({type(exc).__name__}: "
+                    f"{exc}); every object was rolled back, nothing was loaded: free memory "
+                    "and restore again"
                 ) from exc
             if strict or not isinstance(exc, Exception):
                 undo.all()
@@ -128,11 +129,6 @@ def apply_tree(
     if not_loaded:
         log.warning("%s: not loaded (strict=False): %s", where, "; ".join(not_loaded))
     return not_loaded
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def _loads(objects: TrainingObjects, plan: LoadPlan) -> list[tuple[str, Callable[[Any], None]]]:

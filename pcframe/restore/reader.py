@@ -7,11 +7,9 @@ are read, and each of them is verified.
 
 Raw chunks are read with ``preadv`` straight into freshly allocated tensors (no staging
 copy) and checksummed in the same worker thread, a window of ``READ_WINDOW`` bytes at a
-time: each window is hashed right after it is read, while its bytes are still in the CPU's
-cache. Bytes only the checksum needs (unwanted tensors sharing a chunk, since a chunk is the
-unit of the stored checksum; padding) go to one scratch window per thread. Measured on the
-2-core VM, 0.56 GiB cold: a restore took 0.61-0.71 s reading and hashing whole 16 MiB
-chunks, 0.43-0.47 s with 64-512 KiB windows. Tensors given as ``targets`` (live tensors of
+time (:func:`~pcframe.restore.reading.read_windows`): each window is hashed right after it
+is read, while its bytes are still in the CPU's cache. Bytes only the checksum needs go to
+one scratch window per thread. Tensors given as ``targets`` (live tensors of
 the same dtype and shape: :mod:`pcframe.restore.in_place`) are not written while the
 version is verified: their bytes go through the scratch window and are checksummed, and
 :attr:`LoadedVersion.fill` reads them a second time, from the page cache, into the targets
@@ -190,7 +188,7 @@ class _VersionReader:
         raw_set = set(raw)
         self._targets = {i: t for i, t in (targets or {}).items() if i in raw_set}
         out = {
-            i: self._targets[i] if i in self._targets else self._fresh(i, self.data_path)
+            i: self._targets[i] if i in self._targets else fresh_tensor(entries[i], self.data_path)
             for i in raw
         }
         tasks: list[Callable[[], None]] = []
@@ -201,7 +199,7 @@ class _VersionReader:
             previous, base_chain = self._base_values(coded)
             chain = base_chain + chain
             for i in coded:
-                out[i] = self._fresh(i, self.codec_path)
+                out[i] = fresh_tensor(entries[i], self.codec_path)
             tasks += self._segment_tasks(out, coded, previous)
         self._data_fd = open_regular(self.data_path) if raw else -1
         self._codec_fd = open_regular(self.codec_path) if coded else -1
@@ -278,11 +276,6 @@ class _VersionReader:
         if self._data_fd >= 0:
             os.close(self._data_fd)
             self._data_fd = -1
-
-    def _fresh(self, index: int, path: Path) -> torch.Tensor:
-        entry = self.manifest.entries[index]
-        shape = tuple(entry.shape)
-        return fresh_tensor(shape, DTYPES[entry.dtype], repr(entry.name), path)
 
     def _read_pieces(self, chunk: Chunk, flats: dict[int, torch.Tensor]) -> None:
         """Read only the pieces of ``chunk`` that belong to ``flats`` (no verification)."""

@@ -9,7 +9,6 @@ every engine thread (:mod:`pcframe.threads`), and a forked child forgets its par
 from __future__ import annotations
 
 import errno
-import math
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -21,7 +20,8 @@ import torch
 
 from pcframe.errors import CorruptCheckpoint
 from pcframe.format.files import open_regular
-from pcframe.format.layout import Chunk
+from pcframe.format.layout import Chunk, Entry
+from pcframe.format.tree import DTYPES
 from pcframe.threads import single_threaded_torch
 
 _IOV_MAX = 1024
@@ -79,13 +79,15 @@ def refused_memory(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or any(w in str(exc).lower() for w in _REFUSED)
 
 
-def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype, what: str, path: Path) -> torch.Tensor:
-    """``torch.empty(shape, dtype)``; a refused allocation is :func:`out_of_memory`."""
+def fresh_tensor(entry: Entry, path: Path) -> torch.Tensor:
+    """A new tensor for ``entry``; an allocation the machine refuses is :func:`out_of_memory`."""
     try:
-        return torch.empty(shape, dtype=dtype)
-    except (RuntimeError, MemoryError):  # torch's allocator raises RuntimeError
-        nbytes = math.prod(shape) * dtype.itemsize
-        raise out_of_memory(f"tensor {what} {list(shape)}", nbytes, path) from None
+        return torch.empty(entry.shape, dtype=DTYPES[entry.dtype])
+    except (RuntimeError, MemoryError) as exc:  # torch's allocator raises RuntimeError
+        if not refused_memory(exc):
+            raise
+        what = f"tensor {entry.name!r} {list(entry.shape)}"
+        raise out_of_memory(what, entry.nbytes, path) from None
 
 
 def check_size(path: Path, expected: int) -> None:
