@@ -18,7 +18,8 @@ and the segments of all tensors tile ``codec.bin`` exactly. A delta version also
 same tensors of committed version ``b``, whose own depth is ``d - 1`` (a full version has
 no ``delta`` and depth 0). A reader of version 1 rejects version 2 by the header.
 
-This module reads and validates; the records and their writing are in
+This module reads and validates (a coded tensor's segments in
+:mod:`pcframe.format.segments`); the records and their writing are in
 :mod:`pcframe.format.records` (all importable from here).
 """
 
@@ -48,6 +49,7 @@ from pcframe.format.records import (
     Manifest,
     SegmentRecord,
 )
+from pcframe.format.segments import CodedSegments
 from pcframe.format.tree import check_tree
 from pcframe.kernels.dtypes import DTYPES
 
@@ -205,7 +207,7 @@ def parse_body(body: Any, path: str = "<manifest>", format_version: int = 1) -> 
         raise fail("'tensors' must be a list")
     if len(raw_tensors) > MAX_TENSORS:
         raise fail(f"{len(raw_tensors)} tensors is over the limit of {MAX_TENSORS}")
-    coded = _CodedParser(fail, integer, chunk_bytes, codec_size, format_version)
+    coded = CodedSegments(fail, integer, chunk_bytes, codec_size, format_version)
     entries = [_parse_entry(t, i, data_size, fail, coded) for i, t in enumerate(raw_tensors)]
     _check_unique_names(entries, fail)
     _check_no_overlap([e for e in entries if e.raw], fail)
@@ -244,7 +246,7 @@ def parse_body(body: Any, path: str = "<manifest>", format_version: int = 1) -> 
     )
 
 
-def _parse_entry(raw: Any, i: int, data_size: int, fail: Any, coded: _CodedParser) -> Entry:
+def _parse_entry(raw: Any, i: int, data_size: int, fail: Any, coded: CodedSegments) -> Entry:
     if not isinstance(raw, dict):
         raise fail(f"tensor {i} must be an object")
     name = raw.get("name")
@@ -286,79 +288,6 @@ def _parse_entry(raw: Any, i: int, data_size: int, fail: Any, coded: _CodedParse
     if offset + nbytes > data_size:
         raise fail(f"tensor {name!r} ends at byte {offset + nbytes}, past the data ({data_size})")
     return Entry(name, dtype, tuple(shape), offset, nbytes)
-
-
-class _CodedParser:
-    """Validates coded tensors' segments: each tensor covered in order, codec.bin tiled."""
-
-    def __init__(
-        self, fail: Any, integer: Any, chunk_bytes: int, codec_size: int, format_version: int
-    ) -> None:
-        self.fail, self.integer = fail, integer
-        self.chunk_bytes, self.codec_size = chunk_bytes, codec_size
-        self.format_version = format_version
-        self.segments: dict[int, list[SegmentRecord]] = {}
-        self.needs_base = False
-
-    def check_codec(self, name: str, codec: Any) -> None:
-        from pcframe.kernels.codecs import available_codecs, get_codec
-
-        if self.format_version < 2:
-            raise self.fail(
-                f"tensor {name!r} uses codec {codec!r}, unknown to format version 1 (raw only)"
-            )
-        if codec not in available_codecs():
-            raise self.fail(
-                f"tensor {name!r} uses unknown codec {codec!r}; this pcframe knows "
-                f"{', '.join(available_codecs())} (a newer pcframe or a plugin may add more)"
-            )
-        self.needs_base = self.needs_base or get_codec(codec).needs_previous
-
-    def parse(self, index: int, name: str, codec: str, numel: int, dtype: str, raw: Any) -> None:
-        from pcframe.kernels.codecs import get_codec
-
-        fail, integer = self.fail, self.integer
-        itemsize, decoder = DTYPES[dtype].itemsize, get_codec(codec)
-        if not isinstance(raw, list) or (numel and not raw) or len(raw) > numel:
-            raise fail(f"tensor {name!r}: 'segments' must be a list of 1..{numel} segments")
-        records, cursor = [], 0
-        for k, item in enumerate(raw):
-            where = f"tensor {name!r} segment {k}"
-            if not isinstance(item, list) or len(item) != 6 or not isinstance(item[2], str):
-                raise fail(f"{where} must be [offset, length, checksum, start, count, meta]")
-            offset = integer(item[0], f"{where} offset", 0, self.codec_size)
-            length = integer(item[1], f"{where} length", 1, self.codec_size)
-            if offset + length > self.codec_size:
-                raise fail(f"{where} ends past the {self.codec_size} bytes of {CODEC_NAME}")
-            start = integer(item[3], f"{where} start", 0, numel)
-            # One segment never holds more than one staging chunk of raw bytes: this bounds
-            # what a hostile manifest can make a decoder allocate per segment.
-            count = integer(item[4], f"{where} count", 1, max(1, self.chunk_bytes // itemsize))
-            if start != cursor:
-                raise fail(f"{where} starts at element {start}, expected {cursor}")
-            if not isinstance(item[5], dict):
-                raise fail(f"{where} meta must be an object")
-            try:  # the codec's own schema: sizes, ranges, flags, agreeing with the tensor
-                decoder.check_meta(item[5], DTYPES[dtype], (count,), length)
-            except ValueError as exc:
-                raise fail(f"{where} meta: {exc}") from None
-            cursor += count
-            records.append(SegmentRecord(offset, length, item[2], start, count, item[5]))
-        if cursor != numel:
-            raise fail(f"tensor {name!r}: segments cover {cursor} of {numel} elements")
-        self.segments[index] = records
-
-    def check_tiling(self) -> None:
-        """Payloads must tile codec.bin exactly: no overlap, no unverified bytes."""
-        spans = sorted((s.offset, s.length) for r in self.segments.values() for s in r)
-        cursor = 0
-        for offset, length in spans:
-            if offset != cursor:
-                what = "overlaps another" if offset < cursor else f"leaves a gap at byte {cursor}"
-                raise self.fail(f"a segment at byte {offset} of {CODEC_NAME} {what}")
-            cursor += length
-        if cursor != self.codec_size:
-            raise self.fail(f"segments cover {cursor} bytes of {CODEC_NAME}, not {self.codec_size}")
 
 
 def _parse_delta(raw: Any, version: int, integer: Any, fail: Any) -> DeltaLink | None:
