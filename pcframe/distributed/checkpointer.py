@@ -28,19 +28,11 @@ from pcframe.config import EngineConfig
 from pcframe.distributed import record as rec
 from pcframe.distributed.capture import ModelView, OptimizerView, Stash, StateSplitter
 from pcframe.distributed.handle import DistributedSaveHandle
-from pcframe.distributed.index import SavedIndex
 from pcframe.distributed.protocol import CommitProtocol, Round
-from pcframe.distributed.restore import ReshardError, prepare
-from pcframe.errors import (
-    CheckpointError,
-    ManifestError,
-    NoValidCheckpoint,
-    RestoreIOError,
-    SaveError,
-)
+from pcframe.distributed.verdict import try_global_version
+from pcframe.errors import CheckpointError, NoValidCheckpoint, RestoreIOError, SaveError
 from pcframe.objects import TrainingObjects
 from pcframe.restore.report import DistributedRestoreReport
-from pcframe.restore.sources import READ_ATTEMPTS, read_with_retries
 from pcframe.save.handle import SaveHandle
 from pcframe.save.status import SaveStatus
 from pcframe.store.retention import KeepWhere
@@ -333,42 +325,25 @@ class DistributedCheckpointer:
             self.local.policy,
         )
         for record in records:
-            error: BaseException | None = None
-            status: tuple[str, str, str] = ("ok", "", "")
             try:
-                index = SavedIndex(self.root, record)
-                prepared = read_with_retries(
-                    lambda index=index: prepare(
-                        index, objects, self.rank, self.world_size, reshard, threads
-                    )
+                outcome = try_global_version(
+                    self.root,
+                    record,
+                    objects,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    reshard=reshard,
+                    threads=threads,
+                    group=self._control,
                 )
-            except ManifestError as exc:
-                status = ("corrupt", str(exc), type(exc).__name__)
-            except OSError as exc:  # storage, not corruption: retried already; never go back
-                status = ("io", str(exc), type(exc).__name__)
-            except Exception as exc:  # every rank must still reach the collective below
-                error, status = exc, ("incompatible", str(exc), type(exc).__name__)
-            statuses: list[Any] = [None] * self.world_size
-            dist.all_gather_object(statuses, status, group=self._control)
-            for rank, (kind, message, name) in enumerate(statuses):
-                if kind == "incompatible":
-                    if error is not None:
-                        raise error
-                    cls = ReshardError if name == "ReshardError" else CheckpointError
-                    raise cls(f"rank {rank}: {message}")
-            unreadable = [f"rank {r}: {s[1]}" for r, s in enumerate(statuses) if s[0] == "io"]
-            if unreadable:
+            except RestoreIOError:
                 self.last_restore = report
-                raise RestoreIOError(
-                    f"cannot read global version {record.version}: {'; '.join(unreadable)} "
-                    f"(after {READ_ATTEMPTS} attempts); nothing was renamed or deleted: fix "
-                    "the storage and restore again"
-                )
-            bad = [f"rank {r}: {s[1]}" for r, s in enumerate(statuses) if s[0] == "corrupt"]
-            if bad:
-                report.skipped.append((record.version, "; ".join(bad)))
-                log.warning("skipping global version %d: %s", record.version, bad)
+                raise
+            if isinstance(outcome, str):
+                report.skipped.append((record.version, outcome))
+                log.warning("skipping global version %d: %s", record.version, outcome)
                 continue
+            prepared, index = outcome
             prepared.apply(objects)
             # Which writer of this rank's directory made its shard (none after a resize).
             shard = index.manifests.get(self.rank)

@@ -1,0 +1,87 @@
+"""Whether one global version can be restored: every rank reads its part, all agree.
+
+Each rank reads and verifies what it needs of the version (:func:`prepare`), then the ranks
+exchange one :class:`Verdict` each, so every rank takes the same branch: all ``OK`` loads it,
+any ``CORRUPT`` skips it on every rank (the restore tries the previous global version), any
+``UNREADABLE`` stops the restore without going back (storage, not corruption: an older
+version would silently lose work), and any ``INCOMPATIBLE`` (the state does not fit the
+objects, or cannot be resharded) is raised on every rank. The exchange happens even when
+this rank failed, so no rank waits in a collective the others left.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from pcframe.distributed import record as rec
+from pcframe.distributed.index import SavedIndex
+from pcframe.distributed.restore import Prepared, ReshardError, prepare
+from pcframe.errors import CheckpointError, ManifestError, RestoreIOError
+from pcframe.objects import TrainingObjects
+from pcframe.restore.sources import READ_ATTEMPTS, read_with_retries
+
+
+class Verdict(Enum):
+    OK = "ok"
+    CORRUPT = "corrupt"  # a checksum, a manifest or the record itself is wrong: skip it
+    UNREADABLE = "unreadable"  # an I/O error that outlasted the retries
+    INCOMPATIBLE = "incompatible"  # the saved state does not fit this job's objects
+
+
+def try_global_version(
+    root: Path,
+    record: rec.GlobalRecord,
+    objects: TrainingObjects,
+    *,
+    rank: int,
+    world_size: int,
+    reshard: bool,
+    threads: int,
+    group: Any,
+) -> tuple[Prepared, SavedIndex] | str:
+    """Read and verify ``record`` on every rank (collective).
+
+    Returns:
+        ``(prepared, index)`` when every rank verified its part (nothing is loaded yet), or
+        the reason to skip the version when it is corrupt on some rank.
+
+    Raises:
+        RestoreIOError: some rank could not read its part; nothing was renamed or deleted.
+        ReshardError, CheckpointError: the state cannot be laid out for these objects.
+    """
+    error: BaseException | None = None
+    mine: tuple[Verdict, str, str] = (Verdict.OK, "", "")
+    try:
+        index = SavedIndex(root, record)
+        prepared = read_with_retries(
+            lambda: prepare(index, objects, rank, world_size, reshard, threads)
+        )
+    except ManifestError as exc:
+        mine = (Verdict.CORRUPT, str(exc), type(exc).__name__)
+    except OSError as exc:  # retried already
+        mine = (Verdict.UNREADABLE, str(exc), type(exc).__name__)
+    except Exception as exc:  # every rank must still reach the collective below
+        error, mine = exc, (Verdict.INCOMPATIBLE, str(exc), type(exc).__name__)
+    verdicts: list[Any] = [None] * world_size
+    dist.all_gather_object(verdicts, mine, group=group)
+    for other, (verdict, message, name) in enumerate(verdicts):
+        if verdict is Verdict.INCOMPATIBLE:
+            if error is not None:
+                raise error
+            cls = ReshardError if name == "ReshardError" else CheckpointError
+            raise cls(f"rank {other}: {message}")
+    unreadable = [f"rank {r}: {v[1]}" for r, v in enumerate(verdicts) if v[0] is Verdict.UNREADABLE]
+    if unreadable:
+        raise RestoreIOError(
+            f"cannot read global version {record.version}: {'; '.join(unreadable)} "
+            f"(after {READ_ATTEMPTS} attempts); nothing was renamed or deleted: fix "
+            "the storage and restore again"
+        )
+    corrupt = [f"rank {r}: {v[1]}" for r, v in enumerate(verdicts) if v[0] is Verdict.CORRUPT]
+    if corrupt:
+        return "; ".join(corrupt)
+    return prepared, index
