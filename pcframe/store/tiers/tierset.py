@@ -16,13 +16,11 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pcframe.format.names import version_name
 from pcframe.policies.base import Notice
 from pcframe.policies.placement import (
     PlacementContext,
@@ -35,19 +33,10 @@ from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.tiers.base import Tier, TierError
 from pcframe.store.tiers.local import LocalTier
 from pcframe.store.tiers.replicator import Job, Replicator, TierStatus
+from pcframe.store.tiers.sources import Source, restore_sources
 from pcframe.store.tiers.specs import TierSpec, make_tier
 
 log = logging.getLogger("pcframe.store.tiers")
-
-
-@dataclass(frozen=True)
-class Source:
-    """One place a restore can read ``version`` from."""
-
-    version: int
-    tier: str
-    fetch: Callable[[], AbstractContextManager[Path]]
-    quarantine: Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -303,46 +292,9 @@ class Tiers:
 
     def sources(self, version: int | None = None) -> tuple[list[Source], list[str]]:
         """Where a restore may read from, newest version first; plus tiers that could not be
-        listed (each as 'name: reason')."""
+        listed (each as 'name: reason'). See :func:`restore_sources`."""
         assert self.primary is not None
-        primary = self.primary
-        by_version: dict[int, list[Source]] = {}
-
-        def add(v: int, source: Source) -> None:
-            by_version.setdefault(v, []).append(source)
-
-        for v in primary.committed_versions():
-            add(
-                v,
-                Source(
-                    v,
-                    self.primary_name,
-                    lambda v=v: contextlib.nullcontext(primary.path(v)),
-                    lambda v=v: primary.quarantine(v),
-                ),
-            )
-        unavailable = []
-        for name, tier in self._ordered():
-            try:
-                listed = tier.committed_versions()
-            except TierError as exc:
-                unavailable.append(f"{name}: {exc}")
-                continue
-            for v in listed:
-                scratch = primary.root / f".fetch-{version_name(v)}-{name}.tmp"
-                add(
-                    v,
-                    Source(
-                        v,
-                        name,
-                        lambda t=tier, v=v, s=scratch: t.fetch(v, s),
-                        lambda t=tier, v=v: t.quarantine(v),
-                    ),
-                )
-        chosen = sorted(by_version, reverse=True)
-        if version is not None:
-            chosen = [v for v in chosen if v == version]
-        return [s for v in chosen for s in by_version[v]], unavailable
+        return restore_sources(self.primary, self.primary_name, self._ordered(), version)
 
     def committed(self) -> dict[str, tuple[int, ...]]:
         """Versions per tier as last known (replicas: cached, no listing call)."""
