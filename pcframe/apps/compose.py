@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig, OmegaConf
 
-from pcframe.apps.schemas import register
+from pcframe.apps.schemas import register_app_schemas
 from pcframe.apps.targets import check_targets
 from pcframe.config import EngineConfig
 from pcframe.errors import ConfigError
@@ -47,7 +47,7 @@ def compose_config(
     outside a running app: override ``storage.directory`` when the result is used.
     With ``check``, every ``_target_`` node is checked against its callable's signature.
     """
-    register()
+    register_app_schemas()
     _register_app(config_name)
     with _quiet(), initialize_config_module(CONFIG_MODULE, version_base="1.3"):
         cfg = compose(config_name, overrides=list(overrides))

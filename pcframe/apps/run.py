@@ -35,7 +35,7 @@ from pcframe.apps.policy_text import describe_policy, no_commit_reason, policy_f
 from pcframe.apps.preemption import ChildSpec, Supervisor, compare_finals
 from pcframe.apps.preemption.plan import Measured, check_plan, plan
 from pcframe.apps.progress import StepProgress
-from pcframe.apps.schemas import register
+from pcframe.apps.schemas import register_app_schemas
 from pcframe.apps.summary import Summary, overhead_text, print_summary, write_summary
 from pcframe.apps.targets import check_targets
 from pcframe.apps.training import train
@@ -43,7 +43,7 @@ from pcframe.apps.tuning.report import tuned_config_warnings
 from pcframe.apps.workloads import build
 from pcframe.policies.fixed import FixedSteps
 
-register()
+register_app_schemas()
 
 WARMUP_STEPS = 30
 

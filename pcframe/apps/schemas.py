@@ -184,7 +184,7 @@ def workload_schemas() -> dict[str, type]:
     return schemas
 
 
-def register() -> None:
+def register_app_schemas() -> None:
     """Store every schema in Hydra's ConfigStore (idempotent), the help resolver, and a
     config option for every registered policy without a YAML (entry-point plugins)."""
     from pcframe.apps.errors import register_resolvers

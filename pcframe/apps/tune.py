@@ -20,7 +20,7 @@ from pcframe.apps.errors import reported, run_app
 from pcframe.apps.limits import measure_limits
 from pcframe.apps.machine import resolve_threads
 from pcframe.apps.paths import user_config_dir
-from pcframe.apps.schemas import register
+from pcframe.apps.schemas import register_app_schemas
 from pcframe.apps.targets import check_targets
 from pcframe.apps.tuning import (
     Tuner,
@@ -34,7 +34,7 @@ from pcframe.apps.tuning import (
 from pcframe.apps.tuning.targets import ActiveTarget, TargetSpec, open_target
 from pcframe.errors import ConfigError
 
-register()
+register_app_schemas()
 
 
 def finish(

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from pcframe.distributed.partition import assign_owners
-from pcframe.distributed.placement import Placed, describe, is_dtensor
+from pcframe.distributed.placement import Placed, is_dtensor, placement_of
 from pcframe.errors import CheckpointError
 
 # agree(digest, sharded_bytes) -> [(digest, sharded_bytes) of every rank], a collective.
@@ -67,13 +67,13 @@ class StateSplitter:
         if model_state is not None:
             for key, value in model_state.items():
                 if isinstance(value, torch.Tensor):
-                    items.append(Item(f"model/{key}", describe(f"model/{key}", value)))
+                    items.append(Item(f"model/{key}", placement_of(f"model/{key}", value)))
         if optim_state is not None:
             for index, state in optim_state["state"].items():
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor):
                         name = f"optimizer/{index}/{key}"
-                        items.append(Item(name, describe(name, value)))
+                        items.append(Item(name, placement_of(name, value)))
         self._plan(items)
         placed = {item.name: item.placed for item in items}
         self.written_bytes = sum(_nbytes(p.local) for n, p in placed.items() if self._writes(n, p))

@@ -95,7 +95,7 @@ def is_dtensor(value: Any) -> bool:
     return cls is not None and isinstance(value, cls)
 
 
-def describe(name: str, value: torch.Tensor) -> Placed:
+def placement_of(name: str, value: torch.Tensor) -> Placed:
     """How ``value`` (a plain tensor or a DTensor) is laid out across ranks.
 
     Raises:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from pcframe.distributed.index import SavedIndex, SavedItem, ShardSource
-from pcframe.distributed.placement import Box, Placed, describe, is_dtensor, rebuild
+from pcframe.distributed.placement import Box, Placed, is_dtensor, placement_of, rebuild
 from pcframe.errors import CheckpointError, ManifestError
 from pcframe.format.manifest import MANIFEST_NAME, Manifest
 from pcframe.format.tree import DTYPES, decode_tree
@@ -105,7 +105,7 @@ def prepare(
         for key, value in current_model.items():
             name = f"model/{key}"
             if isinstance(value, torch.Tensor):
-                placed = describe(name, value)
+                placed = placement_of(name, value)
                 targets[name] = (placed, placed.target_box)
     optimizer_plan = _optimizer_targets(index, objects.optimizer, targets, version)
 
@@ -213,11 +213,11 @@ def _optimizer_targets(
             continue  # a non-tensor state value
         current = optimizer.state.get(param, {}).get(key)
         if isinstance(current, torch.Tensor):
-            placed = describe(name, current)
+            placed = placement_of(name, current)
         elif is_dtensor(param) and tuple(param.shape) == item.global_shape:
             # No state yet (fresh optimizer): state tensors shaped like the parameter follow
             # its layout, as every torch optimizer creates them.
-            like = describe(name, param)
+            like = placement_of(name, param)
             placed = Placed(
                 like.local, like.global_shape, like.box, like.writer, like.mesh, like.placements
             )

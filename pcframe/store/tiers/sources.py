@@ -1,6 +1,6 @@
 """Where a restore can read each version: the primary directory, then every replica tier.
 
-:func:`restore_sources` lists them newest version first and, within a version, primary
+:func:`tier_sources` lists them newest version first and, within a version, primary
 before local replicas before remote ones (the order of the tiers given), so the restore
 falls back tier by tier and then version by version. A replica's copy is fetched into a
 scratch directory beside the primary (``.fetch-vN-<tier>.tmp``) and verified like the
@@ -30,7 +30,7 @@ class Source:
     quarantine: Callable[[], None]
 
 
-def restore_sources(
+def tier_sources(
     primary: WritableCheckpointDir,
     primary_name: str,
     replicas: Sequence[tuple[str, Tier]],

@@ -33,7 +33,7 @@ from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.tiers.base import Tier, TierError
 from pcframe.store.tiers.local import LocalTier
 from pcframe.store.tiers.replicator import Job, Replicator, TierStatus
-from pcframe.store.tiers.sources import Source, restore_sources
+from pcframe.store.tiers.sources import Source, tier_sources
 from pcframe.store.tiers.specs import TierSpec, make_tier
 
 log = logging.getLogger("pcframe.store.tiers")
@@ -292,9 +292,9 @@ class Tiers:
 
     def sources(self, version: int | None = None) -> tuple[list[Source], list[str]]:
         """Where a restore may read from, newest version first; plus tiers that could not be
-        listed (each as 'name: reason'). See :func:`restore_sources`."""
+        listed (each as 'name: reason'). See :func:`tier_sources`."""
         assert self.primary is not None
-        return restore_sources(self.primary, self.primary_name, self._ordered(), version)
+        return tier_sources(self.primary, self.primary_name, self._ordered(), version)
 
     def committed(self) -> dict[str, tuple[int, ...]]:
         """Versions per tier as last known (replicas: cached, no listing call)."""
