@@ -157,6 +157,8 @@ def apply(body: Any, change: tuple) -> Any:
         target = parent[key]
     except (KeyError, IndexError, TypeError):  # an earlier mutation moved it
         return body
+    if not isinstance(parent, dict | list):  # ...or put a string where the container was
+        return body  # ('abc'[0] indexes, but cannot be assigned or deleted)
     if kind == "set":
         parent[key] = change[2]
     elif kind == "delete":
@@ -177,6 +179,23 @@ def apply(body: Any, change: tuple) -> Any:
     elif kind == "truncate" and isinstance(target, list):
         del target[len(target) // 2 :]
     return body
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [  # a list replaced by a string (or holding one), then a path into it: skipped, no crash
+        [("set", ("files", "data.bin", "chunks"), "garbage:::"),
+         ("set", ("files", "data.bin", "chunks", 0), None)],
+        [("set", ("files", "data.bin", "chunks"), ["garbage:::"]),
+         ("delete", ("files", "data.bin", "chunks", 0, 0))],
+    ],
+)  # fmt: skip
+def test_apply_skips_a_path_into_a_string(checkpoints, changes):
+    """The harness itself: these drew once in ~12,000 examples and crashed ``apply``."""
+    body = copy.deepcopy(read_body(checkpoints["format 1"] / "v00000002"))
+    for change in changes:
+        body = apply(body, change)
+    assert isinstance(body["files"]["data.bin"]["chunks"], str | list)
 
 
 # --- the property ----------------------------------------------------------------------------
