@@ -12,6 +12,7 @@ version that verifies on every rank, with the same or a different world size.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -28,9 +29,10 @@ from pcframe.config import EngineConfig
 from pcframe.distributed import record as rec
 from pcframe.distributed.capture import ModelView, OptimizerView, Stash, StateSplitter
 from pcframe.distributed.handle import DistributedSaveHandle
+from pcframe.distributed.opening import open_shards
 from pcframe.distributed.protocol import CommitProtocol, Round
-from pcframe.distributed.verdict import try_global_version
-from pcframe.errors import CheckpointError, NoValidCheckpoint, RestoreIOError, SaveError
+from pcframe.distributed.verdict import newest_that_verifies
+from pcframe.errors import CheckpointError, NoValidCheckpoint, SaveError
 from pcframe.objects import TrainingObjects
 from pcframe.restore.report import DistributedRestoreReport
 from pcframe.save.handle import SaveHandle
@@ -40,6 +42,7 @@ from pcframe.store.starts import UNKNOWN_WRITER
 
 log = logging.getLogger("pcframe")
 
+LEAVE_SECONDS = 5.0  # closing after an exception: for the round thread to leave a collective
 _KEEP_ROUNDS = 1024  # recent versions whose timings stay inspectable in `rounds`
 
 
@@ -111,13 +114,13 @@ class DistributedCheckpointer:
         self._stash = Stash()
         model_view = ModelView(model, self._stash) if model is not None else None
         optim_view = OptimizerView(optimizer, self._stash) if optimizer is not None else None
-        local, error, mine = None, "", None
-        retained, newest_record = [], 0
-        try:
-            local = Checkpointer(
+        opened = open_shards(
+            self.root,
+            functools.partial(
+                Checkpointer,
                 self.root / rec.rank_dirname(self.rank),
-                model=model_view,  # type: ignore[arg-type]
-                optimizer=optim_view,  # type: ignore[arg-type]
+                model=model_view,
+                optimizer=optim_view,
                 scheduler=scheduler,
                 scaler=scaler,
                 stateful=self.stateful,
@@ -126,40 +129,17 @@ class DistributedCheckpointer:
                 notices=notices,
                 config=config,
                 **overrides,
-            )
-            if self.rank == 0:
-                rec.remove_partial_records(self.root)
-                records, _ = rec.valid_records(self.root)
-                retained = sorted(r.version for r in records)
-                newest_record = max(rec.record_versions(self.root), default=0)
-        except (CheckpointError, OSError, TypeError, ValueError) as exc:
-            mine, error = exc, f"{type(exc).__name__}: {exc}"
-        # Versions continue above everything any rank or record has used, so a number is never
-        # reused for different contents (a crashed run may have left local-only versions).
-        # Failures are agreed on too: a rank that cannot open its directory must not leave the
-        # others waiting in the first collective of a save.
-        top = max(local.storage.next_version(), newest_record + 1) if local else 0
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (top, retained, error), group=self._control)
-        failed = [(r, e) for r, (_, _, e) in enumerate(gathered) if e]
-        if failed:
-            if local is not None:
-                local.close()
-            dist.destroy_process_group(self._report)
-            dist.destroy_process_group(self._control)
-            if mine is not None:
-                raise mine
-            rank, message = failed[0]
-            raise CheckpointError(f"rank {rank} could not open its checkpoint shard: {message}")
-        assert local is not None
-        self.local = local
-        self._next = max(t for t, _, _ in gathered)
+            ),
+            self._control,
+            self._report,
+        )
+        self.local, self._next = opened.local, opened.next_version
         self.protocol = CommitProtocol(
             self.root,
             self.rank,
             self.world_size,
             self._report,
-            gathered[0][1],
+            opened.retained,
             self._next - 1,
             keep_global,
         )
@@ -298,7 +278,8 @@ class DistributedCheckpointer:
         """Load the newest global version that verifies on every rank; return its step.
 
         A version whose shard fails verification on any rank is skipped on all ranks (listed
-        in :attr:`last_restore`) and the previous global version is tried. Nothing is loaded
+        in :attr:`last_restore`, its record moved aside as ``global/.corrupt-*``) and the
+        previous global version is tried. Nothing is loaded
         until every rank has read and verified its part. ``reshard=False`` refuses to lay out
         sharded state for a different world size instead of resharding it.
 
@@ -324,26 +305,23 @@ class DistributedCheckpointer:
             self.extra,
             self.local.policy,
         )
-        for record in records:
-            try:
-                outcome = try_global_version(
-                    self.root,
-                    record,
-                    objects,
-                    rank=self.rank,
-                    world_size=self.world_size,
-                    reshard=reshard,
-                    threads=threads,
-                    group=self._control,
-                )
-            except RestoreIOError:
-                self.last_restore = report
-                raise
-            if isinstance(outcome, str):
-                report.skipped.append((record.version, outcome))
-                log.warning("skipping global version %d: %s", record.version, outcome)
-                continue
-            prepared, index = outcome
+        try:
+            chosen = newest_that_verifies(
+                self.root,
+                records,
+                objects,
+                report,
+                self.protocol,
+                rank=self.rank,
+                world_size=self.world_size,
+                reshard=reshard,
+                threads=threads,
+                group=self._control,
+            )
+        finally:
+            self.last_restore = report
+        if chosen is not None:
+            record, prepared, index = chosen
             prepared.apply(objects)
             # Which writer of this rank's directory made its shard (none after a resize).
             shard = index.manifests.get(self.rank)
@@ -355,9 +333,7 @@ class DistributedCheckpointer:
                 prepared.per_rank_from,
             )
             report.seconds = time.perf_counter() - start
-            self.last_restore = report
             return record.step
-        self.last_restore = report
         if report.skipped:
             reasons = "; ".join(f"v{v}: {why}" for v, why in report.skipped)
             raise NoValidCheckpoint(f"no valid global checkpoint in {self.root}: {reasons}")
@@ -370,9 +346,14 @@ class DistributedCheckpointer:
     def close(self, *, clean: bool = True) -> None:
         """Finish every started version, stop the threads, release the directory (collective).
 
-        ``clean=False`` (leaving a ``with`` block on an exception) does not mark a clean exit.
+        ``clean=False`` (leaving a ``with`` block on an exception) does not mark a clean exit
+        and takes part in no collective: the other ranks may be anywhere, and waiting for them
+        would hang the job where, without pcframe, it ends (see :meth:`_leave`).
         """
         if self._closed:
+            return
+        if not clean:
+            self._leave()
             return
         try:
             self.protocol.join()
@@ -387,6 +368,26 @@ class DistributedCheckpointer:
                 dist.destroy_process_group(self._report)
                 dist.destroy_process_group(self._control)
         self._raise_errors()
+
+    def _leave(self) -> None:
+        """Close after an exception on this rank, without a collective.
+
+        The local engine still finishes its versions (local I/O only). The groups are
+        destroyed, so a peer waiting on this rank in a collective fails at once (as when a
+        rank exits) instead of waiting ``protocol_timeout``; the user's exception is not
+        replaced by the protocol's errors, which are logged.
+        """
+        self._closed = True
+        stopped = self.protocol.abandon("this rank closed after an exception", LEAVE_SECONDS)
+        try:
+            self.local._close(None, clean=False)
+        finally:
+            for exc in self.protocol.take_errors():
+                log.error("closing after an exception: %s", exc)
+            if dist.is_initialized():
+                if stopped:  # else its thread is still inside a collective of that group
+                    dist.destroy_process_group(self._report)
+                dist.destroy_process_group(self._control)
 
     def _check_open(self) -> None:
         if self._closed:

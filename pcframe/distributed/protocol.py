@@ -112,6 +112,22 @@ class CommitProtocol:
         self._queue.put(None)
         self._thread.join()
 
+    def forget(self, version: int) -> None:
+        """A restore found global version ``version`` corrupt: it no longer counts as one of
+        the retained versions, so the next publication keeps the good one before it."""
+        with self._lock:
+            self._retained = [v for v in self._retained if v != version]
+
+    def abandon(self, reason: str, timeout: float) -> bool:
+        """Stop taking part (this rank is leaving on an error): rounds still queued end
+        unpublished without a collective, and the round thread gets ``timeout`` seconds to
+        leave the one it may be in. Returns whether it stopped."""
+        if self._broken is None:
+            self._broken = CheckpointError(reason)
+        self._queue.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def take_errors(self) -> list[BaseException]:
         with self._lock:
             errors, self._errors = self._errors, []

@@ -124,6 +124,19 @@ def delete_record(root: Path, version: int) -> None:
         fsync_dir(root / RECORDS)
 
 
+def quarantine_record(root: Path, version: int) -> None:
+    """Move the record of a global version that failed verification out of the listing.
+
+    It is kept as ``global/.corrupt-vNNNNNNNN-<pid>.json``, so the version no longer counts
+    as one of the ``keep_global`` retained versions, and ``pcframe list`` does not show it.
+    On read-only media it stays listed and is skipped again by the next restore.
+    """
+    target = root / RECORDS / f".corrupt-{version_name(version)}-{os.getpid()}.json"
+    with contextlib.suppress(OSError):
+        os.rename(record_path(root, version), target)
+        fsync_dir(root / RECORDS)
+
+
 def remove_partial_records(root: Path) -> None:
     """Drop ``*.tmp`` files a writer left when it died mid-write (they never counted)."""
     directory = root / RECORDS

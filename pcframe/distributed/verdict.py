@@ -1,4 +1,4 @@
-"""Whether one global version can be restored: every rank reads its part, all agree.
+"""Which global version a restore loads: the newest that every rank reads and verifies.
 
 Each rank reads and verifies what it needs of the version (:func:`prepare`), then the ranks
 exchange one :class:`Verdict` each, so every rank takes the same branch: all ``OK`` loads it,
@@ -7,10 +7,19 @@ any ``CORRUPT`` skips it on every rank (the restore tries the previous global ve
 version would silently lose work), and any ``INCOMPATIBLE`` (the state does not fit the
 objects, or cannot be resharded) is raised on every rank. The exchange happens even when
 this rank failed, so no rank waits in a collective the others left.
+
+:func:`newest_that_verifies` walks the records newest first. A version skipped as corrupt
+is forgotten by the commit protocol and its record is moved aside by rank 0
+(:func:`~pcframe.distributed.record.quarantine_record`), so it stops counting as one of the
+``keep_global`` retained versions: the next publication keeps the good version the restore
+fell back to, not the bad one above it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -19,10 +28,14 @@ import torch.distributed as dist
 
 from pcframe.distributed import record as rec
 from pcframe.distributed.index import SavedIndex
+from pcframe.distributed.protocol import CommitProtocol
 from pcframe.distributed.restore import Prepared, ReshardError, prepare
 from pcframe.errors import CheckpointError, ManifestError, RestoreIOError
 from pcframe.objects import TrainingObjects
+from pcframe.restore.report import DistributedRestoreReport
 from pcframe.restore.sources import READ_ATTEMPTS, read_with_retries
+
+log = logging.getLogger("pcframe")
 
 
 class Verdict(Enum):
@@ -85,3 +98,49 @@ def try_global_version(
     if corrupt:
         return "; ".join(corrupt)
     return prepared, index
+
+
+def newest_that_verifies(
+    root: Path,
+    records: Sequence[rec.GlobalRecord],
+    objects: TrainingObjects,
+    report: DistributedRestoreReport,
+    protocol: CommitProtocol,
+    *,
+    rank: int,
+    world_size: int,
+    reshard: bool,
+    threads: int,
+    group: Any,
+) -> tuple[rec.GlobalRecord, Prepared, SavedIndex] | None:
+    """The newest of ``records`` (newest first) that verifies on every rank (collective).
+
+    Versions corrupt on some rank are listed in ``report.skipped``, forgotten by
+    ``protocol`` and their records moved aside (and ``GLOBAL`` then names the version chosen).
+    ``None`` when none verifies. Raises as
+    :func:`try_global_version` does.
+    """
+    set_aside = False
+    for record in records:
+        outcome = try_global_version(
+            root,
+            record,
+            objects,
+            rank=rank,
+            world_size=world_size,
+            reshard=reshard,
+            threads=threads,
+            group=group,
+        )
+        if not isinstance(outcome, str):
+            if set_aside and rank == 0:  # GLOBAL may name a version just set aside
+                with contextlib.suppress(OSError):
+                    rec.write_pointer(root, record.version)
+            return (record, *outcome)
+        report.skipped.append((record.version, outcome))
+        log.warning("skipping global version %d: %s", record.version, outcome)
+        protocol.forget(record.version)
+        set_aside = True
+        if rank == 0:
+            rec.quarantine_record(root, record.version)
+    return None

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -321,6 +322,56 @@ def test_delta_shards_survive_a_coordinator_crash_and_resume_bit_identically(ref
                 deltas.append((rank, version))
                 assert manifest.delta.base in shards.committed_versions()
     assert deltas, "no delta version was written"
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_a_corrupt_global_version_stops_counting_so_the_good_one_before_it_survives(tmp_path):
+    """After falling back from a corrupt v4 to v3, the next publication keeps v3, not v4.
+
+    Before, the restore only skipped v4: it still counted as one of the two retained global
+    versions, so publishing v5 deleted v3's record, and one more fault (v5 damaged) left
+    nothing to restore although v3's shards were still on disk.
+    """
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    args = ["train", "--root", str(root), "--out", str(out)]
+    run_job(2, [*args, "--tag", "first"], tmp_path / "logs1").check()  # v1..v4, keeps v3 v4
+    assert rec.record_versions(root) == [3, 4]
+    flip_byte(root / "rank-1" / "v00000004" / "data.bin", 100)
+    run_job(2, [*args, "--tag", "second"], tmp_path / "logs2").check()  # v3, then v5 at 12
+    assert results(out, "train", "second", 2)[0]["restored_step"] == 9
+    assert rec.record_versions(root) == [3, 5]
+    # The bad version's record is kept aside, not deleted.
+    assert len(list((root / "global").glob(".corrupt-v00000004-*.json"))) == 1
+    flip_byte(root / "rank-0" / "v00000005" / "data.bin", 100)
+    run_job(2, [*args, "--tag", "third", "--steps", "9"], tmp_path / "logs3").check()
+    assert results(out, "train", "third", 2)[0]["restored_step"] == 9
+    assert check_global_versions(root)[1] == [3]  # v5 set aside too; v3 verifies in full
+
+
+def test_an_exception_on_one_rank_ends_the_job_instead_of_hanging_it(tmp_path):
+    """Leaving the ``with`` block on an exception takes part in no collective.
+
+    Before, rank 1 waited in close()'s barrier for rank 0, which waited in DDP's all-reduce
+    for rank 1: the job hung for ``protocol_timeout`` (30 min) where, without pcframe, gloo
+    ends it at once. Now rank 1 exits with its own error and rank 0 fails in its all-reduce.
+    """
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["raises", "--root", str(tmp_path / "ckpt"), "--out", str(out)]
+    started = time.monotonic()
+    job = run_job(2, args, tmp_path / "logs", timeout=90)
+    assert job.returncodes[1] == 1, (job.returncodes, job.logs[1][-3000:])
+    assert "RuntimeError: a bug in rank 1's training step" in job.logs[1], job.logs[1][-3000:]
+    assert time.monotonic() - started < 60
+    assert job.returncodes[0] != 0  # rank 0 was killed or failed, not left waiting
 
 
 # --- maybe_save: one decision for the whole job ---------------------------------------------------

@@ -361,9 +361,22 @@ def policy(args: argparse.Namespace, out: dict[str, Any]) -> None:
         out["restored_policy_seen"] = again.seen
 
 
+def raises(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """Rank 1 raises inside the ``with`` block at step 3; rank 0 trains and saves on."""
+    rank = dist.get_rank()
+    job = build("ddp")
+    with job.checkpointer(args.root) as ckpt:
+        for step in range(1, args.steps + 1):
+            if rank == 1 and step == 3:
+                raise RuntimeError("a bug in rank 1's training step")
+            job.step()  # DDP's all-reduce: rank 0 waits here for rank 1
+            ckpt.save(step)
+            out["saved"] = step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["roundtrip", "resize", "train", "policy"])
+    parser.add_argument("scenario", choices=["roundtrip", "resize", "train", "policy", "raises"])
     parser.add_argument("--root", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=12)
@@ -378,6 +391,7 @@ def main() -> None:
     out: dict[str, Any] = {}
     try:
         scenarios = {"roundtrip": roundtrip, "resize": resize, "train": train, "policy": policy}
+        scenarios["raises"] = raises
         scenarios[args.scenario](args, out)
     finally:
         name = f"{args.scenario}-{args.tag}-r{dist.get_rank()}.json"
