@@ -320,7 +320,8 @@ class Checkpointer:
 
         Raises:
             NoValidCheckpoint: every committed version failed verification.
-            RestoreIOError: the newest version cannot be read (storage, not corruption).
+            RestoreIOError: the newest version cannot be read (storage, not corruption), or
+                no version is found while a tier that may hold one cannot be listed.
             CheckpointError: the version does not fit the objects (``StateMismatch`` lists
                 every mismatch); not corruption: nothing is quarantined.
         """

@@ -45,10 +45,21 @@ def restore_sources(tiers: Tiers, version: int | None, report: RestoreReport) ->
 
     Raises:
         CheckpointError: ``version`` was asked for and is committed nowhere.
+        RestoreIOError: no tier that could be listed holds a version, and some tier could not
+            be listed: it may hold the job's checkpoints (a new machine whose remote is down),
+            so "no checkpoint" would restart the job from step 0 and let its saves push the
+            old versions out of that tier.
     """
     sources, report.unavailable = tiers.sources(version)
     for reason in report.unavailable:
         log.warning("restore cannot see tier %s", reason)
+    if not sources and report.unavailable:
+        raise RestoreIOError(
+            "cannot tell whether a checkpoint exists: no tier that could be listed holds one, "
+            f"and tier {'; tier '.join(report.unavailable)}; nothing was renamed or deleted: "
+            "fix the storage and restore again (to start from step 0 on purpose, do not call "
+            "restore())"
+        )
     if version is not None and not sources:
         assert tiers.primary is not None
         where = f"{tiers.primary.root} or any tier" if tiers.replicated else tiers.primary.root

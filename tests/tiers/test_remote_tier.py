@@ -10,6 +10,7 @@ import pytest
 
 import pcframe.policies as P
 from pcframe import Checkpointer
+from pcframe.errors import RestoreIOError
 from pcframe.store.directory import CheckpointDir
 from pcframe.store.tiers import RemoteTier, TierError, Tiers
 from tests.tiers.conftest import MotoServer
@@ -143,3 +144,13 @@ def test_bad_remote_configuration_and_an_unreachable_server(tmp_path: Path) -> N
         assert ckpt.save(1).wait(timeout=30) == "committed"
         assert ckpt.restore() == 1 and ckpt.last_restore.unavailable  # says what it missed
     assert CheckpointDir(tmp_path / "local").committed_versions() == [1]
+    # A new machine (empty local disk) whose remote is down cannot tell "no checkpoint" from
+    # "the checkpoints are out of reach": restore raises instead of starting from step 0.
+    tier = RemoteTier("s3://b/run", dead.storage_options(), timeout=3)
+    tiers = Tiers({"remote": tier}, retries=1, backoff=0.05, drain_timeout=1.0)
+    placement = P.LocalPlusRemote(remote_every=1)
+    with Checkpointer(tmp_path / "new", model=model, tiers=tiers, placement=placement) as ckpt:
+        with pytest.raises(RestoreIOError, match=r"cannot tell whether a checkpoint exists.*tier"):
+            ckpt.restore()
+        assert ckpt.last_restore is not None and ckpt.last_restore.unavailable
+    assert CheckpointDir(tmp_path / "new").committed_versions() == []
