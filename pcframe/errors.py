@@ -11,6 +11,9 @@ class ConfigError(CheckpointError, ValueError):
     """A configuration value is out of range; the message names the key and the fix."""
 
 
+INTACT = "The last committed checkpoint is intact; training may continue."
+
+
 class SaveError(CheckpointError):
     """A background stage of one checkpoint version failed.
 
@@ -23,10 +26,11 @@ class SaveError(CheckpointError):
         self.step = step
         self.stage = stage
         self.cause = cause
+        # A cause that is itself a SaveError (a rank's failure inside a round) says it already.
+        described = _describe(cause).replace(INTACT, "").rstrip(". ")
         super().__init__(
             f"checkpoint version {version} (step {step}) failed in stage '{stage}': "
-            f"{_describe(cause)}. The last committed checkpoint is intact; "
-            "training may continue."
+            f"{described}. {INTACT}"
         )
 
 

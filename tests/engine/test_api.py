@@ -249,3 +249,13 @@ def test_a_restart_says_whether_the_previous_run_closed_cleanly(tmp_path, python
         now = time.monotonic()
         ckpt.notice = Notice(received_at=now, deadline=now + 30.0, source="test")
     assert not restart_after(tmp_path / "noticed").clean
+
+
+def test_a_save_error_caused_by_another_says_the_checkpoint_is_intact_once():
+    """A multi-rank round wraps a rank's SaveError: its message said the suffix twice ("..")."""
+    from pcframe.errors import INTACT, SaveError
+
+    inner = SaveError(3, 9, "persist", OSError(27, "File too large"))
+    outer = SaveError(3, 9, "round", CheckpointError(f"not global: rank 1 failed: {inner}"))
+    assert str(outer).count(INTACT) == 1 and ".." not in str(outer)
+    assert "File too large" in str(outer) and str(outer).endswith(INTACT)
