@@ -30,6 +30,7 @@ from pcframe.distributed import record as rec
 from pcframe.distributed.capture import ModelView, OptimizerView, Stash, StateSplitter
 from pcframe.distributed.handle import DistributedSaveHandle
 from pcframe.distributed.opening import open_shards
+from pcframe.distributed.peers import peers
 from pcframe.distributed.protocol import CommitProtocol, Round
 from pcframe.distributed.verdict import newest_that_verifies
 from pcframe.errors import CheckpointError, NoValidCheckpoint, SaveError
@@ -42,7 +43,6 @@ from pcframe.store.starts import UNKNOWN_WRITER
 
 log = logging.getLogger("pcframe")
 
-LEAVE_SECONDS = 5.0  # closing after an exception: for the round thread to leave a collective
 _KEEP_ROUNDS = 1024  # recent versions whose timings stay inspectable in `rounds`
 
 
@@ -293,7 +293,8 @@ class DistributedCheckpointer:
         self.wait()
         start = time.perf_counter()
         box: list[Any] = [rec.valid_records(self.root) if self.rank == 0 else None]
-        dist.broadcast_object_list(box, group=self._control, group_src=0)
+        with peers("restore"):
+            dist.broadcast_object_list(box, group=self._control, group_src=0)
         records, invalid = box[0]
         report = DistributedRestoreReport(skipped=list(invalid))
         objects = TrainingObjects(
@@ -328,10 +329,8 @@ class DistributedCheckpointer:
             self.local.resumed(record.step, shard.engine if shard else UNKNOWN_WRITER)
             report.version, report.step = record.version, record.step
             report.saved_world_size = record.world_size
-            report.resharded, report.per_rank_state_from = (
-                prepared.resharded,
-                prepared.per_rank_from,
-            )
+            report.resharded = prepared.resharded
+            report.per_rank_state_from = prepared.per_rank_from
             report.seconds = time.perf_counter() - start
             return record.step
         if report.skipped:
@@ -346,15 +345,12 @@ class DistributedCheckpointer:
     def close(self, *, clean: bool = True) -> None:
         """Finish every started version, stop the threads, release the directory (collective).
 
-        ``clean=False`` (leaving a ``with`` block on an exception) does not mark a clean exit
-        and takes part in no collective: the other ranks may be anywhere, and waiting for them
-        would hang the job where, without pcframe, it ends (see :meth:`_leave`).
+        ``clean=False`` (leaving a ``with`` block on an exception): see :meth:`_leave`.
         """
         if self._closed:
             return
         if not clean:
-            self._leave()
-            return
+            return self._leave()
         try:
             self.protocol.join()
             self._prune()
@@ -362,15 +358,19 @@ class DistributedCheckpointer:
             self._closed = True
             self.protocol.close()
             self.local._close(None, clean)
-            if dist.is_initialized():
-                if self.protocol.healthy:
-                    dist.barrier(group=self._control)  # nobody tears down a group still in use
-                dist.destroy_process_group(self._report)
-                dist.destroy_process_group(self._control)
+            try:
+                if dist.is_initialized() and self.protocol.healthy:
+                    with peers("close"):  # nobody tears down a group still in use
+                        dist.barrier(group=self._control)
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group(self._report)
+                    dist.destroy_process_group(self._control)
         self._raise_errors()
 
     def _leave(self) -> None:
-        """Close after an exception on this rank, without a collective.
+        """Close after an exception on this rank, without a collective: the other ranks may
+        be anywhere, and waiting for them would hang a job that, without pcframe, ends.
 
         The local engine still finishes its versions (local I/O only). The groups are
         destroyed, so a peer waiting on this rank in a collective fails at once (as when a
@@ -378,7 +378,7 @@ class DistributedCheckpointer:
         replaced by the protocol's errors, which are logged.
         """
         self._closed = True
-        stopped = self.protocol.abandon("this rank closed after an exception", LEAVE_SECONDS)
+        stopped = self.protocol.abandon("this rank closed after an exception")
         try:
             self.local._close(None, clean=False)
         finally:

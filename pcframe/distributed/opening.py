@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from pcframe.checkpointer import Checkpointer
 from pcframe.distributed import record as rec
+from pcframe.distributed.peers import peers
 from pcframe.errors import CheckpointError
 
 
@@ -51,7 +52,8 @@ def open_shards(
         mine, error = exc, f"{type(exc).__name__}: {exc}"
     top = max(local.storage.next_version(), newest_record + 1) if local else 0
     gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, (top, retained, error), group=control)
+    with peers("opening the checkpoint"):
+        dist.all_gather_object(gathered, (top, retained, error), group=control)
     failed = [(r, e) for r, (_, _, e) in enumerate(gathered) if e]
     if failed:
         if local is not None:

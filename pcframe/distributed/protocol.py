@@ -118,7 +118,7 @@ class CommitProtocol:
         with self._lock:
             self._retained = [v for v in self._retained if v != version]
 
-    def abandon(self, reason: str, timeout: float) -> bool:
+    def abandon(self, reason: str, timeout: float = 5.0) -> bool:
         """Stop taking part (this rank is leaving on an error): rounds still queued end
         unpublished without a collective, and the round thread gets ``timeout`` seconds to
         leave the one it may be in. Returns whether it stopped."""

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from pcframe.distributed import record as rec
 from pcframe.distributed.index import SavedIndex
+from pcframe.distributed.peers import peers
 from pcframe.distributed.protocol import CommitProtocol
 from pcframe.distributed.restore import Prepared, ReshardError, prepare
 from pcframe.errors import CheckpointError, ManifestError, RestoreIOError
@@ -80,7 +81,8 @@ def try_global_version(
     except Exception as exc:  # every rank must still reach the collective below
         error, mine = exc, (Verdict.INCOMPATIBLE, str(exc), type(exc).__name__)
     verdicts: list[Any] = [None] * world_size
-    dist.all_gather_object(verdicts, mine, group=group)
+    with peers("restore"):
+        dist.all_gather_object(verdicts, mine, group=group)
     for other, (verdict, message, name) in enumerate(verdicts):
         if verdict is Verdict.INCOMPATIBLE:
             if error is not None:

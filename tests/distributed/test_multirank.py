@@ -374,6 +374,17 @@ def test_an_exception_on_one_rank_ends_the_job_instead_of_hanging_it(tmp_path):
     assert job.returncodes[0] != 0  # rank 0 was killed or failed, not left waiting
 
 
+def test_a_rank_gone_before_restore_is_one_clear_error_on_the_others(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["leaves", "--root", str(tmp_path / "ckpt"), "--out", str(out)]
+    job = run_job(2, args, tmp_path / "logs", timeout=90, kill_on_failure=False)
+    assert job.returncodes == [1, 3], (job.returncodes, job.logs[0][-3000:])
+    error = json.loads((out / "leaves-run-r0.json").read_text())["error"]
+    assert error.startswith("restore: another rank left the job or stopped answering (")
+    assert "restart every rank" in error and "\n" not in error
+
+
 # --- maybe_save: one decision for the whole job ---------------------------------------------------
 
 

@@ -374,9 +374,24 @@ def raises(args: argparse.Namespace, out: dict[str, Any]) -> None:
             out["saved"] = step
 
 
+def leaves(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """Rank 1 vanishes (no cleanup, like a SIGKILL) just before the collective restore."""
+    job = build("ddp")
+    with job.checkpointer(args.root) as ckpt:
+        if dist.get_rank() == 1:
+            os._exit(3)
+        try:
+            ckpt.restore()
+        except CheckpointError as exc:
+            out["error"] = str(exc)
+            raise
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["roundtrip", "resize", "train", "policy", "raises"])
+    scenarios = {"roundtrip": roundtrip, "resize": resize, "train": train, "policy": policy}
+    scenarios.update(raises=raises, leaves=leaves)
+    parser.add_argument("scenario", choices=sorted(scenarios))
     parser.add_argument("--root", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=12)
@@ -390,8 +405,6 @@ def main() -> None:
     dist.init_process_group("gloo")
     out: dict[str, Any] = {}
     try:
-        scenarios = {"roundtrip": roundtrip, "resize": resize, "train": train, "policy": policy}
-        scenarios["raises"] = raises
         scenarios[args.scenario](args, out)
     finally:
         name = f"{args.scenario}-{args.tag}-r{dist.get_rank()}.json"
