@@ -320,8 +320,7 @@ class Checkpointer:
 
         Raises:
             NoValidCheckpoint: every committed version failed verification.
-            RestoreIOError: the newest version cannot be read (storage, not corruption), or
-                no version is found while a tier that may hold one cannot be listed.
+            RestoreIOError: the newest version (or a tier's listing) cannot be read: storage.
             CheckpointError: the version does not fit the objects (``StateMismatch`` lists
                 every mismatch); not corruption: nothing is quarantined.
         """

@@ -27,10 +27,11 @@ class SaveError(CheckpointError):
         self.stage = stage
         self.cause = cause
         # A cause that is itself a SaveError (a rank's failure inside a round) says it already.
-        described = _describe(cause).replace(INTACT, "").rstrip(". ")
+        described = _describe(cause).replace(f" {INTACT}", "")
+        end = " " if described.endswith(".") else ". "
         super().__init__(
             f"checkpoint version {version} (step {step}) failed in stage '{stage}': "
-            f"{described}. {INTACT}"
+            f"{described}{end}{INTACT}"
         )
 
 

@@ -10,9 +10,9 @@ name               lossless  payload
 =================  ========  ===============================================
 ``raw``            yes       the logical bytes
 ``zstd``           yes       byte shuffle + zstd
+``xor_delta_zstd`` yes       zstd(shuffle(bytes XOR previous version's bytes))
 ``int8_block``     no        int8 codes, then fp32 per-block scales
 ``fp8_block``      no        e4m3fn codes, then fp32 per-block scales
-``xor_delta_zstd`` yes       zstd(shuffle(bytes XOR previous version's bytes))
 =================  ========  ===============================================
 """
 

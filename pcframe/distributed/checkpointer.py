@@ -289,6 +289,7 @@ class DistributedCheckpointer:
             ReshardError: sharded state cannot be laid out for this world size.
             CheckpointError: the saved state does not fit the objects given.
             NoValidCheckpoint: global versions exist but none verifies.
+            RestoreIOError, CheckpointError: a rank cannot read its part, or a rank is gone.
         """
         self.wait()
         start = time.perf_counter()
@@ -369,25 +370,24 @@ class DistributedCheckpointer:
         self._raise_errors()
 
     def _leave(self) -> None:
-        """Close after an exception on this rank, without a collective: the other ranks may
-        be anywhere, and waiting for them would hang a job that, without pcframe, ends.
-
-        The local engine still finishes its versions (local I/O only). The groups are
-        destroyed, so a peer waiting on this rank in a collective fails at once (as when a
-        rank exits) instead of waiting ``protocol_timeout``; the user's exception is not
-        replaced by the protocol's errors, which are logged.
-        """
+        """Close after an exception here, without a collective (peers may be anywhere: waiting
+        would hang a job that, without pcframe, ends). Rounds get 5 s to be decided, later ones
+        are not published; the local engine finishes its versions; the groups are destroyed so
+        a peer waiting on this rank fails at once; errors are logged, not raised over the
+        user's exception."""
         self._closed = True
-        stopped = self.protocol.abandon("this rank closed after an exception")
+        self.protocol.settle(5.0)
+        self.protocol.abandon("this rank closed after an exception")
         try:
             self.local._close(None, clean=False)
-        finally:
-            for exc in self.protocol.take_errors():
-                log.error("closing after an exception: %s", exc)
-            if dist.is_initialized():
-                if stopped:  # else its thread is still inside a collective of that group
-                    dist.destroy_process_group(self._report)
-                dist.destroy_process_group(self._control)
+        except CheckpointError as exc:
+            log.error("closing after an exception: %s", exc)
+        for exc in self.protocol.take_errors():
+            log.error("closing after an exception: %s", exc)
+        if dist.is_initialized():
+            if self.protocol.stopped(1.0):  # else its thread is inside a collective of it
+                dist.destroy_process_group(self._report)
+            dist.destroy_process_group(self._control)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -52,8 +52,11 @@ def open_shards(
         mine, error = exc, f"{type(exc).__name__}: {exc}"
     top = max(local.storage.next_version(), newest_record + 1) if local else 0
     gathered: list[Any] = [None] * world_size
-    with peers("opening the checkpoint"):
-        dist.all_gather_object(gathered, (top, retained, error), group=control)
+    try:
+        with peers("opening the checkpoint"):
+            dist.all_gather_object(gathered, (top, retained, error), group=control)
+    except CheckpointError as exc:  # a peer is gone: nothing to agree with
+        gathered, mine = [(0, [], str(exc))], mine or exc
     failed = [(r, e) for r, (_, _, e) in enumerate(gathered) if e]
     if failed:
         if local is not None:

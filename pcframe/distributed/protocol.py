@@ -118,13 +118,22 @@ class CommitProtocol:
         with self._lock:
             self._retained = [v for v in self._retained if v != version]
 
-    def abandon(self, reason: str, timeout: float = 5.0) -> bool:
+    def settle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for every submitted round to be decided."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._queue.unfinished_tasks
+
+    def abandon(self, reason: str) -> None:
         """Stop taking part (this rank is leaving on an error): rounds still queued end
-        unpublished without a collective, and the round thread gets ``timeout`` seconds to
-        leave the one it may be in. Returns whether it stopped."""
+        unpublished without a collective, and the round thread ends after the one it is in."""
         if self._broken is None:
             self._broken = CheckpointError(reason)
         self._queue.put(None)
+
+    def stopped(self, timeout: float) -> bool:
+        """Whether the round thread has ended (waiting up to ``timeout`` s)."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
 

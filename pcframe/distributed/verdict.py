@@ -8,8 +8,9 @@ version would silently lose work), and any ``INCOMPATIBLE`` (the state does not 
 objects, or cannot be resharded) is raised on every rank. The exchange happens even when
 this rank failed, so no rank waits in a collective the others left.
 
-:func:`newest_that_verifies` walks the records newest first. A version skipped as corrupt
-is forgotten by the commit protocol and its record is moved aside by rank 0
+:func:`newest_that_verifies` walks the records newest first. Once an older version verifies,
+each version skipped as corrupt is forgotten by the commit protocol and its record moved
+aside by rank 0
 (:func:`~pcframe.distributed.record.quarantine_record`), so it stops counting as one of the
 ``keep_global`` retained versions: the next publication keeps the good version the restore
 fell back to, not the bad one above it.
@@ -117,12 +118,12 @@ def newest_that_verifies(
 ) -> tuple[rec.GlobalRecord, Prepared, SavedIndex] | None:
     """The newest of ``records`` (newest first) that verifies on every rank (collective).
 
-    Versions corrupt on some rank are listed in ``report.skipped``, forgotten by
-    ``protocol`` and their records moved aside (and ``GLOBAL`` then names the version chosen).
-    ``None`` when none verifies. Raises as
+    Versions corrupt on some rank are listed in ``report.skipped``; once an older one
+    verifies, they are forgotten by ``protocol`` and their records moved aside (``GLOBAL`` then
+    names the version chosen). ``None`` when none verifies (nothing is moved). Raises as
     :func:`try_global_version` does.
     """
-    set_aside = False
+    skipped: list[int] = []
     for record in records:
         outcome = try_global_version(
             root,
@@ -134,15 +135,19 @@ def newest_that_verifies(
             threads=threads,
             group=group,
         )
-        if not isinstance(outcome, str):
-            if set_aside and rank == 0:  # GLOBAL may name a version just set aside
-                with contextlib.suppress(OSError):
-                    rec.write_pointer(root, record.version)
-            return (record, *outcome)
-        report.skipped.append((record.version, outcome))
-        log.warning("skipping global version %d: %s", record.version, outcome)
-        protocol.forget(record.version)
-        set_aside = True
-        if rank == 0:
-            rec.quarantine_record(root, record.version)
+        if isinstance(outcome, str):
+            report.skipped.append((record.version, outcome))
+            log.warning("skipping global version %d: %s", record.version, outcome)
+            skipped.append(record.version)
+            continue
+        # Only once an older version verified: when none does (a root not mounted on this
+        # node reads as "manifest missing" everywhere), every record stays for a later try.
+        for version in skipped:
+            protocol.forget(version)
+            if rank == 0:
+                rec.quarantine_record(root, version)
+        if skipped and rank == 0:  # GLOBAL named a version just set aside
+            with contextlib.suppress(OSError):
+                rec.write_pointer(root, record.version)
+        return (record, *outcome)
     return None

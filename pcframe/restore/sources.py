@@ -56,9 +56,9 @@ def restore_sources(tiers: Tiers, version: int | None, report: RestoreReport) ->
     if not sources and report.unavailable:
         raise RestoreIOError(
             "cannot tell whether a checkpoint exists: no tier that could be listed holds one, "
-            f"and tier {'; tier '.join(report.unavailable)}; nothing was renamed or deleted: "
-            "fix the storage and restore again (to start from step 0 on purpose, do not call "
-            "restore())"
+            f"and {'; '.join(report.unavailable)}; nothing was renamed or deleted: fix the "
+            "storage and restore again (to start from step 0 on purpose: do not call "
+            "restore(), or resume=False in the Lightning/transformers integrations)"
         )
     if version is not None and not sources:
         assert tiers.primary is not None

@@ -378,6 +378,8 @@ def leaves(args: argparse.Namespace, out: dict[str, Any]) -> None:
     """Rank 1 vanishes (no cleanup, like a SIGKILL) just before the collective restore."""
     job = build("ddp")
     with job.checkpointer(args.root) as ckpt:
+        job.step()
+        ckpt.save(1).wait()  # a global version: restore reaches the verdict's collective
         if dist.get_rank() == 1:
             os._exit(3)
         try:

@@ -147,6 +147,10 @@ def test_stalled_server_times_out_skips_to_the_newest_and_recovers(
             status = ckpt.tiers.status()["remote"]
             assert "did not finish within" in status.last_error
             assert status.lag_versions >= 3 and status.lag_seconds > 0.0  # lag is reported
+            # Resume only once no attempt at v2 or v3 is in flight (a stalled one would
+            # complete when the server wakes).
+            newest = lambda: ckpt.tiers.status()["remote"].in_flight in (None, 4)  # noqa: E731
+            wait_until(newest, 60, "the replicator on the newest version")
         finally:
             server.resume()
         assert ckpt.tiers.wait_idle(120)
