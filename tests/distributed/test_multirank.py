@@ -354,6 +354,12 @@ def test_a_corrupt_global_version_stops_counting_so_the_good_one_before_it_survi
     run_job(2, [*args, "--tag", "third", "--steps", "9"], tmp_path / "logs3").check()
     assert results(out, "train", "third", 2)[0]["restored_step"] == 9
     assert check_global_versions(root)[1] == [3]  # v5 set aside too; v3 verifies in full
+    # When nothing verifies (here v3 damaged too; a root not mounted on a node looks the
+    # same), nothing is set aside: the record is still there for a restore that can read it.
+    flip_byte(root / "rank-0" / "v00000003" / "data.bin", 100)
+    failed = run_job(2, [*args, "--tag", "fourth", "--steps", "9"], tmp_path / "logs4")
+    assert failed.returncodes[0] != 0 and "NoValidCheckpoint" in failed.logs[0]
+    assert rec.record_versions(root) == [3]
 
 
 def test_an_exception_on_one_rank_ends_the_job_instead_of_hanging_it(tmp_path):
