@@ -154,3 +154,15 @@ def test_bad_remote_configuration_and_an_unreachable_server(tmp_path: Path) -> N
             ckpt.restore()
         assert ckpt.last_restore is not None and ckpt.last_restore.unavailable
     assert CheckpointDir(tmp_path / "new").committed_versions() == []
+
+
+def test_a_failed_download_names_the_object_and_keeps_type_and_errno() -> None:
+    """The restore's retry and its message read the errno; the key says which object."""
+    from pcframe.store.tiers.remote import _naming
+
+    busy = _naming(OSError(16, "SlowDown"), "b/run/v00000003/data.bin")
+    assert type(busy) is OSError and busy.errno == 16
+    assert str(busy) == "[Errno 16] b/run/v00000003/data.bin: SlowDown"
+    late = _naming(TimeoutError("get_file did not finish within 1.4 s"), "b/run/x")
+    assert type(late) is TimeoutError
+    assert str(late) == "b/run/x: get_file did not finish within 1.4 s"

@@ -273,6 +273,8 @@ class RemoteTier(Tier):
                     raise CorruptCheckpoint(
                         f"{self._key(version, name)}: listed in the commit marker but missing"
                     ) from None
+                except OSError as exc:  # name the object; keep the type and errno for retries
+                    raise _naming(exc, self._key(version, name)) from exc
                 got = os.path.getsize(target)
                 if got != size:
                     raise CorruptCheckpoint(
@@ -285,3 +287,13 @@ class RemoteTier(Tier):
 
     def fetch(self, version: int, scratch: Path) -> contextlib.AbstractContextManager[Path]:
         return self._download(version, scratch)
+
+
+def _naming(exc: OSError, key: str) -> OSError:
+    """``exc`` again (same type and errno), its message prefixed with the object's key."""
+    try:
+        if exc.errno is None:
+            return type(exc)(f"{key}: {exc}")
+        return type(exc)(exc.errno, f"{key}: {exc.strerror or exc}")
+    except Exception:  # a subclass with another constructor: keep it as it is
+        return exc
