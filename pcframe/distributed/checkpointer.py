@@ -156,10 +156,9 @@ class DistributedCheckpointer:
     def save(self, step: int, metadata: dict[str, Any] | None = None) -> DistributedSaveHandle:
         """Start version ``n`` of the job's state at ``step`` on this rank (collective).
 
-        Returns as soon as the local engine does (the copy and writes go on in the
-        background; ``optimizer.step()`` waits for the snapshot copy). The version becomes
-        global when every rank's shard is durable: the handle's ``wait()`` returns
-        ``SaveStatus.COMMITTED`` then, and raises ``SaveError`` if it did not.
+        Returns as soon as the local engine does (``optimizer.step()`` waits for the copy).
+        The version is global when every rank's shard is durable: the handle's ``wait()``
+        then returns ``SaveStatus.COMMITTED``, and raises ``SaveError`` if it did not.
 
         Raises:
             SaveError / CheckpointError: an earlier version failed, or the protocol stopped;
@@ -193,16 +192,16 @@ class DistributedCheckpointer:
     ) -> DistributedSaveHandle | None:
         """Ask the interval policy whether to save at ``step``; if so, save on every rank.
 
-        Collective: call it at every step on every rank (one small all-reduce on the gloo
-        control group). Rank 0's periodic decision applies to all ranks, so every rank saves
-        at the same steps whatever its own clock says; an emergency on any rank (a notice
-        its sources saw) is a save on all, waited for until the version is global.
+        Collective (one small all-reduce): call it at every step on every rank. Rank 0's
+        periodic decision applies to all ranks, whatever their own clocks say; an emergency
+        on any rank (a notice its sources saw) is a save on all, waited for until global.
         """
         self._check_open()
         decision = self.local.decide(step)
         periodic = decision.save if self.rank == 0 else False
         flags = torch.tensor([int(periodic or decision.emergency), int(decision.emergency)])
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
+        with peers("maybe_save"):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
         if not flags[0]:
             return None
         handle = self.save(step, metadata)
@@ -226,7 +225,8 @@ class DistributedCheckpointer:
 
     def _agree(self, digest: str, sharded_bytes: int) -> list[tuple[str, int]]:
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (digest, sharded_bytes), group=self._control)
+        with peers("save"):
+            dist.all_gather_object(gathered, (digest, sharded_bytes), group=self._control)
         return gathered
 
     def wait(self) -> None:

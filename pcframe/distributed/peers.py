@@ -2,8 +2,8 @@
 
 Gloo reports a rank that exited, was killed or stopped answering as a ``RuntimeError`` with
 its transport's wording ("Connection reset by peer ... GLHF!") from deep inside
-``torch.distributed``. The training thread's collectives (open, restore, close) run under
-:func:`peers`, which says what pcframe was doing and what to do.
+``torch.distributed``. The training thread's collectives (open, save, restore, close) run
+under :func:`peers`, which says what pcframe was doing and what to do.
 """
 
 from __future__ import annotations
