@@ -192,6 +192,29 @@ def _size(nbytes: int) -> str:
     raise AssertionError("unreachable")
 
 
+def _check_export_target(output: Path, root: Path, force: bool) -> None:
+    """Refuse an output that could damage a checkpoint or a file the user did not name to go.
+
+    Inside the checkpoint folder only a new file at its top level is allowed (a version's own
+    files, LATEST or the writer lock are never replaced); elsewhere an existing file is
+    replaced only with ``--force``, and never a link, device or directory.
+    """
+    parent = output.absolute().parent
+    if not parent.is_dir():
+        raise CheckpointError(f"--output {output}: the folder {parent} does not exist")
+    target, base = parent.resolve() / output.name, root.resolve()
+    inside = target.is_relative_to(base)
+    if inside and (target.parent != base or os.path.lexists(target)):
+        raise CheckpointError(
+            f"--output {output} is inside the checkpoint folder {root}: writing there could "
+            "damage a checkpoint; choose a path outside it"
+        )
+    if os.path.islink(output) or (os.path.lexists(output) and not output.is_file()):
+        raise CheckpointError(f"--output {output} exists and is not a regular file")
+    if output.exists() and not force:
+        raise CheckpointError(f"--output {output} exists; pass --force to replace it")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
     from safetensors.torch import save_file
@@ -199,6 +222,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     refuse_multi_rank_root(Path(args.directory), "export")
     directory = CheckpointDir(args.directory)
     version = _pick(directory, args.version)
+    output = Path(args.output or f"{directory.path(version).name}.safetensors")
+    _check_export_target(output, directory.root, args.force)
     loaded = load_version(directory.path(version))
     tensors = {name: t.contiguous() for name, t in loaded.named_tensors().items()}
     if args.only:
@@ -219,8 +244,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     }
     if not args.only:  # the whole state: keep its structure so it can be rebuilt
         metadata["pcframe_tree"] = json.dumps(loaded.manifest.tree)
-    output = Path(args.output or f"{directory.path(version).name}.safetensors")
-    save_file(tensors, str(output), metadata=metadata)
+    try:
+        save_file(tensors, str(output), metadata=metadata)
+    except Exception as exc:  # safetensors' own error type for a path it cannot write
+        raise CheckpointError(f"cannot write --output {output}: {exc}") from None
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(output, 0o666 & ~umask)  # an ordinary file, as the user's umask says
@@ -262,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", type=int)
     p.add_argument("--format", choices=["safetensors"], default="safetensors")
     p.add_argument("--output", "-o")
+    p.add_argument("--force", action="store_true", help="replace an existing --output file")
     p.add_argument(
         "--only",
         help="export one group with its prefix stripped, e.g. 'model' (straight into "

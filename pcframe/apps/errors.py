@@ -104,7 +104,9 @@ def _exit(exc: BaseException, prog: str) -> None:
 
 def describe_error(exc: BaseException) -> tuple[int, str | None]:
     """``(exit code, message)``; ``None`` as message for an unexpected error (a bug)."""
-    if isinstance(exc, ConfigError) or _is_sim_config_error(exc):
+    from pcframe.policies.traces.errors import TraceFormatError
+
+    if isinstance(exc, ConfigError | TraceFormatError) or _is_sim_config_error(exc):
         return USAGE_ERROR, _flat(str(exc))
     if isinstance(exc, MissingConfigException):
         return USAGE_ERROR, _missing_option(exc)

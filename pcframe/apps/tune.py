@@ -31,6 +31,7 @@ from pcframe.apps.tuning import (
     trials_table,
     write_tuned_config,
 )
+from pcframe.apps.tuning.measure import check_schedule
 from pcframe.apps.tuning.targets import ActiveTarget, TargetSpec, open_target
 from pcframe.errors import ConfigError
 
@@ -97,6 +98,7 @@ def _app(cfg: DictConfig) -> None:
 
 def _task(cfg: DictConfig) -> None:
     check_targets(cfg)
+    check_schedule(cfg.tune.interval, cfg.tune.steps, cfg.tune.repeats)
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # the tuner prints its own lines
     task = list(HydraConfig.get().overrides.task)
     console = Console()

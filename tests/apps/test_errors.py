@@ -114,3 +114,22 @@ def test_engine_values_out_of_range_are_described(tmp_path):
     with pytest.raises(ConfigError) as info:
         engine_config(cfg)
     assert describe_error(info.value) == (USAGE_ERROR, str(info.value))
+
+
+@pytest.mark.parametrize(
+    ("app", "overrides", "words"),
+    [  # both printed a traceback and "a bug: please report it" before
+        ("pcframe-sim", ["traces={trace}", "progress=false"], "unknown trace format"),
+        ("pcframe-tune", ["tune=quick", "workload=tiny", "tune.interval=0"], "tune.interval"),
+    ],
+    ids=["sim-trace-of-another-format", "tune-interval-0"],
+)
+def test_bad_input_found_after_composing_is_one_line_too(tmp_path, app_env, app, overrides, words):
+    trace = tmp_path / "other.csv"
+    trace.write_text("f,o\n1,2\n")
+    args = [o.format(trace=trace) for o in overrides]
+    result = run_script(app, *args, f"hydra.run.dir={tmp_path / 'out'}", cwd=tmp_path, env=app_env)
+    assert result.returncode == USAGE_ERROR, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from pcframe import Checkpointer
+from pcframe.store.directory import CheckpointDir
 
 
 def cli(python, *args):
@@ -114,3 +115,31 @@ def test_a_reader_that_goes_away_is_no_error_message(tmp_path, python):
     proc.stderr.close()
     assert proc.wait(timeout=60) == 141  # as a writer stopped by SIGPIPE
     assert stderr == ""
+
+
+def test_export_never_writes_over_a_checkpoint_or_an_unnamed_file(tmp_path, python):
+    """``-o`` into a version's own file once broke the newest checkpoint; an existing file
+    was replaced without asking, and /dev/full became a regular file."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    make(root)
+    newest = max(CheckpointDir(root).committed_versions())
+    data = root / f"v{newest:08d}" / "data.bin"
+    before = data.read_bytes()
+    for target in (data, root / "LATEST", root / f"v{newest:08d}" / "new.st"):
+        result = cli(python, "export", root, "-o", target)
+        assert result.returncode == 2 and "inside the checkpoint folder" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+    assert data.read_bytes() == before
+    assert cli(python, "verify", root).returncode == 0
+    precious = tmp_path / "precious.st"
+    precious.write_text("precious")
+    refused = cli(python, "export", root, "-o", precious)
+    assert refused.returncode == 2 and "--force" in refused.stderr
+    assert precious.read_text() == "precious"
+    assert cli(python, "export", root, "-o", precious, "--force").returncode == 0
+    assert load_file(str(precious))  # replaced on purpose: a real export now
+    device = cli(python, "export", root, "-o", "/dev/null", "--force")
+    assert device.returncode == 2 and "not a regular file" in device.stderr
+    missing = cli(python, "export", root, "-o", tmp_path / "no" / "such" / "x.st")
+    assert missing.returncode == 2 and "does not exist" in missing.stderr

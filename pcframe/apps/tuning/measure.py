@@ -27,6 +27,7 @@ from pcframe.apps.training import batches
 from pcframe.apps.workloads import Workload
 from pcframe.checkpointer import Checkpointer
 from pcframe.config import EngineConfig
+from pcframe.errors import ConfigError
 from pcframe.policies.fixed import FixedSteps
 
 OBJECTIVES = ("overhead", "stall", "cpu", "cost", "lost", "memory")
@@ -139,11 +140,7 @@ def measure(
     ``on_memory(bytes)`` is called once the staging pool is sized (after one untimed save),
     ``on_repeat(i, so_far)`` after each A/B pair; either may raise to stop early (pruning).
     """
-    if interval < 1 or steps < interval or repeats < 1:
-        raise ValueError(
-            f"need interval >= 1, steps >= interval and repeats >= 1; got interval={interval}, "
-            f"steps={steps}, repeats={repeats} (tune.interval, tune.steps, tune.repeats)"
-        )
+    check_schedule(interval, steps, repeats)
     result = Measurement()
     stream = batches(workload)
     step = 0
@@ -202,3 +199,12 @@ def measure(
             if on_repeat is not None:
                 on_repeat(i, result)
     return result
+
+
+def check_schedule(interval: int, steps: int, repeats: int) -> None:
+    """A measurement needs whole segments: checked when the study starts and per trial."""
+    if interval < 1 or steps < interval or repeats < 1:
+        raise ConfigError(
+            f"need interval >= 1, steps >= interval and repeats >= 1; got interval={interval}, "
+            f"steps={steps}, repeats={repeats} (tune.interval, tune.steps, tune.repeats)"
+        )
