@@ -23,6 +23,7 @@ from pcframe.format.names import version_name
 from pcframe.restore.reader import load_version
 from pcframe.store.directory import CheckpointDir, WritableCheckpointDir
 from tests.distributed.launch import REPO, base_env, run_job
+from tests.engine.helpers import flip_byte
 
 pytestmark = pytest.mark.slow
 
@@ -322,14 +323,6 @@ def test_delta_shards_survive_a_coordinator_crash_and_resume_bit_identically(ref
                 deltas.append((rank, version))
                 assert manifest.delta.base in shards.committed_versions()
     assert deltas, "no delta version was written"
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x40]))
 
 
 def test_a_corrupt_global_version_stops_counting_so_the_good_one_before_it_survives(tmp_path):

@@ -36,6 +36,7 @@ from pcframe.distributed import record as rec
 from pcframe.errors import CheckpointError, SaveError
 from pcframe.policies import Decision, FixedSteps, PolicyContext
 from pcframe.save.status import SaveStatus
+from tests.engine.helpers import flip_byte
 
 ENGINE = {"chunk_bytes": 16384, "max_in_flight": 2, "writer_threads": 2}
 DELTAS = {"model/*": "xor_delta_zstd", "optimizer/state/*/exp_avg*": "xor_delta_zstd"}
@@ -209,11 +210,7 @@ def damaged_restore(args: argparse.Namespace, out: dict[str, Any], first: dict) 
     damaged = args.root / "ddp-damaged"
     if dist.get_rank() == 0:
         shutil.copytree(args.root / "ddp", damaged, ignore=shutil.ignore_patterns(".writer*"))
-        with open(damaged / "rank-1" / "v00000002" / "data.bin", "r+b") as f:
-            f.seek(5000)
-            byte = f.read(1)
-            f.seek(5000)
-            f.write(bytes([byte[0] ^ 0x40]))
+        flip_byte(damaged / "rank-1" / "v00000002" / "data.bin", 5000)
     dist.barrier()
     job = build("ddp")
     with job.checkpointer(damaged) as ckpt:

@@ -39,3 +39,13 @@ def state_equal(a: dict, b: dict) -> bool:
         elif x != y:
             return False
     return True
+
+
+def flip_byte(path, offset: int) -> None:
+    """Flip one bit pattern (0x40) of the byte at ``offset`` (modulo the size) in place."""
+    with open(path, "r+b") as f:
+        size = f.seek(0, 2)
+        f.seek(offset % size)
+        byte = f.read(1)
+        f.seek(offset % size)
+        f.write(bytes([byte[0] ^ 0x40]))

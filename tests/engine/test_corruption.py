@@ -9,7 +9,7 @@ import torch
 
 from pcframe import Checkpointer, NoValidCheckpoint
 from pcframe.store.directory import CheckpointDir
-from tests.engine.helpers import small_training, state_equal, train_steps
+from tests.engine.helpers import flip_byte, small_training, state_equal, train_steps
 
 
 def two_versions(root):
@@ -21,12 +21,6 @@ def two_versions(root):
         train_steps(model, optimizer, scheduler, 2)
         ckpt.save(step=4).wait()
     return first
-
-
-def flip(path, offset):
-    data = bytearray(path.read_bytes())
-    data[offset % len(data)] ^= 0x40
-    path.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize(
@@ -42,7 +36,7 @@ def flip(path, offset):
 def test_flipped_byte_falls_back_to_previous(tmp_path, caplog, filename, offset):
     first = two_versions(tmp_path)
     newest = CheckpointDir(tmp_path).committed_versions()[-1]
-    flip(tmp_path / f"v{newest:08d}" / filename, offset)
+    flip_byte(tmp_path / f"v{newest:08d}" / filename, offset)
     model, optimizer, _ = small_training(seed=3)
     with (
         caplog.at_level(logging.WARNING, logger="pcframe"),
@@ -84,7 +78,7 @@ def test_truncated_data_file_falls_back(tmp_path):
 def test_all_versions_corrupt_raises_and_keeps_model(tmp_path):
     two_versions(tmp_path)
     for version in CheckpointDir(tmp_path).committed_versions():
-        flip(tmp_path / f"v{version:08d}" / "data.bin", 64)
+        flip_byte(tmp_path / f"v{version:08d}" / "data.bin", 64)
     model, optimizer, _ = small_training(seed=8)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with (
