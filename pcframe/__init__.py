@@ -12,6 +12,7 @@ from pcframe.errors import (
     NoValidCheckpoint,
     RestoreIOError,
     SaveError,
+    UnsupportedCheckpoint,
 )
 from pcframe.restore.load import load
 
@@ -33,5 +34,6 @@ __all__ = [
     "SaveError",
     "SaveHandle",
     "SaveRecord",
+    "UnsupportedCheckpoint",
     "load",
 ]

@@ -308,19 +308,19 @@ class Checkpointer:
 
         A version that fails verification is logged, recorded in :attr:`last_restore`,
         moved aside as ``.corrupt-vNNNNNNNN-<pid>`` and the next older one is tried; an I/O
-        error is retried, then raised (``RestoreIOError``), renaming nothing. Returns
-        ``None`` when there is no checkpoint. The version is checked against every object
-        before any is touched (``pcframe.restore.check``): a failed restore changes nothing.
+        error is retried, then raised, renaming nothing. Returns ``None`` when there is no
+        checkpoint. The version is checked against every object before any is touched
+        (``pcframe.restore.check``): a failed restore changes nothing.
 
         Args:
             strict: any mismatch raises (the default); ``False`` loads what fits and lists
                 the rest in ``last_restore.not_loaded``.
-            allow_cast: cast tensors saved in another dtype (else a dtype difference is a
-                mismatch).
+            allow_cast: cast tensors saved in another dtype (else a dtype is a mismatch).
 
         Raises:
             NoValidCheckpoint: every committed version failed verification.
             RestoreIOError: the newest version (or a tier's listing) cannot be read: storage.
+            UnsupportedCheckpoint: it is of a newer format or codec (renaming nothing).
             CheckpointError: the version does not fit the objects (``StateMismatch`` lists
                 every mismatch); not corruption: nothing is quarantined.
         """

@@ -43,6 +43,16 @@ class CorruptCheckpoint(ManifestError):
     """Checksums or sizes do not match what the manifest promises."""
 
 
+class UnsupportedCheckpoint(ManifestError):
+    """A version this pcframe cannot read but another may: a newer format version, or a
+    codec not registered in this process.
+
+    Unlike corruption, it says nothing against the version, so a restore stops here (and
+    renames nothing) instead of going back to an older version: that would drop the newer
+    work and, once the job saves again, let retention delete it.
+    """
+
+
 class NoValidCheckpoint(CheckpointError):
     """Every committed version failed verification."""
 

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+import typing
 from pathlib import Path
 
 from pcframe import __version__
@@ -17,22 +18,17 @@ from pcframe.apps.cli_ranks import (
     refuse_multi_rank_root,
     verify_global,
 )
+from pcframe.apps.cli_versions import (
+    explicit_version,
+    is_checkpoint_dir,
+    not_a_checkpoint_dir,
+    pick,
+)
 from pcframe.errors import CheckpointError, ManifestError
 from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME, Manifest, read_manifest
 from pcframe.format.names import version_number
-from pcframe.restore.reader import load_version
+from pcframe.restore.reader import LoadedVersion, load_version
 from pcframe.store.directory import CheckpointDir
-
-
-def _pick(directory: CheckpointDir, version: int | None) -> int:
-    versions = directory.committed_versions()
-    if not versions:
-        raise CheckpointError(f"{directory.root}: no committed checkpoint versions")
-    if version is None:
-        return versions[-1]
-    if version not in versions:
-        raise CheckpointError(f"{directory.root}: version {version} not found; have {versions}")
-    return version
 
 
 def _manifest(directory: CheckpointDir, version: int) -> Manifest:
@@ -45,6 +41,13 @@ def _manifest(directory: CheckpointDir, version: int) -> Manifest:
             f"{directory.path(version).name}"
         )
     return manifest
+
+
+def _verified(directory: CheckpointDir, version: int, threads: int = 4) -> LoadedVersion:
+    """``version`` read with every chunk and segment checksummed and decoded, the tree too."""
+    loaded = load_version(directory.path(version), threads=threads)
+    loaded.state_tree()
+    return loaded
 
 
 def _when(wall_time: float) -> str:
@@ -81,15 +84,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if is_multi_rank_root(Path(args.directory)):
         return verify_global(Path(args.directory), args.version, args.threads, _one_line)
     directory = CheckpointDir(args.directory)
-    versions = [args.version] if args.version is not None else directory.committed_versions()
+    if args.version is not None:  # a version that is not there: the error inspect gives
+        versions = [explicit_version(directory, args.version)]
+    else:
+        versions = directory.committed_versions()
     if not versions:
         print(f"no committed versions in {directory.root}", file=sys.stderr)
         return 1
     failures = 0
     for version in versions:
         try:  # every chunk checksummed, every segment checksummed and decoded, the tree too
-            loaded = load_version(directory.path(version), threads=max(1, args.threads))
-            loaded.state_tree()
+            loaded = _verified(directory, version, args.threads)
         except (CheckpointError, OSError) as exc:
             failures += 1
             print(f"v{version}: FAILED: {_one_line(exc)}")
@@ -105,8 +110,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     refuse_multi_rank_root(Path(args.directory), "inspect")
     directory = CheckpointDir(args.directory)
-    version = _pick(directory, args.version)
-    manifest = _manifest(directory, version)
+    version, manifest = pick(
+        directory, args.version, lambda v: _manifest(directory, v), "inspect", _one_line
+    )
     if args.json:
         print(json.dumps(_summary(manifest, args.tensors), indent=2))
         return 0
@@ -221,10 +227,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     refuse_multi_rank_root(Path(args.directory), "export")
     directory = CheckpointDir(args.directory)
-    version = _pick(directory, args.version)
+    if args.output:  # refused before the (long) read of the version
+        _check_export_target(Path(args.output), directory.root, args.force)
+    version, loaded = pick(
+        directory, args.version, lambda v: _verified(directory, v), "export", _one_line
+    )
     output = Path(args.output or f"{directory.path(version).name}.safetensors")
     _check_export_target(output, directory.root, args.force)
-    loaded = load_version(directory.path(version))
     tensors = {name: t.contiguous() for name, t in loaded.named_tensors().items()}
     if args.only:
         prefix = args.only.rstrip("/") + "/"
@@ -266,8 +275,28 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line (no usage block first), exit code 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _threads(text: str) -> int:
+    """``--threads``: 1..256 reader threads (the engine's read_threads range), never clamped."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 256:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid: give a whole number of reader threads in 1..256, e.g. 8"
+        )
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pcframe", description=__doc__)
+    parser = _Parser(prog="pcframe", description=__doc__)
     parser.add_argument("--version", action="version", version=f"pcframe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("list", help="committed versions, newest last")
@@ -276,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check manifests and every chunk checksum")
     p.add_argument("directory")
     p.add_argument("--version", type=int)
-    p.add_argument("--threads", type=int, default=8)
+    p.add_argument("--threads", type=_threads, default=8, help="reader threads, 1..256")
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser("inspect", help="a version's summary: state, storage, codecs, engine")
     p.add_argument("directory")
@@ -318,6 +347,9 @@ def _check_directory(path: str) -> None:
         raise CheckpointError(
             f"{root} is the folder of one version; give its parent, the checkpoint directory,{pick}"
         )
+    # A folder pcframe never wrote to is a mistake (a wrong path), not an empty listing.
+    if not is_multi_rank_root(root) and not is_checkpoint_dir(root):
+        raise not_a_checkpoint_dir(root)
 
 
 def _one_line(exc: BaseException) -> str:

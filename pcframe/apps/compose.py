@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig, OmegaConf
 
+from pcframe.apps.bounds import check_bounds
 from pcframe.apps.schemas import register_app_schemas
 from pcframe.apps.targets import check_targets
 from pcframe.config import EngineConfig
@@ -45,7 +46,8 @@ def compose_config(
 
     ``${hydra:...}`` interpolations (the default checkpoint directory) are not available
     outside a running app: override ``storage.directory`` when the result is used.
-    With ``check``, every ``_target_`` node is checked against its callable's signature.
+    With ``check``, every ``_target_`` node is checked against its callable's signature,
+    and the numeric knobs against their ranges (:mod:`pcframe.apps.bounds`).
     """
     register_app_schemas()
     _register_app(config_name)
@@ -53,6 +55,7 @@ def compose_config(
         cfg = compose(config_name, overrides=list(overrides))
     if check:
         check_targets(cfg)
+        check_bounds(cfg, config_name)
     return cfg
 
 

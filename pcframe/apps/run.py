@@ -24,10 +24,10 @@ from typing import Any
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
+from pcframe.apps.bounds import check_bounds
 from pcframe.apps.compose import engine_config, quiet_missing_user_conf
 from pcframe.apps.errors import reported, run_app
 from pcframe.apps.machine import describe_threads, resolve_threads
@@ -37,7 +37,8 @@ from pcframe.apps.preemption.plan import Measured, check_plan, plan
 from pcframe.apps.progress import StepProgress
 from pcframe.apps.schemas import register_app_schemas
 from pcframe.apps.summary import Summary, overhead_text, print_summary, write_summary
-from pcframe.apps.targets import check_targets
+from pcframe.apps.targets import build as build_target
+from pcframe.apps.targets import check_targets, locate
 from pcframe.apps.training import train
 from pcframe.apps.tuning.report import tuned_config_warnings
 from pcframe.apps.workloads import build
@@ -70,6 +71,8 @@ def run_in_process(cfg: DictConfig) -> Summary:
     engine = engine_config(cfg)
     workload_args = OmegaConf.to_container(cfg.workload.args, resolve=True)
     summary = _common(cfg, threads)
+    # Built before the warm-up: an argument the policy refuses is reported before any step.
+    policy = build_target(cfg.policy.interval, "policy.interval")
 
     def fresh() -> Any:
         return build(cfg.workload.name, **workload_args)
@@ -90,7 +93,6 @@ def run_in_process(cfg: DictConfig) -> Summary:
         # The baseline runs before and after the checkpointed run: their mean cancels drift
         # of the machine's speed, and their difference shows how much a run varies by itself.
         before = baseline("without checkpoints (1 of 2)") if cfg.baseline else None
-        policy = instantiate(cfg.policy.interval)
         bar.start("with checkpoints", cfg.steps)
         result, checkpointer = train(
             fresh(),
@@ -174,7 +176,7 @@ def fixed_steps_interval(cfg: DictConfig) -> tuple[int | None, bool]:
     """
     node = cfg.policy.interval
     try:
-        if get_object(str(node.get("_target_"))) is not FixedSteps:
+        if locate(str(node.get("_target_"))) is not FixedSteps:
             return None, True
     except Exception:
         return None, True
@@ -190,6 +192,9 @@ def fixed_steps_interval(cfg: DictConfig) -> tuple[int | None, bool]:
 def run_supervised(cfg: DictConfig, out: Path, progress: bool = True) -> Summary:
     """Train under the supervisor with the ``failure`` group's kills (and a reference run)."""
     failure = cfg.failure
+    # The children build the policy; building it here first refuses a bad argument before
+    # the reference run instead of in every child.
+    build_target(cfg.policy.interval, "policy.interval")
     threads = resolve_threads(cfg.threads)
     out.mkdir(parents=True, exist_ok=True)
     final = out / "final.safetensors"
@@ -312,6 +317,7 @@ def _app(cfg: DictConfig) -> None:
 
 def _task(cfg: DictConfig) -> None:
     check_targets(cfg)
+    check_bounds(cfg, "run")
     hydra_cfg = HydraConfig.get()
     console = Console()
     tuned = tuned_config_warnings(cfg, hydra_cfg)

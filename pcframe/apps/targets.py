@@ -9,17 +9,66 @@ and names the key, the parameters that exist and the fix.
 from __future__ import annotations
 
 import inspect
+import logging
+import re
 import types
 import typing
 from typing import Any
 
-from hydra.utils import get_object
+from hydra.errors import InstantiationException
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pcframe.errors import ConfigError
 
 _HYDRA_KEYS = {"_target_", "_args_", "_recursive_", "_convert_", "_partial_"}
 _PLAIN = (bool, int, float, str)
+
+
+def locate(target: str) -> Any:
+    """``hydra.utils.get_object(target)`` without the ERROR line it logs when the import fails.
+
+    Hydra logs that line (through the job's console handler) before re-raising; the callers
+    here report the failure themselves, in one line, so Hydra's lines would only precede it.
+    """
+    logger = logging.getLogger("hydra.utils")
+    was = logger.disabled
+    logger.disabled = True
+    try:
+        return get_object(target)
+    finally:
+        logger.disabled = was
+
+
+def build(node: DictConfig, where: str) -> Any:
+    """``instantiate(node)``; a value the constructor refuses is a :class:`ConfigError`
+    naming the key (``policy.interval.every=0``) instead of Hydra's "Error in call to target".
+
+    Called before training starts, so a bad policy argument does not wait for the warm-up.
+    """
+    try:
+        return instantiate(node)
+    except InstantiationException as exc:
+        cause = exc.__cause__
+        if not isinstance(cause, ValueError | TypeError):
+            raise
+        raise ConfigError(_refused(node, where, str(exc), cause)) from None
+
+
+def _refused(node: DictConfig, where: str, text: str, cause: Exception) -> str:
+    # Hydra's message ends with the full key of the (possibly nested) node that failed.
+    found = re.search(r"full_key: (\S+)", text)
+    path = found.group(1) if found and found.group(1).startswith(where) else where
+    relative = path[len(where) + 1 :]
+    sub = OmegaConf.select(node, relative) if relative else node
+    reason = " ".join(str(cause).split())
+    keys = [str(k) for k in sub if str(k) not in _HYDRA_KEYS] if isinstance(sub, DictConfig) else []
+    for key in keys:  # the constructors' messages say ``name=value``: that names the key
+        if re.search(rf"(?<![\w.]){re.escape(key)}=", reason):
+            value = sub._get_node(key)._value()
+            return f"{path}.{key}={value!r} is invalid: {reason}"
+    target = sub.get("_target_", "?") if isinstance(sub, DictConfig) else "?"
+    return f"{path}: {target} refused its arguments: {reason}; fix the keys of {path}"
 
 
 def check_targets(cfg: DictConfig, path: str = "") -> None:
@@ -49,10 +98,12 @@ def _check_node(node: DictConfig, path: str) -> None:
     target = node._get_node("_target_")._value()
     where = path or "<root>"
     try:
-        obj = get_object(target)
+        obj = locate(target)
     except Exception as exc:
+        # Hydra wraps the import's own error in several lines of its wording: name the cause.
+        root = exc.__cause__ or exc
         raise ConfigError(
-            f"{where}._target_={target!r} cannot be imported ({exc}); "
+            f"{where}._target_={target!r} cannot be imported ({type(root).__name__}: {root}); "
             "fix the dotted path or install the package that provides it"
         ) from None
     try:

@@ -15,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
+from pcframe.apps.bounds import check_bounds
 from pcframe.apps.compose import quiet_missing_user_conf
 from pcframe.apps.errors import reported, run_app
 from pcframe.apps.limits import measure_limits
@@ -98,6 +99,7 @@ def _app(cfg: DictConfig) -> None:
 
 def _task(cfg: DictConfig) -> None:
     check_targets(cfg)
+    check_bounds(cfg, "tune")
     check_schedule(cfg.tune.interval, cfg.tune.steps, cfg.tune.repeats)
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # the tuner prints its own lines
     task = list(HydraConfig.get().overrides.task)

@@ -32,7 +32,7 @@ from pcframe.distributed.handle import DistributedSaveHandle
 from pcframe.distributed.opening import open_shards
 from pcframe.distributed.peers import peers
 from pcframe.distributed.protocol import CommitProtocol, Round
-from pcframe.distributed.verdict import newest_that_verifies
+from pcframe.distributed.verdict import newest_that_verifies, records_to_try
 from pcframe.errors import CheckpointError, NoValidCheckpoint, SaveError
 from pcframe.objects import TrainingObjects
 from pcframe.restore.report import DistributedRestoreReport
@@ -290,13 +290,11 @@ class DistributedCheckpointer:
             CheckpointError: the saved state does not fit the objects given.
             NoValidCheckpoint: global versions exist but none verifies.
             RestoreIOError, CheckpointError: a rank cannot read its part, or a rank is gone.
+            UnsupportedCheckpoint: the newest version is of a newer format or codec.
         """
         self.wait()
         start = time.perf_counter()
-        box: list[Any] = [rec.valid_records(self.root) if self.rank == 0 else None]
-        with peers("restore"):
-            dist.broadcast_object_list(box, group=self._control, group_src=0)
-        records, invalid = box[0]
+        records, invalid = records_to_try(self.root, self.rank, self._control)
         report = DistributedRestoreReport(skipped=list(invalid))
         objects = TrainingObjects(
             self.model,

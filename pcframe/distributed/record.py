@@ -33,7 +33,7 @@ from typing import Any
 
 import crc32c
 
-from pcframe.errors import CorruptCheckpoint, ManifestError
+from pcframe.errors import CorruptCheckpoint, ManifestError, UnsupportedCheckpoint
 from pcframe.format.files import NotRegularFile, read_small
 from pcframe.format.names import version_from_digits, version_name, version_number
 from pcframe.store.directory import fsync_dir, write_file_durably
@@ -181,9 +181,11 @@ def read_record(path: Path) -> GlobalRecord:
         header = None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise CorruptCheckpoint(f"{path}: not a pcframe global record (truncated?); {fix}")
-    if header.get("format_version") != FORMAT_VERSION:
-        raise ManifestError(
-            f"{path}: global record format_version {header.get('format_version')!r} is not "
+    written = header.get("format_version")
+    if written != FORMAT_VERSION:
+        newer = type(written) is int and written > FORMAT_VERSION  # a newer writer, not damage
+        raise (UnsupportedCheckpoint if newer else ManifestError)(
+            f"{path}: global record format_version {written!r} is not "
             f"supported (this pcframe reads {FORMAT_VERSION}); upgrade pcframe to read it"
         )
     if header.get("body_bytes") != len(body) or header.get("body_crc32c") != (
@@ -250,12 +252,23 @@ def parse_record(body: Any, where: str = "<global record>") -> GlobalRecord:
     return GlobalRecord(version, step, float(wall_time), world_size, tuple(shards))
 
 
-def valid_records(root: Path) -> tuple[list[GlobalRecord], list[tuple[int, str]]]:
-    """Every record that validates, newest first, and (version, reason) for those that do not."""
+def valid_records(
+    root: Path, *, refuse_newer: bool = False
+) -> tuple[list[GlobalRecord], list[tuple[int, str]]]:
+    """Every record that validates, newest first, and (version, reason) for those that do not.
+
+    Raises:
+        UnsupportedCheckpoint: with ``refuse_newer`` (a restore), when a record newer than
+            every valid one is of a newer format: restoring an older one would drop its work.
+    """
     good, bad = [], []
     for version in reversed(record_versions(root)):
         try:
             good.append(read_record(record_path(root, version)))
+        except UnsupportedCheckpoint as exc:
+            if refuse_newer and not good:
+                raise
+            bad.append((version, str(exc)))
         except (ManifestError, OSError) as exc:
             bad.append((version, str(exc)))
     return good, bad

@@ -32,10 +32,10 @@ from pcframe.distributed.index import SavedIndex
 from pcframe.distributed.peers import peers
 from pcframe.distributed.protocol import CommitProtocol
 from pcframe.distributed.restore import Prepared, ReshardError, prepare
-from pcframe.errors import CheckpointError, ManifestError, RestoreIOError
+from pcframe.errors import CheckpointError, ManifestError, RestoreIOError, UnsupportedCheckpoint
 from pcframe.objects import TrainingObjects
 from pcframe.restore.report import DistributedRestoreReport
-from pcframe.restore.sources import READ_ATTEMPTS, read_with_retries
+from pcframe.restore.sources import READ_ATTEMPTS, read_with_retries, stop_at_unsupported
 
 log = logging.getLogger("pcframe")
 
@@ -44,7 +44,32 @@ class Verdict(Enum):
     OK = "ok"
     CORRUPT = "corrupt"  # a checksum, a manifest or the record itself is wrong: skip it
     UNREADABLE = "unreadable"  # an I/O error that outlasted the retries
+    UNSUPPORTED = "unsupported"  # a newer format or an unregistered codec: stop, move nothing
     INCOMPATIBLE = "incompatible"  # the saved state does not fit this job's objects
+
+
+def records_to_try(
+    root: Path, rank: int, group: Any
+) -> tuple[list[rec.GlobalRecord], list[tuple[int, str]]]:
+    """Rank 0's valid records, newest first, and the invalid ones, on every rank (collective).
+
+    Raises:
+        UnsupportedCheckpoint: on every rank, when the newest record is of a newer format.
+    """
+    box: list[Any] = [None]
+    if rank == 0:  # an error goes to every rank too, so none waits in the broadcast alone
+        try:
+            box[0] = rec.valid_records(root, refuse_newer=True)
+        except UnsupportedCheckpoint as exc:
+            back = "move that record out of global/ to restore an older version"
+            box[0] = UnsupportedCheckpoint(
+                stop_at_unsupported("the newest global record", exc, back)
+            )
+    with peers("restore"):
+        dist.broadcast_object_list(box, group=group, group_src=0)
+    if isinstance(box[0], UnsupportedCheckpoint):
+        raise box[0]
+    return box[0]
 
 
 def try_global_version(
@@ -66,6 +91,8 @@ def try_global_version(
 
     Raises:
         RestoreIOError: some rank could not read its part; nothing was renamed or deleted.
+        UnsupportedCheckpoint: some rank cannot read its part's format or codec; nothing
+            was renamed or deleted.
         ReshardError, CheckpointError: the state cannot be laid out for these objects.
     """
     error: BaseException | None = None
@@ -75,6 +102,8 @@ def try_global_version(
         prepared = read_with_retries(
             lambda: prepare(index, objects, rank, world_size, reshard, threads)
         )
+    except UnsupportedCheckpoint as exc:
+        mine = (Verdict.UNSUPPORTED, str(exc), type(exc).__name__)
     except ManifestError as exc:
         mine = (Verdict.CORRUPT, str(exc), type(exc).__name__)
     except OSError as exc:  # retried already
@@ -90,6 +119,17 @@ def try_global_version(
                 raise error
             cls = ReshardError if name == "ReshardError" else CheckpointError
             raise cls(f"rank {other}: {message}")
+    unsupported = [
+        f"rank {r}: {v[1]}" for r, v in enumerate(verdicts) if v[0] is Verdict.UNSUPPORTED
+    ]
+    if unsupported:
+        raise UnsupportedCheckpoint(
+            stop_at_unsupported(
+                f"global version {record.version}",
+                "; ".join(unsupported),
+                f"move {rec.record_path(root, record.version)} aside to restore an older version",
+            )
+        )
     unreadable = [f"rank {r}: {v[1]}" for r, v in enumerate(verdicts) if v[0] is Verdict.UNREADABLE]
     if unreadable:
         raise RestoreIOError(

@@ -32,7 +32,7 @@ from typing import Any
 
 import crc32c
 
-from pcframe.errors import CorruptCheckpoint, ManifestError
+from pcframe.errors import CorruptCheckpoint, ManifestError, UnsupportedCheckpoint
 from pcframe.format.checksum import CHECKSUMS
 from pcframe.format.files import open_regular
 from pcframe.format.layout import Entry
@@ -119,7 +119,9 @@ def read_manifest(path: str) -> Manifest:
         raise ManifestError(f"{path}: not a pcframe manifest (header {line[:80]!r})")
     format_version = header.get("format_version")
     if type(format_version) is not int or format_version not in READABLE_VERSIONS:
-        raise ManifestError(
+        # A newer version number is a newer writer, not damage: the version stays as it is.
+        newer = type(format_version) is int and format_version > max(READABLE_VERSIONS)
+        raise (UnsupportedCheckpoint if newer else ManifestError)(
             f"{path}: manifest format_version {format_version!r} is not supported by this "
             f"pcframe (reads versions {', '.join(map(str, READABLE_VERSIONS))}); upgrade pcframe "
             "to read it"
@@ -143,8 +145,8 @@ def parse_body(body: Any, path: str = "<manifest>", format_version: int = 1) -> 
     ``format_version`` comes from the header: version 1 bodies may not use codecs.
     """
 
-    def fail(reason: str) -> ManifestError:
-        return ManifestError(f"{path}: {reason}")
+    def fail(reason: str, kind: type[ManifestError] = ManifestError) -> ManifestError:
+        return kind(f"{path}: {reason}")
 
     def integer(value: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pcframe.errors import UnsupportedCheckpoint
 from pcframe.format.records import CODEC_NAME, SegmentRecord
 from pcframe.kernels.dtypes import DTYPES
 
@@ -35,9 +36,13 @@ class CodedSegments:
                 f"tensor {name!r} uses codec {codec!r}, unknown to format version 1 (raw only)"
             )
         if codec not in available_codecs():
+            # A name this process lacks may be a newer pcframe's or a plugin's not imported
+            # here: unsupported, not corrupt (the caller refused anything but a name).
             raise self.fail(
-                f"tensor {name!r} uses unknown codec {codec!r}; this pcframe knows "
-                f"{', '.join(available_codecs())} (a newer pcframe or a plugin may add more)"
+                f"tensor {name!r} uses unknown codec {codec!r:.60}; this pcframe knows "
+                f"{', '.join(available_codecs())} (a newer pcframe or a plugin may add more: "
+                "upgrade pcframe or import the plugin that registers it)",
+                UnsupportedCheckpoint,
             )
         self.needs_base = self.needs_base or get_codec(codec).needs_previous
 

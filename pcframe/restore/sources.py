@@ -1,6 +1,6 @@
 """Where a restore reads from, and the newest-first walk that falls back on corruption.
 
-Two kinds of failure are told apart, because only one of them says anything about the
+Three kinds of failure are told apart, because only one of them says anything against the
 checkpoint:
 
 * **corruption** (a checksum or structure mismatch of bytes actually read, a missing or
@@ -10,7 +10,10 @@ checkpoint:
   retried with backoff; if it keeps failing, the same version is tried from the next tier
   that holds it, and if none can be read, restore raises
   :class:`~pcframe.errors.RestoreIOError` naming the file and errno. Nothing is renamed, and
-  restore never silently goes back to an older version because storage hiccuped.
+  restore never silently goes back to an older version because storage hiccuped;
+* a version this pcframe **cannot read but another may** (a newer format version, a codec
+  not registered in this process: :class:`~pcframe.errors.UnsupportedCheckpoint`): restore
+  stops with an error naming the version and the fix, and renames nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import TypeVar
 
 import torch
 
-from pcframe.errors import CheckpointError, ManifestError, RestoreIOError
+from pcframe.errors import CheckpointError, ManifestError, RestoreIOError, UnsupportedCheckpoint
 from pcframe.restore.reader import LoadedVersion, load_version
 from pcframe.restore.reading import out_of_memory
 from pcframe.restore.report import RestoreReport
@@ -86,6 +89,8 @@ def load_first_valid(
     Raises:
         RestoreIOError: a version could not be read from any tier holding it (I/O errors
             after retries); nothing was renamed.
+        UnsupportedCheckpoint: the newest version is of a newer format or codec; nothing
+            was renamed.
     """
     io_failed: dict[int, list[str]] = {}  # version -> I/O failures, one per source
     for source in sources:  # newest version first; a version's tiers are contiguous
@@ -93,6 +98,10 @@ def load_first_valid(
             break  # a newer version failed only with I/O errors: never go back silently
         try:
             loaded = _load_with_retries(source, threads, backoff, targets)
+        except UnsupportedCheckpoint as exc:
+            what = f"checkpoint version {source.version}"
+            what += f" in tier {source.tier}" if source.tier else ""
+            raise UnsupportedCheckpoint(stop_at_unsupported(what, exc)) from None
         except ManifestError as exc:
             reason = f"in tier {source.tier}: {exc}" if source.tier else str(exc)
             report.skipped.append((source.version, reason))
@@ -119,6 +128,18 @@ def load_first_valid(
             "fix the storage (or free file descriptors / memory) and restore again"
         )
     return None
+
+
+def stop_at_unsupported(
+    what: str, exc: UnsupportedCheckpoint | str, back: str = "restore(version=...) an older one"
+) -> str:
+    """The message of a restore that stops at ``what`` (e.g. "checkpoint version 7"), which
+    this pcframe cannot read; ``back``: how to resume from an older version on purpose."""
+    return (
+        f"{what} cannot be read by this pcframe: {exc}; nothing was renamed or deleted "
+        "(falling back would drop its work): upgrade pcframe or import the plugin, or "
+        f"{back} on purpose"
+    )
 
 
 def read_with_retries(

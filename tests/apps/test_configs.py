@@ -10,8 +10,9 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from pcframe.apps.compose import engine_config
+from pcframe.apps.compose import compose_config, engine_config
 from pcframe.apps.preemption import kill_times
+from pcframe.apps.targets import build as build_target
 from pcframe.apps.tuning import Tuner, base_params, fixed_knobs, parse_space
 from pcframe.apps.workloads import build
 from pcframe.errors import ConfigError
@@ -231,10 +232,40 @@ def test_out_of_range_engine_value_names_the_key_and_fix(tmp_path):
     ids=str,
 )
 def test_bad_failure_values_name_the_key(overrides, text, tmp_path):
+    # Composing refuses a value out of range (pcframe.apps.bounds); kill_times checks the
+    # rest, and the same values again when the config does not come through compose.
+    with pytest.raises(ConfigError) as info:
+        kill_times(compose("run", *overrides, directory=tmp_path).failure)
+    assert text in str(info.value)
+    unchecked = compose_config("run", [f"storage.directory={tmp_path}", *overrides], check=False)
+    with pytest.raises(ConfigError) as info:
+        kill_times(unchecked.failure)
+    assert text in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["policy.interval.every=0"], "policy.interval.every=0 is invalid: FixedSteps"),
+        (
+            ["policy/interval=notice", "policy.interval.source.window=0"],
+            "policy.interval.source.window=0 is invalid",
+        ),
+        (["policy/interval=daly", "policy.interval.form=approx"], "policy.interval.form='approx'"),
+    ],
+    ids=str,
+)
+def test_a_value_the_policy_refuses_names_the_key(tmp_path, overrides, words):
     cfg = compose("run", *overrides, directory=tmp_path)
     with pytest.raises(ConfigError) as info:
-        kill_times(cfg.failure)
-    assert text in str(info.value)
+        build_target(cfg.policy.interval, "policy.interval")
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_unknown_target_logs_nothing_before_its_one_line(tmp_path, caplog):
+    with pytest.raises(ConfigError, match="ModuleNotFoundError: No module named 'nosuch'"):
+        compose("run", "policy.interval._target_=nosuch.Policy", directory=tmp_path)
+    assert not [r for r in caplog.records if r.name.startswith("hydra")], caplog.text
 
 
 @pytest.mark.parametrize(

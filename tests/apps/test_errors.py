@@ -33,6 +33,14 @@ def run_script(name: str, *args: str, cwd: Path, env: dict, timeout: float = 120
         ("+engine.evry=5", "engine.evry", "engine's options are"),
         ("+policy.interval.erly=3", "policy.interval.erly", "it takes: every"),
         ("engine.max_in_flight=0", "engine.max_in_flight=0", "use 1..64"),
+        # ran (training nothing, or a model without units) and exited 0 before
+        ("steps=-5", "steps=-5", "a whole number >= 1"),
+        ("steps=0", "steps=0", "a whole number >= 1"),
+        ("workload.args.hidden=0", "workload.args.hidden=0", "a whole number >= 1"),
+        # Hydra's "Error getting object" lines came before the one line
+        ("policy.interval._target_=nosuch.Policy", "policy.interval._target_", "No module"),
+        # reported in Hydra's wording, after the warm-up had run
+        ("policy.interval.every=0", "policy.interval.every=0", "must be >= 1 step"),
     ],
     ids=str,
 )
@@ -45,6 +53,17 @@ def test_a_bad_override_is_one_line_and_exit_code_2(tmp_path, app_env, override,
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("pcframe-run: error: ") and key in lines[0] and fix in lines[0]
     assert "Traceback" not in result.stderr and result.stdout == ""
+    assert not (tmp_path / "out" / "checkpoints").exists()  # refused before anything ran
+
+
+def test_a_bad_policy_argument_is_refused_before_a_supervised_run(tmp_path, app_env):
+    """The children build the policy; the parent refuses it first, before the reference run."""
+    args = ["failure=poisson", "policy.interval.every=0", f"hydra.run.dir={tmp_path / 'out'}"]
+    result = run_script("pcframe-run", *args, cwd=tmp_path, env=app_env)
+    assert result.returncode == USAGE_ERROR, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "policy.interval.every=0 is invalid" in line
+    assert not (tmp_path / "out" / "reference-checkpoints").exists()
 
 
 def test_hydra_full_error_shows_the_trace(tmp_path, app_env):
@@ -98,6 +117,16 @@ def test_help_lists_only_this_apps_groups(tmp_path, app_env):
         ["engine.max_in_flight=[1"],
         ["+policy.interval.evry=3"],
         ["threads=1.5"],
+        # out of range (pcframe.apps.bounds)
+        ["steps=0"],
+        ["workload.args.hidden=0"],
+        ["workload.args.lr=0"],
+        ["workload.args.dropout=1.5"],
+        ["workload=gpt", "workload.args.heads=0"],
+        ["workload=gpt", "workload.args.width=102"],
+        ["failure=poisson", "failure.timeout=0"],
+        ["failure=poisson", "failure.max_kills=-1"],
+        ["failure=trace", "failure.offset=-1"],
     ],
     ids=str,
 )
@@ -107,6 +136,39 @@ def test_every_composition_error_is_described_in_one_line(overrides, tmp_path):
     code, text = describe_error(info.value)
     assert code == USAGE_ERROR and text and "\n" not in text
     assert overrides[-1].split("=")[0].lstrip("+") in text
+
+
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
+        ("tune.steps=0", "tune.steps=0 is out of range: give a whole number >= 1"),
+        ("tune.repeats=-1", "tune.repeats=-1 is out of range"),
+        ("tune.warmup_steps=-1", "tune.warmup_steps=-1 is out of range: give a whole number >= 0"),
+        ("tune.timeout=0", "tune.timeout=0.0 is out of range: give a number > 0 or null"),
+        ("tune.memory_budget=0", "tune.memory_budget=0 is out of range"),
+        ("workload.args.batch_size=0", "workload.args.batch_size=0 is out of range"),
+    ],
+    ids=str,
+)
+def test_tune_values_out_of_range_name_the_key_and_the_range(tmp_path, override, words):
+    with pytest.raises(ConfigError) as info:
+        compose("tune", override, directory=tmp_path)
+    assert describe_error(info.value) == (USAGE_ERROR, str(info.value))
+    assert words in str(info.value)
+
+
+def test_values_in_range_and_the_shipped_configs_are_accepted(tmp_path):
+    """The bounds refuse only what cannot work: edges that do (0 layers, 0 kills) pass."""
+    for overrides in (
+        ["workload.args.layers=0", "workload.args.dropout=0", "steps=1"],
+        ["failure=poisson", "failure.max_kills=0", "failure.restart_delay=0"],
+        ["experiment=smoke"],
+        ["experiment=gpt_poisson"],
+        ["experiment=pccheck_trace"],
+    ):
+        compose("run", *overrides, directory=tmp_path)
+    for tune in ("quick", "default", "matrix", "multi"):
+        compose("tune", f"tune={tune}", "tune.confirm=0", "tune.heartbeat=0", directory=tmp_path)
 
 
 def test_engine_values_out_of_range_are_described(tmp_path):

@@ -355,6 +355,48 @@ def test_a_corrupt_global_version_stops_counting_so_the_good_one_before_it_survi
     assert rec.record_versions(root) == [3]
 
 
+def _set_header(path: Path, **fields) -> None:
+    """Change a manifest's or record's header line (outside the body's checksum)."""
+    header, body = path.read_bytes().split(b"\n", 1)
+    path.write_bytes(json.dumps(json.loads(header) | fields).encode() + b"\n" + body)
+
+
+def _tree(root: Path) -> list[str]:
+    # What a start takes or leaves whatever happens next (its locks, the clean-exit marks).
+    def kept(p: Path) -> bool:
+        return not p.name.endswith(".lock") and p.name != ".clean-exit"
+
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if kept(p))
+
+
+def test_a_newer_writers_global_version_stops_the_restore_and_moves_nothing(tmp_path):
+    """A shard of a newer format (or codec) on one rank, or a record of a newer format, is
+    no corruption: every rank stops with one error, and no record or shard is set aside.
+
+    Before, the shard read as corrupt: v4's record was moved aside, v3 restored, and the
+    next publication pruned v4's shards, so the newer work was gone.
+    """
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    args = ["train", "--root", str(root), "--out", str(out)]
+    run_job(2, [*args, "--tag", "first"], tmp_path / "logs1").check()  # keeps v3 v4
+    _set_header(root / "rank-1" / "v00000004" / MANIFEST_NAME, format_version=99)
+    before = _tree(root)
+    job = run_job(2, [*args, "--tag", "second"], tmp_path / "logs2", kill_on_failure=False)
+    for rank in (0, 1):
+        assert job.returncodes[rank] != 0, job.logs[rank][-3000:]
+        assert "UnsupportedCheckpoint: global version 4 cannot be read" in job.logs[rank]
+        assert "rank 1: " in job.logs[rank] and "format_version 99" in job.logs[rank]
+    assert _tree(root) == before
+    # A global record of a newer format stops it the same way.
+    _set_header(root / "rank-1" / "v00000004" / MANIFEST_NAME, format_version=1)
+    _set_header(rec.record_path(root, 4), format_version=2)
+    job = run_job(2, [*args, "--tag", "third"], tmp_path / "logs3", kill_on_failure=False)
+    for rank in (0, 1):
+        assert "UnsupportedCheckpoint: the newest global record cannot be read" in job.logs[rank]
+    assert _tree(root) == before
+
+
 def test_an_exception_on_one_rank_ends_the_job_instead_of_hanging_it(tmp_path):
     """Leaving the ``with`` block on an exception takes part in no collective.
 

@@ -143,3 +143,42 @@ def test_export_never_writes_over_a_checkpoint_or_an_unnamed_file(tmp_path, pyth
     assert device.returncode == 2 and "not a regular file" in device.stderr
     missing = cli(python, "export", root, "-o", tmp_path / "no" / "such" / "x.st")
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+def test_wrong_folders_versions_and_threads_are_one_line_and_exit_code_2(tmp_path, python):
+    """Each of these once exited 0 (an empty listing, 1 thread for -5) or said something
+    other than what inspect and export say for the same mistake."""
+    stranger = tmp_path / "photos"
+    stranger.mkdir()
+    (stranger / "cat.jpg").write_bytes(b"meow")
+    for command in ("list", "verify", "inspect"):
+        result = cli(python, command, stranger)
+        assert result.returncode == 2, (command, result.stdout)
+        assert "not a pcframe checkpoint directory" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    make(root)
+    result = cli(python, "verify", root, "--version", "99")
+    assert result.returncode == 2 and "version 99 not found; have [1, 2]" in result.stderr
+    for threads in ("-5", "0", "many"):
+        result = cli(python, "verify", root, "--threads", threads)
+        assert result.returncode == 2 and "1..256" in result.stderr, threads
+        assert len(result.stderr.strip().splitlines()) == 1 and result.stdout == ""
+
+
+def test_a_damaged_newest_version_is_skipped_by_inspect_and_export_and_named(tmp_path, python):
+    model = make(tmp_path)
+    (tmp_path / "v00000003").mkdir()  # a version folder with nothing in it
+    (tmp_path / "v00000003" / "manifest.json").write_text("not json")
+    inspect = cli(python, "inspect", tmp_path, "--json")
+    assert inspect.returncode == 0, inspect.stderr
+    assert json.loads(inspect.stdout)["step"] == 20
+    (warning,) = inspect.stderr.strip().splitlines()
+    assert "using version 2" in warning and "version 3" in warning
+    out = tmp_path.parent / f"{tmp_path.name}-export.safetensors"
+    export = cli(python, "export", tmp_path, "-o", out)
+    assert export.returncode == 0, export.stderr
+    assert torch.equal(load_file(out)["model/weight"], model.weight.detach())
+    explicit = cli(python, "inspect", tmp_path, "--version", "3")
+    assert explicit.returncode == 2 and "v00000003" in explicit.stderr

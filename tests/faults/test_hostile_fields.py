@@ -15,6 +15,7 @@ import struct
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from pcframe import Checkpointer, ManifestError
 from pcframe.format.names import MAX_VERSION
@@ -177,7 +178,7 @@ PAYLOADS = {
 
 
 def check_refused(root, message, *, manifest_level=True):
-    """verify fails v2 in one line; restore falls back to v1 and says why."""
+    """verify fails v2 in one line; inspect, export and restore fall back to v1 and say why."""
     code, out, err = run_cli("verify", root)
     assert code == 1, out + err
     lines = out.splitlines()
@@ -189,8 +190,9 @@ def check_refused(root, message, *, manifest_level=True):
     for command in ("inspect", "export") if manifest_level else ("export",):
         extra = ["-o", root / "out.safetensors"] if command == "export" else []
         code, out, err = run_cli(command, root, *extra)
-        assert code == 2 and len(err.splitlines()) == 1, (command, out, err)
-        assert "Traceback" not in err
+        assert code == 0 and len(err.splitlines()) == 1, (command, out, err)
+        assert "using version 1" in err and "skipped the newer version 2" in err, err
+        assert re.search(message, err) and "Traceback" not in err, err
     with pytest.raises(ManifestError, match=message):
         load_version(root / "v00000002").state_tree()
     o = objects(64 if "coded" in root.name else 8)
@@ -225,8 +227,12 @@ def test_undecodable_payload_with_a_valid_checksum_falls_back(coded, case):
 
 def test_duplicate_names_never_export_a_subset(plain):
     rewrite(plain / "v00000002", lambda b: b["tensors"][1].update(name=b["tensors"][0]["name"]))
-    code, _, err = run_cli("export", plain, "-o", plain / "x.safetensors")
-    assert code == 2 and "more than once" in err and not (plain / "x.safetensors").exists()
+    out = plain.parent / "x.safetensors"
+    code, _, err = run_cli("export", plain, "--version", "2", "-o", out)
+    assert code == 2 and "more than once" in err and not out.exists()
+    code, _, err = run_cli("export", plain, "-o", out)  # the newest that reads back: all of v1
+    assert code == 0 and "more than once" in err and "using version 1" in err, err
+    assert set(load_file(out)) == set(load_version(plain / "v00000001").named_tensors())
 
 
 @pytest.mark.parametrize("where", ["tensor name", "tree key"])
@@ -243,6 +249,8 @@ def test_hostile_names_are_escaped_on_one_line(plain, where):
     code, out, _ = run_cli("list", plain)
     assert code == 1 and len(out.splitlines()) == 3 and "\x1b" not in out, out
     code, out, err = run_cli("inspect", plain)
+    assert code == 0 and len(err.splitlines()) == 1 and "\x1b" not in err, err
+    code, out, err = run_cli("inspect", plain, "--version", "2")
     assert code == 2 and len(err.splitlines()) == 1 and "\x1b" not in err, err
 
 
@@ -251,7 +259,8 @@ def test_cli_is_one_line_in_a_real_process(plain, python):
     import subprocess
 
     rewrite(plain / "v00000002", lambda b: first(b).update(dtype=["float32"]))
-    for command, expected in (("list", 1), ("verify", 1), ("inspect", 2), ("export", 2)):
+    # inspect and export read v1, the newest that reads back, and name v2 on stderr
+    for command, expected in (("list", 1), ("verify", 1), ("inspect", 0), ("export", 0)):
         result = subprocess.run(
             [python, "-m", "pcframe.apps.cli", command, str(plain)],
             capture_output=True,

@@ -1,0 +1,89 @@
+"""Which version ``pcframe inspect`` and ``export`` read, and what counts as a checkpoint folder.
+
+Without ``--version`` a command reads the newest version that *reads back* (its manifest,
+for ``inspect``; every chunk verified, for ``export``), as a restore does: a newer version
+folder that is empty, garbage or damaged is skipped, and one line on stderr names it and
+why. With ``--version N`` that version is read or the command fails, naming it.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from pcframe.errors import CheckpointError
+from pcframe.store.directory import CLEAN_EXIT, LATEST, LOCK, CheckpointDir
+from pcframe.store.starts import STARTS
+
+T = TypeVar("T")
+
+# What a Checkpointer leaves in its folder: a version (``v00000012``), one being written
+# (``v00000013.tmp``) or deleted (``.trash-v00000009``), LATEST, the lock, the start count.
+_MARKERS = {LATEST, LOCK, CLEAN_EXIT, STARTS}
+_VERSION_LIKE = re.compile(r"^(\.trash-)?v\d{8,}")
+
+
+def is_checkpoint_dir(root: Path) -> bool:
+    """Whether ``root`` holds anything pcframe writes (a folder it never wrote to does not)."""
+    try:
+        names = [p.name for p in root.iterdir()]
+    except OSError:
+        return False
+    return any(name in _MARKERS or _VERSION_LIKE.match(name) for name in names)
+
+
+def not_a_checkpoint_dir(root: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{root}: not a pcframe checkpoint directory (no committed checkpoint versions, and "
+        "nothing a Checkpointer writes: no vNNNNNNNN folders, LATEST or .writer.lock); give "
+        "the directory a Checkpointer saved to"
+    )
+
+
+def explicit_version(directory: CheckpointDir, version: int) -> int:
+    """``version`` if it is a committed version folder; the same error for every command."""
+    versions = directory.committed_versions()
+    if not versions:
+        raise CheckpointError(f"{directory.root}: no committed checkpoint versions")
+    if version not in versions:
+        raise CheckpointError(f"{directory.root}: version {version} not found; have {versions}")
+    return version
+
+
+def pick(
+    directory: CheckpointDir,
+    version: int | None,
+    read: Callable[[int], T],
+    command: str,
+    one_line: Callable[[BaseException], str],
+) -> tuple[int, T]:
+    """``(version, read(version))``: ``version``, or the newest one ``read`` accepts.
+
+    ``read`` raises :class:`CheckpointError` or ``OSError`` for a version it cannot use.
+    Skipped newer versions are named on stderr, in one line, before the command's output.
+    """
+    if version is not None:
+        return version, read(explicit_version(directory, version))
+    versions = directory.committed_versions()
+    if not versions:
+        raise CheckpointError(f"{directory.root}: no committed checkpoint versions")
+    skipped: list[str] = []
+    for candidate in reversed(versions):
+        try:
+            value = read(candidate)
+        except (CheckpointError, OSError) as exc:
+            skipped.append(f"version {candidate} ({one_line(exc)})")
+            continue
+        if skipped:
+            print(
+                f"pcframe {command}: warning: using version {candidate}, the newest that reads "
+                f"back; skipped the newer {'; '.join(skipped)}; --version picks one",
+                file=sys.stderr,
+            )
+        return candidate, value
+    raise CheckpointError(
+        f"{directory.root}: no committed version reads back: {'; '.join(skipped)}"
+    )
