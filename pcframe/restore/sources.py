@@ -134,11 +134,11 @@ def stop_at_unsupported(
     what: str, exc: UnsupportedCheckpoint | str, back: str = "restore(version=...) an older one"
 ) -> str:
     """The message of a restore that stops at ``what`` (e.g. "checkpoint version 7"), which
-    this pcframe cannot read; ``back``: how to resume from an older version on purpose."""
+    this pcframe cannot read; ``back``: how to resume from an older version on purpose.
+    ``exc`` already says how to read it (upgrade pcframe, import the codec's plugin)."""
     return (
         f"{what} cannot be read by this pcframe: {exc}; nothing was renamed or deleted "
-        "(falling back would drop its work): upgrade pcframe or import the plugin, or "
-        f"{back} on purpose"
+        f"(falling back would drop its work); to go back on purpose: {back}"
     )
 
 
