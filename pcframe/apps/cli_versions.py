@@ -21,9 +21,11 @@ from pcframe.store.starts import STARTS
 T = TypeVar("T")
 
 # What a Checkpointer leaves in its folder: a version (``v00000012``), one being written
-# (``v00000013.tmp``) or deleted (``.trash-v00000009``), LATEST, the lock, the start count.
+# (``v00000013.tmp``), deleted (``.trash-v00000009``) or quarantined by a restore
+# (``.corrupt-v00000011-<pid>``: a folder of only those is one whose versions all failed),
+# LATEST, the lock, the start count.
 _MARKERS = {LATEST, LOCK, CLEAN_EXIT, STARTS}
-_VERSION_LIKE = re.compile(r"^(\.trash-)?v\d{8,}")
+_VERSION_LIKE = re.compile(r"^(\.trash-|\.corrupt-)?v\d{8,}")
 
 
 def is_checkpoint_dir(root: Path) -> bool:

@@ -156,6 +156,10 @@ def test_wrong_folders_versions_and_threads_are_one_line_and_exit_code_2(tmp_pat
         assert result.returncode == 2, (command, result.stdout)
         assert "not a pcframe checkpoint directory" in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
+    quarantined = tmp_path / "all-failed"  # every version was set aside by a restore
+    (quarantined / ".corrupt-v00000001-77").mkdir(parents=True)
+    result = cli(python, "list", quarantined)
+    assert result.returncode == 0 and "no committed versions" in result.stdout, result.stderr
     root = tmp_path / "ckpt"
     root.mkdir()
     make(root)
