@@ -23,6 +23,7 @@ from pcframe.apps.cli_versions import (
     is_checkpoint_dir,
     not_a_checkpoint_dir,
     pick,
+    quarantined,
 )
 from pcframe.errors import CheckpointError, ManifestError
 from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME, Manifest, read_manifest
@@ -77,6 +78,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"{version:>8} {manifest.step:>10} {manifest.data_size:>12}  {when}{mark}")
     if not versions:
         print(f"(no committed versions in {directory.root})")
+    if set_aside := quarantined(directory.root):  # else a version that failed just vanishes
+        print(f"(set aside by a restore as damaged, kept for inspection: {', '.join(set_aside)})")
     return 1 if unreadable else 0
 
 

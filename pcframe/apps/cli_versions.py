@@ -37,6 +37,14 @@ def is_checkpoint_dir(root: Path) -> bool:
     return any(name in _MARKERS or _VERSION_LIKE.match(name) for name in names)
 
 
+def quarantined(root: Path) -> list[str]:
+    """The versions a restore set aside as damaged (kept for inspection), oldest first."""
+    try:
+        return sorted(p.name for p in root.iterdir() if p.name.startswith(".corrupt-v"))
+    except OSError:
+        return []
+
+
 def not_a_checkpoint_dir(root: Path) -> CheckpointError:
     return CheckpointError(
         f"{root}: not a pcframe checkpoint directory (no committed checkpoint versions, and "

@@ -160,6 +160,8 @@ def test_wrong_folders_versions_and_threads_are_one_line_and_exit_code_2(tmp_pat
     (quarantined / ".corrupt-v00000001-77").mkdir(parents=True)
     result = cli(python, "list", quarantined)
     assert result.returncode == 0 and "no committed versions" in result.stdout, result.stderr
+    assert "set aside by a restore as damaged" in result.stdout
+    assert ".corrupt-v00000001-77" in result.stdout
     root = tmp_path / "ckpt"
     root.mkdir()
     make(root)
