@@ -56,11 +56,9 @@ def _positive(what: str, null: bool = False) -> Range:
     return Range(0, what, above=True, null=null)
 
 
-_SECONDS = "seconds"
-
 # A failure group's keys exist only in the modes that have them (none has no max_kills).
 FAILURE = {
-    "failure.restart_delay": Range(0, _SECONDS),
+    "failure.restart_delay": Range(0, "seconds"),
     "failure.max_kills": _count("kills at most (0: none)", 0),
     "failure.timeout": _positive("seconds the whole supervised run may take"),
     "failure.target_kills": _positive("kills a derived schedule aims at"),

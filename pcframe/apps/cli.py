@@ -236,7 +236,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         directory, args.version, lambda v: _verified(directory, v), "export", _one_line
     )
     output = Path(args.output or f"{directory.path(version).name}.safetensors")
-    _check_export_target(output, directory.root, args.force)
+    if not args.output:  # the default name depends on the version read
+        _check_export_target(output, directory.root, args.force)
     tensors = {name: t.contiguous() for name, t in loaded.named_tensors().items()}
     if args.only:
         prefix = args.only.rstrip("/") + "/"

@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import TypeVar
 
 from pcframe.errors import CheckpointError
-from pcframe.store.directory import CLEAN_EXIT, LATEST, LOCK, CheckpointDir
+from pcframe.store.directory import (
+    CLEAN_EXIT,
+    LATEST,
+    LOCK,
+    QUARANTINE_PREFIX,
+    TRASH_PREFIX,
+    CheckpointDir,
+)
 from pcframe.store.starts import STARTS
 
 T = TypeVar("T")
@@ -25,7 +32,8 @@ T = TypeVar("T")
 # (``.corrupt-v00000011-<pid>``: a folder of only those is one whose versions all failed),
 # LATEST, the lock, the start count.
 _MARKERS = {LATEST, LOCK, CLEAN_EXIT, STARTS}
-_VERSION_LIKE = re.compile(r"^(\.trash-|\.corrupt-)?v\d{8,}")
+_SET_ASIDE = "|".join(map(re.escape, (TRASH_PREFIX, QUARANTINE_PREFIX)))
+_VERSION_LIKE = re.compile(rf"^({_SET_ASIDE})?v\d{{8,}}")
 
 
 def is_checkpoint_dir(root: Path) -> bool:
@@ -40,7 +48,7 @@ def is_checkpoint_dir(root: Path) -> bool:
 def quarantined(root: Path) -> list[str]:
     """The versions a restore set aside as damaged (kept for inspection), oldest first."""
     try:
-        return sorted(p.name for p in root.iterdir() if p.name.startswith(".corrupt-v"))
+        return sorted(p.name for p in root.iterdir() if p.name.startswith(f"{QUARANTINE_PREFIX}v"))
     except OSError:
         return []
 
@@ -53,11 +61,17 @@ def not_a_checkpoint_dir(root: Path) -> CheckpointError:
     )
 
 
-def explicit_version(directory: CheckpointDir, version: int) -> int:
-    """``version`` if it is a committed version folder; the same error for every command."""
+def _committed(directory: CheckpointDir) -> list[int]:
+    """The committed versions, oldest first; none is an error (there is nothing to read)."""
     versions = directory.committed_versions()
     if not versions:
         raise CheckpointError(f"{directory.root}: no committed checkpoint versions")
+    return versions
+
+
+def explicit_version(directory: CheckpointDir, version: int) -> int:
+    """``version`` if it is a committed version folder; the same error for every command."""
+    versions = _committed(directory)
     if version not in versions:
         raise CheckpointError(f"{directory.root}: version {version} not found; have {versions}")
     return version
@@ -77,11 +91,8 @@ def pick(
     """
     if version is not None:
         return version, read(explicit_version(directory, version))
-    versions = directory.committed_versions()
-    if not versions:
-        raise CheckpointError(f"{directory.root}: no committed checkpoint versions")
     skipped: list[str] = []
-    for candidate in reversed(versions):
+    for candidate in reversed(_committed(directory)):
         try:
             value = read(candidate)
         except (CheckpointError, OSError) as exc:

@@ -36,7 +36,7 @@ import crc32c
 from pcframe.errors import CorruptCheckpoint, ManifestError, UnsupportedCheckpoint
 from pcframe.format.files import NotRegularFile, read_small
 from pcframe.format.names import version_from_digits, version_name, version_number
-from pcframe.store.directory import fsync_dir, write_file_durably
+from pcframe.store.directory import QUARANTINE_PREFIX, fsync_dir, write_file_durably
 
 FORMAT = "pcframe-global"
 FORMAT_VERSION = 1
@@ -131,7 +131,7 @@ def quarantine_record(root: Path, version: int) -> None:
     as one of the ``keep_global`` retained versions, and ``pcframe list`` does not show it.
     On read-only media it stays listed and is skipped again by the next restore.
     """
-    target = root / RECORDS / f".corrupt-{version_name(version)}-{os.getpid()}.json"
+    target = root / RECORDS / f"{QUARANTINE_PREFIX}{version_name(version)}-{os.getpid()}.json"
     with contextlib.suppress(OSError):
         os.rename(record_path(root, version), target)
         fsync_dir(root / RECORDS)

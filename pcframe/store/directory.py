@@ -37,6 +37,10 @@ _warned_links: set[str] = set()
 LATEST = "LATEST"
 LOCK = ".writer.lock"
 CLEAN_EXIT = ".clean-exit"
+# Prefixes of a version folder (or global record) moved out of the listing: one being
+# deleted by retention, one a restore set aside as damaged (kept for inspection).
+TRASH_PREFIX = ".trash-"
+QUARANTINE_PREFIX = ".corrupt-"
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -214,7 +218,7 @@ class WritableCheckpointDir(CheckpointDir):
         removed = []
         for name in os.listdir(self.root):
             path = self.root / name
-            if name.endswith(".tmp") or name.startswith(".trash-"):
+            if name.endswith(".tmp") or name.startswith(TRASH_PREFIX):
                 if is_real_directory(path):
                     shutil.rmtree(path, ignore_errors=True)
                 else:
@@ -258,7 +262,7 @@ class WritableCheckpointDir(CheckpointDir):
 
     def quarantine(self, version: int) -> None:
         """Move a version that failed verification out of the listing, keeping its files."""
-        target = self.root / f".corrupt-{version_name(version)}-{os.getpid()}"
+        target = self.root / f"{QUARANTINE_PREFIX}{version_name(version)}-{os.getpid()}"
         try:
             os.rename(self.path(version), target)
             fsync_dir(self.root)
@@ -267,7 +271,7 @@ class WritableCheckpointDir(CheckpointDir):
 
     def delete(self, version: int) -> None:
         """Delete a committed version so that no crash leaves it half-deleted but listed."""
-        trash = self.root / f".trash-{version_name(version)}"
+        trash = self.root / f"{TRASH_PREFIX}{version_name(version)}"
         os.rename(self.path(version), trash)
         fsync_dir(self.root)
         crash_point("trash_renamed")
