@@ -89,8 +89,11 @@ def serve_method(args: argparse.Namespace) -> None:
     for line in sys.stdin:
         command = json.loads(line)
         if command["do"] == "idle":
-            gather = statistics.median(gather_seconds(sources, gather_into))
-            result = {**loop(impl, command["checkpoints"], 1, 0.0), "gather": gather}
+
+            def floor() -> float:
+                return statistics.median(gather_seconds(sources, gather_into))
+
+            result = loop(impl, command["checkpoints"], 1, 0.0, reference=floor)
             impl.prune()  # every turn writes to the same free space and page cache
             reply(result)
             continue
@@ -312,13 +315,16 @@ def write_table(
         "(best of 1 and 4 writers, one measurement) after each round: a reference, not a "
         "bound, since one measurement of this virtual disk moves by ±30 %. "
         "Ratios are paired: the turn's median ÷ DefaultStager's in the same round, ÷ the "
-        "memcpy just before the turn, ÷ the method's own process copying the state's "
-        "tensors into one buffer (2 threads, median of 3) just before the turn (the same "
-        "bytes from where they live: the parent's two fresh contiguous buffers can copy "
-        "faster or slower than this process's tensors in the same minute), the turn's "
-        "durable rate ÷ the round's disk rate; median (min..max) over rounds.",
+        "parent's memcpy just before the turn, the turn's durable rate ÷ the round's disk "
+        "rate (median (min..max) over rounds); and each checkpoint's stall ÷ the method's "
+        "own process copying the state's tensors into one buffer (2 threads, median of 3) "
+        "just before that checkpoint, once the previous one is durable (median (min..max) "
+        "over every checkpoint): the same bytes from where they live, in the same second. "
+        "This is the snapshot's floor; the parent's two fresh contiguous buffers, a minute "
+        "apart and in another process, can copy faster or slower.",
         "",
-        "| method | stall (s) | ÷ DefaultStager | ÷ memcpy | ÷ memcpy in its process | "
+        "| method | stall (s) | ÷ DefaultStager | ÷ parent's memcpy | "
+        "÷ memcpy in its process, per checkpoint | "
         "time to durable (s) | durable rate ÷ the round's disk rate |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
@@ -328,7 +334,13 @@ def write_table(
         pairs = zip(per_round(label, "stalls"), per_round(anchor, "stalls"), strict=True)
         to_anchor = [a / b for a, b in pairs]
         to_memcpy = [med(r["idle"][label]["stalls"]) / r["memcpy"][label] for r in rounds]
-        here = [med(r["idle"][label]["stalls"]) / r["idle"][label]["gather"] for r in rounds]
+        here = [
+            stall / floor
+            for r in rounds
+            for stall, floor in zip(
+                r["idle"][label]["stalls"], r["idle"][label]["references"], strict=True
+            )
+        ]
         to_disk = [
             r["limits"].disk_seconds(nbytes) / med(r["idle"][label]["durables"]) for r in rounds
         ]

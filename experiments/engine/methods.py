@@ -11,6 +11,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 METHODS = [
@@ -252,9 +253,20 @@ def make_method(name: str, options: dict, model, optimizer, directory: Path) -> 
     return PCFrame(model, optimizer, directory, **options)
 
 
-def loop(impl: Method, checkpoints: int, every: int, iteration: float) -> dict:
-    """Train ``checkpoints * every`` steps, checkpointing every ``every``: stalls, durables."""
-    since, stalls = impl.n, []
+def loop(
+    impl: Method,
+    checkpoints: int,
+    every: int,
+    iteration: float,
+    reference: Callable[[], float] | None = None,
+) -> dict:
+    """Train ``checkpoints * every`` steps, checkpointing every ``every``: stalls, durables.
+
+    ``reference`` (with no idle iteration): timed just before each save, once the previous
+    one is durable (a memcpy of the state in this process: the save's own floor, paired with
+    each checkpoint rather than once per turn, as memory bandwidth here drifts by the second).
+    """
+    since, stalls, references = impl.n, [], []
     impl.durables = []
     for step in range(1, checkpoints * every + 1):
         if iteration:
@@ -263,6 +275,8 @@ def loop(impl: Method, checkpoints: int, every: int, iteration: float) -> dict:
         if step % every == 0:
             if not iteration:
                 impl.finish()  # the snapshot alone is measured, not the previous write
+                if reference is not None:
+                    references.append(reference())
             stalls.append(impl.save())
             if not iteration:
                 impl.optimizer.step()  # at once: nothing to overlap the snapshot with
@@ -270,7 +284,7 @@ def loop(impl: Method, checkpoints: int, every: int, iteration: float) -> dict:
     durables = impl.durables
     if isinstance(impl, PCFrame):
         stalls, durables = impl.stalls_and_durables(since)
-    return {"stalls": stalls, "durables": durables}
+    return {"stalls": stalls, "durables": durables, "references": references}
 
 
 def build_state_bytes(size_gb: float) -> int:

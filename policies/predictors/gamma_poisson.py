@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from scipy.special import gammaln
 
 from pcframe.policies.base import Event
 from pcframe.policies.predictors.base import (
@@ -131,6 +130,10 @@ class GammaPoissonRate(Predictor):
     def _mixture(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Posterior weights and Gamma parameters of the components, after ``n`` preemptions
         in ``T`` s: ``w_i ∝ Γ(α_i+n)/Γ(α_i) · β_i^α_i / (β_i+T)^(α_i+n)``."""
+        # Imported here, not at the top: scipy costs every pcframe process ~0.3 s to import,
+        # and most never reach this (the first use pays it once).
+        from scipy.special import gammaln
+
         n = max(self.alpha - self.alpha0, 0.0)
         t = max(self.beta - self.beta0, 0.0)
         a, b = self._mix_a, self._mix_b

@@ -23,8 +23,6 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from scipy.optimize import brentq
-from scipy.special import polygamma
 
 from pcframe.policies.traces import Trace
 
@@ -118,6 +116,9 @@ def rate_mixture(traces: Sequence[Trace]) -> list[tuple[float, float]] | None:
 
 def _inverse_trigamma(y: float) -> float:
     """The α > 0 with ψ₁(α) = y (ψ₁ falls monotonically from +∞ to 0)."""
+    from scipy.optimize import brentq  # lazy: see GammaPoissonRate._mixture
+    from scipy.special import polygamma
+
     f = lambda a: float(polygamma(1, a)) - y  # noqa: E731
     return float(brentq(f, 1e-6, 1e7))
 
