@@ -33,12 +33,21 @@ class TensorRef:
     numpy: bool = False  # decode back to a numpy array
 
 
-def encode_tree(obj: Any, path: str, refs: list[TensorRef]) -> Any:
+def encode_tree(obj: Any, path: str, refs: list[TensorRef], depth: int = 0) -> Any:
     """Return a JSON-able tree; append every tensor to ``refs``.
 
+    ``depth`` counts the containers above ``obj`` as :func:`decode_tree` counts them, so a
+    tree this returns is never refused on read for its nesting.
+
     Raises:
-        TypeError: naming the path of a value that cannot be stored without pickle.
+        TypeError: naming the path of a value that cannot be stored without pickle, or of
+            one nested deeper than :data:`MAX_DEPTH` (the reader's limit).
     """
+    if depth > MAX_DEPTH:
+        raise TypeError(
+            f"cannot checkpoint the state at '{path}': it is nested deeper than {MAX_DEPTH} "
+            "levels, which no pcframe reader accepts; flatten it in the object's state_dict()"
+        )
     # Exact built-in types first: a save encodes ~1000 nodes on the training thread, and
     # these checks are most of them (the isinstance chain below cost twice as much).
     kind = type(obj)
@@ -47,14 +56,19 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef]) -> Any:
     if kind is torch.Tensor:
         refs.append(TensorRef(path, obj.detach()))
         return {"$t": len(refs) - 1}
-    if (kind is list or kind is tuple) and all(type(v) in _PLAIN for v in obj):
+    inner = depth + 1
+    if (
+        (kind is list or kind is tuple)
+        and inner <= MAX_DEPTH
+        and all(type(v) in _PLAIN for v in obj)
+    ):
         # Flat sequences of plain values (an RNG state is a tuple of 625 ints): one node,
         # not one call and one path string per element (half of save() before this).
         return list(obj) if kind is list else {"$tuple": list(obj)}
     if kind is list:
-        return [encode_tree(v, f"{path}/{i}", refs) for i, v in enumerate(obj)]
+        return [encode_tree(v, f"{path}/{i}", refs, inner) for i, v in enumerate(obj)]
     if kind is dict and all(type(k) is str and not k.startswith("$") for k in obj):
-        return {k: encode_tree(v, f"{path}/{k}", refs) for k, v in obj.items()}
+        return {k: encode_tree(v, f"{path}/{k}", refs, inner) for k, v in obj.items()}
     if isinstance(obj, torch.Tensor):
         refs.append(TensorRef(path, obj.detach()))
         return {"$t": len(refs) - 1}
@@ -73,15 +87,18 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef]) -> Any:
     if isinstance(obj, torch.device):
         return {"$device": str(obj)}
     if isinstance(obj, list):
-        return [encode_tree(v, f"{path}/{i}", refs) for i, v in enumerate(obj)]
+        return [encode_tree(v, f"{path}/{i}", refs, inner) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
-        return {"$tuple": [encode_tree(v, f"{path}/{i}", refs) for i, v in enumerate(obj)]}
+        return {"$tuple": [encode_tree(v, f"{path}/{i}", refs, inner) for i, v in enumerate(obj)]}
     if isinstance(obj, dict):
         if all(isinstance(k, str) and not k.startswith("$") for k in obj):
-            return {k: encode_tree(v, f"{path}/{k}", refs) for k, v in obj.items()}
+            return {k: encode_tree(v, f"{path}/{k}", refs, inner) for k, v in obj.items()}
         return {
             "$dict": [
-                [encode_tree(k, f"{path}/<key>", refs), encode_tree(v, f"{path}/{k}", refs)]
+                [
+                    encode_tree(k, f"{path}/<key>", refs, inner),
+                    encode_tree(v, f"{path}/{k}", refs, inner),
+                ]
                 for k, v in obj.items()
             ]
         }

@@ -15,12 +15,14 @@ from typing import Any
 
 import torch
 
-from pcframe.errors import CheckpointError
+from pcframe.errors import CheckpointError, NoValidCheckpoint, RestoreIOError
 from pcframe.objects import Stateful, TrainingObjects
 from pcframe.restore.report import RestoreReport
 from pcframe.restore.restorer import load_and_apply
 from pcframe.store.directory import CheckpointDir
 from pcframe.store.tiers import Source
+
+LISTINGS = 3  # walks of a directory whose writer keeps committing while this reads it
 
 
 def load(
@@ -51,24 +53,37 @@ def load(
     root = CheckpointDir(directory)
     if not root.root.is_dir():
         raise CheckpointError(f"{root.root} is not a directory: give a checkpoint directory")
-    versions = [v for v in reversed(root.committed_versions()) if version in (None, v)]
-    if version is not None and not versions:
-        raise CheckpointError(
-            f"version {version} is not committed in {root.root}; "
-            f"committed: {root.committed_versions()}"
-        )
-    sources = [
+    listed = root.committed_versions()
+    for attempt in range(LISTINGS):
+        versions = [v for v in reversed(listed) if version in (None, v)]
+        if version is not None and not versions:
+            raise CheckpointError(
+                f"version {version} is not committed in {root.root}; committed: {listed}"
+            )
+        report = RestoreReport()
+        try:
+            load_and_apply(
+                _sources(root, versions),
+                objects,
+                report,
+                threads=threads,
+                strict=strict,
+                allow_cast=allow_cast,
+                root=root.root,
+            )
+            return report
+        except (NoValidCheckpoint, RestoreIOError):
+            # A writer still at work can commit a newer version and delete (by its
+            # retention) the ones this listing named while they are read: list again.
+            # Only a listing with a version not tried yet earns another walk.
+            before, listed = set(listed), root.committed_versions()
+            if version is not None or attempt == LISTINGS - 1 or set(listed) <= before:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _sources(root: CheckpointDir, versions: list[int]) -> list[Source]:
+    return [
         Source(v, "", lambda v=v: contextlib.nullcontext(root.path(v)), lambda: None)
         for v in versions
     ]
-    report = RestoreReport()
-    load_and_apply(
-        sources,
-        objects,
-        report,
-        threads=threads,
-        strict=strict,
-        allow_cast=allow_cast,
-        root=root.root,
-    )
-    return report

@@ -16,6 +16,7 @@ import torch
 
 from pcframe.config import EngineConfig
 from pcframe.format.layout import Layout
+from pcframe.format.manifest import MAX_DIMS, MAX_NUMEL, MAX_STEP, MAX_TENSORS
 from pcframe.format.tree import TensorRef, encode_tree
 from pcframe.objects import TrainingObjects, optimizer_class_name
 from pcframe.rng import capture_rng
@@ -29,13 +30,21 @@ class Capture:
         self._layout_signature: tuple | None = None
 
     def request(self, version: int, step: int, metadata: dict[str, Any]) -> SaveRequest:
-        """Capture the state now as version ``version`` at ``step``."""
+        """Capture the state now as version ``version`` at ``step``.
+
+        Raises:
+            TypeError, ValueError: the state (or ``step``) is one a reader would refuse, so
+                the version would be committed and then quarantined on restore.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or abs(step) > MAX_STEP:
+            raise ValueError(f"step={step!r}: a checkpoint's step is an integer in ±2**62")
         refs: list[TensorRef] = []
         encoded = encode_tree(self._tree(), "", refs)
         tensors = self._detach_from_training(refs)
         named = [(ref.path.lstrip("/"), t) for ref, t in zip(refs, tensors, strict=True)]
         signature = Layout.signature(named)
         if self._layout is None or self._layout_signature != signature:
+            readable(named)
             self._layout = Layout.build(named, self.config.chunk_bytes, self.config.tensor_align)
             self._layout_signature = signature
         cuda_ready = None
@@ -99,6 +108,22 @@ class Capture:
             else:
                 tensors.append(tensor.clone())
         return tensors
+
+
+def readable(named: list[tuple[str, torch.Tensor]]) -> None:
+    """Refuse tensors beyond the reader's limits (checked when the layout changes)."""
+    if len(named) > MAX_TENSORS:
+        raise ValueError(
+            f"the state holds {len(named)} tensors, over the {MAX_TENSORS} a pcframe reader "
+            "accepts; group small tensors into fewer, larger ones"
+        )
+    for name, tensor in named:
+        if tensor.dim() > MAX_DIMS or tensor.numel() > MAX_NUMEL:
+            raise ValueError(
+                f"cannot checkpoint tensor {name!r} of shape {list(tensor.shape)}: a pcframe "
+                f"reader accepts at most {MAX_DIMS} dimensions and {MAX_NUMEL} elements; "
+                "reshape it in the object's state_dict()"
+            )
 
 
 def json_only(value: dict[str, Any], what: str) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from pcframe.config import EngineConfig
 from pcframe.errors import CheckpointError
 from pcframe.faults import crash_point
-from pcframe.format.manifest import MANIFEST_NAME, ChunkRecord, Manifest
+from pcframe.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, ChunkRecord, Manifest
 from pcframe.save.delta import DeltaTracker
 from pcframe.save.status import SaveStatus
 from pcframe.save.write import VersionWrite
@@ -66,9 +66,16 @@ class Committer:
             write.codec_file.sync()
         crash_point("data_synced")
         manifest = self._manifest(write)
+        body = manifest.to_bytes()
+        if len(body) > MAX_MANIFEST_BYTES:  # a reader would refuse it: fail it, do not publish
+            raise ValueError(
+                f"the manifest of version {request.version} is {len(body)} bytes, over the "
+                f"{MAX_MANIFEST_BYTES} a pcframe reader accepts: keep large values (long "
+                "lists, logs) in tensors, not in the state's plain values"
+            )
         path = self.storage.staging_path(request.version) / MANIFEST_NAME
         with open(path, "wb") as f:
-            f.write(manifest.to_bytes())
+            f.write(body)
             f.flush()
             os.fsync(f.fileno())
         crash_point("manifest_written")

@@ -22,9 +22,10 @@ import fcntl
 import logging
 import os
 import shutil
+import weakref
 from pathlib import Path
 
-from pcframe.errors import CheckpointError, DirectoryLocked
+from pcframe.errors import CheckpointError, DirectoryLocked, RestoreIOError
 from pcframe.faults import crash_point
 from pcframe.format.files import NotRegularFile, is_real_directory, open_regular, read_small
 from pcframe.format.names import version_name, version_number
@@ -39,6 +40,23 @@ LOCK = ".writer.lock"
 CLEAN_EXIT = ".clean-exit"
 # Prefixes of a version folder (or global record) moved out of the listing: one being
 # deleted by retention, one a restore set aside as damaged (kept for inspection).
+# Every writer holding its lock in this process. A child forked without exec (a DataLoader
+# worker, a multiprocessing helper) would inherit the lock's open file and with it the
+# flock, so a restart after the writer died would find the directory locked for as long
+# as the child lived: the child closes its copies at once (the parent's lock is unchanged).
+_HOLDERS: weakref.WeakSet[WritableCheckpointDir] = weakref.WeakSet()
+
+
+def _drop_inherited_locks() -> None:
+    for holder in list(_HOLDERS):
+        with contextlib.suppress(OSError):
+            os.close(holder._lock_fd)
+        holder._lock_fd = -1
+    _HOLDERS.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
+
 TRASH_PREFIX = ".trash-"
 QUARANTINE_PREFIX = ".corrupt-"
 
@@ -86,8 +104,15 @@ class CheckpointDir:
         """
         if not self.root.is_dir():
             return []
+        try:
+            names = os.listdir(self.root)
+        except OSError as exc:  # unreadable (permissions, storage): not "no checkpoint"
+            raise RestoreIOError(
+                f"cannot list {self.root}: {exc.strerror or exc}; fix its permissions or the "
+                "storage, then retry (nothing was read or changed)"
+            ) from None
         found = []
-        for name in os.listdir(self.root):
+        for name in names:
             version = version_number(name, str(self.root / name))
             if version is None:
                 continue
@@ -133,6 +158,34 @@ class CheckpointDir:
         return version
 
 
+def _locked_message(root: Path, holder: str) -> str:
+    """Why ``root``'s lock is taken, in words: who holds it and what to do."""
+    pid = int(holder) if holder.isdigit() else None
+    if pid == os.getpid():
+        return (
+            f"{root} already has a Checkpointer open in this process; only one writer per "
+            "directory: close it first or use another directory"
+        )
+    alive = pid is not None
+    if alive:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            alive = False
+        except PermissionError:  # exists, owned by someone else
+            pass
+    if pid is not None and not alive:
+        return (
+            f"{root} is locked, but its last writer (pid {pid}) has exited: a process it "
+            "started still holds the lock (one started by a pcframe older than this one, "
+            "or by fork through C code); stop that process, then retry"
+        )
+    return (
+        f"{root} is being written by another live process (pid {holder or '?'}); only one "
+        "writer per directory: close the other Checkpointer or use another directory"
+    )
+
+
 class WritableCheckpointDir(CheckpointDir):
     """Write side: holds the writer lock, creates, publishes and deletes versions."""
 
@@ -155,11 +208,8 @@ class WritableCheckpointDir(CheckpointDir):
         except BlockingIOError:
             holder = os.pread(self._lock_fd, 64, 0).decode(errors="replace").strip()
             os.close(self._lock_fd)
-            raise DirectoryLocked(
-                f"{self.root} is being written by another live process (pid {holder or '?'}); "
-                "only one writer per directory: close the other Checkpointer or use another "
-                "directory"
-            ) from None
+            raise DirectoryLocked(_locked_message(self.root, holder)) from None
+        _HOLDERS.add(self)
         try:
             os.ftruncate(self._lock_fd, 0)
             os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
@@ -210,6 +260,7 @@ class WritableCheckpointDir(CheckpointDir):
 
     def close(self) -> None:
         if self._lock_fd >= 0:
+            _HOLDERS.discard(self)
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = -1
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import time
@@ -65,6 +67,45 @@ def test_a_second_writer_is_refused_until_the_first_dies(tmp_path, python, child
     holder.wait()
     holder.stdout.close()
     Checkpointer(tmp_path, model=torch.nn.Linear(2, 2)).close()  # the lock died with it
+
+
+def test_a_child_forked_by_a_dead_writer_does_not_keep_its_lock(tmp_path, python, child_env):
+    """A DataLoader worker or multiprocessing helper is forked without exec and inherited
+    the lock's open file (and so the flock): after the writer was killed, a restart found
+    the directory "written by another live process" for as long as the child lived."""
+    writer = subprocess.Popen(
+        [
+            python,
+            "-c",
+            "import multiprocessing as mp, sys, time, torch; from pcframe import Checkpointer\n"
+            "c = Checkpointer(sys.argv[1], model=torch.nn.Linear(2, 2)); c.save(1).wait()\n"
+            "child = mp.get_context('fork').Process(target=time.sleep, args=(60,))\n"
+            "child.start(); print(child.pid, flush=True); time.sleep(60)",
+            str(tmp_path),
+        ],
+        env=child_env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    child = int(writer.stdout.readline())
+    try:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+        os.kill(child, 0)  # the forked child still runs
+        with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2)) as ckpt:
+            assert ckpt.restore() == 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+        writer.stdout.close()
+
+
+def test_a_second_writer_in_the_same_process_is_named_as_such(tmp_path):
+    with (
+        Checkpointer(tmp_path, model=torch.nn.Linear(2, 2)),
+        pytest.raises(DirectoryLocked, match="already has a Checkpointer open in this"),
+    ):
+        Checkpointer(tmp_path, model=torch.nn.Linear(2, 2))
 
 
 class EveryThird(IntervalPolicy):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import subprocess
 
 import pytest
 import torch
@@ -59,3 +61,63 @@ def test_load_reports_no_checkpoint_and_errors(tmp_path):
     (tmp_path / "one" / "v00000001" / "manifest.json").write_text("garbage")
     with pytest.raises(NoValidCheckpoint):
         pcframe.load(tmp_path / "one", model=torch.nn.Linear(2, 2))
+
+
+def test_load_while_its_writer_commits_and_prunes_reads_the_new_version(tmp_path, monkeypatch):
+    """An eval job loads while training saves with keep_last=1: the version it listed is
+    deleted by the writer's retention before it is read. Before, load called it corrupt
+    and raised NoValidCheckpoint although a newer valid version was there."""
+    import pcframe.restore.load as load_module
+
+    model = torch.nn.Linear(4, 4)
+    with Checkpointer(tmp_path, model=model, keep_last=1) as writer:
+        writer.save(1).wait()
+        listing = load_module.CheckpointDir.committed_versions
+        calls = []
+
+        def listed_then_the_writer_moves_on(self):
+            versions = listing(self)
+            if type(self) is not load_module.CheckpointDir:  # the writer's own listing
+                return versions
+            calls.append(versions)
+            if len(calls) == 1:  # the race's window, made certain: v2 commits, v1 is pruned
+                torch.nn.init.ones_(model.weight)
+                writer.save(2).wait()
+            return versions
+
+        monkeypatch.setattr(
+            load_module.CheckpointDir, "committed_versions", listed_then_the_writer_moves_on
+        )
+        reader = torch.nn.Linear(4, 4)
+        report = pcframe.load(tmp_path, model=reader)
+    assert calls[0] == [1] and report.step == 2
+    assert torch.equal(reader.weight, torch.ones(4, 4))
+
+
+def test_load_of_a_directory_it_cannot_list_is_one_line(tmp_path, python, child_env):
+    with Checkpointer(tmp_path / "ckpt", model=torch.nn.Linear(2, 2)) as c:
+        c.save(1).wait()
+    command = [
+        python,
+        "-c",
+        (
+            "import sys, torch, pcframe\n"
+            "try:\n"
+            "    pcframe.load(sys.argv[1], model=torch.nn.Linear(2, 2))\n"
+            "except pcframe.CheckpointError as exc:\n"
+            "    print(type(exc).__name__, exc)\n"
+        ),
+        str(tmp_path / "ckpt"),
+    ]
+    if os.geteuid() == 0:  # root reads through mode bits: drop the capabilities that allow it
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: mode bits cannot stop reads")
+        command = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *command]
+    os.chmod(tmp_path / "ckpt", 0o311)  # enter, but not list
+    try:
+        proc = subprocess.run(command, env=child_env, capture_output=True, text=True)
+    finally:
+        os.chmod(tmp_path / "ckpt", 0o755)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.startswith("RestoreIOError cannot list"), proc.stdout
+    assert "Permission denied" in proc.stdout and proc.stdout.count("\n") == 1

@@ -178,7 +178,9 @@ def test_configuration_errors_name_the_tier_and_the_fix(tmp_path: Path) -> None:
     # a failed construction released the directory lock: a corrected one can open it
     first = Checkpointer(tmp_path / "a", model=model, tiers={"disk": tmp_path / "b"})
     # one writer per replica directory, as for the primary
-    with pytest.raises(TierError, match=r"tier 'disk' at .*b: .*another live process"):
+    with pytest.raises(
+        TierError, match=r"tier 'disk' at .*b: .*already has a Checkpointer open in this process"
+    ):
         Checkpointer(tmp_path / "c", model=model, tiers={"disk": tmp_path / "b"})
     first.close()
     Checkpointer(tmp_path / "c", model=model, tiers={"disk": tmp_path / "b"}).close()
