@@ -22,6 +22,7 @@ from pcframe.store.directory import (
     QUARANTINE_PREFIX,
     TRASH_PREFIX,
     CheckpointDir,
+    quarantined_versions,
 )
 from pcframe.store.starts import STARTS
 
@@ -47,10 +48,7 @@ def is_checkpoint_dir(root: Path) -> bool:
 
 def quarantined(root: Path) -> list[str]:
     """The versions a restore set aside as damaged (kept for inspection), oldest first."""
-    try:
-        return sorted(p.name for p in root.iterdir() if p.name.startswith(f"{QUARANTINE_PREFIX}v"))
-    except OSError:
-        return []
+    return quarantined_versions(root)
 
 
 def not_a_checkpoint_dir(root: Path) -> CheckpointError:

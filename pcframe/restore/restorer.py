@@ -16,6 +16,7 @@ from pcframe.restore.check_optimizer import prefetch_fresh_state
 from pcframe.restore.in_place import in_place_targets
 from pcframe.restore.report import RestoreReport
 from pcframe.restore.sources import load_first_valid
+from pcframe.store.directory import quarantined_versions
 from pcframe.store.tiers import Source
 
 log = logging.getLogger("pcframe")
@@ -52,6 +53,15 @@ def load_and_apply(
         if report.skipped:
             reasons = "; ".join(f"v{v}: {why}" for v, why in report.skipped)
             raise NoValidCheckpoint(f"no valid checkpoint in {root}: {reasons}")
+        set_aside = quarantined_versions(root)
+        if set_aside:
+            # An earlier restore quarantined every version (and raised): starting from step 0
+            # now, silently, would drop their work if the damage was a false alarm.
+            raise NoValidCheckpoint(
+                f"no valid checkpoint in {root}: every version left was set aside as damaged "
+                f"by an earlier restore ({', '.join(set_aside)}; `pcframe list` names them); "
+                "to start from the beginning on purpose, move or delete them"
+            )
         log.info("no checkpoint in %s: training starts from the beginning", root)
         return None
     manifest = loaded.manifest

@@ -158,6 +158,15 @@ class CheckpointDir:
         return version
 
 
+def quarantined_versions(root: Path) -> list[str]:
+    """The versions a restore set aside as damaged (``.corrupt-v…``, kept for inspection)."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    return sorted(name for name in names if name.startswith(f"{QUARANTINE_PREFIX}v"))
+
+
 def _locked_message(root: Path, holder: str) -> str:
     """Why ``root``'s lock is taken, in words: who holds it and what to do."""
     pid = int(holder) if holder.isdigit() else None

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import shutil
 
 import pytest
 import torch
 
+import pcframe
 from pcframe import Checkpointer, NoValidCheckpoint
 from pcframe.store.directory import CheckpointDir
 from tests.engine.helpers import flip_byte, small_training, state_equal, train_steps
@@ -87,6 +89,36 @@ def test_all_versions_corrupt_raises_and_keeps_model(tmp_path):
     ):
         ckpt.restore()
     assert state_equal(model.state_dict(), before), "a failed restore must not touch the model"
+
+
+def test_the_next_start_after_every_version_was_set_aside_does_not_begin_at_step_0(tmp_path):
+    """The restore that quarantined every version raised; the job's next start found no
+    committed version and returned None (an INFO line): training began again at step 0
+    while the set-aside versions sat there, lost if the damage was a false alarm."""
+    two_versions(tmp_path)
+    for version in CheckpointDir(tmp_path).committed_versions():
+        flip_byte(tmp_path / f"v{version:08d}" / "data.bin", 64)
+    model, optimizer, _ = small_training(seed=8)
+    with (
+        Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt,
+        pytest.raises(NoValidCheckpoint, match="checksum mismatch"),
+    ):
+        ckpt.restore()
+    set_aside = sorted(p.name for p in tmp_path.glob(".corrupt-v*"))
+    assert len(set_aside) == 2
+
+    def restart():
+        with Checkpointer(tmp_path, model=model, optimizer=optimizer) as again:
+            return again.restore()
+
+    for restore in (restart, lambda: pcframe.load(tmp_path, model=model, optimizer=optimizer)):
+        with pytest.raises(NoValidCheckpoint, match="set aside as damaged") as caught:
+            restore()
+        assert all(name in str(caught.value) for name in set_aside)
+    for name in set_aside:  # the user's decision: start over
+        shutil.rmtree(tmp_path / name)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        assert ckpt.restore() is None
 
 
 def test_empty_directory_restores_nothing(tmp_path):
