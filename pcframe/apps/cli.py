@@ -23,13 +23,12 @@ from pcframe.apps.cli_versions import (
     is_checkpoint_dir,
     not_a_checkpoint_dir,
     pick,
-    quarantined,
 )
 from pcframe.errors import CheckpointError, ManifestError
 from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME, Manifest, read_manifest
 from pcframe.format.names import version_number
 from pcframe.restore.reader import LoadedVersion, load_version
-from pcframe.store.directory import CheckpointDir
+from pcframe.store.directory import CheckpointDir, quarantined_versions
 
 
 def _manifest(directory: CheckpointDir, version: int) -> Manifest:
@@ -78,7 +77,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"{version:>8} {manifest.step:>10} {manifest.data_size:>12}  {when}{mark}")
     if not versions:
         print(f"(no committed versions in {directory.root})")
-    if set_aside := quarantined(directory.root):  # else a version that failed just vanishes
+    # Named, or a version that failed a restore would just vanish from the listing.
+    if set_aside := quarantined_versions(directory.root):
         print(f"(set aside by a restore as damaged, kept for inspection: {', '.join(set_aside)})")
     return 1 if unreadable else 0
 

@@ -22,7 +22,6 @@ from pcframe.store.directory import (
     QUARANTINE_PREFIX,
     TRASH_PREFIX,
     CheckpointDir,
-    quarantined_versions,
 )
 from pcframe.store.starts import STARTS
 
@@ -44,11 +43,6 @@ def is_checkpoint_dir(root: Path) -> bool:
     except OSError:
         return False
     return any(name in _MARKERS or _VERSION_LIKE.match(name) for name in names)
-
-
-def quarantined(root: Path) -> list[str]:
-    """The versions a restore set aside as damaged (kept for inspection), oldest first."""
-    return quarantined_versions(root)
 
 
 def not_a_checkpoint_dir(root: Path) -> CheckpointError:

@@ -44,7 +44,7 @@ class Capture:
         named = [(ref.path.lstrip("/"), t) for ref, t in zip(refs, tensors, strict=True)]
         signature = Layout.signature(named)
         if self._layout is None or self._layout_signature != signature:
-            readable(named)
+            check_reader_limits(named)
             self._layout = Layout.build(named, self.config.chunk_bytes, self.config.tensor_align)
             self._layout_signature = signature
         cuda_ready = None
@@ -110,7 +110,7 @@ class Capture:
         return tensors
 
 
-def readable(named: list[tuple[str, torch.Tensor]]) -> None:
+def check_reader_limits(named: list[tuple[str, torch.Tensor]]) -> None:
     """Refuse tensors beyond the reader's limits (checked when the layout changes)."""
     if len(named) > MAX_TENSORS:
         raise ValueError(

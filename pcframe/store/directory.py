@@ -40,6 +40,9 @@ LOCK = ".writer.lock"
 CLEAN_EXIT = ".clean-exit"
 # Prefixes of a version folder (or global record) moved out of the listing: one being
 # deleted by retention, one a restore set aside as damaged (kept for inspection).
+TRASH_PREFIX = ".trash-"
+QUARANTINE_PREFIX = ".corrupt-"
+
 # Every writer holding its lock in this process. A child forked without exec (a DataLoader
 # worker, a multiprocessing helper) would inherit the lock's open file and with it the
 # flock, so a restart after the writer died would find the directory locked for as long
@@ -56,9 +59,6 @@ def _drop_inherited_locks() -> None:
 
 
 os.register_at_fork(after_in_child=_drop_inherited_locks)
-
-TRASH_PREFIX = ".trash-"
-QUARANTINE_PREFIX = ".corrupt-"
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -175,15 +175,7 @@ def _locked_message(root: Path, holder: str) -> str:
             f"{root} already has a Checkpointer open in this process; only one writer per "
             "directory: close it first or use another directory"
         )
-    alive = pid is not None
-    if alive:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            alive = False
-        except PermissionError:  # exists, owned by someone else
-            pass
-    if pid is not None and not alive:
+    if pid is not None and not _alive(pid):
         return (
             f"{root} is locked, but its last writer (pid {pid}) has exited: a process it "
             "started still holds the lock (one started by a pcframe older than this one, "
@@ -193,6 +185,16 @@ def _locked_message(root: Path, holder: str) -> str:
         f"{root} is being written by another live process (pid {holder or '?'}); only one "
         "writer per directory: close the other Checkpointer or use another directory"
     )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by another user
+        pass
+    return True
 
 
 class WritableCheckpointDir(CheckpointDir):
