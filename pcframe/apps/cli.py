@@ -341,9 +341,12 @@ def _check_directory(path: str) -> None:
     """A typo or a version folder given for the checkpoint directory is an error, not 'empty'."""
     root = Path(path)
     if not root.is_dir():
+        what = "not a directory (a file)" if root.exists() else "no such directory"
+        inside = next((up for up in root.parents if version_number(up.name) is not None), None)
+        hint = f", here {inside.parent}" if inside is not None else ""
         raise CheckpointError(
-            f"{root}: no such directory; give the checkpoint directory (the one holding the "
-            "vNNNNNNNN version folders)"
+            f"{root}: {what}; give the checkpoint directory (the one holding the vNNNNNNNN "
+            f"version folders{hint})"
         )
     if (root / MANIFEST_NAME).exists():
         version = version_number(root.name)

@@ -37,11 +37,18 @@ _VERSION_LIKE = re.compile(rf"^({_SET_ASIDE})?v\d{{8,}}")
 
 
 def is_checkpoint_dir(root: Path) -> bool:
-    """Whether ``root`` holds anything pcframe writes (a folder it never wrote to does not)."""
+    """Whether ``root`` holds anything pcframe writes (a folder it never wrote to does not).
+
+    Raises:
+        CheckpointError: ``root`` cannot be listed (permissions, a dead mount).
+    """
     try:
         names = [p.name for p in root.iterdir()]
-    except OSError:
-        return False
+    except OSError as exc:  # unreadable is not "not a checkpoint": it may well be one
+        raise CheckpointError(
+            f"{root}: cannot list the directory ({exc.strerror or exc}, errno {exc.errno}); "
+            "fix its permissions or mount and run again (nothing was read or changed)"
+        ) from exc
     return any(name in _MARKERS or _VERSION_LIKE.match(name) for name in names)
 
 

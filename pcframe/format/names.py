@@ -14,7 +14,9 @@ would be one no reader accepts.
 from __future__ import annotations
 
 import logging
+import numbers
 import re
+from typing import Any
 
 from pcframe.errors import CheckpointError
 
@@ -30,6 +32,29 @@ VERSION_DIR = re.compile(rf"^{VERSION_DIGITS}$")
 # A file name a version may hold: no path separators, no leading dot, at most 128 characters.
 SAFE_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 _warned: set[str] = set()
+
+
+def check_requested_version(version: Any, what: str = "restore(version=...)") -> None:
+    """Refuse a version asked for by a caller that no folder can be named by: not an int
+    (``'2'``, ``2.0``, ``True``: a bool is an int to Python, and ``True`` would quietly read
+    version 1), or below 1. ``None`` (the newest) passes.
+
+    Raises:
+        TypeError: not an integer, naming the value and the fix.
+        CheckpointError: an integer outside 1..MAX_VERSION.
+    """
+    if version is None:
+        return
+    if isinstance(version, bool) or not isinstance(version, numbers.Integral):
+        raise TypeError(
+            f"{what} takes a version number (an int such as 12) or None for the newest valid "
+            f"one; got {version!r} ({type(version).__name__})"
+        )
+    if not 1 <= version <= MAX_VERSION:
+        raise CheckpointError(
+            f"{what}: version {version} cannot exist (versions are numbered from 1 to "
+            f"{MAX_VERSION}); list the committed ones with pcframe list DIRECTORY"
+        )
 
 
 def check_new_version(forced: int | None, next_version: int) -> None:

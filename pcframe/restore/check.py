@@ -167,6 +167,17 @@ def tensor_misfit(live: Any, saved: Any, allow_cast: bool) -> str | None:
         return f"shape {tuple(saved.shape)} in the checkpoint, {tuple(live.shape)} here"
     if saved.dtype != live.dtype and not allow_cast:
         return f"dtype {saved.dtype} in the checkpoint, {live.dtype} here"
+    shared = [
+        dim
+        for dim, (n, step) in enumerate(zip(live.shape, live.stride(), strict=True))
+        if n > 1 and not step
+    ]
+    if shared:  # torch.ones(1).expand(4): copying into it fails half-way through an apply
+        return (
+            f"the tensor here is a broadcast view (stride 0 in dim {shared[0]}: its elements "
+            "share one memory location), which nothing can be loaded into (load_state_dict "
+            "fails on it too); register a real tensor instead (.expand(...).clone())"
+        )
     return None
 
 

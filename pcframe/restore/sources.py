@@ -28,6 +28,7 @@ from typing import TypeVar
 import torch
 
 from pcframe.errors import CheckpointError, ManifestError, RestoreIOError, UnsupportedCheckpoint
+from pcframe.format.names import check_requested_version
 from pcframe.restore.reader import LoadedVersion, load_version
 from pcframe.restore.reading import out_of_memory
 from pcframe.restore.report import RestoreReport
@@ -47,12 +48,14 @@ def restore_sources(tiers: Tiers, version: int | None, report: RestoreReport) ->
     that cannot be listed are recorded in ``report.unavailable``.
 
     Raises:
+        TypeError: ``version`` is not an int (nothing is read).
         CheckpointError: ``version`` was asked for and is committed nowhere.
         RestoreIOError: no tier that could be listed holds a version, and some tier could not
             be listed: it may hold the job's checkpoints (a new machine whose remote is down),
             so "no checkpoint" would restart the job from step 0 and let its saves push the
             old versions out of that tier.
     """
+    check_requested_version(version)
     sources, report.unavailable = tiers.sources(version)
     for reason in report.unavailable:
         log.warning("restore cannot see tier %s", reason)

@@ -206,6 +206,54 @@ def test_mismatched_model_gives_clear_error(tmp_path):
         ckpt.restore()
 
 
+class WithMask(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("mask", torch.ones(1).expand(4))  # a broadcast view
+
+
+def test_a_broadcast_buffer_is_named_before_anything_is_loaded(tmp_path):
+    with Checkpointer(tmp_path, model=WithMask()) as ckpt:
+        ckpt.save(step=1).wait()
+    fresh = WithMask()
+    before = fresh.linear.weight.detach().clone()
+    with Checkpointer(tmp_path, model=fresh) as ckpt:
+        with pytest.raises(CheckpointError, match=r"model\['mask'\]: .*broadcast view") as info:
+            ckpt.restore()
+        assert "rolling it back" not in str(info.value)
+        assert torch.equal(fresh.linear.weight, before)  # nothing was loaded
+        assert ckpt.restore(strict=False) == 1  # the rest fits and loads
+        assert ckpt.last_restore.not_loaded and "mask" in " ".join(ckpt.last_restore.not_loaded)
+    assert not torch.equal(fresh.linear.weight, before)
+
+
+@pytest.mark.parametrize(
+    ("asked", "error", "message"),
+    [
+        ("2", TypeError, r"takes a version number .* got '2' \(str\)"),
+        (True, TypeError, r"got True \(bool\)"),  # else True would read version 1
+        (2.0, TypeError, r"got 2.0 \(float\)"),
+        (0, CheckpointError, "version 0 cannot exist"),
+        (-1, CheckpointError, "version -1 cannot exist"),
+    ],
+)
+def test_a_version_that_cannot_name_a_folder_is_refused_and_changes_nothing(
+    tmp_path, asked, error, message
+):
+    model = torch.nn.Linear(4, 4)
+    with Checkpointer(tmp_path, model=model) as ckpt:
+        ckpt.save(step=1).wait()
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        ckpt.save(step=2).wait()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(error, match=message):
+            ckpt.restore(version=asked)
+        assert state_equal(model.state_dict(), before)
+        assert ckpt.restore(version=1) == 1 and ckpt.committed_versions() == [1, 2]
+
+
 def test_commit_listeners_retention_filter_and_forced_versions(tmp_path):
     seen = []
     with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2), keep_last=1) as ckpt:

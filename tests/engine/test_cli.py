@@ -77,6 +77,32 @@ def test_clear_errors_for_missing_things(tmp_path, python):
     assert result.returncode == 2 and "version 7 not found" in result.stderr
     result = cli(python, "verify", tmp_path / "v00000002")
     assert result.returncode == 2 and "pick the version with --version 2" in result.stderr
+    manifest = tmp_path / "v00000002" / "manifest.json"
+    assert manifest.is_file()
+    for given in (manifest, tmp_path / "LATEST"):  # a file, not "no such directory"
+        result = cli(python, "list", given)
+        assert result.returncode == 2 and "not a directory (a file)" in result.stderr, given
+    assert f"version folders, here {tmp_path})" in cli(python, "verify", manifest).stderr
+
+
+def test_an_unlistable_directory_is_named_as_such_not_as_a_stranger(tmp_path, monkeypatch, capsys):
+    from pathlib import Path
+
+    from pcframe.apps import cli as pcframe_cli
+
+    make(tmp_path)
+    listing = Path.iterdir
+
+    def denied(path):
+        if path == tmp_path:  # what a mode-0311 folder or a dead mount answers
+            raise PermissionError(13, "Permission denied", str(path))
+        return listing(path)
+
+    monkeypatch.setattr(Path, "iterdir", denied)
+    assert pcframe_cli.main(["list", str(tmp_path)]) == 2
+    message = capsys.readouterr().err
+    assert "cannot list the directory (Permission denied, errno 13)" in message
+    assert "not a pcframe checkpoint directory" not in message
 
 
 def test_version_readable_inspect_and_export_of_one_group(tmp_path, python):

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from pcframe.errors import CheckpointError, CorruptCheckpoint, NoValidCheckpoint
+from pcframe.format.names import check_requested_version
 from pcframe.format.tree import decode_tree
 from pcframe.integrations.dcp import root as roots
 from pcframe.integrations.dcp.schema import ReadIndex, build_metadata, section
@@ -57,6 +58,7 @@ class StorageReader(_DcpStorageReader):
         threads: int = 8,
     ) -> None:
         super().__init__()
+        check_requested_version(version, "StorageReader(version=...)")
         self.root = Path(path) if path is not None else None
         self.version = version
         self.allow_pickle = allow_pickle
