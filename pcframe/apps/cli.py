@@ -19,6 +19,7 @@ from pcframe.apps.cli_ranks import (
     verify_global,
 )
 from pcframe.apps.cli_versions import (
+    deleted_while_read,
     explicit_version,
     is_checkpoint_dir,
     not_a_checkpoint_dir,
@@ -99,6 +100,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         try:  # every chunk checksummed, every segment checksummed and decoded, the tree too
             loaded = _verified(directory, version, args.threads)
         except (CheckpointError, OSError) as exc:
+            if deleted_while_read(directory, version):
+                print(f"v{version}: deleted while it was verified (a live writer's retention)")
+                continue
             failures += 1
             print(f"v{version}: FAILED: {_one_line(exc)}")
             continue

@@ -4,6 +4,11 @@ Without ``--version`` a command reads the newest version that *reads back* (its 
 for ``inspect``; every chunk verified, for ``export``), as a restore does: a newer version
 folder that is empty, garbage or damaged is skipped, and one line on stderr names it and
 why. With ``--version N`` that version is read or the command fails, naming it.
+
+A directory whose writer is still at work changes while it is read: its retention deletes
+old versions (and commits new ones) under a ``verify`` or an ``inspect``. A version whose
+folder is gone by the time its read failed was deleted, not damaged: it is named as such,
+not as a failure, and a walk that runs out of versions lists the directory again.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pcframe.store.directory import (
 from pcframe.store.starts import STARTS
 
 T = TypeVar("T")
+LISTINGS = 3  # walks of a directory whose writer keeps committing and pruning meanwhile
 
 # What a Checkpointer leaves in its folder: a version (``v00000012``), one being written
 # (``v00000013.tmp``), deleted (``.trash-v00000009``) or quarantined by a restore
@@ -91,19 +97,32 @@ def pick(
     if version is not None:
         return version, read(explicit_version(directory, version))
     skipped: list[str] = []
-    for candidate in reversed(_committed(directory)):
-        try:
-            value = read(candidate)
-        except (CheckpointError, OSError) as exc:
-            skipped.append(f"version {candidate} ({one_line(exc)})")
-            continue
-        if skipped:
-            print(
-                f"pcframe {command}: warning: using version {candidate}, the newest that reads "
-                f"back; skipped the newer {'; '.join(skipped)}; --version picks one",
-                file=sys.stderr,
-            )
-        return candidate, value
-    raise CheckpointError(
-        f"{directory.root}: no committed version reads back: {'; '.join(skipped)}"
-    )
+    tried: set[int] = set()
+    for _ in range(LISTINGS):
+        for candidate in reversed(_committed(directory)):
+            if candidate in tried:
+                continue
+            tried.add(candidate)
+            try:
+                value = read(candidate)
+            except (CheckpointError, OSError) as exc:
+                if not deleted_while_read(directory, candidate):
+                    skipped.append(f"version {candidate} ({one_line(exc)})")
+                continue
+            if skipped:
+                print(
+                    f"pcframe {command}: warning: using version {candidate}, the newest that "
+                    f"reads back; skipped the newer {'; '.join(skipped)}; --version picks one",
+                    file=sys.stderr,
+                )
+            return candidate, value
+        if skipped:  # damage, not a writer's retention: listing again finds no other
+            break
+    reasons = "; ".join(skipped) or "each was deleted while it was read (a live writer)"
+    raise CheckpointError(f"{directory.root}: no committed version reads back: {reasons}")
+
+
+def deleted_while_read(directory: CheckpointDir, version: int) -> bool:
+    """Whether ``version``'s folder is gone: a writer's retention deleted it (or set it
+    aside) while it was read, so a failed read of it says nothing against the checkpoint."""
+    return not directory.path(version).exists()

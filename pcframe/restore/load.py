@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from pcframe.errors import CheckpointError, NoValidCheckpoint, RestoreIOError
+from pcframe.format.names import check_requested_version
 from pcframe.objects import Stateful, TrainingObjects
 from pcframe.restore.report import RestoreReport
 from pcframe.restore.restorer import load_and_apply
@@ -49,6 +50,7 @@ def load(
     Raises:
         NoValidCheckpoint, RestoreIOError, CheckpointError: as ``Checkpointer.restore``.
     """
+    check_requested_version(version, "load(version=...)")
     objects = TrainingObjects.given(model, optimizer, scheduler, scaler, data, stateful, extra)
     root = CheckpointDir(directory)
     if not root.root.is_dir():

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from pcframe.config import PAGE, EngineConfig
+from pcframe.errors import SaveError
 from pcframe.format.checksum import format_digest
 from pcframe.format.layout import Chunk, Layout
 from pcframe.format.manifest import CODEC_NAME, DATA_NAME
@@ -110,7 +111,10 @@ class SavePipeline:
         return self.committer.listeners
 
     def submit(self, request: SaveRequest, progress: SaveProgress) -> None:
-        self.pool.ensure(self._staging_budget(request.nbytes), pinned=request.on_cuda)
+        try:
+            self.pool.ensure(self._staging_budget(request.nbytes), pinned=request.on_cuda)
+        except MemoryError as exc:  # a save that fails, not a bad setting: training goes on
+            raise SaveError(request.version, progress.step, Stage.SNAPSHOT, exc) from exc
         if not self._started:  # the training thread: one caller, no race
             self._started = True
             self._writers.start()

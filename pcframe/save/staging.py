@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from pcframe.config import PAGE
-from pcframe.errors import ConfigError
 
 
 class StagingPool:
@@ -50,6 +49,9 @@ class StagingPool:
         """Size the pool to ``budget_bytes`` (rounded down to whole chunks, at least one).
 
         Reallocates only while no buffer is out, so a resize never races a copy in progress.
+
+        Raises:
+            MemoryError: the allocation was refused (no pool until a later save allocates one).
         """
         count = max(1, budget_bytes // self.chunk_bytes)
         with self._cond:
@@ -63,10 +65,11 @@ class StagingPool:
             except (MemoryError, RuntimeError) as exc:  # numpy / torch refuse the allocation
                 self._count = 0  # no pool now: the next save allocates again
                 self._cond.notify_all()  # a queued version's copy fails instead of waiting
-                raise ConfigError(
+                # Memory, not configuration: the same knobs may work at the next save.
+                raise MemoryError(
                     f"cannot allocate a staging pool of {count * self.chunk_bytes} bytes "
-                    f"({type(exc).__name__}): lower engine.staging_bytes or "
-                    "engine.staging_ratio (1.0 stages one whole version)"
+                    f"({type(exc).__name__}): free host memory, or lower engine.staging_bytes "
+                    "or engine.staging_ratio (1.0 stages one whole version)"
                 ) from None
             self._count, self._pinned = count, pinned
 

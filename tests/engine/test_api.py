@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+import pcframe
 from pcframe import Checkpointer, CheckpointError, ConfigError, DirectoryLocked, EngineConfig
 from pcframe.policies import Decision, FixedSteps, IntervalPolicy, Notice, Restarted, SaveCompleted
 from pcframe.save.pipeline import SavePipeline
@@ -252,6 +253,8 @@ def test_a_version_that_cannot_name_a_folder_is_refused_and_changes_nothing(
             ckpt.restore(version=asked)
         assert state_equal(model.state_dict(), before)
         assert ckpt.restore(version=1) == 1 and ckpt.committed_versions() == [1, 2]
+    with pytest.raises(error, match=message):
+        pcframe.load(tmp_path, model=model, version=asked)  # read-only loading: the same
 
 
 def test_commit_listeners_retention_filter_and_forced_versions(tmp_path):

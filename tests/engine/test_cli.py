@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from pcframe import Checkpointer
 from pcframe.store.directory import CheckpointDir
+from tests.engine.helpers import flip_byte
 
 
 def cli(python, *args):
@@ -214,3 +215,54 @@ def test_a_damaged_newest_version_is_skipped_by_inspect_and_export_and_named(tmp
     assert torch.equal(load_file(out)["model/weight"], model.weight.detach())
     explicit = cli(python, "inspect", tmp_path, "--version", "3")
     assert explicit.returncode == 2 and "v00000003" in explicit.stderr
+
+
+def test_a_version_deleted_by_a_live_writer_while_read_is_not_called_damaged(
+    tmp_path, monkeypatch, capsys
+):
+    """`pcframe verify` as a scrub of a training job's directory: its retention deletes old
+    versions under the walk. Before, each one read as FAILED (a missing data.bin), exit 1."""
+    import shutil
+
+    from pcframe.apps import cli as pcframe_cli
+
+    with Checkpointer(tmp_path, model=torch.nn.Linear(6, 3)) as ckpt:
+        for step in (10, 20, 30):
+            ckpt.save(step=step).wait()
+    real_load = pcframe_cli.load_version
+    prune = {"v00000001"}
+
+    def pruned_while_read(path, **kwargs):
+        if path.name in prune:  # the writer's retention, at the worst moment
+            prune.discard(path.name)
+            shutil.rmtree(path)
+        return real_load(path, **kwargs)
+
+    monkeypatch.setattr(pcframe_cli, "load_version", pruned_while_read)
+    assert pcframe_cli.main(["verify", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "v1: deleted while it was verified (a live writer's retention)"
+    assert out[1].startswith("v2: OK") and out[2].startswith("v3: OK")
+    # inspect/export: the newest one was deleted under the read: the next one, no warning.
+    prune.add("v00000003")
+    out_file = tmp_path.parent / f"{tmp_path.name}.safetensors"
+    assert pcframe_cli.main(["export", str(tmp_path), "-o", str(out_file)]) == 0
+    printed = capsys.readouterr()
+    assert "from version 2," in printed.out and "warning" not in printed.err
+
+    # Every listed version deleted under the walk while a newer one was committed: the
+    # directory is listed again and the newer one read (before: "no version reads back").
+    def commit_newer():
+        with Checkpointer(tmp_path, model=torch.nn.Linear(6, 3)) as writer:
+            writer.save(step=40).wait()
+
+    real_rmtree = shutil.rmtree
+    monkeypatch.setattr(shutil, "rmtree", lambda path: (real_rmtree(path), commit_newer()))
+    prune.add("v00000002")  # the only one left
+    assert pcframe_cli.main(["export", str(tmp_path), "-o", str(out_file), "--force"]) == 0
+    assert "from version 4, step 40" in capsys.readouterr().out
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    # Damage is still damage: a flipped byte in a version that is still there fails.
+    flip_byte(tmp_path / "v00000004" / "data.bin", 0)
+    assert pcframe_cli.main(["verify", str(tmp_path)]) == 1
+    assert "v4: FAILED" in capsys.readouterr().out
