@@ -10,15 +10,32 @@ has none: after a resume that draw would happen at another point of the global s
 shift everything that follows (dropout masks, noise), so the run would not be bit-identical.
 A loader without a generator gets one of its own (seeded from the sampler's seed), and its
 state at the start of the epoch is saved and restored with the data position.
+
+With ``num_workers > 0`` the randomness of loading (augmentation in ``__getitem__``, masking
+in ``collate_fn``) is drawn in the worker processes, whose RNGs torch seeds once per worker
+and which then advance with every sample that worker loaded. A resume skips the epoch's
+consumed samples, so those draws would not be replayed, and the batches after it would go
+to other workers: the rest of the epoch would see other noise. So each worker reseeds
+``torch``, ``random`` and numpy before every sample from (the sampler's seed, the epoch, the
+sample's index) (:class:`SeedEachSample`): a sample's randomness no longer depends on which
+worker loads it or on what was loaded before, and a resumed epoch draws what the first one
+drew. Persistent workers learn the epoch from a shared counter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import hashlib
+import logging
+import multiprocessing
+import random
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, Sampler, get_worker_info
+
+log = logging.getLogger("pcframe")
 
 
 class ResumableSampler(Sampler[int]):
@@ -67,6 +84,15 @@ class ResumableLoader:
         if loader.generator is None:
             # Never the global RNG: see the module docstring.
             loader.generator = torch.Generator().manual_seed(loader.sampler.seed + _OWN_SEED)
+        self._epoch_seen_by_workers: Any = None  # the epoch, shared with the workers
+        if loader.num_workers > 0:
+            context = loader.multiprocessing_context or multiprocessing
+            if isinstance(context, str):
+                context = multiprocessing.get_context(context)
+            self._epoch_seen_by_workers = context.RawValue("q", 0)
+            loader.worker_init_fn = SeedEachSample(
+                loader.sampler.seed, self._epoch_seen_by_workers, loader.worker_init_fn
+            )
         self.loader = loader
         self.sampler: ResumableSampler = loader.sampler
         self.epoch = 0
@@ -82,6 +108,8 @@ class ResumableLoader:
         if self._epoch_rng is not None:  # resumed mid-epoch: the same draws as the first time
             self.loader.generator.set_state(self._epoch_rng)
         self._epoch_rng = self.loader.generator.get_state()
+        if self._epoch_seen_by_workers is not None:  # before any index reaches a worker
+            self._epoch_seen_by_workers.value = self.epoch
         for batch in self.loader:
             self.consumed += _batch_size(batch)
             yield batch
@@ -129,6 +157,78 @@ class ResumableLoader:
 
 
 _OWN_SEED = 0x5EED  # offset, so the loader's stream differs from the sampler's permutations
+
+
+class SeedEachSample:
+    """A ``worker_init_fn``: the worker reseeds its RNGs before each sample (module docstring).
+
+    The worker's copy of the dataset gets a subclass whose ``__getitem__`` (and
+    ``__getitems__``, seeded by the batch's indices) seeds ``torch``, ``random`` and numpy
+    from ``(seed, epoch, index)``; then the user's own ``worker_init_fn`` runs, as before.
+    """
+
+    def __init__(self, seed: int, epoch: Any, then: Callable[[int], None] | None) -> None:
+        self.seed, self.epoch, self.then = seed, epoch, then
+
+    def __call__(self, worker_id: int) -> None:
+        info = get_worker_info()
+        assert info is not None  # called by torch in a worker process only
+        dataset = info.dataset
+        try:
+            dataset.__class__ = _seeded_class(type(dataset))
+        except TypeError as exc:  # a type whose instances cannot change class (a C type)
+            log.warning(
+                "pcframe ResumableLoader: cannot reseed %s's samples in worker %d (%s): a "
+                "resume mid-epoch draws other random augmentation than the first run",
+                type(dataset).__name__,
+                worker_id,
+                exc,
+            )
+        global _WORKER_SEED
+        _WORKER_SEED = (self.seed, self.epoch)
+        if self.then is not None:
+            self.then(worker_id)
+
+
+_WORKER_SEED: tuple[int, Any] | None = None  # (seed, shared epoch) in a worker process
+_SEEDED: dict[type, type] = {}
+
+
+def _seeded_class(cls: type) -> type:
+    if getattr(cls, "_pcframe_seeded", False):
+        return cls
+    if cls not in _SEEDED:
+
+        def __getitem__(self: Any, index: Any) -> Any:
+            _reseed(index)
+            return cls.__getitem__(self, index)
+
+        namespace: dict[str, Any] = {
+            "__getitem__": __getitem__,
+            "__slots__": (),  # the same layout, so __class__ can be assigned
+            "_pcframe_seeded": True,
+            "__module__": cls.__module__,
+        }
+        if getattr(cls, "__getitems__", None):
+
+            def __getitems__(self: Any, indices: Any) -> Any:
+                _reseed(tuple(indices))
+                return cls.__getitems__(self, indices)
+
+            namespace["__getitems__"] = __getitems__
+        _SEEDED[cls] = type(cls.__name__, (cls,), namespace)
+    return _SEEDED[cls]
+
+
+def _reseed(index: Any) -> None:
+    assert _WORKER_SEED is not None
+    seed, epoch = _WORKER_SEED
+    key = f"{seed}:{epoch.value}:{index}".encode()
+    value = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+    torch.manual_seed(value)
+    random.seed(value)
+    if "numpy" in sys.modules:  # numpy's global RNG, if the dataset could be using it
+        sys.modules["numpy"].random.seed(value & 0xFFFF_FFFF)
 
 
 def _batch_size(batch: Any) -> int:
