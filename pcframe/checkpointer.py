@@ -15,7 +15,6 @@ import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,6 +47,7 @@ from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.retention import KeepWhere, Retention
 from pcframe.store.starts import UNKNOWN_WRITER
 from pcframe.store.tiers import Secured, Tiers, attach_tiers
+from pcframe.threads import one_caller_at_a_time
 
 log = logging.getLogger("pcframe")
 
@@ -171,6 +171,7 @@ class Checkpointer:
 
     # --- saving ----------------------------------------------------------------------------
 
+    @one_caller_at_a_time
     def maybe_save(
         self, step: int, metadata: dict[str, Any] | None = None, notice: Notice | None = None
     ) -> SaveHandle | None:
@@ -192,7 +193,7 @@ class Checkpointer:
         multi-rank jobs use it to agree on one decision before saving together.
         """
         self._check_open()
-        self._report_finished()
+        self.flight.report(self._committed)
         now = time.monotonic()
         self.feed.stepped(step, now)
         self._last_step_seen = step
@@ -217,6 +218,7 @@ class Checkpointer:
             **self.flight.occupancy(),
         )
 
+    @one_caller_at_a_time
     def save(
         self,
         step: int,
@@ -233,7 +235,7 @@ class Checkpointer:
         """
         check_new_version(version, self._next_version)
         self._check_open()
-        self._report_finished()
+        self.flight.report(self._committed)
         entered = time.perf_counter()
         self.flight.acquire()
         try:
@@ -278,9 +280,6 @@ class Checkpointer:
                 f"{timeout:.0f} s (writing to {self.storage.root}): the storage is slow or "
                 "stuck; wait again, or stop the process (the last committed version is intact)"
             )
-        self._report_finished()
-
-    def _report_finished(self) -> None:
         self.flight.report(self._committed)
 
     def _committed(self, progress: SaveProgress, record: SaveRecord) -> None:
@@ -301,6 +300,7 @@ class Checkpointer:
     def committed_versions(self) -> list[int]:
         return self.storage.committed_versions()
 
+    @one_caller_at_a_time
     def restore(
         self, version: int | None = None, *, strict: bool = True, allow_cast: bool = False
     ) -> int | None:
@@ -445,6 +445,4 @@ class Checkpointer:
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self._close(None, clean=exc_type is None)
 
-    @property
-    def directory(self) -> Path:
-        return self.storage.root
+    directory = property(lambda self: self.storage.root)  # the primary tier's Path

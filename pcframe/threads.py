@@ -1,4 +1,6 @@
-"""Keep the engine's background threads from slowing training down through OpenMP.
+"""Threads and the engine: one caller at a time in the front door's methods
+(:func:`one_caller_at_a_time`), and the background threads kept from slowing training down
+through OpenMP (the rest of this docstring).
 
 Measured on this project's CPU workloads: once any thread other than the training thread
 runs a parallel torch op on CPU (a large ``copy_``, ``zero_`` or ``contiguous``), the OpenMP
@@ -20,13 +22,33 @@ import contextlib
 import ctypes
 import functools
 import logging
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
 log = logging.getLogger("pcframe")
 
 _RUNTIMES = ("libgomp", "libiomp", "libomp")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def one_caller_at_a_time(method: F) -> F:
+    """Run ``method`` under its object's own re-entrant lock.
+
+    A ``Checkpointer`` used from two threads (the loop and a notice handler's thread) must
+    number versions in the order it hands them to the pipeline: two saves at once took the
+    same number, and one of them was discarded or failed on the other's folder.
+    """
+
+    @functools.wraps(method)
+    def serialized(self: Any, *args: Any, **kwargs: Any) -> Any:
+        lock = self.__dict__.setdefault("_one_caller", threading.RLock())  # atomic in CPython
+        with lock:
+            return method(self, *args, **kwargs)
+
+    return serialized  # type: ignore[return-value]
 
 
 @functools.cache

@@ -351,3 +351,29 @@ def test_a_save_error_caused_by_another_says_the_checkpoint_is_intact_once():
     outer = SaveError(3, 9, "round", CheckpointError(f"not global: rank 1 failed: {inner}"))
     assert str(outer).count(INTACT) == 1 and ".." not in str(outer)
     assert "File too large" in str(outer) and str(outer).endswith(INTACT)
+
+
+def test_saves_from_two_threads_get_distinct_versions_and_all_commit(tmp_path):
+    """A loop and a notice handler's thread saving at once: before, both took the same
+    version number; one was discarded as not newer, or failed on the other's folder."""
+    import threading
+
+    failures: list[BaseException] = []
+    with Checkpointer(tmp_path, model=torch.nn.Linear(64, 64), max_in_flight=4, keep_last=100) as c:
+
+        def saves(first_step: int) -> None:
+            for step in range(first_step, first_step + 25):
+                try:
+                    c.save(step=step)
+                except BaseException as exc:
+                    failures.append(exc)
+
+        threads = [threading.Thread(target=saves, args=(base,)) for base in (1000, 2000)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        c.wait()
+        statuses = {str(record.status) for record in c.records.values()}
+    assert not failures and statuses == {"committed"}
+    assert CheckpointDir(tmp_path).committed_versions() == list(range(1, 51))
