@@ -8,7 +8,8 @@ only what fits (``strict=False``). What is compared:
 * model: keys both ways, and per tensor the shape and (unless ``allow_cast``) the dtype;
 * optimizer (:mod:`pcframe.restore.check_optimizer`): class, param groups, hyperparameters
   and per-parameter state keys, shapes and dtypes;
-* scheduler, scaler, extra: present when an object is given (a GradScaler's state complete);
+* scheduler: present, and not of another class (its public keys);
+* scaler, extra: present when an object is given (a GradScaler's state complete);
 * stateful objects: every name given is saved;
 * RNG: every generator state loads into a scratch generator (:func:`pcframe.rng.check_rng`).
 
@@ -85,7 +86,7 @@ def plan_load(
     if objects.stateful and wanted("stateful", objects.stateful):
         _check_stateful(objects.stateful, tree["stateful"], plan)
     if wanted("scheduler", objects.scheduler):
-        plan.states["scheduler"] = tree["scheduler"]
+        _check_scheduler(objects.scheduler, tree["scheduler"], plan)
     if wanted("scaler", objects.scaler):
         _check_scaler(objects.scaler, tree["scaler"], plan)
     if objects.policy is not None and "policy" in tree:
@@ -195,6 +196,26 @@ def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
             if [prefix + key for key in shorter] == longer:
                 return f" (the {side}'s keys carry an extra prefix {prefix!r}: the same wrapping?)"
     return ""
+
+
+def _check_scheduler(scheduler: Any, saved: Any, plan: LoadPlan) -> None:
+    """A scheduler of another class is refused: torch's ``LRScheduler.load_state_dict`` is a
+    ``__dict__.update``, so a StepLR's state loads into a CosineAnnealingLR and makes a
+    hybrid of both schedules. No class name is stored, so the public keys tell: another
+    class has keys this one lacks *and* lacks some of its own (one direction alone may be a
+    torch release adding a field)."""
+    live = scheduler.state_dict() if callable(getattr(scheduler, "state_dict", None)) else None
+    if isinstance(live, dict) and isinstance(saved, dict):
+        public = {key for key in live if isinstance(key, str) and not key.startswith("_")}
+        kept = {key for key in saved if isinstance(key, str) and not key.startswith("_")}
+        if kept - public and public - kept:
+            plan.problems.append(
+                f"scheduler: the checkpoint's scheduler state has {sorted(kept - public)}, "
+                f"which this {type(scheduler).__name__} lacks, and lacks its "
+                f"{sorted(public - kept)}: it was saved by another scheduler class"
+            )
+            return
+    plan.states["scheduler"] = saved
 
 
 def _check_stateful(given: Any, saved: Any, plan: LoadPlan) -> None:

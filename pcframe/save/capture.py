@@ -18,6 +18,7 @@ from pcframe.config import EngineConfig
 from pcframe.format.layout import Layout
 from pcframe.format.manifest import MAX_DIMS, MAX_NUMEL, MAX_STEP, MAX_TENSORS
 from pcframe.format.tree import TensorRef, encode_tree
+from pcframe.kernels.dtypes import DTYPE_NAMES
 from pcframe.objects import TrainingObjects, optimizer_class_name
 from pcframe.rng import capture_rng
 from pcframe.save.request import SaveRequest
@@ -40,11 +41,12 @@ class Capture:
             raise ValueError(f"step={step!r}: a checkpoint's step is an integer in ±2**62")
         refs: list[TensorRef] = []
         encoded = encode_tree(self._tree(), "", refs)
+        signature = Layout.signature([(ref.path, ref.tensor) for ref in refs])
+        if self._layout_signature != signature:  # before any storage is touched: a sparse
+            check_reader_limits([(ref.path.lstrip("/"), ref.tensor) for ref in refs])
         tensors = self._detach_from_training(refs)
         named = [(ref.path.lstrip("/"), t) for ref, t in zip(refs, tensors, strict=True)]
-        signature = Layout.signature(named)
         if self._layout is None or self._layout_signature != signature:
-            check_reader_limits(named)
             self._layout = Layout.build(named, self.config.chunk_bytes, self.config.tensor_align)
             self._layout_signature = signature
         cuda_ready = None
@@ -111,13 +113,29 @@ class Capture:
 
 
 def check_reader_limits(named: list[tuple[str, torch.Tensor]]) -> None:
-    """Refuse tensors beyond the reader's limits (checked when the layout changes)."""
+    """Refuse tensors that cannot be stored or are beyond the reader's limits (checked when
+    the layout changes), naming the tensor and the fix."""
     if len(named) > MAX_TENSORS:
         raise ValueError(
             f"the state holds {len(named)} tensors, over the {MAX_TENSORS} a pcframe reader "
             "accepts; group small tensors into fewer, larger ones"
         )
     for name, tensor in named:
+        if tensor.layout is not torch.strided:
+            raise TypeError(
+                f"cannot checkpoint tensor {name!r}: it is a {tensor.layout} tensor and pcframe "
+                "stores dense ones; keep it dense in the object's state_dict() (.to_dense())"
+            )
+        if tensor.is_meta:
+            raise TypeError(
+                f"cannot checkpoint tensor {name!r}: it is on the meta device (it has no data); "
+                "materialize the model first (model.to_empty(device=...), then initialise it)"
+            )
+        if tensor.dtype not in DTYPE_NAMES:
+            raise TypeError(
+                f"cannot checkpoint tensor {name!r} of dtype {tensor.dtype}: pcframe stores "
+                "plain dtypes only; dequantize() it in the object's state_dict()"
+            )
         if tensor.dim() > MAX_DIMS or tensor.numel() > MAX_NUMEL:
             raise ValueError(
                 f"cannot checkpoint tensor {name!r} of shape {list(tensor.shape)}: a pcframe "
@@ -127,8 +145,30 @@ def check_reader_limits(named: list[tuple[str, torch.Tensor]]) -> None:
 
 
 def json_only(value: dict[str, Any], what: str) -> dict[str, Any]:
-    """A deep copy of ``value`` through JSON (so later changes do not leak into the version)."""
+    """A deep copy of ``value`` through JSON (so later changes do not leak into the version).
+
+    Raises:
+        TypeError: naming the first key path whose value JSON would not give back as it is
+            (an int key comes back as a str, a tuple as a list) or cannot hold at all.
+    """
+    _check_round_trip(value, what)
     try:
         return json.loads(json.dumps(value))
     except (TypeError, ValueError) as exc:
         raise TypeError(f"{what} must be JSON-able (no tensors or objects): {exc}") from None
+
+
+def _check_round_trip(value: Any, path: str) -> None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"{path}: key {key!r} ({type(key).__name__}) would not be restored as it is "
+                    "(JSON keys are strings); use str keys"
+                )
+            _check_round_trip(item, f"{path}[{key!r}]")
+    elif isinstance(value, tuple):
+        raise TypeError(f"{path}: a tuple would be restored as a list; store a list")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_round_trip(item, f"{path}[{index}]")

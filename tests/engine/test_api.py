@@ -377,3 +377,80 @@ def test_saves_from_two_threads_get_distinct_versions_and_all_commit(tmp_path):
         statuses = {str(record.status) for record in c.records.values()}
     assert not failures and statuses == {"committed"}
     assert CheckpointDir(tmp_path).committed_versions() == list(range(1, 51))
+
+
+def test_a_scheduler_of_another_class_is_refused_not_merged(tmp_path):
+    """LRScheduler.load_state_dict is a __dict__ update: a StepLR's state loaded into a
+    CosineAnnealingLR silently made a hybrid with both schedules' fields."""
+
+    def objects(kind):
+        model = torch.nn.Linear(4, 4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model, optimizer, kind(optimizer)
+
+    model, optimizer, steps = objects(lambda o: torch.optim.lr_scheduler.StepLR(o, 2))
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, scheduler=steps) as ckpt:
+        for _ in range(3):
+            optimizer.step()
+            steps.step()
+        ckpt.save(step=3).wait()
+    model, optimizer, cosine = objects(lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 10))
+    before = cosine.state_dict()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, scheduler=cosine) as ckpt:
+        with pytest.raises(
+            CheckpointError,
+            match=r"scheduler: .*\['gamma', 'step_size'\].*"
+            r"CosineAnnealingLR lacks.*another scheduler class",
+        ):
+            ckpt.restore()
+        assert cosine.state_dict() == before and not hasattr(cosine, "gamma")
+        assert ckpt.restore(strict=False) == 3  # the model and optimizer fit
+        assert not hasattr(cosine, "gamma") and cosine.last_epoch == before["last_epoch"]
+    # The class that was saved still restores.
+    model, optimizer, steps = objects(lambda o: torch.optim.lr_scheduler.StepLR(o, 2))
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, scheduler=steps) as ckpt:
+        assert ckpt.restore() == 3 and steps.last_epoch == 3
+
+
+@pytest.mark.parametrize(
+    ("extra", "where"),
+    [
+        ({1: "a"}, r"extra: key 1 \(int\)"),  # would come back as {"1": "a"}
+        ({"ok": [1, (2, 3)]}, r"extra\['ok'\]\[1\]: a tuple would be restored as a list"),
+        ({"deep": {None: 1}}, r"extra\['deep'\]: key None \(NoneType\)"),
+    ],
+)
+def test_extra_that_json_would_change_is_refused_at_save_naming_the_key(tmp_path, extra, where):
+    with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2), extra=extra) as ckpt:
+        with pytest.raises(TypeError, match=where):
+            ckpt.save(step=1)
+        extra.clear()
+        extra["epoch"] = 3  # fixed: the next save commits
+        ckpt.save(step=2).wait()
+    fresh: dict = {}
+    with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2), extra=fresh) as ckpt:
+        assert ckpt.restore() == 2 and fresh == {"epoch": 3}
+
+
+@pytest.mark.parametrize(
+    ("buffer", "message"),
+    [
+        (lambda: torch.eye(3).to_sparse(), r"'model/odd'.*sparse_coo.*\.to_dense\(\)"),
+        (lambda: torch.empty(3, device="meta"), r"'model/odd'.*meta device.*to_empty"),
+        (
+            lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.quint8),
+            r"'model/odd' of dtype torch.quint8.*dequantize\(\)",
+        ),
+    ],
+)
+def test_a_tensor_pcframe_cannot_store_is_named_before_a_version_starts(tmp_path, buffer, message):
+    model = torch.nn.Linear(2, 2)
+    with Checkpointer(tmp_path, model=model) as ckpt:
+        ckpt.save(step=1).wait()
+        model.register_buffer("odd", buffer())
+        with pytest.raises(TypeError, match=message):
+            ckpt.save(step=2)
+        assert list(ckpt.records) == [1]  # refused before a version was numbered or started
+        del model.odd
+        ckpt.save(step=3).wait()
+    assert CheckpointDir(tmp_path).committed_versions() == [1, 2]
