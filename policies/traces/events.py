@@ -27,7 +27,7 @@ def read_bamboo_events(
     times: list[int] = []
     counts: list[int] = []
     last = -1
-    with path.open(newline="") as f:
+    with path.open(newline="", encoding="utf-8-sig") as f:
         for lineno, row in enumerate(csv.reader(f), start=1):
             if not row:
                 continue
@@ -100,7 +100,7 @@ def read_pccheck_gpus(path: Path, gpus_per_vm: int = 4, capacity: int | None = N
     times: list[float] = []
     gpus: list[int] = []
     lines: list[int] = []
-    with path.open(newline="") as f:
+    with path.open(newline="", encoding="utf-8-sig") as f:
         reader = csv.reader(f)
         header = next(reader, None)
         if header is None or [c.strip() for c in header][-2:] != ["Time", "GPUs"]:

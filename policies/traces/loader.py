@@ -61,7 +61,7 @@ def detect_format(path: str | Path) -> str:
     if path.suffix.lower() == ".json":
         doc = _read_json(path)
         return _json_format(path, doc)
-    with path.open(newline="") as f:
+    with path.open(newline="", encoding="utf-8-sig") as f:
         first = next((ln.strip() for ln in f if ln.strip()), "")
     if first.replace(" ", "") == "date,availability":
         return "skynomad-availability-csv"
@@ -82,7 +82,7 @@ def detect_format(path: str | Path) -> str:
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8-sig"))
     except json.JSONDecodeError as exc:
         raise TraceFormatError(
             path,
@@ -136,6 +136,22 @@ def load_trace(
     if not path.is_file():
         raise FileNotFoundError(f"trace file {path} does not exist")
     fmt = detect_format(path) if format == "auto" else format
+    try:
+        return _read(path, fmt, capacity, convention, prices, step_seconds)
+    except TraceFormatError:
+        raise
+    except ValueError as exc:  # a value the Trace refuses (a step of 1e300 s): name the file
+        raise TraceFormatError(path, "", str(exc), "correct the file's times or values") from exc
+
+
+def _read(
+    path: Path,
+    fmt: str,
+    capacity: int | None,
+    convention: Convention,
+    prices: Path | dict[str, list[float]] | Literal["auto"] | None,
+    step_seconds: float | None,
+) -> Trace:
     if fmt == "skynomad-availability-csv":
         return read_availability_csv(path, prices)
     if fmt == "skynomad-json":
@@ -148,7 +164,9 @@ def load_trace(
         return read_pcframe_csv(path)
     if fmt == "pcframe-json":
         return read_pcframe_json(path, _read_json(path))
-    raise ValueError(f"format={fmt!r} is not one of auto, {', '.join(FORMATS)}")
+    raise TraceFormatError(
+        path, "", f"format={fmt!r} is unknown", f"use auto, {', '.join(FORMATS)}"
+    )
 
 
 def trace_files(root: str | Path) -> list[Path]:

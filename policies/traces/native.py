@@ -29,7 +29,7 @@ _META_KEYS = {"capacity", "on_demand_price", "zone", "name", "unit", "units_per_
 
 def read_pcframe_json(path: Path, doc: dict[str, Any] | None = None) -> Trace:
     if doc is None:
-        doc = json.loads(path.read_text())
+        doc = json.loads(path.read_text(encoding="utf-8-sig"))
     for key in ("step_seconds", "capacity", "up"):
         if key not in doc:
             raise TraceFormatError(
@@ -74,7 +74,7 @@ def read_pcframe_csv(path: Path) -> Trace:
     meta: dict[str, str] = {}
     rows: list[tuple[int, list[str]]] = []
     header: list[str] | None = None
-    with path.open(newline="") as f:
+    with path.open(newline="", encoding="utf-8-sig") as f:
         for lineno, row in enumerate(csv.reader(f), start=1):
             if not row or not "".join(row).strip():
                 continue

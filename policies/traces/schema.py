@@ -12,6 +12,10 @@ from typing import Any
 import numpy as np
 
 FORMAT_TAG = "pcframe-trace/1"
+# Bounds that keep the simulator's clock exact: at 1e17 s a second is below float precision,
+# and the loop would never advance.
+MAX_STEP_SECONDS = 7 * 86400.0
+MAX_DURATION = 100 * 365.25 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -68,8 +72,23 @@ class Trace:
         up = np.asarray(self.up)
         if up.ndim != 1 or up.size == 0:
             raise ValueError(f"trace {self.name!r}: up must be a non-empty 1-D array")
-        if not (self.step_seconds > 0 and math.isfinite(self.step_seconds)):
-            raise ValueError(f"trace {self.name!r}: step_seconds={self.step_seconds} must be > 0")
+        if not (0 < self.step_seconds <= MAX_STEP_SECONDS):
+            raise ValueError(
+                f"trace {self.name!r}: step_seconds={self.step_seconds} must be in "
+                f"(0, {MAX_STEP_SECONDS}] (a week)"
+            )
+        if up.size * self.step_seconds > MAX_DURATION:
+            raise ValueError(
+                f"trace {self.name!r}: {up.size} ticks of {self.step_seconds:g} s cover more than "
+                f"{MAX_DURATION:.0f} s (100 years): check the time unit"
+            )
+        if self.on_demand_price is not None:
+            price = self.on_demand_price
+            if isinstance(price, bool) or not isinstance(price, int | float):
+                raise ValueError(f"trace {self.name!r}: on_demand_price={price!r} is not a number")
+            if not (math.isfinite(price) and price >= 0):
+                raise ValueError(f"trace {self.name!r}: on_demand_price={price} must be >= 0")
+            object.__setattr__(self, "on_demand_price", float(price))
         if self.capacity < 1:
             raise ValueError(f"trace {self.name!r}: capacity={self.capacity} must be >= 1")
         if up.min() < 0 or up.max() > self.capacity:

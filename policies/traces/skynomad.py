@@ -66,7 +66,7 @@ def read_availability_csv(
     up: list[int] = []
     lines: list[int] = []
     start = None
-    with path.open(newline="") as f:
+    with path.open(newline="", encoding="utf-8-sig") as f:
         reader = csv.reader(f)
         header = next(reader, None)
         if header is None or [c.strip() for c in header] != ["date", "availability"]:

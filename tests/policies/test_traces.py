@@ -275,6 +275,42 @@ def test_malformed_inputs(tmp_path: Path) -> None:
     assert "line 3" in _err(p)
 
 
+def test_times_the_simulator_would_misplace_are_refused(tmp_path: Path) -> None:
+    """Ticks are placed by count: a 10 h gap in 60 s rows silently vanished from the results,
+    NaN times slipped past the ordering check, 1e300 s steps hung the simulator."""
+    rows = [(60 * i, 1 - (i // 7) % 2) for i in range(40)]
+    p = tmp_path / "gap.csv"
+    p.write_text(
+        "time,up\n"
+        + "".join(f"{t + (36000 if i >= 20 else 0)},{u}\n" for i, (t, u) in enumerate(rows))
+    )
+    msg = _err(p)
+    assert "line 22" in msg and "36060 s after the row before" in msg and "60 s apart" in msg
+    p = tmp_path / "burst.csv"  # a second row in one step adds time the same way
+    p.write_text("time,up\n" + "".join(f"{t},{u}\n" for t, u in rows[:10]) + "545,1\n600,1\n")
+    assert "line 12" in _err(p)
+    jitter = tmp_path / "jitter.csv"  # what the real collectors do: accepted
+    jitter.write_text(
+        "time,up\n" + "".join(f"{t + (i % 3) * 5},{u}\n" for i, (t, u) in enumerate(rows))
+    )
+    assert load_trace(jitter).n_ticks == 40
+    for bad, line in (("nan", "line 3"), ("inf", "line 3")):
+        p = tmp_path / f"{bad}.csv"
+        p.write_text(f"time,up\n0,1\n{bad},1\n120,0\n")
+        msg = _err(p)
+        assert line in msg and "not finite" in msg, msg
+    p = tmp_path / "huge.csv"
+    p.write_text("time,up\n0,1\n1e300,0\n2e300,1\n")
+    assert "step_seconds=1e+300" in _err(p)
+    p = tmp_path / "price.json"
+    doc = {"format": "pcframe-trace/1", "step_seconds": 60, "capacity": 1, "up": [1, 0]}
+    p.write_text(json.dumps({**doc, "on_demand_price": "abc"}))
+    assert "on_demand_price='abc' is not a number" in _err(p)
+    p = tmp_path / "bom.csv"  # saved by a spreadsheet: a byte-order mark before the header
+    p.write_bytes("\ufefftime,up\n0,1\n60,0\n".encode())
+    assert load_trace(p).n_ticks == 2
+
+
 def test_price_table_length_mismatch(tmp_path: Path) -> None:
     folder = tmp_path / "avail"
     folder.mkdir()
