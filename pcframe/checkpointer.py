@@ -31,6 +31,7 @@ from pcframe.policies.base import (
     PolicyContext,
     Restarted,
     SaveCompleted,
+    checked_decision,
 )
 from pcframe.policies.fixed import FixedSteps
 from pcframe.policies.notices.base import NoticeSource
@@ -199,7 +200,7 @@ class Checkpointer:
         self._last_step_seen = step
         notice = notice or earliest_notice(self.notices, now)
         decision = self.policy.decide(self.context(step, now, notice))
-        self.last_decision = decision
+        self.last_decision = decision = checked_decision(self.policy, decision)
         if decision.emergency and notice is None:
             notice = policy_notice(self.policy, now)
         self.notice = notice

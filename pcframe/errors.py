@@ -64,6 +64,11 @@ class RestoreIOError(CheckpointError):
     """
 
 
+class PolicyError(CheckpointError, TypeError):
+    """A policy (a plugin, usually) broke its contract: ``decide`` returned something other
+    than a ``Decision``, or ``save_hint`` a hint no caller can follow."""
+
+
 class DirectoryLocked(CheckpointError):
     """Another live process is already writing checkpoints into this directory."""
 

@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from pcframe.errors import PolicyError
 from pcframe.policies.kinds import plugin_base
 
 
@@ -73,6 +74,49 @@ class Decision:
     reason: str = ""
     # An emergency save answers a preemption notice: the engine waits for it to be durable.
     emergency: bool = False
+
+
+def _who(policy: Any) -> str:
+    return f"{type(policy).__module__}.{type(policy).__qualname__}"
+
+
+def checked_decision(policy: Any, decision: Any) -> Decision:
+    """``decision`` if it is a :class:`Decision`; else a :class:`PolicyError` naming the
+    policy's class (before: an ``AttributeError`` deep in the engine or the simulator)."""
+    if not isinstance(decision, Decision):
+        raise PolicyError(
+            f"policy {_who(policy)}.decide returned {decision!r:.80}; it must return "
+            "pcframe.policies.Decision(save=..., reason=...)"
+        )
+    return decision
+
+
+def checked_hint(policy: Any, hint: Any) -> SaveHint | None:
+    """``hint`` if a caller can follow it: ``None`` or a :class:`SaveHint` whose ``every`` is
+    an int >= 1, ``step`` an int and ``time`` a number (the simulator jumps by them)."""
+    if hint is None:
+        return None
+    problem = None
+    if not isinstance(hint, SaveHint):
+        problem = f"returned {hint!r:.80}, not a SaveHint or None"
+    elif hint.every is not None and (
+        isinstance(hint.every, bool) or not isinstance(hint.every, int) or hint.every < 1
+    ):
+        problem = f"returned every={hint.every!r}: a period is an int >= 1 (or None)"
+    elif hint.step is not None and (isinstance(hint.step, bool) or not isinstance(hint.step, int)):
+        problem = f"returned step={hint.step!r}: a step is an int (or None)"
+    elif hint.time is not None and (
+        isinstance(hint.time, bool)
+        or not isinstance(hint.time, int | float)
+        or hint.time != hint.time
+    ):
+        problem = f"returned time={hint.time!r}: a time is a number on ctx.now's clock (or None)"
+    if problem:
+        raise PolicyError(
+            f"policy {_who(policy)}.save_hint {problem}; return None when unsure (the "
+            "simulator then asks decide at every step)"
+        )
+    return hint
 
 
 # --- events the engine reports back to policies -------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from pcframe.policies.base import SaveHint
+from pcframe.policies.base import SaveHint, checked_hint
 from pcframe.sim.kernel import periodic_saves
 from pcframe.sim.state import Flight, by_durable
 
@@ -115,7 +115,7 @@ class FastPaths:
             self.feed.save_stall if self.feed.save_stall is not None else stall_one
         )
         self.feed.save_duration = duration
-        self.hint = self.policy.save_hint(self._ctx(self.t))
+        self.hint = checked_hint(self.policy, self.policy.save_hint(self._ctx(self.t)))
 
     # --- steady-state fast-forward ------------------------------------------------------------
     def _steady_gap(self) -> int:

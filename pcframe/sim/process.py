@@ -25,7 +25,15 @@ import math
 from typing import Any
 
 from pcframe.feed import PolicyFeed
-from pcframe.policies.base import IntervalPolicy, Notice, PolicyContext, SaveCompleted, SaveHint
+from pcframe.policies.base import (
+    IntervalPolicy,
+    Notice,
+    PolicyContext,
+    SaveCompleted,
+    SaveHint,
+    checked_decision,
+    checked_hint,
+)
 from pcframe.sim.fastpath import NO_LIMIT, FastPaths
 from pcframe.sim.spec import JobSpec, SimOptions
 from pcframe.sim.state import Commit, Flight, Ledger, Versions, by_durable
@@ -211,13 +219,15 @@ class Process(FastPaths):
             self.pending_events = []
         self._commit_durable(now, report=True)
         ctx = self._ctx(now)
-        decision = self.policy.decide(ctx)
+        decision = checked_decision(self.policy, self.policy.decide(ctx))
         self.ledger.decisions += 1
         self._asked = True
         self.last_decide = now
         if decision.save:
             self._save(decision.emergency)
-        self.hint = self.policy.save_hint(ctx) if self.use_hints else None
+        self.hint = (
+            checked_hint(self.policy, self.policy.save_hint(ctx)) if self.use_hints else None
+        )
         if decision.save and self.fast_forward and now >= self._ff_blocked_until:
             self._ff_every = self._steady_gap()
 

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 import pcframe.policies as P
+from pcframe.errors import PolicyError
+from pcframe.policies.base import SaveHint
 from pcframe.policies.traces import Trace, TraceFormatError
 from pcframe.sim import JobSpec, SimConfigError, SimOptions, simulate, steady_trace
 from pcframe.sim.app_config import select_traces
@@ -84,3 +86,58 @@ def test_a_trace_spec_that_matches_nothing_says_what_was_searched(tmp_path) -> N
 def test_traces_can_be_picked_by_glob_relative_to_the_shipped_folder(tmp_path) -> None:
     picked = select_traces("skynomad/gcp-h100-16-2025/us-east4-*.json", tmp_path)
     assert sorted(t.zone for t in picked) == ["us-east4-a", "us-east4-b"]
+
+
+class _EveryTen(P.IntervalPolicy):
+    """A plugin that decides well; the subclasses break one rule each."""
+
+    def decide(self, ctx):
+        return P.Decision(ctx.step % 10 == 0, "ten")
+
+
+class _ReturnsBool(_EveryTen):
+    def decide(self, ctx):
+        return ctx.step % 10 == 0
+
+
+class _NegativePeriod(_EveryTen):
+    def save_hint(self, ctx):
+        return SaveHint(step=-5, every=-3)  # before: every result 0, exit 0
+
+
+class _ZeroPeriod(_EveryTen):
+    def save_hint(self, ctx):
+        return SaveHint(every=0)  # before: ZeroDivisionError in the fast path
+
+
+class _NotAHint(_EveryTen):
+    def save_hint(self, ctx):
+        return 10
+
+
+@pytest.mark.parametrize(
+    ("policy", "words"),
+    [
+        (_ReturnsBool, r"decide returned False; it must return pcframe\.policies\.Decision"),
+        (_NegativePeriod, r"save_hint returned every=-3: a period is an int >= 1"),
+        (_ZeroPeriod, r"save_hint returned every=0"),
+        (_NotAHint, r"save_hint returned 10, not a SaveHint or None"),
+    ],
+)
+def test_a_plugin_that_breaks_its_contract_is_named_not_simulated(policy, words) -> None:
+    with pytest.raises(PolicyError, match=rf"policy tests\.sim\.test_errors\.{policy.__name__}\."):
+        simulate(steady_trace(1.0), policy())
+    with pytest.raises(PolicyError, match=words):
+        simulate(steady_trace(1.0), policy())
+    assert simulate(steady_trace(1.0), _EveryTen()).useful_steps > 0
+
+
+def test_the_engine_names_a_decide_that_returns_no_decision(tmp_path) -> None:
+    import torch
+
+    from pcframe import Checkpointer
+
+    with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2), policy=_ReturnsBool()) as ckpt:
+        with pytest.raises(PolicyError, match=r"_ReturnsBool\.decide returned True"):
+            ckpt.maybe_save(10)
+        assert ckpt.committed_versions() == []
