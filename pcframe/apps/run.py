@@ -24,6 +24,7 @@ from typing import Any
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
@@ -37,6 +38,7 @@ from pcframe.apps.preemption.plan import Measured, check_plan, plan
 from pcframe.apps.progress import StepProgress
 from pcframe.apps.schemas import register_app_schemas
 from pcframe.apps.summary import Summary, overhead_text, print_summary, write_summary
+from pcframe.apps.sweep import claim_directory
 from pcframe.apps.targets import build as build_target
 from pcframe.apps.targets import check_targets, locate
 from pcframe.apps.training import train
@@ -324,6 +326,8 @@ def _task(cfg: DictConfig) -> None:
     for warning in tuned:  # now, before the run, and again with the summary
         console.print(f"[bold yellow]warning:[/bold yellow] {warning}", soft_wrap=True)
     out = hydra_cfg.runtime.output_dir
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        claim_directory(cfg.directory, hydra_cfg.sweep.dir, hydra_cfg.job.num)
     summary = run(cfg, out)
     summary.setdefault("warnings", []).extend(tuned)
     job = OmegaConf.select(hydra_cfg, "job.num", default=None, throw_on_missing=False)

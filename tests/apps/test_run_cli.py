@@ -60,3 +60,33 @@ def test_multirun_sweep_with_the_basic_launcher(tmp_path, app_env):
     for job in ("0", "1"):
         assert CheckpointDir(sweep / job / "checkpoints").committed_versions() == [1, 2]
     assert "max_in_flight: 3" in (sweep / "1" / ".hydra" / "config.yaml").read_text()
+
+
+def test_a_sweep_whose_jobs_share_one_directory_stops_before_the_second_trains(tmp_path, app_env):
+    """Before: job 1 resumed job 0's final checkpoint, trained 0 steps, exit 0, its row in
+    the sweep table as if it were a result."""
+    shared = tmp_path / "shared"
+
+    def sweep(name, *directory):
+        return run_module(
+            "pcframe.apps.run",
+            "-m",
+            "policy.interval.every=5,10",
+            "workload=tiny",
+            "steps=10",
+            "threads=1",
+            "baseline=false",
+            "progress=false",
+            *directory,
+            f"hydra.sweep.dir={tmp_path / name}",
+            cwd=tmp_path,
+            env=app_env,
+        )
+
+    result = sweep("one", f"directory={shared}")
+    assert result.returncode == 2, result.stderr
+    assert f"directory={shared} is job 0's checkpoint directory too" in result.stderr
+    assert result.stdout.count("pcframe-run summary") == 1  # job 1 trained nothing
+    per_job = sweep("two", f"directory={tmp_path}/per-job/${{hydra:job.num}}")
+    assert per_job.returncode == 0, per_job.stderr
+    assert CheckpointDir(tmp_path / "per-job" / "1").committed_versions()
