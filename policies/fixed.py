@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from pcframe.policies.base import Decision, IntervalPolicy, PolicyContext, SaveHint
@@ -13,9 +14,11 @@ class FixedSteps(IntervalPolicy):
     name = "fixed_steps"
 
     def __init__(self, every: int = 10) -> None:
-        if every < 1:
-            raise ValueError(f"FixedSteps: every={every} must be >= 1 step")
-        self.every = every
+        # A float or a bool would pass as a number of steps: 2.5 saves every 5 steps, True
+        # every step.
+        if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
+            raise ValueError(f"FixedSteps: every={every!r} must be a whole number of steps >= 1")
+        self.every = int(every)
 
     def decide(self, ctx: PolicyContext) -> Decision:
         if ctx.step > 0 and ctx.step % self.every == 0:

@@ -91,6 +91,18 @@ def finish(
     return written, against
 
 
+def check_config_path(path: str | None) -> None:
+    """``tune.write_config`` where ``pcframe-run engine=NAME`` will find it, checked before
+    the study runs: Hydra looks up ``<dir>/engine/NAME.yaml`` in a search path folder."""
+    if path and (Path(path).suffix != ".yaml" or Path(path).parent.name != "engine"):
+        where = Path(path)
+        fixed = where.parent / "engine" / f"{where.stem or 'tuned'}.yaml"
+        raise ConfigError(
+            f"tune.write_config={path}: pcframe-run reads a tuned engine as "
+            f"<folder>/engine/<name>.yaml (engine=<name>); write it to e.g. {fixed}"
+        )
+
+
 @hydra.main(version_base="1.3", config_path="pkg://pcframe.conf", config_name="tune")
 def _app(cfg: DictConfig) -> None:
     with reported("pcframe-tune"):
@@ -101,6 +113,7 @@ def _task(cfg: DictConfig) -> None:
     check_targets(cfg)
     check_bounds(cfg, "tune")
     check_schedule(cfg.tune.interval, cfg.tune.steps, cfg.tune.repeats)
+    check_config_path(cfg.tune.write_config)
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # the tuner prints its own lines
     task = list(HydraConfig.get().overrides.task)
     console = Console()

@@ -71,7 +71,9 @@ class Capacity:
                 tick = int(np.flatnonzero(bad)[0])
                 raise SimConfigError(
                     f"trace {_where(trace)}: spot price at tick {tick} is {float(price[tick])!r}; "
-                    "prices must be finite $/h >= 0 (fix the file or set sim.override_prices)"
+                    "prices must be finite $/h >= 0 (fix the file, or set "
+                    "sim.options.override_prices=true and sim.options.spot_price: "
+                    "SimOptions(override_prices=True, spot_price=...))"
                 )
             return price
         value = math.nan if options.spot_price is None else float(options.spot_price)

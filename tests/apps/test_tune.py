@@ -293,3 +293,17 @@ def test_confirmation_remeasures_the_leader(tmp_path):
     assert again.params == leader.params and again.state == TrialState.COMPLETE
     # the only configuration measured twice is the one written, whatever its second value
     assert best_trial(study, ["overhead"]).params == leader.params
+
+
+def test_a_tuned_config_path_pcframe_run_cannot_find_is_refused_before_the_study(tmp_path):
+    """Before: the study ran, wrote /x/tuned.yaml and printed a command (engine=tuned) that
+    failed, since pcframe-run looks up <folder>/engine/<name>.yaml."""
+    from pcframe.apps.tune import check_config_path
+    from pcframe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"write it to e\.g\. {tmp_path}/engine/tuned\.yaml"):
+        check_config_path(str(tmp_path / "tuned.yaml"))
+    with pytest.raises(ConfigError, match=r"engine/<name>\.yaml"):
+        check_config_path(str(tmp_path / "engine" / "tuned.json"))
+    check_config_path(str(tmp_path / "engine" / "mine.yaml"))  # where engine=mine finds it
+    check_config_path(None)

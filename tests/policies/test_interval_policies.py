@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import pcframe.policies as P
@@ -28,6 +29,10 @@ def test_fixed_steps() -> None:
     assert not p.decide(ctx(0, 0)).save
     with pytest.raises(ValueError, match="every"):
         P.FixedSteps(every=0)
+    for not_steps in (2.5, True, "10"):  # 2.5 saved every 5 steps, True at every step
+        with pytest.raises(ValueError, match="whole number of steps"):
+            P.FixedSteps(every=not_steps)
+    assert P.FixedSteps(every=np.int64(7)).every == 7
 
 
 def test_fixed_time_is_fixed_even_when_saves_are_slow() -> None:
