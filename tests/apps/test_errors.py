@@ -40,7 +40,7 @@ def run_script(name: str, *args: str, cwd: Path, env: dict, timeout: float = 120
         # Hydra's "Error getting object" lines came before the one line
         ("policy.interval._target_=nosuch.Policy", "policy.interval._target_", "No module"),
         # reported in Hydra's wording, after the warm-up had run
-        ("policy.interval.every=0", "policy.interval.every=0", "must be >= 1 step"),
+        ("policy.interval.every=0", "policy.interval.every=0", "whole number of steps >= 1"),
     ],
     ids=str,
 )

@@ -286,13 +286,16 @@ def test_confirmation_remeasures_the_leader(tmp_path):
         tmp_path, "tune.storage=null", "tune.n_trials=2", "tune.confirm=1", "tune.pruner=none"
     )
     study = t.run()
-    assert len(study.trials) == 3
-    again = study.trials[2]
-    assert again.user_attrs.get("confirmation") is True
     leader = min(study.trials[:2], key=lambda tr: tr.value)
+    # The leader is measured again, and the base engine too when it is not the leader (which
+    # of the two leads is up to the machine's noise).
+    again, *base = study.trials[2:]
+    assert len(base) == (0 if leader.user_attrs.get("base") else 1)
+    assert all(t.user_attrs.get("confirmation") is True for t in [again, *base])
     assert again.params == leader.params and again.state == TrialState.COMPLETE
-    # the only configuration measured twice is the one written, whatever its second value
-    assert best_trial(study, ["overhead"]).params == leader.params
+    # only configurations measured twice can be written: the leader, or the base if remeasured
+    written = best_trial(study, ["overhead"]).params
+    assert written in [leader.params, *(t.params for t in base)]
 
 
 def test_a_tuned_config_path_pcframe_run_cannot_find_is_refused_before_the_study(tmp_path):

@@ -443,6 +443,7 @@ def test_extra_that_json_would_change_is_refused_at_save_naming_the_key(tmp_path
         ),
     ],
 )
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")  # deprecated
 def test_a_tensor_pcframe_cannot_store_is_named_before_a_version_starts(tmp_path, buffer, message):
     model = torch.nn.Linear(2, 2)
     with Checkpointer(tmp_path, model=model) as ckpt:

@@ -62,7 +62,8 @@ def sigkill_campaign(tmp_path: Path, python: str, env: dict, kills: int, seed: i
     assert any(k.startswith("optimizer/") for k in tensors_a)
     assert not tensor_differences(tensors_a, tensors_b)  # weights, Adam moments, RNGs
     assert not tree_differences(tree_a["scheduler"], tree_b["scheduler"])
-    # TrainerState: global_step, epoch (a float, bit for bit), flos, tokens seen, ...
+    # TrainerState: global_step, epoch (a float, bit for bit), tokens seen, ... (total_flos
+    # lags by the steps since the last log: docs/integrations.md, Limits)
     assert not tree_differences(tree_a["stateful"], tree_b["stateful"])
 
 
