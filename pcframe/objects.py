@@ -66,6 +66,18 @@ def optimizer_class_name(optimizer: Any) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def optimizer_param_names(model: Any, optimizer: Any) -> list[list[str | None]]:
+    """Each param group's parameters by their name in ``model`` (``None``: not the model's).
+
+    A version stores it as ``optimizer_param_names`` beside the optimizer's state: torch
+    keys that state by position in the param groups, so an optimizer built from the same
+    parameters in another order (modules registered in another order, a layer renamed)
+    would load every moment into another parameter of the same shape.
+    """
+    names = {id(param): name for name, param in model.named_parameters()}
+    return [[names.get(id(param)) for param in group["params"]] for group in optimizer.param_groups]
+
+
 def require_step_hook(optimizer: Any) -> None:
     """The engine gates ``optimizer.step()`` (the snapshot of the weights it changes is
     copied first): a save's gate needs ``register_step_pre_hook``.

@@ -26,7 +26,7 @@ import torch
 
 from pcframe.errors import CheckpointError
 from pcframe.objects import TrainingObjects, optimizer_class_name
-from pcframe.restore.check_optimizer import check_optimizer
+from pcframe.restore.check_optimizer import check_optimizer, param_order_problems
 
 __all__ = ["LoadPlan", "StateMismatch", "optimizer_class_name", "plan_load", "tensor_misfit"]
 from pcframe.rng import check_rng
@@ -102,6 +102,10 @@ def plan_load(
             plan.problems,
         )
         plan.casts |= any("dtype" in p for p in plan.problems[before:])
+        if objects.model is not None and len(plan.problems) == before:
+            plan.problems += param_order_problems(
+                tree.get("optimizer_param_names"), objects.model, objects.optimizer
+            )
         if len(plan.problems) == before:
             plan.states["optimizer"] = state
     if wanted("model", objects.model):

@@ -7,7 +7,8 @@ groups' hyperparameters and the *saved* per-parameter state, so this checks exac
 pair against the live class:
 
 * the class, when the version names it (``optimizer_class`` next to the state);
-* param groups: count and sizes;
+* param groups: count and sizes, and each position's parameter by its name in the model
+  (``optimizer_param_names``, where the version has it): torch keys the state by position;
 * hyperparameters: every key the live class reads (its ``defaults`` and the live groups'
   keys) is in each saved group, except those the class's own ``__setstate__`` fills in
   (torch's path for checkpoints of older torch versions, found on a scratch instance);
@@ -34,10 +35,34 @@ import torch
 import torch.optim.optimizer as optimizer_module
 from torch.optim.optimizer import Optimizer
 
-from pcframe.objects import optimizer_class_name
+from pcframe.objects import optimizer_class_name, optimizer_param_names
 
 PRIME_DIMS = (2, 3, 5, 7, 11, 13)  # scratch parameter sizes: a state shaped like it is telling
 GROUP_BOOKKEEPING = {"params", "param_names"}
+
+
+def param_order_problems(saved: Any, model: Any, optimizer: Optimizer) -> list[str]:
+    """Whether the saved optimizer state belongs to the same parameters, position by position.
+
+    ``saved`` is the version's ``optimizer_param_names`` (absent in versions written before
+    it was stored: nothing to compare). Only positions named on both sides are compared (a
+    parameter outside the model has no name).
+    """
+    if not (isinstance(saved, list) and all(isinstance(g, list) for g in saved)):
+        return []
+    live = optimizer_param_names(model, optimizer)
+    if [len(g) for g in saved] != [len(g) for g in live]:
+        return []  # the group sizes differ: check_optimizer has said so
+    for index, (was, now) in enumerate(zip(saved, live, strict=True)):
+        for position, (a, b) in enumerate(zip(was, now, strict=True)):
+            if isinstance(a, str) and isinstance(b, str) and a != b:
+                return [
+                    f"optimizer param group {index}: position {position} held the state of "
+                    f"{a!r} when saved and is {b!r} here: the moments would load into other "
+                    "parameters; build the optimizer from the parameters in the order they "
+                    "were saved (the same model definition)"
+                ]
+    return []
 
 
 def check_optimizer(

@@ -19,7 +19,7 @@ from pcframe.format.layout import Layout
 from pcframe.format.manifest import MAX_DIMS, MAX_NUMEL, MAX_STEP, MAX_TENSORS
 from pcframe.format.tree import TensorRef, encode_tree
 from pcframe.kernels.dtypes import DTYPE_NAMES
-from pcframe.objects import TrainingObjects, optimizer_class_name
+from pcframe.objects import TrainingObjects, optimizer_class_name, optimizer_param_names
 from pcframe.rng import capture_rng
 from pcframe.save.request import SaveRequest
 
@@ -29,6 +29,8 @@ class Capture:
         self.objects, self.config = objects, config
         self._layout: Layout | None = None
         self._layout_signature: tuple | None = None
+        self._names_key: tuple | None = None  # the param groups _names was made from
+        self._names: list[list[str | None]] = []
 
     def request(self, version: int, step: int, metadata: dict[str, Any]) -> SaveRequest:
         """Capture the state now as version ``version`` at ``step``.
@@ -75,6 +77,8 @@ class Capture:
             if isinstance(o.optimizer, torch.optim.Optimizer):  # not a multi-rank stand-in
                 # So a restore can refuse Adam state for AdamW (same keys, other maths).
                 tree["optimizer_class"] = optimizer_class_name(o.optimizer)
+                if o.model is not None:  # so a restore can refuse state in another order
+                    tree["optimizer_param_names"] = self._param_names()
         if o.scheduler is not None:
             tree["scheduler"] = o.scheduler.state_dict()
         if o.scaler is not None:
@@ -85,6 +89,15 @@ class Capture:
         if o.extra is not None:
             tree["extra"] = json_only(o.extra, "extra")
         return tree
+
+    def _param_names(self) -> list[list[str | None]]:
+        """``optimizer_param_names``, computed again only when the param groups change."""
+        groups = self.objects.optimizer.param_groups
+        key = tuple((id(g["params"]), len(g["params"])) for g in groups)
+        if self._names_key != key:
+            self._names = optimizer_param_names(self.objects.model, self.objects.optimizer)
+            self._names_key = key
+        return self._names
 
     def _detach_from_training(self, refs: list[TensorRef]) -> list[torch.Tensor]:
         """Decide per tensor whether the background copy may read it later.

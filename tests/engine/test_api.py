@@ -455,3 +455,52 @@ def test_a_tensor_pcframe_cannot_store_is_named_before_a_version_starts(tmp_path
         del model.odd
         ckpt.save(step=3).wait()
     assert CheckpointDir(tmp_path).committed_versions() == [1, 2]
+
+
+def _layers(*names):
+    from collections import OrderedDict
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(OrderedDict((n, torch.nn.Linear(8, 8)) for n in names))
+
+
+def _adam_trained(model):
+    optimizer = torch.optim.Adam(model.parameters())
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+    return optimizer
+
+
+def test_optimizer_state_of_other_parameters_is_refused_not_loaded_by_position(tmp_path):
+    """torch keys optimizer state by position: modules registered in another order (same
+    names, same shapes) loaded a's Adam moments into b, and a renamed layer's moments went
+    to the fresh layer under strict=False, with nothing in the report."""
+    model = _layers("a", "b")
+    optimizer = _adam_trained(model)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        ckpt.save(step=1).wait()
+    swapped = _layers("b", "a")
+    fresh = torch.optim.Adam(swapped.parameters())
+    with Checkpointer(tmp_path, model=swapped, optimizer=fresh) as ckpt:
+        with pytest.raises(
+            CheckpointError,
+            match=r"position 0 held the state of 'a\.weight' "
+            r"when saved and is 'b\.weight' here",
+        ):
+            ckpt.restore()
+        assert not fresh.state
+    renamed = _layers("a", "middle")
+    fresh = torch.optim.Adam(renamed.parameters())
+    with Checkpointer(tmp_path, model=renamed, optimizer=fresh) as ckpt:
+        assert ckpt.restore(strict=False) == 1
+        assert not fresh.state  # no moments for parameters whose weights were not loaded
+        assert any("'b.weight' when saved" in line for line in ckpt.last_restore.not_loaded)
+    same = _layers("a", "b")
+    fresh = torch.optim.Adam(same.parameters())
+    with Checkpointer(tmp_path, model=same, optimizer=fresh) as ckpt:  # the same definition
+        assert ckpt.restore() == 1
+        assert torch.equal(
+            fresh.state[same.b.weight]["exp_avg"], optimizer.state[model.b.weight]["exp_avg"]
+        )
