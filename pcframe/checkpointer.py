@@ -248,7 +248,7 @@ class Checkpointer:
             self.flight.release()
             raise
         self._next_version += 1
-        progress = SaveProgress(request.version, step, request.nbytes, request.started)
+        progress = SaveProgress(request.version, step, request.nbytes, entered)  # at save()
         self.flight.started(progress)
         try:
             self.pipeline.submit(request, progress)

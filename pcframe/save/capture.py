@@ -9,7 +9,6 @@ is built once and reused while the (name, dtype, shape) signature stays the same
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import torch
@@ -63,7 +62,6 @@ class Capture:
             tree=encoded,
             numpy_tensors=tuple(i for i, ref in enumerate(refs) if ref.numpy),
             metadata=json_only(metadata, "metadata"),
-            started=time.perf_counter(),
             cuda_ready=cuda_ready,
         )
 

@@ -25,7 +25,6 @@ class SaveRequest:
     tree: Any  # the encoded (JSON) state tree; tensors are {"$t": index} references
     numpy_tensors: tuple[int, ...]
     metadata: dict[str, Any]
-    started: float  # time.perf_counter() at save()
     cuda_ready: Any = None  # torch.cuda.Event recorded on the training stream at save()
 
     @property

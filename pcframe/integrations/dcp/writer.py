@@ -312,7 +312,6 @@ def _commit(
             **metadata,
             "dcp_checkpoint_id": info.checkpoint_id,
         },
-        started=started,
         cuda_ready=cuda_ready,
     )
     staging = _BUFFERS_PER_WRITER * config.writer_threads * config.chunk_bytes
