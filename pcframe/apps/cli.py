@@ -18,16 +18,9 @@ from pcframe.apps.cli_ranks import (
     refuse_multi_rank_root,
     verify_global,
 )
-from pcframe.apps.cli_versions import (
-    deleted_while_read,
-    explicit_version,
-    is_checkpoint_dir,
-    not_a_checkpoint_dir,
-    pick,
-)
+from pcframe.apps.cli_versions import check_directory, deleted_while_read, explicit_version, pick
 from pcframe.errors import CheckpointError, ManifestError
 from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME, Manifest, read_manifest
-from pcframe.format.names import version_number
 from pcframe.restore.reader import LoadedVersion, load_version
 from pcframe.store.directory import CheckpointDir, quarantined_versions
 
@@ -341,28 +334,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_directory(path: str) -> None:
-    """A typo or a version folder given for the checkpoint directory is an error, not 'empty'."""
-    root = Path(path)
-    if not root.is_dir():
-        what = "not a directory (a file)" if root.exists() else "no such directory"
-        inside = next((up for up in root.parents if version_number(up.name) is not None), None)
-        hint = f", here {inside.parent}" if inside is not None else ""
-        raise CheckpointError(
-            f"{root}: {what}; give the checkpoint directory (the one holding the vNNNNNNNN "
-            f"version folders{hint})"
-        )
-    if (root / MANIFEST_NAME).exists():
-        version = version_number(root.name)
-        pick = f" and pick the version with --version {version}" if version is not None else ""
-        raise CheckpointError(
-            f"{root} is the folder of one version; give its parent, the checkpoint directory,{pick}"
-        )
-    # A folder pcframe never wrote to is a mistake (a wrong path), not an empty listing.
-    if not is_multi_rank_root(root) and not is_checkpoint_dir(root):
-        raise not_a_checkpoint_dir(root)
-
-
 def _one_line(exc: BaseException) -> str:
     """The message on one line, control characters and lone surrogates escaped (a hostile
     name must not break the terminal or the output encoding)."""
@@ -379,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     try:
-        _check_directory(args.directory)
+        check_directory(args.directory)
         code = args.func(args)
         sys.stdout.flush()  # here, not at exit: a reader that went away is seen below
         return code

@@ -19,7 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from pcframe.apps.cli_ranks import is_multi_rank_root
 from pcframe.errors import CheckpointError
+from pcframe.format.manifest import MANIFEST_NAME
+from pcframe.format.names import version_number
 from pcframe.store.directory import (
     CLEAN_EXIT,
     LATEST,
@@ -126,3 +129,25 @@ def deleted_while_read(directory: CheckpointDir, version: int) -> bool:
     """Whether ``version``'s folder is gone: a writer's retention deleted it (or set it
     aside) while it was read, so a failed read of it says nothing against the checkpoint."""
     return not directory.path(version).exists()
+
+
+def check_directory(path: str) -> None:
+    """A typo or a version folder given for the checkpoint directory is an error, not 'empty'."""
+    root = Path(path)
+    if not root.is_dir():
+        what = "not a directory (a file)" if root.exists() else "no such directory"
+        inside = next((up for up in root.parents if version_number(up.name) is not None), None)
+        hint = f", here {inside.parent}" if inside is not None else ""
+        raise CheckpointError(
+            f"{root}: {what}; give the checkpoint directory (the one holding the vNNNNNNNN "
+            f"version folders{hint})"
+        )
+    if (root / MANIFEST_NAME).exists():
+        version = version_number(root.name)
+        pick = f" and pick the version with --version {version}" if version is not None else ""
+        raise CheckpointError(
+            f"{root} is the folder of one version; give its parent, the checkpoint directory,{pick}"
+        )
+    # A folder pcframe never wrote to is a mistake (a wrong path), not an empty listing.
+    if not is_multi_rank_root(root) and not is_checkpoint_dir(root):
+        raise not_a_checkpoint_dir(root)

@@ -42,12 +42,14 @@ class Capture:
             raise ValueError(f"step={step!r}: a checkpoint's step is an integer in ±2**62")
         refs: list[TensorRef] = []
         encoded = encode_tree(self._tree(), "", refs)
-        signature = Layout.signature([(ref.path, ref.tensor) for ref in refs])
-        if self._layout_signature != signature:  # before any storage is touched: a sparse
-            check_reader_limits([(ref.path.lstrip("/"), ref.tensor) for ref in refs])
+        live = [(ref.path.lstrip("/"), ref.tensor) for ref in refs]
+        signature = Layout.signature(live)
+        changed = self._layout is None or self._layout_signature != signature
+        if changed:  # before any storage is touched (a sparse tensor has none)
+            check_reader_limits(live)
         tensors = self._detach_from_training(refs)
-        named = [(ref.path.lstrip("/"), t) for ref, t in zip(refs, tensors, strict=True)]
-        if self._layout is None or self._layout_signature != signature:
+        named = [(name, t) for (name, _), t in zip(live, tensors, strict=True)]
+        if changed:
             self._layout = Layout.build(named, self.config.chunk_bytes, self.config.tensor_align)
             self._layout_signature = signature
         cuda_ready = None
