@@ -26,7 +26,7 @@ import torch
 
 from pcframe.errors import CheckpointError
 from pcframe.objects import TrainingObjects, optimizer_class_name
-from pcframe.restore.check_optimizer import check_optimizer, param_order_problems
+from pcframe.restore.check_optimizer import align_to_names, check_optimizer
 
 __all__ = ["LoadPlan", "StateMismatch", "optimizer_class_name", "plan_load", "tensor_misfit"]
 from pcframe.rng import check_rng
@@ -94,18 +94,21 @@ def plan_load(
     if wanted("optimizer", objects.optimizer):
         saved_class = tree.get("optimizer_class")
         before = len(plan.problems)
+        state, order_problems = tree["optimizer"], []
+        if objects.model is not None:
+            state, order_problems = align_to_names(
+                state, tree.get("optimizer_param_names"), objects.model, objects.optimizer
+            )
         state = check_optimizer(
             objects.optimizer,
-            tree["optimizer"],
+            state,
             saved_class if isinstance(saved_class, str) else None,
             allow_cast,
             plan.problems,
         )
         plan.casts |= any("dtype" in p for p in plan.problems[before:])
-        if objects.model is not None and len(plan.problems) == before:
-            plan.problems += param_order_problems(
-                tree.get("optimizer_param_names"), objects.model, objects.optimizer
-            )
+        if len(plan.problems) == before:
+            plan.problems += order_problems
         if len(plan.problems) == before:
             plan.states["optimizer"] = state
     if wanted("model", objects.model):

@@ -7,8 +7,9 @@ groups' hyperparameters and the *saved* per-parameter state, so this checks exac
 pair against the live class:
 
 * the class, when the version names it (``optimizer_class`` next to the state);
-* param groups: count and sizes, and each position's parameter by its name in the model
-  (``optimizer_param_names``, where the version has it): torch keys the state by position;
+* param groups: count and sizes; where the version names each position's parameter
+  (``optimizer_param_names``), the saved positions are first put in the live order of
+  those names (:func:`align_to_names`): torch keys the state by position;
 * hyperparameters: every key the live class reads (its ``defaults`` and the live groups'
   keys) is in each saved group, except those the class's own ``__setstate__`` fills in
   (torch's path for checkpoints of older torch versions, found on a scratch instance);
@@ -41,28 +42,71 @@ PRIME_DIMS = (2, 3, 5, 7, 11, 13)  # scratch parameter sizes: a state shaped lik
 GROUP_BOOKKEEPING = {"params", "param_names"}
 
 
-def param_order_problems(saved: Any, model: Any, optimizer: Optimizer) -> list[str]:
-    """Whether the saved optimizer state belongs to the same parameters, position by position.
+def align_to_names(
+    state: Any, saved: Any, model: Any, optimizer: Optimizer
+) -> tuple[Any, list[str]]:
+    """The saved optimizer ``state`` with each param group's positions put in the live order
+    of the parameters' names, and why it cannot be (empty when it can).
 
-    ``saved`` is the version's ``optimizer_param_names`` (absent in versions written before
-    it was stored: nothing to compare). Only positions named on both sides are compared (a
-    parameter outside the model has no name).
+    torch keys optimizer state by position, so an optimizer built from the same parameters
+    in another order (modules registered in another order) would load each moment into
+    another parameter. ``saved`` is the version's ``optimizer_param_names`` (absent in
+    versions written before it was stored: positions are all there is). Where a group holds
+    the same named parameters on both sides, its saved ``params`` (and torch's own
+    ``param_names``) are permuted to the live order; a name on one side only (a renamed
+    layer) is a problem, since its moments belong to no live parameter. Positions without a
+    name (a parameter outside the model) are compared by position.
     """
     if not (isinstance(saved, list) and all(isinstance(g, list) for g in saved)):
-        return []
+        return state, []
+    groups = state.get("param_groups") if isinstance(state, dict) else None
     live = optimizer_param_names(model, optimizer)
-    if [len(g) for g in saved] != [len(g) for g in live]:
-        return []  # the group sizes differ: check_optimizer has said so
-    for index, (was, now) in enumerate(zip(saved, live, strict=True)):
-        for position, (a, b) in enumerate(zip(was, now, strict=True)):
-            if isinstance(a, str) and isinstance(b, str) and a != b:
-                return [
-                    f"optimizer param group {index}: position {position} held the state of "
-                    f"{a!r} when saved and is {b!r} here: the moments would load into other "
-                    "parameters; build the optimizer from the parameters in the order they "
-                    "were saved (the same model definition)"
-                ]
-    return []
+    if (
+        not isinstance(groups, list)
+        or len(groups) != len(saved)
+        or [len(g) for g in saved] != [len(g) for g in live]
+        or any(not isinstance(g, dict) or not isinstance(g.get("params"), list) for g in groups)
+        or [len(g["params"]) for g in groups] != [len(g) for g in saved]
+    ):
+        return state, []  # the groups differ in number or size: check_optimizer says so
+    aligned = []
+    for index, (group, was, now) in enumerate(zip(groups, saved, live, strict=True)):
+        order, problem = _permutation(was, now)
+        if problem:
+            return state, [f"optimizer param group {index}: {problem}"]
+        if order is None:
+            aligned.append(group)
+            continue
+        group = {**group, "params": [group["params"][i] for i in order]}
+        names = group.get("param_names")
+        if isinstance(names, list) and len(names) == len(order):
+            group["param_names"] = [names[i] for i in order]
+        aligned.append(group)
+    return {**state, "param_groups": aligned}, []
+
+
+def _permutation(was: list[Any], now: list[Any]) -> tuple[list[int] | None, str | None]:
+    """For each live position, the saved position of the same parameter (``None``: the same
+    order already), or why there is none."""
+    if was == now:
+        return None, None
+    gone = [n for n in was if isinstance(n, str) and n not in now]
+    new = [n for n in now if isinstance(n, str) and n not in was]
+    if gone or new:
+        return None, (
+            f"the checkpoint holds state of {gone} and none of {new}: those moments belong "
+            "to parameters this model does not have by those names (a renamed layer?); "
+            "restore with strict=False to leave the optimizer as it is"
+        )
+    named = [n for n in was if isinstance(n, str)]
+    unnamed_stay = [isinstance(n, str) for n in was] == [isinstance(n, str) for n in now]
+    if len(set(named)) != len(named) or not unnamed_stay:
+        return None, (
+            "its parameters are in another order and not all of them have a name of their "
+            "own in the model: build the optimizer from the parameters in the saved order"
+        )
+    where = {name: i for i, name in enumerate(was) if isinstance(name, str)}
+    return [where[name] if isinstance(name, str) else i for i, name in enumerate(now)], None
 
 
 def check_optimizer(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -266,6 +267,22 @@ def test_bad_tune_settings_name_the_key(tmp_path, override, text):
 def test_bad_storage_url_names_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"tune\.storage='study\.db'"):
         tuner(tmp_path, "tune.storage=study.db").create_study()
+
+
+@pytest.mark.parametrize(
+    ("url", "text"),
+    [
+        ("sqlite:////proc/nope/x.db", r"cannot create the folder '/proc/nope'"),
+        ("sqlite:////proc/x.db", r"cannot open the database \(unable to open database file\)"),
+        ("journal:////proc/nope/x.log", r"cannot create the folder '//proc/nope'"),
+    ],
+    ids=["folder", "file", "journal"],
+)
+def test_a_storage_that_cannot_be_opened_is_one_line_naming_the_key(url, text):
+    """These were raw tracebacks from mkdir and SQLAlchemy."""
+    with pytest.raises(ConfigError, match=rf"^tune\.storage='{re.escape(url)}': {text}") as err:
+        open_storage(url)
+    assert "\n" not in str(err.value)
 
 
 def test_best_trial_prefers_the_best_mean_of_remeasured_configurations():

@@ -473,30 +473,35 @@ def _adam_trained(model):
     return optimizer
 
 
-def test_optimizer_state_of_other_parameters_is_refused_not_loaded_by_position(tmp_path):
+def test_optimizer_state_follows_parameter_names_not_positions(tmp_path):
     """torch keys optimizer state by position: modules registered in another order (same
     names, same shapes) loaded a's Adam moments into b, and a renamed layer's moments went
-    to the fresh layer under strict=False, with nothing in the report."""
+    to the fresh layer under strict=False, with nothing in the report. Now each moment goes
+    to the parameter of its name, and state of a name the model lacks is refused."""
     model = _layers("a", "b")
     optimizer = _adam_trained(model)
     with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
         ckpt.save(step=1).wait()
     swapped = _layers("b", "a")
-    fresh = torch.optim.Adam(swapped.parameters())
-    with Checkpointer(tmp_path, model=swapped, optimizer=fresh) as ckpt:
-        with pytest.raises(
-            CheckpointError,
-            match=r"position 0 held the state of 'a\.weight' "
-            r"when saved and is 'b\.weight' here",
-        ):
-            ckpt.restore()
-        assert not fresh.state
+    swapped_optimizer = _adam_trained(swapped)  # live moments: the restore reads into them
+    with Checkpointer(tmp_path, model=swapped, optimizer=swapped_optimizer) as ckpt:
+        assert ckpt.restore() == 1
+    for name in ("a", "b"):
+        for kind in ("weight", "bias"):
+            was = optimizer.state[getattr(getattr(model, name), kind)]
+            now = swapped_optimizer.state[getattr(getattr(swapped, name), kind)]
+            assert torch.equal(now["exp_avg"], was["exp_avg"]), (name, kind)
+            assert torch.equal(now["exp_avg_sq"], was["exp_avg_sq"]), (name, kind)
     renamed = _layers("a", "middle")
     fresh = torch.optim.Adam(renamed.parameters())
     with Checkpointer(tmp_path, model=renamed, optimizer=fresh) as ckpt:
+        with pytest.raises(
+            CheckpointError, match=r"holds state of \['b\.weight', 'b\.bias'\] and none of"
+        ):
+            ckpt.restore()
         assert ckpt.restore(strict=False) == 1
         assert not fresh.state  # no moments for parameters whose weights were not loaded
-        assert any("'b.weight' when saved" in line for line in ckpt.last_restore.not_loaded)
+        assert any("'b.weight'" in line for line in ckpt.last_restore.not_loaded)
     same = _layers("a", "b")
     fresh = torch.optim.Adam(same.parameters())
     with Checkpointer(tmp_path, model=same, optimizer=fresh) as ckpt:  # the same definition
@@ -504,3 +509,33 @@ def test_optimizer_state_of_other_parameters_is_refused_not_loaded_by_position(t
         assert torch.equal(
             fresh.state[same.b.weight]["exp_avg"], optimizer.state[model.b.weight]["exp_avg"]
         )
+    # The step after the restore matches the original's (the same function: a(x) + b(x)).
+    batch = torch.randn(4, 8)
+    for net, opt in ((model, optimizer), (swapped, swapped_optimizer)):
+        opt.zero_grad()
+        (net.a(batch) + net.b(batch)).sum().backward()
+        opt.step()
+    for name, param in model.named_parameters():
+        assert torch.equal(swapped.get_parameter(name), param), name
+
+
+def test_optimizer_built_from_named_parameters_keeps_its_names_after_a_reordered_restore(
+    tmp_path,
+):
+    """torch's own ``param_names`` (an optimizer given ``named_parameters()``) are put in the
+    live order with the state they name, so they keep describing the live parameters."""
+    model = _layers("a", "b")
+    optimizer = torch.optim.Adam(model.named_parameters())
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        ckpt.save(step=1).wait()
+    swapped = _layers("b", "a")
+    fresh = torch.optim.Adam(swapped.named_parameters())
+    with Checkpointer(tmp_path, model=swapped, optimizer=fresh) as ckpt:
+        assert ckpt.restore() == 1
+    names = [name for name, _ in swapped.named_parameters()]
+    assert fresh.state_dict()["param_groups"][0]["param_names"] == names
+    assert torch.equal(
+        fresh.state[swapped.a.weight]["exp_avg"], optimizer.state[model.a.weight]["exp_avg"]
+    )

@@ -35,8 +35,14 @@ def open_storage(url: str | None, heartbeat: int | None = None) -> BaseStorage |
         return None
     if url.startswith(JOURNAL):
         path = Path(url.removeprefix(JOURNAL))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return JournalStorage(JournalFileBackend(str(path)))
+        _make_folder(url, path.parent)
+        try:
+            return JournalStorage(JournalFileBackend(str(path)))
+        except OSError as exc:
+            raise ConfigError(
+                f"tune.storage={url!r}: cannot open the journal {str(path)!r} "
+                f"({exc.strerror or exc}); give a path this user can write"
+            ) from exc
     if "://" not in url:
         raise ConfigError(
             f"tune.storage={url!r} is not a storage URL; use sqlite:///file.db, "
@@ -44,7 +50,7 @@ def open_storage(url: str | None, heartbeat: int | None = None) -> BaseStorage |
         )
     url = _with_installed_driver(url)
     if url.startswith("sqlite:///"):
-        Path(url.removeprefix("sqlite:///")).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        _make_folder(url, Path(url.removeprefix("sqlite:///")).expanduser().parent)
     kwargs = {}
     if heartbeat:
         kwargs = dict(heartbeat_interval=heartbeat, grace_period=2 * heartbeat)
@@ -71,6 +77,16 @@ def open_storage(url: str | None, heartbeat: int | None = None) -> BaseStorage |
         ) from exc
 
 
+def _make_folder(url: str, folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"tune.storage={url!r}: cannot create the folder {str(folder)!r} "
+            f"({exc.strerror or exc}); give a path this user can write"
+        ) from exc
+
+
 def _rdb_storage(url: str, kwargs: dict, attempts: int = 5) -> RDBStorage:
     # Workers started together race to create Optuna's tables in a new database, and the
     # loser's CREATE fails on a duplicate. The tables exist by then: trying again loads them.
@@ -79,9 +95,14 @@ def _rdb_storage(url: str, kwargs: dict, attempts: int = 5) -> RDBStorage:
     for attempt in range(attempts):
         try:
             return RDBStorage(url, **kwargs)
-        except sqlalchemy.exc.DBAPIError:
+        except sqlalchemy.exc.DBAPIError as exc:
             if attempt == attempts - 1:
-                raise
+                # The driver's own first line says why (no such file, connection refused).
+                reason = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
+                raise ConfigError(
+                    f"tune.storage={url!r}: cannot open the database ({reason}); check the "
+                    "URL, that the server is up and this user may write there"
+                ) from exc
             time.sleep(0.2 * (attempt + 1))
     raise AssertionError("unreachable")
 
