@@ -104,12 +104,7 @@ class Checkpointer:
         save_last: bool = False,
         **overrides: Any,
     ) -> None:
-        config = config or EngineConfig()
-        if overrides:
-            unknown = set(overrides) - set(config.to_dict())
-            if unknown:
-                raise TypeError(f"unknown engine option(s) {sorted(unknown)}")
-            config = EngineConfig(**{**config.to_dict(), **overrides})
+        config = (config or EngineConfig()).with_overrides(**overrides)
         config.check_runtime()  # e.g. copy_backend="triton" without CUDA: refuse before locking
         self.config = config
         self.policy = policy if policy is not None else FixedSteps(100)

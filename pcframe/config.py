@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -166,3 +167,17 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def with_overrides(self, **overrides: Any) -> EngineConfig:
+        """This config with keyword overrides on top (``max_in_flight=4``), checked again.
+
+        Raises:
+            TypeError: an override names no engine option (with the nearest one).
+        """
+        base = self.to_dict()
+        unknown = sorted(set(overrides) - set(base))
+        if unknown:
+            near = {k: difflib.get_close_matches(k, base, n=1) for k in unknown}
+            hints = "".join(f"; {k!r}: did you mean {m[0]!r}?" for k, m in near.items() if m)
+            raise TypeError(f"unknown engine option(s) {unknown}{hints}")
+        return EngineConfig(**{**base, **overrides}) if overrides else self

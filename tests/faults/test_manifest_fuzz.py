@@ -14,7 +14,7 @@ and ``pcframe verify`` agrees with that outcome in one line per version (exit 0 
 an internal error). The same for codec meta straight through ``Codec.decode``: a result of
 the right dtype and shape (finite, for the lossy codecs) or a ``ValueError``.
 
-The default run is small (a few seconds); the ``slow`` variants run many more examples
+The default run is small (a few seconds); the ``campaign`` variants run many more examples
 (``PCFRAME_FUZZ_EXAMPLES`` sets how many).
 """
 
@@ -47,8 +47,8 @@ FAST = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     database=None,
 )
-# Slow tests still run by default here, so the many-examples variant stays within ~30 s;
-# PCFRAME_FUZZ_EXAMPLES=20000 (say) fuzzes for as long as you like.
+# The many-examples variants run with the campaigns (pytest -m campaign; the default run has
+# the 100-example ones); PCFRAME_FUZZ_EXAMPLES=20000 (say) fuzzes for as long as you like.
 MANY = int(os.environ.get("PCFRAME_FUZZ_EXAMPLES", "600"))
 SLOW = settings(FAST, max_examples=MANY)
 
@@ -253,7 +253,7 @@ def test_mutated_manifests_are_refused_or_load(checkpoints, data):
     _fuzz_manifest(checkpoints, data)
 
 
-@pytest.mark.slow
+@pytest.mark.campaign
 @SLOW
 @given(data=st.data())
 def test_mutated_manifests_are_refused_or_load_many(checkpoints, data):
@@ -357,7 +357,7 @@ def test_mutated_codec_meta_decodes_or_raises_value_error(case):
     _fuzz_meta(case)
 
 
-@pytest.mark.slow
+@pytest.mark.campaign
 @settings(SLOW, max_examples=4 * MANY)
 @given(case=meta_case())
 def test_mutated_codec_meta_decodes_or_raises_value_error_many(case):

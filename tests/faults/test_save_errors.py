@@ -81,6 +81,15 @@ def test_every_engine_knob_is_type_and_range_checked(key, value):
         EngineConfig(**{key: value})
 
 
+def test_a_misspelt_engine_option_names_the_nearest_one_and_locks_nothing(tmp_path):
+    with pytest.raises(TypeError, match=r"\['max_in_fligt'\].*did you mean 'max_in_flight'"):
+        Checkpointer(tmp_path, model=torch.nn.Linear(2, 2), max_in_fligt=2)
+    with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2), max_in_flight=1) as ckpt:
+        assert ckpt.config.max_in_flight == 1  # the directory was never locked
+    with pytest.raises(ConfigError, match=r"engine\.max_in_flight="):
+        EngineConfig().with_overrides(max_in_flight=0)  # overrides are range-checked too
+
+
 def test_close_with_a_timeout_names_the_versions_in_flight(tmp_path, monkeypatch):
     import threading
     import time

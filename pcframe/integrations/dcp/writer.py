@@ -91,11 +91,7 @@ class StorageWriter(_DcpStorageWriter):
         **overrides: Any,
     ) -> None:
         super().__init__()
-        base = (config or EngineConfig()).to_dict()
-        unknown = set(overrides) - set(base)
-        if unknown:
-            raise TypeError(f"unknown engine option(s) {sorted(unknown)}")
-        self.config = EngineConfig(**{**base, "keep_last": keep_last, **overrides})
+        self.config = (config or EngineConfig()).with_overrides(keep_last=keep_last, **overrides)
         self.root = Path(path) if path is not None else None
         self.step = step
         self.metadata = json_only(metadata or {}, "metadata")
