@@ -189,6 +189,8 @@ class Checkpointer:
         multi-rank jobs use it to agree on one decision before saving together.
         """
         self._check_open()
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"step={step!r}: the training step is an int")
         self.flight.report(self._committed)
         now = time.monotonic()
         self.feed.stepped(step, now)
@@ -320,6 +322,9 @@ class Checkpointer:
             CheckpointError: the version does not fit the objects (``StateMismatch`` lists
                 every mismatch); not corruption: nothing is quarantined.
         """
+        for name, flag in (("strict", strict), ("allow_cast", allow_cast)):
+            if not isinstance(flag, bool):  # restore(strict="no") would be strict
+                raise TypeError(f"restore({name}={flag!r}): give True or False")
         self.wait()
         report = self.last_restore = RestoreReport()
         sources = restore_sources(self.tiers, version, report)

@@ -47,6 +47,26 @@ class TrainingObjects:
         return cls(model, optimizer, scheduler, scaler, named, extra, policy)
 
     def __post_init__(self) -> None:
+        # Checked at construction: each of these failed only at the first save or decision.
+        for what, obj in (("model", self.model), ("scheduler", self.scheduler)):
+            if obj is not None and not (
+                hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")
+            ):
+                raise TypeError(
+                    f"{what}= is a {type(obj).__name__}, which has no state_dict() and "
+                    f"load_state_dict(); pass the torch object (a plain dict of tensors goes "
+                    "in stateful= as an object with both methods)"
+                )
+        if self.policy is not None and not callable(getattr(self.policy, "decide", None)):
+            hint = (
+                f"; a name is not a policy: pcframe.policies.create({self.policy!r}, ...)"
+                if isinstance(self.policy, str)
+                else ""
+            )
+            raise TypeError(
+                f"policy= is a {type(self.policy).__name__}, not an interval policy (it has "
+                f"no decide()){hint}"
+            )
         for name, obj in self.stateful.items():
             if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
                 continue

@@ -112,8 +112,23 @@ class NoticeDriven(IntervalPolicy):
         self._handled = notice.deadline
         left = notice.deadline - ctx.now
         need = self.estimated_save_time(ctx)
+        # Nothing measured yet (no save finished, no tier estimate): the prior is a guess, and
+        # a save that does not finish in time loses nothing the last commit holds, while not
+        # trying loses every step since it (all of them, before a first commit).
+        unmeasured = (
+            self.save_time.count == 0
+            and ctx.save_duration is None
+            and not any(t in ctx.tier_write_times for t in self.tiers)
+        )
         if ctx.last_save_step is not None and ctx.last_save_step >= ctx.step:
             d = Decision(False, f"notice: step {ctx.step} is already saved")
+        elif unmeasured and self.margin < left:
+            self._emergency_step = ctx.step
+            d = Decision(
+                True,
+                f"notice ({notice.source}): no save measured yet, {left:.1f} s left: trying",
+                emergency=True,
+            )
         elif need + self.margin <= left:
             self._emergency_step = ctx.step
             d = Decision(

@@ -12,6 +12,7 @@ from pcframe.kernels.codecs.meta import check_block_meta, check_block_values, re
 from pcframe.kernels.dtypes import dtype_name
 from pcframe.kernels.quantize import (
     DEFAULT_BLOCK_SIZE,
+    MAX_BLOCK_SIZE,
     QuantizedTensor,
     dequantize_blockwise,
     error_bounds,
@@ -26,6 +27,11 @@ class _BlockQuantCodec(Codec):
     fmt: ClassVar[str]
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        # Checked here, so a bad value fails when the engine config is built, not at a save.
+        if isinstance(block_size, bool) or not isinstance(block_size, int):
+            raise ValueError(f"block_size must be an int, got {block_size!r}")
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size={block_size} must be in 1..{MAX_BLOCK_SIZE}")
         self.block_size = block_size
 
     def config(self) -> dict[str, Any]:

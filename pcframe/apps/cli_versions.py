@@ -133,6 +133,12 @@ def deleted_while_read(directory: CheckpointDir, version: int) -> bool:
 
 def check_directory(path: str) -> None:
     """A typo or a version folder given for the checkpoint directory is an error, not 'empty'."""
+    if "://" in str(path) and not Path(path).exists():
+        raise CheckpointError(
+            f"{path} is a URL: this command reads a local checkpoint directory; copy the "
+            "prefix to one first, or check the tier with a restore, which verifies every "
+            "checksum (Checkpointer(<empty dir>, tiers={'remote': url}).restore())"
+        )
     root = Path(path)
     if not root.is_dir():
         what = "not a directory (a file)" if root.exists() else "no such directory"

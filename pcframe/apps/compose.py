@@ -11,9 +11,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from hydra import compose, initialize_config_module
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from pcframe.apps.bounds import check_bounds
+from pcframe.apps.errors import describe_error
 from pcframe.apps.schemas import register_app_schemas
 from pcframe.apps.targets import check_targets
 from pcframe.config import EngineConfig
@@ -48,11 +51,21 @@ def compose_config(
     outside a running app: override ``storage.directory`` when the result is used.
     With ``check``, every ``_target_`` node is checked against its callable's signature,
     and the numeric knobs against their ranges (:mod:`pcframe.apps.bounds`).
+
+    Raises:
+        ConfigError: one line naming the override, key or option and the fix (what the
+            console scripts print), Hydra's own exception as its ``__cause__``.
     """
     register_app_schemas()
     _register_app(config_name)
-    with _quiet(), initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-        cfg = compose(config_name, overrides=list(overrides))
+    try:
+        with _quiet(), initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+            cfg = compose(config_name, overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as exc:
+        # The line the console scripts print (the key, the options, "did you mean"), not
+        # Hydra's traceback; the original stays attached as the cause.
+        _, text = describe_error(exc)
+        raise ConfigError(text or str(exc)) from exc
     if check:
         check_targets(cfg)
         check_bounds(cfg, config_name)

@@ -142,7 +142,15 @@ def _flat(text: str) -> str:
 def _omegaconf(exc: OmegaConfBaseException, override: str | None = None) -> str:
     key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"
     msg = str(getattr(exc, "msg", None) or exc).split("\n")[0].strip()
+    given_key, _, given_value = (override or "").partition("=")
+    given_key = given_key.lstrip("+~")
     if isinstance(exc, ConfigKeyError | AttributeError) and " not in " in msg:
+        if given_value.strip().startswith("{") and str(key).startswith(f"{given_key}."):
+            # A whole mapping given for a dict whose keys it adds: Hydra merges it key by key.
+            return (
+                f"{given_key}={given_value} adds keys to {given_key}; a mapping given whole "
+                f"needs the + prefix: +{given_key}={given_value}"
+            )
         parent, _, name = str(key).rpartition(".")
         fields = _fields(getattr(exc, "object_type", None)) or _keys(exc)
         close = difflib.get_close_matches(name, fields, n=1)
@@ -159,6 +167,8 @@ def _omegaconf(exc: OmegaConfBaseException, override: str | None = None) -> str:
         value = override.split("=", 1)[1] if override and "=" in override else None
         shown = f"{key}={value}" if value is not None else str(key)
         return f"{shown} is invalid: {msg}{'; give ' + wanted if wanted else ''}"
+    if "Cannot merge DictConfig with ListConfig" in msg:
+        return f"{key} is a mapping, not a list: give it as {{key: value, ...}}"
     return f"{key}: {msg}"
 
 

@@ -35,6 +35,7 @@ from pcframe.apps.machine import describe_threads, resolve_threads
 from pcframe.apps.policy_text import describe_policy, no_commit_reason, policy_from_config
 from pcframe.apps.preemption import ChildSpec, Supervisor, compare_finals
 from pcframe.apps.preemption.plan import Measured, check_plan, plan
+from pcframe.apps.preemption.schedule import kill_times
 from pcframe.apps.progress import StepProgress
 from pcframe.apps.schemas import register_app_schemas
 from pcframe.apps.summary import Summary, overhead_text, print_summary, write_summary
@@ -197,6 +198,7 @@ def run_supervised(cfg: DictConfig, out: Path, progress: bool = True) -> Summary
     # The children build the policy; building it here first refuses a bad argument before
     # the reference run instead of in every child.
     build_target(cfg.policy.interval, "policy.interval")
+    kill_times(failure)  # and a bad failure.* (a missing trace file) before it, too
     threads = resolve_threads(cfg.threads)
     out.mkdir(parents=True, exist_ok=True)
     final = out / "final.safetensors"

@@ -8,6 +8,7 @@ and names the key, the parameters that exist and the fix.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import logging
 import re
@@ -118,12 +119,16 @@ def _check_node(node: DictConfig, path: str) -> None:
         if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     }
     keys = [str(k) for k in node if str(k) not in _HYDRA_KEYS]
-    if not takes_any:
+    accepted = set(named) if not takes_any else _forwarded_keywords(obj)
+    if accepted is not None:
+        named_all = sorted(accepted) if takes_any else list(named)
         for key in keys:
-            if key not in named:
+            if key not in accepted:
+                near = difflib.get_close_matches(key, named_all, n=1)
+                hint = f" (did you mean {near[0]!r}?)" if near else ""
                 raise ConfigError(
-                    f"{where}.{key}: {target} has no parameter {key!r}; "
-                    f"it takes: {', '.join(named) or 'no arguments'}. Fix or remove the key"
+                    f"{where}.{key}: {target} has no parameter {key!r}{hint}; "
+                    f"it takes: {', '.join(named_all) or 'no arguments'}. Fix or remove the key"
                 )
     # A ``???`` value (a required argument of a generated plugin config) is not given.
     given = [k for k in keys if not OmegaConf.is_missing(node, k)]
@@ -143,6 +148,32 @@ def _check_node(node: DictConfig, path: str) -> None:
                     f"{where}.{key}={value!r} has the wrong type: {target} expects "
                     f"{_name(hints[key])}; give a value of that type"
                 )
+
+
+def _forwarded_keywords(obj: Any) -> set[str] | None:
+    """Every keyword a class accepts when its ``__init__`` passes ``**kw`` up the MRO (a
+    policy's clamps go to its base class), or ``None`` when the chain ends open."""
+    if not inspect.isclass(obj):
+        return None
+    accepted: set[str] = set()
+    for cls in obj.__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            continue
+        if cls is object:
+            return None
+        try:
+            params = inspect.signature(init).parameters
+        except (TypeError, ValueError):
+            return None
+        accepted |= {
+            n
+            for n, p in params.items()
+            if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        }
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return accepted
+    return None
 
 
 def _hints(obj: Any) -> dict[str, Any]:

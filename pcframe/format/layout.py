@@ -69,7 +69,11 @@ class Layout:
 
     @staticmethod
     def signature(tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple:
-        return tuple((name, t.dtype, tuple(t.shape)) for name, t in tensors)
+        """What the layout depends on, plus what the capture's checks read: a tensor that
+        turns sparse or moves to the meta device with the same shape is checked again."""
+        return tuple(
+            (name, t.dtype, tuple(t.shape), t.layout, t.device.type) for name, t in tensors
+        )
 
     @classmethod
     def build(

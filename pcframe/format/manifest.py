@@ -63,6 +63,7 @@ __all__ = [
     "MAX_CHUNK_BYTES",
     "MAX_DIMS",
     "MAX_MANIFEST_BYTES",
+    "MAX_NAME",
     "MAX_TENSORS",
     "PLAIN_FORMAT_VERSION",
     "READABLE_VERSIONS",
@@ -78,6 +79,7 @@ READABLE_VERSIONS = (1, 2)
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_TENSORS = 1_000_000
 MAX_DIMS = 32
+MAX_NAME = 4096  # characters in a tensor's name (its path in the state tree)
 MAX_CHUNK_BYTES = 1 << 30
 MAX_CHAIN = 100  # deepest delta chain a reader follows (EngineConfig.full_every <= 100)
 MAX_STEP = 1 << 62  # |step| at most this
@@ -252,7 +254,7 @@ def _parse_entry(raw: Any, i: int, data_size: int, fail: Any, coded: CodedSegmen
     if not isinstance(raw, dict):
         raise fail(f"tensor {i} must be an object")
     name = raw.get("name")
-    if not isinstance(name, str) or len(name) > 4096:
+    if not isinstance(name, str) or len(name) > MAX_NAME:
         raise fail(f"tensor {i} has no valid name")
     dtype = raw.get("dtype")
     if not isinstance(dtype, str) or dtype not in DTYPES:

@@ -54,6 +54,12 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef], depth: int = 0) -> A
     if kind is str or kind is int or kind is bool or obj is None:
         return obj
     if kind is torch.Tensor:
+        if obj.is_nested:  # it has no single shape: torch raises on .shape
+            raise TypeError(
+                f"cannot checkpoint the nested tensor at '{path}': pcframe stores dense "
+                "tensors; keep its components (.unbind()) or a padded tensor "
+                "(.to_padded_tensor(0)) in the object's state_dict()"
+            )
         refs.append(TensorRef(path, obj.detach()))
         return {"$t": len(refs) - 1}
     inner = depth + 1
@@ -73,8 +79,10 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef], depth: int = 0) -> A
         refs.append(TensorRef(path, obj.detach()))
         return {"$t": len(refs) - 1}
     if isinstance(obj, np.ndarray):
-        refs.append(TensorRef(path, torch.from_numpy(np.ascontiguousarray(obj)), numpy=True))
+        refs.append(TensorRef(path, _numpy_tensor(obj, path), numpy=True))
         return {"$t": len(refs) - 1}
+    if isinstance(obj, np.generic) and not isinstance(obj, np.str_ | np.bytes_ | np.void):
+        return {"$np": _numpy_scalar(obj, path)}  # its type kept: float32 maths resumes as such
     if obj is None or isinstance(obj, bool | str):
         return obj
     if isinstance(obj, int | np.integer):
@@ -108,6 +116,77 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef], depth: int = 0) -> A
         "values (dict, list, tuple, str, int, float, bool, None); convert it in the "
         "object's state_dict()"
     )
+
+
+def _numpy_tensor(array: np.ndarray, path: str) -> torch.Tensor:
+    """A tensor over ``array``'s values, in its shape (a 0-d array stays 0-d)."""
+    if not array.dtype.isnative:
+        raise TypeError(
+            f"cannot checkpoint the numpy array at '{path}': its dtype {array.dtype.str!r} "
+            "is not in this machine's byte order; convert it in the object's state_dict() "
+            "(array.astype(array.dtype.newbyteorder('=')))"
+        )
+    try:
+        # ascontiguousarray makes a 0-d array 1-d: the reshape gives the shape back.
+        return torch.from_numpy(np.ascontiguousarray(array).reshape(array.shape))
+    except TypeError:
+        raise TypeError(
+            f"cannot checkpoint the numpy array at '{path}' of dtype {array.dtype}: pcframe "
+            "stores numeric and bool arrays; keep strings or objects as lists in the "
+            "object's state_dict()"
+        ) from None
+
+
+# numpy scalar types a checkpoint keeps as such, by dtype name: each value's text parses back
+# to the same value (float32 to float64 is exact; longdouble would not be, so it is refused).
+_NUMPY_SCALARS = frozenset(
+    {
+        *("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"),
+        *("float16", "float32", "float64", "complex64", "complex128"),
+    }
+)
+
+
+def _numpy_scalar(value: np.generic, path: str) -> list[str]:
+    name = value.dtype.name
+    if name not in _NUMPY_SCALARS:
+        raise TypeError(
+            f"cannot checkpoint the numpy {name} scalar at '{path}': pcframe keeps numpy "
+            f"scalars of {', '.join(sorted(_NUMPY_SCALARS))}; convert it in the object's "
+            "state_dict()"
+        )
+    return [name, repr(value.item())]
+
+
+def _np_value(value: Any) -> np.generic:
+    if not (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(isinstance(v, str) for v in value)
+        and value[0] in _NUMPY_SCALARS
+        and len(value[1]) <= 64
+    ):
+        raise ManifestError(f"malformed '$np' value {value!r:.80} ([dtype name, value text])")
+    name, text = value
+    kind = np.dtype(name).kind
+    try:
+        if kind == "b":
+            if text not in ("True", "False"):
+                raise ValueError(text)
+            parsed: Any = text == "True"
+        elif kind in "iu":
+            parsed = int(text)
+        elif kind == "f":
+            parsed = float(text)
+        else:
+            parsed = complex(text)
+        with np.errstate(over="raise"):
+            scalar = np.dtype(name).type(parsed)
+        if kind in "iu" and int(scalar) != parsed:
+            raise OverflowError(text)
+    except (ValueError, OverflowError, FloatingPointError):
+        raise ManifestError(f"'$np' value {text!r:.40} is not a {name}") from None
+    return scalar
 
 
 def decode_tree(node: Any, tensors: list[Any], depth: int = 0) -> Any:
@@ -254,6 +333,7 @@ _TAG_VALUES: dict[str, Callable[[Any], Any]] = {
     "$float": _float,
     "$dtype": _dtype,
     "$device": _device,
+    "$np": _np_value,
 }
 _TAGS = frozenset({"$t", "$tuple", "$dict", *_TAG_VALUES})
 

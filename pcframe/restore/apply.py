@@ -195,6 +195,11 @@ class _Undo:
             ) from failed[0]
 
 
+def _view_of(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors the same view of the same memory."""
+    return (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
+
+
 def _deep_copy(state: Any) -> Any:
     """A copy that later loads cannot change (tensors cloned)."""
     return copy.deepcopy(state)
@@ -228,8 +233,9 @@ def _model_load(
 ) -> Callable[[_Undo], None]:
     def load(undo: _Undo) -> None:
         # A tensor the state holds itself (read in place later) keeps its value through
-        # load_state_dict: nothing to copy for it.
-        in_place = {v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor)}
+        # load_state_dict: nothing to copy for it. The same view only: another view of its
+        # memory (a transposed alias buffer) is loaded from a fresh tensor and writes there.
+        in_place = {_view_of(v) for v in state.values() if isinstance(v, torch.Tensor)}
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         seen: set[int] = set()
         for tensor in chain(model.parameters(), model.buffers()):
@@ -237,7 +243,7 @@ def _model_load(
                 continue
             seen.add(id(tensor))
             local = _local_shard(tensor).detach()
-            if local.numel() and local.data_ptr() in in_place:
+            if local.numel() and _view_of(local) in in_place:
                 continue
             saved.append((tensor, local.to("cpu", copy=True)))
 

@@ -171,6 +171,11 @@ def tensor_misfit(live: Any, saved: Any, allow_cast: bool) -> str | None:
         return None  # extra state: the module's own set_extra_state judges it
     if not isinstance(saved, torch.Tensor):
         return f"the checkpoint holds a {type(saved).__name__}, not a tensor"
+    if live.is_meta:  # load_state_dict into it is a no-op that only warns
+        return (
+            "the tensor here is on the meta device (it has no memory to load into); "
+            "materialise the model first (model.to_empty(device=...)), then restore"
+        )
     if tuple(saved.shape) != tuple(live.shape):
         return f"shape {tuple(saved.shape)} in the checkpoint, {tuple(live.shape)} here"
     if saved.dtype != live.dtype and not allow_cast:

@@ -19,7 +19,8 @@ it is given, so those objects load the ordinary way. And a target must *be* the 
 storage: a model entry only where the state dict's tensor is the module's own parameter or
 persistent buffer of that name (same storage, offset, shape, dtype), an optimizer entry
 only where it is the tensor in ``optimizer.state``. Per tensor: a plain CPU tensor,
-contiguous and non-empty (the reader also checks dtype and shape against the manifest);
+contiguous and non-empty, without a lazy conjugate or negation bit (the reader also
+checks dtype and shape against the manifest);
 for optimizer state only tensors with their parameter's dtype (others torch would convert
 into a new tensor), and never the ``step`` counters (tiny, and torch may convert them).
 GPU, sharded (DTensor) and strided tensors take the ordinary path.
@@ -96,6 +97,8 @@ def _named(tree: dict[str, Any]) -> dict[str, torch.Tensor]:
         and ref.tensor.is_contiguous()
         and ref.tensor.numel()
         and not ref.numpy
+        # Its bytes are not its values (a lazy conjugate or negation): the ordinary load.
+        and not (ref.tensor.is_conj() or ref.tensor.is_neg())
     }
 
 

@@ -90,8 +90,12 @@ def load_version(
     threads: int = 4,
     verify: bool = True,
     targets: Mapping[str, torch.Tensor] | None = None,
+    version: int | None = None,
 ) -> LoadedVersion:
     """Read and verify one version directory (and, for a delta version, its base chain).
+
+    ``version``: the version this directory is read as (a tier's copy fetched into a scratch
+    folder); by default the one its folder name says, if it is named like a version.
 
     Base versions are looked up next to ``directory`` (``../vNNNNNNNN``). ``targets`` maps
     entry names to contiguous CPU tensors to read those entries into (where dtype and shape
@@ -104,11 +108,17 @@ def load_version(
     directory = Path(directory)
     manifest = read_manifest(str(directory / MANIFEST_NAME))
     named = VERSION_DIR.match(directory.name)
-    if named and int(named.group(1)) != manifest.version:
+    expected = version if version is not None else int(named.group(1)) if named else None
+    if expected is not None and expected != manifest.version:
         # A version number restore would count new versions from: it must be the folder's.
+        read_as = (
+            f"the folder is {directory.name}"
+            if named and int(named.group(1)) == expected
+            else f"it is read as {version_name(expected)}"
+        )
         raise ManifestError(
-            f"{directory / MANIFEST_NAME}: 'version' is {manifest.version}, but the folder is "
-            f"{directory.name}; the manifest belongs to another version (copied or tampered)"
+            f"{directory / MANIFEST_NAME}: 'version' is {manifest.version}, but {read_as}; "
+            "the manifest belongs to another version (copied or tampered)"
         )
     reader = _VersionReader(directory, manifest, threads, verify)
     wanted = range(len(manifest.entries))

@@ -177,7 +177,13 @@ def _load_with_retries(
         path = None
         try:
             path = files.enter_context(source.fetch())
-            loaded = load_version(path, threads, targets=targets)
+            loaded = load_version(path, threads, targets=targets, version=source.version)
+        except ManifestError as exc:
+            files.close()
+            if source.where and path is not None and str(path) in str(exc):
+                # A fetched copy: name the tier's object, not the scratch folder (deleted).
+                raise type(exc)(str(exc).replace(str(path), source.where)) from None
+            raise
         except MemoryError:  # anywhere on the way: the machine, not the checkpoint
             files.close()
             where = path if path is not None else f"version {source.version}"

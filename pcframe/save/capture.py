@@ -9,13 +9,14 @@ is built once and reused while the (name, dtype, shape) signature stays the same
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import torch
 
 from pcframe.config import EngineConfig
 from pcframe.format.layout import Layout
-from pcframe.format.manifest import MAX_DIMS, MAX_NUMEL, MAX_STEP, MAX_TENSORS
+from pcframe.format.manifest import MAX_DIMS, MAX_NAME, MAX_NUMEL, MAX_STEP, MAX_TENSORS
 from pcframe.format.tree import TensorRef, encode_tree
 from pcframe.kernels.dtypes import DTYPE_NAMES
 from pcframe.objects import TrainingObjects, optimizer_class_name, optimizer_param_names
@@ -103,14 +104,20 @@ class Capture:
         """Decide per tensor whether the background copy may read it later.
 
         Parameters and optimizer state change only in ``optimizer.step()``, which is gated on
-        the copy, so they are read in place. Everything else (buffers such as batch-norm
-        statistics change in the next forward; RNG and small state) is cloned right now.
+        the copy, so they are read in place (recognised by their storage: a view of one, such
+        as a rank's share of a replicated parameter, too). Everything else (buffers such as
+        batch-norm statistics change in the next forward; RNG and small state) is cloned
+        right now, and so is a model buffer that lives inside a parameter's storage (one
+        flat allocation for the whole model): the forward changes it, not the step.
         """
         o = self.objects
         gated: set[int] = set()
+        buffers: set[str] = set()
         if o.optimizer is not None:
             if o.model is not None:
                 gated = {p.untyped_storage().data_ptr() for p in o.model.parameters()}
+                if isinstance(o.model, torch.nn.Module):
+                    buffers = {f"/model/{name}" for name, _ in o.model.named_buffers()}
             for state in o.optimizer.state.values():
                 for value in state.values():
                     if isinstance(value, torch.Tensor):
@@ -118,7 +125,11 @@ class Capture:
         tensors = []
         for ref in refs:
             tensor = ref.tensor
-            if tensor.numel() and tensor.untyped_storage().data_ptr() in gated:
+            if (
+                tensor.numel()
+                and tensor.untyped_storage().data_ptr() in gated
+                and ref.path not in buffers
+            ):
                 tensors.append(tensor)
             else:
                 tensors.append(tensor.clone())
@@ -133,7 +144,21 @@ def check_reader_limits(named: list[tuple[str, torch.Tensor]]) -> None:
             f"the state holds {len(named)} tensors, over the {MAX_TENSORS} a pcframe reader "
             "accepts; group small tensors into fewer, larger ones"
         )
+    seen: set[str] = set()
     for name, tensor in named:
+        if len(name) > MAX_NAME:
+            raise ValueError(
+                f"cannot checkpoint tensor {name[:80]!r}...: its path in the state is "
+                f"{len(name)} characters, over the {MAX_NAME} a pcframe reader accepts; "
+                "use shorter keys in the object's state_dict()"
+            )
+        if name in seen:
+            raise ValueError(
+                f"cannot checkpoint the state: two tensors are both at {name!r} (keys such "
+                "as 0 and '0', or a key with '/' beside a list or dict of that name); give "
+                "them distinct string keys without '/' in the object's state_dict()"
+            )
+        seen.add(name)
         if tensor.layout is not torch.strided:
             raise TypeError(
                 f"cannot checkpoint tensor {name!r}: it is a {tensor.layout} tensor and pcframe "
@@ -149,7 +174,9 @@ def check_reader_limits(named: list[tuple[str, torch.Tensor]]) -> None:
                 f"cannot checkpoint tensor {name!r} of dtype {tensor.dtype}: pcframe stores "
                 "plain dtypes only; dequantize() it in the object's state_dict()"
             )
-        if tensor.dim() > MAX_DIMS or tensor.numel() > MAX_NUMEL:
+        # Zero-sized dimensions count as 1, as the reader counts them: [0, 2**57] is empty
+        # but no reader builds it.
+        if tensor.dim() > MAX_DIMS or math.prod(max(d, 1) for d in tensor.shape) > MAX_NUMEL:
             raise ValueError(
                 f"cannot checkpoint tensor {name!r} of shape {list(tensor.shape)}: a pcframe "
                 f"reader accepts at most {MAX_DIMS} dimensions and {MAX_NUMEL} elements; "

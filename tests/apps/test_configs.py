@@ -6,7 +6,6 @@ import signal
 
 import pytest
 import torch
-from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
@@ -192,16 +191,23 @@ def test_experiment_overrides_the_primary_config(tmp_path):
 
 
 BAD_OVERRIDES = [
-    # (overrides, exception type, text the message must contain)
-    (["engine.max_inflight=3"], ConfigCompositionException, "engine.max_inflight"),
-    (["engine.max_in_flight=abc"], ConfigCompositionException, "engine.max_in_flight"),
-    (["engine=nosuch"], ConfigCompositionException, "nosuch"),
-    (["workload.args.hiden=3"], ConfigCompositionException, "workload.args.hiden"),
-    (["workload=gpt", "workload.args.width=wide"], ConfigCompositionException, "width"),
-    (["failure=poisson", "failure.mtbf=soon"], ConfigCompositionException, "failure.mtbf"),
-    (["failure=trace", "failure.compresion=3"], ConfigCompositionException, "compresion"),
-    (["stepz=3"], ConfigCompositionException, "stepz"),
+    # (overrides, exception type, text the message must contain); compose_config raises
+    # ConfigError with the console scripts' line, Hydra's exception as its cause
+    (["engine.max_inflight=3"], ConfigError, "engine.max_inflight"),
+    (["engine.max_in_flight=abc"], ConfigError, "engine.max_in_flight"),
+    (["engine=nosuch"], ConfigError, "nosuch"),
+    (["workload.args.hiden=3"], ConfigError, "workload.args.hiden"),
+    (["workload=gpt", "workload.args.width=wide"], ConfigError, "width"),
+    (["failure=poisson", "failure.mtbf=soon"], ConfigError, "failure.mtbf"),
+    (["failure=trace", "failure.compresion=3"], ConfigError, "compresion"),
+    (["stepz=3"], ConfigError, "stepz"),
     (["+policy.interval.evry=3"], ConfigError, "policy.interval.evry"),
+    # Young passes **kw to its base class: the typo was a TypeError naming the base class
+    (
+        ["policy/interval=young", "+policy.interval.mtbff=5"],
+        ConfigError,
+        "Young has no parameter 'mtbff' (did you mean 'mtbf'?)",
+    ),
     (["policy.interval.every=often"], ConfigError, "policy.interval.every"),
     (["policy.interval._target_=pcframe.policies.Nope"], ConfigError, "cannot be imported"),
 ]

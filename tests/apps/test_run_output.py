@@ -124,3 +124,17 @@ def test_the_smoke_experiment_kills_twice_and_resumes_bit_identically(tmp_path, 
     assert summary["checkpoints"] > 10  # committed between the kills
     assert summary["matches_reference"] == "yes, bit-identical"
     assert "derived" in summary["schedule"]
+
+
+def test_a_missing_trace_file_is_refused_before_the_reference_run(tmp_path, monkeypatch):
+    """It was named only after the whole reference run had trained (7 s here, minutes on a
+    real workload), though configuration.md says nothing has run yet."""
+    monkeypatch.chdir(tmp_path)
+    cfg = compose(
+        "run", *TINY, "steps=20", "progress=false", "failure=trace", "failure.path=my.csv",
+        f"hydra.run.dir={tmp_path / 'out'}", directory=tmp_path / "ckpt",
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"failure\.path='my\.csv': no such trace file"):
+        run(cfg, out_dir=tmp_path / "out")
+    assert not (tmp_path / "out" / "reference-checkpoints").exists()
+    assert not (tmp_path / "out" / "logs").exists()

@@ -457,6 +457,66 @@ def test_a_tensor_pcframe_cannot_store_is_named_before_a_version_starts(tmp_path
     assert CheckpointDir(tmp_path).committed_versions() == [1, 2]
 
 
+class Holder:
+    """A stateful object whose state is whatever the test puts in it."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state
+
+
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        (
+            lambda: {0: torch.ones(1), "0": torch.zeros(1)},
+            r"two tensors are both at 'stateful/h/0'",
+        ),
+        (lambda: {"a": [torch.ones(1)], "a/0": torch.zeros(1)}, r"both at 'stateful/h/a/0'"),
+        (lambda: {"k" * 5000: torch.ones(1)}, r"5011 characters, over the 4096"),
+        (
+            lambda: {"z": torch.empty(0, 2**57)},
+            r"'stateful/h/z' of shape \[0, 144115188075855872\]",
+        ),
+        (lambda: {"ok": torch.ones(2).to_sparse()}, r"'stateful/h/ok'.*sparse_coo"),
+        (lambda: {"ok": torch.empty(2, device="meta")}, r"'stateful/h/ok'.*meta device"),
+    ],
+    ids=["int-and-str-key", "slash-key", "long-key", "empty-huge", "turned-sparse", "turned-meta"],
+)
+def test_state_a_reader_would_refuse_is_refused_at_save_not_quarantined_later(
+    tmp_path, state, message
+):
+    """Each of these was committed, then moved aside as corrupt by the next restore (the
+    tensor names collide, a name is over the reader's limit, an empty shape no reader
+    builds), or failed deep inside save() (a tensor that turned sparse or meta under the
+    same name and shape as before: the checks ran only when the layout changed)."""
+    holder = Holder({"ok": torch.ones(2)})
+    with Checkpointer(tmp_path, stateful={"h": holder}) as ckpt:
+        ckpt.save(step=1).wait()
+        holder.state = state()
+        with pytest.raises((TypeError, ValueError), match=message):
+            ckpt.save(step=2)
+    assert CheckpointDir(tmp_path).committed_versions() == [1]
+    back = Holder({})
+    with Checkpointer(tmp_path, stateful={"h": back}) as ckpt:
+        assert ckpt.restore() == 1 and not ckpt.last_restore.skipped
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_a_nested_tensor_is_named_at_save_not_an_internal_error(tmp_path):
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with (
+        Checkpointer(tmp_path, stateful={"h": Holder({"x": nested})}) as ckpt,
+        pytest.raises(TypeError, match=r"nested tensor at '/stateful/h/x'.*unbind"),
+    ):
+        ckpt.save(step=1)
+
+
 def _layers(*names):
     from collections import OrderedDict
 
@@ -539,3 +599,34 @@ def test_optimizer_built_from_named_parameters_keeps_its_names_after_a_reordered
     assert torch.equal(
         fresh.state[swapped.a.weight]["exp_avg"], optimizer.state[model.a.weight]["exp_avg"]
     )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"policy": "young"}, r"policy= is a str.*pcframe\.policies\.create\('young'"),
+        ({"model": {"w": torch.ones(1)}}, r"model= is a dict, which has no state_dict"),
+        ({"scheduler": 0.1}, r"scheduler= is a float"),
+    ],
+    ids=["policy-name", "dict-model", "number-scheduler"],
+)
+def test_objects_that_are_not_what_they_should_be_are_refused_at_construction(
+    tmp_path, kwargs, message
+):
+    """Each was accepted and failed at the first save or maybe_save with an AttributeError."""
+    with pytest.raises(TypeError, match=message):
+        Checkpointer(tmp_path, **kwargs)
+    with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2)):
+        pass  # nothing was locked
+
+
+def test_a_step_or_flag_of_the_wrong_type_is_named(tmp_path):
+    with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2)) as ckpt:
+        with pytest.raises(TypeError, match=r"step='3': the training step is an int"):
+            ckpt.maybe_save("3")
+        ckpt.save(step=1).wait()
+        with pytest.raises(TypeError, match=r"restore\(strict='no'\): give True or False"):
+            ckpt.restore(strict="no")
+        with pytest.raises(TypeError, match=r"restore\(allow_cast=1\)"):
+            ckpt.restore(allow_cast=1)
+        assert ckpt.restore() == 1

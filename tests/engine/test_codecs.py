@@ -140,6 +140,9 @@ def test_codec_tensors_are_gated_but_encoding_is_not(tmp_path, monkeypatch):
         ({"model/*": {"codec": "zstd", "levle": 3}}, r"engine\.codecs.*rejects options"),
         ({"model/*": {"level": 3}}, r"engine\.codecs.*give a codec name"),
         ({"model/*": {"codec": "int8_block", "block_size": 8192}}, r"block_size 8192 .* fit"),
+        # these were accepted and failed at the first save (ZeroDivisionError, a bad type)
+        ({"model/*": {"codec": "int8_block", "block_size": 0}}, r"block_size=0 must be in 1"),
+        ({"model/*": {"codec": "fp8_block", "block_size": 2.5}}, r"block_size must be an int"),
         (["model/*"], r"engine\.codecs.*map tensor-name globs"),
     ],
 )

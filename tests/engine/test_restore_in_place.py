@@ -193,6 +193,41 @@ def test_only_plain_cpu_contiguous_tensors_are_targets():
     assert set(targets) == {"model/bias", "optimizer/state/1/exp_avg"}
 
 
+class Complex(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(weight)
+
+
+def test_a_parameter_with_a_lazy_conjugate_is_loaded_the_ordinary_way(tmp_path):
+    """Its bytes are not its values: reading into its storage failed on the second read and
+    reported a rollback failure, though nothing had been changed."""
+    torch.manual_seed(0)
+    saved = Complex(torch.randn(4, dtype=torch.complex64))
+    with Checkpointer(tmp_path, model=saved) as ckpt:
+        ckpt.save(step=1).wait()
+    live = Complex(torch.randn(4, dtype=torch.complex64).conj())
+    assert in_place_targets(live, None) == {}
+    with Checkpointer(tmp_path, model=live) as ckpt:
+        assert ckpt.restore() == 1
+    assert torch.equal(live.w.detach().resolve_conj(), saved.w.detach())
+
+
+def test_a_model_still_on_the_meta_device_is_refused_not_reported_loaded(tmp_path):
+    with Checkpointer(tmp_path, model=torch.nn.Linear(3, 2)) as ckpt:
+        ckpt.save(step=1).wait()
+    with torch.device("meta"):
+        meta = torch.nn.Linear(3, 2)
+    with Checkpointer(tmp_path, model=meta) as ckpt:
+        with pytest.raises(CheckpointError, match=r"model\['weight'\].*meta device.*to_empty"):
+            ckpt.restore()
+        assert ckpt.restore(strict=False) == 1
+        assert any("meta device" in line for line in ckpt.last_restore.not_loaded)
+    meta.to_empty(device="cpu")
+    with Checkpointer(tmp_path, model=meta) as ckpt:
+        assert ckpt.restore() == 1
+
+
 def test_an_optimizer_with_a_load_hook_is_loaded_the_ordinary_way():
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.Adam(model.parameters())

@@ -108,6 +108,103 @@ def test_restore_continues_identically(tmp_path):
     assert state_equal(model.state_dict(), model2.state_dict())
 
 
+class OneArena(torch.nn.Module):
+    """A parameter and a forward-updated buffer carved from one flat allocation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        arena = torch.zeros(1 << 16)
+        self.w = torch.nn.Parameter(arena[: 1 << 15])
+        self.register_buffer("running", arena[1 << 15 :])
+
+    def forward(self) -> torch.Tensor:
+        self.running.add_(1.0)  # like batch-norm statistics: the forward changes it
+        return self.w.sum()
+
+
+def test_a_buffer_inside_a_parameters_storage_is_copied_at_save(tmp_path):
+    """The step gate protects parameters, not buffers: a buffer that shares a parameter's
+    storage was read later by the background copy, so the forwards after save() leaked in."""
+    net = OneArena()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    with Checkpointer(tmp_path, model=net, optimizer=optimizer) as ckpt:
+        net()
+        handle = ckpt.save(step=1)
+        for _ in range(50):
+            net()
+        handle.wait()
+    back = OneArena()
+    with Checkpointer(tmp_path, model=back) as ckpt:
+        assert ckpt.restore() == 1
+    assert torch.equal(back.running, torch.ones(1 << 15))
+
+
+class StateBox:
+    """A stateful object whose state is whatever the test puts in it."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state
+
+
+def test_numpy_scalars_and_0d_arrays_come_back_with_their_type_and_shape(tmp_path):
+    """A 0-d array came back 1-d, and np.float32 came back a Python float: float32 maths
+    then resumed in float64 (the next update differed in the last bits)."""
+    state = {
+        "best": np.array(0.25),
+        "flag": np.array(True),
+        "ema": np.float32(0.1),
+        "count": np.int64(2**62),
+        "big": np.uint64(2**64 - 1),
+        "half": np.float16(0.5),
+        "z": np.complex64(1 - 2j),
+        "nan": np.float32("nan"),
+        "by_step": {np.int64(3): "a"},
+    }
+    with Checkpointer(tmp_path, stateful={"h": StateBox(dict(state))}) as ckpt:
+        ckpt.save(step=1).wait()
+    back = StateBox({})
+    with Checkpointer(tmp_path, stateful={"h": back}) as ckpt:
+        assert ckpt.restore() == 1
+    for key, value in state.items():
+        got = back.state[key]
+        assert type(got) is type(value), key
+        if isinstance(value, np.ndarray):
+            assert got.shape == value.shape == () and got.dtype == value.dtype, key
+        if key != "nan":
+            assert got == value, key
+    assert np.isnan(back.state["nan"])
+    assert back.state["ema"] * np.float32(3) == state["ema"] * np.float32(3)  # float32 maths
+
+
+@pytest.mark.parametrize(
+    ("array", "message"),
+    [
+        (np.arange(3, dtype=">f4"), r"'/stateful/h/a'.*'>f4' is not in this machine's byte order"),
+        (np.array(["x", "y"]), r"'/stateful/h/a' of dtype <U1: pcframe stores numeric"),
+        pytest.param(
+            np.longdouble(1.5),
+            r"numpy float\d+ scalar at '/stateful/h/a'",
+            marks=pytest.mark.skipif(
+                np.dtype(np.longdouble) == np.float64, reason="longdouble is float64 here"
+            ),
+        ),
+    ],
+    ids=["big-endian", "strings", "longdouble"],
+)
+def test_numpy_values_pcframe_cannot_keep_are_named_at_save(tmp_path, array, message):
+    with (
+        Checkpointer(tmp_path, stateful={"h": StateBox({"a": array})}) as ckpt,
+        pytest.raises(TypeError, match=message),
+    ):
+        ckpt.save(step=1)
+
+
 def test_non_json_state_names_the_path(tmp_path):
     class Bad:
         def state_dict(self):

@@ -392,6 +392,40 @@ def test_a_failing_load_rolls_every_object_back(saved, where):
     committed_untouched(directory)
 
 
+class Aliased(nn.Module):
+    """A parameter and a persistent buffer that is a transposed view of its memory."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.full((3, 4), value))
+        self.register_buffer("w_t", self.w.detach().t())
+
+
+def test_a_rollback_undoes_what_an_alias_wrote_into_a_parameter_read_in_place(tmp_path):
+    """The parameter is read in place (no undo copy needed for it); its transposed alias is
+    loaded from a fresh tensor and writes into the same memory. The undo skipped both, by
+    start address, so a failed restore left the parameter holding the checkpoint's values."""
+    saved = Aliased(1.0)
+    saved.register_buffer("z", torch.ones(2))
+    with Checkpointer(tmp_path, model=saved) as ckpt:
+        ckpt.save(step=1).wait()
+    live = Aliased(7.0)
+    with torch.inference_mode():  # load_state_dict's copy_ into it fails (no hook: a hook
+        live.register_buffer("z", torch.zeros(2))  # would turn reading in place off)
+    with (
+        Checkpointer(tmp_path, model=live) as ckpt,
+        pytest.raises(CheckpointError, match="rolled back, nothing was loaded"),
+    ):
+        ckpt.restore()
+    assert torch.equal(live.w.detach(), torch.full((3, 4), 7.0))
+    fine = Aliased(0.0)
+    fine.register_buffer("z", torch.zeros(2))
+    with Checkpointer(tmp_path, model=fine) as ckpt:
+        assert ckpt.restore() == 1
+    assert torch.equal(fine.w.detach(), torch.full((3, 4), 1.0))
+    assert fine.w_t.data_ptr() == fine.w.data_ptr()  # still one memory
+
+
 def test_strict_false_leaves_out_a_failing_object_and_loads_the_rest(saved):
     directory, job = saved(counters={"zz": Counter(4)})
     live = Job(seed=7, counters={"zz": Counter(9, refuse=4)})

@@ -244,14 +244,27 @@ def test_no_emergency_save_when_it_cannot_finish() -> None:
     src = P.ManualNoticeSource()
     p = P.NoticeDriven(None, src, margin=5.0, save_time_prior=30.0)
     src.trigger(now=0.0, window=30.0)
-    d = p.decide(PolicyContext(step=5, now=0.0))
+    d = p.decide(PolicyContext(step=5, now=0.0, save_duration=30.0))  # measured: 30 s
     assert not d.save and "relying on the last periodic" in d.reason
+
+
+def test_before_any_save_is_measured_a_notice_tries_the_save() -> None:
+    """The prior (30 s) plus the margin exceeded GCP's 30 s window, so a notice before the
+    first measured save never saved, and a job preempted before its first periodic
+    checkpoint lost everything; a save that does not finish in time loses nothing."""
+    src = P.ManualNoticeSource()
+    p = P.NoticeDriven(P.Daly(mtbf=3600.0), src, margin=5.0, save_time_prior=30.0)
+    src.trigger(now=0.0, window=30.0)
+    d = p.decide(PolicyContext(step=150, now=0.0))
+    assert d.save and d.emergency and "no save measured yet" in d.reason
+    src.trigger(now=100.0, window=4.0)  # not even the margin is left: nothing to try
+    assert not p.decide(PolicyContext(step=151, now=100.0)).save
 
 
 def test_learned_save_time_changes_the_answer() -> None:
     p = P.NoticeDriven(None, margin=5.0, save_time_prior=30.0, z=2.0)
     notice = Notice(received_at=0.0, deadline=20.0)
-    assert not p.decide(PolicyContext(step=1, now=0.0, notice=notice)).save
+    assert not p.decide(PolicyContext(step=1, now=0.0, notice=notice, save_duration=30.0)).save
     for v in range(5):  # saves turn out to take ~3 s
         p.observe(SaveCompleted(v, v, 1.0, stall=0.1, duration=3.0 + 0.1 * (v % 2), nbytes=1))
     assert p.estimated_save_time(PolicyContext(step=1, now=0.0)) < 4.0

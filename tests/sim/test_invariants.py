@@ -166,10 +166,12 @@ def test_notices_let_a_notice_driven_policy_save_before_the_kill() -> None:
     assert notice.time["lost"] <= notice.preemptions * (warned.notice_window + 1.0)
     assert notice.time["lost"] < 0.3 * inner.time["lost"]
     assert notice.goodput > inner.goodput
-    # A notice shorter than a save is useless: the policy does not start doomed saves.
+    # A notice shorter than a save is useless: the policy does not start doomed saves once
+    # a save has been measured (before that it tries: a save cut short loses nothing, and
+    # here one preemption comes before the first periodic save has finished).
     short = dataclasses.replace(base, notice_window=10.0)
     r = simulate(trace, P.NoticeDriven(P.FixedTime(1800.0), save_time_prior=20.0), short)
-    assert r.emergency_saves == 0
+    assert r.emergency_saves <= 1 < r.preemptions
 
 
 def test_a_restarted_process_gets_the_policy_state_of_its_checkpoint() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 import pcframe.policies as P
 from pcframe import Checkpointer
-from pcframe.errors import RestoreIOError
+from pcframe.errors import CheckpointError, RestoreIOError
 from pcframe.store.directory import CheckpointDir
 from pcframe.store.tiers import RemoteTier, TierError, Tiers
 from tests.tiers.conftest import MotoServer
@@ -117,7 +117,57 @@ def test_a_corrupt_remote_version_is_skipped_for_an_older_one(
         assert ckpt.restore() == 4
         version, reason = ckpt.last_restore.skipped[0]
         assert version == 6 and "tier remote" in reason and "checksum mismatch" in reason
+        # the object in the tier, not the scratch folder it was fetched to (gone by now)
+        assert f"s3://{bucket}/run/v00000006/data.bin" in reason and ".fetch-" not in reason
         assert same(snapshot(model2), states[4])
+
+
+def test_a_remote_version_holding_another_versions_files_is_not_taken_for_it(
+    moto_server: MotoServer, bucket: str, tmp_path: Path
+) -> None:
+    """A bad copy (`aws s3 sync` gone wrong) put v4's manifest and data under v6's prefix,
+    its marker sized to match: restore(version=6) returned v4's state as v6, silently (the
+    manifest's version was checked only in folders named like a version)."""
+    local = tmp_path / "local"
+    model, opt = model_and_optimizer()
+    states: dict = {}
+    with checkpointer(local, moto_server, bucket, model, opt) as ckpt:
+        train_and_save(ckpt, model, opt, range(1, 7), states)
+    s3 = moto_server.client()
+    marker = json.loads(s3.get_object(Bucket=bucket, Key="run/v00000006/COMMITTED")["Body"].read())
+    for name in ("manifest.json", "data.bin"):
+        body = s3.get_object(Bucket=bucket, Key=f"run/v00000004/{name}")["Body"].read()
+        s3.put_object(Bucket=bucket, Key=f"run/v00000006/{name}", Body=body)
+        marker["files"][name] = len(body)
+    s3.put_object(Bucket=bucket, Key="run/v00000006/COMMITTED", Body=json.dumps(marker).encode())
+    shutil.rmtree(local)
+    model2, opt2 = model_and_optimizer(seed=1)
+    with checkpointer(local, moto_server, bucket, model2, opt2) as ckpt:
+        with pytest.raises(CheckpointError, match=r"'version' is 4, but it is read as v00000006"):
+            ckpt.restore(version=6)
+        assert ckpt.restore() == 4  # the real v4, after v6 was skipped
+        version, reason = ckpt.last_restore.skipped[0]
+        assert version == 6 and f"s3://{bucket}/run/v00000006/manifest.json" in reason
+        assert same(snapshot(model2), states[4])
+
+
+def test_a_missing_bucket_without_create_is_an_error_not_an_empty_tier(
+    moto_server: MotoServer, tmp_path: Path
+) -> None:
+    """A misspelt bucket with create=False listed as "no checkpoint yet": the job started
+    from step 0 and every upload failed in the log only."""
+    tier = remote(moto_server, "no-such-bucket-here", create=False)
+    tier.name = "remote"
+    with pytest.raises(TierError, match=r"the bucket 'no-such-bucket-here' does not exist"):
+        tier.committed_versions()
+    model, opt = model_and_optimizer()
+    with (
+        Checkpointer(tmp_path, model=model, optimizer=opt, tiers={"remote": tier}) as ckpt,
+        pytest.raises(RestoreIOError, match="does not exist"),
+    ):
+        ckpt.restore()
+    fresh = remote(moto_server, "no-such-bucket-either")  # create=True: a new run's bucket
+    assert fresh.committed_versions() == []
 
 
 def test_bad_remote_configuration_and_an_unreachable_server(tmp_path: Path) -> None:

@@ -117,6 +117,7 @@ class RemoteTier(Tier):
         try:
             paths = self._calls("find", self.root, timeout=self._deadline())
         except FileNotFoundError:
+            self._check_bucket()
             return set(), set()
         except Exception as exc:
             raise self._fail("cannot list", exc) from exc
@@ -132,6 +133,23 @@ class RemoteTier(Tier):
                 if match.group(2) == MARKER:
                     marked.add(version)
         return marked, prefixes - marked
+
+    def _check_bucket(self) -> None:
+        """An empty listing is a new run's only if the bucket exists, or will be created: a
+        misspelt bucket with ``create=False`` would otherwise read as "no checkpoint yet"
+        and training would start from step 0."""
+        bucket = self.root.split("/", 1)[0]
+        if self._create or not bucket:
+            return
+        try:
+            exists = self._calls("exists", bucket, timeout=self._deadline())
+        except Exception as exc:
+            raise self._fail("cannot list", exc) from exc
+        if not exists:
+            raise TierError(
+                f"tier {self.name!r} ({self.url}): the bucket {bucket!r} does not exist "
+                "(create=False); check its name, or create it (or pass create=True)"
+            )
 
     def committed_versions(self) -> list[int]:
         return sorted(self._scan()[0])

@@ -28,6 +28,7 @@ class Source:
     tier: str
     fetch: Callable[[], AbstractContextManager[Path]]
     quarantine: Callable[[], None]
+    where: str = ""  # the version's place in a replica tier (its URL), for messages
 
 
 def tier_sources(
@@ -69,6 +70,7 @@ def tier_sources(
                     name,
                     lambda t=tier, v=v, s=scratch: t.fetch(v, s),
                     lambda t=tier, v=v: t.quarantine(v),
+                    f"{tier.location.rstrip('/')}/{version_name(v)}",
                 ),
             )
     chosen = sorted(by_version, reverse=True)
