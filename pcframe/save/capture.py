@@ -31,6 +31,7 @@ class Capture:
         self._layout_signature: tuple | None = None
         self._names_key: tuple | None = None  # the param groups _names was made from
         self._names: list[list[str | None]] = []
+        self._buffers: frozenset[str] = frozenset()  # model buffers' tree paths (by layout)
 
     def request(self, version: int, step: int, metadata: dict[str, Any]) -> SaveRequest:
         """Capture the state now as version ``version`` at ``step``.
@@ -48,6 +49,7 @@ class Capture:
         changed = self._layout is None or self._layout_signature != signature
         if changed:  # before any storage is touched (a sparse tensor has none)
             check_reader_limits(live)
+            self._buffers = self._buffer_paths()  # the names are in the signature
         tensors = self._detach_from_training(refs)
         named = [(name, t) for (name, _), t in zip(live, tensors, strict=True)]
         if changed:
@@ -91,6 +93,13 @@ class Capture:
             tree["extra"] = json_only(o.extra, "extra")
         return tree
 
+    def _buffer_paths(self) -> frozenset[str]:
+        """The model's buffers, as their paths in the state tree."""
+        model = self.objects.model
+        if not isinstance(model, torch.nn.Module):
+            return frozenset()
+        return frozenset(f"/model/{name}" for name, _ in model.named_buffers())
+
     def _param_names(self) -> list[list[str | None]]:
         """``optimizer_param_names``, computed again only when the param groups change."""
         groups = self.objects.optimizer.param_groups
@@ -112,12 +121,10 @@ class Capture:
         """
         o = self.objects
         gated: set[int] = set()
-        buffers: set[str] = set()
+        buffers = self._buffers
         if o.optimizer is not None:
             if o.model is not None:
                 gated = {p.untyped_storage().data_ptr() for p in o.model.parameters()}
-                if isinstance(o.model, torch.nn.Module):
-                    buffers = {f"/model/{name}" for name, _ in o.model.named_buffers()}
             for state in o.optimizer.state.values():
                 for value in state.values():
                     if isinstance(value, torch.Tensor):
