@@ -146,7 +146,10 @@ def test_pcframe_run_selects_the_plugin_by_name_with_its_arguments(installed: Pa
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("+policy.interval.stepz=5", "StepsOrSeconds has no parameter 'stepz'; it takes: steps"),
+        (
+            "+policy.interval.stepz=5",
+            "StepsOrSeconds has no parameter 'stepz' (did you mean 'steps'?); it takes: steps",
+        ),
         ("policy.interval.stepz=5", "did you mean policy.interval.steps?"),
         ("policy.interval.steps=abc", "policy.interval.steps='abc' has the wrong type"),
     ],
