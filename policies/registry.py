@@ -12,7 +12,9 @@ asked for, so one broken plugin cannot break ``available()`` for everybody.
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata as md
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -76,8 +78,23 @@ class Registry:
         )
 
     def create(self, name: str, /, **kwargs: Any) -> Any:
-        """Instantiate a registered class by name with its config as keyword arguments."""
-        return self.get(name)(**kwargs)
+        """Instantiate a registered class by name with its config as keyword arguments.
+
+        Raises:
+            TypeError: a keyword the class does not take, named with the nearest one (a
+                policy passing ``**kw`` to its base class would name the base class).
+        """
+        cls = self.get(name)
+        accepted = accepted_keywords(cls)
+        unknown = sorted(set(kwargs) - accepted) if accepted is not None else []
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], sorted(accepted or ()), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise TypeError(
+                f"{name!r} ({cls.__name__}) has no argument {unknown[0]!r}{hint}; it takes: "
+                f"{', '.join(sorted(accepted or ())) or 'no arguments'}"
+            )
+        return cls(**kwargs)
 
     def available(self, kind: str | None = None) -> list[str]:
         """Sorted names; with ``kind`` only those of that kind (this imports plugins)."""
@@ -181,3 +198,29 @@ def available(kind: str | None = None) -> list[str]:
 def refresh() -> None:
     """Rescan entry points, e.g. after ``pip install`` of a plugin in a running process."""
     REGISTRY.refresh()
+
+
+def accepted_keywords(obj: Any) -> set[str] | None:
+    """Every keyword a class accepts when its ``__init__`` passes ``**kw`` up the MRO (a
+    policy's clamps go to its base class), or ``None`` when the chain ends open."""
+    if not inspect.isclass(obj):
+        return None
+    accepted: set[str] = set()
+    for cls in obj.__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            continue
+        if cls is object:
+            return None
+        try:
+            params = inspect.signature(init).parameters
+        except (TypeError, ValueError):
+            return None
+        accepted |= {
+            n
+            for n, p in params.items()
+            if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        }
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return accepted
+    return None

@@ -21,6 +21,7 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pcframe.errors import ConfigError
+from pcframe.policies.registry import accepted_keywords
 
 _HYDRA_KEYS = {"_target_", "_args_", "_recursive_", "_convert_", "_partial_"}
 _PLAIN = (bool, int, float, str)
@@ -119,7 +120,7 @@ def _check_node(node: DictConfig, path: str) -> None:
         if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     }
     keys = [str(k) for k in node if str(k) not in _HYDRA_KEYS]
-    accepted = set(named) if not takes_any else _forwarded_keywords(obj)
+    accepted = set(named) if not takes_any else accepted_keywords(obj)
     if accepted is not None:
         named_all = sorted(accepted) if takes_any else list(named)
         for key in keys:
@@ -148,32 +149,6 @@ def _check_node(node: DictConfig, path: str) -> None:
                     f"{where}.{key}={value!r} has the wrong type: {target} expects "
                     f"{_name(hints[key])}; give a value of that type"
                 )
-
-
-def _forwarded_keywords(obj: Any) -> set[str] | None:
-    """Every keyword a class accepts when its ``__init__`` passes ``**kw`` up the MRO (a
-    policy's clamps go to its base class), or ``None`` when the chain ends open."""
-    if not inspect.isclass(obj):
-        return None
-    accepted: set[str] = set()
-    for cls in obj.__mro__:
-        init = cls.__dict__.get("__init__")
-        if init is None:
-            continue
-        if cls is object:
-            return None
-        try:
-            params = inspect.signature(init).parameters
-        except (TypeError, ValueError):
-            return None
-        accepted |= {
-            n
-            for n, p in params.items()
-            if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        }
-        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            return accepted
-    return None
 
 
 def _hints(obj: Any) -> dict[str, Any]:

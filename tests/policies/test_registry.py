@@ -151,3 +151,10 @@ def test_refresh_sees_a_plugin_installed_later(site: Path) -> None:
     _install_fake(site, "fake-late", "fake_late", {"fake_late": "fake_late:Never"}, GOOD)
     reg.refresh()
     assert "fake_late" in reg.available()
+
+
+def test_a_misspelt_argument_names_the_plugin_and_the_nearest_argument():
+    """Young passes **kw to its base class: the TypeError named SecondsIntervalPolicy."""
+    with pytest.raises(TypeError, match=r"'young' \(Young\) has no argument 'mtbff' \(did you"):
+        P.create("young", mtbff=5)
+    assert P.create("young", mtbf=5.0).mtbf == 5.0
