@@ -18,6 +18,7 @@ from pcframe.kernels.quantize import (
     error_bounds,
     quantize_blockwise,
 )
+from pcframe.kernels.quantize.reference import QMAX
 
 
 class _BlockQuantCodec(Codec):
@@ -39,6 +40,17 @@ class _BlockQuantCodec(Codec):
 
     def _encode(self, tensor, previous):
         q = quantize_blockwise(tensor, self.fmt, self.block_size)
+        # The largest code times its scale is what the block's largest value decodes to; at
+        # the dtype's limit (a finfo.min mask) it can round past it to infinity, which no
+        # reader accepts: refuse here, where the save can fail without losing anything.
+        top = (q.scales.float() * float(QMAX[self.fmt])).to(tensor.dtype)
+        if not bool(torch.isfinite(top).all()):
+            block = int((~torch.isfinite(top)).nonzero()[0, 0])
+            raise ValueError(
+                f"block {block} holds values at the {dtype_name(tensor.dtype)} limit "
+                f"(±{torch.finfo(tensor.dtype).max:.4g}), which {self.name} would decode to "
+                "infinity"
+            )
         codes = host_bytes(q.codes)
         scales_offset = -(-codes.numel() // 4) * 4
         payload = torch.zeros(scales_offset + 4 * q.scales.numel(), dtype=torch.uint8)

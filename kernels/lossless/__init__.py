@@ -89,8 +89,14 @@ class ShuffleZstd:
     def __init__(
         self, level: int = 3, *, threads: int = 0, shuffle: bool = True, backend: str = "auto"
     ) -> None:
-        if not -7 <= level <= 22:
-            raise ValueError(f"zstd level must be in [-7, 22], got {level}")
+        # Exactly what a reader's meta check accepts: a value it would refuse would make
+        # every version written with it unreadable (True is an int to Python, not to JSON).
+        if isinstance(level, bool) or not isinstance(level, int) or not -7 <= level <= 22:
+            raise ValueError(f"zstd level must be an integer in [-7, 22], got {level!r}")
+        if not isinstance(shuffle, bool):
+            raise ValueError(f"shuffle must be True or False, got {shuffle!r}")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+            raise ValueError(f"zstd threads must be an integer >= 0, got {threads!r}")
         self.level = level
         self.threads = threads
         self.shuffle = shuffle

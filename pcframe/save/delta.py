@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pcframe.errors import CheckpointError
+from pcframe.errors import CheckpointError, UnsupportedCheckpoint
 from pcframe.format.manifest import MANIFEST_NAME, DeltaLink, read_manifest
 from pcframe.format.tree import DTYPES
 from pcframe.save.codec import CodecPlan
@@ -155,22 +155,40 @@ class DeltaTracker:
             if version in seen:
                 continue
             seen.add(version)
-            base = self.base_of(version)
+            try:
+                base = self.base_of(version)
+            except _BaseUnknown:
+                # It may be a delta of any older version: keep them all this time.
+                older = [v for v in self.storage.committed_versions() if v < version]
+                needed.update(older)
+                continue
             if base is not None:
                 needed.add(base)
                 todo.append(base)
         return needed
 
     def base_of(self, version: int) -> int | None:
-        """The base of a committed version (``None`` for a full or unreadable one)."""
+        """The base of a committed version (``None`` for a full or corrupt one).
+
+        Raises:
+            _BaseUnknown: its manifest cannot be read now (an I/O error) or not by this
+                process (a newer format, a codec whose plugin is not imported): another
+                reader may need its bases, so they must not be deleted.
+        """
         with self._lock:
             if version in self._bases:
                 return self._bases[version]
         try:
             manifest = read_manifest(str(self.storage.path(version) / MANIFEST_NAME))
             base = manifest.delta.base if manifest.delta is not None else None
-        except (OSError, CheckpointError):
-            return None  # not verifiable: restore skips it anyway, it needs nothing kept
+        except (OSError, UnsupportedCheckpoint) as exc:
+            raise _BaseUnknown(version) from exc
+        except CheckpointError:
+            return None  # corrupt: restore skips it anyway, it needs nothing kept
         with self._lock:
             self._bases[version] = base
         return base
+
+
+class _BaseUnknown(Exception):
+    """Which version a committed version is a delta of cannot be told right now."""

@@ -138,7 +138,14 @@ class Writer:
                 previous = None
                 if spec.is_delta and delta is not None and delta.base_values is not None:
                     previous = delta.base_values[segment.entry][span]
-                payload, meta = encode_segment(spec, staged, dtype, previous)
+                try:
+                    payload, meta = encode_segment(spec, staged, dtype, previous)
+                except ValueError as exc:  # the codec's words, plus which tensor and where
+                    raise ValueError(
+                        f"tensor {entry.name!r} (the segment from element {segment.start}), "
+                        f"codec {spec.name!r}: {exc}; match it with a lossless codec (or "
+                        "none) in engine.codecs"
+                    ) from exc
                 digest = self.checksum([payload])
                 stage = Stage.PERSIST
                 with write._lock:

@@ -143,6 +143,10 @@ def test_codec_tensors_are_gated_but_encoding_is_not(tmp_path, monkeypatch):
         # these were accepted and failed at the first save (ZeroDivisionError, a bad type)
         ({"model/*": {"codec": "int8_block", "block_size": 0}}, r"block_size=0 must be in 1"),
         ({"model/*": {"codec": "fp8_block", "block_size": 2.5}}, r"block_size must be an int"),
+        # accepted, then every version written with them was refused by the reader (lost)
+        ({"model/*": {"codec": "zstd", "level": True}}, r"level must be an integer"),
+        ({"model/*": {"codec": "zstd", "shuffle": 0}}, r"shuffle must be True or False"),
+        ({"model/*": {"codec": "xor_delta_zstd", "level": 1.0}}, r"level must be an integer"),
         (["model/*"], r"engine\.codecs.*map tensor-name globs"),
     ],
 )
@@ -160,6 +164,35 @@ def test_lossy_codec_on_an_integer_tensor_fails_the_save_clearly(tmp_path):
         with pytest.raises(SaveError, match=r"'model/\*'.*num_batches_tracked.*int64"):
             ckpt.save(step=1).wait()
         assert ckpt.committed_versions() == []
+
+
+class Masked(torch.nn.Module):
+    def __init__(self, fill: float) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.full((300,), fill))
+
+
+def test_a_lossy_codec_refuses_values_at_the_dtype_limit_at_save(tmp_path):
+    """A finfo.min mask under int8_block: 127 * fl(FLT_MAX / 127) rounds to infinity, so the
+    version committed and every restore set it aside as corrupt (NoValidCheckpoint: all work
+    lost). fp8_block's 448 * fl(FLT_MAX / 448) stays finite: that one stores it."""
+    codecs = {"model/*": "int8_block"}
+    with Checkpointer(tmp_path, model=Masked(1.0), codecs=codecs) as ckpt:
+        ckpt.save(step=1).wait()
+    lowest = torch.finfo(torch.float32).min
+    with (
+        Checkpointer(tmp_path, model=Masked(lowest), codecs=codecs) as ckpt,
+        pytest.raises(SaveError, match=r"'model/mask'.*float32 limit.*infinity"),
+    ):
+        ckpt.save(step=2).wait()
+    back = Masked(0.0)
+    with Checkpointer(tmp_path, model=back) as ckpt:
+        assert ckpt.restore() == 1 and not ckpt.last_restore.skipped
+    fp8 = tmp_path / "fp8"
+    with Checkpointer(fp8, model=Masked(lowest), codecs={"model/*": "fp8_block"}) as ckpt:
+        ckpt.save(step=3).wait()
+    with Checkpointer(fp8, model=back) as ckpt:
+        assert ckpt.restore() == 3 and torch.equal(back.mask, Masked(lowest).mask)
 
 
 def test_corrupt_codec_payload_falls_back_to_the_previous_version(tmp_path):

@@ -7,9 +7,11 @@ import os
 import pytest
 import torch
 
-from pcframe import Checkpointer, EngineConfig
+from pcframe import Checkpointer, EngineConfig, load
+from pcframe.errors import UnsupportedCheckpoint
 from pcframe.format.manifest import read_manifest
 from pcframe.restore.reader import load_version
+from pcframe.store.directory import CheckpointDir
 
 DELTA = {"model/*": "xor_delta_zstd", "optimizer/state/*/exp_avg*": "xor_delta_zstd"}
 
@@ -112,6 +114,49 @@ def test_retention_keeps_the_bases_of_kept_versions(tmp_path):
     # keep_last=1, but a delta's whole chain down to its full version stays.
     assert kept == [[1], [1, 2], [1, 2, 3], [1, 2, 3, 4], [5], [5, 6]]
     assert_loads_exactly(tmp_path, 6, trainer.snapshot())
+
+
+@pytest.mark.parametrize(
+    "unreadable",
+    [
+        lambda path: OSError(24, "Too many open files", path),
+        lambda path: UnsupportedCheckpoint(f"{path}: codec 'plugin_codec' is not registered"),
+    ],
+    ids=["transient-io", "codec-of-a-plugin-not-imported"],
+)
+def test_retention_keeps_every_older_version_when_a_kept_deltas_base_is_unknown(
+    tmp_path, monkeypatch, unreadable
+):
+    """A kept delta whose manifest could not be read at that moment (EMFILE), or not by this
+    process (a plugin codec not imported), counted as needing no base: retention deleted its
+    whole chain, and the kept version could never be restored."""
+    import pcframe.save.delta as delta
+
+    codecs = {"model/*": "xor_delta_zstd"}
+    model = torch.nn.Linear(4, 4)
+    with Checkpointer(tmp_path, model=model, keep_last=1, codecs=codecs, full_every=8) as ckpt:
+        for step in range(1, 5):  # v1 full, v2..v4 deltas (keep_last=1 keeps the chain)
+            with torch.no_grad():
+                model.weight[0, 0] = step
+            ckpt.save(step=step).wait()
+    real, failed = delta.read_manifest, []
+
+    def flaky(path):
+        if "v00000004" in path and not failed:
+            failed.append(path)
+            raise unreadable(path)
+        return real(path)
+
+    monkeypatch.setattr(delta, "read_manifest", flaky)
+    again = torch.nn.Linear(4, 4)
+    with Checkpointer(tmp_path, model=again, keep_last=2, codecs=codecs, full_every=8) as ckpt:
+        ckpt.save(step=5).wait()  # a restart: v5 is full; v4 is kept, and so is its chain
+    assert failed
+    monkeypatch.setattr(delta, "read_manifest", real)
+    assert CheckpointDir(tmp_path).committed_versions() == [1, 2, 3, 4, 5]
+    restored = torch.nn.Linear(4, 4)
+    assert load(tmp_path, model=restored, version=4).step == 4
+    assert restored.weight[0, 0] == 4
 
 
 def test_a_restart_starts_with_a_full_version_and_protects_old_chains(tmp_path):
