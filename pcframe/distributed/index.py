@@ -46,6 +46,7 @@ class SavedIndex:
         self.manifests: dict[int, Manifest] = {}
         self.items: dict[str, SavedItem] = {}
         self.values: dict[str, Any] = {}  # non-tensor model/optimizer entries (encoded)
+        self.values_of: dict[int, dict[str, Any]] = {}  # ... as each rank wrote them
         for shard in record.shards:
             directory = self.directory(shard.rank)
             manifest = read_manifest(str(directory / MANIFEST_NAME))
@@ -70,6 +71,18 @@ class SavedIndex:
         shard = self.record.shards[rank]
         return self.root / shard.directory / version_name(shard.version)
 
+    def value(self, name: str, rank: int) -> tuple[int, Any]:
+        """``(rank, encoded node)`` of a non-tensor entry: ``rank``'s own (every rank writes
+        its own: they may differ, e.g. a counter in ``get_extra_state``), else the lowest
+        rank's. Tensors inside it are references into that rank's manifest."""
+        own = self.values_of.get(rank, {})
+        if name in own:
+            return rank, own[name]
+        for other in sorted(self.values_of):
+            if name in self.values_of[other]:
+                return other, self.values_of[other][name]
+        raise KeyError(name)
+
     def section(self, rank: int, name: str) -> Any:
         tree = self.manifests[rank].tree
         return tree.get(name) if isinstance(tree, dict) else None
@@ -92,6 +105,7 @@ class SavedIndex:
         kind = node.get("kind")
         if kind == "value":
             self.values.setdefault(name, node.get("value"))
+            self.values_of.setdefault(rank, {})[name] = node.get("value")
             return
         if kind not in ("replicated", "shard"):
             raise ManifestError(f"{where}: '{name}' has unknown kind {kind!r}")

@@ -121,6 +121,16 @@ def prepare(
     wanted = _small_state(index, own, small_from)
     for _, source_rank, node in wanted:
         needed[source_rank].update(_tensor_refs(node, index, source_rank))
+    # Non-tensor model and optimizer entries, from this rank's own copy; a tensor inside one
+    # (get_extra_state's scales, a list of tensors in an optimizer's state) is read with it.
+    value_nodes = {
+        name: index.value(name, small_from)
+        for name in index.values
+        if (name.startswith("model/") and current_model is not None)
+        or (name.startswith("optimizer/") and optimizer_plan is not None)
+    }
+    for source_rank, node in value_nodes.values():
+        needed[source_rank].update(_tensor_refs(node, index, source_rank))
 
     loaded: dict[int, dict[int, torch.Tensor]] = {}
     for source_rank, entries in sorted(needed.items()):
@@ -136,6 +146,10 @@ def prepare(
         if node is not None:
             values = _values(index.manifests[source_rank], loaded.get(source_rank, {}))
             prepared.sections[name] = _decode(node, values, index, source_rank)
+    decoded_values = {
+        name: _decode(node, _values(index.manifests[r], loaded.get(r, {})), index, r)
+        for name, (r, node) in value_nodes.items()
+    }
     _check_sections(prepared, objects, version)
     if current_model is not None:
         state: dict[str, Any] = {}
@@ -144,11 +158,11 @@ def prepare(
             if name in assembled:
                 state[key] = rebuild(assembled[name], targets[name][0])
             else:
-                state[key] = _decode(index.values[name], [], index, small_from)
+                state[key] = decoded_values[name]
         prepared.model_state = state
     if optimizer_plan is not None:
         prepared.optimizer_state = _optimizer_state(
-            optimizer_plan, assembled, targets, prepared.sections, index, small_from, version
+            optimizer_plan, assembled, targets, prepared.sections, decoded_values, version
         )
     return prepared
 
@@ -232,8 +246,7 @@ def _optimizer_state(
     assembled: dict[str, torch.Tensor],
     targets: dict[str, tuple[Placed, Box]],
     sections: dict[str, Any],
-    index: SavedIndex,
-    small_from: int,
+    values: dict[str, Any],
     version: int,
 ) -> dict[str, Any]:
     groups = sections.pop("param_groups", None)
@@ -247,7 +260,7 @@ def _optimizer_state(
             if name in assembled:
                 entry[key] = rebuild(assembled[name], targets[name][0])
             else:
-                entry[key] = _decode(index.values[name], [], index, small_from)
+                entry[key] = values[name]
         state[param_index] = entry
     return {"state": state, "param_groups": groups}
 

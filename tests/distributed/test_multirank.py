@@ -476,3 +476,19 @@ def test_cli_lists_and_verifies_a_multi_rank_root(saved, tmp_path, capsys):
     # inspect and export read one rank's shard: the error says which directory to give.
     assert main(["inspect", str(root)]) == 2
     assert f"pcframe inspect {root / 'rank-0'}" in capsys.readouterr().err
+
+
+def test_non_tensor_entries_holding_tensors_restore_each_ranks_own_value(tmp_path):
+    """A tensor inside get_extra_state() or a list of tensors in an optimizer's state: both
+    saves committed, then the restore read the value without its tensors, called the
+    newest version corrupt and fell back to v1 (or NoValidCheckpoint). And every rank got
+    rank 0's value, though each rank wrote its own."""
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["values", "--root", str(tmp_path / "ckpt"), "--out", str(out)]
+    run_job(2, args, tmp_path / "logs").check()
+    for rank, result in enumerate(results(out, "values", "run", 2)):
+        assert result["saved"] == "committed"
+        assert result["restored"] == 2 and result["skipped"] == []
+        assert result["scale"] == [0.5, 2.0 + rank] and result["seen"] == 100 + rank
+        assert result["hist"] == [[1.0, 1.0], [float(rank)] * 2]

@@ -386,10 +386,47 @@ def leaves(args: argparse.Namespace, out: dict[str, Any]) -> None:
             raise
 
 
+class WithExtraState(nn.Module):
+    """A layer whose get_extra_state() holds a tensor (quantization scales) and a per-rank
+    counter; its optimizer keeps a list of tensors per parameter (non-tensor state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.meta: dict[str, Any] = {"scale": None, "seen": 0}
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return self.meta
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        self.meta = state
+
+
+def values(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """Non-tensor entries holding tensors, and differing per rank: saved, then restored."""
+    rank = dist.get_rank()
+    model = WithExtraState()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with DistributedCheckpointer(args.root, model=model, optimizer=optimizer) as ckpt:
+        ckpt.save(1).wait()  # no tensor in the extra state yet
+        model.meta = {"scale": torch.tensor([0.5, 2.0 + rank]), "seen": 100 + rank}
+        optimizer.state[model.lin.weight]["hist"] = [torch.ones(2), torch.zeros(2) + rank]
+        out["saved"] = ckpt.save(2).wait().value
+    model = WithExtraState()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with DistributedCheckpointer(args.root, model=model, optimizer=optimizer) as ckpt:
+        out["restored"] = ckpt.restore()
+        out["skipped"] = [v for v, _ in ckpt.last_restore.skipped]
+    out["scale"] = model.meta["scale"].tolist()
+    out["seen"] = model.meta["seen"]
+    out["hist"] = [t.tolist() for t in optimizer.state[model.lin.weight]["hist"]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     scenarios = {"roundtrip": roundtrip, "resize": resize, "train": train, "policy": policy}
-    scenarios.update(raises=raises, leaves=leaves)
+    scenarios.update(raises=raises, leaves=leaves, values=values)
     parser.add_argument("scenario", choices=sorted(scenarios))
     parser.add_argument("--root", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
