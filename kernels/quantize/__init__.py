@@ -22,6 +22,10 @@ MAX_BLOCK_SIZE = 8192  # one block must fit one Triton program
 
 # Unit roundoff of the dtype the dequantized fp32 values are cast back to.
 _OUTPUT_ROUNDOFF = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+# Where a result is subnormal the relative terms do not hold: a rounding there is off by up
+# to half the dtype's smallest spacing (fp16: 2**-25, which Adam's exp_avg_sq reaches).
+_OUTPUT_TINY = {torch.float32: 2.0**-150, torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25}
+_FP32_TINY = 4 * 2.0**-150  # the fp32 roundings of the scale, the division and the product
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -69,7 +73,8 @@ def error_bounds(scales: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Te
     int8 rounds to the nearest multiple of ``scale`` (error <= scale / 2). e4m3 values
     of magnitude <= 448 are at most 32 apart (the spacing in [256, 448]), so the error
     is <= 16 * scale. 2**-20 * absmax covers the fp32 roundings of the scale, the
-    division and the product; the last term covers the cast back to bf16 / fp16.
+    division and the product; the next term covers the cast back to bf16 / fp16; the
+    absolute terms cover the same roundings where results are subnormal.
     Computed in fp64 and rounded up to fp32 (in numpy: tiny torch ops can stall for
     milliseconds in torch's thread pool when the cores are busy).
     """
@@ -77,6 +82,7 @@ def error_bounds(scales: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Te
     absmax = s * QMAX[fmt]
     half_step = 0.5 if fmt == "int8" else 16.0
     bound = half_step * s + absmax * (2.0**-20 + _OUTPUT_ROUNDOFF[dtype] * (1 + 2.0**-10))
+    bound += np.where(s > 0, _OUTPUT_TINY[dtype] + _FP32_TINY, 0.0)  # zeros stay exact
     b32 = bound.astype(np.float32)
     b32 = np.where(b32 < bound, np.nextafter(b32, np.float32(np.inf)), b32)
     return torch.from_numpy(b32).to(scales.device)

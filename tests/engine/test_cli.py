@@ -279,3 +279,17 @@ def test_a_version_deleted_by_a_live_writer_while_read_is_not_called_damaged(
     flip_byte(tmp_path / "v00000004" / "data.bin", 0)
     assert pcframe_cli.main(["verify", str(tmp_path)]) == 1
     assert "v4: FAILED" in capsys.readouterr().out
+
+
+def test_list_and_verify_count_the_bytes_of_coded_tensors(tmp_path, python):
+    """A version stored in codec.bin was listed as 0 bytes ("OK (4 tensors, 0 bytes)")."""
+    model = torch.nn.Linear(64, 64)
+    with Checkpointer(tmp_path, model=model, codecs={"*": "zstd"}) as ckpt:
+        ckpt.save(step=1).wait()
+    version = tmp_path / "v00000001"
+    on_disk = sum((version / name).stat().st_size for name in ("data.bin", "codec.bin"))
+    assert (version / "codec.bin").stat().st_size > 0
+    listing = cli(python, "list", tmp_path)
+    assert listing.returncode == 0 and f" {on_disk} " in listing.stdout, listing.stdout
+    verify = cli(python, "verify", tmp_path)
+    assert verify.returncode == 0 and f"{on_disk} bytes" in verify.stdout, verify.stdout
