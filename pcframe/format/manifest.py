@@ -75,7 +75,7 @@ __all__ = [
     "read_manifest",
 ]
 
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_TENSORS = 1_000_000
 MAX_DIMS = 32

@@ -18,8 +18,11 @@ from pcframe.errors import ManifestError
 from pcframe.format.layout import Entry, Layout
 
 FORMAT = "pcframe-manifest"
-FORMAT_VERSION = 2  # the newest this code reads and writes
+FORMAT_VERSION = 3  # the newest this code reads and writes
+CODED_FORMAT_VERSION = 2  # written when a tensor is coded (codec.bin, deltas)
 PLAIN_FORMAT_VERSION = 1  # written when no tensor is coded: readable by every pcframe
+# Version 3 adds numpy scalars to the state tree ({"$np": [dtype, text]}): written only when
+# the tree holds one, so that a pcframe before it says "upgrade" instead of "corrupt".
 MANIFEST_NAME = "manifest.json"
 DATA_NAME = "data.bin"
 CODEC_NAME = "codec.bin"
@@ -81,7 +84,9 @@ class Manifest:
 
     @property
     def format_version(self) -> int:
-        return FORMAT_VERSION if self.coded else PLAIN_FORMAT_VERSION
+        if _holds_numpy_scalar(self.tree):
+            return FORMAT_VERSION
+        return CODED_FORMAT_VERSION if self.coded else PLAIN_FORMAT_VERSION
 
     @property
     def depth(self) -> int:
@@ -161,3 +166,17 @@ class Manifest:
             "body_crc32c": f"{crc32c.crc32c(body):08x}",
         }
         return json.dumps(header).encode() + b"\n" + body
+
+
+def _holds_numpy_scalar(node: Any) -> bool:
+    """Whether an encoded state tree has a ``$np`` node (format version 3)."""
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, dict):
+            if "$np" in current and len(current) == 1:
+                return True
+            stack.extend(current.values())
+        elif isinstance(current, list):
+            stack.extend(current)
+    return False

@@ -180,6 +180,29 @@ def test_numpy_scalars_and_0d_arrays_come_back_with_their_type_and_shape(tmp_pat
             assert got == value, key
     assert np.isnan(back.state["nan"])
     assert back.state["ema"] * np.float32(3) == state["ema"] * np.float32(3)  # float32 maths
+    header = json.loads((tmp_path / "v00000001" / "manifest.json").read_bytes().split(b"\n")[0])
+    assert header["format_version"] == 3  # only such versions: older readers say "upgrade"
+
+
+def test_a_reader_before_numpy_scalars_calls_such_a_version_newer_not_corrupt(
+    tmp_path, monkeypatch
+):
+    import pcframe.format.manifest as manifest_module
+    from pcframe.errors import UnsupportedCheckpoint
+
+    with Checkpointer(tmp_path, stateful={"h": StateBox({"ema": np.float32(0.1)})}) as ckpt:
+        ckpt.save(step=1).wait()
+    with Checkpointer(tmp_path / "plain", stateful={"h": StateBox({"ema": 0.1})}) as ckpt:
+        ckpt.save(step=1).wait()
+    plain = (tmp_path / "plain" / "v00000001" / "manifest.json").read_bytes().split(b"\n")[0]
+    assert json.loads(plain)["format_version"] == 1  # without one: readable by every pcframe
+    monkeypatch.setattr(manifest_module, "READABLE_VERSIONS", (1, 2))
+    with (
+        Checkpointer(tmp_path, stateful={"h": StateBox({})}) as ckpt,
+        pytest.raises(UnsupportedCheckpoint, match=r"format_version 3 .*upgrade"),
+    ):
+        ckpt.restore()
+    assert (tmp_path / "v00000001").is_dir()  # nothing renamed
 
 
 @pytest.mark.parametrize(
