@@ -56,6 +56,10 @@ def _widen_f16(src: np.ndarray, row: np.ndarray) -> None:
         row[i] = bits_f32(sign | (sub if exp == 0 else normal))
 
 
+_TINY = np.float32(2.0**-64)  # blocks whose absmax is below this are scaled by _BOOST
+_BOOST = np.float32(2.0**64)
+
+
 @numba.njit(**_INLINE)
 def _magnitude_max(x: np.ndarray) -> np.int32:
     m = np.int32(0)
@@ -65,16 +69,16 @@ def _magnitude_max(x: np.ndarray) -> np.int32:
 
 
 @numba.njit(**_INLINE)
-def _codes_int8(x: np.ndarray, inv: np.float32, codes: np.ndarray) -> None:
+def _codes_int8(x: np.ndarray, boost: np.float32, inv: np.float32, codes: np.ndarray) -> None:
     for i in range(x.size):
-        q = np.int32(np.rint(as_f32(x[i]) * inv))  # |x * inv| <= 127 (+ rounding)
+        q = np.int32(np.rint((as_f32(x[i]) * boost) * inv))  # |x * inv| <= 127 (+ rounding)
         codes[i] = np.uint8(min(max(q, -127), 127))
 
 
 @numba.njit(**_INLINE)
-def _codes_fp8(x: np.ndarray, inv: np.float32, codes: np.ndarray) -> None:
+def _codes_fp8(x: np.ndarray, boost: np.float32, inv: np.float32, codes: np.ndarray) -> None:
     for i in range(x.size):
-        y = min(max(as_f32(x[i]) * inv, np.float32(-448.0)), np.float32(448.0))
+        y = min(max((as_f32(x[i]) * boost) * inv, np.float32(-448.0)), np.float32(448.0))
         u = f32_bits(y)
         mag = u & np.uint32(0x7FFFFFFF)
         # Normal: round the mantissa to 3 bits, half to even (a carry bumps the exponent).
@@ -96,11 +100,14 @@ def _quantize_block(x: np.ndarray, fp8: bool, codes: np.ndarray) -> np.float32:
         return np.float32(np.nan)
     qmax = np.float32(448.0) if fp8 else np.float32(127.0)
     absmax = bits_f32(np.uint32(m))
-    inv = qmax / absmax if absmax > 0 else np.float32(0.0)
+    # Below 2**-64, qmax / absmax can overflow (below ~2**-121): scale the block by 2**64
+    # first (exact: a power of two), as the torch and Triton kernels do.
+    boost = _BOOST if absmax < _TINY else np.float32(1.0)
+    inv = qmax / (absmax * boost) if absmax > 0 else np.float32(0.0)
     if fp8:
-        _codes_fp8(x, inv, codes)
+        _codes_fp8(x, boost, inv, codes)
     else:
-        _codes_int8(x, inv, codes)
+        _codes_int8(x, boost, inv, codes)
     return absmax / qmax
 
 

@@ -5,8 +5,9 @@ be shorter), with Q = 127 for ``"int8"`` and Q = 448 for ``"fp8_e4m3"``, in fp32
 
     absmax = max |x| over the block            (a non-finite value is an error)
     scale  = absmax / Q                        (correctly rounded division)
-    inv    = Q / absmax, or 0 when absmax == 0
-    y      = x * inv
+    b      = 2**64 if absmax < 2**-64 else 1  (Q / absmax would overflow for tiny blocks)
+    inv    = Q / (absmax * b), or 0 when absmax == 0   (correctly rounded division)
+    y      = (x * b) * inv                     (the products by b are exact)
     int8:     code = clamp(round_half_even(y), -127, 127)
     fp8_e4m3: code = float8_e4m3fn(clamp(y, -448, 448)) (round half to even, its bits)
     dequantized value = value(code) * scale    (then cast to the original dtype)
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
+TINY, BOOST = 2.0**-64, 2.0**64  # blocks with absmax below TINY are scaled by BOOST first
 
 
 def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -47,8 +49,13 @@ def quantize(
     absmax = xb.abs().amax(dim=1)  # NaN propagates
     absmax = torch.where(torch.isfinite(xb).all(dim=1), absmax, torch.nan)
     qmax = QMAX[fmt]
-    inv = torch.where(absmax > 0, qmax / absmax, 0.0)
-    y = xb * inv[:, None]
+    # Below 2**-64, qmax / absmax can overflow (below ~2**-121): the block is scaled by
+    # 2**64 first (exact: a power of two), in every backend alike.
+    boost = torch.where(absmax < TINY, BOOST, 1.0)
+    # A tensor numerator: `qmax / tensor` is computed as qmax * reciprocal (two roundings),
+    # not the correctly rounded division the other kernels do.
+    inv = torch.where(absmax > 0, torch.full_like(absmax, qmax) / (absmax * boost), 0.0)
+    y = (xb * boost[:, None]) * inv[:, None]
     if fmt == "int8":
         q = torch.round(y).clamp_(-127, 127).to(torch.int8).view(torch.uint8)
     else:

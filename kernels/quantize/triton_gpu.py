@@ -60,9 +60,16 @@ def _quantize_kernel(
     absmax = tl.max(tl.where(finite, mag, 0), axis=1).to(tl.float32, bitcast=True)
     qmax = 448.0 if FP8 else 127.0
     scale = tl.math.div_rn(absmax, tl.full(absmax.shape, qmax, tl.float32))
-    safe = tl.where(absmax > 0, absmax, 1.0)
+    # Below 2**-64, qmax / absmax can overflow (below ~2**-121): scale the block by 2**64
+    # first (exact: a power of two), as the torch and numba kernels do.
+    boost = tl.where(
+        absmax < 5.421010862427522e-20,  # 2**-64
+        tl.full(absmax.shape, 1.8446744073709552e19, tl.float32),  # 2**64, an fp32 product
+        tl.full(absmax.shape, 1.0, tl.float32),
+    )
+    safe = tl.where(absmax > 0, absmax * boost, 1.0)
     inv = tl.where(absmax > 0, tl.math.div_rn(tl.full(absmax.shape, qmax, tl.float32), safe), 0.0)
-    y = x * inv[:, None]
+    y = (x * boost[:, None]) * inv[:, None]
     if FP8:
         codes = _to_e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0))
     else:

@@ -72,6 +72,22 @@ def test_the_bound_holds_where_fp16_values_are_subnormal(backend: str, fmt: str)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_blocks_of_tiny_values_keep_their_signs_and_the_bound(backend: str, fmt: str) -> None:
+    """Below ~3.7e-37 (int8) qmax / absmax overflowed to inf: every code became -127, signs
+    flipped and zeros came back as -absmax, 500x over the recorded bound."""
+    x = torch.tensor([1e-37, -1e-38, 0.0, 5e-38, 3e-45, -2e-40] * 10, dtype=torch.float32)
+    q = quantize_blockwise(x, fmt, 32, backend=backend)
+    back = dequantize_blockwise(q, backend=backend)
+    err = _per_block_error(x, q, back)
+    assert (err <= q.error_bound.double()).all()
+    assert (torch.sign(back) == torch.sign(x))[x.abs() > 1e-39].all()
+    assert (back[x == 0] == 0).all()
+    reference = quantize_blockwise(x, fmt, 32, backend="torch")
+    assert torch.equal(q.codes, reference.codes) and torch.equal(q.scales, reference.scales)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_int8_rounds_half_to_even(backend: str) -> None:
     # absmax 127 makes the scale exactly 1, so the codes are the rounded inputs.
     x = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.49, -126.5])
