@@ -209,6 +209,9 @@ BAD_OVERRIDES = [
         "Young has no parameter 'mtbff' (did you mean 'mtbf'?)",
     ),
     (["policy.interval.every=often"], ConfigError, "policy.interval.every"),
+    # a list for a mapping, and a mapping given whole without '+': said what to type
+    (["engine.codecs=[nosuch]"], ConfigError, "engine.codecs is a mapping, not a list"),
+    (["engine.codecs={model/*:zstd}"], ConfigError, "needs the + prefix: +engine.codecs="),
     (["policy.interval._target_=pcframe.policies.Nope"], ConfigError, "cannot be imported"),
 ]
 

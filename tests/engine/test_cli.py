@@ -293,3 +293,12 @@ def test_list_and_verify_count_the_bytes_of_coded_tensors(tmp_path, python):
     assert listing.returncode == 0 and f" {on_disk} " in listing.stdout, listing.stdout
     verify = cli(python, "verify", tmp_path)
     assert verify.returncode == 0 and f"{on_disk} bytes" in verify.stdout, verify.stdout
+
+
+def test_a_url_is_named_as_one_not_mangled_into_a_missing_folder(python):
+    """`pcframe verify s3://bucket/run` said "s3:/bucket/run: no such directory"."""
+    for command in ("list", "verify"):
+        result = cli(python, command, "s3://my-bucket/runs/run1")
+        assert result.returncode == 2, result.stderr
+        assert "s3://my-bucket/runs/run1 is a URL" in result.stderr
+        assert "tiers=" in result.stderr and "s3:/my" not in result.stderr
