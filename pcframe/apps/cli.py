@@ -68,8 +68,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             continue
         mark = "  <- LATEST" if version == latest else ""
         when = _when(manifest.wall_time)
-        size = manifest.data_size + manifest.codec_size  # coded tensors live in codec.bin
-        print(f"{version:>8} {manifest.step:>10} {size:>12}  {when}{mark}")
+        print(f"{version:>8} {manifest.step:>10} {manifest.stored_bytes:>12}  {when}{mark}")
     if not versions:
         print(f"(no committed versions in {directory.root})")
     # Named, or a version that failed a restore would just vanish from the listing.
@@ -104,7 +103,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             failures += 1
             print(f"v{version}: FAILED: internal error: {type(exc).__name__}: {_one_line(exc)}")
             continue
-        stored = loaded.manifest.data_size + loaded.manifest.codec_size
+        stored = loaded.manifest.stored_bytes
         print(f"v{version}: OK ({len(loaded.tensors)} tensors, {stored} bytes)")
     return 1 if failures else 0
 

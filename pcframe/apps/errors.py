@@ -142,7 +142,7 @@ def _flat(text: str) -> str:
 def _omegaconf(exc: OmegaConfBaseException, override: str | None = None) -> str:
     key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"
     msg = str(getattr(exc, "msg", None) or exc).split("\n")[0].strip()
-    given_key, _, given_value = (override or "").partition("=")
+    given_key, has_value, given_value = (override or "").partition("=")
     given_key = given_key.lstrip("+~")
     if isinstance(exc, ConfigKeyError | AttributeError) and " not in " in msg:
         if given_value.strip().startswith("{") and str(key).startswith(f"{given_key}."):
@@ -160,12 +160,11 @@ def _omegaconf(exc: OmegaConfBaseException, override: str | None = None) -> str:
             if close
             else "see the keys with --cfg job"
         )
-        value = override.split("=", 1)[1] if override and "=" in override else "..."
+        value = given_value if has_value else "..."
         return f"{key} is not a key{where}; {hint} (to add a new key anyway: +{key}={value})"
     if isinstance(exc, ValidationError):
         wanted = _wanted(msg)
-        value = override.split("=", 1)[1] if override and "=" in override else None
-        shown = f"{key}={value}" if value is not None else str(key)
+        shown = f"{key}={given_value}" if has_value else str(key)
         return f"{shown} is invalid: {msg}{'; give ' + wanted if wanted else ''}"
     if "Cannot merge DictConfig with ListConfig" in msg:
         return f"{key} is a mapping, not a list: give it as {{key: value, ...}}"

@@ -45,8 +45,10 @@ class SavedIndex:
         self.root, self.record = root, record
         self.manifests: dict[int, Manifest] = {}
         self.items: dict[str, SavedItem] = {}
-        self.values: dict[str, Any] = {}  # non-tensor model/optimizer entries (encoded)
-        self.values_of: dict[int, dict[str, Any]] = {}  # ... as each rank wrote them
+        # Non-tensor model/optimizer entries: their names (in order), and the encoded node
+        # each rank wrote (they may differ per rank; see value()).
+        self.value_names: dict[str, None] = {}
+        self.values_of: dict[int, dict[str, Any]] = {}
         for shard in record.shards:
             directory = self.directory(shard.rank)
             manifest = read_manifest(str(directory / MANIFEST_NAME))
@@ -104,7 +106,7 @@ class SavedIndex:
         node = mapping(node, where, name)
         kind = node.get("kind")
         if kind == "value":
-            self.values.setdefault(name, node.get("value"))
+            self.value_names.setdefault(name)
             self.values_of.setdefault(rank, {})[name] = node.get("value")
             return
         if kind not in ("replicated", "shard"):

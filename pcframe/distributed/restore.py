@@ -100,7 +100,7 @@ def prepare(
     current_model = objects.model.state_dict() if objects.model is not None else None
     if current_model is not None:
         saved_keys = {n[len("model/") :] for n in index.items if n.startswith("model/")}
-        saved_keys |= {n[len("model/") :] for n in index.values if n.startswith("model/")}
+        saved_keys |= {n[len("model/") :] for n in index.value_names if n.startswith("model/")}
         _same_keys(set(current_model), saved_keys, version, "model")
         for key, value in current_model.items():
             name = f"model/{key}"
@@ -125,7 +125,7 @@ def prepare(
     # (get_extra_state's scales, a list of tensors in an optimizer's state) is read with it.
     value_nodes = {
         name: index.value(name, small_from)
-        for name in index.values
+        for name in index.value_names
         if (name.startswith("model/") and current_model is not None)
         or (name.startswith("optimizer/") and optimizer_plan is not None)
     }
@@ -142,13 +142,13 @@ def prepare(
         for n, found in pieces.items()
     }
     prepared = Prepared(per_rank_from=own, resharded=resharded)
+    # Each rank's tensors as a tree references them, built once per rank read from.
+    values = {r: _values(index.manifests[r], loaded.get(r, {})) for r in needed}
     for name, source_rank, node in wanted:
         if node is not None:
-            values = _values(index.manifests[source_rank], loaded.get(source_rank, {}))
-            prepared.sections[name] = _decode(node, values, index, source_rank)
+            prepared.sections[name] = _decode(node, values[source_rank], index, source_rank)
     decoded_values = {
-        name: _decode(node, _values(index.manifests[r], loaded.get(r, {})), index, r)
-        for name, (r, node) in value_nodes.items()
+        name: _decode(node, values[r], index, r) for name, (r, node) in value_nodes.items()
     }
     _check_sections(prepared, objects, version)
     if current_model is not None:
@@ -212,7 +212,7 @@ def _optimizer_targets(
         return None
     params = [p for group in optimizer.param_groups for p in group["params"]]
     plan: dict[int, list[str]] = defaultdict(list)
-    names = [n for n in (*index.items, *index.values) if n.startswith("optimizer/")]
+    names = [n for n in (*index.items, *index.value_names) if n.startswith("optimizer/")]
     for name in names:
         _, raw_index, key = name.split("/", 2)
         if not raw_index.isdigit() or int(raw_index) >= len(params):

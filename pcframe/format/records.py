@@ -83,6 +83,11 @@ class Manifest:
         return bool(self.segments) or any(not e.raw for e in self.entries) or bool(self.delta)
 
     @property
+    def stored_bytes(self) -> int:
+        """Bytes of the version's data files: ``data.bin`` and, if coded, ``codec.bin``."""
+        return self.data_size + self.codec_size
+
+    @property
     def format_version(self) -> int:
         if _holds_numpy_scalar(self.tree):
             return FORMAT_VERSION

@@ -49,3 +49,16 @@ def flip_byte(path, offset: int) -> None:
         byte = f.read(1)
         f.seek(offset % size)
         f.write(bytes([byte[0] ^ 0x40]))
+
+
+class StateBox:
+    """A stateful object whose state is whatever the test puts in it."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state

@@ -17,7 +17,7 @@ from pcframe.policies import Decision, FixedSteps, IntervalPolicy, Notice, Resta
 from pcframe.save.pipeline import SavePipeline
 from pcframe.store.directory import CheckpointDir
 from pcframe.store.retention import KeepWhere
-from tests.engine.helpers import small_training, state_equal, train_steps
+from tests.engine.helpers import StateBox, small_training, state_equal, train_steps
 
 
 def test_optimizer_step_waits_for_the_snapshot(tmp_path, monkeypatch):
@@ -457,19 +457,6 @@ def test_a_tensor_pcframe_cannot_store_is_named_before_a_version_starts(tmp_path
     assert CheckpointDir(tmp_path).committed_versions() == [1, 2]
 
 
-class Holder:
-    """A stateful object whose state is whatever the test puts in it."""
-
-    def __init__(self, state: dict) -> None:
-        self.state = state
-
-    def state_dict(self) -> dict:
-        return self.state
-
-    def load_state_dict(self, state: dict) -> None:
-        self.state = state
-
-
 @pytest.mark.parametrize(
     ("state", "message"),
     [
@@ -495,14 +482,14 @@ def test_state_a_reader_would_refuse_is_refused_at_save_not_quarantined_later(
     tensor names collide, a name is over the reader's limit, an empty shape no reader
     builds), or failed deep inside save() (a tensor that turned sparse or meta under the
     same name and shape as before: the checks ran only when the layout changed)."""
-    holder = Holder({"ok": torch.ones(2)})
+    holder = StateBox({"ok": torch.ones(2)})
     with Checkpointer(tmp_path, stateful={"h": holder}) as ckpt:
         ckpt.save(step=1).wait()
         holder.state = state()
         with pytest.raises((TypeError, ValueError), match=message):
             ckpt.save(step=2)
     assert CheckpointDir(tmp_path).committed_versions() == [1]
-    back = Holder({})
+    back = StateBox({})
     with Checkpointer(tmp_path, stateful={"h": back}) as ckpt:
         assert ckpt.restore() == 1 and not ckpt.last_restore.skipped
 
@@ -511,7 +498,7 @@ def test_state_a_reader_would_refuse_is_refused_at_save_not_quarantined_later(
 def test_a_nested_tensor_is_named_at_save_not_an_internal_error(tmp_path):
     nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
     with (
-        Checkpointer(tmp_path, stateful={"h": Holder({"x": nested})}) as ckpt,
+        Checkpointer(tmp_path, stateful={"h": StateBox({"x": nested})}) as ckpt,
         pytest.raises(TypeError, match=r"nested tensor at '/stateful/h/x'.*unbind"),
     ):
         ckpt.save(step=1)

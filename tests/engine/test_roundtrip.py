@@ -11,7 +11,7 @@ import torch
 
 from pcframe import Checkpointer
 from pcframe.format.layout import Layout
-from tests.engine.helpers import small_training, state_equal, train_steps
+from tests.engine.helpers import StateBox, small_training, state_equal, train_steps
 
 DTYPES = [
     torch.float32,
@@ -137,19 +137,6 @@ def test_a_buffer_inside_a_parameters_storage_is_copied_at_save(tmp_path):
     with Checkpointer(tmp_path, model=back) as ckpt:
         assert ckpt.restore() == 1
     assert torch.equal(back.running, torch.ones(1 << 15))
-
-
-class StateBox:
-    """A stateful object whose state is whatever the test puts in it."""
-
-    def __init__(self, state: dict) -> None:
-        self.state = state
-
-    def state_dict(self) -> dict:
-        return self.state
-
-    def load_state_dict(self, state: dict) -> None:
-        self.state = state
 
 
 def test_numpy_scalars_and_0d_arrays_come_back_with_their_type_and_shape(tmp_path):

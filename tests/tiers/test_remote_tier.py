@@ -41,6 +41,15 @@ def train_and_save(ckpt: Checkpointer, model, opt, steps: range, states: dict) -
         states[s] = snapshot(model)
 
 
+def uploaded_six(local: Path, server: MotoServer, bucket: str) -> dict:
+    """Versions 1-6 saved, 4 and 6 in the bucket; the states by step."""
+    model, opt = model_and_optimizer()
+    states: dict = {}
+    with checkpointer(local, server, bucket, model, opt) as ckpt:
+        train_and_save(ckpt, model, opt, range(1, 7), states)
+    return states
+
+
 def test_every_kth_version_uploaded_marker_last_and_restored_after_losing_the_machine(
     moto_server: MotoServer, bucket: str, tmp_path: Path
 ) -> None:
@@ -102,10 +111,7 @@ def test_a_corrupt_remote_version_is_skipped_for_an_older_one(
     moto_server: MotoServer, bucket: str, tmp_path: Path
 ) -> None:
     local = tmp_path / "local"
-    model, opt = model_and_optimizer()
-    states: dict = {}
-    with checkpointer(local, moto_server, bucket, model, opt) as ckpt:
-        train_and_save(ckpt, model, opt, range(1, 7), states)
+    states = uploaded_six(local, moto_server, bucket)
     s3 = moto_server.client()
     key = "run/v00000006/data.bin"
     data = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
@@ -129,10 +135,7 @@ def test_a_remote_version_holding_another_versions_files_is_not_taken_for_it(
     its marker sized to match: restore(version=6) returned v4's state as v6, silently (the
     manifest's version was checked only in folders named like a version)."""
     local = tmp_path / "local"
-    model, opt = model_and_optimizer()
-    states: dict = {}
-    with checkpointer(local, moto_server, bucket, model, opt) as ckpt:
-        train_and_save(ckpt, model, opt, range(1, 7), states)
+    states = uploaded_six(local, moto_server, bucket)
     s3 = moto_server.client()
     marker = json.loads(s3.get_object(Bucket=bucket, Key="run/v00000006/COMMITTED")["Body"].read())
     for name in ("manifest.json", "data.bin"):
