@@ -69,16 +69,16 @@ def _magnitude_max(x: np.ndarray) -> np.int32:
 
 
 @numba.njit(**_INLINE)
-def _codes_int8(x: np.ndarray, boost: np.float32, inv: np.float32, codes: np.ndarray) -> None:
+def _codes_int8(x: np.ndarray, inv: np.float32, codes: np.ndarray) -> None:
     for i in range(x.size):
-        q = np.int32(np.rint((as_f32(x[i]) * boost) * inv))  # |x * inv| <= 127 (+ rounding)
+        q = np.int32(np.rint(as_f32(x[i]) * inv))  # |x * inv| <= 127 (+ rounding)
         codes[i] = np.uint8(min(max(q, -127), 127))
 
 
 @numba.njit(**_INLINE)
-def _codes_fp8(x: np.ndarray, boost: np.float32, inv: np.float32, codes: np.ndarray) -> None:
+def _codes_fp8(x: np.ndarray, inv: np.float32, codes: np.ndarray) -> None:
     for i in range(x.size):
-        y = min(max((as_f32(x[i]) * boost) * inv, np.float32(-448.0)), np.float32(448.0))
+        y = min(max(as_f32(x[i]) * inv, np.float32(-448.0)), np.float32(448.0))
         u = f32_bits(y)
         mag = u & np.uint32(0x7FFFFFFF)
         # Normal: round the mantissa to 3 bits, half to even (a carry bumps the exponent).
@@ -100,15 +100,25 @@ def _quantize_block(x: np.ndarray, fp8: bool, codes: np.ndarray) -> np.float32:
         return np.float32(np.nan)
     qmax = np.float32(448.0) if fp8 else np.float32(127.0)
     absmax = bits_f32(np.uint32(m))
-    # Below 2**-64, qmax / absmax can overflow (below ~2**-121): scale the block by 2**64
-    # first (exact: a power of two), as the torch and Triton kernels do.
-    boost = _BOOST if absmax < _TINY else np.float32(1.0)
-    inv = qmax / (absmax * boost) if absmax > 0 else np.float32(0.0)
-    if fp8:
-        _codes_fp8(x, boost, inv, codes)
+    if absmax > 0 and absmax < _TINY:
+        # Below 2**-64, qmax / absmax can overflow (below ~2**-121): a copy of the block
+        # scaled by 2**64 (exact: a power of two) takes its place, as in the torch and
+        # Triton kernels. Rare, so the common loop below keeps one product per element.
+        boosted = np.empty(x.size, dtype=np.float32)
+        for i in range(x.size):
+            boosted[i] = as_f32(x[i]) * _BOOST
+        _codes(boosted, fp8, qmax / (absmax * _BOOST), codes)
     else:
-        _codes_int8(x, boost, inv, codes)
+        _codes(x, fp8, qmax / absmax if absmax > 0 else np.float32(0.0), codes)
     return absmax / qmax
+
+
+@numba.njit(**_INLINE)
+def _codes(x: np.ndarray, fp8: bool, inv: np.float32, codes: np.ndarray) -> None:
+    if fp8:
+        _codes_fp8(x, inv, codes)
+    else:
+        _codes_int8(x, inv, codes)
 
 
 @numba.njit(**NJIT)
