@@ -5,6 +5,7 @@ See ``docs/distributed.md``. The entry point is :class:`DistributedCheckpointer`
 
 from pcframe.distributed.checkpointer import DistributedCheckpointer
 from pcframe.distributed.handle import DistributedSaveHandle
+from pcframe.distributed.meeting import RanksOutOfStep
 from pcframe.distributed.record import GlobalRecord, ShardRef, read_record, valid_records
 from pcframe.distributed.restore import ReshardError
 from pcframe.restore.report import DistributedRestoreReport
@@ -14,6 +15,7 @@ __all__ = [
     "DistributedRestoreReport",
     "DistributedSaveHandle",
     "GlobalRecord",
+    "RanksOutOfStep",
     "ReshardError",
     "ShardRef",
     "read_record",

@@ -27,12 +27,10 @@ from typing import Any
 
 import torch
 
+from pcframe.distributed.meeting import Call, Doing, Met
 from pcframe.distributed.partition import assign_owners
 from pcframe.distributed.placement import Placed, is_dtensor, placement_of
 from pcframe.errors import CheckpointError
-
-# agree(digest, sharded_bytes) -> [(digest, sharded_bytes) of every rank], a collective.
-Agree = Callable[[str, int], list[tuple[str, int]]]
 
 
 @dataclass
@@ -50,17 +48,21 @@ class StateSplitter:
         optimizer: torch.optim.Optimizer | None,
         rank: int,
         world_size: int,
-        agree: Agree,
+        meet: Callable[[Doing], Met | None],
     ) -> None:
         self.model, self.optimizer = model, optimizer
         self.rank, self.world_size = rank, world_size
-        self._agree = agree
-        self._digest: str | None = None
+        self._meet = meet  # the save's meeting: waited for (a Met) when `changed`, else started
+        self._digest: int | None = None
         self.owners: dict[str, int] = {}
         self.written_bytes = 0  # tensor bytes this rank wrote at the last split
 
-    def split(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        """Return (model tree, optimizer tree) of the state this rank owns."""
+    def split(self, version: int, step: int) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """Return (model tree, optimizer tree) of the state this rank owns at this save.
+
+        Collective: the ranks meet (:mod:`~pcframe.distributed.meeting`) to check that they
+        save the same version and step of state of the same structure.
+        """
         items: list[Item] = []
         model_state = self.model.state_dict() if self.model is not None else None
         optim_state = self.optimizer.state_dict() if self.optimizer is not None else None
@@ -74,7 +76,7 @@ class StateSplitter:
                     if isinstance(value, torch.Tensor):
                         name = f"optimizer/{index}/{key}"
                         items.append(Item(name, placement_of(name, value)))
-        self._plan(items)
+        self._plan(items, version, step)
         placed = {item.name: item.placed for item in items}
         self.written_bytes = sum(_nbytes(p.local) for n, p in placed.items() if self._writes(n, p))
         model_tree = None
@@ -118,12 +120,12 @@ class StateSplitter:
             "offset": list(item.box.offset),
         }
 
-    def _plan(self, items: list[Item]) -> None:
-        """Recompute owners when the state's structure changed; all ranks must agree on it.
+    def _plan(self, items: list[Item], version: int, step: int) -> None:
+        """Meet the other ranks; recompute owners when the state's structure changed.
 
         The digest covers only what is the same on every rank (names, dtypes, global shapes,
-        placements), so every rank sees a change at the same save and the agreement
-        collective is entered in lockstep.
+        placements), so every rank sees a change at the same save and waits for that meeting;
+        a change on some ranks only is refused at it, on every rank.
         """
         description = [
             [
@@ -134,26 +136,18 @@ class StateSplitter:
             ]
             for item in items
         ]
-        digest = hashlib.sha256(json.dumps(description).encode()).hexdigest()[:16]
-        if digest == self._digest:
-            return
+        digest = int(hashlib.sha256(json.dumps(description).encode()).hexdigest()[:15], 16)
         sharded_bytes = sum(
             _nbytes(i.placed.local) for i in items if i.placed.sharded and i.placed.writer
         )
-        gathered = self._agree(digest, sharded_bytes)
-        digests = {d for d, _ in gathered}
-        if len(digests) != 1:
-            detail = ", ".join(f"rank {r}: {d}" for r, (d, _) in enumerate(gathered))
-            raise CheckpointError(
-                "ranks disagree on the structure of the model/optimizer state "
-                f"(state digests {detail}); plain tensors are treated as replicated (DDP), so "
-                "every rank must hold the same names, dtypes and shapes; put per-rank tensors "
-                "in DTensors or in a stateful object"
-            )
+        doing = Doing(Call.SAVE, version, step, digest, digest != self._digest, sharded_bytes)
+        met = self._meet(doing)
+        if met is None:  # the structure this rank agreed on last time: the owners hold
+            return
         replicated = [
             (item.name, _nbytes(item.placed.local)) for item in items if not item.placed.sharded
         ]
-        self.owners = assign_owners(replicated, self.world_size, [b for _, b in gathered])
+        self.owners = assign_owners(replicated, self.world_size, met.sharded_bytes)
         self._digest = digest
 
 

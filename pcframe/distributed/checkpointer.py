@@ -29,8 +29,8 @@ from pcframe.config import EngineConfig
 from pcframe.distributed import record as rec
 from pcframe.distributed.capture import ModelView, OptimizerView, Stash, StateSplitter
 from pcframe.distributed.handle import DistributedSaveHandle
+from pcframe.distributed.meeting import Call, ControlGroup, Doing, Meeting, Met, RanksOutOfStep
 from pcframe.distributed.opening import open_shards
-from pcframe.distributed.peers import peers
 from pcframe.distributed.protocol import CommitProtocol, Round
 from pcframe.distributed.verdict import newest_that_verifies, records_to_try
 from pcframe.errors import CheckpointError, NoValidCheckpoint, SaveError
@@ -146,10 +146,15 @@ class DistributedCheckpointer:
         # One more reason to keep versions, composed with the engine's (keep_last, tiers,
         # delta bases) in its one Retention.
         self.local.retention.add(KeepWhere("global versions", self.protocol.keep))
-        self.splitter = StateSplitter(model, optimizer, self.rank, self.world_size, self._agree)
+        self._meetings = ControlGroup(self._control, self.world_size)
+        self.splitter = StateSplitter(
+            model, optimizer, self.rank, self.world_size, self._save_meeting
+        )
         self.rounds: dict[int, Round] = {}
         self.last_restore: DistributedRestoreReport | None = None
         self._closed = False
+        self._pending: Meeting | None = None  # the last save's meeting, not read yet
+        self._out_of_step: RanksOutOfStep | None = None  # once found, no collective is safe
 
     # --- saving ----------------------------------------------------------------------------
 
@@ -165,14 +170,18 @@ class DistributedCheckpointer:
                 raised after this version was started, so training may go on.
         """
         self._check_open()
+        self._settle()
         start = time.perf_counter()
         round_ = Round(self._next, step, start)
         self._next += 1
         try:
-            self._stash.model, self._stash.optimizer = self.splitter.split()
+            self._stash.model, self._stash.optimizer = self.splitter.split(round_.version, step)
+            round_.meeting = self._pending  # None when waited for in split
             local_start = time.perf_counter()
             round_.handle = self._local_save(step, round_.version, metadata)
             round_.local_call = time.perf_counter() - local_start
+        except RanksOutOfStep:
+            raise  # no round: the other ranks are not saving this version
         except BaseException as exc:
             round_.error = exc  # the round still runs, so every rank stays in step
             self.protocol.submit(round_)
@@ -192,20 +201,20 @@ class DistributedCheckpointer:
     ) -> DistributedSaveHandle | None:
         """Ask the interval policy whether to save at ``step``; if so, save on every rank.
 
-        Collective (one small all-reduce): call it at every step on every rank. Rank 0's
+        Collective (one small all-gather): call it at every step on every rank. Rank 0's
         periodic decision applies to all ranks, whatever their own clocks say; an emergency
         on any rank (a notice its sources saw) is a save on all, waited for until global.
         """
         self._check_open()
         decision = self.local.decide(step)
         periodic = decision.save if self.rank == 0 else False
-        flags = torch.tensor([int(periodic or decision.emergency), int(decision.emergency)])
-        with peers("maybe_save"):
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
-        if not flags[0]:
+        flags = (int(periodic or decision.emergency), int(decision.emergency))
+        met = self._meet(Doing(Call.MAYBE_SAVE, self._next, step, flags=flags))
+        save, emergency = met.flags
+        if not save:
             return None
         handle = self.save(step, metadata)
-        if flags[1]:
+        if emergency:
             # An emergency: the VM may be gone soon, make it global now. A version that did
             # not become global is not raised here: the handle tells (and this rank's own
             # failure is raised at the next call).
@@ -223,11 +232,32 @@ class DistributedCheckpointer:
             # round thread reports that failure too, so start this version now.
             return self.local.save(step, metadata, version=version)
 
-    def _agree(self, digest: str, sharded_bytes: int) -> list[tuple[str, int]]:
-        gathered: list[Any] = [None] * self.world_size
-        with peers("save"):
-            dist.all_gather_object(gathered, (digest, sharded_bytes), group=self._control)
-        return gathered
+    # --- meetings (see distributed/meeting.py) -----------------------------------------------
+
+    def _save_meeting(self, doing: Doing) -> Met | None:
+        """The save's meeting: waited for when this rank's state changed structure (the
+        owners are planned from it), else only started and read by the handle's ``wait()``
+        or the next call (waiting would add the ranks' skew to the stall)."""
+        if doing.changed:
+            return self._meet(doing)
+        self._pending = self._meetings.start(doing)
+        return None
+
+    def _meet(self, doing: Doing) -> Met:
+        self._settle()
+        return self._read(self._meetings.start(doing))
+
+    def _settle(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._read(pending)
+
+    def _read(self, meeting: Meeting) -> Met:
+        try:
+            return meeting.result()
+        except RanksOutOfStep as exc:  # every later collective would hang: enter none
+            self._out_of_step = exc
+            raise
 
     def wait(self) -> None:
         """Block until every started version is decided (global or not) on this rank.
@@ -236,6 +266,7 @@ class DistributedCheckpointer:
             SaveError / CheckpointError: the first failure not yet raised.
         """
         self._check_open()
+        self._settle()
         self.protocol.join()
         self._prune()
         self._raise_errors()
@@ -294,6 +325,7 @@ class DistributedCheckpointer:
         """
         self.wait()
         start = time.perf_counter()
+        self._meet(Doing(Call.RESTORE, self._next))
         records, invalid = records_to_try(self.root, self.rank, self._control)
         report = DistributedRestoreReport(skipped=list(invalid))
         objects = TrainingObjects(
@@ -348,8 +380,13 @@ class DistributedCheckpointer:
         """
         if self._closed:
             return
-        if not clean:
+        if not clean or self._out_of_step is not None:  # raised already: leave quietly
             return self._leave()
+        try:
+            self._settle()
+        except RanksOutOfStep:
+            self._leave()
+            raise
         try:
             self.protocol.join()
             self._prune()
@@ -359,8 +396,8 @@ class DistributedCheckpointer:
             self.local._close(None, clean)
             try:
                 if dist.is_initialized() and self.protocol.healthy:
-                    with peers("close"):  # nobody tears down a group still in use
-                        dist.barrier(group=self._control)
+                    # Nobody tears down a group still in use (the meeting is a barrier).
+                    self._meetings.meet(Doing(Call.CLOSE, self._next))
             finally:
                 if dist.is_initialized():
                     dist.destroy_process_group(self._report)
@@ -390,6 +427,8 @@ class DistributedCheckpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this DistributedCheckpointer is closed")
+        if self._out_of_step is not None:
+            raise RanksOutOfStep(f"an earlier call found {self._out_of_step}")
 
     def __enter__(self) -> DistributedCheckpointer:
         return self

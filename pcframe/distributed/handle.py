@@ -42,10 +42,18 @@ class DistributedSaveHandle:
         next ``save()``/``wait()``/``close()``.
 
         Raises:
+            RanksOutOfStep: the ranks did not save the same version at the same step.
             SaveError: the version did not become global (stage ``round``; the message says
                 why, e.g. which rank failed).
             TimeoutError: if ``timeout`` passed first.
         """
+        meeting = self._round.meeting
+        if meeting is not None:  # the ranks out of step is the first thing to tell
+            if not meeting.done(timeout):
+                raise TimeoutError(
+                    f"version {self.version}: the ranks' meeting not over after {timeout}s"
+                )
+            meeting.result()
         if not self._round.decided.wait(timeout):
             raise TimeoutError(f"version {self.version} not decided after {timeout}s")
         status = self._round.status

@@ -40,6 +40,7 @@ from typing import Any
 import torch.distributed as dist
 
 from pcframe.distributed import record as rec
+from pcframe.distributed.meeting import Meeting
 from pcframe.errors import CheckpointError, SaveError
 from pcframe.faults import crash_point
 from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME
@@ -66,6 +67,7 @@ class Round:
     decided_at: float = 0.0
     call: float = 0.0  # seconds of the whole save() call on this rank
     local_call: float = 0.0  # of which inside the local engine's save()
+    meeting: Meeting | None = None  # the save's meeting when not waited for in save()
 
     @property
     def published(self) -> bool:

@@ -35,6 +35,9 @@ def spec(tmp_path, name: str) -> ChildSpec:
     )
 
 
+# With the campaigns: the smoke experiment (tests/apps/test_run_output.py) kills twice and
+# checks the bit-identical resume through this supervisor in the default run.
+@pytest.mark.campaign
 def test_sigkill_restart_resume_matches_an_uninterrupted_run(tmp_path, child_env):
     reference = Supervisor(spec(tmp_path, "reference"), env=child_env).run()
     assert reference.kills == 0 and len(reference.lives) == 1
@@ -69,6 +72,8 @@ def test_sigkill_restart_resume_matches_an_uninterrupted_run(tmp_path, child_env
     assert (tmp_path / "logs" / "child-0.stderr").exists()
 
 
+# With the campaigns (pytest -m campaign): 34 s of the default run on 2 cores.
+@pytest.mark.campaign
 def test_the_training_clock_stands_still_while_a_process_starts(tmp_path, child_env):
     # On the job clock a kill 0.3 s after the spawn lands while the child is still importing
     # torch; on the training clock the same time means 0.3 s after each first step.

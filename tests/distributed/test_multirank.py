@@ -415,6 +415,54 @@ def test_an_exception_on_one_rank_ends_the_job_instead_of_hanging_it(tmp_path):
     assert job.returncodes[0] != 0  # rank 0 was killed or failed, not left waiting
 
 
+@pytest.mark.parametrize(
+    ("variant", "expected"),
+    [
+        ("grows", "RanksOutOfStep: ranks disagree on the structure of the model/optimizer "
+                  "state at version 3 (state digests rank 0: "),
+        ("skips", "RanksOutOfStep: the ranks are out of step: rank 0 in save() of version 3 "
+                  "at step 3; rank 1 in save() of version 3 at step 4;"),
+        ("fewer", "RanksOutOfStep: the ranks are out of step: rank 0 in save() of version 3 "
+                  "at step 3; rank 1 in close() after 2 saves;"),
+    ],
+)  # fmt: skip
+def test_a_rank_out_of_step_is_one_clear_error_on_every_rank_at_once(tmp_path, variant, expected):
+    """One rank's state grows, it skips a save, or it closes while the others save.
+
+    Before, rank 1 alone entered the structure agreement (``grows``), or the ranks' round
+    threads waited for a version the other never started: every rank hung for
+    ``protocol_timeout`` (30 min), then read that a peer had left. Now both ranks raise at
+    the meeting that begins the call (rank 0 when its handle's ``wait()`` reads it), naming
+    what each was doing; v2 stays the newest.
+    """
+    out = tmp_path / "out"
+    out.mkdir()
+    root = tmp_path / "ckpt"
+    args = ["astray", "--root", str(root), "--out", str(out), "--tag", variant]
+    started = time.monotonic()
+    job = run_job(2, args, tmp_path / "logs", timeout=100, kill_on_failure=False)
+    assert time.monotonic() - started < 60, "the ranks waited for each other"
+    for rank in (0, 1):
+        assert job.returncodes[rank] == 1, (job.returncodes, job.logs[rank][-3000:])
+        error = json.loads((out / f"astray-{variant}-r{rank}.json").read_text())["error"]
+        assert error.startswith(expected), error
+        assert "\n" not in error
+    pointer, versions = check_global_versions(root)
+    assert pointer == 2 and versions == [1, 2], (pointer, versions)
+
+
+def test_a_rank_that_stops_answering_is_named_as_such_after_the_timeout(tmp_path):
+    """Rank 1 is alive but not at the save: rank 0 is told so, not that a rank left."""
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["astray", "--root", str(tmp_path / "ckpt"), "--out", str(out), "--tag", "stalls"]
+    job = run_job(2, args, tmp_path / "logs", timeout=100, kill_on_failure=False)
+    assert job.returncodes == [1, 1], (job.returncodes, job.logs[0][-3000:])
+    error = json.loads((out / "astray-stalls-r0.json").read_text())["error"]
+    assert error.startswith("CheckpointError: save: no answer from every rank within "), error
+    assert "not making this call" in error and "\n" not in error
+
+
 def test_a_rank_gone_before_restore_is_one_clear_error_on_the_others(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -21,6 +21,7 @@ if (
 import argparse
 import json
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -386,6 +387,31 @@ def leaves(args: argparse.Namespace, out: dict[str, Any]) -> None:
             raise
 
 
+def astray(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """Rank 1 strays from the others after two global versions (``--tag``): ``grows`` (a new
+    buffer at save 3), ``skips`` (no save at step 3), ``fewer`` (closes after step 2) or
+    ``stalls`` (sleeps past the 3 s protocol timeout before save 3)."""
+    rank = dist.get_rank()
+    job = build("ddp")
+    try:
+        with job.checkpointer(args.root, protocol_timeout=3.0) as ckpt:
+            for step in range(1, 5):
+                if rank == 1 and args.tag == "stalls" and step == 3:
+                    time.sleep(6.0)
+                if rank == 1 and args.tag == "fewer" and step == 3:
+                    break
+                if rank == 1 and args.tag == "skips" and step == 3:
+                    continue
+                if rank == 1 and args.tag == "grows" and step == 3:
+                    job.model.module.register_buffer("scale", torch.ones(3))
+                with torch.no_grad():
+                    next(job.model.parameters()).add_(1.0)
+                ckpt.save(step).wait()
+    except CheckpointError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        raise
+
+
 class WithExtraState(nn.Module):
     """A layer whose get_extra_state() holds a tensor (quantization scales) and a per-rank
     counter; its optimizer keeps a list of tensors per parameter (non-tensor state)."""
@@ -426,7 +452,7 @@ def values(args: argparse.Namespace, out: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     scenarios = {"roundtrip": roundtrip, "resize": resize, "train": train, "policy": policy}
-    scenarios.update(raises=raises, leaves=leaves, values=values)
+    scenarios.update(raises=raises, leaves=leaves, values=values, astray=astray)
     parser.add_argument("scenario", choices=sorted(scenarios))
     parser.add_argument("--root", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)

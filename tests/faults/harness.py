@@ -235,7 +235,7 @@ def _single_saver(config: dict[str, Any]) -> None:
     with make_checkpointer(config, model, opt) as ckpt:
         step = ckpt.restore() or 0
         opt.count = step
-        print("ready", step, flush=True)
+        _say("ready", step)
         pending = []
         for _ in range(config.get("limit", 400)):
             step += 1
@@ -254,8 +254,14 @@ def _limit_reached(config: dict[str, Any]) -> None:
     """``limit`` steps saved: exit 3 (a crash point that never fired), or ``exit_code``."""
     code = config.get("exit_code", 3)
     if code:
-        print("limit reached without crashing", flush=True)
+        _say("limit reached without crashing")
     sys.exit(code)
+
+
+def _say(*parts: object) -> None:
+    """One line to the parent in one ``write``: a crash point firing in a background thread
+    while ``print`` is between its pieces left ``committed `` cut short (CI, stop 29)."""
+    os.write(sys.stdout.fileno(), (" ".join(map(str, parts)) + "\n").encode())
 
 
 def _report(pending: list) -> list:
@@ -264,7 +270,7 @@ def _report(pending: list) -> list:
         if not handle.done():
             left.append(handle)
         elif handle.status == "committed":
-            print("committed", handle.version, handle.step, flush=True)
+            _say("committed", handle.version, handle.step)
     return left
 
 
@@ -290,7 +296,7 @@ def _dist_saver(config: dict[str, Any]) -> None:
     ckpt = _dist_checkpointer(config, model, opt)
     step = ckpt.restore() or 0
     opt.count = step
-    print("ready", step, flush=True)
+    _say("ready", step)
     pending = []
     for _ in range(config.get("limit", 200)):
         step += 1
@@ -314,7 +320,7 @@ def _dist_resume(config: dict[str, Any]) -> None:
     try:
         step = ckpt.restore()
     except Exception as exc:  # reported, then this rank leaves (the others too)
-        print("result", json.dumps({"error": f"{type(exc).__name__}: {exc}"[:600]}), flush=True)
+        _say("result", json.dumps({"error": f"{type(exc).__name__}: {exc}"[:600]}))
         raise
     finally:
         if injector:
@@ -328,7 +334,7 @@ def _dist_resume(config: dict[str, Any]) -> None:
     status = ckpt.save(restored + 1).wait()
     ckpt.close()
     dist.destroy_process_group()
-    print(
+    _say(
         "result",
         json.dumps(
             {
@@ -340,7 +346,6 @@ def _dist_resume(config: dict[str, Any]) -> None:
                 "fired": injector.fired if injector else None,
             }
         ),
-        flush=True,
     )
 
 
@@ -377,7 +382,7 @@ class ChildResult:
         """Versions each child was told are committed: version -> step (all ranks)."""
         found: dict[int, int] = {}
         for text in self.outputs:
-            for line in text.splitlines():
+            for line in text.split("\n")[:-1]:  # whole lines only
                 if line.startswith("committed "):
                     _, version, step = line.split()
                     found[int(version)] = int(step)

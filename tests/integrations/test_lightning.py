@@ -73,6 +73,9 @@ def test_sigkill_campaign(tmp_path, python, child_env, seed):
     sigkill_campaign(tmp_path, python, child_env, kills=6, seed=100 + seed)
 
 
+# With the campaigns: the fallback itself is the engine's (tests/faults), and the SIGKILL
+# test above restores through this callback in the default run.
+@pytest.mark.campaign
 def test_corrupt_newest_version_falls_back(tmp_path, python, child_env):
     run = tmp_path / "run"
     # Stop at step 20 (versions 3, 6, ..., 18 by the policy, 20 as the last step of that fit).

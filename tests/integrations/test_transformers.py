@@ -109,6 +109,9 @@ def test_policy_by_name_and_object(tmp_path):
         PcframeCallback(tmp_path, policy=FixedSteps(3), save_steps=4)
 
 
+# With the campaigns: the fallback itself is the engine's (tests/faults), and the SIGKILL
+# test restores through this callback in the default run.
+@pytest.mark.campaign
 def test_corrupt_newest_version_falls_back(tmp_path, python, child_env):
     run = tmp_path / "run"
     # The policy by name: FixedSteps() saves every 10 steps.

@@ -1,0 +1,187 @@
+"""Every collective call of the training thread starts with a meeting of all ranks.
+
+``DistributedCheckpointer``'s methods are collective: every rank calls them in the same
+order, ``save()`` with the same version and step and state of the same structure. A rank
+that does not (it skipped a save, saved a step later, changed its model alone, or closes
+while the others save) used to meet a different collective on the other ranks, or none:
+they waited ``protocol_timeout`` (30 min by default) and were then told a peer had left.
+
+A meeting is one ``all_gather`` of a small fixed-size row per rank saying what it is doing,
+so every rank reads the same rows and finds a mismatch at the same meeting, with no second
+collective to name it. A mismatch is final: each rank raises :class:`RanksOutOfStep` and
+enters no collective of this job again, so no rank waits for one that will not come.
+
+A ``save()`` whose state keeps its structure only starts its meeting: it is read by the
+handle's ``wait()`` or at the next call. Waiting would add the ranks' skew (tens of ms on a
+loaded machine) to every save's stall, which the training's own next collective absorbs
+anyway. A save whose structure changed waits for it, since the owners are planned from it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pcframe.distributed.peers import peers
+from pcframe.errors import CheckpointError
+
+
+class Call(IntEnum):
+    """The collective methods whose calls must line up across ranks."""
+
+    SAVE = 1
+    MAYBE_SAVE = 2
+    RESTORE = 3
+    CLOSE = 4
+
+    @property
+    def method(self) -> str:
+        return f"{self.name.lower()}()"
+
+
+@dataclass(frozen=True)
+class Doing:
+    """What one rank brings to a meeting (one row of int64)."""
+
+    call: Call
+    version: int  # the version this rank's next save() gets (or is saving)
+    step: int = 0
+    digest: int = 0  # the state's structure (save only): names, dtypes, shapes, placements
+    changed: bool = False  # the structure differs from the last one agreed on
+    sharded_bytes: int = 0  # of the sharded state this rank writes (save only)
+    flags: tuple[int, int] = (0, 0)  # maybe_save: (save, emergency)
+
+    def row(self) -> list[int]:
+        fields = [self.call, self.version, self.step, self.digest, self.changed]
+        return [*map(int, fields), self.sharded_bytes, *self.flags]
+
+    @classmethod
+    def of(cls, row: list[int]) -> Doing:
+        call, version, step, digest, changed, sharded, *flags = row
+        return cls(Call(call), version, step, digest, bool(changed), sharded, tuple(flags))
+
+    def describe(self) -> str:
+        if self.call in (Call.SAVE, Call.MAYBE_SAVE):
+            return f"in {self.call.method} of version {self.version} at step {self.step}"
+        return f"in {self.call.method} after {self.version - 1} saves"
+
+
+_WIDTH = len(Doing(Call.SAVE, 0).row())  # the same for every call, so two calls still meet
+
+
+@dataclass(frozen=True)
+class Met:
+    """What every rank learns from a meeting that matched."""
+
+    sharded_bytes: list[int]  # per rank
+    flags: tuple[int, ...]  # each flag's maximum over the ranks
+
+
+class RanksOutOfStep(CheckpointError):
+    """The ranks made different calls, or hold state of different structure, at one meeting.
+
+    Final for this job: the checkpointer enters no collective again (restart the job).
+    """
+
+
+class Meeting:
+    """A meeting started on this rank; :meth:`result` waits for it (once) and reads it."""
+
+    def __init__(self, doing: Doing, rows: list[torch.Tensor], work: Any) -> None:
+        self.doing, self._rows, self._work = doing, rows, work
+        self._lock = threading.Lock()
+        self._outcome: Met | CheckpointError | None = None
+
+    def done(self, timeout: float | None = None) -> bool:
+        """Whether every rank has met, waiting up to ``timeout`` seconds (None: forever)."""
+        if timeout is None or self._outcome is not None:
+            return True  # result() waits
+        deadline = time.monotonic() + timeout
+        while not self._work.is_completed():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def result(self) -> Met:
+        """The meeting's outcome (waited for the first time).
+
+        Raises:
+            RanksOutOfStep: the ranks did not make the same call with the same state.
+            CheckpointError: a rank left or did not answer within the group's timeout.
+        """
+        with self._lock:
+            if self._outcome is None:
+                try:
+                    with peers(self.doing.call.name.lower()):
+                        self._work.wait()
+                    everyone = [Doing.of(row.tolist()) for row in self._rows]
+                    self._outcome = _check_rows(self.doing, everyone)
+                except CheckpointError as exc:
+                    self._outcome = exc
+            if isinstance(self._outcome, CheckpointError):
+                raise self._outcome
+            return self._outcome
+
+
+class ControlGroup:
+    """The meetings of the training thread, on its private gloo group."""
+
+    def __init__(self, group: Any, world_size: int) -> None:
+        self.group, self.world_size = group, world_size
+
+    def start(self, doing: Doing) -> Meeting:
+        """Enter the meeting without waiting for the other ranks."""
+        mine = torch.tensor(doing.row(), dtype=torch.int64)
+        rows = [torch.empty(_WIDTH, dtype=torch.int64) for _ in range(self.world_size)]
+        with peers(doing.call.name.lower()):
+            work = dist.all_gather(rows, mine, group=self.group, async_op=True)
+        return Meeting(doing, rows, work)
+
+    def meet(self, doing: Doing) -> Met:
+        """Enter the meeting and wait for every rank (see :meth:`Meeting.result`)."""
+        return self.start(doing).result()
+
+
+def _check_rows(doing: Doing, everyone: list[Doing]) -> Met:
+    if len({(d.call, d.version, d.step) for d in everyone}) > 1:
+        by_what: dict[str, list[int]] = {}
+        for rank, other in enumerate(everyone):
+            by_what.setdefault(other.describe(), []).append(rank)
+        where = "; ".join(f"{_ranks(ranks)} {what}" for what, ranks in by_what.items())
+        raise RanksOutOfStep(
+            f"the ranks are out of step: {where}; call every DistributedCheckpointer method "
+            "on every rank in the same order, and save()/maybe_save() at the same steps; "
+            "restart the job (the last global version is intact)"
+        )
+    if len({d.digest for d in everyone}) > 1:
+        by_digest: dict[int, list[int]] = {}
+        for rank, other in enumerate(everyone):
+            by_digest.setdefault(other.digest, []).append(rank)
+        digests = ", ".join(f"{_ranks(r)}: {d:015x}" for d, r in by_digest.items())
+        raise RanksOutOfStep(
+            f"ranks disagree on the structure of the model/optimizer state at version "
+            f"{doing.version} (state digests {digests}); plain tensors are treated as "
+            "replicated (DDP), so every rank must hold the same names, dtypes and shapes; put "
+            "per-rank tensors in DTensors or in a stateful object, and restart the job"
+        )
+    flags = tuple(max(column) for column in zip(*(d.flags for d in everyone), strict=True))
+    return Met(sharded_bytes=[d.sharded_bytes for d in everyone], flags=flags)
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 0-2, 5``."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and spans[-1][1] == rank - 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
