@@ -144,6 +144,11 @@ class StateSplitter:
         met = self._meet(doing)
         if met is None:  # the structure this rank agreed on last time: the owners hold
             return
+        if met.undescribed:  # plan with every rank's state, at the next save
+            raise CheckpointError(
+                f"version {version} is not saved: save() failed on rank(s) {met.undescribed} "
+                "before their state was read (see their error); the next save() plans again"
+            )
         replicated = [
             (item.name, _nbytes(item.placed.local)) for item in items if not item.placed.sharded
         ]

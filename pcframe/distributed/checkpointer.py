@@ -154,6 +154,7 @@ class DistributedCheckpointer:
         self.last_restore: DistributedRestoreReport | None = None
         self._closed = False
         self._pending: Meeting | None = None  # the last save's meeting, not read yet
+        self._met_version = 0  # the last version whose save entered its meeting
         self._out_of_step: RanksOutOfStep | None = None  # once found, no collective is safe
 
     # --- saving ----------------------------------------------------------------------------
@@ -183,6 +184,11 @@ class DistributedCheckpointer:
         except RanksOutOfStep:
             raise  # no round: the other ranks are not saving this version
         except BaseException as exc:
+            if self._met_version != round_.version:  # failed before meeting: meet anyway
+                self._pending = self._meetings.start(
+                    Doing(Call.SAVE, round_.version, step, described=False)
+                )
+                round_.meeting = self._pending
             round_.error = exc  # the round still runs, so every rank stays in step
             self.protocol.submit(round_)
             raise
@@ -238,6 +244,7 @@ class DistributedCheckpointer:
         """The save's meeting: waited for when this rank's state changed structure (the
         owners are planned from it), else only started and read by the handle's ``wait()``
         or the next call (waiting would add the ranks' skew to the stall)."""
+        self._met_version = doing.version
         if doing.changed:
             return self._meet(doing)
         self._pending = self._meetings.start(doing)

@@ -11,6 +11,9 @@ so every rank reads the same rows and finds a mismatch at the same meeting, with
 collective to name it. A mismatch is final: each rank raises :class:`RanksOutOfStep` and
 enters no collective of this job again, so no rank waits for one that will not come.
 
+A ``save()`` that fails before its state is read (``state_dict()`` raised) still meets the
+others, marked undescribed: that version is lost on every rank and the next one is not.
+
 A ``save()`` whose state keeps its structure only starts its meeting: it is read by the
 handle's ``wait()`` or at the next call. Waiting would add the ranks' skew (tens of ms on a
 loaded machine) to every save's stall, which the training's own next collective absorbs
@@ -56,15 +59,18 @@ class Doing:
     changed: bool = False  # the structure differs from the last one agreed on
     sharded_bytes: int = 0  # of the sharded state this rank writes (save only)
     flags: tuple[int, int] = (0, 0)  # maybe_save: (save, emergency)
+    described: bool = True  # False: save() failed before the state was read (no digest)
 
     def row(self) -> list[int]:
-        fields = [self.call, self.version, self.step, self.digest, self.changed]
+        fields = [self.call, self.version, self.step, self.digest, self.changed, self.described]
         return [*map(int, fields), self.sharded_bytes, *self.flags]
 
     @classmethod
     def of(cls, row: list[int]) -> Doing:
-        call, version, step, digest, changed, sharded, *flags = row
-        return cls(Call(call), version, step, digest, bool(changed), sharded, tuple(flags))
+        call, version, step, digest, changed, described, sharded, *flags = row
+        return cls(
+            Call(call), version, step, digest, bool(changed), sharded, tuple(flags), bool(described)
+        )
 
     def describe(self) -> str:
         if self.call in (Call.SAVE, Call.MAYBE_SAVE):
@@ -81,6 +87,7 @@ class Met:
 
     sharded_bytes: list[int]  # per rank
     flags: tuple[int, ...]  # each flag's maximum over the ranks
+    undescribed: list[int]  # ranks whose save() failed before reading their state
 
 
 class RanksOutOfStep(CheckpointError):
@@ -160,9 +167,10 @@ def _check_rows(doing: Doing, everyone: list[Doing]) -> Met:
             "on every rank in the same order, and save()/maybe_save() at the same steps; "
             "restart the job (the last global version is intact)"
         )
-    if len({d.digest for d in everyone}) > 1:
+    described = [(rank, d) for rank, d in enumerate(everyone) if d.described]
+    if len({d.digest for _, d in described}) > 1:
         by_digest: dict[int, list[int]] = {}
-        for rank, other in enumerate(everyone):
+        for rank, other in described:
             by_digest.setdefault(other.digest, []).append(rank)
         digests = ", ".join(f"{_ranks(r)}: {d:015x}" for d, r in by_digest.items())
         raise RanksOutOfStep(
@@ -172,7 +180,8 @@ def _check_rows(doing: Doing, everyone: list[Doing]) -> Met:
             "per-rank tensors in DTensors or in a stateful object, and restart the job"
         )
     flags = tuple(max(column) for column in zip(*(d.flags for d in everyone), strict=True))
-    return Met(sharded_bytes=[d.sharded_bytes for d in everyone], flags=flags)
+    undescribed = [rank for rank, d in enumerate(everyone) if not d.described]
+    return Met([d.sharded_bytes for d in everyone], flags, undescribed)
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -451,6 +451,20 @@ def test_a_rank_out_of_step_is_one_clear_error_on_every_rank_at_once(tmp_path, v
     assert pointer == 2 and versions == [1, 2], (pointer, versions)
 
 
+def test_a_save_that_fails_before_reading_the_state_loses_one_version_not_the_job(tmp_path):
+    """Rank 1's ``state_dict()`` raises: it meets the others anyway, so save 4 is global."""
+    out = tmp_path / "out"
+    out.mkdir()
+    root = tmp_path / "ckpt"
+    args = ["astray", "--root", str(root), "--out", str(out), "--tag", "fails"]
+    run_job(2, args, tmp_path / "logs", timeout=100).check()
+    seen = [json.loads((out / f"astray-fails-r{r}.json").read_text()) for r in (0, 1)]
+    assert [o[1] for o in seen[0]["outcomes"]] == ["global", "global", "SaveError", "global"]
+    assert [o[1] for o in seen[1]["outcomes"]] == ["global", "global", "RuntimeError", "global"]
+    pointer, versions = check_global_versions(root)
+    assert pointer == 4 and versions == [2, 4], (pointer, versions)
+
+
 def test_a_rank_that_stops_answering_is_named_as_such_after_the_timeout(tmp_path):
     """Rank 1 is alive but not at the save: rank 0 is told so, not that a rank left."""
     out = tmp_path / "out"

@@ -387,26 +387,43 @@ def leaves(args: argparse.Namespace, out: dict[str, Any]) -> None:
             raise
 
 
+def _state_dict_fails(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    raise RuntimeError("a bug in rank 1's state_dict()")
+
+
 def astray(args: argparse.Namespace, out: dict[str, Any]) -> None:
     """Rank 1 strays from the others after two global versions (``--tag``): ``grows`` (a new
     buffer at save 3), ``skips`` (no save at step 3), ``fewer`` (closes after step 2) or
-    ``stalls`` (sleeps past the 3 s protocol timeout before save 3)."""
+    ``stalls`` (sleeps past the 3 s protocol timeout before save 3), or ``fails`` (its
+    ``state_dict()`` raises at save 3, so save 3 is lost on both and save 4 is global)."""
     rank = dist.get_rank()
     job = build("ddp")
+    out["outcomes"] = outcomes = []
     try:
         with job.checkpointer(args.root, protocol_timeout=3.0) as ckpt:
             for step in range(1, 5):
-                if rank == 1 and args.tag == "stalls" and step == 3:
+                strays = rank == 1 and step == 3
+                if strays and args.tag == "stalls":
                     time.sleep(6.0)
-                if rank == 1 and args.tag == "fewer" and step == 3:
+                if strays and args.tag == "fewer":
                     break
-                if rank == 1 and args.tag == "skips" and step == 3:
+                if strays and args.tag == "skips":
                     continue
-                if rank == 1 and args.tag == "grows" and step == 3:
+                if strays and args.tag == "grows":
                     job.model.module.register_buffer("scale", torch.ones(3))
+                if strays and args.tag == "fails":  # not out of step: this version is lost
+                    job.model.state_dict = _state_dict_fails
                 with torch.no_grad():
                     next(job.model.parameters()).add_(1.0)
-                ckpt.save(step).wait()
+                try:
+                    ckpt.save(step).wait()
+                    outcomes.append([step, "global"])
+                except (SaveError, RuntimeError) as exc:
+                    if args.tag != "fails":
+                        raise
+                    outcomes.append([step, type(exc).__name__])
+                finally:
+                    vars(job.model).pop("state_dict", None)
     except CheckpointError as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
         raise
