@@ -245,9 +245,16 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise CheckpointError(
                 f"version {version} has no tensors under {prefix!r}; it has {groups}"
             )
+    kept = 0  # floating scalars left as saved
     if args.dtype:
+        # Scalars are counters and scales (Adam's `step`, a loss scale), not weights: in
+        # bfloat16 a step of 1001 reads 1000 and the resumed bias correction is wrong.
         dtype = getattr(torch, args.dtype)
-        tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
+        kept = sum(1 for t in tensors.values() if t.is_floating_point() and t.dim() == 0)
+        tensors = {
+            n: t.to(dtype) if t.is_floating_point() and t.dim() > 0 else t
+            for n, t in tensors.items()
+        }
     metadata = {
         "pcframe_version": str(version),
         "pcframe_step": str(loaded.manifest.step),
@@ -267,6 +274,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"wrote {output} ({len(tensors)} {what} from version {version}, "
         f"step {loaded.manifest.step}"
         + (f", as {args.dtype}" if args.dtype else "")
+        + (f" but {kept} scalar(s) such as step counters, kept as saved" if kept else "")
         + (
             "; load with model.load_state_dict(safetensors.torch.load_file(path))"
             if args.only == "model"
@@ -329,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         choices=["float32", "float16", "bfloat16", "float64"],
-        help="cast floating-point tensors (e.g. bfloat16 to publish weights)",
+        help="cast floating-point tensors (e.g. bfloat16 to publish weights); scalars such "
+        "as Adam's step are kept as saved",
     )
     p.set_defaults(func=cmd_export)
     return parser

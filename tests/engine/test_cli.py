@@ -141,6 +141,26 @@ def test_version_readable_inspect_and_export_of_one_group(tmp_path, python):
     assert missing.returncode == 2 and "has no tensors under 'nope/'" in missing.stderr
 
 
+def test_export_to_bfloat16_keeps_step_counters_exact(tmp_path, python):
+    """Before, every floating tensor was cast: Adam's step 1001 came back as 1000."""
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    for state in optimizer.state.values():
+        state["step"].fill_(1001.0)
+    with Checkpointer(tmp_path / "ckpt", model=model, optimizer=optimizer) as ckpt:
+        ckpt.save(step=1001).wait()
+    out = tmp_path / "all.safetensors"
+    export = cli(python, "export", tmp_path / "ckpt", "--dtype", "bfloat16", "-o", out)
+    assert export.returncode == 0, export.stderr
+    assert "but 2 scalar(s) such as step counters, kept as saved" in export.stdout
+    tensors = load_file(out)
+    steps = [t for name, t in tensors.items() if name.endswith("/step")]
+    assert len(steps) == 2 and all(t.dtype == torch.float32 and t.item() == 1001 for t in steps)
+    assert tensors["model/weight"].dtype == torch.bfloat16
+
+
 def test_a_reader_that_goes_away_is_no_error_message(tmp_path, python):
     """`pcframe list DIR | head`: the pipe closes before the listing is written."""
     make(tmp_path)
