@@ -16,6 +16,7 @@ so ``codec.bin`` is packed in completion order and the manifest lists every segm
 from __future__ import annotations
 
 import fnmatch
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -29,6 +30,8 @@ from pcframe.format.layout import Entry, Layout
 from pcframe.format.tree import DTYPES
 from pcframe.kernels.codecs import Codec, available_codecs, get_codec
 from pcframe.kernels.quantize import DEFAULT_BLOCK_SIZE
+
+log = logging.getLogger("pcframe")
 
 DELTA_CODEC = "xor_delta_zstd"
 FULL_CODEC = "zstd"  # what delta tensors are stored with in a full version
@@ -112,6 +115,26 @@ def check_codec_config(codecs: Mapping[str, Any], chunk_bytes: int) -> None:
             )
 
 
+def _warn_unused_rules(patterns: list[str], names: list[str]) -> None:
+    """A rule that codes no tensor is a typo or a misordering, and it fails silently: the
+    tensors it meant stay raw, or get an earlier rule's codec (first match wins)."""
+    first = {n: next((p for p in patterns if fnmatch.fnmatchcase(n, p)), None) for n in names}
+    for pattern in patterns:
+        named = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not named:
+            log.warning(
+                "engine.codecs[%r] matches no tensor of this state (its names look like %r)",
+                pattern, names[0] if names else "",
+            )  # fmt: skip
+        elif all(first[n] != pattern for n in named):
+            earlier = sorted({first[n] for n in named if first[n] is not None})
+            log.warning(
+                "engine.codecs[%r] codes no tensor: every tensor it matches matched %s first "
+                "(first match wins: put the narrower pattern first)",
+                pattern, ", ".join(repr(e) for e in earlier),
+            )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Segment:
     """Elements ``[start, start + count)`` of one coded tensor: one staging buffer's worth."""
@@ -146,6 +169,7 @@ class CodecPlan:
             ConfigError: a lossy codec matched a tensor it cannot encode.
         """
         rules = parse_codec_config(codecs) if codecs else []
+        _warn_unused_rules([p for p, _ in rules], [e.name for e in layout.entries])
         specs: dict[int, CodecSpec] = {}
         for index, entry in enumerate(layout.entries):
             if entry.nbytes == 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import pytest
@@ -232,3 +233,22 @@ def test_raw_only_readers_refuse_coded_versions(tmp_path):
     manifest = read_manifest(str(tmp_path / "v00000001" / "manifest.json"))
     with pytest.raises(ManifestError, match=r"stores tensors with codecs.*load_version"):
         _ = manifest.layout  # e.g. a partial reader of data.bin would miss the coded tensors
+
+
+def test_a_codec_rule_that_codes_nothing_is_named_in_a_warning(tmp_path, caplog):
+    """A typo or a narrower rule after a broader one coded nothing, silently."""
+    model, optimizer = big_training()
+    codecs = {"model/*": "zstd", "model/0.*": "int8_block", "optimizer/state/*/exp_avgg": "zstd"}
+    with (
+        caplog.at_level(logging.WARNING, logger="pcframe"),
+        Checkpointer(tmp_path, model=model, optimizer=optimizer, codecs=codecs) as ckpt,
+    ):
+        ckpt.save(step=1).wait()
+    assert (
+        "engine.codecs['model/0.*'] codes no tensor: every tensor it matches matched "
+        "'model/*' first" in caplog.text
+    )
+    assert (
+        "engine.codecs['optimizer/state/*/exp_avgg'] matches no tensor of this state" in caplog.text
+    )
+    assert "engine.codecs['model/*']" not in caplog.text
