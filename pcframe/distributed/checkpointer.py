@@ -155,7 +155,7 @@ class DistributedCheckpointer:
         self._closed = False
         self._pending: Meeting | None = None  # the last save's meeting, not read yet
         self._met_version = 0  # the last version whose save entered its meeting
-        self._out_of_step: RanksOutOfStep | None = None  # once found, no collective is safe
+        self._broken: CheckpointError | None = None  # a meeting failed: no collective is safe
 
     # --- saving ----------------------------------------------------------------------------
 
@@ -212,12 +212,20 @@ class DistributedCheckpointer:
         on any rank (a notice its sources saw) is a save on all, waited for until global.
         """
         self._check_open()
-        decision = self.local.decide(step)
+        deferred: SaveError | None = None
+        while True:  # an earlier version's failure: raised after the meeting every rank holds
+            try:
+                decision = self.local.decide(step)
+                break
+            except SaveError as exc:
+                deferred = deferred or exc
         periodic = decision.save if self.rank == 0 else False
         flags = (int(periodic or decision.emergency), int(decision.emergency))
         met = self._meet(Doing(Call.MAYBE_SAVE, self._next, step, flags=flags))
         save, emergency = met.flags
         if not save:
+            if deferred is not None:
+                raise deferred
             return None
         handle = self.save(step, metadata)
         if emergency:
@@ -226,6 +234,8 @@ class DistributedCheckpointer:
             # failure is raised at the next call).
             with contextlib.suppress(SaveError):
                 handle.wait()
+        if deferred is not None:
+            raise deferred
         return handle
 
     def _local_save(self, step: int, version: int, metadata: dict[str, Any] | None) -> SaveHandle:
@@ -262,8 +272,8 @@ class DistributedCheckpointer:
     def _read(self, meeting: Meeting) -> Met:
         try:
             return meeting.result()
-        except RanksOutOfStep as exc:  # every later collective would hang: enter none
-            self._out_of_step = exc
+        except CheckpointError as exc:  # out of step, or a rank gone: enter no collective again
+            self._broken = exc
             raise
 
     def wait(self) -> None:
@@ -330,9 +340,17 @@ class DistributedCheckpointer:
             RestoreIOError, CheckpointError: a rank cannot read its part, or a rank is gone.
             UnsupportedCheckpoint: the newest version is of a newer format or codec.
         """
-        self.wait()
-        start = time.perf_counter()
+        self._check_open()
+        self._settle()
+        self.protocol.join()
+        self._prune()
         self._meet(Doing(Call.RESTORE, self._next))
+        for exc in self.protocol.take_errors():
+            # An earlier save's failure, moot once the state is rolled back; raised before
+            # the meeting it left the other ranks waiting in it, and after it in the
+            # restore's own collectives.
+            log.error("before the restore: %s", exc)
+        start = time.perf_counter()
         records, invalid = records_to_try(self.root, self.rank, self._control)
         report = DistributedRestoreReport(skipped=list(invalid))
         objects = TrainingObjects(
@@ -387,11 +405,11 @@ class DistributedCheckpointer:
         """
         if self._closed:
             return
-        if not clean or self._out_of_step is not None:  # raised already: leave quietly
+        if not clean or self._broken is not None:  # raised already: leave quietly
             return self._leave()
         try:
             self._settle()
-        except RanksOutOfStep:
+        except CheckpointError:  # out of step, or a rank gone: no collective can follow
             self._leave()
             raise
         try:
@@ -434,8 +452,10 @@ class DistributedCheckpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this DistributedCheckpointer is closed")
-        if self._out_of_step is not None:
-            raise RanksOutOfStep(f"an earlier call found {self._out_of_step}")
+        if self._broken is not None:
+            raise type(self._broken)(
+                f"an earlier call failed, so no rank can go on: {self._broken}"
+            )
 
     def __enter__(self) -> DistributedCheckpointer:
         return self

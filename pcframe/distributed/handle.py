@@ -7,6 +7,8 @@ shard is durable and rank 0 published it (see :mod:`pcframe.distributed.protocol
 
 from __future__ import annotations
 
+import time
+
 from pcframe.distributed.protocol import Round
 from pcframe.errors import CheckpointError, SaveError
 from pcframe.save.status import SaveStatus, Stage
@@ -47,14 +49,14 @@ class DistributedSaveHandle:
                 why, e.g. which rank failed).
             TimeoutError: if ``timeout`` passed first.
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
         meeting = self._round.meeting
         if meeting is not None:  # the ranks out of step is the first thing to tell
             if not meeting.done(timeout):
-                raise TimeoutError(
-                    f"version {self.version}: the ranks' meeting not over after {timeout}s"
-                )
+                raise TimeoutError(f"version {self.version}: ranks not all met after {timeout}s")
             meeting.result()
-        if not self._round.decided.wait(timeout):
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._round.decided.wait(left):
             raise TimeoutError(f"version {self.version} not decided after {timeout}s")
         status = self._round.status
         if status is SaveStatus.FAILED:

@@ -75,7 +75,7 @@ class Doing:
     def describe(self) -> str:
         if self.call in (Call.SAVE, Call.MAYBE_SAVE):
             return f"in {self.call.method} of version {self.version} at step {self.step}"
-        return f"in {self.call.method} after {self.version - 1} saves"
+        return f"in {self.call.method} before saving version {self.version}"
 
 
 _WIDTH = len(Doing(Call.SAVE, 0).row())  # the same for every call, so two calls still meet

@@ -423,7 +423,7 @@ def test_an_exception_on_one_rank_ends_the_job_instead_of_hanging_it(tmp_path):
         ("skips", "RanksOutOfStep: the ranks are out of step: rank 0 in save() of version 3 "
                   "at step 3; rank 1 in save() of version 3 at step 4;"),
         ("fewer", "RanksOutOfStep: the ranks are out of step: rank 0 in save() of version 3 "
-                  "at step 3; rank 1 in close() after 2 saves;"),
+                  "at step 3; rank 1 in close() before saving version 3;"),
     ],
 )  # fmt: skip
 def test_a_rank_out_of_step_is_one_clear_error_on_every_rank_at_once(tmp_path, variant, expected):
@@ -463,6 +463,29 @@ def test_a_save_that_fails_before_reading_the_state_loses_one_version_not_the_jo
     assert [o[1] for o in seen[1]["outcomes"]] == ["global", "global", "RuntimeError", "global"]
     pointer, versions = check_global_versions(root)
     assert pointer == 4 and versions == [2, 4], (pointer, versions)
+
+
+def test_an_earlier_failure_on_one_rank_is_raised_after_the_meeting_not_before(tmp_path):
+    """Rank 1's disk fills at its 2nd and 6th commit while rank 0's round lags behind.
+
+    Before (found by a review of the meetings), rank 1's maybe_save() raised v2's failure
+    before its meeting and restore() raised v6's before its own: rank 0 waited in the
+    meeting, rank 1 in DDP's all-reduce, until protocol_timeout, and then every call said a
+    rank had left. Now both ranks meet, the failure is raised after (or logged, in a
+    restore that rolls back anyway), and training and saving go on.
+    """
+    out = tmp_path / "out"
+    out.mkdir()
+    root = tmp_path / "ckpt"
+    args = ["late_failure", "--root", str(root), "--out", str(out)]
+    started = time.monotonic()
+    run_job(2, args, tmp_path / "logs", timeout=100).check()
+    assert time.monotonic() - started < 60, "a rank waited for a meeting"
+    seen = [json.loads((out / f"late_failure-run-r{r}.json").read_text()) for r in (0, 1)]
+    assert "SaveError v2" in [o[1] for o in seen[1]["outcomes"]], seen[1]
+    assert all(o[1] != "SaveError v2" for o in seen[0]["outcomes"]), seen[0]
+    for rank in (0, 1):
+        assert seen[rank]["restored"] == 9 and seen[rank]["after"] == "committed", seen[rank]
 
 
 def test_a_rank_that_stops_answering_is_named_as_such_after_the_timeout(tmp_path):

@@ -429,6 +429,49 @@ def astray(args: argparse.Namespace, out: dict[str, Any]) -> None:
         raise
 
 
+def _fail_commits(rank: int, failing: set[int], slow_rank: int, slow_s: float) -> None:
+    """Rank ``rank``'s local commits number ``failing`` hit a full disk, at the real crash
+    point after the data is synced; ``slow_rank``'s commits each take ``slow_s`` longer."""
+    import pcframe.save.commit as commit
+
+    real, count = commit.crash_point, [0]
+
+    def crash_point(name: str) -> None:
+        if name == "data_synced":
+            count[0] += 1
+            if dist.get_rank() == slow_rank:
+                time.sleep(slow_s)
+            if dist.get_rank() == rank and count[0] in failing:
+                raise OSError(28, "No space left on device (injected)")
+        real(name)
+
+    commit.crash_point = crash_point
+
+
+def late_failure(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """A background failure on rank 1, raised at its next maybe_save() (rank 0's round lags
+    behind on a slower disk), and another one still unraised when restore() is called."""
+    _fail_commits(rank=1, failing={2, 6}, slow_rank=0, slow_s=1.0)
+    job = build("ddp")
+    out["outcomes"] = outcomes = []
+    with job.checkpointer(args.root, policy=FixedSteps(2), protocol_timeout=20.0) as ckpt:
+        for step in range(1, 9):
+            job.step()
+            try:
+                handle = ckpt.maybe_save(step)
+                outcomes.append([step, handle.version if handle else None])
+            except SaveError as exc:
+                outcomes.append([step, f"SaveError v{exc.version}"])
+        ckpt.wait()
+        for step in (9, 10):  # v5 and v6; v6 fails on rank 1 and is not raised before...
+            job.step()
+            ckpt.save(step)
+        time.sleep(1.5)
+        out["restored"] = ckpt.restore()  # ...the restore, which goes back to step 9
+        job.step()
+        out["after"] = str(ckpt.save(11).wait())
+
+
 class WithExtraState(nn.Module):
     """A layer whose get_extra_state() holds a tensor (quantization scales) and a per-rank
     counter; its optimizer keeps a list of tensors per parameter (non-tensor state)."""
@@ -470,6 +513,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     scenarios = {"roundtrip": roundtrip, "resize": resize, "train": train, "policy": policy}
     scenarios.update(raises=raises, leaves=leaves, values=values, astray=astray)
+    scenarios.update(late_failure=late_failure)
     parser.add_argument("scenario", choices=sorted(scenarios))
     parser.add_argument("--root", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
