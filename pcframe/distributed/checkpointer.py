@@ -29,7 +29,7 @@ from pcframe.config import EngineConfig
 from pcframe.distributed import record as rec
 from pcframe.distributed.capture import ModelView, OptimizerView, Stash, StateSplitter
 from pcframe.distributed.handle import DistributedSaveHandle
-from pcframe.distributed.meeting import Call, ControlGroup, Doing, Meeting, Met, RanksOutOfStep
+from pcframe.distributed.meeting import Call, Doing, Meetings
 from pcframe.distributed.opening import open_shards
 from pcframe.distributed.protocol import CommitProtocol, Round
 from pcframe.distributed.verdict import newest_that_verifies, records_to_try
@@ -146,16 +146,13 @@ class DistributedCheckpointer:
         # One more reason to keep versions, composed with the engine's (keep_last, tiers,
         # delta bases) in its one Retention.
         self.local.retention.add(KeepWhere("global versions", self.protocol.keep))
-        self._meetings = ControlGroup(self._control, self.world_size)
+        self._meetings = Meetings(self._control, self.world_size)
         self.splitter = StateSplitter(
-            model, optimizer, self.rank, self.world_size, self._save_meeting
+            model, optimizer, self.rank, self.world_size, self._meetings.for_save
         )
         self.rounds: dict[int, Round] = {}
         self.last_restore: DistributedRestoreReport | None = None
         self._closed = False
-        self._pending: Meeting | None = None  # the last save's meeting, not read yet
-        self._met_version = 0  # the last version whose save entered its meeting
-        self._broken: CheckpointError | None = None  # a meeting failed: no collective is safe
 
     # --- saving ----------------------------------------------------------------------------
 
@@ -171,24 +168,20 @@ class DistributedCheckpointer:
                 raised after this version was started, so training may go on.
         """
         self._check_open()
-        self._settle()
+        self._meetings.settle()
         start = time.perf_counter()
         round_ = Round(self._next, step, start)
         self._next += 1
         try:
             self._stash.model, self._stash.optimizer = self.splitter.split(round_.version, step)
-            round_.meeting = self._pending  # None when waited for in split
+            round_.meeting = self._meetings.pending  # None when waited for in split
             local_start = time.perf_counter()
             round_.handle = self._local_save(step, round_.version, metadata)
             round_.local_call = time.perf_counter() - local_start
-        except RanksOutOfStep:
-            raise  # no round: the other ranks are not saving this version
         except BaseException as exc:
-            if self._met_version != round_.version:  # failed before meeting: meet anyway
-                self._pending = self._meetings.start(
-                    Doing(Call.SAVE, round_.version, step, described=False)
-                )
-                round_.meeting = self._pending
+            if exc is self._meetings.broken:
+                raise  # no round: the ranks cannot agree on this version
+            round_.meeting = self._meetings.for_failed_save(round_.version, step)
             round_.error = exc  # the round still runs, so every rank stays in step
             self.protocol.submit(round_)
             raise
@@ -221,7 +214,7 @@ class DistributedCheckpointer:
                 deferred = deferred or exc
         periodic = decision.save if self.rank == 0 else False
         flags = (int(periodic or decision.emergency), int(decision.emergency))
-        met = self._meet(Doing(Call.MAYBE_SAVE, self._next, step, flags=flags))
+        met = self._meetings.meet(Doing(Call.MAYBE_SAVE, self._next, step, flags=flags))
         save, emergency = met.flags
         if not save:
             if deferred is not None:
@@ -248,34 +241,6 @@ class DistributedCheckpointer:
             # round thread reports that failure too, so start this version now.
             return self.local.save(step, metadata, version=version)
 
-    # --- meetings (see distributed/meeting.py) -----------------------------------------------
-
-    def _save_meeting(self, doing: Doing) -> Met | None:
-        """The save's meeting: waited for when this rank's state changed structure (the
-        owners are planned from it), else only started and read by the handle's ``wait()``
-        or the next call (waiting would add the ranks' skew to the stall)."""
-        self._met_version = doing.version
-        if doing.changed:
-            return self._meet(doing)
-        self._pending = self._meetings.start(doing)
-        return None
-
-    def _meet(self, doing: Doing) -> Met:
-        self._settle()
-        return self._read(self._meetings.start(doing))
-
-    def _settle(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._read(pending)
-
-    def _read(self, meeting: Meeting) -> Met:
-        try:
-            return meeting.result()
-        except CheckpointError as exc:  # out of step, or a rank gone: enter no collective again
-            self._broken = exc
-            raise
-
     def wait(self) -> None:
         """Block until every started version is decided (global or not) on this rank.
 
@@ -283,7 +248,7 @@ class DistributedCheckpointer:
             SaveError / CheckpointError: the first failure not yet raised.
         """
         self._check_open()
-        self._settle()
+        self._meetings.settle()
         self.protocol.join()
         self._prune()
         self._raise_errors()
@@ -341,10 +306,10 @@ class DistributedCheckpointer:
             UnsupportedCheckpoint: the newest version is of a newer format or codec.
         """
         self._check_open()
-        self._settle()
+        self._meetings.settle()
         self.protocol.join()
         self._prune()
-        self._meet(Doing(Call.RESTORE, self._next))
+        self._meetings.meet(Doing(Call.RESTORE, self._next))
         for exc in self.protocol.take_errors():
             # An earlier save's failure, moot once the state is rolled back; raised before
             # the meeting it left the other ranks waiting in it, and after it in the
@@ -405,10 +370,10 @@ class DistributedCheckpointer:
         """
         if self._closed:
             return
-        if not clean or self._broken is not None:  # raised already: leave quietly
+        if not clean or self._meetings.broken is not None:  # raised already: leave quietly
             return self._leave()
         try:
-            self._settle()
+            self._meetings.settle()
         except CheckpointError:  # out of step, or a rank gone: no collective can follow
             self._leave()
             raise
@@ -452,10 +417,7 @@ class DistributedCheckpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this DistributedCheckpointer is closed")
-        if self._broken is not None:
-            raise type(self._broken)(
-                f"an earlier call failed, so no rank can go on: {self._broken}"
-            )
+        self._meetings.check()
 
     def __enter__(self) -> DistributedCheckpointer:
         return self

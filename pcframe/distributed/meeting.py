@@ -137,11 +137,18 @@ class Meeting:
             return self._outcome
 
 
-class ControlGroup:
-    """The meetings of the training thread, on its private gloo group."""
+class Meetings:
+    """The meetings of one checkpointer's training thread, on its private gloo group.
+
+    Holds the last save's meeting until it is read, and the first failure of any meeting:
+    after one, no rank can agree on anything, so every later call raises it again.
+    """
 
     def __init__(self, group: Any, world_size: int) -> None:
         self.group, self.world_size = group, world_size
+        self.pending: Meeting | None = None  # the last save's meeting, not read yet
+        self.broken: CheckpointError | None = None
+        self._entered = 0  # the last version whose save entered its meeting
 
     def start(self, doing: Doing) -> Meeting:
         """Enter the meeting without waiting for the other ranks."""
@@ -152,8 +159,44 @@ class ControlGroup:
         return Meeting(doing, rows, work)
 
     def meet(self, doing: Doing) -> Met:
-        """Enter the meeting and wait for every rank (see :meth:`Meeting.result`)."""
-        return self.start(doing).result()
+        """Read the last save's meeting, then hold this one and wait for every rank."""
+        self.settle()
+        return self._read(self.start(doing))
+
+    def for_save(self, doing: Doing) -> Met | None:
+        """The save's meeting: waited for when this rank's state changed structure (the
+        owners are planned from it), else only started; read by the handle's ``wait()`` or
+        the next call (waiting would add the ranks' skew to the stall)."""
+        self._entered = doing.version
+        if doing.changed:
+            return self.meet(doing)
+        self.pending = self.start(doing)
+        return None
+
+    def for_failed_save(self, version: int, step: int) -> Meeting | None:
+        """A save that raised: if before its meeting, meet anyway (undescribed), so the
+        other ranks' meeting of this version is not left waiting."""
+        if self._entered != version:
+            self.pending = self.start(Doing(Call.SAVE, version, step, described=False))
+        return self.pending
+
+    def settle(self) -> None:
+        """Read the last save's meeting (raises what it found)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self._read(pending)
+
+    def check(self) -> None:
+        """Raise the failure of an earlier meeting, if any."""
+        if self.broken is not None:
+            raise type(self.broken)(f"an earlier call failed, so no rank can go on: {self.broken}")
+
+    def _read(self, meeting: Meeting) -> Met:
+        try:
+            return meeting.result()
+        except CheckpointError as exc:  # out of step, or a rank gone: enter no collective again
+            self.broken = exc
+            raise
 
 
 def _check_rows(doing: Doing, everyone: list[Doing]) -> Met:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from pcframe.distributed import record as rec
 from pcframe.distributed.meeting import Meeting
-from pcframe.errors import CheckpointError, SaveError
+from pcframe.errors import CheckpointError
 from pcframe.faults import crash_point
 from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME
 from pcframe.format.names import version_name
@@ -206,13 +206,14 @@ class CommitProtocol:
         if round_.error is not None or round_.handle is None:
             report["error"] = f"save() raised {type(round_.error).__name__}: {round_.error}"
             return report
-        try:
-            report["status"] = round_.handle.wait()
-        except SaveError as exc:
-            report["error"] = str(exc)
-            with self._lock:
-                self._errors.append(exc)
+        status, error = round_.handle.outcome()
+        if error is not None:
+            report["error"] = str(error)
+            if round_.handle.claim_report():  # else the engine raised it already: once is all
+                with self._lock:
+                    self._errors.append(error)
             return report
+        report["status"] = status
         if report["status"] == SaveStatus.COMMITTED:
             directory = self.shard_dir / version_name(round_.version)
             try:

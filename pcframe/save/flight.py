@@ -116,8 +116,8 @@ class InFlight:
                 record.stage, record.error = progress.stage or "", str(progress.error)
                 if not progress.reported:
                     errors.append(progress)
-        if errors:
-            first = errors[0]
+        first = next((p for p in errors if p.claim_report()), None)
+        if first is not None:
             assert first.error is not None
             raise SaveError(first.version, first.step, first.stage or "", first.error) from (
                 first.error

@@ -58,13 +58,30 @@ class SaveHandle:
             SaveError: if the version failed (the engine will not raise it a second time).
             TimeoutError: if ``timeout`` passed first.
         """
+        status, error = self.outcome(timeout)
+        if error is not None:
+            self.claim_report()
+            raise error
+        return status
+
+    def outcome(self, timeout: float | None = None) -> tuple[SaveStatus, SaveError | None]:
+        """Wait as :meth:`wait` does; return the status and the failure instead of raising.
+
+        Raises:
+            TimeoutError: if ``timeout`` passed first.
+        """
         progress = self._progress
         if not progress.finished.wait(timeout):
             raise TimeoutError(f"checkpoint version {self.version} not durable after {timeout}s")
         if progress.error is not None:
-            progress.reported = True
-            raise SaveError(self.version, self.step, progress.stage or "", progress.error)
-        return progress.status
+            stage = progress.stage or ""
+            return SaveStatus.FAILED, SaveError(self.version, self.step, stage, progress.error)
+        return progress.status, None
+
+    def claim_report(self) -> bool:
+        """Mark the failure raised; True if nothing had raised it yet (the engine's next
+        call will not raise it again)."""
+        return self._progress.claim_report()
 
     def __repr__(self) -> str:
         return f"SaveHandle(version={self.version}, step={self.step}, status={self.status})"

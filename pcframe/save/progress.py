@@ -39,6 +39,13 @@ class SaveProgress:
     def failed(self) -> bool:
         return self.error is not None
 
+    def claim_report(self) -> bool:
+        """Mark the failure raised; True for the first caller only. The engine's next call
+        and a multi-rank round can both find it, and it must reach the user once."""
+        with self._lock:
+            first, self.reported = not self.reported, True
+            return first
+
     def fail(self, stage: Stage, exc: BaseException) -> None:
         """Record the first failure (later ones are consequences of it)."""
         with self._lock:
