@@ -110,8 +110,11 @@ class ResumableLoader:
         self._epoch_rng = self.loader.generator.get_state()
         if self._epoch_seen_by_workers is not None:  # before any index reaches a worker
             self._epoch_seen_by_workers.value = self.epoch
+        # Counted from the loader's batch size, never from the batch: a sequence-first
+        # collate (pad_sequence's default) or a batch of strings says nothing reliable.
+        per_batch = self.loader.batch_size or 1  # None: the loader hands out single samples
         for batch in self.loader:
-            self.consumed += _batch_size(batch)
+            self.consumed += min(per_batch, self.sampler.num_samples - self.consumed)
             yield batch
         self._next_epoch()
 
@@ -231,13 +234,3 @@ def _reseed(index: Any) -> None:
     random.seed(value)
     if "numpy" in sys.modules:  # numpy's global RNG, if the dataset could be using it
         sys.modules["numpy"].random.seed(value & 0xFFFF_FFFF)
-
-
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return len(batch)
-    if isinstance(batch, list | tuple) and batch:
-        return _batch_size(batch[0])
-    if isinstance(batch, dict) and batch:
-        return _batch_size(next(iter(batch.values())))
-    raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}")

@@ -36,6 +36,53 @@ def test_resume_mid_epoch_and_across_epochs():
         assert head + drain(second, 40 - cut) == straight, f"cut at batch {cut}"
 
 
+class Sentences(torch.utils.data.Dataset):
+    """Variable-length token sequences with their text: what an NLP loader hands out."""
+
+    def __len__(self) -> int:
+        return 30
+
+    def __getitem__(self, index: int) -> dict:
+        return {"text": f"sentence {index}", "tokens": torch.full((1 + index % 5,), index)}
+
+
+def _sequence_first(samples: list[dict]) -> dict:
+    # pad_sequence's default layout is [time, batch]: the first tensor's length is not the
+    # batch size, and the first value is a list of strings.
+    tokens = torch.nn.utils.rnn.pad_sequence([s["tokens"] for s in samples])
+    return {"text": [s["text"] for s in samples], "tokens": tokens}
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_sequence_first_batch_of_text_resumes_at_the_next_unseen_samples(drop_last):
+    """Before, the position counted the first tensor's length (time steps, here 5 per batch
+    of 4) or raised "cannot tell the batch size of a str" on the text."""
+
+    def make_text() -> ResumableLoader:
+        sampler = ResumableSampler(30, seed=5)
+        return ResumableLoader(
+            DataLoader(Sentences(), batch_size=4, sampler=sampler, collate_fn=_sequence_first,
+                       drop_last=drop_last)
+        )  # fmt: skip
+
+    def texts(loader: ResumableLoader, batches: int) -> list[list[str]]:
+        out: list[list[str]] = []
+        while len(out) < batches:
+            for batch in loader:
+                out.append(batch["text"])
+                if len(out) == batches:
+                    break
+        return out
+
+    straight = texts(make_text(), 20)  # 7 (or 8) batches per epoch: crosses two epochs
+    for cut in (2, 7, 9):
+        first = make_text()
+        head = texts(first, cut)
+        second = make_text()
+        second.load_state_dict(first.state_dict())
+        assert head + texts(second, 20 - cut) == straight, f"cut at batch {cut}"
+
+
 def test_epochs_are_distinct_permutations():
     loader = make()
     epochs = [[i for batch in drain(loader, 13) for i in batch] for _ in range(2)]
