@@ -41,6 +41,11 @@ class TrainingObjects:
         policy: Any = None,
     ) -> TrainingObjects:
         """From the front doors' arguments: ``data`` is ``stateful["data"]``."""
+        if stateful is not None and not isinstance(stateful, Mapping):
+            raise TypeError(
+                f"stateful= is a {type(stateful).__name__}: give a dict of name -> object "
+                "with state_dict() and load_state_dict(), e.g. stateful={'ema': ema}"
+            )
         named = dict(stateful or {})
         if data is not None:
             named["data"] = data
@@ -48,7 +53,11 @@ class TrainingObjects:
 
     def __post_init__(self) -> None:
         # Checked at construction: each of these failed only at the first save or decision.
-        for what, obj in (("model", self.model), ("scheduler", self.scheduler)):
+        for what, obj in (
+            ("model", self.model),
+            ("scheduler", self.scheduler),
+            ("scaler", self.scaler),
+        ):
             if obj is not None and not (
                 hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")
             ):
@@ -57,6 +66,13 @@ class TrainingObjects:
                     f"load_state_dict(); pass the torch object (a plain dict of tensors goes "
                     "in stateful= as an object with both methods)"
                 )
+        if self.extra is not None and not isinstance(self.extra, dict):
+            # Restore updates the dict in place: any other object would be saved each time
+            # and never restored.
+            raise TypeError(
+                f"extra= is a {type(self.extra).__name__}: give a dict of JSON values (it is "
+                "updated in place on restore)"
+            )
         if self.policy is not None and not callable(getattr(self.policy, "decide", None)):
             hint = (
                 f"; a name is not a policy: pcframe.policies.create({self.policy!r}, ...)"
@@ -80,9 +96,10 @@ class TrainingObjects:
             raise TypeError(f"stateful[{name!r}] needs state_dict() and load_state_dict()")
 
 
-def optimizer_class_name(optimizer: Any) -> str:
-    """The name a version stores as ``optimizer_class`` next to the optimizer's state."""
-    cls = type(optimizer)
+def class_name(obj: Any) -> str:
+    """The name a version stores as ``optimizer_class`` (``scheduler_class``) next to the
+    optimizer's (scheduler's) state."""
+    cls = type(obj)
     return f"{cls.__module__}.{cls.__qualname__}"
 
 

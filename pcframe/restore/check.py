@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from pcframe.errors import CheckpointError
-from pcframe.objects import TrainingObjects, optimizer_class_name
+from pcframe.objects import TrainingObjects, class_name
 from pcframe.restore.check_optimizer import align_to_names, check_optimizer
 
-__all__ = ["LoadPlan", "StateMismatch", "optimizer_class_name", "plan_load", "tensor_misfit"]
+__all__ = ["LoadPlan", "StateMismatch", "class_name", "plan_load", "tensor_misfit"]
 from pcframe.rng import check_rng
 
 
@@ -86,7 +86,7 @@ def plan_load(
     if objects.stateful and wanted("stateful", objects.stateful):
         _check_stateful(objects.stateful, tree["stateful"], plan)
     if wanted("scheduler", objects.scheduler):
-        _check_scheduler(objects.scheduler, tree["scheduler"], plan)
+        _check_scheduler(objects.scheduler, tree["scheduler"], tree.get("scheduler_class"), plan)
     if wanted("scaler", objects.scaler):
         _check_scaler(objects.scaler, tree["scaler"], plan)
     if objects.policy is not None and "policy" in tree:
@@ -210,12 +210,18 @@ def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
     return ""
 
 
-def _check_scheduler(scheduler: Any, saved: Any, plan: LoadPlan) -> None:
+def _check_scheduler(scheduler: Any, saved: Any, saved_class: Any, plan: LoadPlan) -> None:
     """A scheduler of another class is refused: torch's ``LRScheduler.load_state_dict`` is a
-    ``__dict__.update``, so a StepLR's state loads into a CosineAnnealingLR and makes a
-    hybrid of both schedules. No class name is stored, so the public keys tell: another
-    class has keys this one lacks *and* lacks some of its own (one direction alone may be a
-    torch release adding a field)."""
+    ``__dict__.update``, so a StepLR's state loads into an ExponentialLR and makes a hybrid
+    of both schedules. Versions name the class (``scheduler_class``); for older ones the
+    public keys tell: another class has keys this one lacks *and* lacks some of its own (one
+    direction alone may be a torch release adding a field)."""
+    if isinstance(saved_class, str) and saved_class != class_name(scheduler):
+        plan.problems.append(
+            f"scheduler: the checkpoint's scheduler is a {saved_class}, this one a "
+            f"{class_name(scheduler)}: build the scheduler the run was saved with"
+        )
+        return
     live = scheduler.state_dict() if callable(getattr(scheduler, "state_dict", None)) else None
     if isinstance(live, dict) and isinstance(saved, dict):
         public = {key for key in live if isinstance(key, str) and not key.startswith("_")}

@@ -36,7 +36,7 @@ import torch
 import torch.optim.optimizer as optimizer_module
 from torch.optim.optimizer import Optimizer
 
-from pcframe.objects import optimizer_class_name, optimizer_param_names
+from pcframe.objects import class_name, optimizer_param_names
 
 PRIME_DIMS = (2, 3, 5, 7, 11, 13)  # scratch parameter sizes: a state shaped like it is telling
 GROUP_BOOKKEEPING = {"params", "param_names"}
@@ -127,7 +127,7 @@ def check_optimizer(
         problems.append("optimizer: the checkpoint's state is not an optimizer state_dict()")
         return saved
     cls = type(optimizer)
-    name = optimizer_class_name(optimizer)
+    name = class_name(optimizer)
     if saved_class is not None and saved_class != name:
         problems.append(f"optimizer: saved from a {saved_class}, this optimizer is a {name}")
     live_groups = optimizer.param_groups

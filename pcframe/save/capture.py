@@ -19,7 +19,7 @@ from pcframe.format.layout import Layout
 from pcframe.format.manifest import MAX_DIMS, MAX_NAME, MAX_NUMEL, MAX_STEP, MAX_TENSORS
 from pcframe.format.tree import TensorRef, encode_tree
 from pcframe.kernels.dtypes import DTYPE_NAMES
-from pcframe.objects import TrainingObjects, optimizer_class_name, optimizer_param_names
+from pcframe.objects import TrainingObjects, class_name, optimizer_param_names
 from pcframe.rng import capture_rng
 from pcframe.save.request import SaveRequest
 
@@ -79,11 +79,13 @@ class Capture:
             tree["optimizer"] = o.optimizer.state_dict()
             if isinstance(o.optimizer, torch.optim.Optimizer):  # not a multi-rank stand-in
                 # So a restore can refuse Adam state for AdamW (same keys, other maths).
-                tree["optimizer_class"] = optimizer_class_name(o.optimizer)
+                tree["optimizer_class"] = class_name(o.optimizer)
                 if o.model is not None:  # so a restore can refuse state in another order
                     tree["optimizer_param_names"] = self._param_names()
         if o.scheduler is not None:
             tree["scheduler"] = o.scheduler.state_dict()
+            # torch loads any scheduler's state into any other (a __dict__.update).
+            tree["scheduler_class"] = class_name(o.scheduler)
         if o.scaler is not None:
             tree["scaler"] = o.scaler.state_dict()
         tree["rng"] = capture_rng()

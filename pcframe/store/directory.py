@@ -91,6 +91,11 @@ class CheckpointDir:
     """Read-side view of a checkpoint directory (no lock needed, never modifies)."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
+        if not isinstance(root, str | os.PathLike):
+            raise TypeError(
+                f"the checkpoint directory is a {type(root).__name__} ({root!r}): give a path, "
+                "a str or a pathlib.Path"
+            )
         self.root = Path(root)
 
     def path(self, version: int) -> Path:
