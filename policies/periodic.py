@@ -51,9 +51,9 @@ class SecondsIntervalPolicy(IntervalPolicy):
         iteration_prior: float = 1.0,
         alpha: float = 0.25,
     ) -> None:
-        if min_interval < 0:
+        if not (math.isfinite(min_interval) and min_interval >= 0):  # NaN passed `< 0`
             raise ValueError(f"min_interval={min_interval} must be >= 0 seconds")
-        if max_interval is not None and max_interval <= 0:
+        if max_interval is not None and not (max_interval > 0):  # NaN too; inf: no cap
             raise ValueError(f"max_interval={max_interval} must be > 0 seconds or None")
         if concurrency not in (None, "engine") and not (
             isinstance(concurrency, int) and not isinstance(concurrency, bool) and concurrency >= 1

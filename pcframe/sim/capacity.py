@@ -47,8 +47,8 @@ class Capacity:
         end = self.n_ticks * self.dt
         if options.start >= end:
             raise SimConfigError(
-                f"sim.start={options.start} is at or after the end of trace {_where(trace)} "
-                f"({end:.0f} s); give a start inside the trace"
+                f"sim.options.start={options.start} is at or after the end of trace "
+                f"{_where(trace)} ({end:.0f} s); give a start inside the trace"
             )
         stop = end if options.duration is None else min(end, options.start + options.duration)
         self.window = Window(float(options.start), float(stop))

@@ -22,7 +22,7 @@ import numpy as np
 
 from pcframe.policies.base import SaveHint, checked_hint
 from pcframe.sim.kernel import periodic_saves
-from pcframe.sim.state import Flight, by_durable
+from pcframe.sim.state import Flight, by_durable, saved_state
 
 NO_LIMIT = np.iinfo(np.int64).max
 _EMPTY = np.zeros((0, 4))
@@ -92,7 +92,7 @@ class FastPaths:
         if saves == 0:
             return
         # A periodic policy's state does not change between saves: one snapshot serves all.
-        state = self.policy.state_dict()
+        state = saved_state(self.policy)
         v0 = self.versions.take(saves)
 
         def version(s: int) -> int:
@@ -154,7 +154,7 @@ class FastPaths:
         out = np.empty((n, 4))
         snapshot = self._snapshot()
         self._kernel(first, k, limit, n, out)
-        state = self.policy.state_dict()
+        state = saved_state(self.policy)
         v0 = self.versions.take(n)
         rows = out.tolist()
         for i, (s, start, durable, stall) in enumerate(rows):
@@ -183,7 +183,7 @@ class FastPaths:
     def _snapshot(self) -> tuple:
         led = self.ledger
         return (
-            self.policy.state_dict(),
+            saved_state(self.policy),
             self.seg_t0,
             self.seg_step0,
             self.step,
@@ -222,7 +222,7 @@ class FastPaths:
             self.versions.next,
             counts,
         ) = snap
-        self.policy.load_state_dict(state)
+        self.policy.load_state_dict(state)  # the snapshot's own copy, used once
         self._set_commit(*commit)
         self.ledger.saves, self.ledger.decisions, self.ledger.emergency_saves = counts
         self._ff_every = 0

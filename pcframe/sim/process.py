@@ -36,7 +36,7 @@ from pcframe.policies.base import (
 )
 from pcframe.sim.fastpath import NO_LIMIT, FastPaths
 from pcframe.sim.spec import JobSpec, SimOptions
-from pcframe.sim.state import Commit, Flight, Ledger, Versions, by_durable
+from pcframe.sim.state import Commit, Flight, Ledger, Versions, by_durable, saved_state
 
 __all__ = ["SURVIVOR_TIER", "Commit", "Flight", "Ledger", "Process", "Versions"]
 
@@ -249,7 +249,7 @@ class Process(FastPaths):
         if emergency:
             end = max(end, durable)  # the engine waits until the version is durable
             self.ledger.emergency_saves += 1
-        state = self.policy.state_dict()
+        state = saved_state(self.policy)
         self.inflight.append(
             Flight(self.versions.take(), self.step, start, durable, end - t, state)
         )
@@ -292,7 +292,7 @@ class Process(FastPaths):
         saved = any(f.step == self.step for f in self.inflight)
         if self.job.final_save and not saved and self.commit.step < self.step:
             end = t + self.job.save_duration
-            state = self.policy.state_dict()
+            state = saved_state(self.policy)
             self.inflight.append(Flight(self.versions.take(), self.step, t, end, end - t, state))
             self.ledger.saves += 1
         end = max([end] + [f.durable_at for f in self.inflight])
@@ -318,7 +318,7 @@ class Process(FastPaths):
         end = t
         if self.commit.step < self.step and not any(f.step == self.step for f in self.inflight):
             end = t + self.job.save_duration
-            state = self.policy.state_dict()
+            state = saved_state(self.policy)
             self.inflight.append(Flight(self.versions.take(), self.step, t, end, end - t, state))
             self.ledger.saves += 1
         end = max([end] + [f.durable_at for f in self.inflight])

@@ -9,6 +9,7 @@ training process (:class:`~pcframe.sim.process.Process`) is advanced to the next
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from typing import Any
@@ -23,6 +24,7 @@ from pcframe.sim.capacity import Capacity
 from pcframe.sim.process import Commit, Ledger, Process, Versions
 from pcframe.sim.result import SimResult
 from pcframe.sim.spec import JobSpec, SimOptions
+from pcframe.sim.state import saved_state
 
 
 def simulate(
@@ -87,7 +89,7 @@ class _Simulation:
         self.ledger = Ledger()
         self.commit = Commit()
         self.versions = Versions()
-        self.initial_state = interval.state_dict()
+        self.initial_state = saved_state(interval)
         self.start, self.end = self.cap.window.start, self.cap.window.end
         self.unix0 = trace.start_time.timestamp() if trace.start_time is not None else None
         rate = None
@@ -193,7 +195,9 @@ class _Simulation:
         restored = self.commit.version > 0
         if opts.policy_state == "checkpoint":
             state = self.commit.policy_state if restored else self.initial_state
-            self.interval.load_state_dict(state or {})
+            # A fresh copy: a policy may keep (and change) the dict it is given, and the
+            # same commit can be restored from again.
+            self.interval.load_state_dict(copy.deepcopy(state or {}))
         proc = Process(
             policy=self.interval,
             job=job,

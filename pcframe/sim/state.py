@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from pcframe.errors import PolicyError
 
 
 @dataclass
@@ -64,3 +67,18 @@ class Versions:
 
 def by_durable(f: Flight) -> float:
     return f.durable_at
+
+
+def saved_state(policy: Any) -> Any:
+    """The policy's state as a version holds it: a JSON copy, as the engine writes it.
+
+    Not the object ``state_dict()`` returned: a plugin that returns its own live dict would
+    otherwise get back, at a restart, what it learned after the checkpoint.
+    """
+    try:
+        return json.loads(json.dumps(policy.state_dict()))
+    except (TypeError, ValueError) as exc:
+        raise PolicyError(
+            f"{type(policy).__name__}.state_dict() is not JSON ({exc}): a checkpoint could not "
+            "hold it; return dicts, lists, strings, numbers, booleans and None"
+        ) from None

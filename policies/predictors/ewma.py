@@ -40,7 +40,7 @@ class EwmaRate(Predictor):
     ) -> None:
         if halflife <= 0:
             raise ValueError(f"halflife={halflife} must be > 0 seconds")
-        if prior_mtbf <= 0:
+        if not (math.isfinite(prior_mtbf) and prior_mtbf > 0):  # NaN passed `<= 0`
             raise ValueError(f"prior_mtbf={prior_mtbf} must be > 0 seconds")
         check_confidence(confidence)
         self.halflife = float(halflife)

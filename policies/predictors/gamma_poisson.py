@@ -63,7 +63,7 @@ class GammaPoissonRate(Predictor):
         life_prior: Sequence[float] | None = None,
         prior_components: Sequence[Sequence[float]] | None = None,
     ) -> None:
-        if prior_mtbf <= 0 or prior_strength <= 0:
+        if not (math.isfinite(prior_mtbf) and prior_mtbf > 0 and prior_strength > 0):
             raise ValueError(
                 f"prior_mtbf={prior_mtbf} and prior_strength={prior_strength} must be > 0 s"
             )

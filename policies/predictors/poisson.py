@@ -37,7 +37,7 @@ class WindowedPoisson(Predictor):
     ) -> None:
         if window <= 0:
             raise ValueError(f"window={window} must be > 0 seconds")
-        if prior_mtbf <= 0:
+        if not (math.isfinite(prior_mtbf) and prior_mtbf > 0):  # NaN passed `<= 0`
             raise ValueError(f"prior_mtbf={prior_mtbf} must be > 0 seconds")
         check_confidence(confidence)
         self.window = float(window)

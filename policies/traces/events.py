@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from pcframe.policies.traces.errors import TraceFormatError
-from pcframe.policies.traces.schema import Trace
+from pcframe.policies.traces.schema import MAX_DURATION, Trace
 from pcframe.policies.traces.timeutil import median_step
 
 
@@ -79,6 +79,13 @@ def read_bamboo_events(
     if not times:
         raise TraceFormatError(path, "", "no events", "add at least one 'add' event")
     step_ms = step_seconds * 1000.0
+    if times[-1] / 1000.0 > MAX_DURATION:  # before allocating one tick per step of it
+        raise TraceFormatError(
+            path,
+            "",
+            f"the last event is at {times[-1]:g} ms, over {MAX_DURATION:.0f} s (100 years)",
+            "give event times in milliseconds from the start",
+        )
     n = int(times[-1] // step_ms) + 1
     # Count after the last event at or before each tick: searchsorted over event times.
     idx = np.searchsorted(np.asarray(times), np.arange(n) * step_ms, side="right") - 1

@@ -135,12 +135,17 @@ def load_trace(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"trace file {path} does not exist")
-    fmt = detect_format(path) if format == "auto" else format
     try:
+        fmt = detect_format(path) if format == "auto" else format
         return _read(path, fmt, capacity, convention, prices, step_seconds)
     except TraceFormatError:
         raise
-    except ValueError as exc:  # a value the Trace refuses (a step of 1e300 s): name the file
+    except UnicodeDecodeError as exc:  # a ValueError too: say what it is
+        raise TraceFormatError(
+            path, "", f"not UTF-8 text ({exc.reason} at byte {exc.start})",
+            "give a CSV or JSON trace file",
+        ) from None  # fmt: skip
+    except (ValueError, OverflowError, TypeError) as exc:  # a value the Trace refuses
         raise TraceFormatError(path, "", str(exc), "correct the file's times or values") from exc
 
 

@@ -91,6 +91,12 @@ class Trace:
             object.__setattr__(self, "on_demand_price", float(price))
         if self.capacity < 1:
             raise ValueError(f"trace {self.name!r}: capacity={self.capacity} must be >= 1")
+        per_vm = self.units_per_vm
+        if isinstance(per_vm, bool) or not isinstance(per_vm, int) or per_vm < 1:
+            raise ValueError(
+                f"trace {self.name!r}: units_per_vm={per_vm!r} must be a whole number >= 1 "
+                "(the GPUs of one VM)"
+            )
         if up.min() < 0 or up.max() > self.capacity:
             raise ValueError(
                 f"trace {self.name!r}: up-counts must lie in [0, capacity={self.capacity}], "

@@ -109,8 +109,11 @@ def read_availability_csv(
 
 
 def is_inverted(path: Path, meta: dict[str, Any]) -> bool:
-    """The GCP H100 collector writes 1 = preempted; it is the one that records ``price_info``."""
-    return "price_info" in meta or "h100" in path.name.lower()
+    """The GCP H100 collector writes 1 = preempted; it is the one that records ``price_info``.
+
+    Not the file's name: a user's own up-count file named ``my_h100_up.json`` read inverted.
+    """
+    return "price_info" in meta
 
 
 def read_node_json(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -151,3 +152,21 @@ def test_from_shipped_traces(traces_dir: Path) -> None:
     rates = hz.rate_by_bin()
     assert rates.shape == (24,) and (rates > 0).all()
     assert hz.predict().rate.value == pytest.approx(pooled)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: P.GammaPoissonRate(math.nan),
+        lambda: P.EwmaRate(prior_mtbf=math.nan),
+        lambda: P.WindowedPoisson(prior_mtbf=math.nan),
+        lambda: P.PreemptionAware(mtbf_prior=math.nan),
+        lambda: P.Daly(mtbf=3600.0, min_interval=math.nan),
+        lambda: P.Daly(mtbf=3600.0, max_interval=math.nan),
+    ],
+    ids=["gamma", "ewma", "windowed", "preemption-aware", "min-interval", "max-interval"],
+)
+def test_a_nan_prior_or_bound_is_refused(build) -> None:
+    """NaN passed every `<= 0` check: a prior of NaN planned the 6 h maximum interval."""
+    with pytest.raises(ValueError, match="nan"):
+        build()

@@ -275,6 +275,40 @@ def test_malformed_inputs(tmp_path: Path) -> None:
     assert "line 3" in _err(p)
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "words"),
+    [
+        ("binary.csv", b"\x89PNG\r\n\x1a\n\x00\x00", "not UTF-8 text"),
+        ("binary.json", b"\xff\xfe{\x00", "not UTF-8 text"),
+        ("huge.json", b'{"metadata": {"gap_seconds": 60}, "data": [1, 99999999999999999999]}',
+         "too large"),
+        ("gap_null.json", b'{"metadata": {"gap_seconds": null}, "data": [1, 0]}', "NoneType"),
+        # 1e20 ms: one tick per minute of it would be petabytes; refused before allocating
+        ("events.csv", b"0,add,node1\n100000000000000000000,remove,node1\n", "100 years"),
+    ],
+    ids=lambda v: v if isinstance(v, str) and "." in v else None,
+)  # fmt: skip
+def test_unreadable_files_are_one_format_error_naming_the_file(tmp_path, name, content, words):
+    """Each was a raw UnicodeDecodeError, OverflowError, TypeError or MemoryError."""
+    p = tmp_path / name
+    p.write_bytes(content)
+    with pytest.raises(TraceFormatError) as info:
+        load_trace(p)
+    assert str(p) in str(info.value) and words in str(info.value)
+
+
+def test_a_file_named_h100_is_not_read_inverted_without_price_info(tmp_path: Path) -> None:
+    """Before, the name alone made a user's own up-count file read as 1 = preempted."""
+    doc = {"metadata": {"gap_seconds": 600}, "data": [1, 1, 1, 0, 1]}
+    (tmp_path / "my_h100_up.json").write_text(json.dumps(doc))
+    assert load_trace(tmp_path / "my_h100_up.json").up.tolist() == [1, 1, 1, 0, 1]
+
+
+def test_units_per_vm_must_be_a_whole_number_of_gpus() -> None:
+    with pytest.raises(ValueError, match=r"units_per_vm=0 must be a whole number >= 1"):
+        Trace(name="t", source="x", step_seconds=60.0, capacity=1, up=np.ones(3), units_per_vm=0)
+
+
 def test_times_the_simulator_would_misplace_are_refused(tmp_path: Path) -> None:
     """Ticks are placed by count: a 10 h gap in 60 s rows silently vanished from the results,
     NaN times slipped past the ordering check, 1e300 s steps hung the simulator."""

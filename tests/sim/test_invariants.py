@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import pcframe.policies as P
+from pcframe.errors import PolicyError
 from pcframe.policies.traces import Trace
 from pcframe.sim import JobSpec, Oracle, SimOptions, poisson_trace, simulate, steady_trace
 from tests.sim.helpers import BAMBOO, H100, JOB, NODES, V100, policies, shipped
@@ -184,6 +185,47 @@ def test_a_restarted_process_gets_the_policy_state_of_its_checkpoint() -> None:
     )
     assert r_ckpt.preemptions == r_proc.preemptions > 0
     assert r_ckpt.useful_steps > 0 and r_proc.useful_steps > 0
+
+
+class _LiveState(P.IntervalPolicy):
+    """A plugin whose state_dict() returns its own live dict (legal, and JSON-able)."""
+
+    def __init__(self, live: bool = True) -> None:
+        self.state = {"completed": 0}
+        self.live, self.restored = live, []
+
+    def decide(self, ctx):
+        return P.Decision(ctx.step > 0 and ctx.step % 50 == 0)
+
+    def observe(self, event) -> None:
+        if isinstance(event, P.SaveCompleted):
+            self.state["completed"] += 1
+
+    def state_dict(self) -> dict:
+        return self.state if self.live else dict(self.state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.restored.append(state.get("completed"))
+        self.state = state  # kept as given, as a plugin may
+
+
+def test_a_restart_gets_the_state_saved_at_the_checkpoint_not_the_live_one() -> None:
+    """Before, the simulator kept the object state_dict() returned: a plugin returning its
+    live dict got back, at each restart, what it had learned after the checkpoint."""
+    trace = poisson_trace(1800, 12, seed=3)
+    job = JobSpec(iteration_time=1.0, save_stall=1.0, save_duration=10.0, restart_cost=60.0)
+    options = SimOptions(policy_state="checkpoint")
+    live, copied = _LiveState(live=True), _LiveState(live=False)
+    simulate(trace, live, job, options=options)
+    simulate(trace, copied, job, options=options)
+    assert len(copied.restored) > 2 and live.restored == copied.restored
+
+
+def test_policy_state_a_checkpoint_could_not_hold_is_a_policy_error() -> None:
+    policy = _LiveState()
+    policy.state = {"seen": {1, 2}}  # a set: the engine refuses to save it
+    with pytest.raises(PolicyError, match=r"_LiveState.state_dict\(\) is not JSON"):
+        simulate(poisson_trace(600, 4, seed=1), policy, JOB)
 
 
 def test_more_checkpoints_in_flight_never_lower_goodput_without_failures() -> None:
