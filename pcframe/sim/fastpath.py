@@ -152,11 +152,18 @@ class FastPaths:
             return False
         n = fits - 1
         out = np.empty((n, 4))
-        snapshot = self._snapshot()
         self._kernel(first, k, limit, n, out)
+        rows = out.tolist()
+        if not _unchanging(rows, self._saves[-1][1]):
+            # Backpressure is building (a slot wait, a queue of serial writes): the policy
+            # learns longer saves as they complete and may space them out, which asking it
+            # only at the stretch's end would not see. Go step by step until it settles.
+            self._ff_every = 0
+            self._ff_blocked_until = rows[-1][1]
+            return False
+        snapshot = self._snapshot()
         state = saved_state(self.policy)
         v0 = self.versions.take(n)
-        rows = out.tolist()
         for i, (s, start, durable, stall) in enumerate(rows):
             self.inflight.append(Flight(v0 + i, int(s), start, durable, stall, state))
         last_step, last_start = int(rows[-1][0]), rows[-1][1]
@@ -226,3 +233,12 @@ class FastPaths:
         self._set_commit(*commit)
         self.ledger.saves, self.ledger.decisions, self.ledger.emergency_saves = counts
         self._ff_every = 0
+
+
+def _unchanging(rows: list[list[float]], last_stall: float) -> bool:
+    """Every fast-forwarded save has the last save's stall and one time to durable, so the
+    policy learns nothing new in the stretch (rows: step, start, durable, stall)."""
+    stalls = [last_stall] + [row[3] for row in rows]
+    durations = [row[2] - row[1] for row in rows]
+    tolerance = 1e-9 * max(1.0, max(durations))
+    return max(stalls) - min(stalls) <= tolerance and max(durations) - min(durations) <= tolerance
