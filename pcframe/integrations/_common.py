@@ -64,8 +64,9 @@ def check_resume(resume: Any) -> bool | int:
         return True
     if resume is False or resume is None:
         return False
-    if isinstance(resume, int) and resume >= 0:
+    if isinstance(resume, int) and resume >= 1:  # versions count from 1
         return resume
     raise ValueError(
-        f"resume={resume!r}: use 'auto' (the newest valid version), False, or a version number"
+        f"resume={resume!r}: use 'auto' (the newest valid version), False, or a version "
+        "number (1 or more)"
     )
