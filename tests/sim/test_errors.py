@@ -57,7 +57,7 @@ def test_errors_name_the_key_where_the_app_config_holds_it() -> None:
 
 def test_a_start_after_the_end_of_the_trace_names_the_trace() -> None:
     trace = steady_trace(2.0)
-    with pytest.raises(SimConfigError, match=r"sim\.start=9000.* always-up \(7200 s\)"):
+    with pytest.raises(SimConfigError, match=r"sim\.options\.start=9000.* always-up \(7200 s\)"):
         simulate(trace, P.FixedSteps(10), options=SimOptions(start=9000.0))
 
 
