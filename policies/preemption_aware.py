@@ -95,6 +95,8 @@ class PreemptionAware(SecondsIntervalPolicy):
             raise ValueError(f"schedule={schedule!r} must be 'kept_work' or 'cycle'")
         if reevaluate_every < 0:
             raise ValueError(f"reevaluate_every={reevaluate_every} must be >= 0 seconds")
+        if predictor is None and not (math.isfinite(mtbf_prior) and mtbf_prior > 0):
+            raise ValueError(f"mtbf_prior={mtbf_prior} must be a finite number of seconds > 0")
         super().__init__(max_interval=max_interval, **kw)
         self.predictor = predictor if predictor is not None else GammaPoissonRate(mtbf_prior)
         self.form: Form = form

@@ -21,7 +21,7 @@ def _check(cost: float, mtbf: float) -> None:
 def young_interval(cost: float, mtbf: float) -> float:
     """Young's first-order optimum τ = √(2·C·M)."""
     _check(cost, mtbf)
-    return math.sqrt(2.0 * cost * mtbf)
+    return math.sqrt(2.0 * cost) * math.sqrt(mtbf)  # not √(2CM): 2CM overflows near 1e308
 
 
 def daly_interval_series(cost: float, mtbf: float) -> float:

@@ -170,3 +170,8 @@ def test_a_nan_prior_or_bound_is_refused(build) -> None:
     """NaN passed every `<= 0` check: a prior of NaN planned the 6 h maximum interval."""
     with pytest.raises(ValueError, match="nan"):
         build()
+
+
+def test_preemption_aware_names_its_own_argument() -> None:
+    with pytest.raises(ValueError, match=r"^mtbf_prior=nan must be a finite number"):
+        P.PreemptionAware(mtbf_prior=math.nan)
