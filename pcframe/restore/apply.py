@@ -106,16 +106,17 @@ def apply_tree(
             load(undo)
             loaded.add(name)
         except BaseException as exc:
+            cause = f"loading {name} failed ({type(exc).__name__}: {exc})"
             if isinstance(exc, Exception) and refused_memory(exc):
                 # The machine, not the checkpoint: never a mismatch, even with strict=False.
-                undo.all()
+                undo.all(cause)
                 raise RestoreIOError(
                     f"{where}: out of memory while loading {name} ({type(exc).__name__}: "
                     f"{exc}); every object was rolled back, nothing was loaded: free memory "
                     "and restore again"
                 ) from exc
             if strict or not isinstance(exc, Exception):
-                undo.all()
+                undo.all(cause)
                 if not isinstance(exc, Exception):
                     raise
                 raise CheckpointError(
@@ -123,7 +124,7 @@ def apply_tree(
                     f"({type(exc).__name__}: {exc}); every object was rolled back, nothing "
                     "was loaded"
                 ) from exc
-            undo.last()
+            undo.last(cause)
             not_loaded.append(f"{name}: load_state_dict failed: {type(exc).__name__}: {exc}")
         undo.commit_step()
     if not_loaded:
@@ -171,16 +172,16 @@ class _Undo:
         self.done.append(self.current)
         self.current = []
 
-    def last(self) -> None:
-        self._run(self.current)
+    def last(self, cause: str) -> None:
+        self._run(self.current, cause)
         self.current = []
 
-    def all(self) -> None:
-        self._run(self.current + [step for steps in self.done for step in steps])
+    def all(self, cause: str) -> None:
+        self._run(self.current + [step for steps in self.done for step in steps], cause)
         self.current, self.done = [], []
 
     @staticmethod
-    def _run(steps: list[Callable[[], None]]) -> None:
+    def _run(steps: list[Callable[[], None]], cause: str) -> None:
         failed = []
         for step in reversed(steps):
             try:
@@ -190,8 +191,8 @@ class _Undo:
                 log.error("rolling back a failed restore: %s", exc)
         if failed:
             raise CheckpointError(
-                f"a restore failed and rolling it back failed too ({failed[0]}): the objects "
-                "may be partly loaded; restore again or rebuild them"
+                f"a restore failed ({cause}) and rolling it back failed too ({failed[0]}): "
+                "the objects may be partly loaded; restore again or rebuild them"
             ) from failed[0]
 
 

@@ -638,3 +638,25 @@ def test_a_step_or_flag_of_the_wrong_type_is_named(tmp_path):
         with pytest.raises(TypeError, match=r"restore\(allow_cast=1\)"):
             ckpt.restore(allow_cast=1)
         assert ckpt.restore() == 1
+
+
+class _NeverLoads:
+    """A stateful object whose load_state_dict() always raises, even for its own state."""
+
+    def state_dict(self) -> dict:
+        return {"n": 1}
+
+    def load_state_dict(self, state: dict) -> None:
+        raise RuntimeError("this object cannot load anything")
+
+
+def test_a_rollback_that_fails_too_still_names_the_first_failure(tmp_path):
+    """Before, the message named only the rollback's failure: the cause was in the log."""
+    with Checkpointer(tmp_path, stateful={"odd": _NeverLoads()}) as ckpt:
+        ckpt.save(step=1).wait()
+        with pytest.raises(CheckpointError) as info:
+            ckpt.restore()
+    message = str(info.value)
+    assert "a restore failed (loading stateful" in message
+    assert message.count("this object cannot load anything") == 2
+    assert "rolling it back failed too" in message
