@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,24 @@ from tests.integrations.killing import (
 pytest.importorskip("transformers")
 
 CHILD = Path(__file__).with_name("train_child_hf.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def child_env(child_env: dict[str, str]) -> dict[str, str]:
+    """The children here import only pcframe (installed), so the repository stays off their
+    path: its top-level ``kernels/`` folder (pcframe.kernels) would shadow Hugging Face's
+    ``kernels`` package, which transformers >= 5.25 imports when it is installed."""
+    entries = child_env.get("PYTHONPATH", "").split(os.pathsep)
+    kept = [e for e in entries if e and Path(e).resolve() != REPO]
+    child_env = dict(child_env)
+    if kept:
+        child_env["PYTHONPATH"] = os.pathsep.join(kept)
+    else:
+        child_env.pop("PYTHONPATH", None)
+    return child_env
+
+
 STEPS = 30  # 10 batches an epoch: the kills land in different epochs and mid-epoch
 
 
