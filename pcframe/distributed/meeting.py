@@ -201,20 +201,15 @@ class Meetings:
 
 def _check_rows(doing: Doing, everyone: list[Doing]) -> Met:
     if len({(d.call, d.version, d.step) for d in everyone}) > 1:
-        by_what: dict[str, list[int]] = {}
-        for rank, other in enumerate(everyone):
-            by_what.setdefault(other.describe(), []).append(rank)
+        by_what = _ranks_by([(rank, d.describe()) for rank, d in enumerate(everyone)])
         where = "; ".join(f"{_ranks(ranks)} {what}" for what, ranks in by_what.items())
         raise RanksOutOfStep(
             f"the ranks are out of step: {where}; call every DistributedCheckpointer method "
             "on every rank in the same order, and save()/maybe_save() at the same steps; "
             "restart the job (the last global version is intact)"
         )
-    described = [(rank, d) for rank, d in enumerate(everyone) if d.described]
-    if len({d.digest for _, d in described}) > 1:
-        by_digest: dict[int, list[int]] = {}
-        for rank, other in described:
-            by_digest.setdefault(other.digest, []).append(rank)
+    by_digest = _ranks_by([(rank, d.digest) for rank, d in enumerate(everyone) if d.described])
+    if len(by_digest) > 1:
         digests = ", ".join(f"{_ranks(r)}: {d:015x}" for d, r in by_digest.items())
         raise RanksOutOfStep(
             f"ranks disagree on the structure of the model/optimizer state at version "
@@ -225,6 +220,14 @@ def _check_rows(doing: Doing, everyone: list[Doing]) -> Met:
     flags = tuple(max(column) for column in zip(*(d.flags for d in everyone), strict=True))
     undescribed = [rank for rank, d in enumerate(everyone) if not d.described]
     return Met([d.sharded_bytes for d in everyone], flags, undescribed)
+
+
+def _ranks_by(pairs: list[tuple[int, Any]]) -> dict[Any, list[int]]:
+    """``(rank, value)`` pairs as value -> the ranks that hold it, in first-seen order."""
+    grouped: dict[Any, list[int]] = {}
+    for rank, value in pairs:
+        grouped.setdefault(value, []).append(rank)
+    return grouped
 
 
 def _ranks(ranks: list[int]) -> str:
