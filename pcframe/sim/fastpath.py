@@ -8,6 +8,10 @@
   events are delivered, and the policy is asked at the last one. It must say save and point
   k steps ahead again; otherwise process and policy are rolled back (``_snapshot`` /
   ``_restore``, the policy through ``load_state_dict``) and the stretch is re-run exactly.
+  Where the policy could change its mind and back inside a stretch (backpressure building,
+  estimates still moving, a tie at the clock's last bits) no stretch starts; a kill whose
+  checkpoint was made inside one re-runs it first (``_replay``), so the restart gets the
+  policy state the engine would have saved.
 
 The arithmetic of a save is the kernel's (:mod:`pcframe.sim.kernel`), the same as
 ``Process._save``; tests run both on the same schedules.
@@ -25,6 +29,7 @@ from pcframe.sim.kernel import periodic_saves
 from pcframe.sim.state import Flight, by_durable, saved_state
 
 NO_LIMIT = np.iinfo(np.int64).max
+_EXACT_BITS = 20  # times that are multiples of 2**-20 s add and subtract exactly (< 2**32 s)
 _EMPTY = np.zeros((0, 4))
 
 
@@ -38,6 +43,7 @@ class FastPaths:
     commit: Any
     versions: Any
     inflight: list[Flight]
+    _stretches: list[tuple[int, int, tuple, int]]  # (first version, end, snapshot, count)
 
     # --- the kernel ---------------------------------------------------------------------------
     def _kernel(
@@ -129,6 +135,26 @@ class FastPaths:
             return 0
         return k if self._hinted_step() == s2 + k else 0
 
+    def _on_rounding_edge(self, step: int, rows: list[list[float]]) -> bool:
+        """Whether the policy's answer at the stretch's saves may turn on rounding.
+
+        That is when the hinted time lies within rounding of the end of ``step`` (or of the
+        step before) and the times are not exact binary fractions. Daly's interval at its
+        concurrency floor, duration / n, equals the gap that serial writes enforce: asked at
+        every step, the policy compares ``now - anchor`` with it, whose last bits follow the
+        magnitude of the clock and its own estimate's convergence, and flips now and then; a
+        stretch asked at its end would not see it. With exact times (whole-second steps and
+        stalls) every comparison comes out the same, and the end check is enough."""
+        when = self.hint.time if self.hint is not None else None
+        if when is None:
+            return False
+        tolerance = 1e-9 * max(1.0, abs(when))
+        if all(abs(self.time_of(s) - when) > tolerance for s in (step - 1, step)):
+            return False
+        stall = self.job.save_stall
+        times = [when] + [start + stall - waited for _, start, _, waited in rows]
+        return not all(math.ldexp(t, _EXACT_BITS).is_integer() for t in times)
+
     def _hinted_step(self) -> int:
         hint = self.hint
         assert hint is not None
@@ -154,7 +180,11 @@ class FastPaths:
         out = np.empty((n, 4))
         self._kernel(first, k, limit, n, out)
         rows = out.tolist()
-        if not _unchanging(rows, self._saves[-1][1]):
+        if (
+            not _unchanging(rows, self._saves[-1][1])
+            or not self._settled(rows[0])
+            or self._on_rounding_edge(first, rows)
+        ):
             # Backpressure is building (a slot wait, a queue of serial writes): the policy
             # learns longer saves as they complete and may space them out, which asking it
             # only at the stretch's end would not see. Go step by step until it settles.
@@ -180,12 +210,49 @@ class FastPaths:
         self._decide()
         if self.feed.last_save_step == target and self._ff_every == k:
             self.ledger.fast_forwards += 1
+            kept = [r for r in self._stretches if r[1] > self.commit.version]
+            self._stretches = [*kept, (v0, v0 + n, snapshot, self.ledger.fast_forwards - 1)]
             return True
         failed_at = self.t
         self._restore(snapshot)
         self._ff_blocked_until = failed_at
         self.ledger.rollbacks += 1
         return False
+
+    def _settled(self, row: list[float]) -> bool:
+        """Whether the engine's running means of the stall and the time to durable are
+        already at the stretch's values. While they still move, so may a policy's estimates
+        (CheckFreq's k went 13, 12, then 13 again as its time to durable came down to the
+        stretch's 40 s), and the check at the stretch's end would not see the change."""
+        stall, duration = self.feed.save_stall, self.feed.save_duration
+        if stall is None or duration is None:
+            return False
+        return _close(stall, row[3]) and _close(duration, row[2] - row[1])
+
+    def _replay(self, at: float) -> None:
+        """Before a kill at ``at``: if the checkpoint it keeps was made in a stretch, run
+        that stretch again step by step.
+
+        A stretch's saves hold the policy state of its start: it was asked only at the end,
+        where the engine would have asked it at every save and reported every completion on
+        the way (what CheckFreq's cost estimates and the overhead budget's ledger learn). A
+        restart from such a save must get what the policy knew then, so the stretch is
+        re-run from its snapshot, without fast-forwarding, up to the kill."""
+        durable = [f for f in self.inflight if f.durable_at <= at]
+        kept = max(durable, key=lambda f: f.step).version if durable else self.commit.version
+        if durable and max(f.step for f in durable) <= self.commit.step:
+            kept = self.commit.version
+        for first, end, snapshot, fast_forwards in self._stretches:
+            if first <= kept < end:
+                self._stretches = []
+                self._restore(snapshot)
+                self.ledger.fast_forwards = fast_forwards
+                self.fast_forward, was = False, self.fast_forward
+                try:
+                    self.run_until(at)
+                finally:
+                    self.fast_forward = was
+                return
 
     def _snapshot(self) -> tuple:
         led = self.ledger
@@ -242,3 +309,7 @@ def _unchanging(rows: list[list[float]], last_stall: float) -> bool:
     durations = [row[2] - row[1] for row in rows]
     tolerance = 1e-9 * max(1.0, max(durations))
     return max(stalls) - min(stalls) <= tolerance and max(durations) - min(durations) <= tolerance
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(1.0, abs(b))

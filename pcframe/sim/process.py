@@ -36,7 +36,15 @@ from pcframe.policies.base import (
 )
 from pcframe.sim.fastpath import NO_LIMIT, FastPaths
 from pcframe.sim.spec import JobSpec, SimOptions
-from pcframe.sim.state import Commit, Flight, Ledger, Versions, by_durable, saved_state
+from pcframe.sim.state import (
+    Commit,
+    Flight,
+    Ledger,
+    Versions,
+    by_durable,
+    measured,
+    saved_state,
+)
 
 __all__ = ["SURVIVOR_TIER", "Commit", "Flight", "Ledger", "Process", "Versions"]
 
@@ -108,6 +116,7 @@ class Process(FastPaths):
         self._saves: list[tuple[int, float]] = []  # (step, stall) of the last real saves
         self._ff_every = 0
         self._ff_blocked_until = -math.inf  # no new attempt inside a stretch that failed
+        self._stretches: list[tuple[int, int, tuple, int]] = []  # see FastPaths._replay
 
     # --- time of steps ----------------------------------------------------------------------
     def time_of(self, step: int) -> float:
@@ -271,11 +280,11 @@ class Process(FastPaths):
             if f.step > self.commit.step:
                 self._set_commit(f.step, f.version, f.durable_at, f.policy_state)
             if report:
-                duration = f.durable_at - f.start
-                self.feed.committed(f.stall, duration)
+                stall, duration = measured(f)
+                self.feed.committed(stall, duration)
                 self.policy.observe(
                     SaveCompleted(
-                        f.version, f.step, now, f.stall, duration, self.job.checkpoint_bytes
+                        f.version, f.step, now, stall, duration, self.job.checkpoint_bytes
                     )
                 )
 
@@ -334,6 +343,7 @@ class Process(FastPaths):
             return 0
         if at >= self.ready:
             self.run_until(at)
+            self._replay(at)
         self._commit_durable(at, report=False)
         self.ledger.saves_lost += len(self.inflight)
         self.inflight = []

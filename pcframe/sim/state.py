@@ -69,6 +69,14 @@ def by_durable(f: Flight) -> float:
     return f.durable_at
 
 
+def measured(f: Flight) -> tuple[float, float]:
+    """The stall and time to durable the engine reports for ``f``, to the nanosecond as a
+    clock would: the last bits of ``durable_at - start`` follow the absolute time, and a
+    policy whose learned cost sits on a threshold (CheckFreq's ceil((duration - stall) /
+    t_iter)) would follow them, skipping saves a steady run never skips."""
+    return round(f.stall, 9), round(f.durable_at - f.start, 9)
+
+
 def saved_state(policy: Any) -> Any:
     """The policy's state as a version holds it: a JSON copy, as the engine writes it.
 
