@@ -19,6 +19,30 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# The longest files of the default run (``pytest --durations=0``, summed per file), run
+# first: xdist hands out whole files in collection order, and a long file handed out last
+# kept one worker busy for minutes after the others had finished.
+LONG_FILES = (
+    "tests/distributed/test_multirank.py",
+    "tests/apps/test_tune.py",
+    "tests/apps/test_errors.py",
+    "tests/faults/test_crash_matrix.py",
+    "tests/faults/test_hostile_directories.py",
+    "tests/apps/test_run_output.py",
+    "tests/integrations/test_transformers.py",
+    "tests/integrations/test_lightning.py",
+    "tests/apps/test_targets.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = Path(str(item.path)).relative_to(REPO).as_posix()
+        return LONG_FILES.index(path) if path in LONG_FILES else len(LONG_FILES)
+
+    items.sort(key=rank)  # stable: the order within a file and among the rest is kept
+
+
 @pytest.fixture
 def child_env() -> dict[str, str]:
     """Environment for child Python processes: one thread, the repo importable."""

@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.warm import WarmProcess
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,13 +72,7 @@ def run_job(
         log = open(logdir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
         logs.append(log)
         procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "tests.distributed.worker", *args],
-                cwd=REPO,
-                env=rank_specific,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+            WarmProcess("tests.distributed.worker", args, env=rank_specific, cwd=REPO, log=log.name)
         )
     deadline = time.monotonic() + timeout
     try:

@@ -20,12 +20,13 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tests.warm import WarmProcess
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -438,13 +439,13 @@ def run_children(
         log = open(logdir / f"{command}-r{r}.log", "w+")  # noqa: SIM115 - closed below
         logs.append(log)
         procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "tests.faults.harness", command, json.dumps(config)],
-                cwd=REPO,
+            WarmProcess(
+                "tests.faults.harness",
+                [command, json.dumps(config)],
                 env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+                cwd=REPO,
+                log=log.name,
+                new_session=True,
             )
         )
         if started is not None:
