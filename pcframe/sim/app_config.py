@@ -213,8 +213,9 @@ COLUMN_HELP = {
     "useful_steps": "training steps that survived (durable progress at the end)",
     "lost_steps": "steps rolled back by preemptions",
     "goodput": "useful steps per wall second",
-    "goodput_ratio": "goodput / the ideal (the requested VMs always up, no checkpoint, no "
-    "restart): 1.0 is perfect",
+    "goodput_ratio": "goodput / the ideal (job.vms VMs always up, no checkpoint, no "
+    "restart): 1.0 is perfect for a job on job.vms VMs; a resource policy that runs more "
+    "VMs can exceed it",
     "efficiency": "useful time / wall time",
     "useful_hours": "wall hours of steps that survived",
     "lost_hours": "wall hours of work lost to preemptions",

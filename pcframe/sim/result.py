@@ -69,8 +69,9 @@ class SimResult:
 
     @property
     def goodput_ratio(self) -> float:
-        """Goodput as a fraction of the ideal: the job's requested VMs, always up, never
-        checkpointing, never restarting."""
+        """Goodput as a fraction of the ideal: the job's requested VMs (``job.vms``), always
+        up, never checkpointing, never restarting. A resource policy that runs more VMs than
+        requested can exceed 1."""
         return self.goodput / self.ideal_goodput if self.ideal_goodput > 0 else 0.0
 
     @property
