@@ -127,9 +127,27 @@ def apply_tree(
             undo.last(cause)
             not_loaded.append(f"{name}: load_state_dict failed: {type(exc).__name__}: {exc}")
         undo.commit_step()
+    if "scheduler" in loaded and "optimizer" not in loaded and objects.optimizer is not None:
+        _lr_from_scheduler(objects.optimizer, objects.scheduler, not_loaded)
     if not_loaded:
         log.warning("%s: not loaded (strict=False): %s", where, "; ".join(not_loaded))
     return not_loaded
+
+
+def _lr_from_scheduler(optimizer: Any, scheduler: Any, not_loaded: list[str]) -> None:
+    """A refused optimizer beside a restored scheduler: give its groups the schedule's lr.
+
+    The optimizer keeps the lr it was built with, while the scheduler stands where it was
+    saved; a chainable schedule (ExponentialLR: lr *= gamma) would go on from the wrong lr.
+    """
+    last = getattr(scheduler, "get_last_lr", None)
+    lrs = last() if callable(last) else None
+    groups = optimizer.param_groups
+    if not isinstance(lrs, list) or len(lrs) != len(groups):
+        return
+    for group, lr in zip(groups, lrs, strict=True):
+        group["lr"] = lr
+    not_loaded.append("optimizer: its lr was set from the restored scheduler")
 
 
 def _loads(objects: TrainingObjects, plan: LoadPlan) -> list[tuple[str, Callable[[Any], None]]]:

@@ -379,6 +379,33 @@ def test_saves_from_two_threads_get_distinct_versions_and_all_commit(tmp_path):
     assert CheckpointDir(tmp_path).committed_versions() == list(range(1, 51))
 
 
+def test_a_refused_optimizer_takes_its_lr_from_the_restored_scheduler(tmp_path):
+    """strict=False with the optimizer refused (another class) and the scheduler loaded: the
+    fresh optimizer kept its starting lr, 0.1, while the scheduler stood at epoch 3 (lr
+    0.0125), and a chainable schedule went on from 0.1. The lr now follows the schedule."""
+
+    def objects(kind):
+        model = torch.nn.Linear(4, 4)
+        optimizer = kind(model.parameters(), lr=0.1)
+        return model, optimizer, torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.5)
+
+    model, optimizer, schedule = objects(torch.optim.SGD)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, scheduler=schedule) as ckpt:
+        for _ in range(3):
+            optimizer.step()
+            schedule.step()
+        ckpt.save(step=3).wait()
+    model, optimizer, schedule = objects(torch.optim.Adam)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, scheduler=schedule) as ckpt:
+        assert ckpt.restore(strict=False) == 3
+        assert any("optimizer" in line for line in ckpt.last_restore.not_loaded)
+    assert schedule.last_epoch == 3
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.0125])
+    optimizer.step()
+    schedule.step()
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.00625])
+
+
 @pytest.mark.parametrize(
     "other",
     [
