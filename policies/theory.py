@@ -52,6 +52,8 @@ def daly_interval_exact(cost: float, mtbf: float) -> float:
     c = cost / mtbf
     lo, hi = 0.0, 1.0
     u = min(math.sqrt(2.0 * c), 1.0 - 1e-9)
+    if u == 0.0:  # c underflowed (a subnormal stall estimate): Young's value is exact here
+        return math.sqrt(2.0 * cost) * math.sqrt(mtbf)
     for _ in range(200):
         h = u + c + math.log1p(-u)
         if h > 0.0:

@@ -125,13 +125,20 @@ class FastPaths:
 
     # --- steady-state fast-forward ------------------------------------------------------------
     def _steady_gap(self) -> int:
-        """k if the last three saves were k steps apart with equal stalls and the policy's
-        next point is k steps ahead again; else 0."""
+        """k if the last three saves were k steps apart with equal stalls, the policy planned
+        the same time ahead after each, and its next point is k steps ahead again; else 0.
+
+        The plan ahead is the policy's own estimate at work (its interval): the engine's
+        running means may have settled while a policy that smooths more slowly, or carries
+        samples from an earlier process, is still moving towards them (Daly with
+        ``alpha=0.1`` crossed the gap of serial writes inside a stretch)."""
         if len(self._saves) < 3 or self.hint is None or self.hint.every is not None:
             return 0
-        (s0, _st0), (s1, st1), (s2, st2) = self._saves
+        (s0, _st0, a0), (s1, st1, a1), (s2, st2, a2) = self._saves
         k = s2 - s1
         if k < 1 or s1 - s0 != k or abs(st1 - st2) > 1e-9 * max(st2, 1.0):
+            return 0
+        if not (_same_plan(a0, a1, self.t) and _same_plan(a1, a2, self.t)):
             return 0
         return k if self._hinted_step() == s2 + k else 0
 
@@ -204,7 +211,8 @@ class FastPaths:
         self.feed.last_save_step, self.feed.last_save_time = last_step, self.seg_t0
         self.step = last_step
         self.t = self.seg_t0
-        self._saves = [(int(r[0]), r[3]) for r in rows[-3:]]
+        ahead = self._saves[-1][2]  # the plan the stretch assumes at each of its saves
+        self._saves = [(int(r[0]), r[3], ahead) for r in rows[-3:]]
         target = last_step + k
         self._advance(target)
         self._decide()
@@ -313,3 +321,10 @@ def _unchanging(rows: list[list[float]], last_stall: float) -> bool:
 
 def _close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-9 * max(1.0, abs(b))
+
+
+def _same_plan(a: float | None, b: float | None, now: float) -> bool:
+    """Two saves' plans ahead equal but for the rounding of times near ``now``."""
+    if a is None or b is None:
+        return a is b
+    return abs(a - b) <= 4.0 * math.ulp(max(abs(now), 1.0))

@@ -113,7 +113,8 @@ class Process(FastPaths):
         # Events for the policy at the first decision: the restore happens when training is
         # ready again, and a process killed while starting never delivers them.
         self.pending_events: list[Any] = []
-        self._saves: list[tuple[int, float]] = []  # (step, stall) of the last real saves
+        # (step, stall, the hint's time - the decision's) of the last real saves
+        self._saves: list[tuple[int, float, float | None]] = []
         self._ff_every = 0
         self._ff_blocked_until = -math.inf  # no new attempt inside a stretch that failed
         self._stretches: list[tuple[int, int, tuple, int]] = []  # see FastPaths._replay
@@ -237,6 +238,10 @@ class Process(FastPaths):
         self.hint = (
             checked_hint(self.policy, self.policy.save_hint(ctx)) if self.use_hints else None
         )
+        if decision.save and self._saves and self._saves[-1][0] == self.step:
+            when = None if self.hint is None else self.hint.time
+            ahead = when - now if when is not None and math.isfinite(when) else None
+            self._saves[-1] = (*self._saves[-1][:2], ahead)
         if decision.save and self.fast_forward and now >= self._ff_blocked_until:
             self._ff_every = self._steady_gap()
 
@@ -266,7 +271,7 @@ class Process(FastPaths):
         self.ledger.saves += 1
         self.seg_t0, self.seg_step0, self.t = end, self.step, end
         self.feed.saved(self.step, end)
-        self._saves.append((self.step, end - t))
+        self._saves.append((self.step, end - t, None))
         if len(self._saves) > 3:
             del self._saves[0]
 

@@ -61,6 +61,9 @@ def test_exact_solver_is_cheap() -> None:
 def test_edges() -> None:
     assert daly_interval_series(3 * M, M) == M  # the series is only valid for C < 2M
     assert daly_interval_exact(0.0, M) == 0.0
+    # A subnormal cost (a stall estimate decayed towards 0): √(2c) underflowed to 0 and the
+    # Newton step divided by it (ZeroDivisionError inside simulate()).
+    assert daly_interval_exact(1e-323, M) == pytest.approx(young_interval(1e-323, M))
     assert math.isinf(daly_interval_exact(C, math.inf))
     assert daly_expected_walltime(100.0, 10.0, math.inf, work=1000.0) == pytest.approx(1100.0)
     assert young_waste_fraction(young_interval(C, M), C, M) == pytest.approx(math.sqrt(2 * C / M))

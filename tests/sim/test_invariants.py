@@ -295,8 +295,7 @@ class _Alternating(P.SecondsIntervalPolicy):
 
 def test_fast_forward_rolls_back_when_the_policy_changes_its_mind() -> None:
     trace = steady_trace(12.0)
-    # A stall of half a step keeps the hinted times off the ends of steps (see above).
-    job = JobSpec(iteration_time=1.0, save_stall=0.5, save_duration=10.0, restart_cost=0.0)
+    job = JobSpec(iteration_time=1.0, save_stall=1.0, save_duration=10.0, restart_cost=0.0)
     hinted = simulate(trace, _Alternating(), job, options=SimOptions(fast_forward=False))
     fast = simulate(trace, _Alternating(), job)
     assert fast.fast_forwards > 0 and 0 < fast.rollbacks <= 2 * 9  # ~9 switches in 12 h
