@@ -38,6 +38,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 _PRELOAD = ["torch"]
 _ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
@@ -50,16 +51,8 @@ def _server():
     if _context is None:
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(_PRELOAD)
-        saved = {key: os.environ.get(key) for key in _ONE_THREAD}
-        os.environ.update(_ONE_THREAD)
-        try:  # the server takes this process's environment when it starts
+        with mock.patch.dict(os.environ, _ONE_THREAD):  # the server takes this environment
             multiprocessing.forkserver.ensure_running()
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
         _context = context
     return _context
 

@@ -20,7 +20,7 @@ The arithmetic of a save is the kernel's (:mod:`pcframe.sim.kernel`), the same a
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -33,6 +33,15 @@ _EXACT_BITS = 20  # times that are multiples of 2**-20 s add and subtract exactl
 _EMPTY = np.zeros((0, 4))
 
 
+class Stretch(NamedTuple):
+    """A fast-forwarded stretch that may still hold the checkpoint a kill keeps."""
+
+    first: int  # its first version
+    end: int  # one past its last version
+    snapshot: tuple  # process and policy before it (``_snapshot``)
+    fast_forwards: int  # the ledger's count before it
+
+
 class FastPaths:
     """Mixed into ``Process``; uses its state (steps, segments, in-flight saves, policy)."""
 
@@ -43,7 +52,7 @@ class FastPaths:
     commit: Any
     versions: Any
     inflight: list[Flight]
-    _stretches: list[tuple[int, int, tuple, int]]  # (first version, end, snapshot, count)
+    _stretches: list[Stretch]
 
     # --- the kernel ---------------------------------------------------------------------------
     def _kernel(
@@ -136,7 +145,7 @@ class FastPaths:
             return 0
         (s0, _st0, a0), (s1, st1, a1), (s2, st2, a2) = self._saves
         k = s2 - s1
-        if k < 1 or s1 - s0 != k or abs(st1 - st2) > 1e-9 * max(st2, 1.0):
+        if k < 1 or s1 - s0 != k or not _close(st1, st2):
             return 0
         if not (_same_plan(a0, a1, self.t) and _same_plan(a1, a2, self.t)):
             return 0
@@ -155,8 +164,7 @@ class FastPaths:
         when = self.hint.time if self.hint is not None else None
         if when is None:
             return False
-        tolerance = 1e-9 * max(1.0, abs(when))
-        if all(abs(self.time_of(s) - when) > tolerance for s in (step - 1, step)):
+        if not any(_close(self.time_of(s), when) for s in (step - 1, step)):
             return False
         stall = self.job.save_stall
         times = [when] + [start + stall - waited for _, start, _, waited in rows]
@@ -218,8 +226,9 @@ class FastPaths:
         self._decide()
         if self.feed.last_save_step == target and self._ff_every == k:
             self.ledger.fast_forwards += 1
-            kept = [r for r in self._stretches if r[1] > self.commit.version]
-            self._stretches = [*kept, (v0, v0 + n, snapshot, self.ledger.fast_forwards - 1)]
+            kept = [r for r in self._stretches if r.end > self.commit.version]
+            done = self.ledger.fast_forwards - 1
+            self._stretches = [*kept, Stretch(v0, v0 + n, snapshot, done)]
             return True
         failed_at = self.t
         self._restore(snapshot)
@@ -246,15 +255,15 @@ class FastPaths:
         the way (what CheckFreq's cost estimates and the overhead budget's ledger learn). A
         restart from such a save must get what the policy knew then, so the stretch is
         re-run from its snapshot, without fast-forwarding, up to the kill."""
-        durable = [f for f in self.inflight if f.durable_at <= at]
-        kept = max(durable, key=lambda f: f.step).version if durable else self.commit.version
-        if durable and max(f.step for f in durable) <= self.commit.step:
-            kept = self.commit.version
-        for first, end, snapshot, fast_forwards in self._stretches:
-            if first <= kept < end:
+        newest = max(
+            (f for f in self.inflight if f.durable_at <= at), key=lambda f: f.step, default=None
+        )
+        kept = newest.version if newest and newest.step > self.commit.step else self.commit.version
+        for stretch in self._stretches:
+            if stretch.first <= kept < stretch.end:
                 self._stretches = []
-                self._restore(snapshot)
-                self.ledger.fast_forwards = fast_forwards
+                self._restore(stretch.snapshot)
+                self.ledger.fast_forwards = stretch.fast_forwards
                 self.fast_forward, was = False, self.fast_forward
                 try:
                     self.run_until(at)
@@ -320,6 +329,7 @@ def _unchanging(rows: list[list[float]], last_stall: float) -> bool:
 
 
 def _close(a: float, b: float) -> bool:
+    """Equal but for rounding: within 1e-9 of ``b`` (relative, absolute below 1)."""
     return abs(a - b) <= 1e-9 * max(1.0, abs(b))
 
 

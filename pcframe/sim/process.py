@@ -34,7 +34,7 @@ from pcframe.policies.base import (
     checked_decision,
     checked_hint,
 )
-from pcframe.sim.fastpath import NO_LIMIT, FastPaths
+from pcframe.sim.fastpath import NO_LIMIT, FastPaths, Stretch
 from pcframe.sim.spec import JobSpec, SimOptions
 from pcframe.sim.state import (
     Commit,
@@ -117,7 +117,7 @@ class Process(FastPaths):
         self._saves: list[tuple[int, float, float | None]] = []
         self._ff_every = 0
         self._ff_blocked_until = -math.inf  # no new attempt inside a stretch that failed
-        self._stretches: list[tuple[int, int, tuple, int]] = []  # see FastPaths._replay
+        self._stretches: list[Stretch] = []  # see FastPaths._replay
 
     # --- time of steps ----------------------------------------------------------------------
     def time_of(self, step: int) -> float:
@@ -233,19 +233,19 @@ class Process(FastPaths):
         self.ledger.decisions += 1
         self._asked = True
         self.last_decide = now
-        if decision.save:
-            self._save(decision.emergency)
+        stall = self._save(decision.emergency) if decision.save else 0.0
         self.hint = (
             checked_hint(self.policy, self.policy.save_hint(ctx)) if self.use_hints else None
         )
-        if decision.save and self._saves and self._saves[-1][0] == self.step:
+        if decision.save:
             when = None if self.hint is None else self.hint.time
             ahead = when - now if when is not None and math.isfinite(when) else None
-            self._saves[-1] = (*self._saves[-1][:2], ahead)
-        if decision.save and self.fast_forward and now >= self._ff_blocked_until:
-            self._ff_every = self._steady_gap()
+            self._saves = [*self._saves[-2:], (self.step, stall, ahead)]
+            if self.fast_forward and now >= self._ff_blocked_until:
+                self._ff_every = self._steady_gap()
 
-    def _save(self, emergency: bool) -> None:
+    def _save(self, emergency: bool) -> float:
+        """Start a save at the current step; returns the stall it caused."""
         t = self.t
         start = t
         job = self.job
@@ -271,9 +271,7 @@ class Process(FastPaths):
         self.ledger.saves += 1
         self.seg_t0, self.seg_step0, self.t = end, self.step, end
         self.feed.saved(self.step, end)
-        self._saves.append((self.step, end - t, None))
-        if len(self._saves) > 3:
-            del self._saves[0]
+        return end - t
 
     def _commit_durable(self, now: float, report: bool) -> None:
         """Commit (and report to the policy) every save durable by ``now``, oldest first."""

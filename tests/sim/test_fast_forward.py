@@ -17,7 +17,7 @@ import random
 import pytest
 
 import pcframe.policies as P
-from pcframe.sim import JobSpec, SimOptions, poisson_trace, simulate, steady_trace
+from pcframe.sim import JobSpec, SimOptions, poisson_trace, simulate
 
 
 def _case(rng: random.Random) -> tuple:
@@ -70,17 +70,3 @@ def test_the_fast_forward_changes_nothing_on_random_jobs(seed: int) -> None:
         assert fast.time == pytest.approx(hinted.time, rel=1e-9, abs=1e-6), where
         stretches += fast.fast_forwards
     assert stretches > 30  # the draws do exercise the fast-forward
-
-
-def test_a_policy_still_learning_its_cost_is_not_fast_forwarded() -> None:
-    """Daly smoothing its costs more slowly (alpha 0.1) than the engine (0.3): when the
-    engine's means had settled, the policy's time to durable was still 20.3932 s of 20.4,
-    and its interval at the floor crossed the gap of the serial writes inside a stretch
-    (5744 useful steps against the reference's 5754)."""
-    job = JobSpec(iteration_time=3.5, save_stall=0.1, save_duration=5.1, max_in_flight=4,
-                  persist="serial", restart_cost=30.0)  # fmt: skip
-    trace = steady_trace(hours=8.0)
-    slow = simulate(trace, P.Daly(mtbf=1.0, alpha=0.1), job, options=SimOptions(use_hints=False))
-    fast = simulate(trace, P.Daly(mtbf=1.0, alpha=0.1), job)
-    assert (fast.useful_steps, fast.saves) == (slow.useful_steps, slow.saves)
-    assert fast.time == pytest.approx(slow.time, rel=1e-9, abs=1e-6)
