@@ -11,6 +11,9 @@ Threads (all started once per engine, reused by every version):
   optimizer gate) copies host chunks of the same version meanwhile instead of idling, and
   the writers hold off (:class:`~pcframe.save.staging.StagingPool`): with nothing to
   overlap, the snapshot then runs at the memory's speed, not at one thread's.
+* one **opener** thread creates each version's staging directory and data file (reserved to
+  its full size) and chooses delta or full, while the copy already runs: staged chunks need
+  no file, and their writers (and the commit) wait for the version's ``opened``.
 * a pool of **writer** threads checksums and persists each staged chunk into ``data.bin``
   and encodes each staged segment, appending it to ``codec.bin``
   (:mod:`pcframe.save.write`); then returns the buffer to the pool.
@@ -93,6 +96,9 @@ class SavePipeline:
         self._copy_queue: queue.Queue[VersionWrite | None] = queue.Queue()
         self._commit_queue: queue.Queue[VersionWrite | None] = queue.Queue()
         self._writers = WorkerPool(config.writer_threads, "pcframe-w")
+        # Creates each version's files (posix_fallocate of the whole data file: milliseconds)
+        # while the copy thread already copies; one thread, so versions open in order.
+        self._opener = WorkerPool(1, "pcframe-open")
         self._side_stream: Any = None
         self._sharing: SharedChunks | None = None  # the host chunks being copied now
         self._sharing_changed = threading.Condition()  # notified when _sharing is set or done
@@ -118,6 +124,7 @@ class SavePipeline:
         if not self._started:  # the training thread: one caller, no race
             self._started = True
             self._writers.start()
+            self._opener.start()
             self._copy_thread.start()
             self._commit_thread.start()
         self._copy_queue.put(VersionWrite(request, progress))
@@ -160,6 +167,7 @@ class SavePipeline:
             return
         self._copy_queue.put(None)
         self._copy_thread.join()
+        self._opener.shutdown()
         self._writers.shutdown()
         self._commit_queue.put(None)
         self._commit_thread.join()
@@ -179,11 +187,14 @@ class SavePipeline:
         while (write := self._copy_queue.get()) is not None:
             progress = write.progress
             start, cpu = time.perf_counter(), time.thread_time()
+            opening = False  # the opener sets ``opened`` once it has run
             try:
                 self._plan_version(write)
+                # Staged chunks need no file: their writers wait for ``opened``.
+                self._opener.submit(self._open_files, write)
+                opening = True
             except BaseException as exc:
                 progress.fail(Stage.ENCODE, exc)
-                write.opened.set()
             try:
                 flats: list[torch.Tensor | None] = [None] * len(write.request.tensors)
                 if write.request.cuda_ready is not None:
@@ -205,7 +216,8 @@ class SavePipeline:
             except BaseException as exc:
                 progress.fail(Stage.SNAPSHOT, exc)
             finally:
-                write.opened.set()  # no writer may wait for files this version never opened
+                if not opening:  # no writer may wait for files this version never opens
+                    write.opened.set()
                 progress.copy_seconds = time.perf_counter() - start
                 progress.add_cpu(cpu)
                 progress.copy_done.set()
@@ -218,7 +230,6 @@ class SavePipeline:
         """Stage every data.bin chunk; a waiting training thread may take some of them."""
         if write.request.cuda_ready is not None or not self.copier.shareable:
             # Device copies (one stream) and the Triton interpreter: one thread.
-            self._open_files(write)
             self._stage_chunks(write, chunks, flats)
             return
         sharing = SharedChunks(write, chunks, flats)
@@ -226,9 +237,6 @@ class SavePipeline:
             self._sharing = sharing
             self._sharing_changed.notify_all()
         try:
-            # The files are created while a waiting training thread already copies: the
-            # staged chunks need no file, their writers wait for it.
-            self._open_files(write)
             self._copy_shared(sharing)
         finally:
             with self._sharing_changed:
@@ -275,10 +283,15 @@ class SavePipeline:
     def _open_files(self, write: VersionWrite) -> None:
         """Create the staging directory and files, choose delta or full; then ``opened``.
 
-        A failure fails the version (the copy stops at its next chunk), never this thread.
+        Runs on the opener thread once a chunk is staged, and while a training thread waits
+        for the copy, after it: a writer could not start before either, and reserving the
+        file (kernel time) would take a core from the copy. A failure fails the version
+        (the copy stops at its next chunk), never the thread.
         """
         plan = write.plan
         assert plan is not None
+        write.needs_files.wait()
+        self.pool.writer_turn()
         try:
             directory = self.storage.staging_path(write.version)
             directory.mkdir()
@@ -312,7 +325,7 @@ class SavePipeline:
     def _run_writer(self, task: Callable, write: VersionWrite, unit: Any, buffer: Any) -> None:
         try:
             self.pool.writer_turn()  # the copy first while training waits for it
-            write.opened.wait()  # set by the copy thread before it copies a chunk itself
+            write.opened.wait()  # set by the opener thread
             task(write, unit, buffer)
         finally:
             self.pool.release(buffer)
@@ -364,6 +377,7 @@ class SavePipeline:
     def _commit_loop(self) -> None:
         single_threaded_torch()
         while (write := self._commit_queue.get()) is not None:
+            write.opened.wait()  # a version without chunks has had no writer wait for it
             progress, cpu = write.progress, time.thread_time()
             try:
                 if not write.failed:

@@ -1,4 +1,4 @@
-"""The writer threads: a fixed pool of daemon threads taking tasks from one queue.
+"""The writer threads (and the opener): a fixed pool of daemon threads taking tasks from one queue.
 
 Not ``concurrent.futures.ThreadPoolExecutor``: at interpreter exit its workers are joined
 and its ``submit`` refuses new work ("cannot schedule new futures after interpreter

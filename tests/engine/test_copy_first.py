@@ -16,6 +16,7 @@ import torch
 from pcframe import Checkpointer
 from pcframe.save import copy as copy_stage
 from pcframe.save.staging import StagingPool
+from pcframe.save.status import SaveStatus
 
 CHUNK = 64 * 1024
 
@@ -226,3 +227,42 @@ def test_an_interrupt_at_any_line_of_acquire_leaves_writers_held_next_time():
         with pool.training_waits():
             assert not _turn_taken(pool, 0.2), f"an interrupt at line {target} freed writers"
         pool.release(taken)
+
+
+@pytest.mark.parametrize("tensors", [True, False], ids=["state", "no-tensors"])
+def test_the_snapshot_does_not_wait_for_its_files(tmp_path, monkeypatch, tensors):
+    """Creating and reserving the data file (milliseconds for a large state) runs beside the
+    copy: the optimizer step goes on while it is still blocked, and the version commits
+    once it is done (with no chunk to write, too: the commit itself waits for the files)."""
+    import pcframe.save.pipeline as pipeline
+
+    model, optimizer = _state()
+    release, entered = threading.Event(), threading.Event()
+    original = pipeline.open_data_file
+
+    def slow_open(*args, **kwargs):
+        entered.set()
+        assert release.wait(60)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "open_data_file", slow_open)
+    objects = {"model": model, "optimizer": optimizer} if tensors else {"extra": {"a": 1}}
+    with Checkpointer(tmp_path, chunk_bytes=CHUNK, **objects) as ckpt:
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        handle = ckpt.save(1)
+        try:
+            assert entered.wait(10)
+            stepped = threading.Event()
+            waiter = threading.Thread(target=lambda: (ckpt.wait_for_snapshot(), stepped.set()))
+            waiter.start()
+            assert stepped.wait(5), "the snapshot waited for its files to be created"
+            waiter.join()
+            assert not handle.done()  # not committed without its file
+        finally:
+            release.set()
+        assert handle.wait(10) is SaveStatus.COMMITTED
+    fresh = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(8)])
+    with Checkpointer(tmp_path, model=fresh) as ckpt:
+        ckpt.restore(strict=False)
+    if tensors:
+        assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
