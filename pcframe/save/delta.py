@@ -7,7 +7,7 @@ The chain rule:
   this engine committed, if its delta tensors have the same names, dtypes and shapes, its
   directory is still committed, and ``base.depth + 1 < full_every``. Its depth is then
   ``base.depth + 1``, so restoring any version reads at most ``full_every`` versions.
-* The base must already be **committed when the copy stage starts the delta** (not merely
+* The base must already be **committed when the opener starts the delta** (not merely
   in flight), so a base can never fail or be discarded after a delta was built on it.
   After a restart there is no in-memory reference: the first version is full.
 * The engine keeps, in host memory, a copy of the delta tensors' values of the newest
@@ -77,7 +77,7 @@ class DeltaTracker:
         self._warned = False
 
     def begin(self, version: int, plan: CodecPlan, blockers: list[str]) -> DeltaChoice | None:
-        """Copy thread, before the first segment: make ``version`` a delta or a full version.
+        """Opener thread, before any segment is encoded: make ``version`` a delta or a full one.
 
         Returns ``None`` when the plan has no delta tensors, or when ``blockers`` (who needs
         full versions, e.g. replica storage tiers, whose copies do not follow delta chains)

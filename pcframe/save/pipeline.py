@@ -13,7 +13,8 @@ Threads (all started once per engine, reused by every version):
   overlap, the snapshot then runs at the memory's speed, not at one thread's.
 * one **opener** thread creates each version's staging directory and data file (reserved to
   its full size) and chooses delta or full, while the copy already runs: staged chunks need
-  no file, and their writers (and the commit) wait for the version's ``opened``.
+  no file, and their writers (and the commit) wait for the version's ``opened``. One
+  thread, so versions open in the order they were saved.
 * a pool of **writer** threads checksums and persists each staged chunk into ``data.bin``
   and encodes each staged segment, appending it to ``codec.bin``
   (:mod:`pcframe.save.write`); then returns the buffer to the pool.
@@ -283,16 +284,19 @@ class SavePipeline:
     def _open_files(self, write: VersionWrite) -> None:
         """Create the staging directory and files, choose delta or full; then ``opened``.
 
-        Runs on the opener thread once a chunk is staged, and while a training thread waits
-        for the copy, after it: a writer could not start before either, and reserving the
-        file (kernel time) would take a core from the copy. A failure fails the version
-        (the copy stops at its next chunk), never the thread.
+        Runs on the opener thread while the copy already runs. Not deferred until the copy
+        is done when training waits for it (which would keep the file system off the cores
+        the copy uses): then an older version's files could open only after the newer
+        copy, its writes would race the newer version's, and a version that loses commits
+        discarded. A failure fails the version (the copy stops at its next chunk), never
+        the thread; a version that already failed gets no files.
         """
         plan = write.plan
         assert plan is not None
-        write.needs_files.wait()
-        self.pool.writer_turn()
+        cpu = time.thread_time()  # kernel time of mkdir and posix_fallocate counts too
         try:
+            if write.failed:
+                return
             directory = self.storage.staging_path(write.version)
             directory.mkdir()
             write.data_file = open_data_file(
@@ -307,6 +311,7 @@ class SavePipeline:
         except BaseException as exc:
             write.progress.fail(Stage.PERSIST, exc)
         finally:
+            write.progress.add_cpu(cpu)
             write.opened.set()
 
     def _stage(

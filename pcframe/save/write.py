@@ -43,9 +43,6 @@ class VersionWrite:
     # Set once its files are open (or opening failed): the copy starts before, the writers
     # wait for it.
     opened: threading.Event = field(default_factory=threading.Event, repr=False)
-    # Set once a writer or the commit will need the files: a chunk is staged, or the copy is
-    # through (the opener waits for it, so that it does not compete with the copy's start).
-    needs_files: threading.Event = field(default_factory=threading.Event, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _outstanding: int = 0  # chunks and segments handed to writers, not yet done
     _copy_finished: bool = False
@@ -73,7 +70,6 @@ class VersionWrite:
         """One more chunk or segment handed to a writer."""
         with self._lock:
             self._outstanding += 1
-        self.needs_files.set()
 
     def done_one(self) -> bool:
         """A writer finished one; True when the whole version is ready to commit."""
@@ -85,7 +81,6 @@ class VersionWrite:
         """The copy stage is through; True when the whole version is ready to commit."""
         with self._lock:
             self._copy_finished = True
-        self.needs_files.set()
         return self._take_hand_off()
 
     def _take_hand_off(self) -> bool:

@@ -266,3 +266,23 @@ def test_the_snapshot_does_not_wait_for_its_files(tmp_path, monkeypatch, tensors
         ckpt.restore(strict=False)
     if tensors:
         assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
+
+
+def test_the_time_spent_creating_the_files_is_charged_to_the_version(tmp_path, monkeypatch):
+    """The opener's CPU time (mkdir, posix_fallocate: kernel time) is in the version's cost."""
+    import pcframe.save.pipeline as pipeline
+
+    model, optimizer = _state()
+    original = pipeline.open_data_file
+
+    def busy_open(*args, **kwargs):
+        start = time.thread_time()
+        while time.thread_time() - start < 0.2:  # CPU time, as the file system would take
+            pass
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "open_data_file", busy_open)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, chunk_bytes=CHUNK) as ckpt:
+        ckpt.save(1)
+        ckpt.wait()  # reports the finished version into its record
+        assert ckpt.records[1].cpu >= 0.2
