@@ -234,6 +234,15 @@ class DCPMethod:
         except TypeError:  # another release's field names: the documented positional order
             options = StagingOptions(*self.options.values())
         self.stager = DefaultStager(options)
+        # torch 2.11 closes DefaultStager's inner StateDictStager at the end of every stage,
+        # so its second async_save fails (KeyError: <class 'type'>; pytorch/pytorch#183413,
+        # fixed in 2.12 by keeping user-provided stagers open). Keep it open as the fixed
+        # releases do, so DCP is measured with its buffers reused across saves; close() below
+        # closes it for real.
+        inner = getattr(self.stager, "_state_dict_stager", None)
+        self._inner_close = getattr(inner, "close", None)
+        if inner is not None and self._inner_close is not None:
+            inner.close = lambda: None
         params = inspect.signature(dcp.async_save).parameters
         if "async_stager" not in params:
             raise RuntimeError(
@@ -285,7 +294,13 @@ class DCPMethod:
             "called": start,
             "wait_previous_s": waited,
         }
-        state = {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+        # DCP's own way (fully qualified names), as its tutorial and the CPU bench do, in
+        # plain dicts: on torch 2.11 DefaultStager's deep copy cannot rebuild an
+        # OrderedDict (KeyError: <class 'type'>, the H200 run of 2026-12-04).
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = _plain({"model": model_state, "optim": optim_state})
         entry["nbytes"] = sum(
             t.numel() * t.element_size() for t in _tensors(state) if isinstance(t, torch.Tensor)
         )
@@ -329,13 +344,26 @@ class DCPMethod:
     def close(self, timeout: float) -> None:
         self.hook.remove()
         self.stager.close()
+        if self._inner_close is not None:
+            self._inner_close()  # the real one (see __init__)
 
     def info(self) -> dict[str, Any]:
         return {
             "staging_options": self.options,
             "writer_threads": self.writers,
             "async_save_kwargs": sorted(k for k in self.kwargs if k != "async_stager"),
+            "stager_kept_open": "inner StateDictStager.close deferred to the end "
+            "(pytorch/pytorch#183413 on torch 2.11)",
         }
+
+
+def _plain(tree: Any) -> Any:
+    """The same tree with every mapping a plain dict (tensors and leaves shared)."""
+    if isinstance(tree, dict):
+        return {k: _plain(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_plain(v) for v in tree]
+    return tree
 
 
 def _tensors(tree: Any):

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 import pcframe.kernels as kernels
 from pcframe.kernels.copy import PieceLike, make_plan, reference
+from pcframe.kernels.dispatch import triton_interpreting
 
 
 class SharedChunks:
@@ -94,14 +96,43 @@ class Copier:
             The pcf64 value when ``checksum`` is set, else ``None``. Either way the bytes are
             in ``view`` when this returns.
         """
-        if not self.kernels:
+        if not self.kernels or not self._kernel_reads(pieces):
+            # The torch reference reads every kind of memory: a CPU tensor beside CUDA ones
+            # (the RNG states, a non-fused optimizer's step counts) takes this path, and its
+            # pcf64 is then a second pass over the host buffer.
             self._fill_torch(pieces, view, stream)
-            return None
+            return kernels.checksum(view, "pcf64") if checksum else None
         if checksum:
             done = kernels.gather_checksum(pieces, view, backend=self.backend, stream=stream)
             return done.result()
         kernels.gather(pieces, view, backend=self.backend, zero_fill=True, stream=stream).wait()
         return None
+
+    def _kernel_reads(self, pieces: list[PieceLike]) -> bool:
+        """Whether the kernel this backend dispatches to can read every source of ``pieces``."""
+        sources = [p[0] for p in pieces]
+        on_cuda = any(t.is_cuda for t in sources)
+        if self.backend == "numba":
+            return not on_cuda
+        if triton_interpreting():
+            return True
+        if self.backend == "triton" or on_cuda:  # "auto" sends a CUDA chunk to Triton
+            # Triton kernels dereference device pointers: pageable host memory is out.
+            return all(t.is_cuda or t.is_pinned() for t in sources)
+        return True
+
+    @staticmethod
+    def enqueue(pieces: list[PieceLike], view: torch.Tensor, stream: Any) -> Any:
+        """Queue the torch copy of ``pieces`` into ``view`` on ``stream``; returns its event.
+
+        Host pieces and the zero fill are done on return; ``view`` holds the device bytes
+        once the event has completed.
+        """
+        with torch.cuda.stream(stream):
+            reference.gather(make_plan(pieces, view, scatter=False), view, zero_fill=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
 
     @staticmethod
     def _fill_torch(pieces: list[PieceLike], view: torch.Tensor, stream: Any) -> None:
@@ -112,3 +143,87 @@ class Copier:
             reference.gather(make_plan(pieces, view, scatter=False), view, zero_fill=True)
         if stream is not None and any(source.is_cuda for source, *_ in pieces):
             stream.synchronize()
+
+
+# Device-to-host copies queued on the side stream ahead of the one the copy thread waits
+# for: the copy engine then does not idle while the host hands a staged chunk to a writer
+# and queues the next (one chunk at a time ran at 0.6x the D2H limit on an H200).
+DEVICE_COPIES_AHEAD = 4
+
+
+class DeviceCopies:
+    """One version's device chunks on their way into pinned buffers, a few queued ahead.
+
+    Args:
+        pool: the staging pool the buffers come from.
+        hand_off: called with ``(unit, buffer)`` once a queued copy has completed.
+    """
+
+    def __init__(self, pool: Any, hand_off: Callable[[Any, torch.Tensor], None]) -> None:
+        self.pool, self.hand_off = pool, hand_off
+        self._queued: deque[tuple[Any, torch.Tensor, Any]] = deque()
+
+    def stage(
+        self,
+        units: Sequence[Any],
+        enqueue: Callable[[Any, torch.Tensor], Any],
+        failed: Callable[[], bool],
+    ) -> None:
+        """Queue each unit's copy (``enqueue(unit, buffer)`` returns its event) and hand
+        every one off in order; stops queueing once ``failed()``, and whatever a failure
+        left queued goes back to the pool."""
+        try:
+            for unit in units:
+                if failed():
+                    break
+                buffer = self.buffer()
+                try:
+                    event = enqueue(unit, buffer)
+                except BaseException:
+                    self.pool.release(buffer)
+                    raise
+                self.queued(unit, buffer, event)
+            if not failed():
+                self.drain()
+        finally:
+            self.abandon()
+
+    def buffer(self) -> torch.Tensor:
+        """A free staging buffer; while none is free, the oldest queued chunk is handed off
+        first (its writer frees a buffer), so waiting never holds buffers back."""
+        while self._queued:
+            buffer = self.pool.try_acquire()
+            if buffer is not None:
+                return buffer
+            self._hand_off_oldest()
+        return self.pool.acquire()
+
+    def queued(self, unit: Any, buffer: torch.Tensor, event: Any) -> None:
+        """``unit``'s copy into ``buffer`` is queued (``event`` marks its end)."""
+        self._queued.append((unit, buffer, event))
+        while self._queued and (
+            len(self._queued) > DEVICE_COPIES_AHEAD or self._queued[0][2].query()
+        ):
+            self._hand_off_oldest()
+
+    def drain(self) -> None:
+        """Hand off every queued chunk, in order, as its copy completes."""
+        while self._queued:
+            self._hand_off_oldest()
+
+    def abandon(self) -> None:
+        """After a failure: return what is still queued to the pool, once the device is
+        done writing into it."""
+        while self._queued:
+            _, buffer, event = self._queued.popleft()
+            event.synchronize()
+            self.pool.release(buffer)
+
+    def _hand_off_oldest(self) -> None:
+        unit, buffer, event = self._queued.popleft()
+        try:
+            event.synchronize()
+        except BaseException:
+            self.pool.release(buffer)
+            raise
+        self.hand_off(unit, buffer)

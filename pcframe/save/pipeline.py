@@ -28,6 +28,7 @@ error is handed to the training thread, which raises it at its next engine call.
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import threading
 import time
@@ -43,7 +44,7 @@ from pcframe.format.layout import Chunk, Layout
 from pcframe.format.manifest import CODEC_NAME, DATA_NAME
 from pcframe.save.codec import CodecPlan, Segment
 from pcframe.save.commit import CommitListener, Committer
-from pcframe.save.copy import Copier, SharedChunks
+from pcframe.save.copy import Copier, DeviceCopies, SharedChunks
 from pcframe.save.delta import DeltaTracker
 from pcframe.save.persist import WrittenFile, choose_persist, open_data_file
 from pcframe.save.progress import SaveProgress
@@ -248,10 +249,26 @@ class SavePipeline:
         self._stage_chunks(write, leftovers, flats)
 
     def _stage_chunks(self, write: VersionWrite, chunks: list[Chunk], flats: list[Any]) -> None:
+        if write.request.cuda_ready is not None and not self.copier.kernels:
+            self._stage_device_chunks(write, chunks, flats)
+            return
         for chunk in chunks:
             if write.failed:
                 break
             self._stage(write, self.writer.write_chunk, self._fill, chunk, flats)
+
+    def _stage_device_chunks(
+        self, write: VersionWrite, chunks: list[Chunk], flats: list[Any]
+    ) -> None:
+        """The torch copy of a CUDA state: a few chunks queued ahead on the side stream."""
+
+        def enqueue(chunk: Chunk, buffer: torch.Tensor) -> Any:
+            length = min(-(-chunk.length // PAGE) * PAGE, len(buffer))
+            pieces = self._pieces(write, chunk, flats)
+            return self.copier.enqueue(pieces, buffer[:length], self._side_stream)
+
+        hand_off = functools.partial(self._hand_off, write, self.writer.write_chunk)
+        DeviceCopies(self.pool, hand_off).stage(chunks, enqueue, lambda: write.failed)
 
     def _copy_shared(self, sharing: SharedChunks, *, helping: bool = False) -> None:
         write = sharing.write
@@ -324,6 +341,10 @@ class SavePipeline:
         except BaseException:
             self.pool.release(buffer)
             raise
+        self._hand_off(write, task, unit, buffer)
+
+    def _hand_off(self, write: VersionWrite, task: Callable, unit: Any, buffer: Any) -> None:
+        """A staged chunk or segment goes to a writer (which releases its buffer)."""
         write.staged()
         self._writers.submit(self._run_writer, task, write, unit, buffer)
 
@@ -355,10 +376,7 @@ class SavePipeline:
         # Staged to whole pages (the file may not be open yet): an O_DIRECT write reads the
         # zero tail, a buffered one only ``chunk.length``.
         length = min(-(-chunk.length // PAGE) * PAGE, len(buffer))
-        pieces = [
-            (self._flat(write, p.entry, flats), p.src_start, p.dst_start, p.nbytes)
-            for p in chunk.pieces
-        ]
+        pieces = self._pieces(write, chunk, flats)
         # Fused only where the writer would hash the staged bytes itself (not on the mmap
         # path, which hashes while it copies into the mapping).
         if not self.copier.fuses_checksum or self.persist == "mmap":
@@ -368,6 +386,12 @@ class SavePipeline:
         if length > chunk.length:
             buffer[chunk.length : length].zero_()  # O_DIRECT page padding
         write.checksums[chunk.index] = format_digest(self.config.checksum, value)
+
+    def _pieces(self, write: VersionWrite, chunk: Chunk, flats: list[Any]) -> list[Any]:
+        return [
+            (self._flat(write, p.entry, flats), p.src_start, p.dst_start, p.nbytes)
+            for p in chunk.pieces
+        ]
 
     def _fill_segment(
         self, write: VersionWrite, segment: Segment, buffer: torch.Tensor, flats: list[Any]

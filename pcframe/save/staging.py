@@ -26,6 +26,28 @@ import torch
 
 from pcframe.config import PAGE
 
+# torch's pinned-memory allocator rounds every allocation up to a power of two: one 12 GiB
+# pool held 16 GiB of pinned memory on an H200 (experiments/results/gpu_h200.md). So a pinned
+# pool is allocated in blocks of at most this size, each a power-of-two number of chunks.
+PINNED_BLOCK_BYTES = 1 << 30
+
+
+def pinned_blocks(count: int, chunk_bytes: int) -> list[int]:
+    """How many chunks each pinned allocation of a ``count``-chunk pool holds.
+
+    Full blocks of ``PINNED_BLOCK_BYTES // chunk_bytes`` chunks, then the rest split into
+    powers of two (its binary digits). With a power-of-two ``chunk_bytes`` (the default 16
+    MiB) every block is a power of two in bytes, so the allocator rounds nothing up.
+    """
+    per_block = max(1, PINNED_BLOCK_BYTES // chunk_bytes)
+    full, rest = divmod(count, per_block)
+    blocks = [per_block] * full
+    while rest:
+        part = 1 << (rest.bit_length() - 1)
+        blocks.append(part)
+        rest -= part
+    return blocks
+
 
 class StagingPool:
     def __init__(self, chunk_bytes: int) -> None:
@@ -76,7 +98,13 @@ class StagingPool:
     def _allocate(self, count: int, pinned: bool) -> list[torch.Tensor]:
         total = count * self.chunk_bytes
         if pinned:
-            block = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+            return [
+                buffer
+                for chunks in pinned_blocks(count, self.chunk_bytes)
+                for buffer in torch.empty(
+                    chunks * self.chunk_bytes, dtype=torch.uint8, pin_memory=True
+                ).split(self.chunk_bytes)
+            ]
         else:
             # Over-allocate one page and start at the first page boundary: O_DIRECT needs
             # page-aligned buffers, and numpy gives no alignment guarantee.
@@ -102,6 +130,16 @@ class StagingPool:
                 raise RuntimeError("staging pool is closed")
             if not self._free:  # no buffer will come back: the pool could not be allocated
                 raise RuntimeError("no staging pool: its allocation was refused at a later save")
+            self._out += 1
+            return self._free.pop()
+
+    def try_acquire(self) -> torch.Tensor | None:
+        """A free buffer at once, or None: never waits (the caller has buffers to hand off)."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("staging pool is closed")
+            if not self._free:
+                return None
             self._out += 1
             return self._free.pop()
 

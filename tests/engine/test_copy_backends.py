@@ -180,3 +180,48 @@ def test_pcf64_over_several_buffers_equals_pcf64_of_their_concatenation():
         whole = np.concatenate(parts)
         assert pcf64_buffers([memoryview(p) for p in parts]) == checksum(whole, "pcf64")
     assert pcf64_buffers([]) == checksum(b"", "pcf64")
+
+
+def test_a_kernel_backend_copies_host_tensors_it_cannot_read_with_torch(monkeypatch):
+    """CPU twin: a pageable host tensor in a chunk for compiled Triton (an RNG state, a
+    non-fused optimizer's step beside CUDA weights) is copied by the torch reference, and
+    its fused pcf64 is still the checksum of the staged bytes."""
+    import pcframe.save.copy as copy_stage
+
+    monkeypatch.setattr(copy_stage, "triton_interpreting", lambda: False, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # compiled Triton
+    source = torch.arange(1000, dtype=torch.float32)
+    flat = source.view(torch.uint8)
+    view = torch.full((4096 + 128,), 7, dtype=torch.uint8)
+    pieces = [(flat, 0, 0, 4000)]
+    copier = copy_stage.Copier("triton", "pcf64")
+    value = copier.fill(pieces, view, None, checksum=True)
+    assert torch.equal(view[:4000], flat)
+    assert not view[4000:].any()  # zero-filled, as the kernel would
+    assert value == checksum(view.numpy(), "pcf64")
+    assert copy_stage.Copier("numba", "pcf64")._kernel_reads(pieces)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_triton_backend_with_host_tensors_beside_cuda_ones(tmp_path, backend):
+    """Non-fused Adam keeps its step counts on the CPU, and the RNG states are CPU tensors:
+    the Triton copy stage took them for device memory and failed every save (H200 run)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256).cuda()
+    optimizer = torch.optim.Adam(model.parameters())  # state["step"]: a CPU tensor
+    model(torch.randn(4, 256, device="cuda")).sum().backward()
+    optimizer.step()
+    assert not optimizer.state[model.weight]["step"].is_cuda
+    with Checkpointer(
+        tmp_path, model=model, optimizer=optimizer, copy_backend=backend, checksum="pcf64"
+    ) as ckpt:
+        ckpt.save(step=1).wait()
+    recomputed_checksums_match(tmp_path / "v00000001")
+    model2 = torch.nn.Linear(256, 256).cuda()
+    optimizer2 = torch.optim.Adam(model2.parameters())
+    with Checkpointer(tmp_path, model=model2, optimizer=optimizer2) as ckpt:
+        ckpt.restore()
+    assert state_equal(model2.state_dict(), model.state_dict())
+    assert optimizer2.state[model2.weight]["step"].item() == 1
