@@ -10,11 +10,13 @@ from typing import Any
 
 from pcframe.errors import ConfigError
 from pcframe.format.checksum import CHECKSUMS
+from pcframe.format.stripes import MAX_STRIPES
 
 PAGE = 4096
 COPY_BACKENDS = ("torch", "numba", "triton", "auto")
 PERSIST_PATHS = ("write", "mmap", "auto")
 _INTEGERS = (
+    "stripes",
     "max_in_flight",
     "writer_threads",
     "chunk_bytes",
@@ -62,6 +64,14 @@ class EngineConfig:
             ``o_direct``), ``"mmap"`` (copy into a shared mapping with the checksum in the
             same pass, then msync) or ``"auto"`` (mmap on DAX / persistent-memory mounts,
             write elsewhere: on tmpfs pwrite measured cheaper than a mapping).
+        stripes: files a version's ``data.bin`` chunks are spread over, chunk ``c`` in file
+            ``c % stripes`` (:mod:`pcframe.format.stripes`). Buffered writes to one file take
+            turns on its lock, so where the page cache is the medium, parallel writers need
+            several files (tmpfs, 2 threads: 5.6 GB/s into one file, 10.7 GB/s into two).
+            ``0`` (auto): ``writer_threads`` files on tmpfs / ramfs, one elsewhere (an
+            O_DIRECT disk writes one file in parallel at the same rate; at most 16). One
+            stripe is the unstriped format, readable by every pcframe; more need format
+            version 4. ``persist: mmap`` always writes one file (a mapping takes no lock).
     """
 
     max_in_flight: int = 2
@@ -78,6 +88,7 @@ class EngineConfig:
     codecs: dict[str, Any] = field(default_factory=dict)
     full_every: int = 8
     persist: str = "auto"
+    stripes: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -112,6 +123,8 @@ class EngineConfig:
             raise bad("copy_backend", f"use one of {', '.join(COPY_BACKENDS)}")
         if self.persist not in PERSIST_PATHS:
             raise bad("persist", f"use one of {', '.join(PERSIST_PATHS)}")
+        if not 0 <= self.stripes <= MAX_STRIPES:
+            raise bad("stripes", f"use 1..{MAX_STRIPES} files per version, or 0 (auto)")
         if not 1 <= self.full_every <= 100:
             raise bad("full_every", "use 1..100 versions per full version (1: no deltas)")
         if not isinstance(self.codecs, Mapping):

@@ -20,7 +20,7 @@ from pcframe.apps.cli_ranks import (
 )
 from pcframe.apps.cli_versions import check_directory, deleted_while_read, explicit_version, pick
 from pcframe.errors import CheckpointError, ManifestError
-from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME, Manifest, read_manifest
+from pcframe.format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from pcframe.restore.reader import LoadedVersion, load_version
 from pcframe.store.directory import CheckpointDir, quarantined_versions
 
@@ -126,7 +126,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("step", str(manifest.step)),
         ("written", _when(manifest.wall_time)),
         ("state", f"{len(manifest.entries)} tensors, {_size(_state_bytes(manifest))}"),
-        ("stored", f"{_size(stored)} in {len(manifest.chunks)} chunks"),
+        ("stored", f"{_size(stored)} in {len(manifest.chunks)} chunks"
+         + (f", striped over {manifest.stripes} files" if manifest.stripes > 1 else "")),
         ("checksum", f"{manifest.checksum} per chunk and segment"),
         ("codecs", ", ".join(codecs) or "none (every tensor raw, bit-exact)"),
         ("delta", f"of version {manifest.delta.base} (depth {manifest.delta.depth})"
@@ -168,6 +169,7 @@ def _summary(manifest: Manifest, tensors: bool) -> dict:
         "written": _when(manifest.wall_time),
         "bytes": manifest.data_size,
         "chunks": len(manifest.chunks),
+        "stripes": manifest.stripes,
         "checksum": manifest.checksum,
         "metadata": manifest.metadata,
         "engine": manifest.engine,
@@ -323,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_inspect)
-    p = sub.add_parser("export", help=f"export a version ({DATA_NAME}) to another format")
+    p = sub.add_parser("export", help="export a version's tensors to another format")
     p.add_argument("directory")
     p.add_argument("--version", type=int)
     p.add_argument("--format", choices=["safetensors"], default="safetensors")

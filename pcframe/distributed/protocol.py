@@ -28,7 +28,6 @@ process. A SaveError on any rank makes that round unpublished; training goes on.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -43,8 +42,9 @@ from pcframe.distributed import record as rec
 from pcframe.distributed.meeting import Meeting
 from pcframe.errors import CheckpointError
 from pcframe.faults import crash_point
-from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME
+from pcframe.format.manifest import MANIFEST_NAME
 from pcframe.format.names import version_name
+from pcframe.format.stripes import stored_data_bytes
 from pcframe.save.handle import SaveHandle
 from pcframe.save.status import SaveStatus
 from pcframe.threads import single_threaded_torch
@@ -218,7 +218,7 @@ class CommitProtocol:
             directory = self.shard_dir / version_name(round_.version)
             try:
                 report["manifest_crc32c"] = rec.manifest_crc(directory / MANIFEST_NAME)
-                report["nbytes"] = os.path.getsize(directory / DATA_NAME)
+                report["nbytes"] = stored_data_bytes(directory)
             except (OSError, CheckpointError) as exc:
                 report.update(status=SaveStatus.FAILED, error=f"committed shard unreadable: {exc}")
         return report

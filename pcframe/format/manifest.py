@@ -17,6 +17,9 @@ and the segments of all tensors tile ``codec.bin`` exactly. A delta version also
 ``delta: {"base": b, "depth": d}``: its ``xor_delta_zstd`` tensors are XORed against the
 same tensors of committed version ``b``, whose own depth is ``d - 1`` (a full version has
 no ``delta`` and depth 0). A reader of version 1 rejects version 2 by the header.
+Version 3 allows numpy scalars in the state tree. Version 4 allows
+``files/data.bin/stripes: K``: the chunks are spread over ``K`` files
+(:mod:`pcframe.format.stripes`); the layout and checksums are those of one ``data.bin``.
 
 This module reads and validates (a coded tensor's segments in
 :mod:`pcframe.format.segments`); the records and their writing are in
@@ -50,6 +53,7 @@ from pcframe.format.records import (
     SegmentRecord,
 )
 from pcframe.format.segments import CodedSegments
+from pcframe.format.stripes import MAX_STRIPES
 from pcframe.format.tree import check_tree
 from pcframe.kernels.dtypes import DTYPES
 
@@ -75,7 +79,7 @@ __all__ = [
     "read_manifest",
 ]
 
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, 4)
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_TENSORS = 1_000_000
 MAX_DIMS = 32
@@ -200,6 +204,12 @@ def parse_body(body: Any, path: str = "<manifest>", format_version: int = 1) -> 
         chunks.append(ChunkRecord(offset, length, item[2]))
     if cursor != data_size:
         raise fail(f"chunks cover {cursor} bytes but the data file holds {data_size}")
+    stripes = 1
+    if "stripes" in data:
+        if format_version < 4:
+            raise fail(f"files/{DATA_NAME}/stripes needs format version 4")
+        most = max(1, min(MAX_STRIPES, expected_chunks))
+        stripes = integer(data["stripes"], f"files/{DATA_NAME}/stripes", 1, most)
     codec_size = 0
     if CODEC_NAME in files:
         if not isinstance(files[CODEC_NAME], dict):
@@ -247,6 +257,7 @@ def parse_body(body: Any, path: str = "<manifest>", format_version: int = 1) -> 
         segments=coded.segments,
         codec_size=codec_size,
         delta=delta,
+        stripes=stripes,
     )
 
 

@@ -18,11 +18,14 @@ from pcframe.errors import ManifestError
 from pcframe.format.layout import Entry, Layout
 
 FORMAT = "pcframe-manifest"
-FORMAT_VERSION = 3  # the newest this code reads and writes
+FORMAT_VERSION = 4  # the newest this code reads and writes
+STRIPED_FORMAT_VERSION = 4  # written when data.bin is striped over several files
+NUMPY_FORMAT_VERSION = 3  # written when the state tree holds a numpy scalar
 CODED_FORMAT_VERSION = 2  # written when a tensor is coded (codec.bin, deltas)
 PLAIN_FORMAT_VERSION = 1  # written when no tensor is coded: readable by every pcframe
-# Version 3 adds numpy scalars to the state tree ({"$np": [dtype, text]}): written only when
-# the tree holds one, so that a pcframe before it says "upgrade" instead of "corrupt".
+# Version 3 adds numpy scalars to the state tree ({"$np": [dtype, text]}), version 4 the
+# stripes of data.bin (files/data.bin/stripes): each written only when used, so that a
+# pcframe before it says "upgrade" instead of "corrupt".
 MANIFEST_NAME = "manifest.json"
 DATA_NAME = "data.bin"
 CODEC_NAME = "codec.bin"
@@ -76,6 +79,7 @@ class Manifest:
     segments: dict[int, list[SegmentRecord]] = field(default_factory=dict)  # coded entries
     codec_size: int = 0  # bytes of codec.bin
     delta: DeltaLink | None = None
+    stripes: int = 1  # files data.bin's chunks are spread over (pcframe.format.stripes)
 
     @property
     def coded(self) -> bool:
@@ -89,8 +93,10 @@ class Manifest:
 
     @property
     def format_version(self) -> int:
+        if self.stripes > 1:
+            return STRIPED_FORMAT_VERSION
         if _holds_numpy_scalar(self.tree):
-            return FORMAT_VERSION
+            return NUMPY_FORMAT_VERSION
         return CODED_FORMAT_VERSION if self.coded else PLAIN_FORMAT_VERSION
 
     @property
@@ -133,6 +139,8 @@ class Manifest:
                 "chunks": [[c.offset, c.length, c.checksum] for c in self.chunks],
             }
         }
+        if self.stripes > 1:
+            files[DATA_NAME]["stripes"] = self.stripes
         if self.coded:
             files[CODEC_NAME] = {"size": self.codec_size}
         body = {

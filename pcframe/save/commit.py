@@ -122,4 +122,5 @@ class Committer:
             segments={i: sorted(r, key=lambda s: s.start) for i, r in write.segments.items()},
             codec_size=write.codec_size,
             delta=write.delta.link if write.delta is not None else None,
+            stripes=write.data_file.stripes if write.data_file is not None else 1,
         )

@@ -96,7 +96,7 @@ class Copier:
             The pcf64 value when ``checksum`` is set, else ``None``. Either way the bytes are
             in ``view`` when this returns.
         """
-        if not self.kernels or not self._kernel_reads(pieces):
+        if not self.kernels or not self._kernel_reads(pieces, view):
             # The torch reference reads every kind of memory: a CPU tensor beside CUDA ones
             # (the RNG states, a non-fused optimizer's step counts) takes this path, and its
             # pcf64 is then a second pass over the host buffer.
@@ -108,8 +108,9 @@ class Copier:
         kernels.gather(pieces, view, backend=self.backend, zero_fill=True, stream=stream).wait()
         return None
 
-    def _kernel_reads(self, pieces: list[PieceLike]) -> bool:
-        """Whether the kernel this backend dispatches to can read every source of ``pieces``."""
+    def _kernel_reads(self, pieces: list[PieceLike], view: torch.Tensor) -> bool:
+        """Whether the kernel this backend dispatches to can read every source of ``pieces``
+        and write ``view``."""
         sources = [p[0] for p in pieces]
         on_cuda = any(t.is_cuda for t in sources)
         if self.backend == "numba":
@@ -117,8 +118,9 @@ class Copier:
         if triton_interpreting():
             return True
         if self.backend == "triton" or on_cuda:  # "auto" sends a CUDA chunk to Triton
-            # Triton kernels dereference device pointers: pageable host memory is out.
-            return all(t.is_cuda or t.is_pinned() for t in sources)
+            # Compiled Triton runs on a CUDA device (a chunk of host tensors alone, pinned
+            # or not, has none) and dereferences device pointers: pageable memory is out.
+            return on_cuda and all(t.is_cuda or t.is_pinned() for t in [*sources, view])
         return True
 
     @staticmethod
@@ -213,11 +215,16 @@ class DeviceCopies:
 
     def abandon(self) -> None:
         """After a failure: return what is still queued to the pool, once the device is
-        done writing into it."""
+        done writing into it. A CUDA error is sticky (every later wait raises it too): each
+        buffer still goes back, and the error that stopped the copy is the one raised."""
         while self._queued:
             _, buffer, event = self._queued.popleft()
-            event.synchronize()
-            self.pool.release(buffer)
+            try:
+                event.synchronize()
+            except Exception:
+                pass  # the failure that brought us here is already on its way up
+            finally:
+                self.pool.release(buffer)
 
     def _hand_off_oldest(self) -> None:
         unit, buffer, event = self._queued.popleft()

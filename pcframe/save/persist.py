@@ -11,7 +11,11 @@
   (page-table setup and a fault per page: 1.3x the CPU time in
   ``experiments/results/engine_paths_cpu.md``), so ``auto`` does not pick it there.
 
-Both reserve the whole size first, so a full disk fails before any byte is written, and both
+* :class:`StripedFile`: ``pwrite`` into several files, chunk ``c`` into file
+  ``c % stripes`` (:mod:`pcframe.format.stripes`): buffered writes to one file take turns on
+  its lock, so on tmpfs the writers need a file each to write in parallel.
+
+All reserve the whole size first, so a full disk fails before any byte is written, and both
 are made durable by :meth:`DataFile.sync` (msync of everything + ``fdatasync``) before the
 commit stage writes the manifest: the crash-consistency argument is the same for both.
 """
@@ -27,7 +31,26 @@ import numpy as np
 import torch
 
 from pcframe.config import PAGE
+from pcframe.format.records import DATA_NAME
+from pcframe.format.stripes import stripe_location, stripe_paths, stripe_sizes
 from pcframe.store.mounts import mount_of
+
+# File systems whose files live in the page cache alone: a buffered write is a memory copy,
+# and one file's lock serializes writers (striping the data file lets them run in parallel).
+PAGE_CACHE_FILE_SYSTEMS = ("tmpfs", "ramfs")
+
+
+# Each stripe holds a descriptor while its version is written or read: auto stays modest.
+AUTO_STRIPES_MAX = 16
+
+
+def choose_stripes(directory: str | os.PathLike[str], setting: int, writers: int) -> int:
+    """Files per version's data for checkpoints in ``directory`` (``setting`` 0 is auto)."""
+    if setting:
+        return setting
+    if mount_of(directory).fs_type in PAGE_CACHE_FILE_SYSTEMS:
+        return min(writers, AUTO_STRIPES_MAX)
+    return 1
 
 
 def choose_persist(directory: str | os.PathLike[str], setting: str) -> str:
@@ -51,6 +74,8 @@ class DataFile(ABC):
     checksums_on_write: bool = False
     #: whether chunks are written with O_DIRECT (recorded in the manifest's engine section)
     direct: bool = False
+    #: files the chunks are spread over (recorded in the manifest: files/data.bin/stripes)
+    stripes: int = 1
 
     def write_length(self, length: int) -> int:
         """Bytes of the staging buffer :meth:`write` will read for a chunk of ``length``."""
@@ -165,10 +190,59 @@ class MappedDataFile(DataFile):
                 self.fd = -1
 
 
-def open_data_file(path: Path, size: int, persist: str, o_direct: str) -> DataFile:
-    """Create ``path`` reserved to ``size`` bytes for the persist path ``persist``."""
+class StripedFile(DataFile):
+    """``data.bin``'s chunks written into ``stripes`` files (:mod:`pcframe.format.stripes`):
+    writers of different chunks do not take turns on one file's lock."""
+
+    def __init__(
+        self, directory: Path, size: int, chunk_bytes: int, stripes: int, o_direct: str
+    ) -> None:
+        self.chunk_bytes, self.stripes = chunk_bytes, stripes
+        self.files: list[WrittenFile] = []
+        try:
+            for path, part in zip(
+                stripe_paths(directory, stripes),
+                stripe_sizes(size, chunk_bytes, stripes),
+                strict=True,
+            ):
+                self.files.append(WrittenFile(path, part, o_direct))
+        except BaseException:
+            self.close()
+            raise
+        self.direct = all(f.direct for f in self.files)
+
+    def write_length(self, length: int) -> int:
+        return self.files[0].write_length(length)
+
+    def write(self, offset: int, buffer: torch.Tensor, length: int, algo: str) -> int | None:
+        stripe, local = stripe_location(offset, self.chunk_bytes, self.stripes)
+        return self.files[stripe].write(local, buffer, length, algo)
+
+    def sync(self) -> None:
+        for f in self.files:
+            f.sync()
+
+    def close(self) -> None:
+        errors = []
+        for f in self.files:  # every stripe, even when one close fails
+            try:
+                f.close()
+            except OSError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+
+def open_data_file(
+    directory: Path, size: int, persist: str, o_direct: str, chunk_bytes: int, stripes: int
+) -> DataFile:
+    """Create a version's data file(s) in ``directory``, reserved to ``size`` bytes in all,
+    for the persist path ``persist`` (a mapping is one file: it has no lock to share)."""
+    path = directory / DATA_NAME
     if persist == "mmap" and size > 0:  # an empty file cannot be mapped; nothing to write
         return MappedDataFile(path, size)
+    if stripes > 1:
+        return StripedFile(directory, size, chunk_bytes, stripes, o_direct)
     return WrittenFile(path, size, o_direct)
 
 

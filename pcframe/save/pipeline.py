@@ -41,12 +41,12 @@ from pcframe.config import PAGE, EngineConfig
 from pcframe.errors import SaveError
 from pcframe.format.checksum import format_digest
 from pcframe.format.layout import Chunk, Layout
-from pcframe.format.manifest import CODEC_NAME, DATA_NAME
+from pcframe.format.manifest import CODEC_NAME
 from pcframe.save.codec import CodecPlan, Segment
 from pcframe.save.commit import CommitListener, Committer
 from pcframe.save.copy import Copier, DeviceCopies, SharedChunks
 from pcframe.save.delta import DeltaTracker
-from pcframe.save.persist import WrittenFile, choose_persist, open_data_file
+from pcframe.save.persist import WrittenFile, choose_persist, choose_stripes, open_data_file
 from pcframe.save.progress import SaveProgress
 from pcframe.save.request import SaveRequest
 from pcframe.save.staging import StagingPool
@@ -84,6 +84,7 @@ class SavePipeline:
         self.copier = Copier(config.copy_backend, config.checksum)
         self.writer = Writer(config)
         self.persist = choose_persist(storage.root, config.persist)
+        self.stripes = choose_stripes(storage.root, config.stripes, config.writer_threads)
         self.deltas = DeltaTracker(config.full_every, storage)
         # Delta chains are closed over even without codecs configured now: versions of an
         # earlier run may be deltas, and a kept one must keep its base.
@@ -316,8 +317,14 @@ class SavePipeline:
                 return
             directory = self.storage.staging_path(write.version)
             directory.mkdir()
+            layout = plan.layout
             write.data_file = open_data_file(
-                directory / DATA_NAME, plan.layout.data_size, self.persist, self.config.o_direct
+                directory,
+                layout.data_size,
+                self.persist,
+                self.config.o_direct,
+                layout.chunk_bytes,
+                max(1, min(self.stripes, layout.num_chunks)),  # no empty stripe files
             )
             write.o_direct = write.data_file.direct
             if plan.segments:
@@ -364,7 +371,13 @@ class SavePipeline:
         if flat is None:
             tensor = write.request.tensors[index]
             if not tensor.is_contiguous():
-                tensor = tensor.contiguous()
+                if tensor.is_cuda and self._side_stream is not None:
+                    # On the side stream, which waits for the training stream and then
+                    # queues the copy of this very tensor: ordered after both.
+                    with torch.cuda.stream(self._side_stream):
+                        tensor = tensor.contiguous()
+                else:
+                    tensor = tensor.contiguous()
             # Two threads may race here: each makes the same bytes, the list keeps one.
             flat = flats[index] = tensor.reshape(-1).view(torch.uint8)
         return flat

@@ -7,7 +7,7 @@ Layout::
       .clean-exit           present while no writer runs, if the last one closed cleanly
       .starts               writer count: numbers each Checkpointer (pcframe.store.starts)
       LATEST                newest committed version (a hint, never ahead of the directories)
-      v00000012/            a committed version: manifest.json + data.bin
+      v00000012/            a committed version: manifest.json + data.bin (+ its stripes)
       v00000013.tmp/        a version being written; removed on the next start
       .trash-v00000009/     a version being deleted by retention
 

@@ -199,7 +199,13 @@ def test_a_kernel_backend_copies_host_tensors_it_cannot_read_with_torch(monkeypa
     assert torch.equal(view[:4000], flat)
     assert not view[4000:].any()  # zero-filled, as the kernel would
     assert value == checksum(view.numpy(), "pcf64")
-    assert copy_stage.Copier("numba", "pcf64")._kernel_reads(pieces)
+    assert copy_stage.Copier("numba", "pcf64")._kernel_reads(pieces, view)
+    # Pinned host tensors alone (CPU-offloaded parameters) are no CUDA chunk either: compiled
+    # Triton has no device to run on, so the torch reference copies them too.
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    assert not copier._kernel_reads(pieces, view)
+    view.fill_(7)
+    assert copier.fill(pieces, view, None, checksum=True) == value
 
 
 @pytest.mark.gpu

@@ -145,3 +145,18 @@ def test_stage_returns_the_buffer_when_queueing_a_copy_fails():
             range(3), enqueue, lambda: False
         )
     assert handed == [] and sum(pool.try_acquire() is not None for _ in range(2)) == 2
+
+
+def test_abandon_returns_every_buffer_even_when_the_device_error_is_sticky():
+    """After a CUDA error every later wait raises it again: all buffers still go back."""
+    pool, log = _pool(8), []
+
+    class Sticky(Copy):
+        def synchronize(self) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    copies = DeviceCopies(pool, lambda unit, buffer: None)
+    for unit in range(4):
+        copies.queued(unit, copies.buffer(), Sticky(log, unit))
+    copies.abandon()
+    assert sum(pool.try_acquire() is not None for _ in range(8)) == 8

@@ -303,3 +303,38 @@ def test_device_tensors_round_trip_and_gate(tmp_path, device):
     for key, value in model2.state_dict().items():
         assert value.device.type == device
         assert torch.equal(value.cpu(), expected[key]), key
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
+    ],
+)
+def test_non_contiguous_device_tensors_are_copied_after_they_are_made_contiguous(tmp_path, device):
+    """channels_last conv weights are not contiguous: the engine makes them so, and on a GPU
+    that kernel must run on the side stream the copy then uses (a review found it on the
+    copy thread's default stream, unordered with the copy). The CPU run is its twin."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Conv2d(32, 32, 3) for _ in range(4)]).to(device)
+    model = model.to(memory_format=torch.channels_last)
+    assert not model[0].weight.is_contiguous()
+    expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    busy = torch.randn(2048, 2048, device=device)
+    with Checkpointer(tmp_path, model=model, chunk_bytes=16384) as ckpt:
+        ckpt.save(step=1)
+        for _ in range(8):  # keep the default stream busy while the copy runs
+            busy = busy @ busy / 2048
+        ckpt.wait()
+    restored = torch.nn.Sequential(*[torch.nn.Conv2d(32, 32, 3) for _ in range(4)]).to(device)
+    with Checkpointer(tmp_path, model=restored) as ckpt:
+        assert ckpt.restore() == 1
+    for key, value in restored.state_dict().items():
+        assert torch.equal(value.cpu(), expected[key]), key

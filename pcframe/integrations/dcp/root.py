@@ -24,7 +24,8 @@ from pcframe.distributed import record as rec
 from pcframe.distributed.index import SavedIndex
 from pcframe.errors import CheckpointError, ManifestError
 from pcframe.faults import crash_point
-from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME, Manifest, read_manifest
+from pcframe.format.manifest import MANIFEST_NAME, Manifest, read_manifest
+from pcframe.format.stripes import stored_data_bytes
 from pcframe.store.directory import CheckpointDir
 
 log = logging.getLogger("pcframe")
@@ -104,7 +105,7 @@ def publish_global(root: Path, version: int, step: int, world_size: int, keep: i
                 version=version,
                 step=step,
                 manifest_crc32c=rec.manifest_crc(manifest),
-                nbytes=os.path.getsize(directory / DATA_NAME),
+                nbytes=stored_data_bytes(directory),
             )
         )
     record = rec.GlobalRecord(version, step, time.time(), world_size, tuple(shards))

@@ -2,7 +2,8 @@
 
 Layout under the tier's root URL::
 
-    v00000012/data.bin        uploaded first (every file of the version but the manifest)
+    v00000012/data.bin        uploaded first (every file of the version but the manifest:
+                              stripes and codec.bin too)
     v00000012/manifest.json   then the manifest
     v00000012/COMMITTED       last: the commit marker (JSON: version, step, file sizes)
 
