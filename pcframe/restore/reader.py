@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import wait
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +46,9 @@ from pcframe.format.manifest import (
     read_manifest,
 )
 from pcframe.format.names import VERSION_DIR, version_name
-from pcframe.format.stripes import stripe_location, stripe_paths, stripe_sizes
 from pcframe.format.tree import DTYPES, decode_tree
 from pcframe.restore.reading import (
+    DataFiles,
     check_size,
     fresh_tensor,
     out_of_memory,
@@ -159,15 +159,11 @@ class _VersionReader:
         self.directory, self.manifest = directory, manifest
         self.threads, self.verify = threads, verify and manifest.checksum != "none"
         self.checksum = checksum_function(manifest.checksum)
-        self.data_paths = stripe_paths(directory, manifest.stripes)
-        self.data_path = self.data_paths[0]
+        self.data = DataFiles(directory, manifest)  # open while reading (and kept for fill)
+        self.data_path = self.data.paths[0]
         self.codec_path = directory / CODEC_NAME
-        sizes = stripe_sizes(manifest.data_size, manifest.chunk_bytes, manifest.stripes)
-        for path, size in zip(self.data_paths, sizes, strict=True):
-            check_size(path, size)
         if manifest.coded:
             check_size(self.codec_path, manifest.codec_size)
-        self._data_fds: list[int] = []  # one per stripe, while reading (and kept for fill)
         self._codec_fd = -1
         self._deferred: list[Chunk] = []  # chunks holding bytes of in-place targets
         self._targets: dict[int, torch.Tensor] = {}
@@ -218,7 +214,7 @@ class _VersionReader:
         kept = False
         try:
             if raw:
-                self._open_data()
+                self.data.open()
             self._codec_fd = open_regular(self.codec_path) if coded else -1
             self._run(tasks)
             # The fill reads the verified files through the same descriptors: a version
@@ -281,37 +277,18 @@ class _VersionReader:
         chunks = [c for c in self._deferred if any(p.entry in flats for p in c.pieces)]
         if not chunks:
             return 0
-        if not self._data_fds:  # released, or a retry after a failed fill
-            self._open_data()
+        if not self.data.is_open:  # released, or a retry after a failed fill
+            self.data.open()
         self._run([lambda c=c: self._read_pieces(c, flats) for c in chunks])
         return sum(t.numel() for t in flats.values())
 
     def release(self) -> None:
         """Close the descriptors kept for :meth:`fill` (idempotent)."""
-        fds, self._data_fds = self._data_fds, []
-        for fd in fds:
-            os.close(fd)
-
-    def _open_data(self) -> None:
-        try:
-            for path in self.data_paths:
-                self._data_fds.append(open_regular(path))
-        except BaseException:
-            self.release()
-            raise
-
-    def _locate(self, chunk: Chunk) -> tuple[int, Path, Chunk]:
-        """The descriptor and path of the file holding ``chunk``, and the chunk with its
-        offset in that file (its stripe's; the same chunk when data.bin is not striped)."""
-        stripes = self.manifest.stripes
-        if stripes == 1:
-            return self._data_fds[0], self.data_path, chunk
-        stripe, local = stripe_location(chunk.offset, self.manifest.chunk_bytes, stripes)
-        return self._data_fds[stripe], self.data_paths[stripe], replace(chunk, offset=local)
+        self.data.close()
 
     def _read_pieces(self, chunk: Chunk, flats: dict[int, torch.Tensor]) -> None:
         """Read only the pieces of ``chunk`` that belong to ``flats`` (no verification)."""
-        fd, path, located = self._locate(chunk)
+        fd, path, located = self.data.locate(chunk)
         for piece in chunk.pieces:
             if piece.entry in flats:
                 target = flats[piece.entry][piece.src_start : piece.src_start + piece.nbytes]
@@ -323,7 +300,7 @@ class _VersionReader:
         targets = {
             p.entry: memoryview(flats[p.entry].numpy()) for p in chunk.pieces if p.entry in flats
         }
-        fd, path, located = self._locate(chunk)
+        fd, path, located = self.data.locate(chunk)
         windows = read_windows(fd, path, located, targets)
         # The checksum consumes the windows in order, so each is read just before it is hashed.
         if self.checksum(windows) != self.manifest.chunks[chunk.index].checksum:

@@ -13,6 +13,7 @@ import os
 import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,8 @@ import torch
 from pcframe.errors import CorruptCheckpoint
 from pcframe.format.files import open_regular
 from pcframe.format.layout import Chunk, Entry
+from pcframe.format.records import Manifest
+from pcframe.format.stripes import stripe_location, stripe_paths, stripe_sizes
 from pcframe.format.tree import DTYPES
 from pcframe.threads import single_threaded_torch
 
@@ -181,3 +184,43 @@ def read_windows(
             at += 1
         preadv_all(fd, buffers, chunk.offset + begin, path)
         yield from buffers
+
+
+class DataFiles:
+    """The data files of one version (``data.bin`` and its stripes): their sizes checked on
+    construction, their descriptors while open, and which file holds a chunk."""
+
+    def __init__(self, directory: Path, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self.paths = stripe_paths(directory, manifest.stripes)
+        sizes = stripe_sizes(manifest.data_size, manifest.chunk_bytes, manifest.stripes)
+        for path, size in zip(self.paths, sizes, strict=True):
+            check_size(path, size)
+        self._fds: list[int] = []
+
+    @property
+    def is_open(self) -> bool:
+        return bool(self._fds)
+
+    def open(self) -> None:
+        try:
+            for path in self.paths:
+                self._fds.append(open_regular(path))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Close every descriptor (idempotent)."""
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)
+
+    def locate(self, chunk: Chunk) -> tuple[int, Path, Chunk]:
+        """The descriptor and path of the file holding ``chunk``, and the chunk with its
+        offset in that file (the same chunk when the data is not striped)."""
+        stripes = self.manifest.stripes
+        if stripes == 1:
+            return self._fds[0], self.paths[0], chunk
+        stripe, local = stripe_location(chunk.offset, self.manifest.chunk_bytes, stripes)
+        return self._fds[stripe], self.paths[stripe], replace(chunk, offset=local)
