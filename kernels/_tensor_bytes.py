@@ -66,6 +66,25 @@ def read_bytes(t: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
     return byte_view(elems)[start : start + nbytes]
 
 
+def _word_aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 8 == 0 and t.storage_offset() % 8 == 0
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+    """``dst.copy_(src)`` for two 1-D uint8 tensors of one length, in 8-byte words where both
+    start on a word boundary. torch copies uint8 elements slower than int64 ones (measured
+    0.85-0.9x on this x86 VM, one thread, 16 MiB at a time), and this copy is the
+    snapshot's: what training waits for."""
+    n = src.numel()
+    words = n - n % 8 if _word_aligned(dst) and _word_aligned(src) else 0
+    if words:
+        dst[:words].view(torch.int64).copy_(
+            src[:words].view(torch.int64), non_blocking=non_blocking
+        )
+    if words < n:
+        dst[words:].copy_(src[words:], non_blocking=non_blocking)
+
+
 def write_bytes(t: torch.Tensor, offset: int, data: torch.Tensor) -> None:
     """Overwrite logical bytes ``[offset, offset + len(data))`` of ``t`` with uint8 ``data``."""
     nbytes = data.numel()

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from pcframe.kernels._tensor_bytes import read_bytes, write_bytes
+from pcframe.kernels._tensor_bytes import copy_bytes, read_bytes, write_bytes
 from pcframe.kernels.checksum import reference as checksum_ref
 from pcframe.kernels.copy._plan import Plan, gaps
 
@@ -24,7 +24,7 @@ def gather(plan: Plan, dst: torch.Tensor, zero_fill: bool) -> list:
         src = (
             temp if temp is not None else read_bytes(p.tensor, int(p.tensor_offset), int(p.nbytes))
         )
-        dst[p.buffer_offset : p.buffer_offset + p.nbytes].copy_(src, non_blocking=True)
+        copy_bytes(dst[p.buffer_offset : p.buffer_offset + p.nbytes], src, non_blocking=True)
     if zero_fill:
         for start, stop in gaps(plan, dst.numel()):
             dst[start:stop].zero_()
