@@ -37,15 +37,15 @@ from typing import Any
 
 import torch
 
-from pcframe.config import PAGE, EngineConfig
+from pcframe.config import EngineConfig
 from pcframe.errors import SaveError
-from pcframe.format.checksum import format_digest
 from pcframe.format.layout import Chunk, Layout
 from pcframe.format.manifest import CODEC_NAME
-from pcframe.save.codec import CodecPlan, Segment
+from pcframe.save.codec import CodecPlan
 from pcframe.save.commit import CommitListener, Committer
 from pcframe.save.copy import Copier, DeviceCopies, SharedChunks
 from pcframe.save.delta import DeltaTracker
+from pcframe.save.fill import Filler
 from pcframe.save.persist import WrittenFile, choose_persist, choose_stripes, open_data_file
 from pcframe.save.progress import SaveProgress
 from pcframe.save.request import SaveRequest
@@ -84,6 +84,7 @@ class SavePipeline:
         self.copier = Copier(config.copy_backend, config.checksum)
         self.writer = Writer(config)
         self.persist = choose_persist(storage.root, config.persist)
+        self.fill = Filler(self.copier, self.persist, config.checksum)
         self.stripes = choose_stripes(storage.root, config.stripes, config.writer_threads)
         self.deltas = DeltaTracker(config.full_every, storage)
         # Delta chains are closed over even without codecs configured now: versions of an
@@ -102,7 +103,6 @@ class SavePipeline:
         # Creates each version's files (posix_fallocate of the whole data file: milliseconds)
         # while the copy thread already copies; one thread, so versions open in order.
         self._opener = WorkerPool(1, "pcframe-open")
-        self._side_stream: Any = None
         self._sharing: SharedChunks | None = None  # the host chunks being copied now
         self._sharing_changed = threading.Condition()  # notified when _sharing is set or done
         self._copy_thread = threading.Thread(
@@ -204,9 +204,9 @@ class SavePipeline:
                     # On the device the tensors live on: this thread's current device is 0
                     # whatever device the training thread set.
                     device = next(t.device for t in write.request.tensors if t.is_cuda)
-                    if self._side_stream is None or self._side_stream.device != device:
-                        self._side_stream = torch.cuda.Stream(device=device)
-                    self._side_stream.wait_event(write.request.cuda_ready)
+                    if self.fill.stream is None or self.fill.stream.device != device:
+                        self.fill.stream = torch.cuda.Stream(device=device)
+                    self.fill.stream.wait_event(write.request.cuda_ready)
                 plan = write.plan
                 if plan and not write.failed:
                     self._copy_chunks(write, plan.layout.chunks, flats)
@@ -214,7 +214,7 @@ class SavePipeline:
                     if write.failed:
                         break
                     self._stage(
-                        write, self.writer.encode_segment, self._fill_segment, segment, flats
+                        write, self.writer.encode_segment, self.fill.segment, segment, flats
                     )
             except BaseException as exc:
                 progress.fail(Stage.SNAPSHOT, exc)
@@ -256,18 +256,14 @@ class SavePipeline:
         for chunk in chunks:
             if write.failed:
                 break
-            self._stage(write, self.writer.write_chunk, self._fill, chunk, flats)
+            self._stage(write, self.writer.write_chunk, self.fill.chunk, chunk, flats)
 
     def _stage_device_chunks(
         self, write: VersionWrite, chunks: list[Chunk], flats: list[Any]
     ) -> None:
         """The torch copy of a CUDA state: a few chunks queued ahead on the side stream."""
 
-        def enqueue(chunk: Chunk, buffer: torch.Tensor) -> Any:
-            length = min(-(-chunk.length // PAGE) * PAGE, len(buffer))
-            pieces = self._pieces(write, chunk, flats)
-            return self.copier.enqueue(pieces, buffer[:length], self._side_stream)
-
+        enqueue = functools.partial(self.fill.device_chunk, write, flats=flats)
         hand_off = functools.partial(self._hand_off, write, self.writer.write_chunk)
         DeviceCopies(self.pool, hand_off).stage(chunks, enqueue, lambda: write.failed)
 
@@ -276,7 +272,7 @@ class SavePipeline:
         while not write.failed and (chunk := sharing.take()) is not None:
             handed = False
             try:
-                self._stage(write, self.writer.write_chunk, self._fill, chunk, sharing.flats)
+                self._stage(write, self.writer.write_chunk, self.fill.chunk, chunk, sharing.flats)
                 handed = True
             except Exception as exc:
                 write.progress.fail(Stage.SNAPSHOT, exc)
@@ -364,55 +360,6 @@ class SavePipeline:
             self.pool.release(buffer)
             if write.done_one():
                 self._commit_queue.put(write)
-
-    def _flat(self, write: VersionWrite, index: int, flats: list[Any]) -> torch.Tensor:
-        """Byte view of one source tensor (made contiguous once, only if it is not)."""
-        flat = flats[index]
-        if flat is None:
-            tensor = write.request.tensors[index]
-            if not tensor.is_contiguous():
-                if tensor.is_cuda and self._side_stream is not None:
-                    # On the side stream, which waits for the training stream and then
-                    # queues the copy of this very tensor: ordered after both.
-                    with torch.cuda.stream(self._side_stream):
-                        tensor = tensor.contiguous()
-                else:
-                    tensor = tensor.contiguous()
-            # Two threads may race here: each makes the same bytes, the list keeps one.
-            flat = flats[index] = tensor.reshape(-1).view(torch.uint8)
-        return flat
-
-    def _fill(
-        self, write: VersionWrite, chunk: Chunk, buffer: torch.Tensor, flats: list[Any]
-    ) -> None:
-        """Stage one data.bin chunk (and, fused into the copy, its pcf64 checksum)."""
-        # Staged to whole pages (the file may not be open yet): an O_DIRECT write reads the
-        # zero tail, a buffered one only ``chunk.length``.
-        length = min(-(-chunk.length // PAGE) * PAGE, len(buffer))
-        pieces = self._pieces(write, chunk, flats)
-        # Fused only where the writer would hash the staged bytes itself (not on the mmap
-        # path, which hashes while it copies into the mapping).
-        if not self.copier.fuses_checksum or self.persist == "mmap":
-            self.copier.fill(pieces, buffer[:length], self._side_stream)
-            return
-        value = self.copier.fill(pieces, buffer[: chunk.length], self._side_stream, checksum=True)
-        if length > chunk.length:
-            buffer[chunk.length : length].zero_()  # O_DIRECT page padding
-        write.checksums[chunk.index] = format_digest(self.config.checksum, value)
-
-    def _pieces(self, write: VersionWrite, chunk: Chunk, flats: list[Any]) -> list[Any]:
-        return [
-            (self._flat(write, p.entry, flats), p.src_start, p.dst_start, p.nbytes)
-            for p in chunk.pieces
-        ]
-
-    def _fill_segment(
-        self, write: VersionWrite, segment: Segment, buffer: torch.Tensor, flats: list[Any]
-    ) -> None:
-        """Stage one segment of a coded tensor: its raw bytes, encoded later by a writer."""
-        source = self._flat(write, segment.entry, flats)
-        piece = (source, segment.start * segment.itemsize, 0, segment.nbytes)
-        self.copier.fill([piece], buffer[: segment.nbytes], self._side_stream)
 
     # --- commit stage ------------------------------------------------------------------
 

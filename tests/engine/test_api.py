@@ -14,7 +14,7 @@ import torch
 import pcframe
 from pcframe import Checkpointer, CheckpointError, ConfigError, DirectoryLocked, EngineConfig
 from pcframe.policies import Decision, FixedSteps, IntervalPolicy, Notice, Restarted, SaveCompleted
-from pcframe.save.pipeline import SavePipeline
+from pcframe.save.fill import Filler
 from pcframe.store.directory import CheckpointDir
 from pcframe.store.retention import KeepWhere
 from tests.engine.helpers import StateBox, small_training, state_equal, train_steps
@@ -22,13 +22,13 @@ from tests.engine.helpers import StateBox, small_training, state_equal, train_st
 
 def test_optimizer_step_waits_for_the_snapshot(tmp_path, monkeypatch):
     """Steps right after save() must not leak into the checkpoint (mixed-step checkpoints)."""
-    original_fill = SavePipeline._fill
+    original_fill = Filler.chunk
 
     def slow_fill(self, *args):
         time.sleep(0.05)  # a slow copy: without the gate the next steps would race it
         original_fill(self, *args)
 
-    monkeypatch.setattr(SavePipeline, "_fill", slow_fill)
+    monkeypatch.setattr(Filler, "chunk", slow_fill)
     model, optimizer, scheduler = small_training()
     train_steps(model, optimizer, scheduler, 2)
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, chunk_bytes=4096) as ckpt:

@@ -13,7 +13,7 @@ from pcframe import Checkpointer, ConfigError, ManifestError, SaveError
 from pcframe.format.manifest import read_manifest
 from pcframe.kernels import dequantize_blockwise, quantize_blockwise
 from pcframe.restore.reader import load_version
-from pcframe.save.pipeline import SavePipeline
+from pcframe.save.fill import Filler
 from tests.engine.helpers import small_training, state_equal, train_steps
 
 MOMENTS = "optimizer/state/*/exp_avg*"
@@ -105,14 +105,14 @@ def test_codec_tensors_are_gated_but_encoding_is_not(tmp_path, monkeypatch):
         time.sleep(0.5)
         return encode(*args)
 
-    original_fill = SavePipeline._fill_segment
+    original_fill = Filler.segment
 
     def slow_fill(self, *args):
         time.sleep(0.05)
         original_fill(self, *args)
 
     monkeypatch.setattr(pipeline_module, "encode_segment", slow_encode)
-    monkeypatch.setattr(SavePipeline, "_fill_segment", slow_fill)
+    monkeypatch.setattr(Filler, "segment", slow_fill)
     model, optimizer, scheduler = small_training()
     train_steps(model, optimizer, scheduler, 2)
     codecs = {"model/*": "zstd", MOMENTS: "zstd"}

@@ -1,0 +1,92 @@
+"""What the copy stage puts into one staging buffer: a data.bin chunk or a coded segment.
+
+The copy thread (and a training thread helping it) calls :class:`Filler` once per buffer;
+:mod:`pcframe.save.copy` holds the kernels that do the copying.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pcframe.config import PAGE
+from pcframe.format.checksum import format_digest
+from pcframe.format.layout import Chunk
+from pcframe.save.codec import Segment
+from pcframe.save.copy import Copier
+from pcframe.save.write import VersionWrite
+
+
+class Filler:
+    """Fills staging buffers from the tensors of the version being copied.
+
+    Args:
+        copier: the copy stage's kernel.
+        persist: the persist path (``"mmap"`` hashes while it writes: no fused checksum).
+        checksum: the chunk checksum algorithm (recorded when fused into the copy).
+
+    ``stream`` is the CUDA side stream of the version being copied (``None`` for a host
+    state): the copy thread sets it, and waits it for the training stream, per version.
+    """
+
+    def __init__(self, copier: Copier, persist: str, checksum: str) -> None:
+        self.copier, self.persist, self.checksum = copier, persist, checksum
+        self.stream: Any = None
+
+    def flat(self, write: VersionWrite, index: int, flats: list[Any]) -> torch.Tensor:
+        """Byte view of one source tensor (made contiguous once, only if it is not)."""
+        flat = flats[index]
+        if flat is None:
+            tensor = write.request.tensors[index]
+            if not tensor.is_contiguous():
+                if tensor.is_cuda and self.stream is not None:
+                    # On the side stream, which waits for the training stream and then
+                    # queues the copy of this very tensor: ordered after both.
+                    with torch.cuda.stream(self.stream):
+                        tensor = tensor.contiguous()
+                else:
+                    tensor = tensor.contiguous()
+            # Two threads may race here: each makes the same bytes, the list keeps one.
+            flat = flats[index] = tensor.reshape(-1).view(torch.uint8)
+        return flat
+
+    def pieces(self, write: VersionWrite, chunk: Chunk, flats: list[Any]) -> list[Any]:
+        """The chunk's pieces bound to this version's tensors (the kernels' input)."""
+        return [
+            (self.flat(write, p.entry, flats), p.src_start, p.dst_start, p.nbytes)
+            for p in chunk.pieces
+        ]
+
+    def chunk(
+        self, write: VersionWrite, chunk: Chunk, buffer: torch.Tensor, flats: list[Any]
+    ) -> None:
+        """Stage one data.bin chunk (and, fused into the copy, its pcf64 checksum)."""
+        # Staged to whole pages (the file may not be open yet): an O_DIRECT write reads the
+        # zero tail, a buffered one only ``chunk.length``.
+        length = min(-(-chunk.length // PAGE) * PAGE, len(buffer))
+        pieces = self.pieces(write, chunk, flats)
+        # Fused only where the writer would hash the staged bytes itself (not on the mmap
+        # path, which hashes while it copies into the mapping).
+        if not self.copier.fuses_checksum or self.persist == "mmap":
+            self.copier.fill(pieces, buffer[:length], self.stream)
+            return
+        value = self.copier.fill(pieces, buffer[: chunk.length], self.stream, checksum=True)
+        if length > chunk.length:
+            buffer[chunk.length : length].zero_()  # O_DIRECT page padding
+        write.checksums[chunk.index] = format_digest(self.checksum, value)
+
+    def device_chunk(
+        self, write: VersionWrite, chunk: Chunk, buffer: torch.Tensor, *, flats: list[Any]
+    ) -> Any:
+        """Queue the torch copy of one chunk of a CUDA state; returns its CUDA event."""
+        length = min(-(-chunk.length // PAGE) * PAGE, len(buffer))
+        return self.copier.enqueue(self.pieces(write, chunk, flats), buffer[:length], self.stream)
+
+    def segment(
+        self, write: VersionWrite, segment: Segment, buffer: torch.Tensor, flats: list[Any]
+    ) -> None:
+        """Stage one segment of a coded tensor: its raw bytes, encoded later by a writer."""
+        source = self.flat(write, segment.entry, flats)
+        piece = (source, segment.start * segment.itemsize, 0, segment.nbytes)
+        self.copier.fill([piece], buffer[: segment.nbytes], self.stream)
