@@ -128,6 +128,7 @@ class Checkpointer:
                 started.append(source)  # first: a start that fails half-way is undone too
                 source.start()  # signal handlers: must run in the main thread
             self.capture = Capture(self.objects, config)
+            self._prepared = False  # SavePipeline.prepare asked for (by decide)
             self.flight = InFlight(config.max_in_flight)
             keep = [KeepWhere("tiers", self.tiers.keep)]
             self.pipeline = SavePipeline(config, self.storage, self.flight.finished, keep)
@@ -201,6 +202,10 @@ class Checkpointer:
         if decision.emergency and notice is None:
             notice = policy_notice(self.policy, now)
         self.notice = notice
+        if not decision.save and not self._prepared and self.capture.sized():
+            self._prepared = True  # the staging pool, ahead of the first save
+            with contextlib.suppress(Exception):  # an odd state: that save says what is wrong
+                self.pipeline.prepare(*self.capture.footprint())
         return decision
 
     def context(

@@ -70,6 +70,21 @@ class Capture:
             cuda_ready=cuda_ready,
         )
 
+    def sized(self) -> bool:
+        """Whether the state has its training size: an optimizer's moments appear at its
+        first step."""
+        optimizer = self.objects.optimizer
+        return optimizer is None or bool(optimizer.state)
+
+    def footprint(self) -> tuple[int, bool]:
+        """Bytes a version of the state as it is now would stage, and whether any of its
+        tensors is on a GPU: the layout alone, nothing copied or recorded."""
+        refs: list[TensorRef] = []
+        encode_tree(self._tree(), "", refs)
+        live = [(ref.path.lstrip("/"), ref.tensor) for ref in refs]
+        layout = Layout.build(live, self.config.chunk_bytes, self.config.tensor_align)
+        return layout.data_size, any(t.is_cuda for _, t in live)
+
     def _tree(self) -> dict[str, Any]:
         o = self.objects
         tree: dict[str, Any] = {}

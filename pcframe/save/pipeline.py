@@ -103,6 +103,7 @@ class SavePipeline:
         # Creates each version's files (posix_fallocate of the whole data file: milliseconds)
         # while the copy thread already copies; one thread, so versions open in order.
         self._opener = WorkerPool(1, "pcframe-open")
+        self._warming: threading.Thread | None = None  # the pool allocated ahead (prepare)
         self._sharing: SharedChunks | None = None  # the host chunks being copied now
         self._sharing_changed = threading.Condition()  # notified when _sharing is set or done
         self._copy_thread = threading.Thread(
@@ -131,6 +132,24 @@ class SavePipeline:
             self._copy_thread.start()
             self._commit_thread.start()
         self._copy_queue.put(VersionWrite(request, progress))
+
+    def prepare(self, state_bytes: int, pinned: bool) -> None:
+        """Allocate the staging pool, pages faulted in, on a thread of its own before the
+        first save, so that save does not: the first save of a 0.56 GiB state stalled
+        3-20x a later one on this 2-core VM, and pinning a 12 GiB pool took 10 s on the
+        H200 host (experiments/results/gpu_h200.md). A save meanwhile waits for it, as
+        before; a refused allocation is left for that save to report."""
+        if self._warming is not None or self._started:
+            return
+        budget = self._staging_budget(state_bytes)
+
+        def warm() -> None:
+            single_threaded_torch()
+            with contextlib.suppress(MemoryError):
+                self.pool.ensure(budget, pinned, touch=True)
+
+        self._warming = threading.Thread(target=warm, name="pcframe-warm", daemon=True)
+        self._warming.start()
 
     def wait_for_copies(self, progresses: Sequence[SaveProgress]) -> None:
         """Block the training thread until these versions' snapshots are copied.

@@ -67,23 +67,28 @@ class StagingPool:
     def capacity_bytes(self) -> int:
         return self._count * self.chunk_bytes
 
-    def ensure(self, budget_bytes: int, pinned: bool) -> None:
+    def ensure(self, budget_bytes: int, pinned: bool, *, touch: bool = False) -> None:
         """Size the pool to ``budget_bytes`` (rounded down to whole chunks, at least one).
 
         Reallocates only while no buffer is out, so a resize never races a copy in progress.
+        ``touch`` faults every page in now (for an allocation ahead of the first save: the
+        copy then writes into resident memory), before any buffer can be handed out.
 
         Raises:
             MemoryError: the allocation was refused (no pool until a later save allocates one).
         """
         count = max(1, budget_bytes // self.chunk_bytes)
         with self._cond:
-            if count == self._count and pinned == self._pinned:
+            if self._closed or (count == self._count and pinned == self._pinned):
                 return
             if self._out:
                 return  # try again at a later save
             self._free = []  # free the old pool before the new one
             try:
                 self._free = self._allocate(count, pinned)
+                if touch and not pinned:  # pinned memory is resident once allocated
+                    for buffer in self._free:
+                        buffer.numpy()[::PAGE] = 0  # one write per page faults it in
             except (MemoryError, RuntimeError) as exc:  # numpy / torch refuse the allocation
                 self._count = 0  # no pool now: the next save allocates again
                 self._cond.notify_all()  # a queued version's copy fails instead of waiting
