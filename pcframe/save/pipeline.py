@@ -20,6 +20,7 @@ Threads (all started once per engine, reused by every version):
   (:mod:`pcframe.save.write`); then returns the buffer to the pool.
 * one **commit** thread finishes versions in the order their last chunk lands
   (:mod:`pcframe.save.commit`): sync, manifest, publish, LATEST, retention.
+* once, before the first save, a **warm** thread allocates the staging pool (:meth:`prepare`).
 
 A failure in any stage marks the version failed; its staging directory is removed and the
 error is handed to the training thread, which raises it at its next engine call.
@@ -134,11 +135,8 @@ class SavePipeline:
         self._copy_queue.put(VersionWrite(request, progress))
 
     def prepare(self, state_bytes: int, pinned: bool) -> None:
-        """Allocate the staging pool, pages faulted in, on a thread of its own before the
-        first save, so that save does not: the first save of a 0.56 GiB state stalled
-        3-20x a later one on this 2-core VM, and pinning a 12 GiB pool took 10 s on the
-        H200 host (experiments/results/gpu_h200.md). A save meanwhile waits for it, as
-        before; a refused allocation is left for that save to report."""
+        """Allocate the staging pool (pages faulted in) on its own thread before the first
+        save, which then does not (docs/architecture.md); a refused one is that save's."""
         if self._warming is not None or self._started:
             return
         budget = self._staging_budget(state_bytes)
