@@ -128,7 +128,6 @@ class Checkpointer:
                 started.append(source)  # first: a start that fails half-way is undone too
                 source.start()  # signal handlers: must run in the main thread
             self.capture = Capture(self.objects, config)
-            self._prepared = False  # SavePipeline.prepare asked for (by decide)
             self.flight = InFlight(config.max_in_flight)
             keep = [KeepWhere("tiers", self.tiers.keep)]
             self.pipeline = SavePipeline(config, self.storage, self.flight.finished, keep)
@@ -187,7 +186,9 @@ class Checkpointer:
 
         Measures the iteration time, polls the notice sources and records the pending
         notice, as :meth:`maybe_save` does (which is ``decide`` plus the save it asks for);
-        multi-rank jobs use it to agree on one decision before saving together.
+        multi-rank jobs use it to agree on one decision before saving together. Before the
+        first save, a decision not to save may also size the state and start allocating
+        the staging pool on a thread of its own (:meth:`SavePipeline.prepare`).
         """
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int):
@@ -202,10 +203,12 @@ class Checkpointer:
         if decision.emergency and notice is None:
             notice = policy_notice(self.policy, now)
         self.notice = notice
-        if not decision.save and not self._prepared and self.capture.sized():
-            self._prepared = True  # the staging pool, ahead of the first save
-            with contextlib.suppress(Exception):  # an odd state: that save says what is wrong
-                self.pipeline.prepare(*self.capture.footprint())
+        if not decision.save and not self.pipeline.started:  # the pool, ahead of the save
+            try:
+                if (size := self.capture.new_footprint(self.flight.steps)) is not None:
+                    self.pipeline.prepare(*size)
+            except Exception as exc:  # an odd state: the first save says what is wrong
+                log.debug("staging pool not prepared ahead of the first save: %s", exc)
         return decision
 
     def context(

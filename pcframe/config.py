@@ -39,7 +39,8 @@ class EngineConfig:
         writer_threads: threads writing chunks of all in-flight versions.
         chunk_bytes: size of one staging buffer and one checksummed unit on disk.
         staging_bytes: host staging budget in bytes; ``None`` means
-            ``staging_ratio`` x the size of the state (computed at the first save).
+            ``staging_ratio`` x the size of the state (computed before the first save once
+            the state's size is known, else at it).
         staging_ratio: see ``staging_bytes``. 1.0 stages one whole version; PCcheck uses 2
             so that two overlapping saves never wait for buffers.
         o_direct: ``"off"``, ``"on"`` (error if the file system refuses) or ``"auto"``.

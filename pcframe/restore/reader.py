@@ -5,7 +5,8 @@ The one reader of the engine: :func:`load_version` reads a whole version (a rest
 another rank's shard). Either way only the chunks and segments holding the wanted tensors
 are read, and each of them is verified.
 
-Raw chunks are read with ``preadv`` straight into freshly allocated tensors (no staging
+Raw chunks (from ``data.bin`` or its stripes) are read with ``preadv`` straight into freshly
+allocated tensors (no staging
 copy) and checksummed in the same worker thread, a window of ``READ_WINDOW`` bytes at a
 time (:func:`~pcframe.restore.reading.read_windows`): each window is hashed right after it
 is read, while its bytes are still in the CPU's cache. Bytes only the checksum needs go to

@@ -1,5 +1,6 @@
-"""The reader's I/O: its reading threads, file size checks, the ``preadv`` loop, and a
-chunk read a window at a time for hashing as it arrives.
+"""The reader's I/O: its reading threads, file size checks, the ``preadv`` loop, a chunk
+read a window at a time for hashing as it arrives, and :class:`DataFiles` (a version's
+``data.bin`` and its stripes, and which file holds a chunk).
 
 The reading threads are started once per thread count and kept (starting them for every
 restore cost 50 ms on a loaded 2-core machine); they run torch on one OpenMP thread like

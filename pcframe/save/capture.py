@@ -32,6 +32,7 @@ class Capture:
         self._names_key: tuple | None = None  # the param groups _names was made from
         self._names: list[list[str | None]] = []
         self._buffers: frozenset[str] = frozenset()  # model buffers' tree paths (by layout)
+        self._footprint_key: int | None = None  # size_key at the last new_footprint
 
     def request(self, version: int, step: int, metadata: dict[str, Any]) -> SaveRequest:
         """Capture the state now as version ``version`` at ``step``.
@@ -70,15 +71,29 @@ class Capture:
             cuda_ready=cuda_ready,
         )
 
-    def sized(self) -> bool:
-        """Whether the state has its training size: an optimizer's moments appear at its
-        first step."""
+    def new_footprint(self, steps: int) -> tuple[int, bool] | None:
+        """:meth:`footprint` when the state's size is known and may have changed since the
+        last call (:meth:`size_key`), else None."""
+        key = self.size_key(steps)
+        if key is None or key == self._footprint_key:
+            return None
+        self._footprint_key = key
+        return self.footprint()
+
+    def size_key(self, steps: int) -> int | None:
+        """What the state's size follows, or None while it is not known. An optimizer
+        makes a parameter's moments at its first step with a gradient, so once it has
+        stepped (``steps`` seen by the gate) or holds state, the key is how many parameters
+        have state: it grows when a branch first gets a gradient (a mixture of experts)."""
         optimizer = self.objects.optimizer
-        return optimizer is None or bool(optimizer.state)
+        if optimizer is None:
+            return 0
+        return len(optimizer.state) if steps or optimizer.state else None
 
     def footprint(self) -> tuple[int, bool]:
         """Bytes a version of the state as it is now would stage, and whether any of its
-        tensors is on a GPU: the layout alone, nothing copied or recorded."""
+        tensors is on a GPU: the layout alone, nothing copied or recorded (the staging pool
+        is sized from it ahead of the first save: ``Checkpointer.decide``)."""
         refs: list[TensorRef] = []
         encode_tree(self._tree(), "", refs)
         live = [(ref.path.lstrip("/"), ref.tensor) for ref in refs]

@@ -1,10 +1,16 @@
 """The copy stage's kernel: fill one staging buffer from byte ranges of the source tensors.
 
-``copy_backend="torch"`` runs the kernels' torch reference (``Tensor.copy_`` per piece, on
-the engine's CUDA side stream for GPU tensors). The other backends go through
-:mod:`pcframe.kernels`: ``gather`` (Numba copies with the GIL released; Triton writes straight
-into pinned memory), and with the ``pcf64`` checksum ``gather_checksum``, which hashes each
-piece while it is in cache, so the writer does not read the chunk a second time.
+``copy_backend="torch"`` runs the kernels' torch reference (``Tensor.copy_`` per piece, in
+8-byte words where aligned, on the engine's CUDA side stream for GPU tensors). The other
+backends go through :mod:`pcframe.kernels`: ``gather`` (Numba copies with the GIL released;
+Triton writes straight into pinned memory), and with the ``pcf64`` checksum
+``gather_checksum``, which hashes each piece while it is in cache, so the writer does not
+read the chunk a second time. A chunk holding a tensor the backend's kernel cannot read goes
+to the torch reference instead (:class:`Copier`).
+
+Also here: :class:`SharedChunks`, a version's host chunks taken by the copy thread and a
+training thread waiting for it, and :class:`DeviceCopies`, a version's CUDA chunks queued a
+few ahead on the side stream.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ class InFlight:
         self._finished: list[SaveProgress] = []
         self._finished_lock = threading.Lock()
         self._copying: list[SaveProgress] = []  # snapshot copy not yet done
+        self.steps = 0  # optimizer steps the gate has seen (the state is sized after one)
         self._unfinished: list[SaveProgress] = []  # not yet reported as finished
         self._commits, self._summary_at = 0, None  # for the periodic INFO line
         # How the training thread waits for snapshot copies (the pipeline's
@@ -65,6 +66,7 @@ class InFlight:
 
     def gate(self, *_: Any) -> None:
         """Optimizer step pre-hook: wait for in-flight snapshots of the weights it will change."""
+        self.steps += 1
         still = [p for p in self._copying if not p.copy_done.is_set()]
         if still:
             start = time.perf_counter()

@@ -1,4 +1,5 @@
-"""The persist stage's two ways into a data file: ``pwrite`` (optionally O_DIRECT) or a mapping.
+"""The persist stage's ways into a version's data: ``pwrite`` (optionally O_DIRECT) into one
+file or several (stripes), or a mapping.
 
 * :class:`WrittenFile`: ``pwrite`` of each staged chunk; with O_DIRECT the chunk is written
   padded to whole pages (the tail is cut off again in :meth:`WrittenFile.sync`), so page
@@ -13,11 +14,14 @@
 
 * :class:`StripedFile`: ``pwrite`` into several files, chunk ``c`` into file
   ``c % stripes`` (:mod:`pcframe.format.stripes`): buffered writes to one file take turns on
-  its lock, so on tmpfs the writers need a file each to write in parallel.
+  its lock, so on tmpfs the writers need a file each to write in parallel
+  (:func:`choose_stripes`); each stripe is a :class:`WrittenFile` (O_DIRECT per
+  ``o_direct``).
 
-All reserve the whole size first, so a full disk fails before any byte is written, and both
-are made durable by :meth:`DataFile.sync` (msync of everything + ``fdatasync``) before the
-commit stage writes the manifest: the crash-consistency argument is the same for both.
+All reserve the whole size first, so a full disk fails before any byte is written, and all
+are made durable by :meth:`DataFile.sync` (msync of everything, ``fdatasync`` of every
+file) before the commit stage writes the manifest: the crash-consistency argument is the
+same for each.
 """
 
 from __future__ import annotations

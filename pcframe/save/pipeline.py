@@ -20,7 +20,8 @@ Threads (all started once per engine, reused by every version):
   (:mod:`pcframe.save.write`); then returns the buffer to the pool.
 * one **commit** thread finishes versions in the order their last chunk lands
   (:mod:`pcframe.save.commit`): sync, manifest, publish, LATEST, retention.
-* once, before the first save, a **warm** thread allocates the staging pool (:meth:`prepare`).
+* before the first save, a short-lived **warm** thread allocates the staging pool
+  (:meth:`prepare`; the others are started at the first save and reused by every version).
 
 A failure in any stage marks the version failed; its staging directory is removed and the
 error is handed to the training thread, which raises it at its next engine call.
@@ -134,10 +135,15 @@ class SavePipeline:
             self._commit_thread.start()
         self._copy_queue.put(VersionWrite(request, progress))
 
+    @property
+    def started(self) -> bool:
+        """Whether a save has been submitted (the pipeline's threads run)."""
+        return self._started
+
     def prepare(self, state_bytes: int, pinned: bool) -> None:
         """Allocate the staging pool (pages faulted in) on its own thread before the first
         save, which then does not (docs/architecture.md); a refused one is that save's."""
-        if self._warming is not None or self._started:
+        if self._started or (self._warming is not None and self._warming.is_alive()):
             return
         budget = self._staging_budget(state_bytes)
 

@@ -59,6 +59,7 @@ class StagingPool:
         self._pinned = False
         self._closed = False
         self._training_waits = 0  # training-thread waits in progress (copy goes first)
+        self._sized_by_save = False  # a save's ensure has sized the pool (ahead ones yield)
         # Threads waiting in acquire() for a buffer to come back: a set of thread ids, not a
         # count, so an interrupt inside acquire cannot leave it off by one for good.
         self._acquiring: set[int] = set()
@@ -79,6 +80,10 @@ class StagingPool:
         """
         count = max(1, budget_bytes // self.chunk_bytes)
         with self._cond:
+            if not touch:
+                self._sized_by_save = True
+            elif self._sized_by_save:
+                return  # ahead of the first save, but a save has sized the pool meanwhile
             if self._closed or (count == self._count and pinned == self._pinned):
                 return
             if self._out:
@@ -90,7 +95,7 @@ class StagingPool:
                     for buffer in self._free:
                         buffer.numpy()[::PAGE] = 0  # one write per page faults it in
             except (MemoryError, RuntimeError) as exc:  # numpy / torch refuse the allocation
-                self._count = 0  # no pool now: the next save allocates again
+                self._free, self._count = [], 0  # no pool now: the next save allocates again
                 self._cond.notify_all()  # a queued version's copy fails instead of waiting
                 # Memory, not configuration: the same knobs may work at the next save.
                 raise MemoryError(

@@ -91,3 +91,60 @@ def test_close_while_the_pool_is_warming_does_not_hang_or_keep_it(tmp_path, monk
     assert time.monotonic() - started < 10
     assert _warmed(ckpt)
     assert not pool._free  # closed: nothing kept
+
+
+class TwoBranches(torch.nn.Module):
+    """A branch that first gets a gradient later (a mixture of experts' expert)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(512, 512), torch.nn.Linear(512, 512)
+
+    def forward(self, x: torch.Tensor, both: bool) -> torch.Tensor:
+        return self.a(x) + (self.b(x) if both else 0)
+
+
+def test_the_pool_grows_ahead_when_a_branch_first_gets_its_moments(tmp_path):
+    torch.manual_seed(0)
+    model = TwoBranches()
+    optimizer = torch.optim.Adam(model.parameters())
+    policy = P.FixedSteps(1000)
+
+    def step(both: bool) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(torch.randn(2, 512), both).sum().backward()
+        optimizer.step()
+
+    with Checkpointer(
+        tmp_path, model=model, optimizer=optimizer, policy=policy, chunk_bytes=1 << 20
+    ) as ckpt:
+        step(False)
+        assert ckpt.maybe_save(1) is None and _warmed(ckpt)
+        first = ckpt.pipeline.pool.capacity_bytes
+        step(True)  # b's moments now exist: the state is larger
+        assert ckpt.maybe_save(2) is None and _warmed(ckpt)
+        nbytes, _ = ckpt.capture.footprint()
+        assert ckpt.pipeline.pool.capacity_bytes >= nbytes > first
+
+
+def test_an_optimizer_without_state_is_sized_after_its_first_step(tmp_path):
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # no momentum: no state ever
+    with Checkpointer(
+        tmp_path, model=model, optimizer=optimizer, policy=P.FixedSteps(1000)
+    ) as ckpt:
+        assert ckpt.maybe_save(0) is None
+        assert ckpt.pipeline._warming is None  # not stepped yet: not known to be final
+        model(torch.randn(2, 64)).sum().backward()
+        optimizer.step()
+        assert ckpt.maybe_save(1) is None and _warmed(ckpt)
+        assert ckpt.pipeline.pool.capacity_bytes > 0
+
+
+def test_a_pool_a_save_sized_is_not_resized_by_a_late_warm_up():
+    from pcframe.save.staging import StagingPool
+
+    pool = StagingPool(CHUNK)
+    pool.ensure(8 * CHUNK, pinned=False)  # the first save's own sizing
+    pool.ensure(2 * CHUNK, pinned=False, touch=True)  # a warm thread that lost the race
+    assert pool.capacity_bytes == 8 * CHUNK

@@ -183,3 +183,21 @@ def test_gather_same_result_for_all_backends_on_many_small_pieces() -> None:
         outs.append(gather_checksum(pieces, dst, backend=backend).result())
         assert np.array_equal(dst.numpy(), _expected(entries, size, 0))
     assert outs[0] == outs[1]
+
+
+def test_copy_bytes_in_words_equals_copy_for_every_alignment_and_strided_sources():
+    from pcframe.kernels._tensor_bytes import copy_bytes
+
+    base = torch.arange(256, dtype=torch.uint8)
+    for start in range(9):
+        for length in (0, 1, 7, 8, 9, 63, 64, 65):
+            for dst_start in (0, 3, 8):
+                dst = torch.zeros(256, dtype=torch.uint8)
+                expected = dst.clone()
+                expected[dst_start : dst_start + length] = base[start : start + length]
+                copy_bytes(dst[dst_start : dst_start + length], base[start : start + length])
+                assert torch.equal(dst, expected), (start, length, dst_start)
+    strided = base[::2][:40]  # not contiguous: copied element by element
+    dst = torch.zeros(40, dtype=torch.uint8)
+    copy_bytes(dst, strided)
+    assert torch.equal(dst, strided)
