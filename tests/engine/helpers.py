@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
+
+# A test parametrized over these runs on the CPU everywhere (the twin) and on CUDA where
+# there is a GPU (marked gpu).
+CPU_AND_CUDA = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
+]
 
 
 def small_training(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, object]:

@@ -11,7 +11,7 @@ import torch
 
 from pcframe import Checkpointer
 from pcframe.format.layout import Layout
-from tests.engine.helpers import StateBox, small_training, state_equal, train_steps
+from tests.engine.helpers import CPU_AND_CUDA, StateBox, small_training, state_equal, train_steps
 
 DTYPES = [
     torch.float32,
@@ -270,19 +270,7 @@ def test_layout_chunks_cover_every_tensor_byte_once(chunk_bytes):
     assert all(e.offset % 64 == 0 for e in layout.entries)
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_device_tensors_round_trip_and_gate(tmp_path, device):
     """GPU path: side-stream copy into pinned staging; the CPU run is its twin."""
     torch.manual_seed(0)
@@ -305,19 +293,7 @@ def test_device_tensors_round_trip_and_gate(tmp_path, device):
         assert torch.equal(value.cpu(), expected[key]), key
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_non_contiguous_device_tensors_are_copied_after_they_are_made_contiguous(tmp_path, device):
     """channels_last conv weights are not contiguous: the engine makes them so, and on a GPU
     that kernel must run on the side stream the copy then uses (a review found it on the

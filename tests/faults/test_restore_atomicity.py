@@ -25,6 +25,7 @@ from pcframe import Checkpointer, CheckpointError, ResumableLoader, ResumableSam
 from pcframe.restore.check import StateMismatch
 from pcframe.rng import capture_rng, check_rng
 from pcframe.store.directory import CheckpointDir
+from tests.engine.helpers import CPU_AND_CUDA
 from tests.engine.test_hostile_manifest import rewrite
 
 SAVED_STEP = 3
@@ -533,19 +534,7 @@ def test_check_rng_accepts_captured_states_and_names_each_damaged_one():
     assert check_rng({"torch": torch.zeros(5056, dtype=torch.uint8)})["torch"].startswith("refused")
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_checks_and_rollback_on_the_device(tmp_path, device):
     """Device tensors: the scratch optimizer step, the host snapshot, the CUDA RNG check."""
 
