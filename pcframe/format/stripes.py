@@ -34,9 +34,10 @@ def stripe_location(offset: int, chunk_bytes: int, stripes: int) -> tuple[int, i
 def stripe_sizes(data_size: int, chunk_bytes: int, stripes: int) -> list[int]:
     """Bytes of each stripe file of a layout of ``data_size`` bytes."""
     chunks = -(-data_size // chunk_bytes)
-    sizes = [0] * stripes
-    for chunk in range(chunks):
-        sizes[chunk % stripes] += min(chunk_bytes, data_size - chunk * chunk_bytes)
+    per, extra = divmod(chunks, stripes)
+    sizes = [(per + (s < extra)) * chunk_bytes for s in range(stripes)]
+    if chunks:  # the layout's last chunk may be short
+        sizes[(chunks - 1) % stripes] -= chunks * chunk_bytes - data_size
     return sizes
 
 

@@ -43,9 +43,7 @@ class Capture:
         """
         if isinstance(step, bool) or not isinstance(step, int) or abs(step) > MAX_STEP:
             raise ValueError(f"step={step!r}: a checkpoint's step is an integer in ±2**62")
-        refs: list[TensorRef] = []
-        encoded = encode_tree(self._tree(), "", refs)
-        live = [(ref.path.lstrip("/"), ref.tensor) for ref in refs]
+        encoded, refs, live = self._encoded()
         signature = Layout.signature(live)
         changed = self._layout is None or self._layout_signature != signature
         if changed:  # before any storage is touched (a sparse tensor has none)
@@ -94,11 +92,15 @@ class Capture:
         """Bytes a version of the state as it is now would stage, and whether any of its
         tensors is on a GPU: the layout alone, nothing copied or recorded (the staging pool
         is sized from it ahead of the first save: ``Checkpointer.decide``)."""
-        refs: list[TensorRef] = []
-        encode_tree(self._tree(), "", refs)
-        live = [(ref.path.lstrip("/"), ref.tensor) for ref in refs]
+        _, _, live = self._encoded()
         layout = Layout.build(live, self.config.chunk_bytes, self.config.tensor_align)
         return layout.data_size, any(t.is_cuda for _, t in live)
+
+    def _encoded(self) -> tuple[Any, list[TensorRef], list[tuple[str, torch.Tensor]]]:
+        """The state tree encoded now, its tensor references, and ``(name, tensor)`` of each."""
+        refs: list[TensorRef] = []
+        encoded = encode_tree(self._tree(), "", refs)
+        return encoded, refs, [(ref.path.lstrip("/"), ref.tensor) for ref in refs]
 
     def _tree(self) -> dict[str, Any]:
         o = self.objects

@@ -62,9 +62,7 @@ class Filler:
         self, write: VersionWrite, chunk: Chunk, buffer: torch.Tensor, flats: list[Any]
     ) -> None:
         """Stage one data.bin chunk (and, fused into the copy, its pcf64 checksum)."""
-        # Staged to whole pages (the file may not be open yet): an O_DIRECT write reads the
-        # zero tail, a buffered one only ``chunk.length``.
-        length = min(-(-chunk.length // PAGE) * PAGE, len(buffer))
+        length = _padded(chunk, buffer)
         pieces = self.pieces(write, chunk, flats)
         # Fused only where the writer would hash the staged bytes itself (not on the mmap
         # path, which hashes while it copies into the mapping).
@@ -80,8 +78,8 @@ class Filler:
         self, write: VersionWrite, chunk: Chunk, buffer: torch.Tensor, *, flats: list[Any]
     ) -> Any:
         """Queue the torch copy of one chunk of a CUDA state; returns its CUDA event."""
-        length = min(-(-chunk.length // PAGE) * PAGE, len(buffer))
-        return self.copier.enqueue(self.pieces(write, chunk, flats), buffer[:length], self.stream)
+        view = buffer[: _padded(chunk, buffer)]
+        return self.copier.enqueue(self.pieces(write, chunk, flats), view, self.stream)
 
     def segment(
         self, write: VersionWrite, segment: Segment, buffer: torch.Tensor, flats: list[Any]
@@ -90,3 +88,9 @@ class Filler:
         source = self.flat(write, segment.entry, flats)
         piece = (source, segment.start * segment.itemsize, 0, segment.nbytes)
         self.copier.fill([piece], buffer[: segment.nbytes], self.stream)
+
+
+def _padded(chunk: Chunk, buffer: torch.Tensor) -> int:
+    """Bytes of ``buffer`` a chunk is staged into: whole pages (the file may not be open yet;
+    an O_DIRECT write reads the zero tail, a buffered one only ``chunk.length``)."""
+    return min(-(-chunk.length // PAGE) * PAGE, len(buffer))

@@ -42,8 +42,6 @@ from pcframe.store.mounts import mount_of
 # File systems whose files live in the page cache alone: a buffered write is a memory copy,
 # and one file's lock serializes writers (striping the data file lets them run in parallel).
 PAGE_CACHE_FILE_SYSTEMS = ("tmpfs", "ramfs")
-
-
 # Each stripe holds a descriptor while its version is written or read: auto stays modest.
 AUTO_STRIPES_MAX = 16
 

@@ -166,3 +166,15 @@ def test_closing_a_striped_file_closes_every_stripe_when_one_close_fails(tmp_pat
     for fd in fds[1:]:
         with pytest.raises(OSError):
             os.fstat(fd)  # closed
+
+
+def test_stripe_sizes_add_up_the_chunks_each_stripe_holds():
+    for data_size in (0, 1, 4095, 4096, 4097, 5 * 4096, 5 * 4096 + 17, 11 * 4096 - 1):
+        for stripes in (1, 2, 3, 7):
+            walked = [0] * stripes
+            for offset in range(0, data_size, CHUNK):
+                stripe, local = stripe_location(offset, CHUNK, stripes)
+                length = min(CHUNK, data_size - offset)
+                assert local + length <= stripe_sizes(data_size, CHUNK, stripes)[stripe]
+                walked[stripe] += length
+            assert stripe_sizes(data_size, CHUNK, stripes) == walked, (data_size, stripes)
