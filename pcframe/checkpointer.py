@@ -339,15 +339,19 @@ class Checkpointer:
         if sources:
             # Number new versions above every version any tier holds, valid or not.
             self._next_version = max(self._next_version, sources[0].version + 1)
-        manifest = load_and_apply(
-            sources,
-            self.objects,
-            report,
-            threads=self.config.read_threads,
-            strict=strict,
-            allow_cast=allow_cast,
-            root=self.storage.root,
-        )
+        # No save is in flight (waited for above): the staging pool, if a save or the warm
+        # thread allocated it, holds the live bytes the version is read straight over.
+        with self.pipeline.pool.lend() as spare:
+            manifest = load_and_apply(
+                sources,
+                self.objects,
+                report,
+                threads=self.config.read_threads,
+                strict=strict,
+                allow_cast=allow_cast,
+                root=self.storage.root,
+                spare=spare,
+            )
         if manifest is None:
             if self.storage.starts.number > 1:  # earlier writers died before a first commit
                 self.resumed(0, written=None)

@@ -400,17 +400,20 @@ def write_table(
         + " before each)",
         "",
         f"{len(restores)} rounds (`restore_rounds.py`): each round restores every "
-        "method's newest checkpoint into the live objects (the optimizer already has its "
-        "state, as in a rollback) and as a resumed job does (a model built afresh and an "
-        "optimizer without state), each restore in a fresh process of its own, in an order "
-        "rotated per round, then reads pcframe's data "
+        "method's newest checkpoint three ways, each restore in a fresh process of its own, "
+        "in an order rotated per round: **rollback**, the process saves one checkpoint with "
+        "its method (as a training job has) and loads the newest back into its own objects "
+        "(pcframe's checkpointer then has its staging pool, idle, where it keeps the live "
+        "bytes it reads over); **live**, into live objects (the optimizer has its state) of a "
+        "process that never saved (pcframe verifies first, then reads the verified bytes "
+        "again from the page cache); **resume**, into a model built afresh and an optimizer "
+        "without state, as a restarted job does. Then it reads pcframe's data "
         "file cold with plain threads (the disk's read limit, best of 1/2/4 readers × 16 MiB, "
         f"this run: {spread(read_limits, digits=3)} s). Ratios are paired: each round's time "
-        "÷ the anchor's in the same round, median (min..max) over rounds.",
+        "÷ the anchor's of the same kind in the same round, median (min..max) over rounds.",
         "",
-        "| method | into live objects (s) | ÷ torch.load | ÷ dcp.load | live ÷ read limit | "
-        "resume (s) | ÷ torch.load | ÷ dcp.load | resume ÷ read limit |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| restore | method | time (s) | ÷ torch.load | ÷ dcp.load | ÷ read limit |",
+        "|---|---|---:|---:|---:|---:|",
     ]
 
     def to_limit(kind: str, label: str) -> str:
@@ -419,19 +422,19 @@ def write_table(
             [r[kind][label] / r["read_limit"] for r in restores if r["read_limit"]], digits=2
         )
 
-    for label in labels:
-        lines.append(
-            f"| {label} | {spread(times('live', label), digits=2)} | "
-            f"{paired('live', label, 'torch.save')} | {paired('live', label, 'dcp.save')} | "
-            f"{to_limit('live', label)} | {spread(times('resume', label), digits=2)} | "
-            f"{paired('resume', label, 'torch.save')} | {paired('resume', label, 'dcp.save')} | "
-            f"{to_limit('resume', label)} |"
-        )
+    kinds = [k for k in ("rollback", "live", "resume") if k in restores[0]]
+    for kind in kinds:
+        for label in labels:
+            lines.append(
+                f"| {kind} | {label} | {spread(times(kind, label), digits=2)} | "
+                f"{paired(kind, label, 'torch.save')} | {paired(kind, label, 'dcp.save')} | "
+                f"{to_limit(kind, label)} |"
+            )
     lines += [
         "",
         "torch.load's rows are `torch.load(weights_only=True)` + `load_state_dict` of both; "
         "dcp.load's are `get_state_dict` + `dcp.load` + `set_state_dict`; pcframe verifies "
-        "every chunk's checksum and reads straight into the live tensors where they exist. "
+        "every chunk's checksum and reads into the live tensors where they exist. "
         "Peak extra memory is the RSS high-water mark above the resident state after the "
         "method's imports and set-up; the loop alone (Adam's temporaries) is the first row, "
         "and the column after it is what checkpointing holds on top (DefaultStager caches a "

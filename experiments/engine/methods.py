@@ -108,6 +108,12 @@ class Method:
         """Load the newest checkpoint into ``model`` and ``optimizer``."""
         raise NotImplementedError
 
+    def rollback(self) -> None:
+        """Load the newest checkpoint back into this method's own objects, in the process
+        that saved it (a training job going back to its last good state)."""
+        self.finish()
+        self.restore(self.model, self.optimizer)
+
     def prune(self) -> None:
         """Delete every checkpoint but the newest (pcframe's retention does it itself)."""
         for path in self.dir.glob("ckpt*"):
@@ -240,6 +246,10 @@ class PCFrame(Method):
         self.ckpt.close()
         with Checkpointer(self.dir, model=model, optimizer=optimizer) as ckpt:
             ckpt.restore()
+
+    def rollback(self) -> None:
+        self.ckpt.wait()
+        self.ckpt.restore()  # the same checkpointer: its staging pool is idle now
 
 
 def make_method(name: str, options: dict, model, optimizer, directory: Path) -> Method:

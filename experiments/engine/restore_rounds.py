@@ -1,12 +1,18 @@
 """Cold restores of every method's newest checkpoint, in rounds: paired ratios.
 
 ``bench_engine.py`` runs this once every method has saved. Each round restores every
-method's checkpoint once into live objects (the optimizer has its state, as in a rollback)
-and once into objects built afresh ("resume", as a restarted job does), each restore in a
-fresh process of its own (as a restarted job is; a restore also leaves the allocator and
-page cache of its process in a state that measurably slows the next method's), the page
-cache dropped first, the order rotated from round to round; then it reads the pcframe data
-file cold with plain threads (the disk's read limit in that round).
+method's checkpoint three ways, each restore in a fresh process of its own (a restore
+leaves the allocator and page cache of its process in a state that measurably slows the
+next method's), the page cache dropped first, the order rotated from round to round:
+
+* ``rollback``: the process saves one checkpoint with its method, as a training job has,
+  then loads the newest back into its own objects (a job going back to its last good
+  state; pcframe's checkpointer then has its staging pool, idle);
+* ``live``: into live objects (the optimizer has its state) of a process that never saved;
+* ``resume``: into objects built afresh, as a restarted job does.
+
+Then it reads the pcframe data file cold with plain threads (the disk's read limit in
+that round).
 
 A shared machine drifts by tens of percent within a minute, more than the differences
 measured: a ratio is therefore taken inside each round (method ÷ torch.load of the same
@@ -29,6 +35,7 @@ from methods import PCFrame, build_state, drop_caches, fresh_objects, make_metho
 from pcframe.apps.limits import cold_read_seconds
 
 READ_BLOCK = 16 << 20
+KINDS = ("rollback", "live", "resume")
 
 
 def newest_number(directory: Path) -> int:
@@ -49,18 +56,27 @@ def restore_once(args: argparse.Namespace) -> float:
 
     torch.set_num_threads(2)
     _, method, options, directory = json.loads(args.one)
-    if args.kind == "live":
+    if args.kind in ("live", "rollback"):
         model, optimizer, _ = build_state(args.size_gb)  # the optimizer has its state
     else:
         model, optimizer = fresh_objects(args.size_gb)  # as a restarted job builds them
     impl = make_method(method, json.loads(options), model, optimizer, Path(directory))
     if not isinstance(impl, PCFrame):
         impl.n = newest_number(Path(directory))
+    if args.kind == "rollback":
+        impl.save()  # the job's last checkpoint, which it goes back to
+        impl.finish()
     if not drop_caches():
         raise SystemExit("cannot drop the page cache (needs root): a warm restore is no anchor")
     start = time.perf_counter()
-    impl.restore(model, optimizer)
-    return time.perf_counter() - start
+    if args.kind == "rollback":
+        impl.rollback()
+    else:
+        impl.restore(model, optimizer)
+    seconds = time.perf_counter() - start
+    if args.kind == "rollback" and not isinstance(impl, PCFrame):
+        impl.prune()  # the next rounds read the newest checkpoint: the one just saved
+    return seconds
 
 
 def main() -> None:
@@ -70,7 +86,7 @@ def main() -> None:
     parser.add_argument("--methods", help="JSON [[label, method, options, dir]]")
     parser.add_argument("--json")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # one restore, in a child
-    parser.add_argument("--kind", choices=["live", "resume"], help=argparse.SUPPRESS)
+    parser.add_argument("--kind", choices=KINDS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(restore_once(args)))
@@ -84,8 +100,8 @@ def main() -> None:
     rounds = []
     for r in range(args.rounds):
         order = methods[r % len(methods) :] + methods[: r % len(methods)]
-        row: dict = {"live": {}, "resume": {}}
-        for kind in ("live", "resume"):
+        row: dict = {kind: {} for kind in KINDS}
+        for kind in KINDS:
             for entry in order:
                 cmd = [sys.executable, __file__, "--size-gb", str(args.size_gb)]
                 cmd += ["--one", json.dumps(entry), "--kind", kind]

@@ -16,11 +16,14 @@ nothing:
   own ``load_state_dict`` gets a deep copy of its ``state_dict()`` instead;
 * model: the parameters and buffers, copied to host memory just before the model is loaded
   (the model is loaded last of the fallible objects) and copied back in place on failure;
-* tensors the reader fills in place (``fill``: :mod:`pcframe.restore.in_place`): no copy.
-  The model and optimizer load with those tensors as they are (their values unchanged, so
-  an undo above restores everything), and the fill, reading the verified bytes into them,
-  is the last step that can fail, for the sections that loaded. Only a failure of the fill
-  itself (an I/O error re-reading verified bytes) cannot be rolled back; the error says so;
+* tensors the reader fills in place (``fill``: :mod:`pcframe.restore.in_place`): no copy
+  here. The model and optimizer load with those tensors as they are (the same tensors, so
+  an undo above restores everything), and the fill, making them hold the verified bytes,
+  is the last step that can fail, for the sections that loaded. Tensors read straight in
+  already hold the new bytes; their old ones, kept aside by the reader, go back on any
+  failure (``unfill``, or the reader's release when the fill never ran:
+  :mod:`pcframe.restore.backup`). Only a failure of the fill itself (an I/O error
+  re-reading verified bytes) cannot be rolled back; the error says so;
 * scheduler, scaler, stateful objects, policy: a deep copy of their ``state_dict()``;
 * RNG and extra: their current state (they cannot fail once checked).
 """
@@ -62,6 +65,7 @@ def apply_tree(
     owner: str | None = "the Checkpointer",
     hint: str | None = RESTORE_HINT,
     fill: Callable[[Collection[str]], int] | None = None,
+    unfill: Callable[[], bool] | None = None,
 ) -> list[str]:
     """Load ``tree`` (a decoded version) into ``objects``; ``where`` names the version.
 
@@ -79,6 +83,8 @@ def apply_tree(
         fill: ``fill(sections)`` reads the verified bytes of the tensors that ``tree`` holds
             as the live tensors themselves (the reader's in-place targets) into them, for
             the sections that loaded; run after every other fallible load.
+        unfill: after ``fill``, puts the old bytes back in those tensors; False if it
+            cannot (some were read a second time): a rollback after ``fill`` then raises.
 
     Returns:
         What was not loaded, one line per mismatch (empty after a strict restore).
@@ -100,7 +106,8 @@ def apply_tree(
     loads = _loads(objects, plan)
     if fill is not None:  # after the model and optimizer, before RNG and extra
         at = next((i for i, (name, _) in enumerate(loads) if name in ("rng", "extra")), None)
-        loads.insert(len(loads) if at is None else at, ("in-place tensors", _fill(fill, loaded)))
+        step = ("in-place tensors", _fill(fill, unfill, loaded))
+        loads.insert(len(loads) if at is None else at, step)
     for name, load in loads:
         try:
             load(undo)
@@ -277,18 +284,23 @@ def _model_load(
     return load
 
 
-def _fill(fill: Callable[[Collection[str]], int], loaded: set[str]) -> Callable[[_Undo], None]:
+def _fill(
+    fill: Callable[[Collection[str]], int],
+    unfill: Callable[[], bool] | None,
+    loaded: set[str],
+) -> Callable[[_Undo], None]:
     def load(undo: _Undo) -> None:
         sections = loaded & set(SECTIONS)
 
-        def cannot() -> None:
-            raise CheckpointError(
-                f"the {' and '.join(sorted(sections))} tensors read in place may hold part "
-                "of the checkpoint's values (re-reading the verified bytes failed) and "
-                "cannot be rolled back"
-            )
+        def put_back() -> None:
+            if unfill is None or not unfill():
+                raise CheckpointError(
+                    f"the {' and '.join(sorted(sections))} tensors read in place may hold "
+                    "part of the checkpoint's values (re-reading the verified bytes failed) "
+                    "and cannot be rolled back"
+                )
 
-        undo.push(cannot)
+        undo.push(put_back)
         fill(sections)
 
     return load

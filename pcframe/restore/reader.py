@@ -14,7 +14,9 @@ one scratch window per thread. Tensors given as ``targets`` (live tensors of
 the same dtype and shape: :mod:`pcframe.restore.in_place`) are not written while the
 version is verified: their bytes go through the scratch window and are checksummed, and
 :attr:`LoadedVersion.fill` reads them a second time, from the page cache, into the targets
-once the caller decides to apply.
+once the caller decides to apply. Given ``spare`` memory (the idle staging pool), chunks
+whose targets' bytes fit in it are read straight into the targets instead, each after its
+targets' bytes were copied there (:mod:`pcframe.restore.backup`); a failure puts them back.
 Coded tensors (format version 2) are read segment by segment from ``codec.bin``:
 each payload is checksummed, then decoded into its element range of a fresh tensor. A delta
 tensor first loads its value in the base version (recursively, down to the full version),
@@ -27,7 +29,7 @@ files, so a hostile manifest cannot trigger a giant allocation.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +49,7 @@ from pcframe.format.manifest import (
     read_manifest,
 )
 from pcframe.format.names import VERSION_DIR, version_name
-from pcframe.format.tree import DTYPES, decode_tree
+from pcframe.format.tree import decode_tree
 from pcframe.restore.reading import (
     DataFiles,
     check_size,
@@ -58,10 +60,15 @@ from pcframe.restore.reading import (
     reading_pool,
     refused_memory,
 )
+from pcframe.restore.targets import InPlaceTargets
 
 
 def _nothing(*_: object) -> int:
     return 0
+
+
+def _nothing_to_undo() -> bool:
+    return True
 
 
 @dataclass
@@ -69,12 +76,19 @@ class LoadedVersion:
     manifest: Manifest
     tensors: list[torch.Tensor]  # an in-place target's entry holds the target itself
     chain: list[int] = field(default_factory=list)  # versions read, the full one first
-    # ``fill(sections)`` reads the verified bytes of the in-place targets of those tree
-    # sections ("model", "optimizer") into them and returns the bytes written. Until it
-    # runs, the targets are untouched; OSError if the second read fails.
+    # ``fill(sections)`` makes the in-place targets of those tree sections ("model",
+    # "optimizer") hold the version's bytes (reading those not read straight in) and returns
+    # their bytes. Until it runs the targets hold their old values, as far as the objects
+    # can see; OSError if the second read fails.
     fill: Callable[[Collection[str]], int] = _nothing
     in_place_bytes: int = 0  # bytes ``fill`` would write for every section
-    release: Callable[[], object] = _nothing  # lets go of the files ``fill`` would read
+    # Lets go of the files ``fill`` would read; before ``fill``, puts back the old bytes of
+    # the chunks read straight into the targets.
+    release: Callable[[], object] = _nothing
+    # After ``fill``: the old bytes back in every target; False if some were read a second
+    # time (their old bytes are gone).
+    unfill: Callable[[], bool] = _nothing_to_undo
+    direct_bytes: int = 0  # of ``in_place_bytes``: read straight in, the old bytes kept aside
 
     def state_tree(self) -> Any:
         values: list[Any] = list(self.tensors)
@@ -92,6 +106,7 @@ def load_version(
     verify: bool = True,
     targets: Mapping[str, torch.Tensor] | None = None,
     version: int | None = None,
+    spare: Sequence[torch.Tensor] = (),
 ) -> LoadedVersion:
     """Read and verify one version directory (and, for a delta version, its base chain).
 
@@ -100,7 +115,9 @@ def load_version(
 
     Base versions are looked up next to ``directory`` (``../vNNNNNNNN``). ``targets`` maps
     entry names to contiguous CPU tensors to read those entries into (where dtype and shape
-    match the manifest), through the returned version's ``fill`` after verification.
+    match the manifest), through the returned version's ``fill`` after verification;
+    ``spare``: host buffers free for the duration (the idle staging pool) in which the old
+    bytes of targets read straight in are kept (:mod:`pcframe.restore.backup`).
 
     Raises:
         ManifestError / CorruptCheckpoint: naming the file and what is wrong with it.
@@ -123,14 +140,16 @@ def load_version(
         )
     reader = _VersionReader(directory, manifest, threads, verify)
     wanted = range(len(manifest.entries))
-    tensors, chain = reader.read(wanted, reader.match(targets or {}))
+    tensors, chain = reader.read(wanted, InPlaceTargets(manifest, targets or {}), spare)
     return LoadedVersion(
         manifest,
         [tensors[i] for i in wanted],
         chain,
         reader.fill,
-        reader.in_place_bytes,
+        reader.targets.in_place_bytes,
         reader.release,
+        reader.targets.unfill,
+        reader.targets.direct_bytes,
     )
 
 
@@ -166,45 +185,30 @@ class _VersionReader:
         if manifest.coded:
             check_size(self.codec_path, manifest.codec_size)
         self._codec_fd = -1
-        self._deferred: list[Chunk] = []  # chunks holding bytes of in-place targets
-        self._targets: dict[int, torch.Tensor] = {}
-        self.in_place_bytes = 0
-
-    def match(self, targets: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """``{entry index: target}`` for the raw entries a target fits exactly."""
-        matched = {}
-        for i, entry in enumerate(self.manifest.entries):
-            target = targets.get(entry.name)
-            if (
-                target is not None
-                and entry.raw
-                and target.dtype == DTYPES[entry.dtype]
-                and tuple(target.shape) == tuple(entry.shape)
-                and target.is_contiguous()
-                and target.device.type == "cpu"
-            ):
-                matched[i] = target
-        return matched
+        self.targets = InPlaceTargets(manifest, {})  # none unless read() is given some
 
     def read(
-        self, wanted: Collection[int], targets: Mapping[int, torch.Tensor] | None = None
+        self,
+        wanted: Collection[int],
+        targets: InPlaceTargets | None = None,
+        spare: Sequence[torch.Tensor] = (),
     ) -> tuple[dict[int, torch.Tensor], list[int]]:
         """Tensors of the wanted entries (by index) and the versions read for them.
 
-        Entries in ``targets`` are verified now and filled by :meth:`fill` later.
+        Entries of ``targets`` (all wanted) are verified now and filled by :meth:`fill`
+        later, or read straight in where their old bytes fit in ``spare`` (put back if this
+        raises).
         """
         entries = self.manifest.entries
         raw = [i for i in wanted if entries[i].raw]
         coded = [i for i in wanted if not entries[i].raw]
-        raw_set = set(raw)
-        self._targets = {i: t for i, t in (targets or {}).items() if i in raw_set}
-        out = {
-            i: self._targets[i] if i in self._targets else fresh_tensor(entries[i], self.data_path)
-            for i in raw
-        }
+        if targets is not None:
+            self.targets = targets
+        live = self.targets.tensors
+        out = {i: live[i] if i in live else fresh_tensor(entries[i], self.data_path) for i in raw}
         tasks: list[Callable[[], None]] = []
         if raw:
-            tasks += self._raw_tasks(out, set(raw))
+            tasks += self._raw_tasks(out, set(raw), spare)
         chain = [self.manifest.version]
         if coded:
             previous, base_chain = self._base_values(coded)
@@ -220,13 +224,16 @@ class _VersionReader:
             self._run(tasks)
             # The fill reads the verified files through the same descriptors: a version
             # deleted meanwhile (another process's retention) is still readable then.
-            kept = bool(self._deferred)
+            kept = bool(self.targets.deferred)
+        except BaseException:
+            self.targets.put_back()  # every task has ended: nothing writes any more
+            raise
         finally:
             if self._codec_fd >= 0:
                 os.close(self._codec_fd)
                 self._codec_fd = -1
             if not kept:
-                self.release()
+                self.data.close()
         return out, chain
 
     def _run(self, tasks: list[Callable[[], None]]) -> None:
@@ -241,51 +248,60 @@ class _VersionReader:
             for task in tasks:
                 task()
             return
-        # Every task finishes before the files close, even when one of them failed.
-        wait(futures)
+        # Every task finishes before the files close (or old bytes go back), even when one
+        # of them failed or this thread is interrupted.
+        try:
+            wait(futures)
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            wait(futures)
+            raise
         for future in futures:
             future.result()
 
     # --- data.bin ----------------------------------------------------------------------
 
-    def _raw_tasks(self, out: dict[int, torch.Tensor], wanted: set[int]) -> list[Callable]:
-        flats = {
-            i: t.reshape(-1).view(torch.uint8) for i, t in out.items() if i not in self._targets
-        }
+    def _raw_tasks(
+        self, out: dict[int, torch.Tensor], wanted: set[int], spare: Sequence[torch.Tensor]
+    ) -> list[Callable]:
+        live = self.targets.tensors
+        flats = {i: t.reshape(-1).view(torch.uint8) for i, t in out.items() if i not in live}
         chunks = [
             c for c in self.manifest.raw_layout.chunks if any(p.entry in wanted for p in c.pieces)
         ]
-        self._deferred = [c for c in chunks if any(p.entry in self._targets for p in c.pieces)]
-        self.in_place_bytes = sum(
-            p.nbytes for c in self._deferred for p in c.pieces if p.entry in self._targets
-        )
+        direct = self.targets.plan(chunks, spare, self.verify)
         if not self.verify:  # nothing to check in the targets' bytes before fill reads them
             chunks = [c for c in chunks if any(p.entry in flats for p in c.pieces)]
             return [lambda c=c: self._read_pieces(c, flats) for c in chunks]
-        return [lambda c=c: self._read_chunk(c, flats) for c in chunks]
+        every = {**flats, **self.targets.flats()}
+        return [
+            (lambda c=c: self._read_straight_in(c, every))
+            if c.index in direct
+            else (lambda c=c: self._read_chunk(c, flats))
+            for c in chunks
+        ]
+
+    def _read_straight_in(self, chunk: Chunk, flats: dict[int, torch.Tensor]) -> None:
+        self.targets.keep(chunk)  # the old bytes first: they go back if this read fails
+        self._read_chunk(chunk, flats)
 
     def fill(self, sections: Collection[str]) -> int:
-        """Read the in-place targets of ``sections`` (the chunks were verified by ``read``).
+        """Make the in-place targets of ``sections`` hold the version (its chunks were
+        verified by ``read``); returns their bytes (:meth:`InPlaceTargets.fill`)."""
 
-        Returns the bytes written.
-        """
-        entries = self.manifest.entries
-        flats = {
-            i: t.reshape(-1).view(torch.uint8)
-            for i, t in self._targets.items()
-            if entries[i].name.split("/", 1)[0] in sections
-        }
-        chunks = [c for c in self._deferred if any(p.entry in flats for p in c.pieces)]
-        if not chunks:
-            return 0
-        if not self.data.is_open:  # released, or a retry after a failed fill
-            self.data.open()
-        self._run([lambda c=c: self._read_pieces(c, flats) for c in chunks])
-        return sum(t.numel() for t in flats.values())
+        def read(chunks: list[Chunk], flats: dict[int, torch.Tensor]) -> None:
+            if not self.data.is_open:  # released, or a retry after a failed fill
+                self.data.open()
+            self._run([lambda c=c: self._read_pieces(c, flats) for c in chunks])
+
+        return self.targets.fill(sections, read)
 
     def release(self) -> None:
-        """Close the descriptors kept for :meth:`fill` (idempotent)."""
+        """Close the descriptors kept for :meth:`fill`; before a fill, put the old bytes
+        back in the targets read straight in (idempotent)."""
         self.data.close()
+        self.targets.release()
 
     def _read_pieces(self, chunk: Chunk, flats: dict[int, torch.Tensor]) -> None:
         """Read only the pieces of ``chunk`` that belong to ``flats`` (no verification)."""

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from pathlib import Path
+
+import torch
 
 from pcframe.errors import NoValidCheckpoint
 from pcframe.format.manifest import Manifest
@@ -31,8 +33,13 @@ def load_and_apply(
     strict: bool,
     allow_cast: bool,
     root: Path,
+    spare: Sequence[torch.Tensor] = (),
 ) -> Manifest | None:
     """Load the newest valid source into ``objects``; fill ``report``; return its manifest.
+
+    ``spare``: host buffers free while this runs (the checkpointer's idle staging pool), where
+    the live tensors' old bytes are kept so that the version is read straight into them
+    (:mod:`pcframe.restore.backup`).
 
     Returns ``None`` when there is no checkpoint at all.
 
@@ -45,7 +52,7 @@ def load_and_apply(
     targets = in_place_targets(objects.model, objects.optimizer)
     finding = prefetch_fresh_state(objects.optimizer)  # while the bytes are read
     try:
-        loaded = load_first_valid(sources, threads, report, targets=targets)
+        loaded = load_first_valid(sources, threads, report, targets=targets, spare=spare)
     finally:
         if finding is not None:
             finding.join()
@@ -79,10 +86,12 @@ def load_and_apply(
             strict=strict,
             allow_cast=allow_cast,
             fill=fill if loaded.in_place_bytes else None,
+            unfill=loaded.unfill,
         )
     finally:
         loaded.release()
     report.version, report.step = manifest.version, manifest.step
+    report.direct_bytes = loaded.direct_bytes
     report.seconds = time.perf_counter() - start
     log.info(
         "restored version %d (step %d) in %.2f s%s%s",

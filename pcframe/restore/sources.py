@@ -22,7 +22,7 @@ import contextlib
 import errno
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TypeVar
 
 import torch
@@ -82,12 +82,14 @@ def load_first_valid(
     report: RestoreReport,
     backoff: float = BACKOFF,
     targets: Mapping[str, torch.Tensor] | None = None,
+    spare: Sequence[torch.Tensor] = (),
 ) -> LoadedVersion | None:
     """Load the newest source that verifies; quarantine each one that is corrupt.
 
     Skipped versions are logged and recorded in ``report.skipped``; ``report.tier`` names
     the tier the loaded version came from (``None`` without tiers). ``targets``: live
-    tensors to read into after verification (:func:`~pcframe.restore.reader.load_version`).
+    tensors to read into after verification, ``spare``: host memory to keep their old
+    bytes in while reading straight into them (:func:`~pcframe.restore.reader.load_version`).
 
     Raises:
         RestoreIOError: a version could not be read from any tier holding it (I/O errors
@@ -100,7 +102,7 @@ def load_first_valid(
         if io_failed and source.version < max(io_failed):
             break  # a newer version failed only with I/O errors: never go back silently
         try:
-            loaded = _load_with_retries(source, threads, backoff, targets)
+            loaded = _load_with_retries(source, threads, backoff, targets, spare)
         except UnsupportedCheckpoint as exc:
             what = f"checkpoint version {source.version}"
             what += f" in tier {source.tier}" if source.tier else ""
@@ -171,13 +173,16 @@ def _load_with_retries(
     threads: int,
     backoff: float,
     targets: Mapping[str, torch.Tensor] | None,
+    spare: Sequence[torch.Tensor],
 ) -> LoadedVersion:
     def read() -> LoadedVersion:
         files = contextlib.ExitStack()
         path = None
         try:
             path = files.enter_context(source.fetch())
-            loaded = load_version(path, threads, targets=targets, version=source.version)
+            loaded = load_version(
+                path, threads, targets=targets, version=source.version, spare=spare
+            )
         except ManifestError as exc:
             files.close()
             if source.where and path is not None and str(path) in str(exc):

@@ -161,6 +161,29 @@ class StagingPool:
             self._cond.notify_all()
 
     @contextlib.contextmanager
+    def lend(self) -> Iterator[list[torch.Tensor]]:
+        """Every buffer, for the duration, while no save uses the pool (a restore keeps the
+        live bytes it overwrites there: :mod:`pcframe.restore.backup`); none when a buffer
+        is out, the pool is closed or not allocated, or being allocated right now (then
+        the restore reads the old way rather than wait for the pages to be faulted in)."""
+        lent: list[torch.Tensor] = []
+        if self._cond.acquire(blocking=False):
+            try:
+                if not self._closed and not self._out:
+                    lent, self._free = self._free, []
+                    self._out = len(lent)
+            finally:
+                self._cond.release()
+        try:
+            yield list(lent)
+        finally:
+            with self._cond:
+                self._out -= len(lent)
+                if not self._closed:
+                    self._free.extend(lent)
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
     def training_waits(self) -> Iterator[None]:
         """While the training thread waits for a snapshot: writers let the copy go first."""
         with self._cond:

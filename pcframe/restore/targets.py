@@ -1,0 +1,122 @@
+"""The live tensors one version is read into (its in-place targets), and where they stand.
+
+:mod:`pcframe.restore.in_place` chooses which live tensors may receive a version's bytes;
+this keeps, for one read, which of the version's raw entries they fit, which chunks are read
+straight into them (their old bytes kept in spare memory: :mod:`pcframe.restore.backup`) and
+which are verified first and read a second time by :meth:`InPlaceTargets.fill` (no spare
+memory, or not enough), and the stage their bytes are at (:class:`InPlaceStage`), so that a
+failure anywhere before the restore holds puts the old bytes back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from enum import Enum
+
+import torch
+
+from pcframe.format.layout import Chunk
+from pcframe.format.records import Manifest
+from pcframe.format.tree import DTYPES
+from pcframe.restore.backup import LiveBackup
+
+
+class InPlaceStage(Enum):
+    """Where the targets' bytes stand after the version was read and verified."""
+
+    VERIFIED = "verified"  # chunks read straight in hold the new bytes, the others the old
+    FILLED = "filled"  # the loaded sections hold the version's bytes: the restore holds
+    PUT_BACK = "put back"  # the chunks read straight in hold their old bytes again
+
+
+class InPlaceTargets:
+    """The raw entries of one version that live tensors receive, by entry index."""
+
+    def __init__(self, manifest: Manifest, live: Mapping[str, torch.Tensor]) -> None:
+        self.entries = manifest.entries
+        self.tensors: dict[int, torch.Tensor] = {}
+        for i, entry in enumerate(self.entries):
+            target = live.get(entry.name)
+            if (
+                target is not None
+                and entry.raw
+                and target.dtype == DTYPES[entry.dtype]
+                and tuple(target.shape) == tuple(entry.shape)
+                and target.is_contiguous()
+                and target.device.type == "cpu"
+            ):
+                self.tensors[i] = target
+        self.deferred: list[Chunk] = []  # verified, then read a second time by fill
+        self.in_place_bytes = 0  # the targets' bytes in the version
+        self.direct_bytes = 0  # of those, read straight in
+        self.stage = InPlaceStage.VERIFIED
+        self._backup: LiveBackup | None = None
+        self._refilled = False  # fill began a second read: those old bytes are gone
+
+    def flats(self, take: Callable[[int], bool] = lambda _: True) -> dict[int, torch.Tensor]:
+        """``{entry: the target's bytes}`` (1-D uint8) for the entries ``take`` accepts."""
+        return {i: t.reshape(-1).view(torch.uint8) for i, t in self.tensors.items() if take(i)}
+
+    def plan(self, chunks: list[Chunk], spare: Sequence[torch.Tensor], verify: bool) -> set[int]:
+        """Split the chunks holding targets' bytes: the indices of those read straight in
+        (their targets' old bytes fit in ``spare``, and the read verifies); the rest are
+        :attr:`deferred`."""
+        held = [c for c in chunks if any(p.entry in self.tensors for p in c.pieces)]
+        self.in_place_bytes = sum(
+            p.nbytes for c in held for p in c.pieces if p.entry in self.tensors
+        )
+        direct: set[int] = set()
+        if spare and verify:  # unverified bytes are never written over live ones
+            self._backup = LiveBackup(spare)
+            flats = self.flats()
+            for chunk in held:
+                lives = [
+                    (p.entry, flats[p.entry][p.src_start : p.src_start + p.nbytes])
+                    for p in chunk.pieces
+                    if p.entry in self.tensors
+                ]
+                if self._backup.reserve(chunk.index, lives):
+                    direct.add(chunk.index)
+                    self.direct_bytes += sum(live.numel() for _, live in lives)
+        self.deferred = [c for c in held if c.index not in direct]
+        return direct
+
+    def keep(self, chunk: Chunk) -> None:
+        """Before ``chunk`` is read straight in: its targets' old bytes go aside."""
+        assert self._backup is not None
+        self._backup.keep(chunk.index)
+
+    def put_back(self) -> None:
+        """The old bytes back in every target read straight in (once nothing writes them)."""
+        if self._backup is not None:
+            self._backup.put_back()
+        self.stage = InPlaceStage.PUT_BACK
+
+    def fill(self, sections: Collection[str], read: Callable[[list[Chunk], dict], None]) -> int:
+        """The targets of ``sections`` hold the version's bytes once this returns (``read``
+        reads the deferred chunks' pieces into the given flats); the targets of other
+        sections read straight in get their old bytes back. Returns the bytes of the targets
+        of ``sections``."""
+
+        def loads(entry: int) -> bool:
+            return self.entries[entry].name.split("/", 1)[0] in sections
+
+        if self._backup is not None:
+            self._backup.put_back(keep_entry=loads)
+        flats = self.flats(loads)
+        chunks = [c for c in self.deferred if any(p.entry in flats for p in c.pieces)]
+        if chunks:
+            self._refilled = True
+            read(chunks, flats)
+        self.stage = InPlaceStage.FILLED
+        return sum(t.numel() for t in flats.values())
+
+    def unfill(self) -> bool:
+        """After :meth:`fill`: the old bytes back; False where a second read overwrote some."""
+        self.put_back()
+        return not self._refilled
+
+    def release(self) -> None:
+        """The version is let go: before a fill, the old bytes go back (idempotent)."""
+        if self.stage is InPlaceStage.VERIFIED:
+            self.put_back()

@@ -1,0 +1,263 @@
+"""A checkpointer that has saved restores straight into the live tensors, once, and keeps
+their old bytes in its idle staging pool: every failure puts them back.
+
+The restore of a fresh checkpointer (no pool yet) verifies first and reads twice; that path
+is ``test_restore_in_place.py``'s.
+"""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import torch
+
+from pcframe import Checkpointer
+from pcframe.errors import CheckpointError, NoValidCheckpoint
+from pcframe.restore import reader
+from pcframe.restore.in_place import in_place_targets
+from pcframe.restore.reader import load_version
+from pcframe.save.staging import StagingPool
+
+SMALL = {"chunk_bytes": 64 << 10, "read_threads": 1}  # many chunks, read in file order
+
+
+def _objects() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, optimizer)
+    return model, optimizer
+
+
+def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.randn(8, 256)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every live value a restore may write, copied."""
+    values = {f"model/{k}": v.clone() for k, v in model.state_dict().items()}
+    for i, per_param in enumerate(optimizer.state.values()):
+        values.update({f"opt/{i}/{k}": v.clone() for k, v in per_param.items()})
+    return values
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _corrupt_chunk(directory, version: int, at: float) -> None:
+    data = directory / f"v{version:08d}" / "data.bin"
+    raw = bytearray(data.read_bytes())
+    raw[int(len(raw) * at)] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
+def _no_second_read(monkeypatch) -> None:
+    def second_read(self, chunk, flats):
+        raise AssertionError("read a second time")
+
+    monkeypatch.setattr(reader._VersionReader, "_read_pieces", second_read)
+
+
+def test_a_rollback_reads_each_byte_once_and_leaves_the_pool_to_the_next_save(
+    tmp_path, monkeypatch
+):
+    model, optimizer = _objects()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
+        ckpt.save(1).wait()
+        saved = _state(model, optimizer)
+        pointers = {k: v.data_ptr() for k, v in model.state_dict().items()}
+        _step(model, optimizer)
+        _no_second_read(monkeypatch)
+        assert ckpt.restore() == 1
+        report = ckpt.last_restore
+        assert _same(_state(model, optimizer), saved)
+        assert {k: v.data_ptr() for k, v in model.state_dict().items()} == pointers
+        assert report.direct_bytes == report.in_place_bytes > 0
+        # The pool came back whole: the next version is the restored state, byte for byte.
+        _step(model, optimizer)
+        stepped = _state(model, optimizer)
+        ckpt.save(2).wait()
+    monkeypatch.undo()
+    named = load_version(tmp_path / "v00000002").named_tensors()
+    model_entries = {k: v for k, v in named.items() if k.startswith("model/")}
+    assert model_entries.keys() == {k for k in stepped if k.startswith("model/")}
+    assert all(torch.equal(v, stepped[k]) for k, v in model_entries.items())
+
+
+@pytest.mark.parametrize("at", [0.1, 0.5, 0.95])
+def test_a_damaged_version_puts_back_every_byte_read_over(tmp_path, at):
+    model, optimizer = _objects()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
+        ckpt.save(1).wait()
+        _corrupt_chunk(tmp_path, 1, at)
+        _step(model, optimizer)
+        before = _state(model, optimizer)
+        with pytest.raises(NoValidCheckpoint):
+            ckpt.restore()
+        assert _same(_state(model, optimizer), before)
+
+
+def test_a_damaged_newest_version_falls_back_to_an_exact_older_one(tmp_path):
+    model, optimizer = _objects()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
+        ckpt.save(1).wait()
+        first = _state(model, optimizer)
+        _step(model, optimizer)
+        ckpt.save(2).wait()
+        _corrupt_chunk(tmp_path, 2, 0.9)
+        _step(model, optimizer)
+        assert ckpt.restore() == 1
+        assert ckpt.last_restore.direct_bytes > 0
+        assert _same(_state(model, optimizer), first)
+
+
+def test_an_io_error_mid_read_puts_the_bytes_back(tmp_path, monkeypatch):
+    model, optimizer = _objects()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
+        ckpt.save(1).wait()
+        _step(model, optimizer)
+        before = _state(model, optimizer)
+        real = reader._VersionReader._read_chunk
+        calls = []
+
+        def failing(self, chunk, flats):
+            calls.append(chunk.index)
+            if len(calls) == 6:  # every attempt fails at its sixth chunk
+                calls.clear()
+                raise OSError(errno.EIO, "Input/output error", str(self.data_path))
+            real(self, chunk, flats)
+
+        monkeypatch.setattr(reader._VersionReader, "_read_chunk", failing)
+        monkeypatch.setattr("pcframe.restore.sources.BACKOFF", 0.0)
+        with pytest.raises(CheckpointError, match="cannot read checkpoint version 1"):
+            ckpt.restore()
+        assert _same(_state(model, optimizer), before)
+
+
+class Refusing:
+    """A stateful object that refuses any state but its own: its load fails after the
+    version was read, and the rollback (its own state) succeeds."""
+
+    def __init__(self) -> None:
+        self.n = 1
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["n"] != self.n:
+            raise RuntimeError("refused")
+
+
+def test_a_load_failing_after_the_read_puts_the_bytes_back(tmp_path):
+    model, optimizer = _objects()
+    stateful = {"loader": Refusing()}
+    with Checkpointer(
+        tmp_path, model=model, optimizer=optimizer, stateful=stateful, **SMALL
+    ) as ckpt:
+        ckpt.save(1).wait()
+        stateful["loader"].n = 2
+        _step(model, optimizer)
+        before = _state(model, optimizer)
+        with pytest.raises(CheckpointError, match="rolled back"):
+            ckpt.restore()
+        assert ckpt.last_restore.direct_bytes == 0  # nothing was reported loaded
+        assert _same(_state(model, optimizer), before)
+
+
+def test_a_mismatching_version_read_straight_in_changes_nothing(tmp_path):
+    model, optimizer = _objects()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
+        ckpt.save(1).wait()
+    other = torch.optim.Adam(model.parameters())  # AdamW was saved: refused after the read
+    _step(model, other)
+    with Checkpointer(tmp_path, model=model, optimizer=other, **SMALL) as ckpt:
+        ckpt.save(2).wait()  # this checkpointer's pool exists
+        _step(model, other)
+        before = _state(model, other)
+        with pytest.raises(CheckpointError):
+            ckpt.restore(version=1)
+        assert _same(_state(model, other), before)
+
+
+def test_a_pool_smaller_than_the_state_reads_the_rest_twice(tmp_path):
+    model, optimizer = _objects()
+    options = {**SMALL, "staging_ratio": 0.3}
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **options) as ckpt:
+        ckpt.save(1).wait()
+        saved = _state(model, optimizer)
+        _step(model, optimizer)
+        ckpt.restore()
+        report = ckpt.last_restore
+        assert 0 < report.direct_bytes < report.in_place_bytes
+        assert _same(_state(model, optimizer), saved)
+        _corrupt_chunk(tmp_path, 1, 0.95)  # past the chunks the pool had room for
+        _step(model, optimizer)
+        before = _state(model, optimizer)
+        with pytest.raises(NoValidCheckpoint):
+            ckpt.restore()
+        assert _same(_state(model, optimizer), before)
+
+
+def _read_with_spare(tmp_path, model, optimizer):
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
+        ckpt.save(1).wait()
+    saved = _state(model, optimizer)
+    _step(model, optimizer)
+    before = _state(model, optimizer)
+    spare = [torch.empty(1 << 20, dtype=torch.uint8) for _ in range(4)]
+    loaded = load_version(
+        tmp_path / "v00000001", threads=2, targets=in_place_targets(model, optimizer), spare=spare
+    )
+    return loaded, saved, before
+
+
+def test_only_the_sections_that_loaded_keep_the_new_bytes(tmp_path):
+    model, optimizer = _objects()
+    loaded, saved, before = _read_with_spare(tmp_path, model, optimizer)
+    assert loaded.direct_bytes == loaded.in_place_bytes
+    assert loaded.fill({"optimizer"}) > 0  # the model's load failed (strict=False)
+    loaded.release()
+    now = _state(model, optimizer)
+    assert all(torch.equal(now[k], before[k]) for k in now if k.startswith("model/"))
+    moments = [k for k in now if k.startswith("opt/") and not k.endswith("/step")]
+    assert moments and all(torch.equal(now[k], saved[k]) for k in moments)
+
+
+def test_a_rollback_after_the_fill_puts_everything_back(tmp_path):
+    model, optimizer = _objects()
+    loaded, _, before = _read_with_spare(tmp_path, model, optimizer)
+    loaded.fill({"model", "optimizer"})
+    assert loaded.unfill()  # nothing was read a second time: everything can go back
+    loaded.release()
+    assert _same(_state(model, optimizer), before)
+
+
+def test_a_version_let_go_before_its_fill_leaves_the_live_tensors_as_they_were(tmp_path):
+    model, optimizer = _objects()
+    loaded, _, before = _read_with_spare(tmp_path, model, optimizer)
+    loaded.release()
+    assert _same(_state(model, optimizer), before)
+
+
+def test_the_pool_lends_every_buffer_only_while_none_is_out():
+    pool = StagingPool(4096)
+    with pool.lend() as spare:
+        assert spare == []  # not allocated yet
+    pool.ensure(4 * 4096, pinned=False)
+    with pool.lend() as spare:
+        assert len(spare) == 4
+        assert pool.try_acquire() is None  # a save meanwhile would wait, not share
+    buffer = pool.acquire()
+    with pool.lend() as spare:
+        assert spare == []  # a save holds a buffer: nothing is idle
+    pool.release(buffer)
+    with pool.lend() as spare:
+        assert len(spare) == 4
+    pool.close()
+    with pool.lend() as spare:
+        assert spare == []
