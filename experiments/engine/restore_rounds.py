@@ -92,11 +92,15 @@ def main() -> None:
         print(json.dumps(restore_once(args)))
         return
     methods = json.loads(args.methods)
-    data_file = None
-    for _, method, _, directory in methods:
-        versions = sorted(Path(directory).glob("v*/data.bin"))
-        if method == "pcframe" and versions and data_file is None:
-            data_file = versions[-1]
+
+    def newest_pcframe_data() -> Path | None:
+        """pcframe's newest data file (a rollback commits a new version each round)."""
+        for _, method, _, directory in methods:
+            versions = sorted(Path(directory).glob("v*/data.bin"))
+            if method == "pcframe" and versions:
+                return versions[-1]
+        return None
+
     rounds = []
     for r in range(args.rounds):
         order = methods[r % len(methods) :] + methods[: r % len(methods)]
@@ -107,6 +111,7 @@ def main() -> None:
                 cmd += ["--one", json.dumps(entry), "--kind", kind]
                 done = subprocess.run(cmd, check=True, capture_output=True, text=True)
                 row[kind][entry[0]] = json.loads(done.stdout.strip().splitlines()[-1])
+        data_file = newest_pcframe_data()
         row["read_limit"] = read_limit_seconds(data_file) if data_file else None
         row["cold_cache"] = True
         rounds.append(row)

@@ -69,7 +69,10 @@ class InPlaceTargets:
         if spare and verify:  # unverified bytes are never written over live ones
             self._backup = LiveBackup(spare)
             flats = self.flats()
+            shared = self._sharing_memory()
             for chunk in held:
+                if any(p.entry in shared for p in chunk.pieces):
+                    continue
                 lives = [
                     (p.entry, flats[p.entry][p.src_start : p.src_start + p.nbytes])
                     for p in chunk.pieces
@@ -80,6 +83,23 @@ class InPlaceTargets:
                     self.direct_bytes += sum(live.numel() for _, live in lives)
         self.deferred = [c for c in held if c.index not in direct]
         return direct
+
+    def _sharing_memory(self) -> set[int]:
+        """Entries whose target overlaps another's memory (tied weights: one tensor saved
+        under two names). Reading them straight in, one thread could keep bytes another has
+        just read over, and a put-back would restore those: they are read twice instead."""
+        spans = sorted(
+            (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
+            for i, t in self.tensors.items()
+        )
+        shared: set[int] = set()
+        reach, owner = -1, -1  # the furthest end so far, and the entry it belongs to
+        for start, end, entry in spans:
+            if start < reach:
+                shared.update((entry, owner))
+            if end > reach:
+                reach, owner = end, entry
+        return shared
 
     def keep(self, chunk: Chunk) -> None:
         """Before ``chunk`` is read straight in: its targets' old bytes go aside."""

@@ -261,3 +261,46 @@ def test_the_pool_lends_every_buffer_only_while_none_is_out():
     pool.close()
     with pool.lend() as spare:
         assert spare == []
+
+
+class Tied(torch.nn.Module):
+    """An embedding and an output layer sharing one weight (saved under both names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(512, 128)
+        self.body = torch.nn.Linear(128, 128)
+        self.head = torch.nn.Linear(128, 512, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(x)))
+
+
+@pytest.mark.parametrize("read_threads", [1, 4])
+def test_tied_weights_are_put_back_exactly(tmp_path, read_threads):
+    torch.manual_seed(0)
+    model = Tied()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    options = {**SMALL, "read_threads": read_threads}
+
+    def step() -> None:
+        model(torch.randint(0, 512, (8,))).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **options) as ckpt:
+        ckpt.save(1).wait()
+        saved = _state(model, optimizer)
+        step()
+        ckpt.restore()
+        assert ckpt.last_restore.direct_bytes > 0  # the untied tensors are read once
+        assert _same(_state(model, optimizer), saved)
+        assert model.head.weight is model.embed.weight
+        _corrupt_chunk(tmp_path, 1, 0.97)
+        step()
+        before = _state(model, optimizer)
+        with pytest.raises(NoValidCheckpoint):
+            ckpt.restore()
+        assert _same(_state(model, optimizer), before)
