@@ -20,7 +20,7 @@ pool smaller than the state, ``engine.staging_ratio`` < 1) are read twice as bef
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,16 +34,40 @@ class _Kept:
     copies: list[torch.Tensor]  # slices of the spare buffers holding them, in order
 
 
+@dataclass
+class Spare:
+    """What one restore may read straight over: host ``buffers`` lent for the old bytes
+    (the idle staging pool), and the targets it must not (``shared``: names of live tensors
+    whose memory another tensor of the objects also covers, an alias a load would write or
+    snapshot on its own). Every :class:`LiveBackup` made from it is listed, so that a restore
+    leaving by an exception anywhere (an interrupt between the read and the apply) puts
+    back what is not settled yet: :meth:`put_back_unsettled`."""
+
+    buffers: Sequence[torch.Tensor] = ()
+    shared: frozenset[str] = frozenset()
+    backups: list[LiveBackup] = field(default_factory=list)
+
+    def put_back_unsettled(self) -> None:
+        for backup in reversed(self.backups):  # the newest first: older ones were settled
+            if not backup.settled:
+                backup.put_back()
+                backup.settled = True
+
+
 class LiveBackup:
     """Room in spare buffers for the live bytes of some chunks, and putting them back.
 
     ``reserve`` (one thread, before reading) gives a chunk room; ``keep`` (the chunk's
     reading thread, before it reads) copies the live bytes; ``put_back`` (once no chunk is
-    being read) copies them back.
+    being read) copies them back. ``settled``: the restore holds (a fill kept the bytes) or
+    they were put back for good (a failed read; the spare buffers may then be reused by the
+    next version's backup): only an explicit undo puts them back any more.
     """
 
-    def __init__(self, spare: Sequence[torch.Tensor]) -> None:
-        self._spare = [b for b in spare if b.numel()]
+    def __init__(self, spare: Spare) -> None:
+        spare.backups.append(self)
+        self.settled = False
+        self._spare = [b for b in spare.buffers if b.numel()]
         self._room = sum(b.numel() for b in self._spare)
         self._buffer = 0  # the spare buffer the next reservation starts in
         self._used = 0  # bytes of that buffer already reserved

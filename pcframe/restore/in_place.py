@@ -28,6 +28,7 @@ GPU, sharded (DTensor) and strided tensors take the ordinary path.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -71,6 +72,56 @@ def in_place_targets(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
         }
         targets.update(_named({"optimizer": {"state": fitting}}))
     return targets
+
+
+def seen_elsewhere(
+    targets: Mapping[str, torch.Tensor], model: Any, optimizer: Any
+) -> frozenset[str]:
+    """Targets whose memory another tensor also covers: another target (tied weights, one
+    tensor saved under two names) or a tensor of the objects that is not the target's own
+    view (an alias buffer). A restore reading such a target straight in could have another
+    thread, or a load's undo, copy its bytes at the wrong moment: it verifies those first."""
+    views = {_view(t) for t in targets.values()}
+    others: list[torch.Tensor] = []
+    if isinstance(model, torch.nn.Module):
+        others += [*model.parameters(), *model.buffers()]
+    if isinstance(optimizer, Optimizer):
+        others += [v for per in optimizer.state.values() for v in per.values()]
+    spans = [(*_span(t), name) for name, t in targets.items()]
+    spans += [
+        (*_span(t), None)
+        for t in others
+        if type(t) in (torch.Tensor, torch.nn.Parameter)  # subclasses may have no data_ptr
+        and t.device.type == "cpu"
+        and t.numel()
+        and _view(t) not in views
+    ]
+    return frozenset(overlapping(spans))
+
+
+def overlapping(spans: Iterable[tuple[int, int, Any]]) -> set[Any]:
+    """The keys (not ``None``) of the ``(start, end, key)`` byte ranges that overlap another."""
+    found: set[Any] = set()
+    active: list[tuple[int, Any]] = []  # (end, key) of the ranges still open
+    for start, end, key in sorted(spans, key=lambda s: (s[0], s[1])):
+        active = [(e, k) for e, k in active if e > start]
+        if active:
+            found.update(k for _, k in active)
+            found.add(key)
+        active.append((end, key))
+    found.discard(None)
+    return found
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of storage a tensor's elements can reach."""
+    start = t.data_ptr()
+    reach = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
+    return start, start + (reach + 1) * t.element_size()
+
+
+def _view(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 def _is_live(value: object, own: torch.Tensor | None) -> bool:

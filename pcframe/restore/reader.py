@@ -29,7 +29,7 @@ files, so a hostile manifest cannot trigger a giant allocation.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +50,7 @@ from pcframe.format.manifest import (
 )
 from pcframe.format.names import VERSION_DIR, version_name
 from pcframe.format.tree import decode_tree
+from pcframe.restore.backup import Spare
 from pcframe.restore.reading import (
     DataFiles,
     check_size,
@@ -67,28 +68,27 @@ def _nothing(*_: object) -> int:
     return 0
 
 
-def _nothing_to_undo() -> bool:
-    return True
-
-
 @dataclass
 class LoadedVersion:
     manifest: Manifest
     tensors: list[torch.Tensor]  # an in-place target's entry holds the target itself
     chain: list[int] = field(default_factory=list)  # versions read, the full one first
+    # The in-place targets: which were read straight in (already holding the version's
+    # bytes, their old ones kept aside) or only verified; ``in_place.unfill()`` after fill.
+    in_place: InPlaceTargets | None = None
     # ``fill(sections)`` makes the in-place targets of those tree sections ("model",
-    # "optimizer") hold the version's bytes (reading those not read straight in) and returns
-    # their bytes. Until it runs the targets hold their old values, as far as the objects
-    # can see; OSError if the second read fails.
+    # "optimizer") hold the version's bytes (reading those not read straight in), puts back
+    # the old bytes of the others, and returns the bytes of the former; OSError if the
+    # second read fails.
     fill: Callable[[Collection[str]], int] = _nothing
-    in_place_bytes: int = 0  # bytes ``fill`` would write for every section
     # Lets go of the files ``fill`` would read; before ``fill``, puts back the old bytes of
     # the chunks read straight into the targets.
     release: Callable[[], object] = _nothing
-    # After ``fill``: the old bytes back in every target; False if some were read a second
-    # time (their old bytes are gone).
-    unfill: Callable[[], bool] = _nothing_to_undo
-    direct_bytes: int = 0  # of ``in_place_bytes``: read straight in, the old bytes kept aside
+
+    @property
+    def in_place_bytes(self) -> int:
+        """The in-place targets' bytes in the version (what ``fill`` covers)."""
+        return self.in_place.in_place_bytes if self.in_place is not None else 0
 
     def state_tree(self) -> Any:
         values: list[Any] = list(self.tensors)
@@ -106,7 +106,7 @@ def load_version(
     verify: bool = True,
     targets: Mapping[str, torch.Tensor] | None = None,
     version: int | None = None,
-    spare: Sequence[torch.Tensor] = (),
+    spare: Spare | None = None,
 ) -> LoadedVersion:
     """Read and verify one version directory (and, for a delta version, its base chain).
 
@@ -117,7 +117,8 @@ def load_version(
     entry names to contiguous CPU tensors to read those entries into (where dtype and shape
     match the manifest), through the returned version's ``fill`` after verification;
     ``spare``: host buffers free for the duration (the idle staging pool) in which the old
-    bytes of targets read straight in are kept (:mod:`pcframe.restore.backup`).
+    bytes of targets read straight in are kept, and the targets not to read straight in
+    (:class:`~pcframe.restore.backup.Spare`).
 
     Raises:
         ManifestError / CorruptCheckpoint: naming the file and what is wrong with it.
@@ -142,14 +143,7 @@ def load_version(
     wanted = range(len(manifest.entries))
     tensors, chain = reader.read(wanted, InPlaceTargets(manifest, targets or {}), spare)
     return LoadedVersion(
-        manifest,
-        [tensors[i] for i in wanted],
-        chain,
-        reader.fill,
-        reader.targets.in_place_bytes,
-        reader.release,
-        reader.targets.unfill,
-        reader.targets.direct_bytes,
+        manifest, [tensors[i] for i in wanted], chain, reader.targets, reader.fill, reader.release
     )
 
 
@@ -191,7 +185,7 @@ class _VersionReader:
         self,
         wanted: Collection[int],
         targets: InPlaceTargets | None = None,
-        spare: Sequence[torch.Tensor] = (),
+        spare: Spare | None = None,
     ) -> tuple[dict[int, torch.Tensor], list[int]]:
         """Tensors of the wanted entries (by index) and the versions read for them.
 
@@ -249,13 +243,19 @@ class _VersionReader:
                 task()
             return
         # Every task finishes before the files close (or old bytes go back), even when one
-        # of them failed or this thread is interrupted.
+        # of them failed or this thread is interrupted, again and again: a task may be
+        # reading into live memory. Those not started are cancelled.
         try:
             wait(futures)
         except BaseException:
             for future in futures:
                 future.cancel()
-            wait(futures)
+            for future in futures:
+                while not future.done():
+                    try:
+                        future.exception()  # returns once it ran (or was cancelled)
+                    except BaseException:  # another interrupt (or its cancellation): wait on
+                        continue
             raise
         for future in futures:
             future.result()
@@ -263,7 +263,7 @@ class _VersionReader:
     # --- data.bin ----------------------------------------------------------------------
 
     def _raw_tasks(
-        self, out: dict[int, torch.Tensor], wanted: set[int], spare: Sequence[torch.Tensor]
+        self, out: dict[int, torch.Tensor], wanted: set[int], spare: Spare | None
     ) -> list[Callable]:
         live = self.targets.tensors
         flats = {i: t.reshape(-1).view(torch.uint8) for i, t in out.items() if i not in live}

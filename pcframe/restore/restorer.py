@@ -14,8 +14,9 @@ from pcframe.format.manifest import Manifest
 from pcframe.format.names import version_name
 from pcframe.objects import TrainingObjects
 from pcframe.restore.apply import apply_tree
+from pcframe.restore.backup import Spare
 from pcframe.restore.check_optimizer import prefetch_fresh_state
-from pcframe.restore.in_place import in_place_targets
+from pcframe.restore.in_place import in_place_targets, seen_elsewhere
 from pcframe.restore.report import RestoreReport
 from pcframe.restore.sources import load_first_valid
 from pcframe.store.directory import quarantined_versions
@@ -39,7 +40,8 @@ def load_and_apply(
 
     ``spare``: host buffers free while this runs (the checkpointer's idle staging pool), where
     the live tensors' old bytes are kept so that the version is read straight into them
-    (:mod:`pcframe.restore.backup`).
+    (:mod:`pcframe.restore.backup`). Whatever ends this call by an exception (an interrupt
+    between the read and the apply included), bytes read over and not committed go back.
 
     Returns ``None`` when there is no checkpoint at all.
 
@@ -50,6 +52,38 @@ def load_and_apply(
     """
     start = time.perf_counter()
     targets = in_place_targets(objects.model, objects.optimizer)
+    lent = Spare(spare, seen_elsewhere(targets, objects.model, objects.optimizer))
+    try:
+        manifest = _load_and_apply(
+            sources, objects, report, targets, lent, threads, strict, allow_cast, root
+        )
+    except BaseException:
+        lent.put_back_unsettled()  # every reading thread has ended (the reader waits)
+        raise
+    if manifest is not None:
+        report.seconds = time.perf_counter() - start
+        log.info(
+            "restored version %d (step %d) in %.2f s%s%s",
+            manifest.version,
+            manifest.step,
+            report.seconds,
+            f" from tier {report.tier}" if report.tier else "",
+            f", after skipping {len(report.skipped)} damaged version(s)" if report.skipped else "",
+        )
+    return manifest
+
+
+def _load_and_apply(
+    sources: list[Source],
+    objects: TrainingObjects,
+    report: RestoreReport,
+    targets: dict[str, torch.Tensor],
+    spare: Spare,
+    threads: int,
+    strict: bool,
+    allow_cast: bool,
+    root: Path,
+) -> Manifest | None:
     finding = prefetch_fresh_state(objects.optimizer)  # while the bytes are read
     try:
         loaded = load_first_valid(sources, threads, report, targets=targets, spare=spare)
@@ -86,19 +120,10 @@ def load_and_apply(
             strict=strict,
             allow_cast=allow_cast,
             fill=fill if loaded.in_place_bytes else None,
-            unfill=loaded.unfill,
+            unfill=loaded.in_place.unfill if loaded.in_place is not None else None,
         )
     finally:
         loaded.release()
     report.version, report.step = manifest.version, manifest.step
-    report.direct_bytes = loaded.direct_bytes
-    report.seconds = time.perf_counter() - start
-    log.info(
-        "restored version %d (step %d) in %.2f s%s%s",
-        manifest.version,
-        manifest.step,
-        report.seconds,
-        f" from tier {report.tier}" if report.tier else "",
-        f", after skipping {len(report.skipped)} damaged version(s)" if report.skipped else "",
-    )
+    report.direct_bytes = loaded.in_place.direct_bytes if loaded.in_place is not None else 0
     return manifest

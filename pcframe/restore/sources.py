@@ -22,13 +22,14 @@ import contextlib
 import errno
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from typing import TypeVar
 
 import torch
 
 from pcframe.errors import CheckpointError, ManifestError, RestoreIOError, UnsupportedCheckpoint
 from pcframe.format.names import check_requested_version
+from pcframe.restore.backup import Spare
 from pcframe.restore.reader import LoadedVersion, load_version
 from pcframe.restore.reading import out_of_memory
 from pcframe.restore.report import RestoreReport
@@ -82,7 +83,7 @@ def load_first_valid(
     report: RestoreReport,
     backoff: float = BACKOFF,
     targets: Mapping[str, torch.Tensor] | None = None,
-    spare: Sequence[torch.Tensor] = (),
+    spare: Spare | None = None,
 ) -> LoadedVersion | None:
     """Load the newest source that verifies; quarantine each one that is corrupt.
 
@@ -173,7 +174,7 @@ def _load_with_retries(
     threads: int,
     backoff: float,
     targets: Mapping[str, torch.Tensor] | None,
-    spare: Sequence[torch.Tensor],
+    spare: Spare | None,
 ) -> LoadedVersion:
     def read() -> LoadedVersion:
         files = contextlib.ExitStack()
@@ -183,6 +184,7 @@ def _load_with_retries(
             loaded = load_version(
                 path, threads, targets=targets, version=source.version, spare=spare
             )
+            files.callback(loaded.release)  # the descriptor kept for the fill, old bytes
         except ManifestError as exc:
             files.close()
             if source.where and path is not None and str(path) in str(exc):
@@ -196,7 +198,6 @@ def _load_with_retries(
         except BaseException:
             files.close()
             raise
-        files.callback(loaded.release)  # the descriptor kept for the fill
         if not loaded.in_place_bytes:
             files.close()
             return loaded

@@ -10,7 +10,7 @@ failure anywhere before the restore holds puts the old bytes back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from enum import Enum
 
 import torch
@@ -18,7 +18,8 @@ import torch
 from pcframe.format.layout import Chunk
 from pcframe.format.records import Manifest
 from pcframe.format.tree import DTYPES
-from pcframe.restore.backup import LiveBackup
+from pcframe.restore.backup import LiveBackup, Spare
+from pcframe.restore.in_place import overlapping
 
 
 class InPlaceStage(Enum):
@@ -48,7 +49,8 @@ class InPlaceTargets:
                 self.tensors[i] = target
         self.deferred: list[Chunk] = []  # verified, then read a second time by fill
         self.in_place_bytes = 0  # the targets' bytes in the version
-        self.direct_bytes = 0  # of those, read straight in
+        self.direct_bytes = 0  # of those, read straight in (after fill: of the sections kept)
+        self._direct: dict[int, int] = {}  # entry -> its bytes read straight in
         self.stage = InPlaceStage.VERIFIED
         self._backup: LiveBackup | None = None
         self._refilled = False  # fill began a second read: those old bytes are gone
@@ -57,19 +59,19 @@ class InPlaceTargets:
         """``{entry: the target's bytes}`` (1-D uint8) for the entries ``take`` accepts."""
         return {i: t.reshape(-1).view(torch.uint8) for i, t in self.tensors.items() if take(i)}
 
-    def plan(self, chunks: list[Chunk], spare: Sequence[torch.Tensor], verify: bool) -> set[int]:
+    def plan(self, chunks: list[Chunk], spare: Spare | None, verify: bool) -> set[int]:
         """Split the chunks holding targets' bytes: the indices of those read straight in
-        (their targets' old bytes fit in ``spare``, and the read verifies); the rest are
-        :attr:`deferred`."""
+        (their targets' old bytes fit in ``spare``, none is shared, and the read verifies);
+        the rest are :attr:`deferred`."""
         held = [c for c in chunks if any(p.entry in self.tensors for p in c.pieces)]
         self.in_place_bytes = sum(
             p.nbytes for c in held for p in c.pieces if p.entry in self.tensors
         )
         direct: set[int] = set()
-        if spare and verify:  # unverified bytes are never written over live ones
+        if spare is not None and spare.buffers and verify:  # unverified: never over live
             self._backup = LiveBackup(spare)
             flats = self.flats()
-            shared = self._sharing_memory()
+            shared = self._sharing_memory(spare.shared)
             for chunk in held:
                 if any(p.entry in shared for p in chunk.pieces):
                     continue
@@ -80,26 +82,21 @@ class InPlaceTargets:
                 ]
                 if self._backup.reserve(chunk.index, lives):
                     direct.add(chunk.index)
-                    self.direct_bytes += sum(live.numel() for _, live in lives)
+                    for entry, live in lives:
+                        self._direct[entry] = self._direct.get(entry, 0) + live.numel()
+            self.direct_bytes = sum(self._direct.values())
         self.deferred = [c for c in held if c.index not in direct]
         return direct
 
-    def _sharing_memory(self) -> set[int]:
-        """Entries whose target overlaps another's memory (tied weights: one tensor saved
-        under two names). Reading them straight in, one thread could keep bytes another has
-        just read over, and a put-back would restore those: they are read twice instead."""
-        spans = sorted(
-            (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
-            for i, t in self.tensors.items()
-        )
-        shared: set[int] = set()
-        reach, owner = -1, -1  # the furthest end so far, and the entry it belongs to
-        for start, end, entry in spans:
-            if start < reach:
-                shared.update((entry, owner))
-            if end > reach:
-                reach, owner = end, entry
-        return shared
+    def _sharing_memory(self, names: frozenset[str]) -> set[int]:
+        """Entries whose target overlaps another target's memory (tied weights: one tensor
+        saved under two names) or is named in ``names`` (another tensor of the objects sees
+        it). Read straight in, one thread could keep bytes another has just read over, and
+        a put-back would restore those: they are verified first and read twice instead."""
+        ends = {i: t.data_ptr() + t.numel() * t.element_size() for i, t in self.tensors.items()}
+        spans = [(t.data_ptr(), ends[i], i) for i, t in self.tensors.items()]
+        named = {i for i in self.tensors if self.entries[i].name in names}
+        return overlapping(spans) | named
 
     def keep(self, chunk: Chunk) -> None:
         """Before ``chunk`` is read straight in: its targets' old bytes go aside."""
@@ -110,6 +107,7 @@ class InPlaceTargets:
         """The old bytes back in every target read straight in (once nothing writes them)."""
         if self._backup is not None:
             self._backup.put_back()
+            self._backup.settled = True
         self.stage = InPlaceStage.PUT_BACK
 
     def fill(self, sections: Collection[str], read: Callable[[list[Chunk], dict], None]) -> int:
@@ -123,17 +121,21 @@ class InPlaceTargets:
 
         if self._backup is not None:
             self._backup.put_back(keep_entry=loads)
+        self.direct_bytes = sum(n for entry, n in self._direct.items() if loads(entry))
         flats = self.flats(loads)
         chunks = [c for c in self.deferred if any(p.entry in flats for p in c.pieces)]
         if chunks:
             self._refilled = True
             read(chunks, flats)
         self.stage = InPlaceStage.FILLED
+        if self._backup is not None:
+            self._backup.settled = True  # from here only unfill (an undo) puts back
         return sum(t.numel() for t in flats.values())
 
     def unfill(self) -> bool:
         """After :meth:`fill`: the old bytes back; False where a second read overwrote some."""
         self.put_back()
+        self.direct_bytes = 0
         return not self._refilled
 
     def release(self) -> None:

@@ -14,7 +14,8 @@ import torch
 
 from pcframe import Checkpointer
 from pcframe.errors import CheckpointError, NoValidCheckpoint
-from pcframe.restore import reader
+from pcframe.restore import apply, reader
+from pcframe.restore.backup import Spare
 from pcframe.restore.in_place import in_place_targets
 from pcframe.restore.reader import load_version
 from pcframe.save.staging import StagingPool
@@ -209,7 +210,7 @@ def _read_with_spare(tmp_path, model, optimizer):
     saved = _state(model, optimizer)
     _step(model, optimizer)
     before = _state(model, optimizer)
-    spare = [torch.empty(1 << 20, dtype=torch.uint8) for _ in range(4)]
+    spare = Spare([torch.empty(1 << 20, dtype=torch.uint8) for _ in range(4)])
     loaded = load_version(
         tmp_path / "v00000001", threads=2, targets=in_place_targets(model, optimizer), spare=spare
     )
@@ -219,7 +220,7 @@ def _read_with_spare(tmp_path, model, optimizer):
 def test_only_the_sections_that_loaded_keep_the_new_bytes(tmp_path):
     model, optimizer = _objects()
     loaded, saved, before = _read_with_spare(tmp_path, model, optimizer)
-    assert loaded.direct_bytes == loaded.in_place_bytes
+    assert loaded.in_place.direct_bytes == loaded.in_place_bytes
     assert loaded.fill({"optimizer"}) > 0  # the model's load failed (strict=False)
     loaded.release()
     now = _state(model, optimizer)
@@ -232,7 +233,7 @@ def test_a_rollback_after_the_fill_puts_everything_back(tmp_path):
     model, optimizer = _objects()
     loaded, _, before = _read_with_spare(tmp_path, model, optimizer)
     loaded.fill({"model", "optimizer"})
-    assert loaded.unfill()  # nothing was read a second time: everything can go back
+    assert loaded.in_place.unfill()  # nothing was read a second time: all can go back
     loaded.release()
     assert _same(_state(model, optimizer), before)
 
@@ -304,3 +305,112 @@ def test_tied_weights_are_put_back_exactly(tmp_path, read_threads):
         with pytest.raises(NoValidCheckpoint):
             ckpt.restore()
         assert _same(_state(model, optimizer), before)
+
+
+class InterruptedWhileJoined:
+    """The optimizer's scratch step, joined after the read: Ctrl-C lands in the join."""
+
+    def join(self) -> None:
+        raise KeyboardInterrupt
+
+
+def test_an_interrupt_between_the_read_and_the_apply_puts_the_bytes_back(tmp_path, monkeypatch):
+    model, optimizer = _objects()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
+        ckpt.save(1).wait()
+        _step(model, optimizer)
+        before = _state(model, optimizer)
+        monkeypatch.setattr(
+            "pcframe.restore.restorer.prefetch_fresh_state", lambda _: InterruptedWhileJoined()
+        )
+        with pytest.raises(KeyboardInterrupt):
+            ckpt.restore()
+        assert _same(_state(model, optimizer), before)
+
+
+def test_interrupts_while_reading_wait_for_the_reads_in_progress(tmp_path, monkeypatch):
+    """Ctrl-C, then more while the reader waits for its threads: a read still landing in
+    live memory after the put-back would leave new bytes there."""
+    import time
+
+    from pcframe.restore import reading
+
+    model, optimizer = _objects()
+    with Checkpointer(
+        tmp_path, model=model, optimizer=optimizer, **{**SMALL, "read_threads": 4}
+    ) as ckpt:
+        ckpt.save(1).wait()
+        _step(model, optimizer)
+        before = _state(model, optimizer)
+        real = reading.preadv_all
+
+        def slow(fd, buffers, offset, path):  # the bytes land well after the call began
+            scratch = [memoryview(bytearray(len(b))) for b in buffers]
+            real(fd, scratch, offset, path)
+            time.sleep(0.1)
+            for buffer, read in zip(buffers, scratch, strict=True):
+                buffer[:] = read
+
+        def interrupted(*_args, **_kwargs):
+            time.sleep(0.03)  # the threads have kept their chunks and are reading
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(reading, "preadv_all", slow)
+        monkeypatch.setattr(reader, "wait", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            ckpt.restore()
+        assert _same(_state(model, optimizer), before)
+
+
+class Aliased(torch.nn.Module):
+    """A buffer that is a transposed view of a parameter: the model's load writes and its
+    undo copies that memory on its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(256, 256)
+        self.register_buffer("weight_t", self.lin.weight.detach().t())
+
+
+def test_memory_another_tensor_sees_is_not_read_over(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = Aliased()
+    with Checkpointer(tmp_path, model=model, **SMALL) as ckpt:
+        ckpt.save(1).wait()
+        saved = model.lin.weight.detach().clone()
+        with torch.no_grad():
+            model.lin.weight.add_(1.0)
+        before = model.lin.weight.detach().clone()
+        real, calls = apply.restore_rng, []
+
+        def fails_once(state, skip=frozenset()):  # the step after the fill fails
+            calls.append(state)
+            if len(calls) == 1:
+                raise RuntimeError("refused")
+            return real(state, skip)
+
+        monkeypatch.setattr(apply, "restore_rng", fails_once)
+        with pytest.raises(CheckpointError):
+            ckpt.restore()
+        assert torch.equal(model.lin.weight.detach(), before)
+        monkeypatch.undo()
+        ckpt.restore()
+        report = ckpt.last_restore
+        weight_bytes = saved.numel() * saved.element_size()
+        assert report.direct_bytes == report.in_place_bytes - weight_bytes
+        assert torch.equal(model.lin.weight.detach(), saved)
+
+
+def test_the_report_counts_only_the_sections_that_loaded(tmp_path):
+    model, optimizer = _objects()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
+        ckpt.save(1).wait()
+    other = torch.optim.Adam(model.parameters())  # AdamW was saved: the optimizer is left out
+    _step(model, other)
+    with Checkpointer(tmp_path, model=model, optimizer=other, **SMALL) as ckpt:
+        ckpt.save(2).wait()
+        ckpt.restore(version=1, strict=False)
+        report = ckpt.last_restore
+    model_bytes = sum(v.numel() * v.element_size() for v in model.state_dict().values())
+    assert report.not_loaded
+    assert report.direct_bytes == report.in_place_bytes == model_bytes
