@@ -102,7 +102,7 @@ class LiveBackup:
     def keep(self, chunk: int) -> None:
         """Copy ``chunk``'s live bytes into their room (before the chunk is read into them)."""
         for kept in self._chunks[chunk]:
-            _scatter(kept.live, kept.copies, to_copies=True)
+            _copy_between(kept.live, kept.copies, to_copies=True)
         self._kept.append(chunk)  # after the copy: a chunk listed here can be put back
 
     def put_back(self, keep_entry: Callable[[int], bool] = lambda _: False) -> int:
@@ -114,12 +114,12 @@ class LiveBackup:
         for chunk in self._kept:
             for kept in self._chunks[chunk]:
                 if not keep_entry(kept.entry):
-                    _scatter(kept.live, kept.copies, to_copies=False)
+                    _copy_between(kept.live, kept.copies, to_copies=False)
                     restored += kept.live.numel()
         return restored
 
 
-def _scatter(live: torch.Tensor, copies: list[torch.Tensor], *, to_copies: bool) -> None:
+def _copy_between(live: torch.Tensor, copies: list[torch.Tensor], *, to_copies: bool) -> None:
     at = 0
     for part in copies:
         n = part.numel()

@@ -54,7 +54,7 @@ def load_and_apply(
     targets = in_place_targets(objects.model, objects.optimizer)
     lent = Spare(spare, seen_elsewhere(targets, objects.model, objects.optimizer))
     try:
-        manifest = _load_and_apply(
+        manifest = _apply_first_valid(
             sources, objects, report, targets, lent, threads, strict, allow_cast, root
         )
     except BaseException:
@@ -73,7 +73,7 @@ def load_and_apply(
     return manifest
 
 
-def _load_and_apply(
+def _apply_first_valid(
     sources: list[Source],
     objects: TrainingObjects,
     report: RestoreReport,
