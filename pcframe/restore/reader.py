@@ -17,8 +17,9 @@ version is verified: their bytes go through the scratch window and are checksumm
 once the caller decides to apply. Given ``spare`` memory (the idle staging pool), chunks
 whose targets' bytes fit in it are read straight into the targets instead, each after its
 targets' bytes were copied there (:mod:`pcframe.restore.backup`); a failure puts them back.
-Coded tensors (format version 2) are read segment by segment from ``codec.bin``:
-each payload is checksummed, then decoded into its element range of a fresh tensor. A delta
+Coded tensors (format version 2) are read segment by segment from ``codec.bin``
+(:mod:`pcframe.restore.segments`): each payload is checksummed, then decoded into its
+element range of a fresh tensor. A delta
 tensor first loads its value in the base version (recursively, down to the full version),
 and every version on the way is verified like the one asked for.
 
@@ -28,7 +29,6 @@ files, so a hostile manifest cannot trigger a giant allocation.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import wait
 from dataclasses import dataclass, field
@@ -39,13 +39,10 @@ import torch
 
 from pcframe.errors import CorruptCheckpoint, ManifestError
 from pcframe.format.checksum import checksum_function
-from pcframe.format.files import open_regular
 from pcframe.format.layout import Chunk
 from pcframe.format.manifest import (
-    CODEC_NAME,
     MANIFEST_NAME,
     Manifest,
-    SegmentRecord,
     read_manifest,
 )
 from pcframe.format.names import VERSION_DIR, version_name
@@ -53,14 +50,12 @@ from pcframe.format.tree import decode_tree
 from pcframe.restore.backup import Spare
 from pcframe.restore.reading import (
     DataFiles,
-    check_size,
     fresh_tensor,
-    out_of_memory,
     preadv_all,
     read_windows,
     reading_pool,
-    refused_memory,
 )
+from pcframe.restore.segments import CodecFile
 from pcframe.restore.targets import InPlaceTargets
 
 
@@ -175,10 +170,7 @@ class _VersionReader:
         self.checksum = checksum_function(manifest.checksum)
         self.data = DataFiles(directory, manifest)  # open while reading (and kept for fill)
         self.data_path = self.data.paths[0]
-        self.codec_path = directory / CODEC_NAME
-        if manifest.coded:
-            check_size(self.codec_path, manifest.codec_size)
-        self._codec_fd = -1
+        self.codec = CodecFile(directory, manifest, self.verify, self.checksum)
         self.targets = InPlaceTargets(manifest, {})  # none unless read() is given some
 
     def read(
@@ -208,13 +200,14 @@ class _VersionReader:
             previous, base_chain = self._base_values(coded)
             chain = base_chain + chain
             for i in coded:
-                out[i] = fresh_tensor(entries[i], self.codec_path)
-            tasks += self._segment_tasks(out, coded, previous)
+                out[i] = fresh_tensor(entries[i], self.codec.path)
+            tasks += self.codec.tasks(out, coded, previous)
         kept = False
         try:
             if raw:
                 self.data.open()
-            self._codec_fd = open_regular(self.codec_path) if coded else -1
+            if coded:
+                self.codec.open()
             self._run(tasks)
             # The fill reads the verified files through the same descriptors: a version
             # deleted meanwhile (another process's retention) is still readable then.
@@ -223,9 +216,7 @@ class _VersionReader:
             self.targets.put_back()  # every task has ended: nothing writes any more
             raise
         finally:
-            if self._codec_fd >= 0:
-                os.close(self._codec_fd)
-                self._codec_fd = -1
+            self.codec.close()
             if not kept:
                 self.data.close()
         return out, chain
@@ -325,69 +316,6 @@ class _VersionReader:
                 f"{path}: checksum mismatch in chunk {chunk.index} "
                 f"(bytes {located.offset}..{located.offset + chunk.length})"
             )
-
-    # --- codec.bin ---------------------------------------------------------------------
-
-    def _segment_tasks(
-        self,
-        out: dict[int, torch.Tensor],
-        coded: list[int],
-        previous: dict[int, torch.Tensor],
-    ) -> list[Callable]:
-        tasks = []
-        for i in coded:
-            flat = out[i].reshape(-1)
-            base = previous.get(i)
-            for k, segment in enumerate(self.manifest.segments[i]):
-                tasks.append(
-                    lambda i=i, k=k, s=segment, f=flat, b=base: self._decode(i, k, s, f, b)
-                )
-        return tasks
-
-    def _decode(
-        self,
-        index: int,
-        k: int,
-        segment: SegmentRecord,
-        flat: torch.Tensor,
-        base: torch.Tensor | None,
-    ) -> None:
-        from pcframe.kernels.codecs import get_codec
-
-        entry = self.manifest.entries[index]
-        try:
-            payload = memoryview(bytearray(segment.length))
-        except MemoryError:
-            what = f"segment {k} of {entry.name!r}"
-            raise out_of_memory(what, segment.length, self.codec_path) from None
-        preadv_all(self._codec_fd, [payload], segment.offset, self.codec_path)
-        where = f"{self.codec_path}: tensor {entry.name!r} segment {k}"
-        if self.verify and self.checksum([payload]) != segment.checksum:
-            raise CorruptCheckpoint(
-                f"{where}: checksum mismatch (bytes {segment.offset}.."
-                f"{segment.offset + segment.length})"
-            )
-        span = slice(segment.start, segment.start + segment.count)
-        codec = get_codec(entry.codec)
-        try:
-            codec.decode(
-                payload,
-                segment.meta,
-                flat.dtype,
-                (segment.count,),
-                previous=base[span] if base is not None else None,
-                out=flat[span],
-            )
-        except OSError:
-            raise  # the machine, not the bytes
-        except Exception as exc:  # any decoder failure on verified bytes: hostile or corrupt
-            if refused_memory(exc):  # ...unless the machine refused the decoder memory
-                what = f"decoding segment {k} of {entry.name!r}"
-                nbytes = segment.count * flat.element_size()
-                raise out_of_memory(what, nbytes, self.codec_path) from None
-            raise CorruptCheckpoint(
-                f"{where} ({entry.codec}) does not decode: {type(exc).__name__}: {exc}"
-            ) from None
 
     def _base_values(self, coded: list[int]) -> tuple[dict[int, torch.Tensor], list[int]]:
         """For a delta version: its delta tensors' values in the base version, by entry."""
