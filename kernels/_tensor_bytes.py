@@ -67,7 +67,7 @@ def read_bytes(t: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
 
 
 def _word_aligned(t: torch.Tensor) -> bool:
-    return t.stride(0) == 1 and t.data_ptr() % 8 == 0 and t.storage_offset() % 8 == 0
+    return t.stride(0) == 1 and t.data_ptr() % 8 == 0
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:

@@ -42,7 +42,7 @@ from torch.optim.optimizer import Optimizer
 from pcframe.errors import CheckpointError, RestoreIOError
 from pcframe.objects import TrainingObjects
 from pcframe.restore.check import LoadPlan, StateMismatch, describe_problems, plan_load
-from pcframe.restore.in_place import SECTIONS
+from pcframe.restore.in_place import SECTIONS, view_of
 from pcframe.restore.reading import refused_memory
 from pcframe.rng import capture_rng, restore_rng
 
@@ -221,11 +221,6 @@ class _Undo:
             ) from failed[0]
 
 
-def _view_of(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """What makes two tensors the same view of the same memory."""
-    return (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
-
-
 def _deep_copy(state: Any) -> Any:
     """A copy that later loads cannot change (tensors cloned)."""
     return copy.deepcopy(state)
@@ -261,7 +256,7 @@ def _model_load(
         # A tensor the state holds itself (read in place later) keeps its value through
         # load_state_dict: nothing to copy for it. The same view only: another view of its
         # memory (a transposed alias buffer) is loaded from a fresh tensor and writes there.
-        in_place = {_view_of(v) for v in state.values() if isinstance(v, torch.Tensor)}
+        in_place = {view_of(v) for v in state.values() if isinstance(v, torch.Tensor)}
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         seen: set[int] = set()
         for tensor in chain(model.parameters(), model.buffers()):
@@ -269,7 +264,7 @@ def _model_load(
                 continue
             seen.add(id(tensor))
             local = _local_shard(tensor).detach()
-            if local.numel() and _view_of(local) in in_place:
+            if local.numel() and view_of(local) in in_place:
                 continue
             saved.append((tensor, local.to("cpu", copy=True)))
 

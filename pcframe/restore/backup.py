@@ -74,10 +74,6 @@ class LiveBackup:
         self._chunks: dict[int, list[_Kept]] = {}
         self._kept: list[int] = []  # chunks whose live bytes were copied: maybe overwritten
 
-    @property
-    def room(self) -> int:
-        return self._room
-
     def reserve(self, chunk: int, lives: list[tuple[int, torch.Tensor]]) -> bool:
         """Room for ``lives`` (``(entry, uint8 view)``) of ``chunk``; False if it does not fit."""
         need = sum(live.numel() for _, live in lives)

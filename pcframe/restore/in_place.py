@@ -81,20 +81,20 @@ def seen_elsewhere(
     tensor saved under two names) or a tensor of the objects that is not the target's own
     view (an alias buffer). A restore reading such a target straight in could have another
     thread, or a load's undo, copy its bytes at the wrong moment: it verifies those first."""
-    views = {_view(t) for t in targets.values()}
+    views = {view_of(t) for t in targets.values()}
     others: list[torch.Tensor] = []
     if isinstance(model, torch.nn.Module):
         others += [*model.parameters(), *model.buffers()]
     if isinstance(optimizer, Optimizer):
         others += [v for per in optimizer.state.values() for v in per.values()]
-    spans = [(*_span(t), name) for name, t in targets.items()]
+    spans = [(*byte_span(t), name) for name, t in targets.items()]
     spans += [
-        (*_span(t), None)
+        (*byte_span(t), None)
         for t in others
         if type(t) in (torch.Tensor, torch.nn.Parameter)  # subclasses may have no data_ptr
         and t.device.type == "cpu"
         and t.numel()
-        and _view(t) not in views
+        and view_of(t) not in views
     ]
     return frozenset(overlapping(spans))
 
@@ -113,15 +113,16 @@ def overlapping(spans: Iterable[tuple[int, int, Any]]) -> set[Any]:
     return found
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes of storage a tensor's elements can reach."""
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses ``[start, end)`` a tensor's elements can reach."""
     start = t.data_ptr()
     reach = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
     return start, start + (reach + 1) * t.element_size()
 
 
-def _view(t: torch.Tensor) -> tuple:
-    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+def view_of(t: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors the same view of the same memory."""
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
 def _is_live(value: object, own: torch.Tensor | None) -> bool:

@@ -67,10 +67,10 @@ def _nothing(*_: object) -> int:
 class LoadedVersion:
     manifest: Manifest
     tensors: list[torch.Tensor]  # an in-place target's entry holds the target itself
-    chain: list[int] = field(default_factory=list)  # versions read, the full one first
     # The in-place targets: which were read straight in (already holding the version's
     # bytes, their old ones kept aside) or only verified; ``in_place.unfill()`` after fill.
-    in_place: InPlaceTargets | None = None
+    in_place: InPlaceTargets
+    chain: list[int] = field(default_factory=list)  # versions read, the full one first
     # ``fill(sections)`` makes the in-place targets of those tree sections ("model",
     # "optimizer") hold the version's bytes (reading those not read straight in), puts back
     # the old bytes of the others, and returns the bytes of the former; OSError if the
@@ -83,7 +83,7 @@ class LoadedVersion:
     @property
     def in_place_bytes(self) -> int:
         """The in-place targets' bytes in the version (what ``fill`` covers)."""
-        return self.in_place.in_place_bytes if self.in_place is not None else 0
+        return self.in_place.in_place_bytes
 
     def state_tree(self) -> Any:
         values: list[Any] = list(self.tensors)
@@ -138,7 +138,12 @@ def load_version(
     wanted = range(len(manifest.entries))
     tensors, chain = reader.read(wanted, InPlaceTargets(manifest, targets or {}), spare)
     return LoadedVersion(
-        manifest, [tensors[i] for i in wanted], chain, reader.targets, reader.fill, reader.release
+        manifest,
+        [tensors[i] for i in wanted],
+        reader.targets,
+        chain,
+        fill=reader.fill,
+        release=reader.release,
     )
 
 

@@ -120,10 +120,10 @@ def _apply_first_valid(
             strict=strict,
             allow_cast=allow_cast,
             fill=fill if loaded.in_place_bytes else None,
-            unfill=loaded.in_place.unfill if loaded.in_place is not None else None,
+            unfill=loaded.in_place.unfill,
         )
     finally:
         loaded.release()
     report.version, report.step = manifest.version, manifest.step
-    report.direct_bytes = loaded.in_place.direct_bytes if loaded.in_place is not None else 0
+    report.direct_bytes = loaded.in_place.direct_bytes
     return manifest

@@ -19,7 +19,7 @@ from pcframe.format.layout import Chunk
 from pcframe.format.records import Manifest
 from pcframe.format.tree import DTYPES
 from pcframe.restore.backup import LiveBackup, Spare
-from pcframe.restore.in_place import overlapping
+from pcframe.restore.in_place import byte_span, overlapping
 
 
 class InPlaceStage(Enum):
@@ -93,8 +93,7 @@ class InPlaceTargets:
         saved under two names) or is named in ``names`` (another tensor of the objects sees
         it). Read straight in, one thread could keep bytes another has just read over, and
         a put-back would restore those: they are verified first and read twice instead."""
-        ends = {i: t.data_ptr() + t.numel() * t.element_size() for i, t in self.tensors.items()}
-        spans = [(t.data_ptr(), ends[i], i) for i, t in self.tensors.items()]
+        spans = [(*byte_span(t), i) for i, t in self.tensors.items()]
         named = {i for i in self.tensors if self.entries[i].name in names}
         return overlapping(spans) | named
 

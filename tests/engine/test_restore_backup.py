@@ -7,6 +7,7 @@ is ``test_restore_in_place.py``'s.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 
 import pytest
@@ -63,6 +64,17 @@ def _no_second_read(monkeypatch) -> None:
     monkeypatch.setattr(reader._VersionReader, "_read_pieces", second_read)
 
 
+@contextlib.contextmanager
+def _saved_then_stepped(tmp_path, **options):
+    """A checkpointer that saved version 1 (its pool now idle), the objects a step past it,
+    and their values before any restore: ``(ckpt, model, optimizer, before)``."""
+    model, optimizer = _objects()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **{**SMALL, **options}) as ckpt:
+        ckpt.save(1).wait()
+        _step(model, optimizer)
+        yield ckpt, model, optimizer, _state(model, optimizer)
+
+
 def test_a_rollback_reads_each_byte_once_and_leaves_the_pool_to_the_next_save(
     tmp_path, monkeypatch
 ):
@@ -117,11 +129,7 @@ def test_a_damaged_newest_version_falls_back_to_an_exact_older_one(tmp_path):
 
 
 def test_an_io_error_mid_read_puts_the_bytes_back(tmp_path, monkeypatch):
-    model, optimizer = _objects()
-    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
-        ckpt.save(1).wait()
-        _step(model, optimizer)
-        before = _state(model, optimizer)
+    with _saved_then_stepped(tmp_path) as (ckpt, model, optimizer, before):
         real = reader._VersionReader._read_chunk
         calls = []
 
@@ -315,11 +323,7 @@ class InterruptedWhileJoined:
 
 
 def test_an_interrupt_between_the_read_and_the_apply_puts_the_bytes_back(tmp_path, monkeypatch):
-    model, optimizer = _objects()
-    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
-        ckpt.save(1).wait()
-        _step(model, optimizer)
-        before = _state(model, optimizer)
+    with _saved_then_stepped(tmp_path) as (ckpt, model, optimizer, before):
         monkeypatch.setattr(
             "pcframe.restore.restorer.prefetch_fresh_state", lambda _: InterruptedWhileJoined()
         )
@@ -335,13 +339,7 @@ def test_interrupts_while_reading_wait_for_the_reads_in_progress(tmp_path, monke
 
     from pcframe.restore import reading
 
-    model, optimizer = _objects()
-    with Checkpointer(
-        tmp_path, model=model, optimizer=optimizer, **{**SMALL, "read_threads": 4}
-    ) as ckpt:
-        ckpt.save(1).wait()
-        _step(model, optimizer)
-        before = _state(model, optimizer)
+    with _saved_then_stepped(tmp_path, read_threads=4) as (ckpt, model, optimizer, before):
         real = reading.preadv_all
 
         def slow(fd, buffers, offset, path):  # the bytes land well after the call began
