@@ -47,10 +47,14 @@ class EngineConfig:
         checksum: per-chunk checksum algorithm.
         keep_last: committed versions kept; the newest committed one is never deleted.
         tensor_align: byte alignment of each tensor inside the data file.
-        copy_backend: kernel of the copy stage: ``"torch"`` (``Tensor.copy_``), or a
-            :mod:`pcframe.kernels` backend (``"numba"``, ``"triton"``, ``"auto"``: Triton for
-            CUDA tensors, Numba for CPU ones). With ``checksum="pcf64"`` a kernel backend
-            computes the checksum in the same pass as the copy.
+        copy_backend: kernel of the copy stage. ``"auto"`` (the default): Numba for host
+            memory (a whole chunk per call, the GIL released: 2.3x faster than
+            ``Tensor.copy_`` per piece for a state of 2400 tensors on 2 cores), the GPU's
+            copy engine through torch for CUDA memory (Triton's copy ran at 0.32x its rate
+            on an H200); ``"torch"`` (``Tensor.copy_`` per piece everywhere), ``"numba"``
+            (host memory; CUDA as ``auto``) or ``"triton"`` (CUDA memory, also where the
+            engine's fused checksum is wanted on the GPU). With ``checksum="pcf64"`` a
+            kernel computes the checksum in the same pass as the copy.
         read_threads: threads reading and verifying chunks on restore (more threads keep a
             cold disk busier: 8 read 1 GiB 25% faster than 4 on the benchmark machine).
         codecs: tensor-name glob -> codec, first match wins, e.g.
@@ -84,7 +88,7 @@ class EngineConfig:
     checksum: str = "crc32c"
     keep_last: int = 3
     tensor_align: int = 64
-    copy_backend: str = "torch"
+    copy_backend: str = "auto"
     read_threads: int = 8
     codecs: dict[str, Any] = field(default_factory=dict)
     full_every: int = 8

@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from pcframe.kernels.dtypes import dtype_name
@@ -49,6 +51,16 @@ class ChunkPiece:
     nbytes: int
 
 
+class PieceTable(NamedTuple):
+    """One chunk's pieces as int64 arrays, one row per piece (``ChunkPiece``'s fields): what
+    a kernel that copies a whole chunk in one call reads, with no Python per piece."""
+
+    entry: np.ndarray
+    src_start: np.ndarray
+    dst_start: np.ndarray
+    nbytes: np.ndarray
+
+
 @dataclass(frozen=True)
 class Chunk:
     index: int
@@ -71,9 +83,9 @@ class Layout:
     def signature(tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple:
         """What the layout depends on, plus what the capture's checks read: a tensor that
         turns sparse or moves to the meta device with the same shape is checked again."""
-        return tuple(
-            (name, t.dtype, tuple(t.shape), t.layout, t.device.type) for name, t in tensors
-        )
+        # torch.Size and torch.device compare as the tuple and the device they hold; no
+        # conversion per tensor (a save of thousands of tensors computes this each time).
+        return tuple((name, t.dtype, t.shape, t.layout, t.device) for name, t in tensors)
 
     @classmethod
     def build(
@@ -119,6 +131,18 @@ class Layout:
                 probe += 1
             chunks.append(Chunk(index, start, end - start, tuple(pieces)))
         return tuple(chunks)
+
+    @cached_property
+    def piece_tables(self) -> tuple[PieceTable, ...]:
+        """:attr:`chunks` as one :class:`PieceTable` per chunk (built once per layout)."""
+        tables = []
+        for chunk in self.chunks:
+            rows = np.array(
+                [(p.entry, p.src_start, p.dst_start, p.nbytes) for p in chunk.pieces],
+                dtype=np.int64,
+            ).reshape(-1, 4)
+            tables.append(PieceTable(*(np.ascontiguousarray(col) for col in rows.T)))
+        return tuple(tables)
 
     def _end(self, i: int) -> int:
         return self.entries[i].offset + self.entries[i].nbytes

@@ -60,7 +60,9 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef], depth: int = 0) -> A
                 "tensors; keep its components (.unbind()) or a padded tensor "
                 "(.to_padded_tensor(0)) in the object's state_dict()"
             )
-        refs.append(TensorRef(path, obj.detach()))
+        # A tensor outside autograd is referenced as it is (no second tensor object per
+        # tensor per save: the optimizer's state holds thousands of them).
+        refs.append(TensorRef(path, obj.detach() if obj.requires_grad else obj))
         return {"$t": len(refs) - 1}
     inner = depth + 1
     if (

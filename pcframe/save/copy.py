@@ -21,9 +21,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 import pcframe.kernels as kernels
+from pcframe.format.layout import PieceTable
+from pcframe.kernels.checksum.reference import pcf64_finalize
 from pcframe.kernels.copy import PieceLike, make_plan, reference
 from pcframe.kernels.dispatch import triton_interpreting
 
@@ -73,18 +76,96 @@ class SharedChunks:
 
 
 class Copier:
-    """Fills staging views for one engine; the backend is fixed at construction."""
+    """Fills staging views for one engine; the backend is fixed at construction.
+
+    Which kernel copies a chunk depends on where its tensors live:
+
+    * host memory: with ``numba`` or ``auto``, :meth:`fill_host` (libc ``memcpy`` per
+      piece, a whole chunk per call with the GIL released and no Python per piece), once
+      :meth:`warm` has loaded it; else, and with ``torch``, the torch reference
+      (``Tensor.copy_`` per piece: a few microseconds of dispatch each, with the GIL);
+    * CUDA memory: the torch reference on the side stream (the GPU's copy engine, chunks
+      queued ahead: :class:`DeviceCopies`), except with ``triton``, which copies them with
+      its kernel (measured 0.32x the device-to-host limit on an H200, the copy engine 1.0x:
+      ``experiments/results/gpu_h200.md``, so ``auto`` does not pick it).
+    """
 
     def __init__(self, backend: str, checksum: str) -> None:
         self.backend = backend
-        self.kernels = backend != "torch"
+        self.device_kernel = backend == "triton"  # else CUDA chunks take the copy engine
+        self.wants_host_kernel = backend in ("numba", "auto")
+        self.kernels = backend != "torch"  # the public kernels API for what fill() gets
+        self.checksum = checksum
         # A kernel backend computes pcf64 in the copy pass; the other algorithms come from
         # their libraries, a second pass in the writer thread.
         self.fuses_checksum = self.kernels and checksum == "pcf64"
         # Whether two threads may fill buffers at once (the training thread helping the copy
         # thread): Triton kernels of host tensors run in its interpreter, which is not
         # thread-safe.
-        self.shareable = backend in ("torch", "numba")
+        self.shareable = backend != "triton"
+        self._host: Any = None  # the Numba kernels' module once warm() has loaded them
+        self._warming: threading.Thread | None = None
+        self._warming_lock = threading.Lock()
+        self._closed = False  # no loading thread starts after finish_warming
+
+    @property
+    def host_kernel(self) -> bool:
+        """Whether :meth:`fill_host` can copy host chunks now."""
+        return self._host is not None
+
+    def start_warming(self) -> None:
+        """Load (import and compile or read from Numba's cache) the host kernel on a thread of
+        its own, once: about 1.5 s the first time in a process, too long for a save to wait
+        for. Until it is loaded, host chunks take the torch reference."""
+        with self._warming_lock:  # the pool's warm thread may call this while we close
+            if not self.wants_host_kernel or self._warming is not None or self._closed:
+                return
+            self._warming = threading.Thread(target=self.warm, name="pcframe-kernels", daemon=True)
+            self._warming.start()
+
+    def finish_warming(self) -> None:
+        """Wait for the loading thread, if any: a process must not exit while it compiles
+        (LLVM's destructors run under it and abort the process: seen at a job's end)."""
+        with self._warming_lock:
+            self._closed = True
+        if self._warming is not None:
+            self._warming.join()
+
+    def warm(self) -> None:
+        """Load the host kernel on the calling thread (nothing if numba cannot be imported:
+        ``auto`` then copies with torch; a named ``numba`` was refused at construction)."""
+        if not self.wants_host_kernel or self._host is not None:
+            return
+        try:
+            from pcframe.kernels.copy import numba_cpu
+        except ImportError:
+            return
+        none = np.zeros(0, dtype=np.int64)
+        numba_cpu.copy_ranges(none, none, none)  # compiled (or read from cache) now
+        numba_cpu.zero_gaps(0, 0, none, none)
+        if self.fuses_checksum:
+            numba_cpu.gather_pcf64(none, none, none, 0, 0)
+        self._host = numba_cpu
+
+    def fill_host(
+        self, sources: np.ndarray, table: PieceTable, view: torch.Tensor, *, checksum: bool
+    ) -> int | None:
+        """Copy one chunk of host tensors into the host buffer ``view`` in one kernel call and
+        zero the bytes no piece covers; only once :attr:`host_kernel` is true.
+
+        Args:
+            sources: the address of each piece's first byte (its tensor's plus its start).
+            table: the chunk's pieces (only ``dst_start`` and ``nbytes`` are read here).
+            view: 1-D uint8 host buffer, as long as the chunk.
+            checksum: return the pcf64 of all of ``view`` (only if :attr:`fuses_checksum`).
+        """
+        host, length, start = self._host, view.numel(), view.data_ptr()
+        if checksum:
+            total = host.gather_pcf64(sources, table.dst_start, table.nbytes, start, length)
+            return pcf64_finalize(int(total), length)
+        host.copy_ranges(sources, table.dst_start + start, table.nbytes)
+        host.zero_gaps(start, length, table.dst_start, table.nbytes)
+        return None
 
     def fill(
         self, pieces: list[PieceLike], view: torch.Tensor, stream: Any, *, checksum: bool = False
@@ -119,15 +200,16 @@ class Copier:
         and write ``view``."""
         sources = [p[0] for p in pieces]
         on_cuda = any(t.is_cuda for t in sources)
-        if self.backend == "numba":
-            return not on_cuda
+        if on_cuda and not self.device_kernel:
+            return False  # the copy engine (torch) copies device memory
+        if self.backend in ("numba", "auto"):
+            # ``auto`` only once loaded: importing Numba here would stall this copy.
+            return not on_cuda and (self.backend == "numba" or self.host_kernel)
         if triton_interpreting():
             return True
-        if self.backend == "triton" or on_cuda:  # "auto" sends a CUDA chunk to Triton
-            # Compiled Triton runs on a CUDA device (a chunk of host tensors alone, pinned
-            # or not, has none) and dereferences device pointers: pageable memory is out.
-            return on_cuda and all(t.is_cuda or t.is_pinned() for t in [*sources, view])
-        return True
+        # Compiled Triton runs on a CUDA device (a chunk of host tensors alone, pinned or
+        # not, has none) and dereferences device pointers: pageable memory is out.
+        return on_cuda and all(t.is_cuda or t.is_pinned() for t in [*sources, view])
 
     @staticmethod
     def enqueue(pieces: list[PieceLike], view: torch.Tensor, stream: Any) -> Any:
@@ -157,6 +239,16 @@ class Copier:
 # for: the copy engine then does not idle while the host hands a staged chunk to a writer
 # and queues the next (one chunk at a time ran at 0.6x the D2H limit on an H200).
 DEVICE_COPIES_AHEAD = 4
+
+
+def host_addresses(tensors: Sequence[torch.Tensor]) -> np.ndarray:
+    """Each tensor's first byte's address where a host kernel may read it as flat bytes (a
+    contiguous tensor in host memory), else -1."""
+    return np.fromiter(
+        (t.data_ptr() if t.is_cpu and t.is_contiguous() else -1 for t in tensors),
+        dtype=np.int64,
+        count=len(tensors),
+    )
 
 
 class DeviceCopies:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from pcframe.config import PAGE
 from pcframe.format.checksum import format_digest
 from pcframe.format.layout import Chunk
 from pcframe.save.codec import Segment
-from pcframe.save.copy import Copier
+from pcframe.save.copy import Copier, host_addresses
 from pcframe.save.write import VersionWrite
 
 
@@ -63,16 +64,35 @@ class Filler:
     ) -> None:
         """Stage one data.bin chunk (and, fused into the copy, its pcf64 checksum)."""
         length = _padded(chunk, buffer)
-        pieces = self.pieces(write, chunk, flats)
         # Fused only where the writer would hash the staged bytes itself (not on the mmap
         # path, which hashes while it copies into the mapping).
-        if not self.copier.fuses_checksum or self.persist == "mmap":
-            self.copier.fill(pieces, buffer[:length], self.stream)
-            return
-        value = self.copier.fill(pieces, buffer[: chunk.length], self.stream, checksum=True)
-        if length > chunk.length:
-            buffer[chunk.length : length].zero_()  # O_DIRECT page padding
-        write.checksums[chunk.index] = format_digest(self.checksum, value)
+        fused = self.copier.fuses_checksum and self.persist != "mmap"
+        sources = self.host_sources(write, chunk) if self.copier.host_kernel else None
+        if sources is not None:
+            table = write.plan.layout.piece_tables[chunk.index]
+            view = buffer[: chunk.length] if fused else buffer[:length]
+            value = self.copier.fill_host(sources, table, view, checksum=fused)
+        elif fused:
+            pieces = self.pieces(write, chunk, flats)
+            value = self.copier.fill(pieces, buffer[: chunk.length], self.stream, checksum=True)
+        else:
+            self.copier.fill(self.pieces(write, chunk, flats), buffer[:length], self.stream)
+        if fused:
+            if length > chunk.length:
+                buffer[chunk.length : length].zero_()  # O_DIRECT page padding
+            write.checksums[chunk.index] = format_digest(self.checksum, value)
+
+    @staticmethod
+    def host_sources(write: VersionWrite, chunk: Chunk) -> np.ndarray | None:
+        """The address of each of the chunk's pieces in host memory, or None if one of its
+        tensors is elsewhere or not contiguous (the per-piece path copies those)."""
+        if write.host_addresses is None:  # once per version (two threads may race: same)
+            write.host_addresses = host_addresses(write.request.tensors)
+        table = write.plan.layout.piece_tables[chunk.index]
+        bases = write.host_addresses[table.entry]
+        if (bases < 0).any():
+            return None
+        return bases + table.src_start
 
     def device_chunk(
         self, write: VersionWrite, chunk: Chunk, buffer: torch.Tensor, *, flats: list[Any]

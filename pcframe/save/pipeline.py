@@ -133,6 +133,7 @@ class SavePipeline:
             self._opener.start()
             self._copy_thread.start()
             self._commit_thread.start()
+            self.copier.start_warming()  # later versions copy host chunks with its kernel
         self._copy_queue.put(VersionWrite(request, progress))
 
     @property
@@ -151,6 +152,7 @@ class SavePipeline:
             single_threaded_torch()
             with contextlib.suppress(MemoryError):
                 self.pool.ensure(budget, pinned, touch=True)
+            self.copier.start_warming()  # so the first save can use it too
 
         self._warming = threading.Thread(target=warm, name="pcframe-warm", daemon=True)
         self._warming.start()
@@ -188,6 +190,7 @@ class SavePipeline:
             sharing.write.progress.add_cpu(cpu)
 
     def close(self) -> None:
+        self.copier.finish_warming()
         if not self._started:
             self.pool.close()
             return
@@ -273,7 +276,7 @@ class SavePipeline:
         self._stage_chunks(write, leftovers, flats)
 
     def _stage_chunks(self, write: VersionWrite, chunks: list[Chunk], flats: list[Any]) -> None:
-        if write.request.cuda_ready is not None and not self.copier.kernels:
+        if write.request.cuda_ready is not None and not self.copier.device_kernel:
             self._stage_device_chunks(write, chunks, flats)
             return
         for chunk in chunks:

@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pcframe.config import EngineConfig
@@ -40,6 +41,8 @@ class VersionWrite:
     checksums: list[str] = field(default_factory=list)  # per data.bin chunk
     o_direct: bool = False
     delta: DeltaChoice | None = None
+    # Where each tensor's bytes start, for the host copy kernel (-1: not readable so).
+    host_addresses: np.ndarray | None = field(default=None, repr=False)
     # Set once its files are open (or opening failed): the copy starts before, the writers
     # wait for it.
     opened: threading.Event = field(default_factory=threading.Event, repr=False)

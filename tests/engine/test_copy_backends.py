@@ -63,24 +63,80 @@ def test_backends_round_trip_and_checksums_are_right(tmp_path, backend, algo):
 
 
 def test_numba_with_pcf64_checksums_in_the_copy_pass(tmp_path, monkeypatch):
+    """Every chunk's pcf64 comes from the copy (the public kernel until the engine's own
+    host kernel is loaded, that one after), never from a second pass in the writer."""
     import pcframe.kernels as kernels
+    from pcframe.save.copy import Copier
 
     calls = []
-    original = kernels.gather_checksum
+    original, host = kernels.gather_checksum, Copier.fill_host
 
     def spy(*args, **kwargs):
         calls.append(kwargs.get("backend"))
         return original(*args, **kwargs)
 
+    def host_spy(self, *args, checksum):
+        calls.append("numba" if checksum else "unfused")
+        return host(self, *args, checksum=checksum)
+
     monkeypatch.setattr(kernels, "gather_checksum", spy)
+    monkeypatch.setattr(Copier, "fill_host", host_spy)
     model = torch.nn.Linear(64, 64)
     with Checkpointer(
         tmp_path, model=model, copy_backend="numba", checksum="pcf64", chunk_bytes=4096
     ) as ckpt:
         ckpt.save(step=1).wait()
-    manifest = read_manifest(str(tmp_path / "v00000001" / "manifest.json"))
-    assert calls == ["numba"] * len(manifest.chunks)
-    recomputed_checksums_match(tmp_path / "v00000001")
+        ckpt.pipeline.copier.warm()
+        ckpt.save(step=2).wait()
+    for version in (1, 2):
+        manifest = read_manifest(str(tmp_path / f"v0000000{version}" / "manifest.json"))
+        recomputed_checksums_match(tmp_path / f"v0000000{version}")
+    assert calls == ["numba"] * 2 * len(manifest.chunks)
+
+
+@pytest.mark.parametrize("algo", ["crc32c", "pcf64"])
+def test_the_host_kernel_stages_the_bytes_the_torch_reference_does(tmp_path, algo):
+    """Many small tensors, tensors cut by chunk boundaries, alignment gaps, a strided tensor
+    and an empty one: the host kernel (a whole chunk per call) writes the same data.bin,
+    byte for byte, as Tensor.copy_ per piece, and the checksums are the bytes'."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(9, 7) for _ in range(40)])  # odd sizes
+    optimizer = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    strided = {"t": torch.randn(40, 30).t(), "empty": torch.zeros(0, 3), "b": torch.ones(3)}
+
+    class Holder:
+        def state_dict(self):
+            return strided
+
+        def load_state_dict(self, state):
+            strided.update(state)
+
+    data = {}
+    for backend in ("torch", "auto"):
+        with Checkpointer(
+            tmp_path / backend,
+            model=model,
+            optimizer=optimizer,
+            stateful={"h": Holder()},
+            copy_backend=backend,
+            checksum=algo,
+            chunk_bytes=4096,
+            tensor_align=64,
+        ) as ckpt:
+            ckpt.pipeline.copier.warm()
+            assert ckpt.pipeline.copier.host_kernel == (backend == "auto")
+            ckpt.save(step=1).wait()
+        version = tmp_path / backend / "v00000001"
+        recomputed_checksums_match(version)
+        data[backend] = (version / "data.bin").read_bytes()
+    assert data["auto"] == data["torch"]
+    model2 = torch.nn.Sequential(*[torch.nn.Linear(9, 7) for _ in range(40)])
+    with Checkpointer(tmp_path / "auto", model=model2) as ckpt:
+        ckpt.restore(strict=False)
+    assert state_equal(model2.state_dict(), model.state_dict())
 
 
 def test_pcf64_detects_a_flipped_bit(tmp_path):

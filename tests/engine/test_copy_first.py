@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pcframe import Checkpointer
-from pcframe.save import copy as copy_stage
+from pcframe.save.fill import Filler
 from pcframe.save.staging import StagingPool
 from pcframe.save.status import SaveStatus
 
@@ -33,14 +33,14 @@ def _state() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def test_the_waiting_training_thread_stages_chunks_and_the_bytes_are_exact(tmp_path, monkeypatch):
     model, optimizer = _state()
     fillers: list[str] = []
-    original = copy_stage.Copier.fill
+    original = Filler.chunk  # every chunk, whichever kernel copies it
 
-    def slow_fill(self, pieces, view, stream, *, checksum=False):
+    def slow_fill(self, write, chunk, buffer, flats):
         fillers.append(threading.current_thread().name)
         time.sleep(0.01)  # long enough that the training thread reaches the gate mid-copy
-        return original(self, pieces, view, stream, checksum=checksum)
+        return original(self, write, chunk, buffer, flats)
 
-    monkeypatch.setattr(copy_stage.Copier, "fill", slow_fill)
+    monkeypatch.setattr(Filler, "chunk", slow_fill)
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, chunk_bytes=CHUNK) as ckpt:
         saved = {k: v.clone() for k, v in model.state_dict().items()}
         ckpt.save(1)
@@ -109,17 +109,17 @@ def test_a_held_writer_goes_once_training_stops_waiting():
 
 def test_an_interrupt_while_helping_leaves_the_version_to_the_copy_thread(tmp_path, monkeypatch):
     model, optimizer = _state()
-    original = copy_stage.Copier.fill
+    original = Filler.chunk
     interrupted = []
 
-    def fill(self, pieces, view, stream, *, checksum=False):
+    def fill(self, write, chunk, buffer, flats):
         if threading.current_thread() is threading.main_thread() and not interrupted:
             interrupted.append(True)
             raise KeyboardInterrupt  # Ctrl-C (or a signal handler raising) mid-chunk
         time.sleep(0.005)
-        return original(self, pieces, view, stream, checksum=checksum)
+        return original(self, write, chunk, buffer, flats)
 
-    monkeypatch.setattr(copy_stage.Copier, "fill", fill)
+    monkeypatch.setattr(Filler, "chunk", fill)
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, chunk_bytes=CHUNK) as ckpt:
         saved = {k: v.clone() for k, v in model.state_dict().items()}
         handle = ckpt.save(1)

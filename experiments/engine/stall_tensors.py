@@ -1,0 +1,193 @@
+"""The stall as the state's tensor count grows: pcframe and DefaultStager against memcpy.
+
+``bench_engine.py`` snapshots a state of six large tensors, where any copy loop reaches
+memory bandwidth. A real model's state is hundreds to thousands of tensors (a 12-layer
+GPT-2 with Adam: about 600), and then what a copy costs *per tensor* decides the stall.
+This script keeps the state's size fixed and cuts it into more and more tensors (a stack
+of ``Linear(w, w)`` layers with Adam: eight tensors per layer, two of them 0-d step
+counts), and in one process measures, with nothing between ``save()`` and the next
+``optimizer.step()``:
+
+* pcframe with its default copy stage (``copy_backend: auto``: Numba on host memory, one
+  kernel call per 16 MiB chunk with the GIL released);
+* pcframe with ``copy_backend: torch`` (``Tensor.copy_`` per piece: the default before);
+* ``dcp.async_save`` with ``DefaultStager``, waited for until ``staging_completion``;
+
+and, just before every checkpoint, two references: one ``copy_`` of the state's bytes
+between two contiguous buffers (2 threads: the memory's limit, as in ``bench_engine.py``)
+and a copy of the state's tensors one ``copy_`` each into one buffer (what a per-tensor
+loop costs in that second). Each stall is divided by the references timed just before it;
+each method's stall by DefaultStager's median in the same round.
+
+Run:  python experiments/engine/stall_tensors.py --out experiments/results/stall_tensors.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench_engine import gather_seconds, spread, state_tensors
+from methods import DCP, PCFrame, loop
+
+METHODS = ("pcframe (default: auto)", "pcframe copy_backend=torch", "dcp + DefaultStager")
+
+
+def build(size_gb: float, layers: int):
+    """``layers`` x Linear(w, w) with Adam moments, about ``size_gb`` GiB in all."""
+    import torch
+
+    torch.manual_seed(0)
+    width = max(8, round(math.sqrt(size_gb * (1 << 30) / (12 * layers))))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer.step()  # the moments exist
+    return model, optimizer
+
+
+def measure(args: argparse.Namespace, layers: int, base: Path) -> dict:
+    import torch
+
+    model, optimizer = build(args.size_gb, layers)
+    sources = state_tensors(model, optimizer)
+    nbytes = sum(t.numel() * t.element_size() for t in sources)
+    into = torch.zeros(nbytes, dtype=torch.uint8)
+    left, right = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+
+    def memcpy() -> float:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            right.copy_(left)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    def make(name: str):
+        directory = base / f"{layers}-{len(name)}"
+        directory.mkdir(parents=True)
+        if name.startswith("dcp"):
+            return DCP(model, optimizer, directory, "stager")
+        backend = "torch" if "torch" in name else "auto"
+        return PCFrame(model, optimizer, directory, max_in_flight=1, copy_backend=backend)
+
+    methods = {name: make(name) for name in METHODS}
+    for impl in methods.values():
+        loop(impl, 2, 1, 0.0)  # warm-up: allocations, threads, kernels loaded
+        if isinstance(impl, PCFrame):
+            impl.ckpt.pipeline.copier.finish_warming()
+    stalls = {name: [] for name in METHODS}
+    per_memcpy = {name: [] for name in METHODS}
+    per_gather = {name: [] for name in METHODS}
+    per_stager = {name: [] for name in METHODS}
+    for r in range(args.rounds):
+        medians = {}
+        for name in METHODS[r % 3 :] + METHODS[: r % 3]:
+            impl, mine = methods[name], []
+            for _ in range(args.checkpoints):
+                impl.finish()  # the previous checkpoint is durable
+                impl.optimizer.step()
+                limit = memcpy()
+                loop_copy = statistics.median(gather_seconds(sources, into))
+                stall = impl.save()  # DefaultStager: until staging_completion
+                impl.optimizer.step()  # pcframe's gate waits here for the copy
+                impl.finish()
+                if isinstance(impl, PCFrame):
+                    stall = impl.stalls_and_durables(impl.n - 1)[0][0]  # save() + the gate
+                mine.append(stall)
+                per_memcpy[name].append(stall / limit)
+                per_gather[name].append(stall / loop_copy)
+            stalls[name] += mine
+            medians[name] = statistics.median(mine)
+            if name.startswith("dcp"):
+                for path in impl.dir.glob("ckpt*"):
+                    shutil.rmtree(path, ignore_errors=True)
+        for name in METHODS:
+            per_stager[name].append(medians[name] / medians[METHODS[2]])
+        print(
+            f"{layers} layers, round {r + 1}:", {k: round(v * 1e3, 1) for k, v in medians.items()}
+        )
+    for impl in methods.values():
+        impl.finish()
+        if isinstance(impl, PCFrame):
+            impl.ckpt.close()
+    return {
+        "state_tensors": sum(1 for _ in model.state_dict())
+        + sum(len(s) for s in optimizer.state.values()),
+        "nbytes": nbytes,
+        "stalls": stalls,
+        "per_memcpy": per_memcpy,
+        "per_gather": per_gather,
+        "per_stager": per_stager,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-gb", type=float, default=0.25)
+    parser.add_argument("--layers", default="1,12,100,400", help="comma-separated")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--checkpoints", type=int, default=3, help="per method per round")
+    parser.add_argument("--dir", default=None, help="directory on the disk to write to")
+    parser.add_argument("--out", default="experiments/results/stall_tensors.md")
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(2)
+    base = Path(args.dir or tempfile.mkdtemp(prefix="pcframe-tensors-", dir="/var/tmp"))
+    results = {}
+    try:
+        for layers in (int(x) for x in args.layers.split(",")):
+            results[layers] = measure(args, layers, base / str(layers))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+    count = args.rounds * args.checkpoints
+    lines = [
+        "# The stall as the state's tensor count grows",
+        "",
+        f"Command: `python experiments/engine/stall_tensors.py --size-gb {args.size_gb} "
+        f"--layers {args.layers} --rounds {args.rounds} --checkpoints {args.checkpoints} "
+        f"--out {args.out}`",
+        "",
+        f"_generated {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}: "
+        f"{platform.machine()}, torch {torch.__version__}_",
+        "",
+        "One process per row group: a stack of `Linear(w, w)` layers with Adam moments, the "
+        "same bytes cut into more tensors as the layers grow; every method in the same "
+        f"process, {args.rounds} rounds of {args.checkpoints} checkpoints each (the order "
+        "rotated per round), nothing between `save()` and the next `optimizer.step()`. "
+        "`÷ memcpy`: each stall ÷ one `copy_` of the state's bytes between two contiguous "
+        "buffers (2 threads, median of 3) timed just before it; `÷ per-tensor copy`: ÷ "
+        "copying the state's tensors into one buffer, one `copy_` each, timed just before "
+        f"it; median (min..max) over {count} checkpoints. `÷ DefaultStager`: each round's "
+        "median ÷ DefaultStager's median in that round, median (min..max) over rounds.",
+        "",
+        "| layers | tensors | GiB | method | stall (ms) | ÷ DefaultStager | ÷ memcpy | "
+        "÷ per-tensor copy |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for layers, res in results.items():
+        for name in METHODS:
+            lines.append(
+                f"| {layers} | {res['state_tensors']} | {res['nbytes'] / (1 << 30):.2f} | "
+                f"{name} | {spread(res['stalls'][name], 1000, 1)} | "
+                f"{spread(res['per_stager'][name], digits=2)} | "
+                f"{spread(res['per_memcpy'][name], digits=2)} | "
+                f"{spread(res['per_gather'][name], digits=2)} |"
+            )
+    lines.append("")
+    Path(args.out).write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
