@@ -48,8 +48,8 @@ class EngineConfig:
         keep_last: committed versions kept; the newest committed one is never deleted.
         tensor_align: byte alignment of each tensor inside the data file.
         copy_backend: kernel of the copy stage. ``"auto"`` (the default): Numba for host
-            memory (a whole chunk per call, the GIL released: 2.3x faster than
-            ``Tensor.copy_`` per piece for a state of 2400 tensors on 2 cores), the GPU's
+            memory (a whole chunk per call, the GIL released: a third of the stall of
+            ``Tensor.copy_`` per piece for a state of 3200 tensors on 2 cores), the GPU's
             copy engine through torch for CUDA memory (Triton's copy ran at 0.32x its rate
             on an H200); ``"torch"`` (``Tensor.copy_`` per piece everywhere), ``"numba"``
             (host memory; CUDA as ``auto``) or ``"triton"`` (CUDA memory, also where the
@@ -174,7 +174,10 @@ class EngineConfig:
 
         from pcframe.kernels import resolve_backend
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        # Numba copies host chunks (CUDA ones go to the copy engine, as with auto); Triton
+        # needs a GPU or its interpreter.
+        gpu = self.copy_backend == "triton" and torch.cuda.is_available()
+        device = "cuda" if gpu else "cpu"
         try:
             resolve_backend(self.copy_backend, device, op="the engine's copy stage")
         except (ValueError, RuntimeError) as exc:

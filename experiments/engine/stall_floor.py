@@ -10,7 +10,7 @@ any snapshot of these bytes in that second. Each stall is divided by the copy ju
 it, so the ratio is paired to the second and free of the drift between processes that
 ``bench_engine.py`` pairs by the round.
 
-For pcframe the script also records, from the copy kernel's calls, when each copying thread
+For pcframe the script also records, from the chunks it stages, when each copying thread
 (the engine's copy thread and the training thread waiting in the gate) started its first
 chunk after ``save()`` was called, how long it was busy copying, and at what rate: the
 stall is the copy's time once both threads run, plus the time before they start.
@@ -34,24 +34,25 @@ from methods import DCP, PCFrame, build_state, loop
 
 
 class CopyLog:
-    """Wraps the copy kernel: per thread, when it first copied and how long it copied."""
+    """Wraps the staging of each chunk (whichever kernel copies it): per thread, when it
+    first copied and how long it copied."""
 
     def __init__(self) -> None:
-        import pcframe.save.copy as copy_stage
+        from pcframe.save.fill import Filler
 
         self.spans: list[tuple[str, float, float, int]] = []
         self._lock = threading.Lock()
-        inner = copy_stage.Copier.fill
+        inner = Filler.chunk
 
-        def fill(copier, pieces, view, stream, **kwargs):
+        def chunk(filler, write, unit, buffer, flats):
             start = time.perf_counter()
-            result = inner(copier, pieces, view, stream, **kwargs)
-            span = (threading.current_thread().name, start, time.perf_counter(), view.numel())
+            result = inner(filler, write, unit, buffer, flats)
+            span = (threading.current_thread().name, start, time.perf_counter(), unit.length)
             with self._lock:
                 self.spans.append(span)
             return result
 
-        copy_stage.Copier.fill = fill
+        Filler.chunk = chunk
 
     def take(self) -> list[tuple[str, float, float, int]]:
         with self._lock:

@@ -60,9 +60,9 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef], depth: int = 0) -> A
                 "tensors; keep its components (.unbind()) or a padded tensor "
                 "(.to_padded_tensor(0)) in the object's state_dict()"
             )
-        # A tensor outside autograd is referenced as it is (no second tensor object per
-        # tensor per save: the optimizer's state holds thousands of them).
-        refs.append(TensorRef(path, obj.detach() if obj.requires_grad else obj))
+        # Always a tensor of its own: it keeps the storage it saw alive and its shape, even
+        # if the object in the state is later given other memory (``.data =``, ``set_``).
+        refs.append(TensorRef(path, obj.detach()))
         return {"$t": len(refs) - 1}
     inner = depth + 1
     if (

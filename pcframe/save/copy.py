@@ -16,7 +16,10 @@ few ahead on the side stream.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +32,8 @@ from pcframe.format.layout import PieceTable
 from pcframe.kernels.checksum.reference import pcf64_finalize
 from pcframe.kernels.copy import PieceLike, make_plan, reference
 from pcframe.kernels.dispatch import triton_interpreting
+
+log = logging.getLogger("pcframe")
 
 
 class SharedChunks:
@@ -113,6 +118,13 @@ class Copier:
         """Whether :meth:`fill_host` can copy host chunks now."""
         return self._host is not None
 
+    @property
+    def fuses_now(self) -> bool:
+        """Whether a host chunk's pcf64 comes from its copy now: with ``auto`` only once the
+        kernel is loaded (before, the writer hashes it, as with ``torch``: hashing in the
+        copy would load Numba there, on the thread the training step waits for)."""
+        return self.fuses_checksum and (self.backend != "auto" or self.host_kernel)
+
     def start_warming(self) -> None:
         """Load (import and compile or read from Numba's cache) the host kernel on a thread of
         its own, once: about 1.5 s the first time in a process, too long for a save to wait
@@ -121,6 +133,7 @@ class Copier:
             if not self.wants_host_kernel or self._warming is not None or self._closed:
                 return
             self._warming = threading.Thread(target=self.warm, name="pcframe-kernels", daemon=True)
+            _LOADING.add(self)
             self._warming.start()
 
     def finish_warming(self) -> None:
@@ -128,7 +141,10 @@ class Copier:
         (LLVM's destructors run under it and abort the process: seen at a job's end)."""
         with self._warming_lock:
             self._closed = True
-        if self._warming is not None:
+        self._join_warming()
+
+    def _join_warming(self) -> None:
+        if self._warming is not None and self._warming is not threading.current_thread():
             self._warming.join()
 
     def warm(self) -> None:
@@ -138,13 +154,21 @@ class Copier:
             return
         try:
             from pcframe.kernels.copy import numba_cpu
+
+            none = np.zeros(0, dtype=np.int64)
+            numba_cpu.copy_ranges(none, none, none)  # compiled (or read from cache) now
+            numba_cpu.zero_gaps(0, 0, none, none)
+            if self.fuses_checksum:
+                numba_cpu.gather_pcf64(none, none, none, 0, 0)
         except ImportError:
+            return  # auto without numba: the torch reference copies everything
+        except Exception as exc:  # a compile or cache failure: saves go on with torch
+            log.warning(
+                "the copy stage's Numba kernel could not be loaded (%s): host chunks are "
+                "copied with Tensor.copy_ per piece",
+                exc,
+            )
             return
-        none = np.zeros(0, dtype=np.int64)
-        numba_cpu.copy_ranges(none, none, none)  # compiled (or read from cache) now
-        numba_cpu.zero_gaps(0, 0, none, none)
-        if self.fuses_checksum:
-            numba_cpu.gather_pcf64(none, none, none, 0, 0)
         self._host = numba_cpu
 
     def fill_host(
@@ -156,7 +180,8 @@ class Copier:
         Args:
             sources: the address of each piece's first byte (its tensor's plus its start).
             table: the chunk's pieces (only ``dst_start`` and ``nbytes`` are read here).
-            view: 1-D uint8 host buffer, as long as the chunk.
+            view: 1-D uint8 host buffer: the chunk's bytes, and its page padding unless
+                ``checksum`` (the pcf64 covers the chunk's own bytes).
             checksum: return the pcf64 of all of ``view`` (only if :attr:`fuses_checksum`).
         """
         host, length, start = self._host, view.numel(), view.data_ptr()
@@ -241,14 +266,37 @@ class Copier:
 DEVICE_COPIES_AHEAD = 4
 
 
+# Copiers whose kernel may be loading. A fork waits for them: a child forked mid-import or
+# mid-compile (a DataLoader worker) would inherit locks held by a thread it does not have,
+# and hang if it imports or compiles with Numba itself.
+_LOADING: weakref.WeakSet[Copier] = weakref.WeakSet()
+
+
+def _wait_for_loading() -> None:
+    for copier in list(_LOADING):
+        copier._join_warming()
+
+
+os.register_at_fork(before=_wait_for_loading)
+
+
 def host_addresses(tensors: Sequence[torch.Tensor]) -> np.ndarray:
-    """Each tensor's first byte's address where a host kernel may read it as flat bytes (a
-    contiguous tensor in host memory), else -1."""
-    return np.fromiter(
-        (t.data_ptr() if t.is_cpu and t.is_contiguous() else -1 for t in tensors),
-        dtype=np.int64,
-        count=len(tensors),
-    )
+    """Each tensor's first byte's address where a host kernel may read its bytes as they are
+    (a contiguous tensor in host memory whose storage holds all of it), else -1: a raw
+    ``memcpy`` has none of the checks ``Tensor.copy_`` makes, so a tensor with a conjugate or
+    negative bit (its bytes are not its values) or a storage freed to fewer bytes (``resize_``
+    to 0, as sharded training does with gathered parameters) takes the per-piece path, which
+    refuses or resolves it."""
+    return np.fromiter((_host_address(t) for t in tensors), dtype=np.int64, count=len(tensors))
+
+
+def _host_address(t: torch.Tensor) -> int:
+    if not t.is_cpu or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        return -1
+    size = t.element_size()
+    if t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * size:
+        return -1
+    return t.data_ptr()
 
 
 class DeviceCopies:

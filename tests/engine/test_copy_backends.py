@@ -287,3 +287,83 @@ def test_triton_backend_with_host_tensors_beside_cuda_ones(tmp_path, backend):
         ckpt.restore()
     assert state_equal(model2.state_dict(), model.state_dict())
     assert optimizer2.state[model2.weight]["step"].item() == 1
+
+
+def test_the_host_kernel_reads_only_tensors_whose_bytes_are_their_values():
+    """A raw memcpy makes none of Tensor.copy_'s checks: conjugate and negative views (their
+    bytes are not their values), a storage freed to fewer bytes, strided and non-host
+    tensors take the per-piece path; a view at an offset is read from its own first byte."""
+    from pcframe.save.copy import host_addresses
+
+    base = torch.arange(12, dtype=torch.float32)
+    complex_ = torch.randn(4, dtype=torch.complex64)
+    freed = torch.ones(8)
+    freed.untyped_storage().resize_(0)  # what sharded training does to gathered params
+    tensors = [
+        base,
+        base[4:],
+        complex_.conj(),
+        torch._neg_view(base),
+        freed,
+        torch.randn(3, 4).t(),
+        torch.empty(3, device="meta"),
+    ]
+    addresses = host_addresses(tensors).tolist()
+    assert addresses[:2] == [base.data_ptr(), base.data_ptr() + 16]
+    assert addresses[2:] == [-1] * 5
+
+
+def test_pcf64_with_auto_is_hashed_by_the_writer_until_the_kernel_is_loaded():
+    from pcframe.save.copy import Copier
+
+    copier = Copier("auto", "pcf64")
+    assert copier.fuses_checksum and not copier.fuses_now  # no Numba import on the copy path
+    copier.warm()
+    assert copier.host_kernel and copier.fuses_now
+    assert Copier("numba", "pcf64").fuses_now and not Copier("auto", "crc32c").fuses_now
+
+
+def test_a_kernel_that_cannot_load_leaves_the_torch_copy_and_says_so(monkeypatch, caplog):
+    from pcframe.kernels.copy import numba_cpu
+    from pcframe.save.copy import Copier
+
+    def broken(*args):
+        raise RuntimeError("cache directory is read-only")
+
+    monkeypatch.setattr(numba_cpu, "copy_ranges", broken)
+    copier = Copier("auto", "crc32c")
+    with caplog.at_level("WARNING", logger="pcframe"):
+        copier.warm()
+    assert not copier.host_kernel
+    assert "could not be loaded (cache directory is read-only)" in caplog.text
+
+
+def test_a_fork_waits_for_the_kernel_to_load(monkeypatch):
+    """A child forked while the kernel loads would inherit import and compile locks held by
+    a thread it does not have: the fork waits for the loading thread first."""
+    import os
+    import time
+
+    from pcframe.save.copy import Copier
+
+    loaded = Copier.warm
+
+    def slow(self):
+        time.sleep(0.5)
+        loaded(self)
+
+    monkeypatch.setattr(Copier, "warm", slow)
+    copier = Copier("auto", "crc32c")
+    copier.start_warming()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    assert copier.host_kernel  # loaded before the fork went ahead
+    assert os.waitpid(pid, 0)[1] == 0
+    copier.finish_warming()
+
+
+def test_numba_is_accepted_on_a_machine_with_a_gpu(monkeypatch):
+    """Numba copies the host chunks; a CUDA state's chunks go to the copy engine."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    EngineConfig(copy_backend="numba").check_runtime()
