@@ -280,21 +280,21 @@ def _wait_for_loading() -> None:
 os.register_at_fork(before=_wait_for_loading)
 
 
-def host_addresses(tensors: Sequence[torch.Tensor]) -> np.ndarray:
-    """Each tensor's first byte's address where a host kernel may read its bytes as they are
+# In a version's address table: not looked at yet (the tensors of a chunk are looked at
+# when it is first staged, so that work overlaps the copies of earlier chunks).
+UNKNOWN_ADDRESS = -2
+
+
+def host_address(t: torch.Tensor) -> int:
+    """The address of ``t``'s first byte where a host kernel may read its bytes as they are
     (a contiguous tensor in host memory whose storage holds all of it), else -1: a raw
     ``memcpy`` has none of the checks ``Tensor.copy_`` makes, so a tensor with a conjugate or
     negative bit (its bytes are not its values) or a storage freed to fewer bytes (``resize_``
     to 0, as sharded training does with gathered parameters) takes the per-piece path, which
     refuses or resolves it."""
-    return np.fromiter((_host_address(t) for t in tensors), dtype=np.int64, count=len(tensors))
-
-
-def _host_address(t: torch.Tensor) -> int:
     if not t.is_cpu or not t.is_contiguous() or t.is_conj() or t.is_neg():
         return -1
-    size = t.element_size()
-    if t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * size:
+    if t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size():
         return -1
     return t.data_ptr()
 

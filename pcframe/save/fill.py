@@ -15,7 +15,7 @@ from pcframe.config import PAGE
 from pcframe.format.checksum import format_digest
 from pcframe.format.layout import Chunk
 from pcframe.save.codec import Segment
-from pcframe.save.copy import Copier, host_addresses
+from pcframe.save.copy import UNKNOWN_ADDRESS, Copier, host_address
 from pcframe.save.write import VersionWrite
 
 
@@ -85,11 +85,18 @@ class Filler:
     @staticmethod
     def host_sources(write: VersionWrite, chunk: Chunk) -> np.ndarray | None:
         """The address of each of the chunk's pieces in host memory, or None if one of its
-        tensors is elsewhere or not contiguous (the per-piece path copies those)."""
-        if write.host_addresses is None:  # once per version (two threads may race: same)
-            write.host_addresses = host_addresses(write.request.tensors)
+        tensors is elsewhere or cannot be read as raw bytes (the per-piece path copies it).
+
+        A tensor is looked at when the first chunk holding it is staged (one table per
+        version: two threads may race to fill an entry, with the same value)."""
+        tensors = write.request.tensors
+        if (addresses := write.host_addresses) is None:
+            addresses = write.host_addresses = np.full(len(tensors), UNKNOWN_ADDRESS, np.int64)
         table = write.plan.layout.piece_tables[chunk.index]
-        bases = write.host_addresses[table.entry]
+        bases = addresses[table.entry]
+        for i in np.flatnonzero(bases == UNKNOWN_ADDRESS).tolist():
+            entry = int(table.entry[i])
+            bases[i] = addresses[entry] = host_address(tensors[entry])
         if (bases < 0).any():
             return None
         return bases + table.src_start

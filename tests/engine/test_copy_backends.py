@@ -293,7 +293,7 @@ def test_the_host_kernel_reads_only_tensors_whose_bytes_are_their_values():
     """A raw memcpy makes none of Tensor.copy_'s checks: conjugate and negative views (their
     bytes are not their values), a storage freed to fewer bytes, strided and non-host
     tensors take the per-piece path; a view at an offset is read from its own first byte."""
-    from pcframe.save.copy import host_addresses
+    from pcframe.save.copy import host_address
 
     base = torch.arange(12, dtype=torch.float32)
     complex_ = torch.randn(4, dtype=torch.complex64)
@@ -308,7 +308,7 @@ def test_the_host_kernel_reads_only_tensors_whose_bytes_are_their_values():
         torch.randn(3, 4).t(),
         torch.empty(3, device="meta"),
     ]
-    addresses = host_addresses(tensors).tolist()
+    addresses = [host_address(t) for t in tensors]
     assert addresses[:2] == [base.data_ptr(), base.data_ptr() + 16]
     assert addresses[2:] == [-1] * 5
 
