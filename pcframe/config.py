@@ -47,14 +47,16 @@ class EngineConfig:
         checksum: per-chunk checksum algorithm.
         keep_last: committed versions kept; the newest committed one is never deleted.
         tensor_align: byte alignment of each tensor inside the data file.
-        copy_backend: kernel of the copy stage. ``"auto"`` (the default): Numba for host
-            memory (a whole chunk per call, the GIL released: a third of the stall of
-            ``Tensor.copy_`` per piece for a state of 3200 tensors on 2 cores), the GPU's
-            copy engine through torch for CUDA memory (Triton's copy ran at 0.32x its rate
-            on an H200); ``"torch"`` (``Tensor.copy_`` per piece everywhere), ``"numba"``
-            (host memory; CUDA as ``auto``) or ``"triton"`` (CUDA memory, also where the
-            engine's fused checksum is wanted on the GPU). With ``checksum="pcf64"`` a
-            kernel computes the checksum in the same pass as the copy.
+        copy_backend: kernel of the copy stage. ``"auto"`` (the default): host chunks
+            copied from address tables built once per layout, libc ``memmove`` per piece
+            through ctypes with the GIL released (a state of 3200 tensors: 0.4x the stall of
+            ``Tensor.copy_`` per piece on 2 cores), CUDA chunks by the GPU's copy engine
+            through torch (Triton's copy ran at 0.32x its rate on an H200); ``"torch"``
+            (``Tensor.copy_`` per piece everywhere), ``"numba"`` (host chunks in one Numba
+            call each, a little faster than ``auto`` for thousands of tensors, but Numba
+            holds about 125 MiB more of host memory; CUDA as ``auto``) or ``"triton"``
+            (CUDA chunks by its kernel). With ``checksum="pcf64"``, ``numba`` and ``triton``
+            compute the checksum in the same pass as the copy.
         read_threads: threads reading and verifying chunks on restore (more threads keep a
             cold disk busier: 8 read 1 GiB 25% faster than 4 on the benchmark machine).
         codecs: tensor-name glob -> codec, first match wins, e.g.

@@ -8,8 +8,9 @@ of ``Linear(w, w)`` layers with Adam: eight tensors per layer, two of them 0-d s
 counts), and in one process measures, with nothing between ``save()`` and the next
 ``optimizer.step()``:
 
-* pcframe with its default copy stage (``copy_backend: auto``: Numba on host memory, one
-  kernel call per 16 MiB chunk with the GIL released);
+* pcframe with its default copy stage (``copy_backend: auto``: ctypes ``memmove`` per
+  piece from address tables, the GIL released for each copy);
+* pcframe with ``copy_backend: numba`` (one Numba call per 16 MiB chunk, same tables);
 * pcframe with ``copy_backend: torch`` (``Tensor.copy_`` per piece: the default before);
 * ``dcp.async_save`` with ``DefaultStager``, waited for until ``staging_completion``;
 
@@ -36,7 +37,13 @@ from pathlib import Path
 from bench_engine import gather_seconds, spread, state_tensors
 from methods import DCP, PCFrame, loop
 
-METHODS = ("pcframe (default: auto)", "pcframe copy_backend=torch", "dcp + DefaultStager")
+METHODS = (
+    "pcframe (default: auto)",
+    "pcframe copy_backend=numba",
+    "pcframe copy_backend=torch",
+    "dcp + DefaultStager",
+)
+ANCHOR = METHODS[-1]
 
 
 def build(size_gb: float, layers: int):
@@ -71,25 +78,23 @@ def measure(args: argparse.Namespace, layers: int, base: Path) -> dict:
         return statistics.median(times)
 
     def make(name: str):
-        directory = base / f"{layers}-{len(name)}"
+        directory = base / f"{layers}-{METHODS.index(name)}"
         directory.mkdir(parents=True)
         if name.startswith("dcp"):
             return DCP(model, optimizer, directory, "stager")
-        backend = "torch" if "torch" in name else "auto"
+        backend = name.split("=")[1] if "=" in name else "auto"
         return PCFrame(model, optimizer, directory, max_in_flight=1, copy_backend=backend)
 
     methods = {name: make(name) for name in METHODS}
     for impl in methods.values():
         loop(impl, 2, 1, 0.0)  # warm-up: allocations, threads, kernels loaded
-        if isinstance(impl, PCFrame):
-            impl.ckpt.pipeline.copier.finish_warming()
     stalls = {name: [] for name in METHODS}
     per_memcpy = {name: [] for name in METHODS}
     per_gather = {name: [] for name in METHODS}
     per_stager = {name: [] for name in METHODS}
     for r in range(args.rounds):
         medians = {}
-        for name in METHODS[r % 3 :] + METHODS[: r % 3]:
+        for name in METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]:
             impl, mine = methods[name], []
             for _ in range(args.checkpoints):
                 impl.finish()  # the previous checkpoint is durable
@@ -110,7 +115,7 @@ def measure(args: argparse.Namespace, layers: int, base: Path) -> dict:
                 for path in impl.dir.glob("ckpt*"):
                     shutil.rmtree(path, ignore_errors=True)
         for name in METHODS:
-            per_stager[name].append(medians[name] / medians[METHODS[2]])
+            per_stager[name].append(medians[name] / medians[ANCHOR])
         print(
             f"{layers} layers, round {r + 1}:", {k: round(v * 1e3, 1) for k, v in medians.items()}
         )

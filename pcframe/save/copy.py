@@ -16,10 +16,8 @@ few ahead on the side stream.
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
+import ctypes
 import threading
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,8 +30,6 @@ from pcframe.format.layout import PieceTable
 from pcframe.kernels.checksum.reference import pcf64_finalize
 from pcframe.kernels.copy import PieceLike, make_plan, reference
 from pcframe.kernels.dispatch import triton_interpreting
-
-log = logging.getLogger("pcframe")
 
 
 class SharedChunks:
@@ -85,22 +81,27 @@ class Copier:
 
     Which kernel copies a chunk depends on where its tensors live:
 
-    * host memory: with ``numba`` or ``auto``, :meth:`fill_host` (libc ``memcpy`` per
-      piece, a whole chunk per call with the GIL released and no Python per piece), once
-      :meth:`warm` has loaded it; else, and with ``torch``, the torch reference
-      (``Tensor.copy_`` per piece: a few microseconds of dispatch each, with the GIL);
+    * host memory: with ``auto`` or ``numba``, :meth:`fill_host` from the chunk's address
+      table (no per-piece planning, no tensor views): ``auto`` calls libc's ``memmove``
+      through ctypes per piece (the GIL released for each copy, about a microsecond of
+      Python per piece); ``numba`` copies the whole chunk in one kernel call, the fused
+      pcf64 included; ``torch`` copies with ``Tensor.copy_`` per piece (a few microseconds
+      of dispatch each, with the GIL, so the two copying threads take turns);
     * CUDA memory: the torch reference on the side stream (the GPU's copy engine, chunks
       queued ahead: :class:`DeviceCopies`), except with ``triton``, which copies them with
       its kernel (measured 0.32x the device-to-host limit on an H200, the copy engine 1.0x:
       ``experiments/results/gpu_h200.md``, so ``auto`` does not pick it).
+
+    ``auto`` does not use Numba: importing it and its compiler holds about 125 MiB more of
+    host memory, a fifth of a 0.56 GiB state's staging budget, for a copy the ctypes loop
+    does within a few milliseconds of it even for thousands of tensors.
     """
 
     def __init__(self, backend: str, checksum: str) -> None:
         self.backend = backend
         self.device_kernel = backend == "triton"  # else CUDA chunks take the copy engine
-        self.wants_host_kernel = backend in ("numba", "auto")
-        self.kernels = backend != "torch"  # the public kernels API for what fill() gets
-        self.checksum = checksum
+        self.host_kernel = backend in ("numba", "auto")  # fill_host copies host chunks
+        self.kernels = backend in ("numba", "triton")  # the public kernels API in fill()
         # A kernel backend computes pcf64 in the copy pass; the other algorithms come from
         # their libraries, a second pass in the writer thread.
         self.fuses_checksum = self.kernels and checksum == "pcf64"
@@ -108,74 +109,12 @@ class Copier:
         # thread): Triton kernels of host tensors run in its interpreter, which is not
         # thread-safe.
         self.shareable = backend != "triton"
-        self._host: Any = None  # the Numba kernels' module once warm() has loaded them
-        self._warming: threading.Thread | None = None
-        self._warming_lock = threading.Lock()
-        self._closed = False  # no loading thread starts after finish_warming
-
-    @property
-    def host_kernel(self) -> bool:
-        """Whether :meth:`fill_host` can copy host chunks now."""
-        return self._host is not None
-
-    @property
-    def fuses_now(self) -> bool:
-        """Whether a host chunk's pcf64 comes from its copy now: with ``auto`` only once the
-        kernel is loaded (before, the writer hashes it, as with ``torch``: hashing in the
-        copy would load Numba there, on the thread the training step waits for)."""
-        return self.fuses_checksum and (self.backend != "auto" or self.host_kernel)
-
-    def start_warming(self) -> None:
-        """Load (import and compile or read from Numba's cache) the host kernel on a thread of
-        its own, once: about 1.5 s the first time in a process, too long for a save to wait
-        for. Until it is loaded, host chunks take the torch reference."""
-        with self._warming_lock:  # the pool's warm thread may call this while we close
-            if not self.wants_host_kernel or self._warming is not None or self._closed:
-                return
-            self._warming = threading.Thread(target=self.warm, name="pcframe-kernels", daemon=True)
-            _LOADING.add(self)
-            self._warming.start()
-
-    def finish_warming(self) -> None:
-        """Wait for the loading thread, if any: a process must not exit while it compiles
-        (LLVM's destructors run under it and abort the process: seen at a job's end)."""
-        with self._warming_lock:
-            self._closed = True
-        self._join_warming()
-
-    def _join_warming(self) -> None:
-        if self._warming is not None and self._warming is not threading.current_thread():
-            self._warming.join()
-
-    def warm(self) -> None:
-        """Load the host kernel on the calling thread (nothing if numba cannot be imported:
-        ``auto`` then copies with torch; a named ``numba`` was refused at construction)."""
-        if not self.wants_host_kernel or self._host is not None:
-            return
-        try:
-            from pcframe.kernels.copy import numba_cpu
-
-            none = np.zeros(0, dtype=np.int64)
-            numba_cpu.copy_ranges(none, none, none)  # compiled (or read from cache) now
-            numba_cpu.zero_gaps(0, 0, none, none)
-            if self.fuses_checksum:
-                numba_cpu.gather_pcf64(none, none, none, 0, 0)
-        except ImportError:
-            return  # auto without numba: the torch reference copies everything
-        except Exception as exc:  # a compile or cache failure: saves go on with torch
-            log.warning(
-                "the copy stage's Numba kernel could not be loaded (%s): host chunks are "
-                "copied with Tensor.copy_ per piece",
-                exc,
-            )
-            return
-        self._host = numba_cpu
 
     def fill_host(
         self, sources: np.ndarray, table: PieceTable, view: torch.Tensor, *, checksum: bool
     ) -> int | None:
-        """Copy one chunk of host tensors into the host buffer ``view`` in one kernel call and
-        zero the bytes no piece covers; only once :attr:`host_kernel` is true.
+        """Copy one chunk of host tensors into the host buffer ``view`` and zero the bytes no
+        piece covers (only if :attr:`host_kernel`).
 
         Args:
             sources: the address of each piece's first byte (its tensor's plus its start).
@@ -184,12 +123,17 @@ class Copier:
                 ``checksum`` (the pcf64 covers the chunk's own bytes).
             checksum: return the pcf64 of all of ``view`` (only if :attr:`fuses_checksum`).
         """
-        host, length, start = self._host, view.numel(), view.data_ptr()
+        length, start = view.numel(), view.data_ptr()
+        if self.backend == "auto":
+            copy_ranges(sources, table.dst_start + start, table.nbytes, start, length)
+            return None
+        from pcframe.kernels.copy import numba_cpu  # compiled (or read from cache) once
+
         if checksum:
-            total = host.gather_pcf64(sources, table.dst_start, table.nbytes, start, length)
+            total = numba_cpu.gather_pcf64(sources, table.dst_start, table.nbytes, start, length)
             return pcf64_finalize(int(total), length)
-        host.copy_ranges(sources, table.dst_start + start, table.nbytes)
-        host.zero_gaps(start, length, table.dst_start, table.nbytes)
+        numba_cpu.copy_ranges(sources, table.dst_start + start, table.nbytes)
+        numba_cpu.zero_gaps(start, length, table.dst_start, table.nbytes)
         return None
 
     def fill(
@@ -227,9 +171,8 @@ class Copier:
         on_cuda = any(t.is_cuda for t in sources)
         if on_cuda and not self.device_kernel:
             return False  # the copy engine (torch) copies device memory
-        if self.backend in ("numba", "auto"):
-            # ``auto`` only once loaded: importing Numba here would stall this copy.
-            return not on_cuda and (self.backend == "numba" or self.host_kernel)
+        if self.backend == "numba":
+            return not on_cuda
         if triton_interpreting():
             return True
         # Compiled Triton runs on a CUDA device (a chunk of host tensors alone, pinned or
@@ -266,18 +209,21 @@ class Copier:
 DEVICE_COPIES_AHEAD = 4
 
 
-# Copiers whose kernel may be loading. A fork waits for them: a child forked mid-import or
-# mid-compile (a DataLoader worker) would inherit locks held by a thread it does not have,
-# and hang if it imports or compiles with Numba itself.
-_LOADING: weakref.WeakSet[Copier] = weakref.WeakSet()
-
-
-def _wait_for_loading() -> None:
-    for copier in list(_LOADING):
-        copier._join_warming()
-
-
-os.register_at_fork(before=_wait_for_loading)
+def copy_ranges(
+    sources: np.ndarray, targets: np.ndarray, nbytes: np.ndarray, start: int, length: int
+) -> None:
+    """``memmove`` each range, then zero ``[start, start + length)`` outside the targets
+    (sorted, not overlapping). ctypes releases the GIL for each call, so the other copying
+    thread runs while one copies."""
+    memmove, memset, position = ctypes.memmove, ctypes.memset, start
+    ranges = zip(sources.tolist(), targets.tolist(), nbytes.tolist(), strict=True)
+    for source, target, size in ranges:
+        if target > position:
+            memset(position, 0, target - position)
+        memmove(target, source, size)
+        position = target + size
+    if start + length > position:
+        memset(position, 0, start + length - position)
 
 
 # In a version's address table: not looked at yet (the tensors of a chunk are looked at

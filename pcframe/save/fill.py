@@ -66,7 +66,7 @@ class Filler:
         length = _padded(chunk, buffer)
         # Fused only where the writer would hash the staged bytes itself (not on the mmap
         # path, which hashes while it copies into the mapping).
-        fused = self.copier.fuses_now and self.persist != "mmap"
+        fused = self.copier.fuses_checksum and self.persist != "mmap"
         sources = self.host_sources(write, chunk) if self.copier.host_kernel else None
         if sources is not None:
             table = write.plan.layout.piece_tables[chunk.index]

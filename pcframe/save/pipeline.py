@@ -133,7 +133,6 @@ class SavePipeline:
             self._opener.start()
             self._copy_thread.start()
             self._commit_thread.start()
-            self.copier.start_warming()  # later versions copy host chunks with its kernel
         self._copy_queue.put(VersionWrite(request, progress))
 
     @property
@@ -152,7 +151,6 @@ class SavePipeline:
             single_threaded_torch()
             with contextlib.suppress(MemoryError):
                 self.pool.ensure(budget, pinned, touch=True)
-            self.copier.start_warming()  # so the first save can use it too
 
         self._warming = threading.Thread(target=warm, name="pcframe-warm", daemon=True)
         self._warming.start()
@@ -190,7 +188,6 @@ class SavePipeline:
             sharing.write.progress.add_cpu(cpu)
 
     def close(self) -> None:
-        self.copier.finish_warming()
         if not self._started:
             self.pool.close()
             return
