@@ -195,13 +195,14 @@ def test_triton_backend_on_cpu_through_its_interpreter(tmp_path, python, child_e
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("algo", ["crc32c", "pcf64"])
-def test_triton_backend_with_cuda_tensors(tmp_path, algo):
+@pytest.mark.parametrize("backend", ["triton", "auto"])  # auto: the GPU's copy engine
+def test_triton_backend_with_cuda_tensors(tmp_path, algo, backend):
     model = torch.nn.Linear(256, 256).cuda()
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.randn(4, 256, device="cuda")).sum().backward()
     optimizer.step()
     with Checkpointer(
-        tmp_path, model=model, optimizer=optimizer, copy_backend="auto", checksum=algo
+        tmp_path, model=model, optimizer=optimizer, copy_backend=backend, checksum=algo
     ) as ckpt:
         ckpt.save(step=1)
         snapshot = {k: v.clone() for k, v in model.state_dict().items()}
