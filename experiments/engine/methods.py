@@ -297,6 +297,18 @@ def loop(
     return {"stalls": stalls, "durables": durables, "references": references}
 
 
+def stall_of_one(impl: Method) -> float:
+    """One checkpoint with nothing to overlap, taken once the previous one is durable:
+    ``save()``, then ``optimizer.step()`` at once. Its stall: until ``staging_completion``
+    for DefaultStager, ``save()`` + the gate for pcframe (from its records)."""
+    stall = impl.save()
+    impl.optimizer.step()  # pcframe's gate waits here for the copy
+    impl.finish()
+    if isinstance(impl, PCFrame):
+        stall = impl.stalls_and_durables(impl.n - 1)[0][0]
+    return stall
+
+
 def build_state_bytes(size_gb: float) -> int:
     """The bytes :func:`build_state` makes, without making them."""
     return layers_for(size_gb) * PER_LAYER * 12

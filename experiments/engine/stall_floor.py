@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from bench_engine import gather_seconds, spread, state_tensors
-from methods import DCP, PCFrame, build_state, loop
+from methods import DCP, PCFrame, build_state, loop, stall_of_one
 
 
 class CopyLog:
@@ -118,11 +118,8 @@ def main() -> None:
                 reference = floor()
                 log.take()
                 began = time.perf_counter()
-                stall = impl.save()  # DefaultStager: until staging_completion
-                impl.optimizer.step()  # pcframe's gate waits here for the copy
-                impl.finish()
+                stall = stall_of_one(impl)
                 if isinstance(impl, PCFrame):
-                    stall = impl.stalls_and_durables(impl.n - 1)[0][0]  # save() + the gate
                     record_threads(log.take(), began, starts, busy, rates)
                 stalls[name].append(stall)
                 ratios[name].append(stall / reference)

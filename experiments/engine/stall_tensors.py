@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from bench_engine import gather_seconds, spread, state_tensors
-from methods import DCP, PCFrame, loop
+from methods import DCP, PCFrame, loop, stall_of_one
 
 METHODS = (
     "pcframe (default: auto)",
@@ -101,11 +101,7 @@ def measure(args: argparse.Namespace, layers: int, base: Path) -> dict:
                 impl.optimizer.step()
                 limit = memcpy()
                 loop_copy = statistics.median(gather_seconds(sources, into))
-                stall = impl.save()  # DefaultStager: until staging_completion
-                impl.optimizer.step()  # pcframe's gate waits here for the copy
-                impl.finish()
-                if isinstance(impl, PCFrame):
-                    stall = impl.stalls_and_durables(impl.n - 1)[0][0]  # save() + the gate
+                stall = stall_of_one(impl)
                 mine.append(stall)
                 per_memcpy[name].append(stall / limit)
                 per_gather[name].append(stall / loop_copy)

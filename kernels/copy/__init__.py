@@ -16,13 +16,14 @@ from collections.abc import Iterable
 import torch
 
 from pcframe.kernels._completion import Completion, on_side_stream
-from pcframe.kernels.copy._plan import Piece, PieceLike, check_buffer, make_plan
+from pcframe.kernels.copy._plan import Piece, PieceLike, Plan, check_buffer, make_plan
 from pcframe.kernels.dispatch import backend_module, common_device, resolve_backend
 
 __all__ = [
     "Completion",
     "Piece",
     "PieceLike",
+    "Plan",
     "gather",
     "gather_checksum",
     "scatter",

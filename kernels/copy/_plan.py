@@ -72,7 +72,7 @@ class Plan:
     keepalive: list[torch.Tensor] = field(default_factory=list)
 
     def __len__(self) -> int:
-        return len(self.pieces)
+        return len(self.nbytes)
 
     def finish_scatter(self) -> None:
         """Write staged bytes of strided targets back into them (after the kernel ran)."""

@@ -27,8 +27,7 @@ import torch
 
 import pcframe.kernels as kernels
 from pcframe.format.layout import PieceTable
-from pcframe.kernels.checksum.reference import pcf64_finalize
-from pcframe.kernels.copy import PieceLike, make_plan, reference
+from pcframe.kernels.copy import PieceLike, Plan, make_plan, reference
 from pcframe.kernels.dispatch import triton_interpreting
 
 
@@ -123,17 +122,16 @@ class Copier:
                 ``checksum`` (the pcf64 covers the chunk's own bytes).
             checksum: return the pcf64 of all of ``view`` (only if :attr:`fuses_checksum`).
         """
-        length, start = view.numel(), view.data_ptr()
         if self.backend == "auto":
-            copy_ranges(sources, table.dst_start + start, table.nbytes, start, length)
+            memmove_gather(sources, table.dst_start, table.nbytes, view)
             return None
         from pcframe.kernels.copy import numba_cpu  # compiled (or read from cache) once
 
+        # The kernels' own Numba gather, on a plan made of the tables (no pieces to plan).
+        plan = Plan(sources, table.dst_start, table.nbytes, pieces=[], temps=[])
         if checksum:
-            total = numba_cpu.gather_pcf64(sources, table.dst_start, table.nbytes, start, length)
-            return pcf64_finalize(int(total), length)
-        numba_cpu.copy_ranges(sources, table.dst_start + start, table.nbytes)
-        numba_cpu.zero_gaps(start, length, table.dst_start, table.nbytes)
+            return numba_cpu.gather_checksum(plan, view)[0]()
+        numba_cpu.gather(plan, view, zero_fill=True)
         return None
 
     def fill(
@@ -172,7 +170,7 @@ class Copier:
         if on_cuda and not self.device_kernel:
             return False  # the copy engine (torch) copies device memory
         if self.backend == "numba":
-            return not on_cuda
+            return True  # host memory only, here
         if triton_interpreting():
             return True
         # Compiled Triton runs on a CUDA device (a chunk of host tensors alone, pinned or
@@ -209,14 +207,15 @@ class Copier:
 DEVICE_COPIES_AHEAD = 4
 
 
-def copy_ranges(
-    sources: np.ndarray, targets: np.ndarray, nbytes: np.ndarray, start: int, length: int
+def memmove_gather(
+    sources: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray, view: torch.Tensor
 ) -> None:
-    """``memmove`` each range, then zero ``[start, start + length)`` outside the targets
-    (sorted, not overlapping). ctypes releases the GIL for each call, so the other copying
-    thread runs while one copies."""
+    """``memmove`` each range to its offset in the host buffer ``view`` (sorted, not
+    overlapping) and zero every byte of ``view`` no range covers. ctypes releases the GIL
+    for each call, so the other copying thread runs while one copies."""
+    start, length = view.data_ptr(), view.numel()
     memmove, memset, position = ctypes.memmove, ctypes.memset, start
-    ranges = zip(sources.tolist(), targets.tolist(), nbytes.tolist(), strict=True)
+    ranges = zip(sources.tolist(), (offsets + start).tolist(), nbytes.tolist(), strict=True)
     for source, target, size in ranges:
         if target > position:
             memset(position, 0, target - position)

@@ -13,7 +13,7 @@ import torch
 
 from pcframe.config import PAGE
 from pcframe.format.checksum import format_digest
-from pcframe.format.layout import Chunk
+from pcframe.format.layout import Chunk, PieceTable
 from pcframe.save.codec import Segment
 from pcframe.save.copy import UNKNOWN_ADDRESS, Copier, host_address
 from pcframe.save.write import VersionWrite
@@ -67,9 +67,9 @@ class Filler:
         # Fused only where the writer would hash the staged bytes itself (not on the mmap
         # path, which hashes while it copies into the mapping).
         fused = self.copier.fuses_checksum and self.persist != "mmap"
-        sources = self.host_sources(write, chunk) if self.copier.host_kernel else None
+        table = write.plan.layout.piece_tables[chunk.index]
+        sources = self.host_sources(write, table) if self.copier.host_kernel else None
         if sources is not None:
-            table = write.plan.layout.piece_tables[chunk.index]
             view = buffer[: chunk.length] if fused else buffer[:length]
             value = self.copier.fill_host(sources, table, view, checksum=fused)
         elif fused:
@@ -83,8 +83,8 @@ class Filler:
             write.checksums[chunk.index] = format_digest(self.checksum, value)
 
     @staticmethod
-    def host_sources(write: VersionWrite, chunk: Chunk) -> np.ndarray | None:
-        """The address of each of the chunk's pieces in host memory, or None if one of its
+    def host_sources(write: VersionWrite, table: PieceTable) -> np.ndarray | None:
+        """The address of each of a chunk's pieces in host memory, or None if one of its
         tensors is elsewhere or cannot be read as raw bytes (the per-piece path copies it).
 
         A tensor is looked at when the first chunk holding it is staged (one table per
@@ -92,7 +92,6 @@ class Filler:
         tensors = write.request.tensors
         if (addresses := write.host_addresses) is None:
             addresses = write.host_addresses = np.full(len(tensors), UNKNOWN_ADDRESS, np.int64)
-        table = write.plan.layout.piece_tables[chunk.index]
         bases = addresses[table.entry]
         for i in np.flatnonzero(bases == UNKNOWN_ADDRESS).tolist():
             entry = int(table.entry[i])
