@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pcframe.collector import collector_paused
 from pcframe.config import EngineConfig
 from pcframe.errors import CheckpointError
 from pcframe.feed import PolicyFeed, earliest_notice, policy_notice, process_age
@@ -244,23 +245,24 @@ class Checkpointer:
         self.flight.report(self._committed)
         entered = time.perf_counter()
         self.flight.acquire()
-        try:
-            if version is not None:
-                self._next_version = version
-            metadata = {**(metadata or {}), "reason": reason} if reason else (metadata or {})
-            request = self.capture.request(self._next_version, step, metadata)
-        except BaseException:
-            self.flight.release()
-            raise
-        self._next_version += 1
-        progress = SaveProgress(request.version, step, request.nbytes, entered)  # at save()
-        self.flight.started(progress)
-        try:
-            self.pipeline.submit(request, progress)
-        except BaseException as exc:  # e.g. a staging pool that cannot be allocated
-            self.flight.abandon(progress, exc)  # frees its slot: close() must never hang
-            raise
-        del request  # the pipeline holds the snapshot's sources only while it needs them
+        with collector_paused():  # no full collections set off by the capture's objects
+            try:
+                if version is not None:
+                    self._next_version = version
+                metadata = {**(metadata or {}), "reason": reason} if reason else (metadata or {})
+                request = self.capture.request(self._next_version, step, metadata)
+            except BaseException:
+                self.flight.release()
+                raise
+            self._next_version += 1
+            progress = SaveProgress(request.version, step, request.nbytes, entered)  # at save()
+            self.flight.started(progress)
+            try:
+                self.pipeline.submit(request, progress)
+            except BaseException as exc:  # e.g. a staging pool that cannot be allocated
+                self.flight.abandon(progress, exc)  # frees its slot: close() must never hang
+                raise
+            del request  # the pipeline holds the snapshot's sources only while it needs them
         if self.optimizer is None:
             # Nothing gates the next update: the copy is done before this returns.
             self.flight.wait_for_copies([progress])

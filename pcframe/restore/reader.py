@@ -50,6 +50,7 @@ from pcframe.format.tree import decode_tree
 from pcframe.restore.backup import Spare
 from pcframe.restore.reading import (
     DataFiles,
+    byte_buffer,
     fresh_tensor,
     preadv_all,
     read_windows,
@@ -262,7 +263,7 @@ class _VersionReader:
         self, out: dict[int, torch.Tensor], wanted: set[int], spare: Spare | None
     ) -> list[Callable]:
         live = self.targets.tensors
-        flats = {i: t.reshape(-1).view(torch.uint8) for i, t in out.items() if i not in live}
+        flats = {i: byte_buffer(t) for i, t in out.items() if i not in live}
         chunks = [
             c for c in self.manifest.raw_layout.chunks if any(p.entry in wanted for p in c.pieces)
         ]
@@ -278,7 +279,7 @@ class _VersionReader:
             for c in chunks
         ]
 
-    def _read_straight_in(self, chunk: Chunk, flats: dict[int, torch.Tensor]) -> None:
+    def _read_straight_in(self, chunk: Chunk, flats: dict[int, memoryview]) -> None:
         self.targets.keep(chunk)  # the old bytes first: they go back if this read fails
         self._read_chunk(chunk, flats)
 
@@ -286,7 +287,7 @@ class _VersionReader:
         """Make the in-place targets of ``sections`` hold the version (its chunks were
         verified by ``read``); returns their bytes (:meth:`InPlaceTargets.fill`)."""
 
-        def read(chunks: list[Chunk], flats: dict[int, torch.Tensor]) -> None:
+        def read(chunks: list[Chunk], flats: dict[int, memoryview]) -> None:
             if not self.data.is_open:  # released, or a retry after a failed fill
                 self.data.open()
             self._run([lambda c=c: self._read_pieces(c, flats) for c in chunks])
@@ -299,20 +300,29 @@ class _VersionReader:
         self.data.close()
         self.targets.release()
 
-    def _read_pieces(self, chunk: Chunk, flats: dict[int, torch.Tensor]) -> None:
-        """Read only the pieces of ``chunk`` that belong to ``flats`` (no verification)."""
+    def _read_pieces(self, chunk: Chunk, flats: dict[int, memoryview]) -> None:
+        """Read only the pieces of ``chunk`` that belong to ``flats`` (no verification):
+        pieces that follow each other in the file in one ``preadv``."""
         fd, path, located = self.data.locate(chunk)
+        buffers: list[memoryview] = []
+        start = end = 0
         for piece in chunk.pieces:
-            if piece.entry in flats:
-                target = flats[piece.entry][piece.src_start : piece.src_start + piece.nbytes]
-                offset = located.offset + piece.dst_start
-                preadv_all(fd, [memoryview(target.numpy())], offset, path)
+            target = flats.get(piece.entry)
+            if target is None:
+                continue
+            if buffers and piece.dst_start != end:
+                preadv_all(fd, buffers, located.offset + start, path)
+                buffers = []
+            if not buffers:
+                start = piece.dst_start
+            buffers.append(target[piece.src_start : piece.src_start + piece.nbytes])
+            end = piece.dst_start + piece.nbytes
+        if buffers:
+            preadv_all(fd, buffers, located.offset + start, path)
 
-    def _read_chunk(self, chunk: Chunk, flats: dict[int, torch.Tensor]) -> None:
+    def _read_chunk(self, chunk: Chunk, flats: dict[int, memoryview]) -> None:
         """Read one whole chunk (other bytes into scratch) and verify its checksum."""
-        targets = {
-            p.entry: memoryview(flats[p.entry].numpy()) for p in chunk.pieces if p.entry in flats
-        }
+        targets = {p.entry: flats[p.entry] for p in chunk.pieces if p.entry in flats}
         fd, path, located = self.data.locate(chunk)
         windows = read_windows(fd, path, located, targets)
         # The checksum consumes the windows in order, so each is read just before it is hashed.

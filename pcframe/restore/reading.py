@@ -94,6 +94,12 @@ def fresh_tensor(entry: Entry, path: Path) -> torch.Tensor:
         raise out_of_memory(what, entry.nbytes, path) from None
 
 
+def byte_buffer(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, writable, as one flat buffer (it keeps the
+    tensor alive); reads slice it per piece without a tensor op each."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
 def check_size(path: Path, expected: int) -> None:
     """The file is a regular file (not a link, FIFO or device) of the expected size."""
     try:

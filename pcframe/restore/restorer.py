@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from pcframe.collector import collector_paused
 from pcframe.errors import NoValidCheckpoint
 from pcframe.format.manifest import Manifest
 from pcframe.format.names import version_name
@@ -51,15 +52,16 @@ def load_and_apply(
         CheckpointError: the version does not fit the objects (nothing was changed).
     """
     start = time.perf_counter()
-    targets = in_place_targets(objects.model, objects.optimizer)
-    lent = Spare(spare, seen_elsewhere(targets, objects.model, objects.optimizer))
-    try:
-        manifest = _apply_first_valid(
-            sources, objects, report, targets, lent, threads, strict, allow_cast, root
-        )
-    except BaseException:
-        lent.put_back_unsettled()  # every reading thread has ended (the reader waits)
-        raise
+    with collector_paused():  # no full collections among the restore's short-lived objects
+        targets = in_place_targets(objects.model, objects.optimizer)
+        lent = Spare(spare, seen_elsewhere(targets, objects.model, objects.optimizer))
+        try:
+            manifest = _apply_first_valid(
+                sources, objects, report, targets, lent, threads, strict, allow_cast, root
+            )
+        except BaseException:
+            lent.put_back_unsettled()  # every reading thread has ended (the reader waits)
+            raise
     if manifest is not None:
         report.seconds = time.perf_counter() - start
         log.info(

@@ -27,6 +27,7 @@ from typing import TypeVar
 
 import torch
 
+from pcframe.collector import collect_if_paused
 from pcframe.errors import CheckpointError, ManifestError, RestoreIOError, UnsupportedCheckpoint
 from pcframe.format.names import check_requested_version
 from pcframe.restore.backup import Spare
@@ -102,6 +103,10 @@ def load_first_valid(
     for source in sources:  # newest version first; a version's tiers are contiguous
         if io_failed and source.version < max(io_failed):
             break  # a newer version failed only with I/O errors: never go back silently
+        if io_failed or report.skipped:
+            # A failed attempt's tensors are held in a cycle by its exception's traceback:
+            # freed before this one reads another copy of the state.
+            collect_if_paused()
         try:
             loaded = _load_with_retries(source, threads, backoff, targets, spare)
         except UnsupportedCheckpoint as exc:
@@ -164,8 +169,11 @@ def read_with_retries(
         except transient:
             if attempt == READ_ATTEMPTS - 1:
                 raise
-            time.sleep(delay)
-            delay *= 2
+        # Out of the except block, where its exception is let go: the failed attempt's
+        # tensors, held in a cycle by its traceback, are freed before the next one reads.
+        collect_if_paused()
+        time.sleep(delay)
+        delay *= 2
     raise AssertionError("unreachable")
 
 

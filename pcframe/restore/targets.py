@@ -10,7 +10,7 @@ failure anywhere before the restore holds puts the old bytes back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from enum import Enum
 
 import torch
@@ -20,6 +20,7 @@ from pcframe.format.records import Manifest
 from pcframe.format.tree import DTYPES
 from pcframe.restore.backup import LiveBackup, Spare
 from pcframe.restore.in_place import byte_span, overlapping
+from pcframe.restore.reading import byte_buffer
 
 
 class InPlaceStage(Enum):
@@ -54,10 +55,13 @@ class InPlaceTargets:
         self.stage = InPlaceStage.VERIFIED
         self._backup: LiveBackup | None = None
         self._refilled = False  # fill began a second read: those old bytes are gone
+        self._bytes: dict[int, memoryview] | None = None  # the targets' bytes, by entry
 
-    def flats(self, take: Callable[[int], bool] = lambda _: True) -> dict[int, torch.Tensor]:
-        """``{entry: the target's bytes}`` (1-D uint8) for the entries ``take`` accepts."""
-        return {i: t.reshape(-1).view(torch.uint8) for i, t in self.tensors.items() if take(i)}
+    def flats(self, take: Callable[[int], bool] = lambda _: True) -> dict[int, memoryview]:
+        """``{entry: the target's bytes}`` for the entries ``take`` accepts."""
+        if self._bytes is None:  # once per read: a view per tensor costs microseconds
+            self._bytes = {i: byte_buffer(t) for i, t in self.tensors.items()}
+        return {i: view for i, view in self._bytes.items() if take(i)}
 
     def plan(self, chunks: list[Chunk], spare: Spare | None, verify: bool) -> set[int]:
         """Split the chunks holding targets' bytes: the indices of those read straight in
@@ -69,21 +73,21 @@ class InPlaceTargets:
         )
         direct: set[int] = set()
         if spare is not None and spare.buffers and verify:  # unverified: never over live
-            self._backup = LiveBackup(spare)
-            flats = self.flats()
+            self._backup = LiveBackup(spare, holding=list(self.tensors.values()))
+            addresses = {i: t.data_ptr() for i, t in self.tensors.items()}
             shared = self._sharing_memory(spare.shared)
             for chunk in held:
                 if any(p.entry in shared for p in chunk.pieces):
                     continue
                 lives = [
-                    (p.entry, flats[p.entry][p.src_start : p.src_start + p.nbytes])
+                    (p.entry, addresses[p.entry] + p.src_start, p.nbytes)
                     for p in chunk.pieces
-                    if p.entry in self.tensors
+                    if p.entry in addresses
                 ]
                 if self._backup.reserve(chunk.index, lives):
                     direct.add(chunk.index)
-                    for entry, live in lives:
-                        self._direct[entry] = self._direct.get(entry, 0) + live.numel()
+                    for entry, _, nbytes in lives:
+                        self._direct[entry] = self._direct.get(entry, 0) + nbytes
             self.direct_bytes = sum(self._direct.values())
         self.deferred = [c for c in held if c.index not in direct]
         return direct
@@ -126,14 +130,16 @@ class InPlaceTargets:
         if chunks:
             self._refilled = True
             read(chunks, flats)
+        _written_behind_autograd(self.tensors[i] for i in flats)
         self.stage = InPlaceStage.FILLED
         if self._backup is not None:
             self._backup.settled = True  # from here only unfill (an undo) puts back
-        return sum(t.numel() for t in flats.values())
+        return sum(len(view) for view in flats.values())
 
     def unfill(self) -> bool:
         """After :meth:`fill`: the old bytes back; False where a second read overwrote some."""
         self.put_back()
+        _written_behind_autograd(self.tensors.values())
         self.direct_bytes = 0
         return not self._refilled
 
@@ -141,3 +147,13 @@ class InPlaceTargets:
         """The version is let go: before a fill, the old bytes go back (idempotent)."""
         if self.stage is InPlaceStage.VERIFIED:
             self.put_back()
+
+
+def _written_behind_autograd(tensors: Iterable[torch.Tensor]) -> None:
+    """Count an in-place change on each tensor, as any torch op that writes one does: their
+    bytes were written by ``preadv`` or ``memmove``, which autograd does not see, so a graph
+    that saved one of them before the restore then refuses ``backward`` instead of mixing
+    old activations with restored weights. (Inference tensors keep no count.)"""
+    for t in tensors:  # one at a time: torch 2.4 takes no list
+        if not t.is_inference():
+            torch.autograd.graph.increment_version(t)

@@ -356,3 +356,127 @@ def test_a_forked_child_can_restore_after_its_parent(tmp_path):
     if alive:
         process.kill()
     assert not alive and process.exitcode == 0
+
+
+def test_a_model_restored_into_its_own_tensors_is_not_walked_by_load_state_dict(
+    tmp_path, monkeypatch
+):
+    # Every value the apply would hand to load_state_dict is the parameter or buffer itself
+    # (filled last): the call would copy each onto itself, so it is skipped. The values are
+    # still the checkpoint's, a non-persistent buffer (not in the state dict) is left alone.
+    model = _model()
+    model.register_buffer("scratch", torch.full((3,), 7.0), persistent=False)
+    optimizer = _trained(model)
+    saved = _snapshot(model)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        ckpt.save(1).wait()
+    _perturb(model)
+    model.scratch.fill_(5.0)
+    calls = []
+    original = torch.nn.Module.load_state_dict
+
+    def counted(self, *args, **kwargs):
+        calls.append(type(self).__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict", counted)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        ckpt.restore()
+    assert calls == []
+    assert _same(model, saved)
+    assert torch.equal(model.scratch, torch.full((3,), 5.0))
+
+
+def test_a_model_given_fresh_values_for_some_tensors_is_loaded_by_load_state_dict(
+    tmp_path, monkeypatch
+):
+    # A half-precision copy of the weights in the checkpoint (allow_cast): those values are
+    # fresh tensors, so load_state_dict runs and casts them into the parameters.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with Checkpointer(tmp_path, model=model.half()) as ckpt:
+        ckpt.save(1).wait()
+    saved = model[0].weight.detach().clone()
+    model.float()
+    calls = []
+    original = torch.nn.Module.load_state_dict
+    monkeypatch.setattr(
+        torch.nn.Module,
+        "load_state_dict",
+        lambda self, *a, **k: calls.append(1) or original(self, *a, **k),
+    )
+    with Checkpointer(tmp_path, model=model) as ckpt:
+        ckpt.restore(allow_cast=True)
+    assert calls == [1]
+    assert torch.equal(model[0].weight, saved.float())
+
+
+def test_a_restore_holds_off_the_cyclic_collector_and_gives_it_back(tmp_path):
+    import gc
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    optimizer = _trained_small(model)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        ckpt.save(1).wait()
+    seen = []
+    model.register_load_state_dict_post_hook(lambda *_: seen.append(gc.isenabled()))
+    assert gc.isenabled()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        ckpt.restore()
+        assert seen == [False] and gc.isenabled()
+        gc.disable()  # a program that runs without it keeps it off
+        try:
+            ckpt.restore()
+            assert seen == [False, False] and not gc.isenabled()
+        finally:
+            gc.enable()
+
+
+def test_a_graph_built_before_a_restore_refuses_backward_after_it(tmp_path):
+    # The fill writes the parameters' memory where autograd cannot see it: their version
+    # counts move on as for any in-place write, so a loss computed before the restore
+    # cannot back-propagate through the restored weights.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = _trained_small(model)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        ckpt.save(1).wait()
+        _perturb(model)
+        loss = model(torch.randn(4, 8)).pow(2).sum()
+        ckpt.restore()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
+def test_a_fallback_past_a_damaged_version_frees_its_tensors_first(tmp_path):
+    # Every entry read into fresh tensors (a load hook): the damaged newest version's, held
+    # in a cycle by its exception, are freed before the older version is read and applied.
+    import gc
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(16)])
+    model.register_load_state_dict_post_hook(lambda *_: None)
+    alive: list[int] = []
+
+    class Probe:
+        def state_dict(self):
+            return {"x": 1}
+
+        def load_state_dict(self, state):
+            big = {
+                o.untyped_storage().data_ptr()
+                for o in gc.get_objects()
+                if type(o) in (torch.Tensor, torch.nn.Parameter) and o.numel() == 256 * 256
+            }
+            alive.append(len(big))
+
+    engine = {"chunk_bytes": 1 << 16}  # many chunks: read by the reading threads
+    with Checkpointer(tmp_path, model=model, stateful={"probe": Probe()}, **engine) as ckpt:
+        ckpt.save(1).wait()
+        ckpt.save(2).wait()
+    data = tmp_path / "v00000002" / "data.bin"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with Checkpointer(tmp_path, model=model, stateful={"probe": Probe()}, **engine) as ckpt:
+        ckpt.restore()
+        assert [v for v, _ in ckpt.last_restore.skipped] == [2]
+    assert alive == [32]  # the model's 16 weights and version 1's 16: none of version 2's
