@@ -27,6 +27,7 @@ Run:  python experiments/engine/restore_tensors.py --out experiments/results/res
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import platform
@@ -82,6 +83,10 @@ def restore_once(args: argparse.Namespace) -> float:
     if kind == "rollback":
         impl.save()  # the job's last checkpoint, which it goes back to
         impl.finish()
+    # Building the state made some 300,000 objects: a full collection of them is due, and
+    # it would land in whichever method's timed restore allocates first (130 ms). Every
+    # method starts with none due, as a training process between two collections does.
+    gc.collect()
     if not drop_caches():
         raise SystemExit("cannot drop the page cache (needs root): a warm restore is no anchor")
     start = time.perf_counter()
@@ -178,7 +183,9 @@ def main() -> None:
         f"dropped first; {args.rounds} rounds, the order rotated per round. `rollback`: "
         "pcframe's checkpointer loads back what it saved (its staging pool idle); `live`: "
         "into live objects of a process that never saved; `resume`: into objects built "
-        "afresh (no optimizer state). Ratios are taken inside each round (÷ torch.load: "
+        "afresh (no optimizer state). Each child runs a full garbage collection before "
+        "its timed restore (building the state leaves one due). Ratios are taken inside "
+        "each round (÷ torch.load: "
         "torch.load + `load_state_dict` of the same kind, a rollback ÷ its live restore; "
         "÷ read limit: the fastest cold read of pcframe's data file by 1, 2 or 4 threads); "
         "median (min..max) over rounds.",
