@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from pcframe.checkpointer import Checkpointer
+from pcframe.collector import collector_paused
 from pcframe.config import EngineConfig
 from pcframe.distributed import record as rec
 from pcframe.distributed.capture import ModelView, OptimizerView, Stash, StateSplitter
@@ -327,24 +328,26 @@ class DistributedCheckpointer:
             self.extra,
             self.local.policy,
         )
-        try:
-            chosen = newest_that_verifies(
-                self.root,
-                records,
-                objects,
-                report,
-                self.protocol,
-                rank=self.rank,
-                world_size=self.world_size,
-                reshard=reshard,
-                threads=threads,
-                group=self._control,
-            )
-        finally:
-            self.last_restore = report
+        with collector_paused():  # as a single-process restore: pcframe.collector
+            try:
+                chosen = newest_that_verifies(
+                    self.root,
+                    records,
+                    objects,
+                    report,
+                    self.protocol,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    reshard=reshard,
+                    threads=threads,
+                    group=self._control,
+                )
+            finally:
+                self.last_restore = report
+            if chosen is not None:
+                record, prepared, index = chosen
+                prepared.apply(objects)
         if chosen is not None:
-            record, prepared, index = chosen
-            prepared.apply(objects)
             # Which writer of this rank's directory made its shard (none after a resize).
             shard = index.manifests.get(self.rank)
             self.local.resumed(record.step, shard.engine if shard else UNKNOWN_WRITER)

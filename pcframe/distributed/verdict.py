@@ -27,6 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from pcframe.collector import collect_if_paused
 from pcframe.distributed import record as rec
 from pcframe.distributed.index import SavedIndex
 from pcframe.distributed.peers import peers
@@ -165,6 +166,8 @@ def newest_that_verifies(
     """
     skipped: list[int] = []
     for record in records:
+        if skipped:
+            collect_if_paused()  # the failed attempt's tensors, held in a cycle by its error
         outcome = try_global_version(
             root,
             record,

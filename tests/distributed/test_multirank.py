@@ -104,6 +104,7 @@ def test_round_trip_restores_exactly_the_saved_state_on_every_rank(saved):
             assert result[kind]["restored_equal"], f"{kind}: restored state differs"
         assert result["padded_published"]
         assert result["padded_restored"]
+        assert result["collector_paused_in_restore"]
 
 
 def test_a_damaged_shard_makes_every_rank_fall_back_to_the_previous_global_version(saved):

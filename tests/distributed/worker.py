@@ -19,6 +19,7 @@ if (
     os.environ["PCFRAME_CRASH_AT"] = os.environ["TEST_CRASH_AT"]
 
 import argparse
+import gc
 import json
 import shutil
 import time
@@ -202,7 +203,11 @@ def roundtrip(args: argparse.Namespace, out: dict[str, Any]) -> None:
     except CheckpointError as exc:
         out["locked"] = f"{type(exc).__name__}: {exc}"
     holder = padded_holder()
-    with DistributedCheckpointer(args.root / "padded", model=holder, **ENGINE) as ckpt:
+    probe = CollectorProbe()
+    stateful = {"probe": probe}
+    with DistributedCheckpointer(
+        args.root / "padded", model=holder, stateful=stateful, **ENGINE
+    ) as ckpt:
         out["padded_published"] = ckpt.save(1).wait() == SaveStatus.COMMITTED
         # A plain module of DTensors restores its values: fresh DTensors (data_ptr 0) are
         # not mistaken for the module's own memory, so load_state_dict is not skipped.
@@ -211,6 +216,21 @@ def roundtrip(args: argparse.Namespace, out: dict[str, Any]) -> None:
             holder.table.add_(100.0)
         ckpt.restore()
         out["padded_restored"] = torch.equal(holder.table.full_tensor(), saved)
+        # The multi-rank restore holds the cyclic collector off too, and gives it back.
+        out["collector_paused_in_restore"] = probe.seen == [False] and gc.isenabled()
+
+
+class CollectorProbe:
+    """A stateful object that records whether the collector ran while it was loaded."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def state_dict(self) -> dict[str, int]:
+        return {"x": 1}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seen.append(gc.isenabled())
 
 
 def damaged_restore(args: argparse.Namespace, out: dict[str, Any], first: dict) -> None:
@@ -280,7 +300,11 @@ def resize(args: argparse.Namespace, out: dict[str, Any]) -> None:
             result["saved_after_resize"] = ckpt.save(7).wait() == SaveStatus.COMMITTED
             out[kind] = result
     holder = padded_holder()
-    with DistributedCheckpointer(args.root / "padded", model=holder, **ENGINE) as ckpt:
+    probe = CollectorProbe()
+    stateful = {"probe": probe}
+    with DistributedCheckpointer(
+        args.root / "padded", model=holder, stateful=stateful, **ENGINE
+    ) as ckpt:
         try:
             ckpt.restore()
             out["padded_error"] = None
