@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import gc
 import json
-import platform
 import shutil
 import statistics
 import subprocess
@@ -30,6 +29,7 @@ import time
 from pathlib import Path
 
 from bench_engine import spread
+from methods import report_header, write_report
 
 VARIANTS = ("paused (default)", "unpaused")
 
@@ -37,15 +37,14 @@ VARIANTS = ("paused (default)", "unpaused")
 def one_loop(args: argparse.Namespace) -> dict:
     """In this fresh process: the loop, with the collector's work counted."""
     import torch
-    from methods import PCFrame, stall_of_one
-    from restore_tensors import build
+    from methods import PCFrame, build_stack, stall_of_one
 
     import pcframe.checkpointer
 
     if args.variant == "unpaused":
         pcframe.checkpointer.collector_paused = contextlib.nullcontext
     torch.set_num_threads(2)
-    model, optimizer = build(0.25, args.layers)
+    model, optimizer = build_stack(0.25, args.layers)
     base = Path(tempfile.mkdtemp(prefix="pcframe-gc-", dir="/var/tmp"))
     try:
         impl = PCFrame(model, optimizer, base, max_in_flight=1)
@@ -102,17 +101,13 @@ def main() -> None:
             last = runs[variant][-1]
             print(variant, {k: v for k, v in last.items() if k != "stalls"}, flush=True)
 
-    import torch
-
+    command = (
+        f"python experiments/engine/gc_saves.py --layers {args.layers} "
+        f"--checkpoints {args.checkpoints} --repeats {args.repeats} --out {args.out}"
+    )
+    title = "The cyclic collector and the stall: saves with and without the capture's pause"
     lines = [
-        "# The cyclic collector and the stall: saves with and without the capture's pause",
-        "",
-        f"Command: `python experiments/engine/gc_saves.py --layers {args.layers} "
-        f"--checkpoints {args.checkpoints} --repeats {args.repeats} --out {args.out}`",
-        "",
-        f"_generated {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}: "
-        f"{platform.machine()}, torch {torch.__version__}_",
-        "",
+        *report_header(title, command),
         f"0.25 GiB as {args.layers} `Linear` layers with Adam ({args.layers * 8} tensors), "
         f"{args.checkpoints} checkpoints in a loop (`optimizer.step()`, then one checkpoint "
         "with nothing to overlap), a fresh process per variant and repeat, the variants "
@@ -134,9 +129,7 @@ def main() -> None:
             f"{spread([r['wall'] for r in results], digits=2)} | "
             f"{spread(medians, 1000, 1)} | {spread(maxima, 1000, 1)} |"
         )
-    lines.append("")
-    Path(args.out).write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_report(args.out, lines)
 
 
 if __name__ == "__main__":

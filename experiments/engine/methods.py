@@ -2,12 +2,16 @@
 
 Each :class:`Method` saves one state (a model + Adam moments on CPU) its own way and
 restores the newest checkpoint; :func:`loop` is the training loop that measures it. Shared
-by the stall rounds (``bench_engine.py``) and the restore rounds (``restore_rounds.py``).
+by the stall rounds (``bench_engine.py``) and the restore rounds (``restore_rounds.py``);
+:func:`build_stack` (the state cut into many tensors) and the report helpers by
+``stall_tensors.py``, ``restore_tensors.py``, ``gc_saves.py`` and ``stall_floor.py``.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import platform
 import shutil
 import threading
 import time
@@ -312,3 +316,42 @@ def stall_of_one(impl: Method) -> float:
 def build_state_bytes(size_gb: float) -> int:
     """The bytes :func:`build_state` makes, without making them."""
     return layers_for(size_gb) * PER_LAYER * 12
+
+
+def build_stack(size_gb: float, layers: int, fresh: bool = False):
+    """``layers`` x Linear(w, w) with Adam, about ``size_gb`` GiB with its moments: the same
+    bytes cut into more tensors as ``layers`` grows (eight per layer, two of them 0-d step
+    counts). ``fresh``: as a restarted job builds them (weights set, no optimizer state)."""
+    import torch
+
+    torch.manual_seed(0)
+    width = max(8, round(math.sqrt(size_gb * (1 << 30) / (12 * layers))))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    if not fresh:
+        for p in model.parameters():
+            p.grad = torch.randn_like(p) * 1e-3
+        optimizer.step()  # the moments exist
+    return model, optimizer
+
+
+def report_header(title: str, command: str) -> list[str]:
+    """A results table's first lines: its title, the command that made it, when and where."""
+    import torch
+
+    return [
+        f"# {title}",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"_generated {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}: "
+        f"{platform.machine()}, torch {torch.__version__}_",
+        "",
+    ]
+
+
+def write_report(out: str, lines: list[str]) -> None:
+    """Write a results table (``lines``, then an empty line) to ``out`` and print it."""
+    text = "\n".join([*lines, ""])
+    Path(out).write_text(text)
+    print(text)

@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
-import platform
 import shutil
 import subprocess
 import sys
@@ -39,7 +37,7 @@ import time
 from pathlib import Path
 
 from bench_engine import spread
-from methods import drop_caches, make_method
+from methods import build_stack, drop_caches, make_method, report_header, write_report
 from restore_rounds import newest_number, read_limit_seconds
 
 # (label, method, kind): every restore a round times, each in a fresh process
@@ -54,29 +52,13 @@ RESTORES = (
 )
 
 
-def build(size_gb: float, layers: int, fresh: bool = False):
-    """``layers`` x Linear(w, w) with Adam, about ``size_gb`` GiB with its moments; ``fresh``:
-    as a restarted job builds them (weights set, no optimizer state)."""
-    import torch
-
-    torch.manual_seed(0)
-    width = max(8, round(math.sqrt(size_gb * (1 << 30) / (12 * layers))))
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    if not fresh:
-        for p in model.parameters():
-            p.grad = torch.randn_like(p) * 1e-3
-        optimizer.step()  # the moments exist
-    return model, optimizer
-
-
 def restore_once(args: argparse.Namespace) -> float:
     """In this fresh process: build the objects, drop the page cache, time one restore."""
     import torch
 
     torch.set_num_threads(2)
     method, kind, directory = json.loads(args.one)
-    model, optimizer = build(args.size_gb, args.layers, fresh=kind == "resume")
+    model, optimizer = build_stack(args.size_gb, args.layers, fresh=kind == "resume")
     impl = make_method(method, {}, model, optimizer, Path(directory))
     if method != "pcframe":
         impl.n = newest_number(Path(directory))
@@ -102,7 +84,7 @@ def restore_once(args: argparse.Namespace) -> float:
 
 def measure(args: argparse.Namespace, layers: int, base: Path) -> dict:
     """Save once with each method, then time every restore of :data:`RESTORES` in rounds."""
-    model, optimizer = build(args.size_gb, layers)
+    model, optimizer = build_stack(args.size_gb, layers)
     tensors = len(model.state_dict()) + sum(len(s) for s in optimizer.state.values())
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     nbytes += sum(
@@ -169,15 +151,12 @@ def main() -> None:
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
+    command = (
+        f"python experiments/engine/restore_tensors.py --size-gb {args.size_gb} "
+        f"--layers {args.layers} --rounds {args.rounds} --out {args.out}"
+    )
     lines = [
-        "# Cold restores as the state's tensor count grows",
-        "",
-        f"Command: `python experiments/engine/restore_tensors.py --size-gb {args.size_gb} "
-        f"--layers {args.layers} --rounds {args.rounds} --out {args.out}`",
-        "",
-        f"_generated {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}: "
-        f"{platform.machine()}, torch {torch.__version__}_",
-        "",
+        *report_header("Cold restores as the state's tensor count grows", command),
         "A stack of `Linear(w, w)` layers with Adam moments, the same bytes cut into more "
         "tensors as the layers grow. Every restore in a fresh process, the page cache "
         f"dropped first; {args.rounds} rounds, the order rotated per round. `rollback`: "
@@ -208,9 +187,7 @@ def main() -> None:
                 f"{spread([row[name] for row in rounds], digits=3)} | {torch_ratio} | "
                 f"{dcp_ratio} | {spread(ratios(rounds, name, 'read limit'), digits=2)} |"
             )
-    lines.append("")
-    Path(args.out).write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_report(args.out, lines)
 
 
 if __name__ == "__main__":

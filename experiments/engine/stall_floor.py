@@ -21,7 +21,6 @@ Run:  python experiments/engine/stall_floor.py --out experiments/results/stall_f
 from __future__ import annotations
 
 import argparse
-import platform
 import shutil
 import statistics
 import tempfile
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 
 from bench_engine import gather_seconds, spread, state_tensors
-from methods import DCP, PCFrame, build_state, loop, stall_of_one
+from methods import DCP, PCFrame, build_state, loop, report_header, stall_of_one, write_report
 
 
 class CopyLog:
@@ -131,15 +130,13 @@ def main() -> None:
     shutil.rmtree(base, ignore_errors=True)
 
     count = args.rounds * args.checkpoints
+    command = (
+        f"python experiments/engine/stall_floor.py --size-gb {args.size_gb} "
+        f"--rounds {args.rounds} --checkpoints {args.checkpoints} --out {args.out}"
+    )
+    title = "Where the stall goes: pcframe and DefaultStager against a copy of the same tensors"
     lines = [
-        "# Where the stall goes: pcframe and DefaultStager against a copy of the same tensors",
-        "",
-        f"Command: `python experiments/engine/stall_floor.py --size-gb {args.size_gb} "
-        f"--rounds {args.rounds} --checkpoints {args.checkpoints} --out {args.out}`",
-        "",
-        f"_generated {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}: "
-        f"{platform.machine()}, torch {torch.__version__}_",
-        "",
+        *report_header(title, command),
         f"State: {nbytes / (1 << 30):.2f} GiB (model + Adam moments, fp32, CPU), both methods "
         f"in one process, {args.rounds} rounds of {args.checkpoints} checkpoints each "
         "(alternating which method goes first), nothing between `save()` and the next "
@@ -169,10 +166,8 @@ def main() -> None:
     lines += [
         "",
         f"The same copy, 2 threads, end of run: {spread(copy_rates, 1e-9, 2)} GB/s.",
-        "",
     ]
-    Path(args.out).write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_report(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,6 @@ Run:  python experiments/engine/stall_tensors.py --out experiments/results/stall
 from __future__ import annotations
 
 import argparse
-import math
-import platform
 import shutil
 import statistics
 import tempfile
@@ -35,7 +33,7 @@ import time
 from pathlib import Path
 
 from bench_engine import gather_seconds, spread, state_tensors
-from methods import DCP, PCFrame, loop, stall_of_one
+from methods import DCP, PCFrame, build_stack, loop, report_header, stall_of_one, write_report
 
 METHODS = (
     "pcframe (default: auto)",
@@ -46,24 +44,10 @@ METHODS = (
 ANCHOR = METHODS[-1]
 
 
-def build(size_gb: float, layers: int):
-    """``layers`` x Linear(w, w) with Adam moments, about ``size_gb`` GiB in all."""
-    import torch
-
-    torch.manual_seed(0)
-    width = max(8, round(math.sqrt(size_gb * (1 << 30) / (12 * layers))))
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p) * 1e-3
-    optimizer.step()  # the moments exist
-    return model, optimizer
-
-
 def measure(args: argparse.Namespace, layers: int, base: Path) -> dict:
     import torch
 
-    model, optimizer = build(args.size_gb, layers)
+    model, optimizer = build_stack(args.size_gb, layers)
     sources = state_tensors(model, optimizer)
     nbytes = sum(t.numel() * t.element_size() for t in sources)
     into = torch.zeros(nbytes, dtype=torch.uint8)
@@ -152,16 +136,13 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
 
     count = args.rounds * args.checkpoints
-    lines = [
-        "# The stall as the state's tensor count grows",
-        "",
-        f"Command: `python experiments/engine/stall_tensors.py --size-gb {args.size_gb} "
+    command = (
+        f"python experiments/engine/stall_tensors.py --size-gb {args.size_gb} "
         f"--layers {args.layers} --rounds {args.rounds} --checkpoints {args.checkpoints} "
-        f"--out {args.out}`",
-        "",
-        f"_generated {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}: "
-        f"{platform.machine()}, torch {torch.__version__}_",
-        "",
+        f"--out {args.out}"
+    )
+    lines = [
+        *report_header("The stall as the state's tensor count grows", command),
         "One process per row group: a stack of `Linear(w, w)` layers with Adam moments, the "
         "same bytes cut into more tensors as the layers grow; every method in the same "
         f"process, {args.rounds} rounds of {args.checkpoints} checkpoints each (the order "
@@ -185,9 +166,7 @@ def main() -> None:
                 f"{spread(res['per_memcpy'][name], digits=2)} | "
                 f"{spread(res['per_gather'][name], digits=2)} |"
             )
-    lines.append("")
-    Path(args.out).write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_report(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -130,11 +130,8 @@ def _is_live(value: object, own: torch.Tensor | None) -> bool:
     return (
         isinstance(value, torch.Tensor)
         and own is not None
-        and value.data_ptr() == own.data_ptr()
+        and view_of(value) == view_of(own)
         and value.storage_offset() == own.storage_offset()
-        and value.shape == own.shape
-        and value.dtype == own.dtype
-        and value.stride() == own.stride()
     )
 
 
