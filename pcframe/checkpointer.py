@@ -14,39 +14,28 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from pcframe.collector import collector_paused
 from pcframe.config import EngineConfig
+from pcframe.decisions import Decisions
 from pcframe.errors import CheckpointError
-from pcframe.feed import PolicyFeed, earliest_notice, policy_notice, process_age
 from pcframe.format.names import check_new_version
 from pcframe.objects import Stateful, TrainingObjects, require_step_hook
-from pcframe.policies.base import (
-    Decision,
-    IntervalPolicy,
-    Notice,
-    PolicyContext,
-    Restarted,
-    SaveCompleted,
-    checked_decision,
-)
+from pcframe.policies.base import Decision, IntervalPolicy, Notice, PolicyContext
 from pcframe.policies.fixed import FixedSteps
 from pcframe.policies.notices.base import NoticeSource
 from pcframe.policies.placement.base import PlacementPolicy
 from pcframe.restore.report import RestoreReport
-from pcframe.restore.restorer import load_and_apply
-from pcframe.restore.sources import restore_sources
+from pcframe.restore.restorer import restore_from_tiers
 from pcframe.save.capture import Capture
 from pcframe.save.flight import InFlight
 from pcframe.save.handle import SaveHandle, SaveRecord
 from pcframe.save.pipeline import SavePipeline
-from pcframe.save.progress import SaveProgress
 from pcframe.store.directory import WritableCheckpointDir
-from pcframe.store.retention import KeepWhere, Retention
+from pcframe.store.retention import Retention
 from pcframe.store.starts import UNKNOWN_WRITER
 from pcframe.store.tiers import Secured, Tiers, attach_tiers
 from pcframe.threads import one_caller_at_a_time
@@ -108,44 +97,40 @@ class Checkpointer:
         config = (config or EngineConfig()).with_overrides(**overrides)
         config.check_runtime()  # e.g. copy_backend="triton" without CUDA: refuse before locking
         self.config = config
-        self.policy = policy if policy is not None else FixedSteps(100)
+        # When to save: the interval policy, asked at each step with the notices polled.
+        self.decisions = Decisions(policy if policy is not None else FixedSteps(100), notices or [])
         self.objects = TrainingObjects.given(
             model, optimizer, scheduler, scaler, data, stateful, extra, self.policy
         )
         require_step_hook(optimizer)  # before locking: nothing to undo
         self.storage = WritableCheckpointDir(directory)
-        started: list[NoticeSource] = []
-        try:  # a failure on the way leaves no lock, no handler, no tier thread, the mark kept
+        # A failure on the way leaves no lock, no handler, no tier thread, the mark kept:
+        # every undo is tried (its own failure ignored), the lock released last.
+        with contextlib.ExitStack() as undo:
+            undo.callback(self.storage.abandon)
             if leftovers := self.storage.removed_leftovers:
                 log.info("removed leftovers of an interrupted run: %s", leftovers)
             self._next_version = self.storage.next_version()
-            self.notices = list(notices or [])
-            self.notice: Notice | None = None  # the pending preemption notice, as last seen
-            self.last_decision: Decision | None = None  # the policy's answer at the last maybe_save
             self.last_secured: Secured | None = None  # where the last emergency version went
             self.tiers, newest = attach_tiers(tiers, placement, self.storage, config.keep_last)
-            self._next_version = max(self._next_version, newest + 1)  # no tier sees one reused
+            self._number_above(newest)  # no tier sees a version number reused
+            undo.callback(_quietly, functools.partial(self.tiers.close, hurry=True))
             for source in self.notices:
-                started.append(source)  # first: a start that fails half-way is undone too
+                undo.callback(_quietly, source.close)  # first: a half-done start is undone
                 source.start()  # signal handlers: must run in the main thread
             self.capture = Capture(self.objects, config)
             self.flight = InFlight(config.max_in_flight)
-            keep = [KeepWhere("tiers", self.tiers.keep)]
-            self.pipeline = SavePipeline(config, self.storage, self.flight.finished, keep)
+            self.pipeline = SavePipeline(config, self.storage, self.flight.finished)
             self.flight.wait_for_copies = self.pipeline.wait_for_copies
-            self.add_commit_listener(self.tiers.on_commit)
-            if self.tiers.replicated:
-                self.pipeline.delta_blockers.append("storage tiers")
+            self.tiers.follow(self.pipeline)
             self._hook = optimizer.register_step_pre_hook(self.flight.gate) if optimizer else None
+            if self._hook is not None:
+                undo.callback(_quietly, self._hook.remove)
             self.storage.count_start()  # fully built: from here on, an end without close() counts
-        except BaseException:
-            self._abandon(started)
-            raise
+            undo.pop_all()
         self.last_restore: RestoreReport | None = None
-        self.feed = PolicyFeed()
         self._closed = False
         self.save_last = save_last
-        self._last_step_seen: int | None = None  # the newest step maybe_save/decide saw
         atexit.register(self._atexit)
 
     # The live objects, as given (read-only views of self.objects).
@@ -155,6 +140,13 @@ class Checkpointer:
     scaler = property(lambda self: self.objects.scaler)
     stateful = property(lambda self: self.objects.stateful)
     extra = property(lambda self: self.objects.extra)
+    # The policy side (:class:`~pcframe.decisions.Decisions`): the policy, its notice sources,
+    # its feed, its last answer and the pending notice.
+    policy = property(lambda self: self.decisions.policy)
+    notices = property(lambda self: self.decisions.notices)
+    feed = property(lambda self: self.decisions.feed)
+    last_decision = property(lambda self: self.decisions.last)
+    notice = property(lambda self: self.decisions.notice)
 
     @property
     def records(self) -> dict[int, SaveRecord]:
@@ -194,36 +186,18 @@ class Checkpointer:
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step={step!r}: the training step is an int")
-        self.flight.report(self._committed)
-        now = time.monotonic()
-        self.feed.stepped(step, now)
-        self._last_step_seen = step
-        notice = notice or earliest_notice(self.notices, now)
-        decision = self.policy.decide(self.context(step, now, notice))
-        self.last_decision = decision = checked_decision(self.policy, decision)
-        if decision.emergency and notice is None:
-            notice = policy_notice(self.policy, now)
-        self.notice = notice
-        if not decision.save and not self.pipeline.started:  # the pool, ahead of the save
-            try:
-                if (size := self.capture.new_footprint(self.flight.steps)) is not None:
-                    self.pipeline.prepare(*size)
-            except Exception as exc:  # an odd state: the first save says what is wrong
-                log.debug("staging pool not prepared ahead of the first save: %s", exc)
+        self.flight.report(self.decisions.committed)
+        decision = self.decisions.decide(step, notice, self.tiers, self.flight.occupancy())
+        if not decision.save:  # the staging pool, ahead of the first save
+            self.pipeline.prepare(lambda: self.capture.new_footprint(self.flight.steps))
         return decision
 
     def context(
         self, step: int, now: float | None = None, notice: Notice | None = None
     ) -> PolicyContext:
         """The :class:`PolicyContext` the policy sees at ``step`` (also for custom loops)."""
-        return self.feed.context(
-            step,
-            time.monotonic() if now is None else now,
-            notice=notice,
-            tier_write_times=self.tiers.write_times(self.feed.save_duration),
-            wall_time=time.time(),
-            **self.flight.occupancy(),
-        )
+        now = time.monotonic() if now is None else now
+        return self.decisions.context(step, now, notice, self.tiers, self.flight.occupancy())
 
     @one_caller_at_a_time
     def save(
@@ -242,32 +216,23 @@ class Checkpointer:
         """
         check_new_version(version, self._next_version)
         self._check_open()
-        self.flight.report(self._committed)
+        self.flight.report(self.decisions.committed)
         entered = time.perf_counter()
-        self.flight.acquire()
-        with collector_paused():  # no full collections set off by the capture's objects
-            try:
-                if version is not None:
-                    self._next_version = version
-                metadata = {**(metadata or {}), "reason": reason} if reason else (metadata or {})
-                request = self.capture.request(self._next_version, step, metadata)
-            except BaseException:
-                self.flight.release()
-                raise
-            self._next_version += 1
-            progress = SaveProgress(request.version, step, request.nbytes, entered)  # at save()
-            self.flight.started(progress)
-            try:
-                self.pipeline.submit(request, progress)
-            except BaseException as exc:  # e.g. a staging pool that cannot be allocated
-                self.flight.abandon(progress, exc)  # frees its slot: close() must never hang
-                raise
-            del request  # the pipeline holds the snapshot's sources only while it needs them
+        if version is not None:
+            self._next_version = version
+        metadata = {**(metadata or {}), "reason": reason} if reason else (metadata or {})
+        try:
+            progress = self.flight.start(
+                self.capture, self.pipeline, self._next_version, step, metadata, entered
+            )
+        finally:
+            if self._next_version in self.flight.records:  # captured: the number is taken
+                self._next_version += 1
         if self.optimizer is None:
             # Nothing gates the next update: the copy is done before this returns.
             self.flight.wait_for_copies([progress])
         progress.stall += time.perf_counter() - entered
-        self.feed.saved(step, time.monotonic())
+        self.decisions.saved(step)
         return SaveHandle(progress)
 
     def wait_for_snapshot(self) -> None:
@@ -282,18 +247,16 @@ class Checkpointer:
             CheckpointError: ``timeout`` seconds passed first (the versions go on).
         """
         self._check_open()
+        self._wait_all(timeout, "wait", "wait again")
+        self.flight.report(self.decisions.committed)
+
+    def _wait_all(self, timeout: float | None, call: str, again: str) -> None:
         if not self.flight.wait_all(timeout):
             raise CheckpointError(
-                f"version(s) {self.flight.in_flight_versions()} still in flight after "
+                f"{call}: version(s) {self.flight.in_flight_versions()} still in flight after "
                 f"{timeout:.0f} s (writing to {self.storage.root}): the storage is slow or "
-                "stuck; wait again, or stop the process (the last committed version is intact)"
+                f"stuck; {again}, or stop the process (the last committed version is intact)"
             )
-        self.flight.report(self._committed)
-
-    def _committed(self, progress: SaveProgress, record: SaveRecord) -> None:
-        self.feed.committed(record.stall, record.durable)
-        at, cost = time.monotonic(), (record.stall, record.durable, progress.nbytes)
-        self.policy.observe(SaveCompleted(progress.version, progress.step, at, *cost))
 
     def add_commit_listener(self, listener: Any) -> None:
         """Call ``listener(version, path, manifest)`` on the commit thread after each commit.
@@ -335,32 +298,30 @@ class Checkpointer:
         for name, flag in (("strict", strict), ("allow_cast", allow_cast)):
             if not isinstance(flag, bool):  # restore(strict="no") would be strict
                 raise TypeError(f"restore({name}={flag!r}): give True or False")
-        self.wait()
+        self.wait()  # no save in flight: the staging pool is idle, lent to the restore
         report = self.last_restore = RestoreReport()
-        sources = restore_sources(self.tiers, version, report)
-        if sources:
-            # Number new versions above every version any tier holds, valid or not.
-            self._next_version = max(self._next_version, sources[0].version + 1)
-        # No save is in flight (waited for above): the staging pool, if a save or the warm
-        # thread allocated it, holds the live bytes the version is read straight over.
-        with self.pipeline.pool.lend() as spare:
-            manifest = load_and_apply(
-                sources,
-                self.objects,
-                report,
-                threads=self.config.read_threads,
-                strict=strict,
-                allow_cast=allow_cast,
-                root=self.storage.root,
-                spare=spare,
-            )
+        manifest = restore_from_tiers(
+            self.tiers,
+            version,
+            self.objects,
+            report,
+            self.pipeline.pool,
+            self._number_above,  # every version any tier holds, valid or not
+            threads=self.config.read_threads,
+            strict=strict,
+            allow_cast=allow_cast,
+            root=self.storage.root,
+        )
         if manifest is None:
             if self.storage.starts.number > 1:  # earlier writers died before a first commit
                 self.resumed(0, written=None)
             return None
-        self._next_version = max(self._next_version, manifest.version + 1)
         self.resumed(manifest.step, manifest.engine)
         return manifest.step
+
+    def _number_above(self, version: int) -> None:
+        """New versions are numbered above ``version``."""
+        self._next_version = max(self._next_version, version + 1)
 
     def resumed(self, step: int, written: Mapping[str, Any] | None = UNKNOWN_WRITER) -> None:
         """Training goes on from ``step``, whose state was just loaded: tell the policy.
@@ -369,51 +330,36 @@ class Checkpointer:
         (:meth:`Starts.unseen`); ``None``: nothing was loaded. Called by :meth:`restore`,
         and by a multi-rank restore that loaded the state itself.
         """
-        if written is not None:
-            self.feed.resumed(step, process_age())
-        unseen = self.storage.starts.unseen(written)
-        clean = self.storage.previous_exit_clean
-        self.policy.observe(Restarted(time.monotonic(), process_age(), step, clean, unseen))
+        starts, clean = self.storage.starts, self.storage.previous_exit_clean
+        self.decisions.resumed(step, written, starts, clean)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None, *, clean: bool = True) -> None:
         """Wait for in-flight versions, stop the threads, release the directory lock.
 
         A normal close marks a clean exit (the next run's ``Restarted.clean``) and, with
         ``save_last=True``, first saves the last step seen if it is newer than the last
-        version. Leaving a ``with`` block on an exception, or exiting the interpreter on an
-        unhandled one, closes without either.
+        version. ``clean=False`` closes without either: as leaving a ``with`` block on an
+        exception, or exiting the interpreter on an unhandled one, does.
 
         Raises:
             SaveError: for the first failed version not yet reported (closed all the same).
             CheckpointError: in-flight versions did not finish within ``timeout`` seconds;
                 the engine stays open (call ``close()`` again to keep waiting).
         """
-        self._close(timeout, clean=True)
-
-    def _close(self, timeout: float | None, clean: bool) -> None:
         if self._closed:
             return
         if clean and self.save_last and self.notice is None:
             self._save_last()
-        if not self.flight.wait_all(timeout):
-            raise CheckpointError(
-                f"close: version(s) {self.flight.in_flight_versions()} still in flight after "
-                f"{timeout:.0f} s (writing to {self.storage.root}); call close() again to "
-                "keep waiting, or stop the process (the last committed version is intact)"
-            )
+        self._wait_all(timeout, "close", "call close() again to keep waiting")
         try:
             self.wait()
         finally:
             self._closed = True
             if self._hook is not None:
                 self._hook.remove()
-            close_policy = getattr(self.policy, "close", None)
-            if callable(close_policy):
-                close_policy()  # e.g. restore signal handlers, stop notice pollers
-            for source in self.notices:
-                source.close()
+            self.decisions.close()  # e.g. restore signal handlers, stop notice pollers
             self.pipeline.close()
             # After the last commit, before the lock is released; preempted: no time to drain.
             self.tiers.close(hurry=self.notice is not None)
@@ -423,30 +369,15 @@ class Checkpointer:
             self.storage.close()
             atexit.unregister(self._atexit)
 
-    def _abandon(self, started: list[NoticeSource]) -> None:
-        """Undo a failed construction: every step is tried, the lock is always released."""
-        undo = [source.close for source in started]
-        if getattr(self, "_hook", None) is not None:
-            undo.append(self._hook.remove)
-        if hasattr(self, "tiers"):
-            undo.append(functools.partial(self.tiers.close, hurry=True))
-        try:
-            for step in undo:
-                with contextlib.suppress(Exception):
-                    step()
-        finally:
-            self.storage.abandon()
-
     def _save_last(self) -> None:
-        step, last = self._last_step_seen, self.feed.last_save_step
-        if step is not None and (last is None or step > last):
+        if (step := self.decisions.unsaved_step()) is not None:
             self.save(step, reason="save_last")
 
     def _atexit(self) -> None:
         # An unhandled exception on the way out was printed and left in sys.last_value.
         clean = getattr(sys, "last_value", None) is None
         try:
-            self._close(CLOSE_TIMEOUT_AT_EXIT, clean)
+            self.close(CLOSE_TIMEOUT_AT_EXIT, clean=clean)
         except CheckpointError as exc:
             log.error("at exit: %s", exc)
 
@@ -458,6 +389,11 @@ class Checkpointer:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        self._close(None, clean=exc_type is None)
+        self.close(clean=exc_type is None)
 
     directory = property(lambda self: self.storage.root)  # the primary tier's Path
+
+
+def _quietly(undo: Callable[[], object]) -> None:
+    with contextlib.suppress(Exception):
+        undo()

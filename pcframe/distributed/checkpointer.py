@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 from pcframe.checkpointer import Checkpointer
-from pcframe.collector import collector_paused
 from pcframe.config import EngineConfig
 from pcframe.distributed import record as rec
 from pcframe.distributed.capture import ModelView, OptimizerView, Stash, StateSplitter
@@ -33,14 +32,13 @@ from pcframe.distributed.handle import DistributedSaveHandle
 from pcframe.distributed.meeting import Call, Doing, Meetings
 from pcframe.distributed.opening import open_shards
 from pcframe.distributed.protocol import CommitProtocol, Round
-from pcframe.distributed.verdict import newest_that_verifies, records_to_try
-from pcframe.errors import CheckpointError, NoValidCheckpoint, SaveError
+from pcframe.distributed.verdict import load_newest, records_to_try
+from pcframe.errors import CheckpointError, SaveError
 from pcframe.objects import TrainingObjects
 from pcframe.restore.report import DistributedRestoreReport
 from pcframe.save.handle import SaveHandle
 from pcframe.save.status import SaveStatus
 from pcframe.store.retention import KeepWhere
-from pcframe.store.starts import UNKNOWN_WRITER
 
 log = logging.getLogger("pcframe")
 
@@ -102,11 +100,7 @@ class DistributedCheckpointer:
             )
         self.root = Path(root)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.model, self.optimizer = model, optimizer
-        self.scheduler, self.scaler, self.extra = scheduler, scaler, extra
-        self.stateful: dict[str, Any] = dict(stateful or {})
-        if data is not None:
-            self.stateful["data"] = data
+        stateful = {**(stateful or {}), **({"data": data} if data is not None else {})}
         timeout = timedelta(seconds=protocol_timeout)
         # Two private gloo groups, created in the same order on every rank: `control` for the
         # collectives of the training thread, `report` for the round thread only.
@@ -124,7 +118,7 @@ class DistributedCheckpointer:
                 optimizer=optim_view,
                 scheduler=scheduler,
                 scaler=scaler,
-                stateful=self.stateful,
+                stateful=stateful,
                 extra=extra,
                 policy=policy,
                 notices=notices,
@@ -135,6 +129,11 @@ class DistributedCheckpointer:
             self._report,
         )
         self.local, self._next = opened.local, opened.next_version
+        # What a restore loads into: the objects themselves, where the local engine saves
+        # their views (the policy: the local engine's, whose learned state it saves).
+        self.objects = TrainingObjects(
+            model, optimizer, scheduler, scaler, stateful, extra, self.local.policy
+        )
         self.protocol = CommitProtocol(
             self.root,
             self.rank,
@@ -193,7 +192,7 @@ class DistributedCheckpointer:
         while len(self.rounds) > _KEEP_ROUNDS:  # bounded bookkeeping in long runs
             del self.rounds[next(iter(self.rounds))]
         self.protocol.submit(round_)
-        self._raise_errors()
+        self.protocol.raise_errors()
         return DistributedSaveHandle(round_)
 
     def maybe_save(
@@ -252,7 +251,7 @@ class DistributedCheckpointer:
         self._meetings.settle()
         self.protocol.join()
         self._prune()
-        self._raise_errors()
+        self.protocol.raise_errors()
 
     def _prune(self) -> None:
         """Apply retention once more now that the last rounds are decided.
@@ -263,13 +262,6 @@ class DistributedCheckpointer:
         no save can start while the training thread is in here, so the commit thread is idle.
         """
         self.local.retention.apply()
-
-    def _raise_errors(self) -> None:
-        errors = self.protocol.take_errors()
-        for extra in errors[1:]:
-            log.error("%s", extra)
-        if errors:
-            raise errors[0]
 
     def global_versions(self) -> list[int]:
         """Global versions this rank knows to exist (the newest ``keep_global``)."""
@@ -293,9 +285,9 @@ class DistributedCheckpointer:
 
         A version whose shard fails verification on any rank is skipped on all ranks (listed
         in :attr:`last_restore`, its record moved aside as ``global/.corrupt-*``) and the
-        previous global version is tried. Nothing is loaded
-        until every rank has read and verified its part. ``reshard=False`` refuses to lay out
-        sharded state for a different world size instead of resharding it.
+        previous global version is tried. Nothing is loaded until every rank has read and
+        verified its part. ``reshard=False`` refuses to lay out sharded state for a
+        different world size instead of resharding it.
 
         Returns ``None`` when there is no global version.
 
@@ -318,51 +310,27 @@ class DistributedCheckpointer:
             log.error("before the restore: %s", exc)
         start = time.perf_counter()
         records, invalid = records_to_try(self.root, self.rank, self._control)
-        report = DistributedRestoreReport(skipped=list(invalid))
-        objects = TrainingObjects(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            self.scaler,
-            self.stateful,
-            self.extra,
-            self.local.policy,
+        report = self.last_restore = DistributedRestoreReport(skipped=list(invalid))
+        loaded = load_newest(
+            self.root,
+            records,
+            self.objects,
+            report,
+            self.protocol,
+            rank=self.rank,
+            world_size=self.world_size,
+            reshard=reshard,
+            threads=threads,
+            group=self._control,
         )
-        with collector_paused():  # as a single-process restore: pcframe.collector
-            try:
-                chosen = newest_that_verifies(
-                    self.root,
-                    records,
-                    objects,
-                    report,
-                    self.protocol,
-                    rank=self.rank,
-                    world_size=self.world_size,
-                    reshard=reshard,
-                    threads=threads,
-                    group=self._control,
-                )
-            finally:
-                self.last_restore = report
-            if chosen is not None:
-                record, prepared, index = chosen
-                prepared.apply(objects)
-        if chosen is not None:
-            # Which writer of this rank's directory made its shard (none after a resize).
-            shard = index.manifests.get(self.rank)
-            self.local.resumed(record.step, shard.engine if shard else UNKNOWN_WRITER)
-            report.version, report.step = record.version, record.step
-            report.saved_world_size = record.world_size
-            report.resharded = prepared.resharded
-            report.per_rank_state_from = prepared.per_rank_from
-            report.seconds = time.perf_counter() - start
-            return record.step
-        if report.skipped:
-            reasons = "; ".join(f"v{v}: {why}" for v, why in report.skipped)
-            raise NoValidCheckpoint(f"no valid global checkpoint in {self.root}: {reasons}")
-        if self.local.storage.starts.number > 1:  # this rank's earlier writers all died
-            self.local.resumed(0, None)
-        return None
+        if loaded is None:
+            if self.local.storage.starts.number > 1:  # this rank's earlier writers all died
+                self.local.resumed(0, None)
+            return None
+        record, written = loaded
+        self.local.resumed(record.step, written)
+        report.seconds = time.perf_counter() - start
+        return record.step
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -386,7 +354,7 @@ class DistributedCheckpointer:
         finally:
             self._closed = True
             self.protocol.close()
-            self.local._close(None, clean)
+            self.local.close(clean=clean)
             try:
                 if dist.is_initialized() and self.protocol.healthy:
                     # Nobody tears down a group still in use (the meeting is a barrier).
@@ -395,7 +363,7 @@ class DistributedCheckpointer:
                 if dist.is_initialized():
                     dist.destroy_process_group(self._report)
                     dist.destroy_process_group(self._control)
-        self._raise_errors()
+        self.protocol.raise_errors()
 
     def _leave(self) -> None:
         """Close after an exception here, without a collective (peers may be anywhere: waiting
@@ -407,7 +375,7 @@ class DistributedCheckpointer:
         self.protocol.settle(5.0)
         self.protocol.abandon("this rank closed after an exception")
         try:
-            self.local._close(None, clean=False)
+            self.local.close(clean=False)
         except CheckpointError as exc:
             log.error("closing after an exception: %s", exc)
         for exc in self.protocol.take_errors():

@@ -144,6 +144,14 @@ class CommitProtocol:
             errors, self._errors = self._errors, []
         return errors
 
+    def raise_errors(self) -> None:
+        """Raise the first error not yet taken; log the others."""
+        errors = self.take_errors()
+        for extra in errors[1:]:
+            log.error("%s", extra)
+        if errors:
+            raise errors[0]
+
     @property
     def healthy(self) -> bool:
         return self._broken is None

@@ -27,16 +27,23 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pcframe.collector import collect_if_paused
+from pcframe.collector import collect_if_paused, collector_paused
 from pcframe.distributed import record as rec
 from pcframe.distributed.index import SavedIndex
 from pcframe.distributed.peers import peers
 from pcframe.distributed.protocol import CommitProtocol
 from pcframe.distributed.restore import Prepared, ReshardError, prepare
-from pcframe.errors import CheckpointError, ManifestError, RestoreIOError, UnsupportedCheckpoint
+from pcframe.errors import (
+    CheckpointError,
+    ManifestError,
+    NoValidCheckpoint,
+    RestoreIOError,
+    UnsupportedCheckpoint,
+)
 from pcframe.objects import TrainingObjects
 from pcframe.restore.report import DistributedRestoreReport
 from pcframe.restore.sources import READ_ATTEMPTS, read_with_retries, stop_at_unsupported
+from pcframe.store.starts import UNKNOWN_WRITER
 
 log = logging.getLogger("pcframe")
 
@@ -194,3 +201,56 @@ def newest_that_verifies(
                 rec.write_pointer(root, record.version)
         return (record, *outcome)
     return None
+
+
+def load_newest(
+    root: Path,
+    records: Sequence[rec.GlobalRecord],
+    objects: TrainingObjects,
+    report: DistributedRestoreReport,
+    protocol: CommitProtocol,
+    *,
+    rank: int,
+    world_size: int,
+    reshard: bool,
+    threads: int,
+    group: Any,
+) -> tuple[rec.GlobalRecord, Any] | None:
+    """Load the newest of ``records`` that verifies on every rank into ``objects``
+    (collective); fill ``report``. Returns the record and the ``engine`` section of this
+    rank's shard manifest (its writer; unknown after a resize), or ``None`` when there are
+    no records.
+
+    The cyclic collector is held off as in a single-process restore (:mod:`pcframe.collector`).
+
+    Raises:
+        NoValidCheckpoint: records exist but none verifies.
+        and as :func:`try_global_version` does.
+    """
+    with collector_paused():
+        chosen = newest_that_verifies(
+            root,
+            records,
+            objects,
+            report,
+            protocol,
+            rank=rank,
+            world_size=world_size,
+            reshard=reshard,
+            threads=threads,
+            group=group,
+        )
+        if chosen is not None:
+            record, prepared, index = chosen
+            prepared.apply(objects)
+    if chosen is None:
+        if report.skipped:
+            reasons = "; ".join(f"v{v}: {why}" for v, why in report.skipped)
+            raise NoValidCheckpoint(f"no valid global checkpoint in {root}: {reasons}")
+        return None
+    report.version, report.step = record.version, record.step
+    report.saved_world_size = record.world_size
+    report.resharded = prepared.resharded
+    report.per_rank_state_from = prepared.per_rank_from
+    shard = index.manifests.get(rank)
+    return record, shard.engine if shard else UNKNOWN_WRITER

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import torch
@@ -19,11 +19,48 @@ from pcframe.restore.backup import Spare
 from pcframe.restore.check_optimizer import prefetch_fresh_state
 from pcframe.restore.in_place import in_place_targets, seen_elsewhere
 from pcframe.restore.report import RestoreReport
-from pcframe.restore.sources import load_first_valid
+from pcframe.restore.sources import load_first_valid, restore_sources
+from pcframe.save.staging import StagingPool
 from pcframe.store.directory import quarantined_versions
-from pcframe.store.tiers import Source
+from pcframe.store.tiers import Source, Tiers
 
 log = logging.getLogger("pcframe")
+
+
+def restore_from_tiers(
+    tiers: Tiers,
+    version: int | None,
+    objects: TrainingObjects,
+    report: RestoreReport,
+    pool: StagingPool,
+    seen: Callable[[int], None],
+    *,
+    threads: int,
+    strict: bool,
+    allow_cast: bool,
+    root: Path,
+) -> Manifest | None:
+    """A checkpointer's restore: the newest valid version the tiers hold (or ``version``)
+    loaded into ``objects`` (:func:`load_and_apply`), its idle staging ``pool`` lent as
+    spare memory. ``seen`` is called, before anything is read, with the newest version
+    number any tier holds, valid or not (new versions are numbered above it)."""
+    sources = restore_sources(tiers, version, report)
+    if sources:
+        seen(sources[0].version)
+    with pool.lend() as spare:
+        manifest = load_and_apply(
+            sources,
+            objects,
+            report,
+            threads=threads,
+            strict=strict,
+            allow_cast=allow_cast,
+            root=root,
+            spare=spare,
+        )
+    if manifest is not None:
+        seen(manifest.version)
+    return manifest
 
 
 def load_and_apply(

@@ -13,12 +13,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from pcframe.collector import collector_paused
 from pcframe.errors import SaveError
 from pcframe.save.handle import SaveRecord
 from pcframe.save.progress import SaveProgress
 from pcframe.save.status import SaveStatus, Stage
+
+if TYPE_CHECKING:
+    from pcframe.save.capture import Capture
+    from pcframe.save.pipeline import SavePipeline
 
 log = logging.getLogger("pcframe")
 SUMMARY_EVERY = 60.0  # seconds between INFO lines summing up commits
@@ -48,6 +53,38 @@ class InFlight:
     def release(self) -> None:
         """Give back a slot taken for a save that did not start."""
         self._slots.release()
+
+    def start(
+        self,
+        capture: Capture,
+        pipeline: SavePipeline,
+        version: int,
+        step: int,
+        metadata: dict[str, Any],
+        entered: float,
+    ) -> SaveProgress:
+        """Start one version: take a slot, capture the state, hand it to ``pipeline``.
+
+        Each step is undone if the next fails (the slot given back, a version the pipeline
+        refused finished as failed), so ``close()`` never waits for a version that did not
+        start. ``entered``: when ``save()`` was called (the version's stall starts there).
+        """
+        self.acquire()
+        with collector_paused():  # no full collections set off by the capture's objects
+            try:
+                request = capture.request(version, step, metadata)
+            except BaseException:
+                self.release()
+                raise
+            progress = SaveProgress(version, step, request.nbytes, entered)
+            self.started(progress)
+            try:
+                pipeline.submit(request, progress)
+            except BaseException as exc:  # e.g. a staging pool that cannot be allocated
+                self.abandon(progress, exc)
+                raise
+            del request  # the pipeline holds the snapshot's sources only while it needs them
+        return progress
 
     def started(self, progress: SaveProgress) -> None:
         self._copying.append(progress)

@@ -13,8 +13,8 @@ Threads (all started once per engine, reused by every version):
   overlap, the snapshot then runs at the memory's speed, not at one thread's.
 * one **opener** thread creates each version's staging directory and data file (reserved to
   its full size) and chooses delta or full, while the copy already runs: staged chunks need
-  no file, and their writers (and the commit) wait for the version's ``opened``. One
-  thread, so versions open in the order they were saved.
+  no file, and their writers (and the commit) wait for the version's ``opened``
+  (:mod:`pcframe.save.opening`). One thread, so versions open in the order they were saved.
 * a pool of **writer** threads checksums and persists each staged chunk into ``data.bin``
   and encodes each staged segment, appending it to ``codec.bin``
   (:mod:`pcframe.save.write`); then returns the buffer to the pool.
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import queue
 import threading
 import time
@@ -41,14 +42,13 @@ import torch
 
 from pcframe.config import EngineConfig
 from pcframe.errors import SaveError
-from pcframe.format.layout import Chunk, Layout
-from pcframe.format.manifest import CODEC_NAME
-from pcframe.save.codec import CodecPlan
+from pcframe.format.layout import Chunk
 from pcframe.save.commit import CommitListener, Committer
 from pcframe.save.copy import Copier, DeviceCopies, SharedChunks
 from pcframe.save.delta import DeltaTracker
 from pcframe.save.fill import Filler
-from pcframe.save.persist import WrittenFile, choose_persist, choose_stripes, open_data_file
+from pcframe.save.opening import VersionOpener
+from pcframe.save.persist import choose_persist
 from pcframe.save.progress import SaveProgress
 from pcframe.save.request import SaveRequest
 from pcframe.save.staging import StagingPool
@@ -58,6 +58,8 @@ from pcframe.save.write import VersionWrite, Writer
 from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.retention import KeepBases, KeepLast, KeepReason, Retention
 from pcframe.threads import one_openmp_thread, single_threaded_torch
+
+log = logging.getLogger("pcframe")
 
 
 class SavePipeline:
@@ -87,24 +89,19 @@ class SavePipeline:
         self.writer = Writer(config)
         self.persist = choose_persist(storage.root, config.persist)
         self.fill = Filler(self.copier, self.persist, config.checksum)
-        self.stripes = choose_stripes(storage.root, config.stripes, config.writer_threads)
         self.deltas = DeltaTracker(config.full_every, storage)
+        self.opener = VersionOpener(config, storage, self.persist, self.deltas)
         # Delta chains are closed over even without codecs configured now: versions of an
         # earlier run may be deltas, and a kept one must keep its base.
         bases: list[KeepBases] = [self.deltas]
         self.retention = Retention(storage, [KeepLast(config.keep_last), *keep], bases)
         self.committer = Committer(config, storage, self.deltas, self.retention, self.persist)
-        # Who needs every version to be full (replica tiers copy single versions, not delta
-        # chains); while this is non-empty no delta version is made.
-        self.delta_blockers: list[str] = []
-        self._plan: CodecPlan | None = None  # reused while the layout is the same object
-        self._plan_source: Layout | None = None
         self._copy_queue: queue.Queue[VersionWrite | None] = queue.Queue()
         self._commit_queue: queue.Queue[VersionWrite | None] = queue.Queue()
         self._writers = WorkerPool(config.writer_threads, "pcframe-w")
         # Creates each version's files (posix_fallocate of the whole data file: milliseconds)
         # while the copy thread already copies; one thread, so versions open in order.
-        self._opener = WorkerPool(1, "pcframe-open")
+        self._open_thread = WorkerPool(1, "pcframe-open")
         self._warming: threading.Thread | None = None  # the pool allocated ahead (prepare)
         self._sharing: SharedChunks | None = None  # the host chunks being copied now
         self._sharing_changed = threading.Condition()  # notified when _sharing is set or done
@@ -130,7 +127,7 @@ class SavePipeline:
         if not self._started:  # the training thread: one caller, no race
             self._started = True
             self._writers.start()
-            self._opener.start()
+            self._open_thread.start()
             self._copy_thread.start()
             self._commit_thread.start()
         self._copy_queue.put(VersionWrite(request, progress))
@@ -140,12 +137,22 @@ class SavePipeline:
         """Whether a save has been submitted (the pipeline's threads run)."""
         return self._started
 
-    def prepare(self, state_bytes: int, pinned: bool) -> None:
-        """Allocate the staging pool (pages faulted in) on its own thread before the first
-        save, which then does not (docs/architecture.md); a refused one is that save's."""
-        if self._started or (self._warming is not None and self._warming.is_alive()):
+    def prepare(self, footprint: Callable[[], tuple[int, bool] | None]) -> None:
+        """Before the first save: allocate the staging pool (pages faulted in) on its own
+        thread, which that save then does not (docs/architecture.md). ``footprint``: the
+        state's ``(bytes, pinned)``, or None while unknown or unchanged since the last call.
+        A failure is logged at debug level (the first save says what is wrong); a refused
+        allocation is that save's."""
+        if self._started:
             return
-        budget = self._staging_budget(state_bytes)
+        try:
+            size = footprint()
+        except Exception as exc:  # an odd state
+            log.debug("staging pool not prepared ahead of the first save: %s", exc)
+            return
+        if size is None or (self._warming is not None and self._warming.is_alive()):
+            return
+        budget, pinned = self._staging_budget(size[0]), size[1]
 
         def warm() -> None:
             single_threaded_torch()
@@ -193,7 +200,7 @@ class SavePipeline:
             return
         self._copy_queue.put(None)
         self._copy_thread.join()
-        self._opener.shutdown()
+        self._open_thread.shutdown()
         self._writers.shutdown()
         self._commit_queue.put(None)
         self._commit_thread.join()
@@ -215,9 +222,9 @@ class SavePipeline:
             start, cpu = time.perf_counter(), time.thread_time()
             opening = False  # the opener sets ``opened`` once it has run
             try:
-                self._plan_version(write)
+                self.opener.plan(write)
                 # Staged chunks need no file: their writers wait for ``opened``.
-                self._opener.submit(self._open_files, write)
+                self._open_thread.submit(self.opener.open, write)
                 opening = True
             except BaseException as exc:
                 progress.fail(Stage.ENCODE, exc)
@@ -308,54 +315,6 @@ class SavePipeline:
                 # A chunk the helping training thread did not hand to a writer (it was
                 # interrupted) is staged by the copy thread after all.
                 sharing.done(None if handed or write.failed else chunk)
-
-    def _plan_version(self, write: VersionWrite) -> None:
-        """Plan the version's storage (codecs; the plan is reused while the layout is)."""
-        layout = write.request.layout
-        if self._plan is None or self._plan_source is not layout:
-            self._plan = CodecPlan.build(layout, self.config.codecs, self.config.tensor_align)
-            self._plan_source = layout
-        write.plan = self._plan
-        write.checksums = [""] * write.plan.layout.num_chunks
-
-    def _open_files(self, write: VersionWrite) -> None:
-        """Create the staging directory and files, choose delta or full; then ``opened``.
-
-        Runs on the opener thread while the copy already runs. Not deferred until the copy
-        is done when training waits for it (which would keep the file system off the cores
-        the copy uses): then an older version's files could open only after the newer
-        copy, its writes would race the newer version's, and a version that loses commits
-        discarded. A failure fails the version (the copy stops at its next chunk), never
-        the thread; a version that already failed gets no files.
-        """
-        plan = write.plan
-        assert plan is not None
-        cpu = time.thread_time()  # kernel time of mkdir and posix_fallocate counts too
-        try:
-            if write.failed:
-                return
-            directory = self.storage.staging_path(write.version)
-            directory.mkdir()
-            layout = plan.layout
-            write.data_file = open_data_file(
-                directory,
-                layout.data_size,
-                self.persist,
-                self.config.o_direct,
-                layout.chunk_bytes,
-                max(1, min(self.stripes, layout.num_chunks)),  # no empty stripe files
-            )
-            write.o_direct = write.data_file.direct
-            if plan.segments:
-                write.codec_file = WrittenFile(directory / CODEC_NAME, 0)
-                # Retention keeps every chain a kept version needs; replica tiers are what
-                # cannot take deltas.
-                write.delta = self.deltas.begin(write.version, plan, self.delta_blockers)
-        except BaseException as exc:
-            write.progress.fail(Stage.PERSIST, exc)
-        finally:
-            write.progress.add_cpu(cpu)
-            write.opened.set()
 
     def _stage(
         self, write: VersionWrite, task: Callable, fill: Callable, unit: Any, flats: list[Any]

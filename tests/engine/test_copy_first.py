@@ -234,18 +234,18 @@ def test_the_snapshot_does_not_wait_for_its_files(tmp_path, monkeypatch, tensors
     """Creating and reserving the data file (milliseconds for a large state) runs beside the
     copy: the optimizer step goes on while it is still blocked, and the version commits
     once it is done (with no chunk to write, too: the commit itself waits for the files)."""
-    import pcframe.save.pipeline as pipeline
+    import pcframe.save.opening as opening
 
     model, optimizer = _state()
     release, entered = threading.Event(), threading.Event()
-    original = pipeline.open_data_file
+    original = opening.open_data_file
 
     def slow_open(*args, **kwargs):
         entered.set()
         assert release.wait(60)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "open_data_file", slow_open)
+    monkeypatch.setattr(opening, "open_data_file", slow_open)
     objects = {"model": model, "optimizer": optimizer} if tensors else {"extra": {"a": 1}}
     with Checkpointer(tmp_path, chunk_bytes=CHUNK, **objects) as ckpt:
         saved = {k: v.clone() for k, v in model.state_dict().items()}
@@ -270,10 +270,10 @@ def test_the_snapshot_does_not_wait_for_its_files(tmp_path, monkeypatch, tensors
 
 def test_the_time_spent_creating_the_files_is_charged_to_the_version(tmp_path, monkeypatch):
     """The opener's CPU time (mkdir, posix_fallocate: kernel time) is in the version's cost."""
-    import pcframe.save.pipeline as pipeline
+    import pcframe.save.opening as opening
 
     model, optimizer = _state()
-    original = pipeline.open_data_file
+    original = opening.open_data_file
 
     def busy_open(*args, **kwargs):
         start = time.thread_time()
@@ -281,7 +281,7 @@ def test_the_time_spent_creating_the_files_is_charged_to_the_version(tmp_path, m
             pass
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "open_data_file", busy_open)
+    monkeypatch.setattr(opening, "open_data_file", busy_open)
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, chunk_bytes=CHUNK) as ckpt:
         ckpt.save(1)
         ckpt.wait()  # reports the finished version into its record

@@ -120,6 +120,30 @@ def test_corrupt_data_file_is_one_clear_error(tmp_path: Path) -> None:
     assert cli.main(["verify", str(root)]) == 1
 
 
+def test_the_read_holds_the_cyclic_collector_off_and_gives_it_back(tmp_path: Path) -> None:
+    """As pcframe's own restores: no full collection lands among the read's objects while
+    the planner places them, and the collector is on again once dcp.load returns."""
+    import gc
+
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    seen: list[bool] = []
+
+    class Probe(DefaultLoadPlanner):
+        def commit_tensor(self, read_item, tensor) -> None:
+            seen.append(gc.isenabled())
+            super().commit_tensor(read_item, tensor)
+
+    root = tmp_path / "ckpt"
+    dcp.save(training_state(2), storage_writer=StorageWriter(root))
+    net, opt, state = fresh_state()
+    assert gc.isenabled()
+    dcp.load(state, storage_reader=StorageReader(root), planner=Probe())
+    assert seen and not any(seen)  # paused for every tensor placed
+    assert gc.isenabled()
+    assert_loaded(net, opt, state, 2)
+
+
 def test_damaged_manifest_falls_back_to_the_previous_version(tmp_path: Path, caplog) -> None:
     root = tmp_path / "ckpt"
     for step in (1, 2):

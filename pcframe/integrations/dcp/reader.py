@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from pcframe.collector import collector_paused
 from pcframe.errors import CheckpointError, CorruptCheckpoint, NoValidCheckpoint
 from pcframe.format.names import check_requested_version
 from pcframe.format.tree import decode_tree
@@ -118,8 +119,12 @@ class StorageReader(_DcpStorageReader):
                     "does not match this version's metadata)"
                 )
             by_rank[location.rank].append((read, index.items[location.rank][location.item]))
-        for rank in sorted(by_rank):
-            self._read_shard(rank, by_rank[rank], planner)
+        # As in pcframe's own restores (pcframe.collector): no full collections of the whole
+        # process set off among the read's short-lived objects; a failed shard's cycle is
+        # freed when the pause ends.
+        with collector_paused():
+            for rank in sorted(by_rank):
+                self._read_shard(rank, by_rank[rank], planner)
         future: Future[None] = Future()
         future.set_result(None)
         return future

@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pcframe.policies.base import Notice
 from pcframe.policies.placement import (
@@ -30,11 +30,15 @@ from pcframe.policies.placement import (
     TierRule,
 )
 from pcframe.store.directory import WritableCheckpointDir
+from pcframe.store.retention import KeepWhere
 from pcframe.store.tiers.base import Tier, TierError
 from pcframe.store.tiers.local import LocalTier
 from pcframe.store.tiers.replicator import Job, Replicator, TierStatus
 from pcframe.store.tiers.sources import Source, tier_sources
 from pcframe.store.tiers.specs import TierSpec, make_tier
+
+if TYPE_CHECKING:
+    from pcframe.save.pipeline import SavePipeline
 
 log = logging.getLogger("pcframe.store.tiers")
 
@@ -226,6 +230,15 @@ class Tiers:
         with self._lock:
             decision = self.placement.place(ctx)
         return set(decision.keep.get(name, ())) | {job.version}
+
+    def follow(self, pipeline: SavePipeline) -> None:
+        """Serve the engine's save ``pipeline``: each commit is routed to the tiers
+        (:meth:`on_commit`), its retention keeps what they need (:meth:`keep`), and while
+        versions are replicated none is a delta (replicas copy single versions)."""
+        pipeline.commit_listeners.append(self.on_commit)
+        pipeline.retention.add(KeepWhere("tiers", self.keep))
+        if self.replicated:
+            pipeline.opener.delta_blockers.append("storage tiers")
 
     def on_commit(self, version: int, path: Path, manifest: Any) -> None:
         """Commit listener (engine's commit thread): route the version; never blocks."""

@@ -1,0 +1,121 @@
+"""The interval policy's side of the engine: when to save, and what the policy is told.
+
+:class:`Decisions` asks the policy at each step (:meth:`Decisions.decide`) with the loop's
+measurements (:class:`~pcframe.feed.PolicyFeed`) and the pending preemption notice (its
+notice sources polled), checks the answer, and tells the policy what each save cost and
+when training resumed. The :class:`~pcframe.checkpointer.Checkpointer` acts on the answer
+(how a version is saved is the :mod:`pcframe.save` room's); the trace-driven simulator
+drives the same policies through the same feed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pcframe.feed import PolicyFeed, earliest_notice, policy_notice, process_age
+from pcframe.policies.base import (
+    Decision,
+    IntervalPolicy,
+    Notice,
+    PolicyContext,
+    Restarted,
+    SaveCompleted,
+    checked_decision,
+)
+from pcframe.policies.notices.base import NoticeSource
+from pcframe.save.handle import SaveRecord
+from pcframe.save.progress import SaveProgress
+from pcframe.store.starts import Starts
+from pcframe.store.tiers import Tiers
+
+
+class Decisions:
+    """One engine's interval policy, its notice sources and its feed.
+
+    Attributes:
+        notice: the pending preemption notice, as last seen by :meth:`decide`.
+        last: the policy's (checked) answer at the last :meth:`decide`.
+        last_step_seen: the newest step :meth:`decide` was asked about.
+    """
+
+    def __init__(self, policy: IntervalPolicy, notices: Sequence[NoticeSource]) -> None:
+        self.policy = policy
+        self.notices = list(notices)
+        self.feed = PolicyFeed()
+        self.notice: Notice | None = None
+        self.last: Decision | None = None
+        self.last_step_seen: int | None = None
+
+    def decide(
+        self,
+        step: int,
+        notice: Notice | None,
+        tiers: Tiers,
+        occupancy: Mapping[str, int],
+    ) -> Decision:
+        """Measure the iteration, poll the notice sources (unless ``notice`` is given), ask
+        the policy and record its answer and the pending notice."""
+        now = time.monotonic()
+        self.feed.stepped(step, now)
+        self.last_step_seen = step
+        notice = notice or earliest_notice(self.notices, now)
+        context = self.context(step, now, notice, tiers, occupancy)
+        self.last = decision = checked_decision(self.policy, self.policy.decide(context))
+        if decision.emergency and notice is None:
+            notice = policy_notice(self.policy, now)
+        self.notice = notice
+        return decision
+
+    def context(
+        self,
+        step: int,
+        now: float,
+        notice: Notice | None,
+        tiers: Tiers,
+        occupancy: Mapping[str, int],
+    ) -> PolicyContext:
+        """What the policy sees at ``step`` (the tiers' write times estimated from the
+        measured time to durable)."""
+        return self.feed.context(
+            step,
+            now,
+            notice=notice,
+            tier_write_times=tiers.write_times(self.feed.save_duration),
+            wall_time=time.time(),
+            **occupancy,
+        )
+
+    def saved(self, step: int) -> None:
+        """A save of ``step`` started; the training thread is free again now."""
+        self.feed.saved(step, time.monotonic())
+
+    def committed(self, progress: SaveProgress, record: SaveRecord) -> None:
+        """A version became durable: the feed and the policy learn what it cost."""
+        self.feed.committed(record.stall, record.durable)
+        at, cost = time.monotonic(), (record.stall, record.durable, progress.nbytes)
+        self.policy.observe(SaveCompleted(progress.version, progress.step, at, *cost))
+
+    def resumed(
+        self, step: int, written: Mapping[str, Any] | None, starts: Starts, clean: bool
+    ) -> None:
+        """Training goes on from ``step`` (``written``: the loaded manifest's ``engine``
+        section, naming its writer; ``None``: nothing was loaded)."""
+        if written is not None:
+            self.feed.resumed(step, process_age())
+        unseen = starts.unseen(written)
+        self.policy.observe(Restarted(time.monotonic(), process_age(), step, clean, unseen))
+
+    def unsaved_step(self) -> int | None:
+        """The newest step seen, if no save started at or after it (for ``save_last``)."""
+        step, last = self.last_step_seen, self.feed.last_save_step
+        return step if step is not None and (last is None or step > last) else None
+
+    def close(self) -> None:
+        """Close the policy (e.g. restore its signal handlers) and the notice sources."""
+        close_policy = getattr(self.policy, "close", None)
+        if callable(close_policy):
+            close_policy()
+        for source in self.notices:
+            source.close()
