@@ -218,9 +218,10 @@ class Checkpointer:
         self._check_open()
         self.flight.report(self.decisions.committed)
         entered = time.perf_counter()
+        metadata = {**(metadata or {}), "reason": reason} if reason else (metadata or {})
+        self.flight.acquire()  # blocks while max_in_flight versions are in flight
         if version is not None:
             self._next_version = version
-        metadata = {**(metadata or {}), "reason": reason} if reason else (metadata or {})
         try:
             progress = self.flight.start(
                 self.capture, self.pipeline, self._next_version, step, metadata, entered

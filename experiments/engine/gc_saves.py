@@ -39,10 +39,10 @@ def one_loop(args: argparse.Namespace) -> dict:
     import torch
     from methods import PCFrame, build_stack, stall_of_one
 
-    import pcframe.checkpointer
+    import pcframe.save.flight
 
     if args.variant == "unpaused":
-        pcframe.checkpointer.collector_paused = contextlib.nullcontext
+        pcframe.save.flight.collector_paused = contextlib.nullcontext
     torch.set_num_threads(2)
     model, optimizer = build_stack(0.25, args.layers)
     base = Path(tempfile.mkdtemp(prefix="pcframe-gc-", dir="/var/tmp"))

@@ -100,7 +100,13 @@ class DistributedCheckpointer:
             )
         self.root = Path(root)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        stateful = {**(stateful or {}), **({"data": data} if data is not None else {})}
+        stateful = dict(stateful or {})
+        if data is not None:
+            stateful["data"] = data
+        # What a restore loads into (checked now, before any directory is locked): the
+        # objects themselves, where the local engine saves their views; the policy is the
+        # local engine's, whose learned state it saves.
+        self.objects = TrainingObjects(model, optimizer, scheduler, scaler, stateful, extra)
         timeout = timedelta(seconds=protocol_timeout)
         # Two private gloo groups, created in the same order on every rank: `control` for the
         # collectives of the training thread, `report` for the round thread only.
@@ -129,11 +135,7 @@ class DistributedCheckpointer:
             self._report,
         )
         self.local, self._next = opened.local, opened.next_version
-        # What a restore loads into: the objects themselves, where the local engine saves
-        # their views (the policy: the local engine's, whose learned state it saves).
-        self.objects = TrainingObjects(
-            model, optimizer, scheduler, scaler, stateful, extra, self.local.policy
-        )
+        self.objects.policy = self.local.policy
         self.protocol = CommitProtocol(
             self.root,
             self.rank,

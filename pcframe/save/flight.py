@@ -63,13 +63,13 @@ class InFlight:
         metadata: dict[str, Any],
         entered: float,
     ) -> SaveProgress:
-        """Start one version: take a slot, capture the state, hand it to ``pipeline``.
+        """Start one version in the slot the caller took (:meth:`acquire`): capture the
+        state, hand it to ``pipeline``.
 
         Each step is undone if the next fails (the slot given back, a version the pipeline
         refused finished as failed), so ``close()`` never waits for a version that did not
         start. ``entered``: when ``save()`` was called (the version's stall starts there).
         """
-        self.acquire()
         with collector_paused():  # no full collections set off by the capture's objects
             try:
                 request = capture.request(version, step, metadata)

@@ -70,7 +70,8 @@ class SavePipeline:
         storage: the directory versions are written to (its writer lock is held).
         on_finished: called on the commit thread with each version's progress once it is
             committed, discarded or failed.
-        keep: reasons to keep versions beyond ``keep_last`` (e.g. replica tiers); composed
+        keep: reasons to keep versions beyond ``keep_last`` (replica tiers add theirs
+            later: :meth:`~pcframe.store.tiers.Tiers.follow`); composed
             into the one :class:`~pcframe.store.retention.Retention` with the delta chains.
     """
 
@@ -145,22 +146,21 @@ class SavePipeline:
         allocation is that save's."""
         if self._started:
             return
-        try:
+        try:  # an odd state, or no thread to be had: the first save allocates
             size = footprint()
-        except Exception as exc:  # an odd state
+            if size is None or (self._warming is not None and self._warming.is_alive()):
+                return
+            budget, pinned = self._staging_budget(size[0]), size[1]
+
+            def warm() -> None:
+                single_threaded_torch()
+                with contextlib.suppress(MemoryError):
+                    self.pool.ensure(budget, pinned, touch=True)
+
+            self._warming = threading.Thread(target=warm, name="pcframe-warm", daemon=True)
+            self._warming.start()
+        except Exception as exc:
             log.debug("staging pool not prepared ahead of the first save: %s", exc)
-            return
-        if size is None or (self._warming is not None and self._warming.is_alive()):
-            return
-        budget, pinned = self._staging_budget(size[0]), size[1]
-
-        def warm() -> None:
-            single_threaded_torch()
-            with contextlib.suppress(MemoryError):
-                self.pool.ensure(budget, pinned, touch=True)
-
-        self._warming = threading.Thread(target=warm, name="pcframe-warm", daemon=True)
-        self._warming.start()
 
     def wait_for_copies(self, progresses: Sequence[SaveProgress]) -> None:
         """Block the training thread until these versions' snapshots are copied.

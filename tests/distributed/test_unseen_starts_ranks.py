@@ -67,3 +67,46 @@ def test_nothing_restored_still_reports_the_dead_writers(tmp_path):
     life(tmp_path, 2, "die")
     step, events = json.loads(life(tmp_path, 3, "report"))
     assert step is None and events == [[False, 1]]
+
+
+BAD_OBJECT = textwrap.dedent(
+    """
+    import sys, torch
+    import torch.distributed as dist
+    from pcframe.distributed import DistributedCheckpointer
+
+    class Position:
+        def state_dict(self):
+            return {"at": 3}
+
+        def load_state_dict(self, state):
+            pass
+
+    root, rendezvous = sys.argv[1:3]
+    dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=0, world_size=1)
+    try:
+        DistributedCheckpointer(root, model=object())
+    except TypeError as exc:
+        print("refused:", exc)
+    # Nothing was left locked: the same root opens at once in this process (and named
+    # stateful objects may come as pairs, as dict() takes them).
+    ckpt = DistributedCheckpointer(
+        root, model=torch.nn.Linear(2, 2), stateful=[("position", Position())]
+    )
+    ckpt.save(1).wait()
+    assert ckpt.restore() == 1
+    ckpt.close()
+    dist.destroy_process_group()
+    print("reopened")
+    """
+)
+
+
+def test_objects_that_cannot_be_restored_are_refused_before_anything_is_locked(tmp_path):
+    args = [str(tmp_path / "ckpt"), str(tmp_path / "rendezvous")]
+    done = subprocess.run(
+        [sys.executable, "-c", BAD_OBJECT, *args], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "refused: model= is a object" in done.stdout
+    assert "reopened" in done.stdout

@@ -148,3 +148,26 @@ def test_a_pool_a_save_sized_is_not_resized_by_a_late_warm_up():
     pool.ensure(8 * CHUNK, pinned=False)  # the first save's own sizing
     pool.ensure(2 * CHUNK, pinned=False, touch=True)  # a warm thread that lost the race
     assert pool.capacity_bytes == 8 * CHUNK
+
+
+def test_a_warm_up_that_cannot_start_its_thread_does_not_stop_training(tmp_path, monkeypatch):
+    """The pool ahead of the first save is an optimisation: when no thread can be started
+    (a process at its thread limit), decide() still answers and the first save allocates."""
+    import pcframe.save.pipeline as pipeline
+
+    class NoThread(pipeline.threading.Thread):
+        def start(self) -> None:
+            raise RuntimeError("can't start new thread")
+
+    model, optimizer, scheduler = small_training()
+    with Checkpointer(
+        tmp_path, model=model, optimizer=optimizer, policy=P.FixedSteps(1000), chunk_bytes=CHUNK
+    ) as ckpt:
+        train_steps(model, optimizer, scheduler, 1)
+        with monkeypatch.context() as patch:
+            patch.setattr(pipeline.threading, "Thread", NoThread)
+            assert ckpt.maybe_save(1) is None  # declined, and no exception
+        assert ckpt.pipeline.pool.capacity_bytes == 0
+        ckpt.save(step=1).wait()  # the save allocates the pool itself
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        assert ckpt.restore() == 1
