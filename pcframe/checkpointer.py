@@ -21,7 +21,7 @@ import torch
 
 from pcframe.config import EngineConfig
 from pcframe.decisions import Decisions
-from pcframe.errors import CheckpointError
+from pcframe.errors import CheckpointError, SaveError
 from pcframe.format.names import check_new_version
 from pcframe.objects import Stateful, TrainingObjects, require_step_hook
 from pcframe.policies.base import Decision, IntervalPolicy, Notice, PolicyContext
@@ -35,7 +35,6 @@ from pcframe.save.flight import InFlight
 from pcframe.save.handle import SaveHandle, SaveRecord
 from pcframe.save.pipeline import SavePipeline
 from pcframe.store.directory import WritableCheckpointDir
-from pcframe.store.retention import Retention
 from pcframe.store.starts import UNKNOWN_WRITER
 from pcframe.store.tiers import Secured, Tiers, attach_tiers
 from pcframe.threads import one_caller_at_a_time
@@ -148,15 +147,9 @@ class Checkpointer:
     last_decision = property(lambda self: self.decisions.last)
     notice = property(lambda self: self.decisions.notice)
 
-    @property
-    def records(self) -> dict[int, SaveRecord]:
-        """What each save cost, by version (updated at each engine call)."""
-        return self.flight.records
-
-    @property
-    def retention(self) -> Retention:
-        """The one retention object (add a :class:`~pcframe.store.retention.KeepReason`)."""
-        return self.pipeline.retention
+    # Each version's save costs (updated at each engine call); the one Retention object.
+    records = property(lambda self: self.flight.records)
+    retention = property(lambda self: self.pipeline.retention)
 
     # --- saving ----------------------------------------------------------------------------
 
@@ -272,7 +265,7 @@ class Checkpointer:
     def committed_versions(self) -> list[int]:
         return self.storage.committed_versions()
 
-    @one_caller_at_a_time
+    @one_caller_at_a_time(alone=True)  # a save from a signal handler meanwhile is refused
     def restore(
         self, version: int | None = None, *, strict: bool = True, allow_cast: bool = False
     ) -> int | None:
@@ -282,7 +275,9 @@ class Checkpointer:
         moved aside as ``.corrupt-vNNNNNNNN-<pid>`` and the next older one is tried; an I/O
         error is retried, then raised, renaming nothing. Returns ``None`` when there is no
         checkpoint. The version is checked against every object before any is touched
-        (``pcframe.restore.check``): a failed restore changes nothing.
+        (``pcframe.restore.check``): a failed restore changes nothing. An interrupt while it
+        commits is raised once it is complete (:mod:`pcframe.interrupts`); an earlier save's
+        failure is logged, not raised (moot once the state is rolled back).
 
         Args:
             strict: any mismatch raises (the default); ``False`` loads what fits and lists
@@ -299,7 +294,12 @@ class Checkpointer:
         for name, flag in (("strict", strict), ("allow_cast", allow_cast)):
             if not isinstance(flag, bool):  # restore(strict="no") would be strict
                 raise TypeError(f"restore({name}={flag!r}): give True or False")
-        self.wait()  # no save in flight: the staging pool is idle, lent to the restore
+        while True:  # no save in flight: the staging pool is idle, lent to the restore
+            try:
+                self.wait()
+                break
+            except SaveError as exc:
+                log.error("before the restore: %s", exc)
         report = self.last_restore = RestoreReport()
         manifest = restore_from_tiers(
             self.tiers,
@@ -308,6 +308,7 @@ class Checkpointer:
             report,
             self.pipeline.pool,
             self._number_above,  # every version any tier holds, valid or not
+            lambda manifest: self.resumed(manifest.step, manifest.engine),
             threads=self.config.read_threads,
             strict=strict,
             allow_cast=allow_cast,
@@ -317,7 +318,6 @@ class Checkpointer:
             if self.storage.starts.number > 1:  # earlier writers died before a first commit
                 self.resumed(0, written=None)
             return None
-        self.resumed(manifest.step, manifest.engine)
         return manifest.step
 
     def _number_above(self, version: int) -> None:

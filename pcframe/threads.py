@@ -28,27 +28,56 @@ from typing import Any, TypeVar
 
 import torch
 
+from pcframe.errors import CheckpointError
+
 log = logging.getLogger("pcframe")
 
 _RUNTIMES = ("libgomp", "libiomp", "libomp")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def one_caller_at_a_time(method: F) -> F:
+def one_caller_at_a_time(method: F | None = None, *, alone: bool = False) -> Any:
     """Run ``method`` under its object's own re-entrant lock.
 
     A ``Checkpointer`` used from two threads (the loop and a notice handler's thread) must
     number versions in the order it hands them to the pipeline: two saves at once took the
     same number, and one of them was discarded or failed on the other's folder.
+
+    The lock is re-entrant (``maybe_save`` calls ``save``). ``alone=True`` (``restore``)
+    refuses that: while it runs, a call of any of the object's serialized methods from the
+    same thread, which only a signal handler can make, raises ``CheckpointError`` instead
+    of running in the middle of it (a save there mixed old and restored tensors into a
+    valid-looking version, or waited forever for the staging buffers the restore holds).
+    Other threads wait for the lock as always.
     """
 
-    @functools.wraps(method)
-    def serialized(self: Any, *args: Any, **kwargs: Any) -> Any:
-        lock = self.__dict__.setdefault("_one_caller", threading.RLock())  # atomic in CPython
-        with lock:
-            return method(self, *args, **kwargs)
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def serialized(self: Any, *args: Any, **kwargs: Any) -> Any:
+            state = self.__dict__
+            lock = state.setdefault("_one_caller", threading.RLock())  # atomic in CPython
+            with lock:
+                inside = state.get(
+                    "_one_caller_alone"
+                )  # set only by this thread: it holds the lock
+                if inside is not None:
+                    raise CheckpointError(
+                        f"{type(self).__name__}.{method.__name__}() was called while {inside}() "
+                        "runs on this thread (from a signal handler?); call it once "
+                        f"{inside}() has returned (a notice source records a notice for the next "
+                        "maybe_save instead)"
+                    )
+                if not alone:
+                    return method(self, *args, **kwargs)
+                state["_one_caller_alone"] = method.__name__
+                try:
+                    return method(self, *args, **kwargs)
+                finally:
+                    state["_one_caller_alone"] = None
 
-    return serialized  # type: ignore[return-value]
+        return serialized  # type: ignore[return-value]
+
+    return wrap(method) if method is not None else wrap
 
 
 @functools.cache

@@ -40,6 +40,7 @@ from pcframe.errors import (
     RestoreIOError,
     UnsupportedCheckpoint,
 )
+from pcframe.interrupts import interrupts_held
 from pcframe.objects import TrainingObjects
 from pcframe.restore.report import DistributedRestoreReport
 from pcframe.restore.sources import READ_ATTEMPTS, read_with_retries, stop_at_unsupported
@@ -242,7 +243,8 @@ def load_newest(
         )
         if chosen is not None:
             record, prepared, index = chosen
-            prepared.apply(objects)
+            with interrupts_held():  # past the point of no return (pcframe.interrupts)
+                prepared.apply(objects)
     if chosen is None:
         if report.skipped:
             reasons = "; ".join(f"v{v}: {why}" for v, why in report.skipped)

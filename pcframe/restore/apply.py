@@ -263,7 +263,7 @@ def _model_load(
         # A tensor the state holds itself (read in place later) keeps its value through
         # load_state_dict: nothing to copy for it. The same view only: another view of its
         # memory (a transposed alias buffer) is loaded from a fresh tensor and writes there.
-        in_place = {view_of(v) for v in state.values() if isinstance(v, torch.Tensor)}
+        held = {view_of(v) for v in state.values() if isinstance(v, torch.Tensor)}
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         seen: set[int] = set()
         for tensor in chain(model.parameters(), model.buffers()):
@@ -271,7 +271,7 @@ def _model_load(
                 continue
             seen.add(id(tensor))
             local = _local_shard(tensor).detach()
-            if local.numel() and view_of(local) in in_place:
+            if local.numel() and view_of(local) in held:
                 continue
             saved.append((tensor, local.to("cpu", copy=True)))
 

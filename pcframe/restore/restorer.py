@@ -13,11 +13,13 @@ from pcframe.collector import collector_paused
 from pcframe.errors import NoValidCheckpoint
 from pcframe.format.manifest import Manifest
 from pcframe.format.names import version_name
+from pcframe.interrupts import interrupts_held
 from pcframe.objects import TrainingObjects
 from pcframe.restore.apply import apply_tree
 from pcframe.restore.backup import Spare
 from pcframe.restore.check_optimizer import prefetch_fresh_state
 from pcframe.restore.in_place import in_place_targets, seen_elsewhere
+from pcframe.restore.reader import LoadedVersion
 from pcframe.restore.report import RestoreReport
 from pcframe.restore.sources import load_first_valid, restore_sources
 from pcframe.save.staging import StagingPool
@@ -34,6 +36,7 @@ def restore_from_tiers(
     report: RestoreReport,
     pool: StagingPool,
     seen: Callable[[int], None],
+    applied: Callable[[Manifest], object],
     *,
     threads: int,
     strict: bool,
@@ -42,11 +45,17 @@ def restore_from_tiers(
 ) -> Manifest | None:
     """A checkpointer's restore: the newest valid version the tiers hold (or ``version``)
     loaded into ``objects`` (:func:`load_and_apply`), its idle staging ``pool`` lent as
-    spare memory. ``seen`` is called, before anything is read, with the newest version
-    number any tier holds, valid or not (new versions are numbered above it)."""
+    spare memory. ``seen`` is called with the newest version number any tier holds, valid
+    or not, before anything is read, and with the version loaded (new versions are numbered
+    above both); ``applied(manifest)`` once the version holds."""
     sources = restore_sources(tiers, version, report)
     if sources:
         seen(sources[0].version)
+
+    def holds(manifest: Manifest) -> None:
+        seen(manifest.version)
+        applied(manifest)
+
     with pool.lend() as spare:
         manifest = load_and_apply(
             sources,
@@ -57,9 +66,8 @@ def restore_from_tiers(
             allow_cast=allow_cast,
             root=root,
             spare=spare,
+            applied=holds,
         )
-    if manifest is not None:
-        seen(manifest.version)
     return manifest
 
 
@@ -73,8 +81,12 @@ def load_and_apply(
     allow_cast: bool,
     root: Path,
     spare: Sequence[torch.Tensor] = (),
+    applied: Callable[[Manifest], object] | None = None,
 ) -> Manifest | None:
     """Load the newest valid source into ``objects``; fill ``report``; return its manifest.
+
+    ``applied(manifest)``: called once the version is applied, before an interrupt held
+    during the commit is raised (the caller's bookkeeping of a restore that holds).
 
     ``spare``: host buffers free while this runs (the checkpointer's idle staging pool), where
     the live tensors' old bytes are kept so that the version is read straight into them
@@ -93,36 +105,42 @@ def load_and_apply(
         targets = in_place_targets(objects.model, objects.optimizer)
         lent = Spare(spare, seen_elsewhere(targets, objects.model, objects.optimizer))
         try:
-            manifest = _apply_first_valid(
-                sources, objects, report, targets, lent, threads, strict, allow_cast, root
-            )
+            loaded = _first_valid(sources, objects, report, targets, lent, threads, root)
+            if loaded is None:
+                return None
+            # The commit: once a byte is filled a second time there is no way back, so an
+            # interrupt waits until the restore is complete (pcframe.interrupts).
+            with interrupts_held():
+                manifest = _commit(loaded, objects, report, strict, allow_cast)
+                report.seconds = time.perf_counter() - start
+                log.info(
+                    "restored version %d (step %d) in %.2f s%s%s",
+                    manifest.version,
+                    manifest.step,
+                    report.seconds,
+                    f" from tier {report.tier}" if report.tier else "",
+                    f", after skipping {len(report.skipped)} damaged version(s)"
+                    if report.skipped
+                    else "",
+                )
+                if applied is not None:
+                    applied(manifest)
         except BaseException:
             lent.put_back_unsettled()  # every reading thread has ended (the reader waits)
             raise
-    if manifest is not None:
-        report.seconds = time.perf_counter() - start
-        log.info(
-            "restored version %d (step %d) in %.2f s%s%s",
-            manifest.version,
-            manifest.step,
-            report.seconds,
-            f" from tier {report.tier}" if report.tier else "",
-            f", after skipping {len(report.skipped)} damaged version(s)" if report.skipped else "",
-        )
     return manifest
 
 
-def _apply_first_valid(
+def _first_valid(
     sources: list[Source],
     objects: TrainingObjects,
     report: RestoreReport,
     targets: dict[str, torch.Tensor],
     spare: Spare,
     threads: int,
-    strict: bool,
-    allow_cast: bool,
     root: Path,
-) -> Manifest | None:
+) -> LoadedVersion | None:
+    """The newest source that reads and verifies (None: there is no checkpoint at all)."""
     finding = prefetch_fresh_state(objects.optimizer)  # while the bytes are read
     try:
         loaded = load_first_valid(sources, threads, report, targets=targets, spare=spare)
@@ -143,7 +161,17 @@ def _apply_first_valid(
                 "to start from the beginning on purpose, move or delete them"
             )
         log.info("no checkpoint in %s: training starts from the beginning", root)
-        return None
+    return loaded
+
+
+def _commit(
+    loaded: LoadedVersion,
+    objects: TrainingObjects,
+    report: RestoreReport,
+    strict: bool,
+    allow_cast: bool,
+) -> Manifest:
+    """Check the verified version against the objects and apply it (filling in place)."""
     manifest = loaded.manifest
     where = f"version {manifest.version} ({version_name(manifest.version)})"
 

@@ -1,0 +1,180 @@
+"""Signals during a restore: held while it commits, refused when their handler saves.
+
+Real signals, sent to the main thread (``signal.pthread_kill``) by a reading thread at a
+chosen point of the restore, handled by real handlers: Ctrl-C's ``default_int_handler``
+and a handler that saves, as an emergency checkpoint on a preemption signal would.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import pcframe.restore.reader as reader
+import pcframe.save.persist as persist
+from pcframe import Checkpointer
+from pcframe.errors import CheckpointError
+from pcframe.interrupts import interrupts_held
+
+SMALL = {"chunk_bytes": 64 << 10, "read_threads": 1}
+
+
+def _objects(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(4)])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 128)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    moments = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
+    return [t.clone() for t in [*model.state_dict().values(), *moments]]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture
+def ctrl_c():
+    """Ctrl-C raises KeyboardInterrupt in this process, whatever the test runner set."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def _signal_after_first(monkeypatch, module, name: str, signum: int) -> list[int]:
+    """Send ``signum`` to the main thread right after the first call of ``module.name``."""
+    main, real, sent = threading.main_thread().ident, getattr(module, name), []
+
+    def then_signal(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if not sent:
+            sent.append(signum)
+            signal.pthread_kill(main, signum)
+        return result
+
+    monkeypatch.setattr(module, name, then_signal)
+    return sent
+
+
+def test_ctrl_c_while_a_fresh_process_fills_completes_the_restore_then_raises(
+    tmp_path, monkeypatch, ctrl_c
+):
+    """No spare memory (nothing saved yet): the fill's second read is past the point of no
+    return. Ctrl-C there used to leave the model restored, the optimizer not, and came out
+    as a CheckpointError; now the restore completes, then KeyboardInterrupt is raised."""
+    model, optimizer = _objects(0)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
+        ckpt.save(1).wait()
+    saved = _state(model, optimizer)
+    model, optimizer = _objects(1)  # a new process's objects
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
+        sent = _signal_after_first(monkeypatch, reader, "preadv_all", signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            ckpt.restore()
+        assert sent  # the fill did read a second time, and was interrupted there
+        assert _same(_state(model, optimizer), saved)  # all of it restored, not half
+        assert ckpt.last_restore.version == 1
+        assert ckpt.feed.last_save_step == 1  # the policy was told training resumed
+
+
+def test_a_save_from_a_signal_handler_during_a_restore_is_refused(tmp_path, monkeypatch):
+    """A handler that saves, run in the middle of the restore's verifying read: the version
+    it saved mixed old and restored tensors (fresh process), or it waited forever for the
+    staging buffers the restore holds (a rollback). Now it raises, and the restore with it,
+    changing nothing; saving after the restore works."""
+    model, optimizer = _objects(0)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
+        ckpt.save(1).wait()  # its pool is idle now: the rollback borrows it
+        model(torch.randn(4, 128)).sum().backward()
+        optimizer.step()
+        before = _state(model, optimizer)
+        previous = signal.signal(signal.SIGUSR1, lambda *_: ckpt.save(100).wait())
+        try:
+            # The first cold read of the verification: the restore has touched nothing yet.
+            sent = _signal_after_first(monkeypatch, reader, "read_windows", signal.SIGUSR1)
+            with pytest.raises(CheckpointError, match=r"save\(\) was called while restore\(\)"):
+                ckpt.restore()
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+        assert sent
+        assert _same(_state(model, optimizer), before)
+        assert ckpt.committed_versions() == [1]  # no version of a half-restored state
+        monkeypatch.undo()
+        assert ckpt.restore() == 1
+        assert ckpt.save(2).wait() is not None
+
+
+def test_a_rollback_after_a_failed_save_restores_and_logs_the_failure(
+    tmp_path, monkeypatch, caplog
+):
+    """The save failed in the background (a full disk); the job rolls back: the restore
+    used to raise that save's error instead of restoring."""
+    model, optimizer = _objects(0)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
+        ckpt.save(1).wait()
+        saved = _state(model, optimizer)
+
+        def full(*_args):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(persist.os, "pwrite", full)
+        handle = ckpt.save(2)  # fails on a writer thread
+        while not handle.done():  # not waited for through the handle: nothing raised yet
+            time.sleep(0.01)
+        monkeypatch.undo()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        with caplog.at_level(logging.ERROR, logger="pcframe"):
+            assert ckpt.restore() == 1
+        assert _same(_state(model, optimizer), saved)
+        assert "before the restore" in caplog.text and "no space left" in caplog.text
+
+
+def test_held_signals_are_handled_after_the_block_in_the_order_they_came():
+    seen: list[str] = []
+    previous = {
+        s: signal.signal(s, lambda n, _f: seen.append(signal.Signals(n).name))
+        for s in (signal.SIGUSR1, signal.SIGUSR2)
+    }
+    try:
+        with interrupts_held():
+            with interrupts_held():  # nested: holds nothing more, replays nothing early
+                signal.raise_signal(signal.SIGUSR2)
+            signal.raise_signal(signal.SIGUSR1)
+            signal.raise_signal(signal.SIGUSR2)
+            assert seen == []
+        assert seen == ["SIGUSR2", "SIGUSR1", "SIGUSR2"]
+        assert signal.getsignal(signal.SIGUSR1) is previous[signal.SIGUSR1] or callable(
+            signal.getsignal(signal.SIGUSR1)
+        )
+        signal.raise_signal(signal.SIGUSR1)  # the handler is back: handled at once
+        assert seen[-1] == "SIGUSR1" and len(seen) == 4
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def test_a_restore_off_the_main_thread_holds_nothing():
+    """Only the main thread runs handlers and may change them: elsewhere it is a no-op."""
+    handler = signal.getsignal(signal.SIGINT)
+    inside: list[object] = []
+
+    def work() -> None:
+        with interrupts_held():
+            inside.append(signal.getsignal(signal.SIGINT))
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert inside == [handler]
