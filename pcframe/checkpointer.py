@@ -277,7 +277,7 @@ class Checkpointer:
         checkpoint. The version is checked against every object before any is touched
         (``pcframe.restore.check``): a failed restore changes nothing. An interrupt while it
         commits is raised once it is complete (:mod:`pcframe.interrupts`); an earlier save's
-        failure is logged, not raised (moot once the state is rolled back).
+        failure found while it waits is logged, not raised, whatever the restore does.
 
         Args:
             strict: any mismatch raises (the default); ``False`` loads what fits and lists

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import torch
 
 from pcframe.errors import CheckpointError
+from pcframe.interrupts import held_to_the_end
 
 log = logging.getLogger("pcframe")
 
@@ -44,36 +45,43 @@ def one_caller_at_a_time(method: F | None = None, *, alone: bool = False) -> Any
     same number, and one of them was discarded or failed on the other's folder.
 
     The lock is re-entrant (``maybe_save`` calls ``save``). ``alone=True`` (``restore``)
-    refuses that: while it runs, a call of any of the object's serialized methods from the
-    same thread, which only a signal handler can make, raises ``CheckpointError`` instead
-    of running in the middle of it (a save there mixed old and restored tensors into a
-    valid-looking version, or waited forever for the staging buffers the restore holds).
-    Other threads wait for the lock as always.
+    refuses re-entry both ways: while it runs, a call of another serialized method from the
+    same thread (a signal handler, or a callback of the restore: a stateful object's
+    ``load_state_dict``, the policy's ``observe``) raises ``CheckpointError`` instead of
+    running in the middle of it (a save there mixed old and restored tensors into a
+    valid-looking version, or waited forever for the staging buffers the restore holds),
+    and so does the method itself called from inside another serialized one (a restore in
+    the middle of a save's capture). Other threads wait for the lock as always. Signals
+    held while the restore commits are handled when it returns (:mod:`pcframe.interrupts`),
+    so a held handler that saves finds it over.
     """
 
     def wrap(method: F) -> F:
+        name = method.__name__
+
         @functools.wraps(method)
         def serialized(self: Any, *args: Any, **kwargs: Any) -> Any:
             state = self.__dict__
             lock = state.setdefault("_one_caller", threading.RLock())  # atomic in CPython
             with lock:
-                inside = state.get(
-                    "_one_caller_alone"
-                )  # set only by this thread: it holds the lock
-                if inside is not None:
+                # This thread's serialized calls in progress (only the lock holder has any).
+                running: list[tuple[str, bool]] = state.setdefault("_one_caller_running", [])
+                refusing = next((n for n, a in running if a), None) or (
+                    running[-1][0] if alone and running else None
+                )
+                if refusing is not None:
                     raise CheckpointError(
-                        f"{type(self).__name__}.{method.__name__}() was called while {inside}() "
-                        "runs on this thread (from a signal handler?); call it once "
-                        f"{inside}() has returned (a notice source records a notice for the next "
+                        f"{type(self).__name__}.{name}() was called while {refusing}() runs "
+                        f"on this thread (from a signal handler?); call it once {refusing}() "
+                        "has returned (a notice source records a notice for the next "
                         "maybe_save instead)"
                     )
-                if not alone:
-                    return method(self, *args, **kwargs)
-                state["_one_caller_alone"] = method.__name__
-                try:
-                    return method(self, *args, **kwargs)
-                finally:
-                    state["_one_caller_alone"] = None
+                with held_to_the_end() if alone else contextlib.nullcontext():
+                    running.append((name, alone))
+                    try:
+                        return method(self, *args, **kwargs)
+                    finally:
+                        running.pop()
 
         return serialized  # type: ignore[return-value]
 

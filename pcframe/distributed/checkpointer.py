@@ -224,9 +224,8 @@ class DistributedCheckpointer:
             return None
         handle = self.save(step, metadata)
         if emergency:
-            # An emergency: the VM may be gone soon, make it global now. A version that did
-            # not become global is not raised here: the handle tells (and this rank's own
-            # failure is raised at the next call).
+            # An emergency: the VM may soon be gone, make it global now. A failure is not
+            # raised here: the handle tells (this rank's own is raised at the next call).
             with contextlib.suppress(SaveError):
                 handle.wait()
         if deferred is not None:
@@ -306,14 +305,19 @@ class DistributedCheckpointer:
         self._prune()
         self._meetings.meet(Doing(Call.RESTORE, self._next))
         for exc in self.protocol.take_errors():
-            # An earlier save's failure, moot once the state is rolled back; raised before
-            # the meeting it left the other ranks waiting in it, and after it in the
-            # restore's own collectives.
+            # An earlier save's failure, moot once rolled back; raised before the meeting it
+            # left the others waiting in it, and after it in the restore's collectives.
             log.error("before the restore: %s", exc)
         start = time.perf_counter()
         records, invalid = records_to_try(self.root, self.rank, self._control)
         report = self.last_restore = DistributedRestoreReport(skipped=list(invalid))
-        loaded = load_newest(
+
+        def applied(record: rec.GlobalRecord, written: Any) -> None:
+            self.local.resumed(record.step, written)
+            report.seconds = time.perf_counter() - start
+
+        record = load_newest(
+            applied,
             self.root,
             records,
             self.objects,
@@ -325,13 +329,10 @@ class DistributedCheckpointer:
             threads=threads,
             group=self._control,
         )
-        if loaded is None:
+        if record is None:
             if self.local.storage.starts.number > 1:  # this rank's earlier writers all died
                 self.local.resumed(0, None)
             return None
-        record, written = loaded
-        self.local.resumed(record.step, written)
-        report.seconds = time.perf_counter() - start
         return record.step
 
     # --- lifecycle ---------------------------------------------------------------------------

@@ -8,9 +8,10 @@ version would silently lose work), and any ``INCOMPATIBLE`` (the state does not 
 objects, or cannot be resharded) is raised on every rank. The exchange happens even when
 this rank failed, so no rank waits in a collective the others left.
 
-:func:`newest_that_verifies` walks the records newest first. Once an older version verifies,
-each version skipped as corrupt is forgotten by the commit protocol and its record moved
-aside by rank 0
+:func:`load_newest` is the restore's entry: :func:`newest_that_verifies` walks the records
+newest first, then the version is applied with signals held (:mod:`pcframe.interrupts`).
+Once an older version verifies, each version skipped as corrupt is forgotten by the commit
+protocol and its record moved aside by rank 0
 (:func:`~pcframe.distributed.record.quarantine_record`), so it stops counting as one of the
 ``keep_global`` retained versions: the next publication keeps the good version the restore
 fell back to, not the bad one above it.
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -205,6 +206,7 @@ def newest_that_verifies(
 
 
 def load_newest(
+    applied: Callable[[rec.GlobalRecord, Any], object],
     root: Path,
     records: Sequence[rec.GlobalRecord],
     objects: TrainingObjects,
@@ -216,13 +218,15 @@ def load_newest(
     reshard: bool,
     threads: int,
     group: Any,
-) -> tuple[rec.GlobalRecord, Any] | None:
+) -> rec.GlobalRecord | None:
     """Load the newest of ``records`` that verifies on every rank into ``objects``
-    (collective); fill ``report``. Returns the record and the ``engine`` section of this
-    rank's shard manifest (its writer; unknown after a resize), or ``None`` when there are
-    no records.
+    (collective); fill ``report``; return its record (``None`` when there are no records).
 
-    The cyclic collector is held off as in a single-process restore (:mod:`pcframe.collector`).
+    ``applied(record, written)``, the caller's bookkeeping, is called once the version is
+    applied (``written``: the ``engine`` section of this rank's shard manifest, its writer;
+    unknown after a resize). The cyclic collector is held off as in a single-process
+    restore (:mod:`pcframe.collector`), and signals from the apply to the end of
+    ``applied`` (:mod:`pcframe.interrupts`).
 
     Raises:
         NoValidCheckpoint: records exist but none verifies.
@@ -243,16 +247,16 @@ def load_newest(
         )
         if chosen is not None:
             record, prepared, index = chosen
-            with interrupts_held():  # past the point of no return (pcframe.interrupts)
+            with interrupts_held():  # past the point of no return
                 prepared.apply(objects)
-    if chosen is None:
-        if report.skipped:
-            reasons = "; ".join(f"v{v}: {why}" for v, why in report.skipped)
-            raise NoValidCheckpoint(f"no valid global checkpoint in {root}: {reasons}")
-        return None
-    report.version, report.step = record.version, record.step
-    report.saved_world_size = record.world_size
-    report.resharded = prepared.resharded
-    report.per_rank_state_from = prepared.per_rank_from
-    shard = index.manifests.get(rank)
-    return record, shard.engine if shard else UNKNOWN_WRITER
+                report.version, report.step = record.version, record.step
+                report.saved_world_size = record.world_size
+                report.resharded = prepared.resharded
+                report.per_rank_state_from = prepared.per_rank_from
+                shard = index.manifests.get(rank)
+                applied(record, shard.engine if shard else UNKNOWN_WRITER)
+            return record
+    if report.skipped:
+        reasons = "; ".join(f"v{v}: {why}" for v, why in report.skipped)
+        raise NoValidCheckpoint(f"no valid global checkpoint in {root}: {reasons}")
+    return None

@@ -114,6 +114,52 @@ def test_a_save_from_a_signal_handler_during_a_restore_is_refused(tmp_path, monk
         assert ckpt.save(2).wait() is not None
 
 
+def test_a_signal_that_saves_during_the_commit_saves_the_restored_state_after_it(
+    tmp_path, monkeypatch
+):
+    """Held while the restore commits, the handler runs once restore() has returned, not
+    inside it: its save is allowed, and holds the restored state."""
+    model, optimizer = _objects(0)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
+        ckpt.save(1).wait()
+    saved = _state(model, optimizer)
+    model, optimizer = _objects(1)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
+        handles = []
+        previous = signal.signal(signal.SIGUSR1, lambda *_: handles.append(ckpt.save(100)))
+        try:
+            sent = _signal_after_first(monkeypatch, reader, "preadv_all", signal.SIGUSR1)
+            assert ckpt.restore() == 1
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+        assert sent and len(handles) == 1
+        handles[0].wait()
+    fresh_model, fresh_optimizer = _objects(2)
+    with Checkpointer(tmp_path, model=fresh_model, optimizer=fresh_optimizer) as ckpt:
+        assert ckpt.restore() == 100
+    assert _same(_state(fresh_model, fresh_optimizer), saved)  # the restored state, whole
+
+
+def test_a_restore_from_a_signal_handler_during_a_save_is_refused(tmp_path, monkeypatch):
+    """The other way round: a restore in the middle of a save's capture would write the
+    tensors being captured, or wait for the slot the interrupted save holds."""
+    from pcframe.save.capture import Capture
+
+    model, optimizer = _objects(0)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
+        ckpt.save(1).wait()
+        previous = signal.signal(signal.SIGUSR1, lambda *_: ckpt.restore())
+        try:
+            _signal_after_first(monkeypatch, Capture, "request", signal.SIGUSR1)
+            with pytest.raises(CheckpointError, match=r"restore\(\) was called while save\(\)"):
+                ckpt.save(2)
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+        monkeypatch.undo()
+        assert ckpt.save(3).wait() is not None  # no slot was left taken
+        assert ckpt.committed_versions() == [1, 2]  # the refused save took no number
+
+
 def test_a_rollback_after_a_failed_save_restores_and_logs_the_failure(
     tmp_path, monkeypatch, caplog
 ):
@@ -178,3 +224,53 @@ def test_a_restore_off_the_main_thread_holds_nothing():
     thread.start()
     thread.join()
     assert inside == [handler]
+
+
+def test_a_replayed_handler_that_raises_leaves_the_later_signals_pending():
+    seen: list[str] = []
+
+    def fails(_n, _f):
+        raise RuntimeError("handler failed")
+
+    previous = {
+        signal.SIGUSR1: signal.signal(signal.SIGUSR1, fails),
+        signal.SIGUSR2: signal.signal(signal.SIGUSR2, lambda n, _f: seen.append("SIGUSR2")),
+    }
+    try:
+        with pytest.raises(RuntimeError, match="handler failed"), interrupts_held():
+            signal.raise_signal(signal.SIGUSR1)
+            signal.raise_signal(signal.SIGUSR2)
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:  # sent again: handled soon after
+            time.sleep(0.01)
+        assert seen == ["SIGUSR2"]
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def test_every_handler_goes_back_even_when_a_signal_interrupts_putting_them_back(monkeypatch):
+    """signal.signal runs a pending handler first: Ctrl-C then raised out of the loop that
+    puts the handlers back, and the signals after it stayed held for good."""
+    import pcframe.interrupts as interrupts
+
+    mine = {s: (lambda n, _f: None) for s in (signal.SIGUSR1, signal.SIGUSR2)}
+    previous = {s: signal.signal(s, h) for s, h in mine.items()}
+    real, raised = signal.signal, []
+
+    def interrupted_once(signum, handler):
+        if handler in mine.values() and not raised:
+            raised.append(signum)
+            raise KeyboardInterrupt  # as a pending Ctrl-C's handler would, from in here
+        return real(signum, handler)
+
+    try:
+        with pytest.raises(KeyboardInterrupt), interrupts.interrupts_held():
+            monkeypatch.setattr(interrupts.signal, "signal", interrupted_once)
+        monkeypatch.undo()
+        assert raised
+        assert all(signal.getsignal(s) is h for s, h in mine.items())
+        assert not interrupts._holding  # the next restore holds again
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
