@@ -76,12 +76,14 @@ def one_caller_at_a_time(method: F | None = None, *, alone: bool = False) -> Any
                         "has returned (a notice source records a notice for the next "
                         "maybe_save instead)"
                     )
+                entry = (name, alone)
                 with held_to_the_end() if alone else contextlib.nullcontext():
-                    running.append((name, alone))
-                    try:
+                    try:  # an interrupt before the append leaves nothing to take off
+                        running.append(entry)
                         return method(self, *args, **kwargs)
                     finally:
-                        running.pop()
+                        if running and running[-1] is entry:
+                            running.pop()
 
         return serialized  # type: ignore[return-value]
 

@@ -39,6 +39,7 @@ class InFlight:
         self._copying: list[SaveProgress] = []  # snapshot copy not yet done
         self.steps = 0  # optimizer steps the gate has seen (the state is sized after one)
         self._unfinished: list[SaveProgress] = []  # not yet reported as finished
+        self._unraised: list[SaveProgress] = []  # failed, finished, not raised yet
         self._commits, self._summary_at = 0, None  # for the periodic INFO line
         # How the training thread waits for snapshot copies (the pipeline's
         # wait_for_copies: it helps copy, and the writers let the copy go first).
@@ -142,7 +143,7 @@ class InFlight:
             finished, self._finished = self._finished, []
         self._copying = [p for p in self._copying if not p.copy_done.is_set()]
         self._unfinished = [p for p in self._unfinished if not p.finished.is_set()]
-        errors = []
+        errors = self._unraised  # failures an earlier call found after the one it raised
         for progress in finished:
             record = self.records[progress.version]
             record.status, record.stall = progress.status, progress.stall
@@ -156,6 +157,8 @@ class InFlight:
                 if not progress.reported:
                     errors.append(progress)
         first = next((p for p in errors if p.claim_report()), None)
+        # Each failure is raised once, one per call: those after the first wait for the next.
+        self._unraised = [p for p in errors if not p.reported]
         if first is not None:
             assert first.error is not None
             raise SaveError(first.version, first.step, first.stage or "", first.error) from (

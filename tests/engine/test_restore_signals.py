@@ -189,10 +189,11 @@ def test_a_rollback_after_a_failed_save_restores_and_logs_the_failure(
 
 def test_held_signals_are_handled_after_the_block_in_the_order_they_came():
     seen: list[str] = []
-    previous = {
-        s: signal.signal(s, lambda n, _f: seen.append(signal.Signals(n).name))
-        for s in (signal.SIGUSR1, signal.SIGUSR2)
-    }
+
+    def record(n, _f):
+        seen.append(signal.Signals(n).name)
+
+    previous = {s: signal.signal(s, record) for s in (signal.SIGUSR1, signal.SIGUSR2)}
     try:
         with interrupts_held():
             with interrupts_held():  # nested: holds nothing more, replays nothing early
@@ -201,10 +202,8 @@ def test_held_signals_are_handled_after_the_block_in_the_order_they_came():
             signal.raise_signal(signal.SIGUSR2)
             assert seen == []
         assert seen == ["SIGUSR2", "SIGUSR1", "SIGUSR2"]
-        assert signal.getsignal(signal.SIGUSR1) is previous[signal.SIGUSR1] or callable(
-            signal.getsignal(signal.SIGUSR1)
-        )
-        signal.raise_signal(signal.SIGUSR1)  # the handler is back: handled at once
+        assert all(signal.getsignal(s) is record for s in previous)  # put back
+        signal.raise_signal(signal.SIGUSR1)  # handled at once again
         assert seen[-1] == "SIGUSR1" and len(seen) == 4
     finally:
         for s, handler in previous.items():
@@ -249,28 +248,62 @@ def test_a_replayed_handler_that_raises_leaves_the_later_signals_pending():
             signal.signal(s, handler)
 
 
-def test_every_handler_goes_back_even_when_a_signal_interrupts_putting_them_back(monkeypatch):
-    """signal.signal runs a pending handler first: Ctrl-C then raised out of the loop that
-    puts the handlers back, and the signals after it stayed held for good."""
+def test_a_put_back_cut_short_by_a_signal_leaves_every_signal_handled(monkeypatch):
+    """Python runs a handler between any two bytecodes: Ctrl-C raised in the middle of
+    putting the handlers back left the rest holding signals for good, and every later
+    restore holding nothing. A released hold now passes each signal on to its handler."""
     import pcframe.interrupts as interrupts
 
-    mine = {s: (lambda n, _f: None) for s in (signal.SIGUSR1, signal.SIGUSR2)}
-    previous = {s: signal.signal(s, h) for s, h in mine.items()}
+    seen: list[str] = []
+
+    def record(n, _f):
+        seen.append(signal.Signals(n).name)
+
+    previous = {s: signal.signal(s, record) for s in (signal.SIGUSR1, signal.SIGUSR2)}
     real, raised = signal.signal, []
 
     def interrupted_once(signum, handler):
-        if handler in mine.values() and not raised:
+        if handler is record and not raised:
             raised.append(signum)
-            raise KeyboardInterrupt  # as a pending Ctrl-C's handler would, from in here
+            raise KeyboardInterrupt  # as Ctrl-C's handler would, between two bytecodes
         return real(signum, handler)
 
     try:
         with pytest.raises(KeyboardInterrupt), interrupts.interrupts_held():
+            signal.raise_signal(signal.SIGUSR2)  # held
             monkeypatch.setattr(interrupts.signal, "signal", interrupted_once)
         monkeypatch.undo()
-        assert raised
-        assert all(signal.getsignal(s) is h for s, h in mine.items())
-        assert not interrupts._holding  # the next restore holds again
+        assert raised and seen == ["SIGUSR2"]  # the held one was still handled
+        assert not interrupts._holding  # the next hold holds again
+        for s in previous:  # each reaches its handler, put back or passed on
+            signal.raise_signal(s)
+        assert seen[1:] == ["SIGUSR1", "SIGUSR2"]
+        with interrupts.interrupts_held():
+            signal.raise_signal(signal.SIGUSR1)
+            assert seen[-1] == "SIGUSR2"  # held again
+        assert seen[-1] == "SIGUSR1"
+        assert all(signal.getsignal(s) is record for s in previous)  # looked through
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def test_a_hold_whose_outer_end_was_cut_short_is_released_by_the_next_one():
+    import pcframe.interrupts as interrupts
+
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda n, _f: seen.append(n))
+    try:
+        outer = interrupts.held_to_the_end()
+        outer.__enter__()
+        with interrupts.interrupts_held():
+            signal.raise_signal(signal.SIGUSR1)
+        assert seen == []  # held to the end of the outer block
+        interrupts._to_the_end = False  # its exit began, and was cut short there
+        with interrupts.interrupts_held():  # releases the stale hold first
+            pass
+        assert seen == [signal.SIGUSR1]
+        signal.raise_signal(signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1] * 2
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

@@ -114,3 +114,33 @@ def test_close_with_a_timeout_names_the_versions_in_flight(tmp_path, monkeypatch
     release.set()
     ckpt.close()
     assert CheckpointDir(tmp_path).committed_versions() == [1]
+
+
+def test_two_saves_that_fail_together_are_each_raised_once(tmp_path, monkeypatch):
+    """Both failures were handed over in one batch: the first was raised and the second
+    never was (each engine call raises one; the next one raises the next)."""
+    import errno
+    import time
+
+    import pcframe.save.persist as persist
+
+    def full(*_args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    model = torch.nn.Linear(64, 64)
+    with Checkpointer(tmp_path, model=model, max_in_flight=2) as ckpt:
+        ckpt.save(1).wait()
+        monkeypatch.setattr(persist.os, "pwrite", full)
+        handles = [ckpt.save(2), ckpt.save(3)]
+        while not all(h.done() for h in handles):  # both finished, neither raised yet
+            time.sleep(0.01)
+        monkeypatch.undo()
+        raised = []
+        for _ in range(2):
+            with pytest.raises(SaveError) as failed:
+                ckpt.wait()
+            raised.append(failed.value.version)
+        assert sorted(raised) == [2, 3]
+        ckpt.wait()  # each was raised once
+        ckpt.save(4).wait()
+    assert CheckpointDir(tmp_path).committed_versions() == [1, 4]
