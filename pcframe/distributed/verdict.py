@@ -8,8 +8,8 @@ version would silently lose work), and any ``INCOMPATIBLE`` (the state does not 
 objects, or cannot be resharded) is raised on every rank. The exchange happens even when
 this rank failed, so no rank waits in a collective the others left.
 
-:func:`load_newest` is the restore's entry: :func:`newest_that_verifies` walks the records
-newest first, then the version is applied with signals held (:mod:`pcframe.interrupts`).
+:func:`load_newest` is the restore's entry: it walks the records newest first, then applies
+the version that verifies with signals held (:mod:`pcframe.interrupts`).
 Once an older version verifies, each version skipped as corrupt is forgotten by the commit
 protocol and its record moved aside by rank 0
 (:func:`~pcframe.distributed.record.quarantine_record`), so it stops counting as one of the
@@ -153,58 +153,6 @@ def try_global_version(
     return prepared, index
 
 
-def newest_that_verifies(
-    root: Path,
-    records: Sequence[rec.GlobalRecord],
-    objects: TrainingObjects,
-    report: DistributedRestoreReport,
-    protocol: CommitProtocol,
-    *,
-    rank: int,
-    world_size: int,
-    reshard: bool,
-    threads: int,
-    group: Any,
-) -> tuple[rec.GlobalRecord, Prepared, SavedIndex] | None:
-    """The newest of ``records`` (newest first) that verifies on every rank (collective).
-
-    Versions corrupt on some rank are listed in ``report.skipped``; once an older one
-    verifies, they are forgotten by ``protocol`` and their records moved aside (``GLOBAL`` then
-    names the version chosen). ``None`` when none verifies (nothing is moved). Raises as
-    :func:`try_global_version` does.
-    """
-    skipped: list[int] = []
-    for record in records:
-        if skipped:
-            collect_if_paused()  # the failed attempt's tensors, held in a cycle by its error
-        outcome = try_global_version(
-            root,
-            record,
-            objects,
-            rank=rank,
-            world_size=world_size,
-            reshard=reshard,
-            threads=threads,
-            group=group,
-        )
-        if isinstance(outcome, str):
-            report.skipped.append((record.version, outcome))
-            log.warning("skipping global version %d: %s", record.version, outcome)
-            skipped.append(record.version)
-            continue
-        # Only once an older version verified: when none does (a root not mounted on this
-        # node reads as "manifest missing" everywhere), every record stays for a later try.
-        for version in skipped:
-            protocol.forget(version)
-            if rank == 0:
-                rec.quarantine_record(root, version)
-        if skipped and rank == 0:  # GLOBAL named a version just set aside
-            with contextlib.suppress(OSError):
-                rec.write_pointer(root, record.version)
-        return (record, *outcome)
-    return None
-
-
 def load_newest(
     applied: Callable[[rec.GlobalRecord, Any], object],
     root: Path,
@@ -219,8 +167,13 @@ def load_newest(
     threads: int,
     group: Any,
 ) -> rec.GlobalRecord | None:
-    """Load the newest of ``records`` that verifies on every rank into ``objects``
-    (collective); fill ``report``; return its record (``None`` when there are no records).
+    """Load the newest of ``records`` (newest first) that verifies on every rank into
+    ``objects`` (collective); fill ``report``; return its record (``None`` when there are no
+    records).
+
+    Versions corrupt on some rank are listed in ``report.skipped``; once an older one
+    verifies, they are forgotten by ``protocol`` and their records moved aside (``GLOBAL``
+    then names the version chosen); when none verifies nothing is moved.
 
     ``applied(record, written)``, the caller's bookkeeping, is called once the version is
     applied (``written``: the ``engine`` section of this rank's shard manifest, its writer;
@@ -232,21 +185,36 @@ def load_newest(
         NoValidCheckpoint: records exist but none verifies.
         and as :func:`try_global_version` does.
     """
+    skipped: list[int] = []
     with collector_paused():
-        chosen = newest_that_verifies(
-            root,
-            records,
-            objects,
-            report,
-            protocol,
-            rank=rank,
-            world_size=world_size,
-            reshard=reshard,
-            threads=threads,
-            group=group,
-        )
-        if chosen is not None:
-            record, prepared, index = chosen
+        for record in records:  # newest first
+            if skipped:
+                collect_if_paused()  # the failed attempt's tensors, held in a cycle by its error
+            outcome = try_global_version(
+                root,
+                record,
+                objects,
+                rank=rank,
+                world_size=world_size,
+                reshard=reshard,
+                threads=threads,
+                group=group,
+            )
+            if isinstance(outcome, str):
+                report.skipped.append((record.version, outcome))
+                log.warning("skipping global version %d: %s", record.version, outcome)
+                skipped.append(record.version)
+                continue
+            # Only once an older version verified: when none does (a root not mounted on this
+            # node reads as "manifest missing" everywhere), every record stays for a later try.
+            for version in skipped:
+                protocol.forget(version)
+                if rank == 0:
+                    rec.quarantine_record(root, version)
+            if skipped and rank == 0:  # GLOBAL named a version just set aside
+                with contextlib.suppress(OSError):
+                    rec.write_pointer(root, record.version)
+            prepared, index = outcome
             with interrupts_held():  # past the point of no return
                 prepared.apply(objects)
                 report.version, report.step = record.version, record.step

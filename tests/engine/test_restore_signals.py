@@ -21,6 +21,7 @@ import pcframe.save.persist as persist
 from pcframe import Checkpointer
 from pcframe.errors import CheckpointError
 from pcframe.interrupts import interrupts_held
+from pcframe.save.status import SaveStatus
 
 SMALL = {"chunk_bytes": 64 << 10, "read_threads": 1}
 
@@ -111,7 +112,7 @@ def test_a_save_from_a_signal_handler_during_a_restore_is_refused(tmp_path, monk
         assert ckpt.committed_versions() == [1]  # no version of a half-restored state
         monkeypatch.undo()
         assert ckpt.restore() == 1
-        assert ckpt.save(2).wait() is not None
+        assert ckpt.save(2).wait() is SaveStatus.COMMITTED
 
 
 def test_a_signal_that_saves_during_the_commit_saves_the_restored_state_after_it(
@@ -156,7 +157,7 @@ def test_a_restore_from_a_signal_handler_during_a_save_is_refused(tmp_path, monk
         finally:
             signal.signal(signal.SIGUSR1, previous)
         monkeypatch.undo()
-        assert ckpt.save(3).wait() is not None  # no slot was left taken
+        assert ckpt.save(3).wait() is SaveStatus.COMMITTED  # no slot was left taken
         assert ckpt.committed_versions() == [1, 2]  # the refused save took no number
 
 
