@@ -96,7 +96,6 @@ class Checkpointer:
         config = (config or EngineConfig()).with_overrides(**overrides)
         config.check_runtime()  # e.g. copy_backend="triton" without CUDA: refuse before locking
         self.config = config
-        # When to save: the interval policy, asked at each step with the notices polled.
         self.decisions = Decisions(policy if policy is not None else FixedSteps(100), notices or [])
         self.objects = TrainingObjects.given(
             model, optimizer, scheduler, scaler, data, stateful, extra, self.policy
@@ -139,8 +138,7 @@ class Checkpointer:
     scaler = property(lambda self: self.objects.scaler)
     stateful = property(lambda self: self.objects.stateful)
     extra = property(lambda self: self.objects.extra)
-    # The policy side (:class:`~pcframe.decisions.Decisions`): the policy, its notice sources,
-    # its feed, its last answer and the pending notice.
+    # The policy side (:class:`~pcframe.decisions.Decisions`), read-only.
     policy = property(lambda self: self.decisions.policy)
     notices = property(lambda self: self.decisions.notices)
     feed = property(lambda self: self.decisions.feed)
@@ -167,6 +165,7 @@ class Checkpointer:
             self.last_secured = self.tiers.secure(handle.version, step, notice)
         return handle
 
+    @one_caller_at_a_time
     def decide(self, step: int, notice: Notice | None = None) -> Decision:
         """The interval policy's answer at ``step``, without acting on it.
 
@@ -213,9 +212,9 @@ class Checkpointer:
         entered = time.perf_counter()
         metadata = {**(metadata or {}), "reason": reason} if reason else (metadata or {})
         self.flight.acquire()  # blocks while max_in_flight versions are in flight
-        if version is not None:
-            self._next_version = version
-        try:
+        try:  # start gives the slot back if the version does not start
+            if version is not None:
+                self._next_version = version
             progress = self.flight.start(
                 self.capture, self.pipeline, self._next_version, step, metadata, entered
             )
@@ -336,6 +335,7 @@ class Checkpointer:
 
     # --- lifecycle ---------------------------------------------------------------------------
 
+    @one_caller_at_a_time  # refused during a restore: it would release the lock under it
     def close(self, timeout: float | None = None, *, clean: bool = True) -> None:
         """Wait for in-flight versions, stop the threads, release the directory lock.
 

@@ -39,6 +39,7 @@ from pcframe.restore.report import DistributedRestoreReport
 from pcframe.save.handle import SaveHandle
 from pcframe.save.status import SaveStatus
 from pcframe.store.retention import KeepWhere
+from pcframe.threads import one_caller_at_a_time
 
 log = logging.getLogger("pcframe")
 
@@ -103,9 +104,8 @@ class DistributedCheckpointer:
         stateful = dict(stateful or {})
         if data is not None:
             stateful["data"] = data
-        # What a restore loads into (checked now, before any directory is locked): the
-        # objects themselves, where the local engine saves their views; the policy is the
-        # local engine's, whose learned state it saves.
+        # What a restore loads into, checked before any directory is locked (the local
+        # engine saves views of them; the policy is the local engine's, set below).
         self.objects = TrainingObjects(model, optimizer, scheduler, scaler, stateful, extra)
         timeout = timedelta(seconds=protocol_timeout)
         # Two private gloo groups, created in the same order on every rank: `control` for the
@@ -145,8 +145,7 @@ class DistributedCheckpointer:
             self._next - 1,
             keep_global,
         )
-        # One more reason to keep versions, composed with the engine's (keep_last, tiers,
-        # delta bases) in its one Retention.
+        # Global versions: one more reason to keep a version, in the engine's one Retention.
         self.local.retention.add(KeepWhere("global versions", self.protocol.keep))
         self._meetings = Meetings(self._control, self.world_size)
         self.splitter = StateSplitter(
@@ -158,6 +157,7 @@ class DistributedCheckpointer:
 
     # --- saving ----------------------------------------------------------------------------
 
+    @one_caller_at_a_time
     def save(self, step: int, metadata: dict[str, Any] | None = None) -> DistributedSaveHandle:
         """Start version ``n`` of the job's state at ``step`` on this rank (collective).
 
@@ -197,6 +197,7 @@ class DistributedCheckpointer:
         self.protocol.raise_errors()
         return DistributedSaveHandle(round_)
 
+    @one_caller_at_a_time
     def maybe_save(
         self, step: int, metadata: dict[str, Any] | None = None
     ) -> DistributedSaveHandle | None:
@@ -224,8 +225,7 @@ class DistributedCheckpointer:
             return None
         handle = self.save(step, metadata)
         if emergency:
-            # An emergency: the VM may soon be gone, make it global now. A failure is not
-            # raised here: the handle tells (this rank's own is raised at the next call).
+            # The VM may soon be gone: global now. A failure is the handle's (raised next call).
             with contextlib.suppress(SaveError):
                 handle.wait()
         if deferred is not None:
@@ -238,8 +238,7 @@ class DistributedCheckpointer:
         except SaveError as exc:
             if exc.version >= version:
                 raise
-            # The engine reported an older version's failure before starting this one; the
-            # round thread reports that failure too, so start this version now.
+            # An older version's failure (the round thread reports it too): start this one.
             return self.local.save(step, metadata, version=version)
 
     def wait(self) -> None:
@@ -259,8 +258,7 @@ class DistributedCheckpointer:
 
         The local engine applies retention when it commits a version, before that version's
         round is decided, so the shards it superseded would otherwise stay until the next
-        save. Safe here: every started version has finished (its round waited for it) and
-        no save can start while the training thread is in here, so the commit thread is idle.
+        save. Safe here: every started version has finished and no save can start meanwhile.
         """
         self.local.retention.apply()
 
@@ -281,6 +279,7 @@ class DistributedCheckpointer:
 
     # --- restoring ---------------------------------------------------------------------------
 
+    @one_caller_at_a_time(alone=True)  # a collective from a signal handler meanwhile hangs
     def restore(self, *, reshard: bool = True, threads: int = 4) -> int | None:
         """Load the newest global version that verifies on every rank; return its step.
 
@@ -337,6 +336,7 @@ class DistributedCheckpointer:
 
     # --- lifecycle ---------------------------------------------------------------------------
 
+    @one_caller_at_a_time
     def close(self, *, clean: bool = True) -> None:
         """Finish every started version, stop the threads, release the directory (collective).
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from pcframe.errors import CheckpointError
+from pcframe.migrations import as_loaded, has_load_pre_hooks, module_metadata, with_versions
 from pcframe.objects import TrainingObjects, class_name
 from pcframe.restore.check_optimizer import align_to_names, check_optimizer
 
@@ -112,7 +113,7 @@ def plan_load(
         if len(plan.problems) == before:
             plan.states["optimizer"] = state
     if wanted("model", objects.model):
-        _check_model(objects.model, tree["model"], allow_cast, plan)
+        _check_model(objects.model, tree["model"], tree.get("model_versions"), allow_cast, plan)
     if "rng" in tree:
         refused = check_rng(tree["rng"])
         plan.problems += [f"rng[{name!r}]: {why}" for name, why in refused.items()]
@@ -135,25 +136,38 @@ def describe_problems(where: str, given: str, problems: list[str], hint: str | N
     return f"{where} does not fit {given} ({count}; nothing was loaded):{lines}{tail}"
 
 
-def _check_model(model: torch.nn.Module, saved: Any, allow_cast: bool, plan: LoadPlan) -> None:
+def _check_model(
+    model: torch.nn.Module, saved: Any, versions: Any, allow_cast: bool, plan: LoadPlan
+) -> None:
     if not isinstance(saved, dict):
         plan.problems.append(
             f"model: the checkpoint holds a {type(saved).__name__}, not a state dict"
         )
         return
     live = model.state_dict()
-    missing = [key for key in live if key not in saved]
-    unexpected = [key for key in saved if key not in live]
+    metadata = module_metadata(model, versions)
+    compared, unexpected = saved, [key for key in saved if key not in live]
+    if has_load_pre_hooks(model):  # keys as the model's own migrations leave them
+        try:
+            seen = as_loaded(model, saved, metadata)
+        except Exception as exc:  # the user's hook, on data it may not expect
+            plan.problems.append(
+                f"model: a load_state_dict pre-hook raised on this checkpoint "
+                f"({type(exc).__name__}: {exc})"
+            )
+            return
+        compared, unexpected = seen.state, seen.unexpected
+    missing = [key for key in live if key not in compared]
     fits: dict[str, Any] = {}
     for key, value in live.items():
-        if key not in saved:
+        if key not in compared:
             continue
-        problem = tensor_misfit(value, saved[key], allow_cast)
+        problem = tensor_misfit(value, compared[key], allow_cast)
         if problem:
             plan.casts |= "dtype" in problem
             plan.problems.append(f"model[{key!r}]: {problem}")
         else:
-            fits[key] = saved[key]
+            fits[key] = compared[key]
     if missing:
         plan.problems.append(
             f"model: keys the checkpoint lacks: {missing}{_prefix_hint(missing, unexpected)}"
@@ -161,8 +175,10 @@ def _check_model(model: torch.nn.Module, saved: Any, allow_cast: bool, plan: Loa
     if unexpected:
         plan.problems.append(f"model: keys the model lacks: {unexpected}")
     if fits:
-        plan.states["model"] = fits
         plan.model_complete = len(fits) == len(live)
+        if compared is not saved and plan.model_complete and not unexpected:
+            fits = saved  # the hooks migrate it again inside load_state_dict
+        plan.states["model"] = with_versions(fits, metadata)
 
 
 def tensor_misfit(live: Any, saved: Any, allow_cast: bool) -> str | None:

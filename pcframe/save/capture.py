@@ -19,6 +19,7 @@ from pcframe.format.layout import Layout
 from pcframe.format.manifest import MAX_DIMS, MAX_NAME, MAX_NUMEL, MAX_STEP, MAX_TENSORS
 from pcframe.format.tree import TensorRef, encode_tree
 from pcframe.kernels.dtypes import DTYPE_NAMES
+from pcframe.migrations import versions_to_save
 from pcframe.objects import TrainingObjects, class_name, optimizer_param_names
 from pcframe.rng import capture_rng
 from pcframe.save.request import SaveRequest
@@ -107,6 +108,9 @@ class Capture:
         tree: dict[str, Any] = {}
         if o.model is not None:
             tree["model"] = o.model.state_dict()
+            versions = versions_to_save(tree["model"])
+            if versions:  # module versions other than the default, for migrations
+                tree["model_versions"] = versions
         if o.optimizer is not None:
             tree["optimizer"] = o.optimizer.state_dict()
             if isinstance(o.optimizer, torch.optim.Optimizer):  # not a multi-rank stand-in

@@ -71,28 +71,29 @@ class InFlight:
         refused finished as failed), so ``close()`` never waits for a version that did not
         start. ``entered``: when ``save()`` was called (the version's stall starts there).
         """
-        with collector_paused():  # no full collections set off by the capture's objects
-            try:
+        progress: SaveProgress | None = None
+        try:  # one try from the slot taken to the hand-off: an interrupt anywhere is undone
+            with collector_paused():  # no full collections set off by the capture's objects
                 request = capture.request(version, step, metadata)
-            except BaseException:
-                self.release()
-                raise
-            progress = SaveProgress(version, step, request.nbytes, entered)
-            self.started(progress)
-            try:
+                progress = SaveProgress(version, step, request.nbytes, entered)
+                self.started(progress)
                 pipeline.submit(request, progress)
-            except BaseException as exc:  # e.g. a staging pool that cannot be allocated
-                self.abandon(progress, exc)
-                raise
-            del request  # the pipeline holds the snapshot's sources only while it needs them
+                del request  # the pipeline holds the snapshot's sources only while it needs them
+        except BaseException as exc:  # e.g. a staging pool that cannot be allocated
+            if progress is not None and progress.version in self.records:
+                self.abandon(progress, exc)  # finished as failed: its slot comes back
+            else:
+                self.release()
+            raise
         return progress
 
     def started(self, progress: SaveProgress) -> None:
-        self._copying.append(progress)
-        self._unfinished.append(progress)
+        # The record first: start() undoes a version it lists (abandon: its events set).
         self.records[progress.version] = SaveRecord(
             progress.version, progress.step, progress.nbytes
         )
+        self._unfinished.append(progress)
+        self._copying.append(progress)
 
     def count(self) -> int:
         """Versions started and not yet finished."""

@@ -115,6 +115,37 @@ def test_a_save_from_a_signal_handler_during_a_restore_is_refused(tmp_path, monk
         assert ckpt.save(2).wait() is SaveStatus.COMMITTED
 
 
+@pytest.mark.parametrize("call", ["close", "decide"])
+def test_close_or_decide_from_a_signal_handler_during_a_restore_is_refused(
+    tmp_path, monkeypatch, call
+):
+    """``close()`` from a handler in the middle of the verifying read released the
+    directory lock (and stopped the pipeline) while the restore still read and then applied;
+    ``decide()`` sized the staging pool the restore had borrowed. Both are refused now, the
+    restore fails changing nothing, and the engine still owns its directory."""
+    model, optimizer = _objects(0)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
+        ckpt.save(1).wait()
+        model(torch.randn(4, 128)).sum().backward()
+        optimizer.step()
+        before = _state(model, optimizer)
+        handler = ckpt.close if call == "close" else lambda: ckpt.decide(7)
+        previous = signal.signal(signal.SIGUSR1, lambda *_: handler())
+        try:
+            sent = _signal_after_first(monkeypatch, reader, "read_windows", signal.SIGUSR1)
+            with pytest.raises(CheckpointError, match=rf"{call}\(\) was called while restore"):
+                ckpt.restore()
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+        assert sent
+        assert _same(_state(model, optimizer), before)
+        with pytest.raises(CheckpointError, match=r"locked|in use|another"):
+            Checkpointer(tmp_path, model=model)  # the lock is still this engine's
+        monkeypatch.undo()
+        assert ckpt.restore() == 1
+        assert ckpt.save(2).wait() is SaveStatus.COMMITTED
+
+
 def test_a_signal_that_saves_during_the_commit_saves_the_restored_state_after_it(
     tmp_path, monkeypatch
 ):

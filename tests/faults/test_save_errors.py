@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 from pcframe import Checkpointer, ConfigError, EngineConfig, SaveError
+from pcframe.errors import CheckpointError
+from pcframe.save.status import SaveStatus
 from pcframe.store.directory import CheckpointDir
 
 
@@ -144,3 +147,43 @@ def test_two_saves_that_fail_together_are_each_raised_once(tmp_path, monkeypatch
         ckpt.wait()  # each was raised once
         ckpt.save(4).wait()
     assert CheckpointDir(tmp_path).committed_versions() == [1, 4]
+
+
+@pytest.mark.parametrize("where", ["after the capture", "in the hand-off"])
+def test_an_interrupt_while_a_save_starts_gives_its_slot_back(tmp_path, monkeypatch, where):
+    """Ctrl-C between the capture and the pipeline taking the version: the slot was never
+    given back (after the capture), so with one in flight the next save waited forever;
+    in the hand-off the version is finished as failed, so close() does not wait for it."""
+    import pcframe.save.flight as flight
+
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(tmp_path, model=model, optimizer=opt, max_in_flight=1)
+    try:
+        if where == "after the capture":
+            real = flight.SaveProgress
+
+            def interrupted(*args, **kwargs):
+                monkeypatch.setattr(flight, "SaveProgress", real)
+                raise KeyboardInterrupt
+
+            monkeypatch.setattr(flight, "SaveProgress", interrupted)
+        else:
+            real_submit = ckpt.pipeline.submit
+
+            def interrupted(request, progress):
+                monkeypatch.setattr(ckpt.pipeline, "submit", real_submit)
+                raise KeyboardInterrupt
+
+            monkeypatch.setattr(ckpt.pipeline, "submit", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            ckpt.save(1)
+        assert ckpt.flight.wait_all(timeout=5)  # every slot free
+        assert ckpt.save(2).wait() is SaveStatus.COMMITTED
+    finally:  # a leaked slot would make a plain close() wait forever
+        with contextlib.suppress(CheckpointError):
+            ckpt.close(timeout=5)
+    # A version the pipeline never took keeps its number free; one abandoned in the hand-off
+    # used it (recorded as failed).
+    expected = [1] if where == "after the capture" else [2]
+    assert CheckpointDir(tmp_path).committed_versions() == expected
