@@ -66,6 +66,13 @@ class TrainingObjects:
                     f"load_state_dict(); pass the torch object (a plain dict of tensors goes "
                     "in stateful= as an object with both methods)"
                 )
+        if self.model is not None and not (
+            isinstance(self.model, torch.nn.Module) or hasattr(self.model, "parameters")
+        ):  # a restore loads a model through its parameters and buffers
+            raise TypeError(
+                f"model= is a {type(self.model).__name__}, not a torch.nn.Module; pass an "
+                "object that only has state_dict() and load_state_dict() in stateful= instead"
+            )
         if self.extra is not None and not isinstance(self.extra, dict):
             # Restore updates the dict in place: any other object would be saved each time
             # and never restored.

@@ -145,9 +145,10 @@ def _check_model(
         )
         return
     live = model.state_dict()
-    metadata = module_metadata(model, versions)
+    module = isinstance(model, torch.nn.Module)  # or any object with both methods
+    metadata = module_metadata(model, versions) if module else None
     compared, unexpected = saved, [key for key in saved if key not in live]
-    if has_load_pre_hooks(model):  # keys as the model's own migrations leave them
+    if module and has_load_pre_hooks(model):  # keys as the model's own migrations leave them
         try:
             seen = as_loaded(model, saved, metadata)
         except Exception as exc:  # the user's hook, on data it may not expect

@@ -148,3 +148,29 @@ def test_a_version_1_checkpoint_is_migrated(tmp_path):
     with Checkpointer(tmp_path, model=model) as ckpt:
         assert ckpt.restore() == 1
     assert torch.equal(model[0].weight, saved["0.weight"].t())
+
+
+def test_a_model_that_is_not_a_module_is_refused_before_anything_is_saved(tmp_path):
+    """An object with only state_dict() / load_state_dict() saved as model= and then could
+    not be restored (the load goes through parameters and buffers): refused up front, with
+    the fix (stateful= restores it), and nothing locked."""
+
+    class Weights:
+        def __init__(self) -> None:
+            self.w = torch.zeros(3)
+
+        def state_dict(self):
+            return {"w": self.w}
+
+        def load_state_dict(self, state, strict=True):
+            self.w.copy_(state["w"])
+
+    with pytest.raises(TypeError, match=r"model= is a Weights, not a torch.nn.Module.*stateful="):
+        Checkpointer(tmp_path, model=Weights())
+    weights = Weights()
+    weights.w += 5
+    with Checkpointer(tmp_path, stateful={"weights": weights}) as ckpt:
+        ckpt.save(1).wait()
+        weights.w.zero_()
+        assert ckpt.restore() == 1
+    assert torch.equal(weights.w, torch.full((3,), 5.0))
