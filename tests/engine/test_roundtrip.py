@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 
@@ -314,3 +315,51 @@ def test_non_contiguous_device_tensors_are_copied_after_they_are_made_contiguous
         assert ckpt.restore() == 1
     for key, value in restored.state_dict().items():
         assert torch.equal(value.cpu(), expected[key]), key
+
+
+def test_an_optimizer_of_many_groups_restores_as_torch_loads_it(tmp_path):
+    """The saved groups' params are indexed for torch's per-value lookup (it was quadratic in
+    the parameters): the restored state and groups are what torch's own load gives, and the
+    optimizer's groups hold its own plain lists afterwards."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(3, 3) for _ in range(40)])
+    layers = list(model)
+    groups = [
+        {"params": [p for m in layers[i::3] for p in m.parameters()], "lr": 0.01 * (i + 1)}
+        for i in range(3)
+    ]
+    opt = torch.optim.AdamW(groups, weight_decay=0.1, amsgrad=True)
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    with Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt:
+        ckpt.save(1).wait()
+        for group in opt.param_groups:
+            group["lr"] = 9.0
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()  # new moments and steps
+        assert ckpt.restore() == 1
+    reference = torch.optim.AdamW(
+        [{**g, "params": list(g["params"])} for g in groups], weight_decay=0.1, amsgrad=True
+    )
+    reference.load_state_dict(saved)
+    got, want = opt.state_dict(), reference.state_dict()
+    assert got["param_groups"] == want["param_groups"]
+    assert got["state"].keys() == want["state"].keys()
+    for index, state in want["state"].items():
+        for key, value in state.items():
+            assert torch.equal(got["state"][index][key], value), (index, key)
+    assert all(type(group["params"]) is list for group in opt.param_groups)
+
+
+def test_indexed_param_ids_answer_in_as_the_plain_lists():
+    from pcframe.restore.apply import _indexed
+
+    state = {"state": {}, "param_groups": [{"params": [0, 2, 5]}, {"params": [1, 3]}]}
+    indexed = _indexed(state)
+    for plain, fast in zip(state["param_groups"], indexed["param_groups"], strict=True):
+        assert fast["params"] == plain["params"]
+        assert [i in fast["params"] for i in range(7)] == [i in plain["params"] for i in range(7)]
+        assert [] not in fast["params"]  # unhashable: answered, not raised
+    assert copy.deepcopy(indexed)["param_groups"][0]["params"].__contains__(5)
+    assert state["param_groups"][0]["params"] == [0, 2, 5]  # the caller's dict unchanged
