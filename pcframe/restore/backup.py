@@ -20,7 +20,7 @@ pool smaller than the state, ``engine.staging_ratio`` < 1) are read twice as bef
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +46,10 @@ class Spare:
     buffers: Sequence[torch.Tensor] = ()
     shared: frozenset[str] = frozenset()
     backups: list[LiveBackup] = field(default_factory=list)
+    # {version: {chunk index: buffer}}: raw chunks the buffers still hold from the saves
+    # (:mod:`pcframe.restore.staged`), and what to call before writing over any buffer.
+    staged: Mapping[int, Mapping[int, torch.Tensor]] = field(default_factory=dict)
+    written: Callable[[], None] = lambda: None
 
     def put_back_unsettled(self) -> None:
         for backup in reversed(self.backups):  # the newest first: older ones were settled
@@ -74,6 +78,7 @@ class LiveBackup:
 
     def __init__(self, spare: Spare, holding: Sequence[torch.Tensor] = ()) -> None:
         spare.backups.append(self)
+        self._written = spare.written
         self._holding = holding  # the live tensors the addresses are in: kept alive here
         self.settled = False
         self._spare = [b for b in spare.buffers if b.numel() and b.is_cpu and b.is_contiguous()]
@@ -110,6 +115,7 @@ class LiveBackup:
     def keep(self, chunk: int) -> None:
         """Copy ``chunk``'s live bytes into their room (before the chunk is read into them)."""
         memmove = ctypes.memmove
+        self._written()  # the buffers stop holding the chunks they held
         for kept in self._chunks[chunk]:
             for live, copy, nbytes in kept.ranges:
                 memmove(copy, live, nbytes)

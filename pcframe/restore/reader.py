@@ -57,6 +57,7 @@ from pcframe.restore.reading import (
     reading_pool,
 )
 from pcframe.restore.segments import CodecFile
+from pcframe.restore.staged import StagedChunks
 from pcframe.restore.targets import InPlaceTargets
 
 
@@ -178,6 +179,7 @@ class _VersionReader:
         self.data_path = self.data.paths[0]
         self.codec = CodecFile(directory, manifest, self.verify, self.checksum)
         self.targets = InPlaceTargets(manifest, {})  # none unless read() is given some
+        self.staged: StagedChunks | None = None  # raw chunks copied from memory instead
 
     def read(
         self,
@@ -267,6 +269,15 @@ class _VersionReader:
         chunks = [
             c for c in self.manifest.raw_layout.chunks if any(p.entry in wanted for p in c.pieces)
         ]
+        held = spare.staged.get(self.manifest.version) if spare is not None else None
+        if self.verify:  # only what can be checked, as a disk read is
+            self.staged = StagedChunks.verified(
+                held, chunks, self.manifest, self.checksum, self._run
+            )
+        if self.staged is not None:  # verified: the targets are filled from memory too
+            self.targets.plan(chunks, None, self.verify)
+            copied = [c for c in chunks if any(p.entry in flats for p in c.pieces)]
+            return [lambda c=c: self.staged.copy_pieces(c, flats) for c in copied]
         direct = self.targets.plan(chunks, spare, self.verify)
         if not self.verify:  # nothing to check in the targets' bytes before fill reads them
             chunks = [c for c in chunks if any(p.entry in flats for p in c.pieces)]
@@ -303,6 +314,8 @@ class _VersionReader:
     def _read_pieces(self, chunk: Chunk, flats: dict[int, memoryview]) -> None:
         """Read only the pieces of ``chunk`` that belong to ``flats`` (no verification):
         pieces that follow each other in the file in one ``preadv``."""
+        if self.staged is not None and chunk.index in self.staged:
+            return self.staged.copy_pieces(chunk, flats)
         fd, path, located = self.data.locate(chunk)
         buffers: list[memoryview] = []
         start = end = 0

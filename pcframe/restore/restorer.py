@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -56,7 +56,7 @@ def restore_from_tiers(
         seen(manifest.version)
         applied(manifest)
 
-    with pool.lend() as spare:
+    with pool.lend() as buffers:
         manifest = load_and_apply(
             sources,
             objects,
@@ -65,7 +65,7 @@ def restore_from_tiers(
             strict=strict,
             allow_cast=allow_cast,
             root=root,
-            spare=spare,
+            spare=Spare(buffers, staged=pool.holding(buffers), written=pool.forget),
             applied=holds,
         )
     return manifest
@@ -80,7 +80,7 @@ def load_and_apply(
     strict: bool,
     allow_cast: bool,
     root: Path,
-    spare: Sequence[torch.Tensor] = (),
+    spare: Spare | None = None,
     applied: Callable[[Manifest], object] | None = None,
 ) -> Manifest | None:
     """Load the newest valid source into ``objects``; fill ``report``; return its manifest.
@@ -90,8 +90,10 @@ def load_and_apply(
 
     ``spare``: host buffers free while this runs (the checkpointer's idle staging pool), where
     the live tensors' old bytes are kept so that the version is read straight into them
-    (:mod:`pcframe.restore.backup`). Whatever ends this call by an exception (an interrupt
-    between the read and the apply included), bytes read over and not committed go back.
+    (:mod:`pcframe.restore.backup`), and the raw chunks they still hold from the saves,
+    copied instead of read where they verify (:mod:`pcframe.restore.staged`). Whatever ends
+    this call by an exception (an interrupt between the read and the apply included), bytes
+    read over and not committed go back.
 
     Returns ``None`` when there is no checkpoint at all.
 
@@ -103,7 +105,8 @@ def load_and_apply(
     start = time.perf_counter()
     with collector_paused():  # no full collections among the restore's short-lived objects
         targets = in_place_targets(objects.model, objects.optimizer)
-        lent = Spare(spare, seen_elsewhere(targets, objects.model, objects.optimizer))
+        lent = spare or Spare()
+        lent.shared = seen_elsewhere(targets, objects.model, objects.optimizer)
         try:
             loaded = _first_valid(sources, objects, report, targets, lent, threads, root)
             if loaded is None:

@@ -334,12 +334,15 @@ class SavePipeline:
         self._writers.submit(self._run_writer, task, write, unit, buffer)
 
     def _run_writer(self, task: Callable, write: VersionWrite, unit: Any, buffer: Any) -> None:
+        holds = None
         try:
             self.pool.writer_turn()  # the copy first while training waits for it
             write.opened.wait()  # set by the opener thread
             task(write, unit, buffer)
+            if task == self.writer.write_chunk and not write.failed:  # written as it is
+                holds = (write.version, unit.index)
         finally:
-            self.pool.release(buffer)
+            self.pool.release(buffer, holds)
             if write.done_one():
                 self._commit_queue.put(write)
 

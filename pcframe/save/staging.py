@@ -13,6 +13,12 @@ is active, a writer about to start a chunk waits, unless the copy itself waits f
 buffer back. (Releasing the writers when the last free buffer was taken instead let four
 of them start while the copy still filled it: 1-5 ms more stall, measured.) When training
 is not blocked, copy and writes overlap as before.
+
+A buffer a writer gives back after writing a raw chunk still holds that chunk's bytes, and
+the pool remembers which (``release(buffer, holds=(version, chunk))``) until the buffer is
+handed out again or the pool is reallocated. A rollback to the newest version this process
+saved then reads the chunks the pool still holds from memory, after checking each against
+its checksum (:meth:`StagingPool.holding`; :mod:`pcframe.restore.staged`).
 """
 
 from __future__ import annotations
@@ -63,6 +69,10 @@ class StagingPool:
         # Threads waiting in acquire() for a buffer to come back: a set of thread ids, not a
         # count, so an interrupt inside acquire cannot leave it off by one for good.
         self._acquiring: set[int] = set()
+        # Free buffers that still hold a raw chunk, oldest given back first, by data_ptr (the
+        # others are in _free), and what each buffer (free or lent) holds: (version, chunk).
+        self._held: dict[int, torch.Tensor] = {}
+        self._holds: dict[int, tuple[int, int]] = {}
 
     @property
     def capacity_bytes(self) -> int:
@@ -88,7 +98,7 @@ class StagingPool:
                 return
             if self._out:
                 return  # try again at a later save
-            self._free = []  # free the old pool before the new one
+            self._free, self._held, self._holds = [], {}, {}  # the old pool goes first
             try:
                 self._free = self._allocate(count, pinned)
                 if touch and not pinned:  # pinned memory is resident once allocated
@@ -128,37 +138,71 @@ class StagingPool:
             me = threading.get_ident()
             # Left here only by an interrupt landing at this thread's last `finally` below.
             self._acquiring.discard(me)
-            if not self._free and not self._closed and self._count:
+            if not self._available() and not self._closed and self._count:
                 try:
                     self._acquiring.add(me)
                     self._cond.notify_all()  # held writers: the copy needs a buffer back
-                    while not self._free and not self._closed and self._count:
+                    while not self._available() and not self._closed and self._count:
                         self._cond.wait()
                 finally:
                     self._acquiring.discard(me)
             if self._closed:
                 raise RuntimeError("staging pool is closed")
-            if not self._free:  # no buffer will come back: the pool could not be allocated
+            if not self._available():  # none will come back: the pool could not be allocated
                 raise RuntimeError("no staging pool: its allocation was refused at a later save")
-            self._out += 1
-            return self._free.pop()
+            return self._hand_out()
+
+    def _available(self) -> int:
+        return len(self._free) + len(self._held)
+
+    def _hand_out(self) -> torch.Tensor:
+        """A free buffer, out (its bytes about to be overwritten: it holds no chunk). One that
+        holds none if any, else the one given back first (the oldest version's chunk): the
+        last one given back, as a stack takes it, wrote a version's later chunks over its
+        first ones, so a pool as large as a version kept only two thirds of it (measured)."""
+        buffer = self._free.pop() if self._free else self._held.pop(next(iter(self._held)))
+        self._holds.pop(buffer.data_ptr(), None)
+        self._out += 1
+        return buffer
 
     def try_acquire(self) -> torch.Tensor | None:
         """A free buffer at once, or None: never waits (the caller has buffers to hand off)."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("staging pool is closed")
-            if not self._free:
+            if not self._available():
                 return None
-            self._out += 1
-            return self._free.pop()
+            return self._hand_out()
 
-    def release(self, buffer: torch.Tensor) -> None:
+    def release(self, buffer: torch.Tensor, holds: tuple[int, int] | None = None) -> None:
+        """Give ``buffer`` back; ``holds``: the ``(version, chunk index)`` of the raw chunk
+        whose bytes it holds (written as they are), for a rollback read from memory."""
         with self._cond:
             self._out -= 1
-            if buffer.numel() == self.chunk_bytes and len(self._free) < self._count:
-                self._free.append(buffer)
+            if buffer.numel() == self.chunk_bytes and self._available() < self._count:
+                if holds is None:
+                    self._free.append(buffer)
+                else:
+                    self._held[buffer.data_ptr()] = buffer
+                    self._holds[buffer.data_ptr()] = holds
             self._cond.notify_all()
+
+    def holding(self, lent: list[torch.Tensor]) -> dict[int, dict[int, torch.Tensor]]:
+        """``{version: {chunk index: buffer}}`` of the chunks the ``lent`` buffers hold (call
+        while they are lent: nothing else writes them then)."""
+        held: dict[int, dict[int, torch.Tensor]] = {}
+        with self._cond:
+            for buffer in lent:
+                if (tag := self._holds.get(buffer.data_ptr())) is not None:
+                    held.setdefault(tag[0], {})[tag[1]] = buffer
+        return held
+
+    def forget(self) -> None:
+        """The free buffers were written over (a restore's spare memory): they hold no chunk."""
+        with self._cond:
+            self._holds.clear()
+            self._free.extend(self._held.values())
+            self._held.clear()
 
     @contextlib.contextmanager
     def lend(self) -> Iterator[list[torch.Tensor]]:
@@ -170,7 +214,8 @@ class StagingPool:
         if self._cond.acquire(blocking=False):
             try:
                 if not self._closed and not self._out:
-                    lent, self._free = self._free, []
+                    lent = self._free + list(self._held.values())
+                    self._free, self._held = [], {}
                     self._out = len(lent)
             finally:
                 self._cond.release()
@@ -179,8 +224,11 @@ class StagingPool:
         finally:
             with self._cond:
                 self._out -= len(lent)
-                if not self._closed:
-                    self._free.extend(lent)
+                for buffer in lent if not self._closed else ():
+                    if buffer.data_ptr() in self._holds:  # oldest first, as they were
+                        self._held[buffer.data_ptr()] = buffer
+                    else:
+                        self._free.append(buffer)
                 self._cond.notify_all()
 
     @contextlib.contextmanager
@@ -209,4 +257,6 @@ class StagingPool:
         with self._cond:
             self._closed = True
             self._free.clear()
+            self._held.clear()
+            self._holds.clear()
             self._cond.notify_all()

@@ -76,3 +76,11 @@ class StateBox:
 
     def load_state_dict(self, state: dict) -> None:
         self.state = state
+
+
+def disk_reads_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Restores read every chunk from disk: the staging pool reports no chunk it still
+    holds (:mod:`pcframe.restore.staged`), so a rollback takes the disk path a test is about."""
+    from pcframe.save.staging import StagingPool
+
+    monkeypatch.setattr(StagingPool, "holding", lambda self, lent: {})

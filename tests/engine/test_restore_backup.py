@@ -2,7 +2,9 @@
 their old bytes in its idle staging pool: every failure puts them back.
 
 The restore of a fresh checkpointer (no pool yet) verifies first and reads twice; that path
-is ``test_restore_in_place.py``'s.
+is ``test_restore_in_place.py``'s. A pool that still holds the version's chunks serves the
+rollback from memory instead (``test_restore_staged.py``): here every chunk is read from
+disk, as when the pool no longer holds them.
 """
 
 from __future__ import annotations
@@ -20,8 +22,14 @@ from pcframe.restore.backup import Spare
 from pcframe.restore.in_place import in_place_targets
 from pcframe.restore.reader import load_version
 from pcframe.save.staging import StagingPool
+from tests.engine.helpers import disk_reads_only
 
 SMALL = {"chunk_bytes": 64 << 10, "read_threads": 1}  # many chunks, read in file order
+
+
+@pytest.fixture(autouse=True)
+def _from_disk(monkeypatch):
+    disk_reads_only(monkeypatch)
 
 
 def _objects() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

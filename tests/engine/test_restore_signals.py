@@ -22,6 +22,7 @@ from pcframe import Checkpointer
 from pcframe.errors import CheckpointError
 from pcframe.interrupts import interrupts_held
 from pcframe.save.status import SaveStatus
+from tests.engine.helpers import disk_reads_only
 
 SMALL = {"chunk_bytes": 64 << 10, "read_threads": 1}
 
@@ -94,6 +95,7 @@ def test_a_save_from_a_signal_handler_during_a_restore_is_refused(tmp_path, monk
     staging buffers the restore holds (a rollback). Now it raises, and the restore with it,
     changing nothing; saving after the restore works."""
     model, optimizer = _objects(0)
+    disk_reads_only(monkeypatch)  # the verifying read is the disk's
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
         ckpt.save(1).wait()  # its pool is idle now: the rollback borrows it
         model(torch.randn(4, 128)).sum().backward()
@@ -124,6 +126,7 @@ def test_close_or_decide_from_a_signal_handler_during_a_restore_is_refused(
     ``decide()`` sized the staging pool the restore had borrowed. Both are refused now, the
     restore fails changing nothing, and the engine still owns its directory."""
     model, optimizer = _objects(0)
+    disk_reads_only(monkeypatch)  # the verifying read is the disk's
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
         ckpt.save(1).wait()
         model(torch.randn(4, 128)).sum().backward()
