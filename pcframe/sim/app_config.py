@@ -20,7 +20,14 @@ from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from pcframe.policies.traces import Trace, load_trace, load_traces, shared_traces_dir
+from pcframe.policies.traces import (
+    Trace,
+    is_trace_file,
+    load_trace,
+    load_traces,
+    shared_traces_dir,
+    trace_files,
+)
 from pcframe.sim.baselines import Oracle
 from pcframe.sim.errors import SimConfigError
 from pcframe.sim.report import (
@@ -124,12 +131,18 @@ def select_traces(spec: str, cwd: str | Path | None = None) -> list[Trace]:
     for base in bases:
         pattern = str(Path(spec) if Path(spec).is_absolute() else base / spec)
         matches = sorted(glob.glob(pattern, recursive=True))
-        files: list[Path] = []
-        for m in map(Path, matches):
-            if m.is_dir():
-                return load_traces(m)
-            if m.is_file() and m.name.lower().split(".")[0] not in ("license", "notice", "readme"):
-                files.append(m)
+        # Every folder matched (its traces as load_traces finds them) and every file: a file
+        # named outright is loaded whatever it is, one a wildcard matched only if it is a
+        # trace (not a licence or a price table).
+        wild = glob.has_magic(spec)
+        files = sorted(
+            {
+                f
+                for m in map(Path, matches)
+                for f in (trace_files(m) if m.is_dir() else [m])
+                if f.is_file() and (not wild or is_trace_file(f))
+            }
+        )
         if files:
             return [load_trace(f) for f in files]  # a malformed file raises TraceFormatError
     where = ", ".join(str(b) for b in bases)

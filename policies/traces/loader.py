@@ -181,14 +181,18 @@ def trace_files(root: str | Path) -> list[Path]:
         return [root]
     if not root.is_dir():
         raise FileNotFoundError(f"trace directory {root} does not exist")
-    out = []
-    for p in sorted(root.rglob("*")):
-        if not p.is_file() or p.suffix.lower() not in (".csv", ".json"):
-            continue
-        if p.stem.lower() in _NOT_TRACES or "price" in p.stem.lower():
-            continue
-        out.append(p)
-    return out
+    return [p for p in sorted(root.rglob("*")) if is_trace_file(p)]
+
+
+def is_trace_file(path: Path) -> bool:
+    """A CSV or JSON file that is not a licence, notice, readme or price table."""
+    stem = path.stem.lower()
+    return (
+        path.is_file()
+        and path.suffix.lower() in (".csv", ".json")
+        and stem not in _NOT_TRACES
+        and "price" not in stem
+    )
 
 
 def load_traces(root: str | Path | None = None, **kwargs: Any) -> list[Trace]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,20 @@ from pcframe.policies.traces.schema import FORMAT_TAG, Trace
 from pcframe.policies.traces.timeutil import median_step, parse_time
 
 _META_KEYS = {"capacity", "on_demand_price", "zone", "name", "unit", "units_per_vm", "source"}
+
+
+# Times in this range are 1973-5138 in milliseconds since the epoch, and past the year 5000
+# in seconds: such a file counts milliseconds.
+EPOCH_MILLISECONDS = (1e11, 1e14)
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _whole(x: object) -> bool:
+    """An integer (not a bool, not 2.7: JSON counts were truncated by int())."""
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def read_pcframe_json(path: Path, doc: dict[str, Any] | None = None) -> Trace:
@@ -39,13 +54,26 @@ def read_pcframe_json(path: Path, doc: dict[str, Any] | None = None) -> Trace:
                 f"add {key!r} (see the pcframe-trace/1 form in docs/policies.md)",
             )
     up = doc["up"]
-    if not isinstance(up, list) or not all(isinstance(x, int) and x >= 0 for x in up):
+    if not isinstance(up, list) or not all(_whole(x) and x >= 0 for x in up):
         raise TraceFormatError(
             path,
             "key 'up'",
             "'up' must be a list of non-negative integers",
             "write one integer up-count per tick",
         )
+    for key in ("capacity", "units_per_vm"):
+        if key in doc and not _whole(doc[key]):
+            raise TraceFormatError(
+                path, f"key {key!r}", f"{doc[key]!r} is not a whole number", f"give {key!r} as one"
+            )
+    prices = doc.get("spot_price")
+    if prices is not None and not (
+        isinstance(prices, list) and all(_number(x) and math.isfinite(x) and x >= 0 for x in prices)
+    ):
+        raise TraceFormatError(
+            path, "key 'spot_price'", "spot prices must be finite numbers >= 0 ($/h)",
+            "correct them, or drop 'spot_price' and give the simulator a price",
+        )  # fmt: skip
     start = doc.get("start_time")
     try:
         trace = Trace(
@@ -132,6 +160,19 @@ def read_pcframe_csv(path: Path) -> Trace:
             raise TraceFormatError(
                 path, f"line {lineno}", f"negative up-count {up[-1]}", "use counts >= 0"
             )
+        if has_price and not (math.isfinite(price[-1]) and price[-1] >= 0):
+            raise TraceFormatError(
+                path, f"line {lineno}", f"spot price {price[-1]} is not a finite $/h >= 0",
+                "correct it, or drop the spot_price column and give the simulator a price",
+            )  # fmt: skip
+    finite = [t for t in times if math.isfinite(t)]  # others: median_step names them
+    low, high = EPOCH_MILLISECONDS
+    if start is None and finite and low < max(finite) < high:
+        raise TraceFormatError(
+            path, f"line {rows[times.index(max(finite))][0]}",
+            f"time {max(finite):.0f} is past the year 5000 in seconds: milliseconds since the "
+            "epoch?", "write times in seconds (divide by 1000)",
+        )  # fmt: skip
     step = median_step(np.asarray(times), path, lines=[ln for ln, _ in rows])
     capacity = int(meta.get("capacity", max(max(up), 1)))
     if max(up) > capacity:

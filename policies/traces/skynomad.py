@@ -109,11 +109,15 @@ def read_availability_csv(
 
 
 def is_inverted(path: Path, meta: dict[str, Any]) -> bool:
-    """The GCP H100 collector writes 1 = preempted; it is the one that records ``price_info``.
+    """The GCP H100 collector writes 1 = preempted. Its files carry ``price_info`` and
+    ``gap_filled`` and name their ``source_dir`` (``.../gcp_h100_16nodes/...``): any one of
+    them marks the file, so one whose price fetch failed (no ``price_info``) is not read
+    with its availability upside down.
 
     Not the file's name: a user's own up-count file named ``my_h100_up.json`` read inverted.
     """
-    return "price_info" in meta
+    source = str(meta.get("source_dir", "")).lower()
+    return "price_info" in meta or "gap_filled" in meta or "gcp_h100" in source
 
 
 def read_node_json(

@@ -362,3 +362,67 @@ def test_statistics_table_cli(traces_dir: Path, capsys: pytest.CaptureFixture[st
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 + len(trace_files(traces_dir))
     assert any("us-central1-a_h100_16" in ln and "| 0.958 |" in ln for ln in lines)
+
+
+@pytest.mark.parametrize("dropped", [("price_info",), ("price_info", "gap_filled")])
+def test_an_h100_file_without_its_price_is_still_read_inverted(
+    traces_dir: Path, tmp_path: Path, dropped: tuple[str, ...]
+) -> None:
+    """A held-out H100 zone whose collector failed to fetch the price (no ``price_info``)
+    was read as an up-count: its availability upside down, recoveries counted as
+    preemptions. The collector's other marks (``gap_filled``, ``source_dir``) still tell."""
+    path = sorted((traces_dir / "skynomad" / "gcp-h100-16-2025").glob("*.json"))[0]
+    doc = json.loads(path.read_text())
+    for key in dropped:
+        del doc["metadata"][key]
+    copy = tmp_path / path.name
+    copy.write_text(json.dumps(doc))
+    raw = np.asarray(doc["data"])
+    assert np.array_equal(load_trace(copy).up, 1 - raw)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "words"),
+    [
+        (
+            "ms.csv",
+            "time,up\n" + "".join(f"{1_700_000_000_000 + 60_000 * i},1\n" for i in range(5)),
+            "milliseconds",
+        ),
+        ("nan.csv", "time,up,spot_price\n0,1,0.5\n60,1,nan\n120,1,0.5\n", "line 3"),
+        ("neg.csv", "time,up,spot_price\n0,1,0.5\n60,1,-2\n120,1,0.5\n", "line 3"),
+    ],
+)
+def test_csv_times_in_milliseconds_and_bad_prices_are_refused(
+    tmp_path: Path, name: str, text: str, words: str
+) -> None:
+    """Millisecond times read as seconds made 100 rows 69 days; a NaN or negative price
+    loaded and failed later in the simulator, by tick instead of line."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(TraceFormatError, match=words):
+        load_trace(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"capacity": 2.7}, "capacity"),
+        ({"units_per_vm": 2.5}, "units_per_vm"),
+        ({"up": [True, False, True]}, "up"),
+        ({"spot_price": [1.0, None, 1.0]}, "spot_price"),
+        ({"spot_price": [1.0, -1.0, 1.0]}, "spot_price"),
+    ],
+)
+def test_json_values_are_not_truncated_or_coerced(tmp_path: Path, change: dict, key: str) -> None:
+    doc = {
+        "format": "pcframe-trace/1",
+        "step_seconds": 60,
+        "capacity": 2,
+        "up": [1, 0, 2],
+        **change,
+    }
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(TraceFormatError, match=key):
+        load_trace(path)

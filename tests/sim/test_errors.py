@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
 import pcframe.policies as P
 from pcframe.errors import PolicyError
 from pcframe.policies.base import SaveHint
-from pcframe.policies.traces import Trace, TraceFormatError
+from pcframe.policies.traces import Trace, TraceFormatError, shared_traces_dir
 from pcframe.sim import JobSpec, SimConfigError, SimOptions, simulate, steady_trace
 from pcframe.sim.app_config import select_traces
 
@@ -141,3 +143,20 @@ def test_the_engine_names_a_decide_that_returns_no_decision(tmp_path) -> None:
         with pytest.raises(PolicyError, match=r"_ReturnsBool\.decide returned True"):
             ckpt.maybe_save(10)
         assert ckpt.committed_versions() == []
+
+
+def test_a_glob_loads_every_folder_and_file_it_matches_and_skips_price_tables(tmp_path) -> None:
+    """A glob whose first match was a folder loaded only that folder; one that matched a
+    price table beside the traces stopped the whole run on it."""
+    shipped = shared_traces_dir()
+    assert shipped is not None
+    h100 = sorted((shipped / "skynomad" / "gcp-h100-16-2025").glob("us-east4-*.json"))
+    for i, zone in enumerate(("zoneA", "zoneB")):
+        (tmp_path / zone).mkdir()
+        shutil.copy(h100[i], tmp_path / zone / h100[i].name)
+    shutil.copy(h100[0], tmp_path / "top.json")
+    (tmp_path / "spot-prices.json").write_text('{"us-east4-a": [1.0]}')
+    picked = select_traces("*", tmp_path)
+    assert sorted(t.zone for t in picked) == ["us-east4-a", "us-east4-a", "us-east4-b"]
+    with pytest.raises(TraceFormatError, match="price table"):
+        select_traces("spot-prices.json", tmp_path)  # named outright: said, not skipped
