@@ -35,6 +35,21 @@ class SaveError(CheckpointError):
         )
 
 
+class TornSnapshot(CheckpointError):
+    """Tensors read in place by the background copy changed before it finished: a change
+    outside ``optimizer.step()``, the one update that waits for the copy. The version is
+    failed rather than committed as a mix of two states."""
+
+    def __init__(self, version: int, names: list[str]) -> None:
+        self.names = list(names)
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        super().__init__(
+            f"{shown} changed in place while version {version} was being copied (outside "
+            "optimizer.step(), which alone waits for the copy); call "
+            "checkpointer.wait_for_snapshot() before changing them"
+        )
+
+
 class ManifestError(CheckpointError):
     """A manifest or data file is malformed, hostile or corrupt."""
 

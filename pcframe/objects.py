@@ -73,6 +73,12 @@ class TrainingObjects:
                 f"model= is a {type(self.model).__name__}, not a torch.nn.Module; pass an "
                 "object that only has state_dict() and load_state_dict() in stateful= instead"
             )
+        if isinstance(self.model, torch.nn.Module) and isinstance(
+            self.optimizer, torch.optim.Optimizer
+        ):  # checked again at each save whose param groups changed
+            check_params_are_the_models(
+                optimizer_param_names(self.model, self.optimizer), self.optimizer
+            )
         if self.extra is not None and not isinstance(self.extra, dict):
             # Restore updates the dict in place: any other object would be saved each time
             # and never restored.
@@ -120,6 +126,29 @@ def optimizer_param_names(model: Any, optimizer: Any) -> list[list[str | None]]:
     """
     names = {id(param): name for name, param in model.named_parameters()}
     return [[names.get(id(param)) for param in group["params"]] for group in optimizer.param_groups]
+
+
+def check_params_are_the_models(names: list[list[str | None]], optimizer: Any) -> None:
+    """Refuse an optimizer stepping parameters the model does not hold (``names`` from
+    :func:`optimizer_param_names`): only ``model.state_dict()`` saves parameter values, so a
+    CLIP-style ``logit_scale`` given to the optimizer alone was never saved, and a restore
+    put its moments back beside its initial value, silently.
+
+    Raises:
+        ValueError: naming the first such parameter (group, position, shape) and the fix.
+    """
+    outside = [
+        (g, i) for g, group in enumerate(names) for i, name in enumerate(group) if name is None
+    ]
+    if outside:
+        g, i = outside[0]
+        shape = list(optimizer.param_groups[g]["params"][i].shape)
+        raise ValueError(
+            f"the optimizer steps {len(outside)} parameter(s) the model does not hold (first: "
+            f"param group {g}, position {i}, shape {shape}): their values would not be saved; "
+            "register them on the model (model.logit_scale = nn.Parameter(...)) so that its "
+            "state_dict() holds them"
+        )
 
 
 def require_step_hook(optimizer: Any) -> None:

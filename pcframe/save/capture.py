@@ -20,7 +20,12 @@ from pcframe.format.manifest import MAX_DIMS, MAX_NAME, MAX_NUMEL, MAX_STEP, MAX
 from pcframe.format.tree import TensorRef, encode_tree
 from pcframe.kernels.dtypes import DTYPE_NAMES
 from pcframe.migrations import versions_to_save
-from pcframe.objects import TrainingObjects, class_name, optimizer_param_names
+from pcframe.objects import (
+    TrainingObjects,
+    check_params_are_the_models,
+    class_name,
+    optimizer_param_names,
+)
 from pcframe.rng import capture_rng
 from pcframe.save.request import SaveRequest
 
@@ -34,6 +39,14 @@ class Capture:
         self._names: list[list[str | None]] = []
         self._buffers: frozenset[str] = frozenset()  # model buffers' tree paths (by layout)
         self._footprint_key: int | None = None  # size_key at the last new_footprint
+        # In-place version counters of the model parameters the optimizer does not step, at
+        # the last capture (at first: now), by id: those that keep still are read in place.
+        self._unstepped_versions: dict[int, int | None] = {}
+        self._stepped: set[int] = set()
+        self._stepped_key: tuple | None = None
+        if isinstance(objects.model, torch.nn.Module):
+            for param in objects.model.parameters():
+                self._unstepped_versions[id(param)] = in_place_version(param)
 
     def request(self, version: int, step: int, metadata: dict[str, Any]) -> SaveRequest:
         """Capture the state now as version ``version`` at ``step``.
@@ -59,11 +72,22 @@ class Capture:
         if any(t.is_cuda for t in tensors):
             cuda_ready = torch.cuda.Event()
             cuda_ready.record()
+        # Tensors carved from one allocation share one in-place counter (a buffer cut from
+        # the same arena as a parameter moves it in every forward): only a tensor that is
+        # its whole storage is watched for a change before its copy finished.
+        watched = tuple(
+            (i, v)
+            for i, (ref, tensor) in enumerate(zip(refs, tensors, strict=True))
+            if tensor is ref.tensor
+            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+            and (v := in_place_version(tensor)) is not None
+        )
         return SaveRequest(
             version=version,
             step=step,
             layout=self._layout,
             tensors=tuple(tensors),
+            watched=watched,
             tree=encoded,
             numpy_tensors=tuple(i for i, ref in enumerate(refs) if ref.numpy),
             metadata=json_only(metadata, "metadata"),
@@ -143,9 +167,35 @@ class Capture:
         groups = self.objects.optimizer.param_groups
         key = tuple((id(g["params"]), len(g["params"])) for g in groups)
         if self._names_key != key:
-            self._names = optimizer_param_names(self.objects.model, self.objects.optimizer)
-            self._names_key = key
+            names = optimizer_param_names(self.objects.model, self.objects.optimizer)
+            check_params_are_the_models(names, self.objects.optimizer)
+            self._names, self._names_key = names, key
         return self._names
+
+    def _gated(self, param: torch.Tensor) -> bool:
+        """Whether ``optimizer.step()`` waiting for the copy keeps ``param`` still: it steps
+        it, or it is not a torch optimizer's (a multi-rank view: every parameter), or the
+        parameter has not changed in place since the last capture (a frozen layer; an EMA
+        copy updated under ``no_grad`` before each step is cloned: read in place, its update
+        ran into the background copy and the version held a torn mix)."""
+        optimizer = self.objects.optimizer
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            return True
+        stepped = self._stepped_ids(optimizer)
+        if id(param) in stepped:
+            return True
+        now = in_place_version(param)
+        before = self._unstepped_versions.get(id(param))
+        self._unstepped_versions[id(param)] = now
+        return now is not None and now == before
+
+    def _stepped_ids(self, optimizer: torch.optim.Optimizer) -> set[int]:
+        """The ids of the parameters in the optimizer's groups (again when they change)."""
+        key = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+        if self._stepped_key != key:
+            self._stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            self._stepped_key = key
+        return self._stepped
 
     def _detach_from_training(self, refs: list[TensorRef]) -> list[torch.Tensor]:
         """Decide per tensor whether the background copy may read it later.
@@ -162,7 +212,9 @@ class Capture:
         buffers = self._buffers
         if o.optimizer is not None:
             if o.model is not None:
-                gated = {p.untyped_storage().data_ptr() for p in o.model.parameters()}
+                gated = {
+                    p.untyped_storage().data_ptr() for p in o.model.parameters() if self._gated(p)
+                }
             for state in o.optimizer.state.values():
                 for value in state.values():
                     if isinstance(value, torch.Tensor):
@@ -257,3 +309,11 @@ def _check_round_trip(value: Any, path: str) -> None:
     elif isinstance(value, list):
         for index, item in enumerate(value):
             _check_round_trip(item, f"{path}[{index}]")
+
+
+def in_place_version(tensor: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter (``None``: an inference tensor keeps none)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None

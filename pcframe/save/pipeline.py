@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from pcframe.config import EngineConfig
-from pcframe.errors import SaveError
+from pcframe.errors import SaveError, TornSnapshot
 from pcframe.format.layout import Chunk
 from pcframe.save.commit import CommitListener, Committer
 from pcframe.save.copy import Copier, DeviceCopies, SharedChunks
@@ -246,6 +246,8 @@ class SavePipeline:
                     self._stage(
                         write, self.writer.encode_segment, self.fill.segment, segment, flats
                     )
+                if not write.failed and (torn := write.request.torn_tensors()):
+                    progress.fail(Stage.SNAPSHOT, TornSnapshot(write.version, torn))
             except BaseException as exc:
                 progress.fail(Stage.SNAPSHOT, exc)
             finally:

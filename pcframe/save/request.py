@@ -26,6 +26,9 @@ class SaveRequest:
     numpy_tensors: tuple[int, ...]
     metadata: dict[str, Any]
     cuda_ready: Any = None  # torch.cuda.Event recorded on the training stream at save()
+    # (index, in-place version counter at capture) of each tensor read in place: one that
+    # moved before its copy finished was changed outside optimizer.step() (torn_tensors).
+    watched: tuple[tuple[int, int], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -36,3 +39,12 @@ class SaveRequest:
     def on_cuda(self) -> bool:
         # Capture records the event exactly when some tensor is on a GPU: no second scan.
         return self.cuda_ready is not None
+
+    def torn_tensors(self) -> list[str]:
+        """Names of the tensors read in place that changed since the capture (call once the
+        copy is done: ``optimizer.step()`` waits for it, so any change was made elsewhere)."""
+        return [
+            self.layout.entries[i].name
+            for i, version in self.watched
+            if self.tensors[i]._version != version
+        ]

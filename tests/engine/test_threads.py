@@ -56,6 +56,7 @@ def test_saves_make_no_openmp_teams(tmp_path, engine):
         def save_three(directory) -> Checkpointer:
             ckpt = Checkpointer(directory, model=big, optimizer=optimizer, config=config)
             for step in range(1, 4):
+                ckpt.wait_for_snapshot()  # an edit outside optimizer.step() waits for the copy
                 with torch.no_grad():
                     big.weight.add_(1.0)
                 ckpt.save(step)
