@@ -43,6 +43,7 @@ class Capture:
         # the last capture (at first: now), by id: those that keep still are read in place.
         self._unstepped_versions: dict[int, int | None] = {}
         self._stepped: set[int] = set()
+        self._whole: dict[int, tuple[int, bool]] = {}  # entry -> (address, whole storage)
         self._stepped_key: tuple | None = None
         if isinstance(objects.model, torch.nn.Module):
             for param in objects.model.parameters():
@@ -75,11 +76,13 @@ class Capture:
         # Tensors carved from one allocation share one in-place counter (a buffer cut from
         # the same arena as a parameter moves it in every forward): only a tensor that is
         # its whole storage is watched for a change before its copy finished.
+        if changed:
+            self._whole = {}
         watched = tuple(
             (i, v)
             for i, (ref, tensor) in enumerate(zip(refs, tensors, strict=True))
             if tensor is ref.tensor
-            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+            and self._whole_storage(i, tensor)
             and (v := in_place_version(tensor)) is not None
         )
         return SaveRequest(
@@ -171,6 +174,16 @@ class Capture:
             check_params_are_the_models(names, self.objects.optimizer)
             self._names, self._names_key = names, key
         return self._names
+
+    def _whole_storage(self, index: int, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is all of its storage (memoised by address: asking the storage
+        costs a microsecond, thousands of times per save)."""
+        address = tensor.data_ptr()
+        known = self._whole.get(index)
+        if known is None or known[0] != address:
+            whole = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+            self._whole[index] = known = (address, whole)
+        return known[1]
 
     def _gated(self, param: torch.Tensor) -> bool:
         """Whether ``optimizer.step()`` waiting for the copy keeps ``param`` still: it steps
