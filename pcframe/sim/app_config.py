@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import re
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from hydra.errors import InstantiationException
 from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from pcframe.policies.traces import (
     Trace,
@@ -160,15 +163,25 @@ def build_options(cfg: DictConfig) -> SimOptions:
     return SimOptions.from_dict(OmegaConf.to_container(cfg, resolve=True), "sim.options")
 
 
-def _factory(node: Any) -> Any:
-    """A fresh object per call (policies and predictors learn while they run)."""
+def _factory(node: Any, where: str) -> Any:
+    """A fresh object per call (policies and predictors learn while they run). A value the
+    object refuses is a :class:`SimConfigError` naming its config key (``where`` and the
+    node Hydra reports) and the refusal, once."""
     if node is None:
         return None
     container = OmegaConf.to_container(node, resolve=True)
 
     def make(trace: Trace) -> Any:
         del trace
-        return instantiate(container)
+        try:
+            return instantiate(container)
+        except InstantiationException as exc:
+            cause = exc.__cause__
+            if cause is None or isinstance(cause, OmegaConfBaseException):
+                raise
+            inner = re.search(r"full_key: (\S+)", str(exc))
+            key = f"{where}.{inner.group(1)}" if inner else where
+            raise SimConfigError(f"{key}: {type(cause).__name__}: {cause}") from exc
 
     return make
 
@@ -185,9 +198,9 @@ def cases_from_config(cfg: DictConfig, traces: Sequence[Trace]) -> list[Case]:
     interval_node = cfg.policy.get("interval") if cfg.policy is not None else None
     if interval_node is None:
         raise SimConfigError("policy.interval is missing; pick one, e.g. policy/interval=daly")
-    interval = _factory(interval_node)
-    resource = _factory(cfg.policy.get("resource"))
-    predictor = _factory(cfg.sim.predictor)
+    interval = _factory(interval_node, "policy.interval")
+    resource = _factory(cfg.policy.get("resource"), "policy.resource")
+    predictor = _factory(cfg.sim.predictor, "sim.predictor")
     label = cfg.label or str(interval_node.get("_target_", "policy")).rsplit(".", 1)[-1]
     params = {**job.to_dict(), "seed": options.seed}
     cases = []

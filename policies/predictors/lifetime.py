@@ -84,7 +84,11 @@ def rate_prior(traces: Sequence[Trace]) -> tuple[float, float]:
     keep = exposure > 0
     counts, exposure = counts[keep], exposure[keep]
     if counts.size == 0:
-        raise ValueError("no trace with up-time: cannot fit a prior")
+        names = ", ".join(t.name for t in traces[:3]) + (", ..." if len(traces) > 3 else "")
+        raise ValueError(
+            f"no up-time in the history ({names or 'no traces'}): every tick is down, so no "
+            "preemption rate can be fitted; give traces in which the VMs were up"
+        )
     mtbf = float(exposure.sum() / max(counts.sum(), 0.5))
     if counts.size < 3:
         return mtbf, 6 * 3600.0  # too few zones to measure a spread: the old fixed weight

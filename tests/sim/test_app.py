@@ -148,3 +148,22 @@ def test_terminal_table_fits_and_csv_is_plain(tmp_path: Path, child_env: dict) -
     md = (out / "results.md").read_text()
     assert "Columns:" in md and "- goodput_ratio: goodput / the ideal" in md
     assert "| finished |" not in md  # no total_steps: a column of "no" says nothing
+
+
+def test_a_policy_refusing_its_config_names_the_full_key_and_the_reason_once(tmp_path) -> None:
+    """A history with no up-time: the error named only 'predictor' and printed the reason
+    twice (Hydra's wrapper and its cause); now the key from the config's root, once."""
+    down = tmp_path / "down.csv"
+    down.write_text("time,up\n" + "".join(f"{60 * i},0\n" for i in range(10)))
+    cfg = _compose(
+        "policy/interval=preemption_aware",
+        f"policy.interval.predictor.traces={down}",
+        "baselines=[]",
+    )
+    traces = select_traces("skynomad/gcp-h100-16-2025/us-east4-a*.json")
+    case = cases_from_config(cfg, traces)[0]
+    with pytest.raises(SimConfigError) as info:
+        case.interval(traces[0])
+    message = str(info.value)
+    assert message.startswith("policy.interval.predictor: ValueError: no up-time")
+    assert "(down)" in message and message.count("no up-time") == 1
