@@ -20,7 +20,9 @@ both, as ``torch.save`` + ``load_state_dict`` would:
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,3 +125,17 @@ def as_loaded(
 
     walk(model, dict(saved), "")
     return Loaded(state, unexpected)
+
+
+@contextlib.contextmanager
+def load_pre_hooks_held(model: torch.nn.Module) -> Iterator[None]:
+    """Every module's load pre-hooks removed for the duration (a state already migrated by
+    :func:`as_loaded` is loaded as it is), put back after, whatever happens."""
+    held = [(m, dict(m._load_state_dict_pre_hooks)) for m in model.modules()]
+    try:
+        for module, _ in held:
+            module._load_state_dict_pre_hooks.clear()
+        yield
+    finally:
+        for module, hooks in held:
+            module._load_state_dict_pre_hooks.update(hooks)

@@ -30,6 +30,7 @@ nothing:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections.abc import Callable, Collection
@@ -40,6 +41,7 @@ import torch
 from torch.optim.optimizer import Optimizer
 
 from pcframe.errors import CheckpointError, RestoreIOError
+from pcframe.migrations import load_pre_hooks_held
 from pcframe.objects import TrainingObjects
 from pcframe.restore.check import LoadPlan, StateMismatch, describe_problems, plan_load
 from pcframe.restore.in_place import SECTIONS, plain_module_loading, view_of
@@ -178,7 +180,9 @@ def _loads(
     if "optimizer" in states:
         loads.append(("optimizer", _optimizer_load(objects.optimizer, states["optimizer"])))
     if "model" in states:
-        model = _model_load(objects.model, states["model"], plan.model_complete, in_place)
+        model = _model_load(
+            objects.model, states["model"], plan.model_complete, in_place, plan.model_migrated
+        )
         loads.append(("model", model))
     if "rng" in states:
         loads.append(("rng", _rng_load(states["rng"], plan.rng_skip)))
@@ -286,10 +290,10 @@ def _indexed(state: Any) -> Any:
 
 
 def _model_load(
-    model: torch.nn.Module, state: dict[str, Any], complete: bool, in_place: bool
+    model: torch.nn.Module, state: dict[str, Any], complete: bool, in_place: bool, migrated: bool
 ) -> Callable[[_Undo], None]:
-    """``in_place``: the tree's tensors that are live tensors get their bytes by a fill
-    after every load (``apply_tree``'s ``fill``)."""
+    """``in_place``: live tensors of the tree get their bytes by ``apply_tree``'s ``fill``.
+    ``migrated``: ``state`` went through the load pre-hooks already: they are held off."""
 
     def load(undo: _Undo) -> None:
         # A tensor the state holds itself (read in place later) keeps its value through
@@ -314,7 +318,8 @@ def _model_load(
 
         undo.push(put_back)
         if not (in_place and _loads_onto_itself(model, state)):
-            model.load_state_dict(state, strict=complete)
+            with load_pre_hooks_held(model) if migrated else contextlib.nullcontext():
+                model.load_state_dict(state, strict=complete)
 
     return load
 

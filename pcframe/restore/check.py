@@ -54,6 +54,7 @@ class LoadPlan:
     rng_skip: set[str] = field(default_factory=set)  # generators whose saved state is refused
     casts: bool = False  # a dtype mismatch was among the problems
     model_complete: bool = False  # the model's state covers every key of the model
+    model_migrated: bool = False  # its values went through the load pre-hooks already
 
 
 def plan_load(
@@ -178,7 +179,9 @@ def _check_model(
     if fits:
         plan.model_complete = len(fits) == len(live)
         if compared is not saved and plan.model_complete and not unexpected:
-            fits = saved  # the hooks migrate it again inside load_state_dict
+            fits = saved  # the hooks migrate it inside load_state_dict, as torch's load does
+        else:  # what fits is already migrated: loaded with the hooks held off
+            plan.model_migrated = compared is not saved
         plan.states["model"] = with_versions(fits, metadata)
 
 

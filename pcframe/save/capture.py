@@ -39,10 +39,11 @@ class Capture:
         self._names: list[list[str | None]] = []
         self._buffers: frozenset[str] = frozenset()  # model buffers' tree paths (by layout)
         self._footprint_key: int | None = None  # size_key at the last new_footprint
-        # In-place version counters of the model parameters the optimizer does not step, at
-        # the last capture (at first: now), by id: those that keep still are read in place.
+        # In-place version counters of the model parameters when the engine was built, by id:
+        # one the optimizer does not step is read in place while its counter keeps still.
         self._unstepped_versions: dict[int, int | None] = {}
         self._stepped: set[int] = set()
+        self._moving: set[int] = set()  # ids of unstepped parameters seen changing: cloned
         self._whole: dict[int, tuple[int, bool]] = {}  # entry -> (address, whole storage)
         self._stepped_key: tuple | None = None
         if isinstance(objects.model, torch.nn.Module):
@@ -185,22 +186,21 @@ class Capture:
             self._whole[index] = known = (address, whole)
         return known[1]
 
-    def _gated(self, param: torch.Tensor) -> bool:
+    def _gated(self, param: torch.Tensor, stepped: set[int] | None) -> bool:
         """Whether ``optimizer.step()`` waiting for the copy keeps ``param`` still: it steps
-        it, or it is not a torch optimizer's (a multi-rank view: every parameter), or the
-        parameter has not changed in place since the last capture (a frozen layer; an EMA
-        copy updated under ``no_grad`` before each step is cloned: read in place, its update
-        ran into the background copy and the version held a torn mix)."""
-        optimizer = self.objects.optimizer
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            return True
-        stepped = self._stepped_ids(optimizer)
-        if id(param) in stepped:
-            return True
+        it (``stepped``: the ids it steps; ``None``: not a torch optimizer, a multi-rank view:
+        every parameter), or the parameter has never changed in place since the engine was
+        built (a frozen layer). One that has (an EMA teacher updated in place under
+        ``no_grad`` before each step: read in place, its update ran into the background copy
+        and the version held a torn mix) is cloned at every save from then on, also when it
+        moves only every few steps. A change through ``.data`` moves no counter: unseen."""
+        if stepped is None or id(param) in stepped or id(param) in self._moving:
+            return stepped is None or id(param) in stepped
         now = in_place_version(param)
-        before = self._unstepped_versions.get(id(param))
-        self._unstepped_versions[id(param)] = now
-        return now is not None and now == before
+        if now is None or now != self._unstepped_versions.get(id(param)):
+            self._moving.add(id(param))
+            return False
+        return True
 
     def _stepped_ids(self, optimizer: torch.optim.Optimizer) -> set[int]:
         """The ids of the parameters in the optimizer's groups (again when they change)."""
@@ -225,8 +225,16 @@ class Capture:
         buffers = self._buffers
         if o.optimizer is not None:
             if o.model is not None:
+                optimizer = o.optimizer
+                stepped = (
+                    self._stepped_ids(optimizer)
+                    if isinstance(optimizer, torch.optim.Optimizer)
+                    else None
+                )
                 gated = {
-                    p.untyped_storage().data_ptr() for p in o.model.parameters() if self._gated(p)
+                    p.untyped_storage().data_ptr()
+                    for p in o.model.parameters()
+                    if self._gated(p, stepped)
                 }
             for state in o.optimizer.state.values():
                 for value in state.values():

@@ -174,3 +174,40 @@ def test_a_model_that_is_not_a_module_is_refused_before_anything_is_saved(tmp_pa
         weights.w.zero_()
         assert ckpt.restore() == 1
     assert torch.equal(weights.w, torch.full((3,), 5.0))
+
+
+def test_a_partial_load_runs_each_migration_once(tmp_path):
+    """strict=False with a key the checkpoint lacks: the values that fit had gone through the
+    hooks already, and load_state_dict ran them again (a transpose applied twice)."""
+
+    class Old(torch.nn.Module):
+        _version = 1
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4, bias=False)
+
+    class New(Old):
+        _version = 2
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("added", torch.zeros(1))  # new in version 2
+            self.register_load_state_dict_pre_hook(self._migrate)
+
+        @staticmethod
+        def _migrate(module, state, prefix, local_metadata, *_):
+            if local_metadata.get("version", 1) < 2 and prefix + "lin.weight" in state:
+                state[prefix + "lin.weight"] = state[prefix + "lin.weight"].t().contiguous()
+
+    torch.manual_seed(0)
+    old = Old()
+    saved = save_once(tmp_path, old)
+    reference = New()
+    reference.load_state_dict(saved, strict=False)  # torch: the hook runs once
+    model = New()
+    with Checkpointer(tmp_path, model=model) as ckpt:
+        assert ckpt.restore(strict=False) == 1
+    assert torch.equal(model.lin.weight, reference.lin.weight)
+    assert torch.equal(model.lin.weight, saved["lin.weight"].t())
+    assert model._load_state_dict_pre_hooks  # put back after the load
