@@ -27,7 +27,7 @@ from pcframe.objects import (
     optimizer_param_names,
 )
 from pcframe.rng import capture_rng
-from pcframe.save.request import SaveRequest
+from pcframe.save.request import SaveRequest, same_sample, value_sample
 
 
 class Capture:
@@ -46,9 +46,14 @@ class Capture:
         self._moving: set[int] = set()  # ids of unstepped parameters seen changing: cloned
         self._whole: dict[int, tuple[int, bool]] = {}  # entry -> (address, whole storage)
         self._stepped_key: tuple | None = None
+        # And a sample of each one's values (host tensors): an update through ``.data``
+        # (``t.data.mul_(m)``, much EMA code) moves no counter, but moves the values.
+        self._samples: dict[int, torch.Tensor | None] = {}
+        self._sampled: dict[int, torch.Tensor] = {}  # storage address -> sample, this capture
         if isinstance(objects.model, torch.nn.Module):
             for param in objects.model.parameters():
                 self._unstepped_versions[id(param)] = in_place_version(param)
+                self._samples[id(param)] = value_sample(param)
 
     def request(self, version: int, step: int, metadata: dict[str, Any]) -> SaveRequest:
         """Capture the state now as version ``version`` at ``step``.
@@ -86,12 +91,19 @@ class Capture:
             and self._whole_storage(i, tensor)
             and (v := in_place_version(tensor)) is not None
         )
+        sampled = tuple(
+            (i, sample)
+            for i, (ref, tensor) in enumerate(zip(refs, tensors, strict=True))
+            if tensor is ref.tensor
+            and (sample := self._sampled.get(tensor.untyped_storage().data_ptr())) is not None
+        )
         return SaveRequest(
             version=version,
             step=step,
             layout=self._layout,
             tensors=tuple(tensors),
             watched=watched,
+            sampled=sampled,
             tree=encoded,
             numpy_tensors=tuple(i for i, ref in enumerate(refs) if ref.numpy),
             metadata=json_only(metadata, "metadata"),
@@ -193,13 +205,20 @@ class Capture:
         built (a frozen layer). One that has (an EMA teacher updated in place under
         ``no_grad`` before each step: read in place, its update ran into the background copy
         and the version held a torn mix) is cloned at every save from then on, also when it
-        moves only every few steps. A change through ``.data`` moves no counter: unseen."""
+        moves only every few steps. A change through ``.data`` moves no counter but the
+        values: a sample of them (host tensors) is compared too."""
         if stepped is None or id(param) in stepped or id(param) in self._moving:
             return stepped is None or id(param) in stepped
-        now = in_place_version(param)
-        if now is None or now != self._unstepped_versions.get(id(param)):
+        now, sample = in_place_version(param), value_sample(param)
+        if (
+            now is None
+            or now != self._unstepped_versions.get(id(param))
+            or not same_sample(sample, self._samples.get(id(param)))
+        ):
             self._moving.add(id(param))
             return False
+        if sample is not None:  # checked again when the copy is done
+            self._sampled[param.untyped_storage().data_ptr()] = sample
         return True
 
     def _stepped_ids(self, optimizer: torch.optim.Optimizer) -> set[int]:
@@ -223,6 +242,7 @@ class Capture:
         o = self.objects
         gated: set[int] = set()
         buffers = self._buffers
+        self._sampled = {}
         if o.optimizer is not None:
             if o.model is not None:
                 optimizer = o.optimizer

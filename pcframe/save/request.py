@@ -29,6 +29,9 @@ class SaveRequest:
     # (index, in-place version counter at capture) of each tensor read in place: one that
     # moved before its copy finished was changed outside optimizer.step() (torn_tensors).
     watched: tuple[tuple[int, int], ...] = ()
+    # (index, a sample of its values at capture) of each parameter read in place that the
+    # optimizer does not step: an update through ``.data`` moves no counter, but the values.
+    sampled: tuple[tuple[int, torch.Tensor], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -43,8 +46,26 @@ class SaveRequest:
     def torn_tensors(self) -> list[str]:
         """Names of the tensors read in place that changed since the capture (call once the
         copy is done: ``optimizer.step()`` waits for it, so any change was made elsewhere)."""
-        return [
-            self.layout.entries[i].name
-            for i, version in self.watched
-            if self.tensors[i]._version != version
-        ]
+        moved = {i for i, version in self.watched if self.tensors[i]._version != version}
+        for i, sample in self.sampled:
+            now = value_sample(self.tensors[i])
+            if not same_sample(now, sample):
+                moved.add(i)
+        return [self.layout.entries[i].name for i in sorted(moved)]
+
+
+SAMPLE_SIZE = 64  # values compared per parameter: an EMA update moves every one of them
+
+
+def value_sample(tensor: torch.Tensor) -> torch.Tensor | None:
+    """Up to ``SAMPLE_SIZE`` of a host tensor's values, evenly spaced, copied (``None`` on a
+    device, where reading them would wait for the GPU, or for a strided tensor)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or not tensor.numel():
+        return None
+    flat = tensor.detach().view(-1)
+    return flat[:: max(1, flat.numel() // SAMPLE_SIZE)][:SAMPLE_SIZE].clone()
+
+
+def same_sample(now: torch.Tensor | None, before: torch.Tensor | None) -> bool:
+    """Both missing, or equal values (NaN never equals: such a tensor counts as moving)."""
+    return (now is None) == (before is None) and (now is None or torch.equal(now, before))

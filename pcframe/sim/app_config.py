@@ -7,7 +7,6 @@ the same configuration without going through the console script.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import re
 import typing
@@ -23,14 +22,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from pcframe.policies.traces import (
-    Trace,
-    is_trace_file,
-    load_trace,
-    load_traces,
-    shared_traces_dir,
-    trace_files,
-)
+from pcframe.policies.traces import Trace
 from pcframe.sim.baselines import Oracle
 from pcframe.sim.errors import SimConfigError
 from pcframe.sim.report import (
@@ -42,6 +34,7 @@ from pcframe.sim.report import (
     write_csv,
 )
 from pcframe.sim.result import SimResult
+from pcframe.sim.selection import select_traces
 from pcframe.sim.spec import JobSpec, SimOptions
 from pcframe.sim.sweep import BEST_FIXED, Case, run_cases
 
@@ -117,44 +110,6 @@ def register_schemas() -> None:
 
 
 # --- building -----------------------------------------------------------------------------
-def select_traces(spec: str, cwd: str | Path | None = None) -> list[Trace]:
-    """Traces named by ``spec``: ``all`` (the shipped ones), a file, a folder or a glob.
-
-    Relative paths are tried against ``cwd`` first, then the shipped traces folder.
-    """
-    shipped = shared_traces_dir()
-    if spec == "all":
-        if shipped is None:
-            raise SimConfigError(
-                "traces=all but no shipped traces were found; set $PCFRAME_TRACES to a "
-                "folder of traces or give traces=<file|folder|glob>"
-            )
-        return load_traces(shipped)
-    bases = [Path(cwd or Path.cwd())] + ([shipped] if shipped is not None else [])
-    for base in bases:
-        pattern = str(Path(spec) if Path(spec).is_absolute() else base / spec)
-        matches = sorted(glob.glob(pattern, recursive=True))
-        # Every folder matched (its traces as load_traces finds them) and every file: a file
-        # named outright is loaded whatever it is, one a wildcard matched only if it is a
-        # trace (not a licence or a price table).
-        wild = glob.has_magic(spec)
-        files = sorted(
-            {
-                f
-                for m in map(Path, matches)
-                for f in (trace_files(m) if m.is_dir() else [m])
-                if f.is_file() and (not wild or is_trace_file(f))
-            }
-        )
-        if files:
-            return [load_trace(f) for f in files]  # a malformed file raises TraceFormatError
-    where = ", ".join(str(b) for b in bases)
-    raise SimConfigError(
-        f"traces={spec!r} matched no trace file (looked in {where}); give 'all', a trace "
-        "file, a folder or a glob such as 'skynomad/gcp-h100-16-2025/*.json'"
-    )
-
-
 def build_job(cfg: DictConfig) -> JobSpec:
     return JobSpec.from_dict(OmegaConf.to_container(cfg, resolve=True), "sim.job")
 

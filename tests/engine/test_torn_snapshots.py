@@ -167,3 +167,52 @@ def test_an_ema_updated_every_few_steps_is_cloned_at_every_save(tmp_path, monkey
     for version in (5, 6, 7):
         named = load_version(tmp_path / f"v{version:08d}").named_tensors()
         assert torch.equal(named["model/ema.0.weight"], expected[version]), version
+
+
+def _ema_update_through_data(model: Student) -> None:
+    """The BYOL / MoCo / DINO form: through ``.data``, which moves no in-place counter."""
+    for teacher, student in zip(model.ema.parameters(), model.net.parameters(), strict=True):
+        teacher.data.mul_(0.5).add_(student.data, alpha=0.5)
+
+
+def test_an_ema_updated_through_data_is_saved_as_it_was_at_save(tmp_path, monkeypatch):
+    """No counter moves, but the values do: from the first save after the teacher moved,
+    it is cloned. (A teacher that first moves during a copy fails that one version.)"""
+    torch.manual_seed(0)
+    model = Student()
+    optimizer = torch.optim.AdamW(model.net.parameters(), lr=1e-2)
+    _slow_copy(monkeypatch)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **OPTIONS) as ckpt:
+        expected = {}
+        for step in (1, 2, 3, 4):
+            _step(model, optimizer)
+            _ema_update_through_data(model)  # the student moved: so does the teacher
+            handle = ckpt.save(step)
+            expected[handle.version] = model.ema[0].weight.clone()
+            _ema_update_through_data(model)  # lands while the copy is still running
+        ckpt.wait()
+    committed = CheckpointDir(tmp_path).committed_versions()
+    assert committed == [2, 3, 4]  # none failed (keep_last=3)
+    for version in committed:
+        weight = expected[version]
+        named = load_version(tmp_path / f"v{version:08d}").named_tensors()
+        assert torch.equal(named["model/ema.0.weight"], weight), version
+
+
+def test_a_still_parameter_changed_through_data_during_the_copy_fails_the_version(
+    tmp_path, monkeypatch
+):
+    """The frozen layer is read in place; written through .data before its copy finished
+    (no counter moves), the version is failed rather than committed with the new values."""
+    torch.manual_seed(0)
+    model = Student()
+    optimizer = torch.optim.AdamW(model.net.parameters(), lr=1e-2)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **OPTIONS) as ckpt:
+        _step(model, optimizer)
+        ckpt.save(1).wait()
+        _slow_copy(monkeypatch)
+        handle = ckpt.save(2)
+        model.frozen.weight.data.mul_(2.0)
+        with pytest.raises(SaveError, match=r"model/frozen\.weight changed in place"):
+            handle.wait()
+    assert CheckpointDir(tmp_path).committed_versions() == [1]
