@@ -14,8 +14,10 @@ both, as ``torch.save`` + ``load_state_dict`` would:
   keys (``gamma`` → ``weight``) before the module copies its tensors. The restore compares
   the checkpoint's keys with the model's *after* them (:func:`as_loaded`), so a checkpoint a
   plain ``load_state_dict`` accepts is not refused. The hooks run on a copy of the dict
-  here and once more inside ``load_state_dict``: a hook that changes tensors in place,
-  rather than the dict, would do so twice.
+  here; a complete load hands ``load_state_dict`` the saved dict, where they run once more
+  (a hook that changes tensors in place, rather than the dict, would do so twice), and a
+  partial one the values that fit, already migrated, with the hooks held off
+  (:func:`load_pre_hooks_held`).
 """
 
 from __future__ import annotations

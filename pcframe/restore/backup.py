@@ -115,7 +115,8 @@ class LiveBackup:
     def keep(self, chunk: int) -> None:
         """Copy ``chunk``'s live bytes into their room (before the chunk is read into them)."""
         memmove = ctypes.memmove
-        self._written()  # the buffers stop holding the chunks they held
+        if not self._kept:  # the first copy: the buffers stop holding the chunks they held
+            self._written()
         for kept in self._chunks[chunk]:
             for live, copy, nbytes in kept.ranges:
                 memmove(copy, live, nbytes)

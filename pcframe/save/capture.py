@@ -27,7 +27,7 @@ from pcframe.objects import (
     optimizer_param_names,
 )
 from pcframe.rng import capture_rng
-from pcframe.save.request import SaveRequest, same_sample, value_sample
+from pcframe.save.request import SaveRequest, in_place_version, same_sample, value_sample
 
 
 class Capture:
@@ -42,10 +42,9 @@ class Capture:
         # In-place version counters of the model parameters when the engine was built, by id:
         # one the optimizer does not step is read in place while its counter keeps still.
         self._unstepped_versions: dict[int, int | None] = {}
-        self._stepped: set[int] = set()
+        self._stepped: set[int] = set()  # ids of the optimizer's parameters (_param_names)
         self._moving: set[int] = set()  # ids of unstepped parameters seen changing: cloned
         self._whole: dict[int, tuple[int, bool]] = {}  # entry -> (address, whole storage)
-        self._stepped_key: tuple | None = None
         # And a sample of each one's values (host tensors): an update through ``.data``
         # (``t.data.mul_(m)``, much EMA code) moves no counter, but moves the values.
         self._samples: dict[int, torch.Tensor | None] = {}
@@ -91,9 +90,11 @@ class Capture:
             and self._whole_storage(i, tensor)
             and (v := in_place_version(tensor)) is not None
         )
-        sampled = tuple(
+        sampled = tuple(  # only when some parameter was sampled: no storage asked per tensor
             (i, sample)
-            for i, (ref, tensor) in enumerate(zip(refs, tensors, strict=True))
+            for i, (ref, tensor) in enumerate(
+                zip(refs, tensors, strict=True) if self._sampled else ()
+            )
             if tensor is ref.tensor
             and (sample := self._sampled.get(tensor.untyped_storage().data_ptr())) is not None
         )
@@ -185,6 +186,7 @@ class Capture:
         if self._names_key != key:
             names = optimizer_param_names(self.objects.model, self.objects.optimizer)
             check_params_are_the_models(names, self.objects.optimizer)
+            self._stepped = {id(p) for g in groups for p in g["params"]}
             self._names, self._names_key = names, key
         return self._names
 
@@ -221,14 +223,6 @@ class Capture:
             self._sampled[param.untyped_storage().data_ptr()] = sample
         return True
 
-    def _stepped_ids(self, optimizer: torch.optim.Optimizer) -> set[int]:
-        """The ids of the parameters in the optimizer's groups (again when they change)."""
-        key = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
-        if self._stepped_key != key:
-            self._stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
-            self._stepped_key = key
-        return self._stepped
-
     def _detach_from_training(self, refs: list[TensorRef]) -> list[torch.Tensor]:
         """Decide per tensor whether the background copy may read it later.
 
@@ -245,12 +239,10 @@ class Capture:
         self._sampled = {}
         if o.optimizer is not None:
             if o.model is not None:
-                optimizer = o.optimizer
-                stepped = (
-                    self._stepped_ids(optimizer)
-                    if isinstance(optimizer, torch.optim.Optimizer)
-                    else None
-                )
+                stepped = None  # not a torch optimizer (a multi-rank view): every parameter
+                if isinstance(o.optimizer, torch.optim.Optimizer):
+                    self._param_names()  # the groups' parameter ids, kept with their names
+                    stepped = self._stepped
                 gated = {
                     p.untyped_storage().data_ptr()
                     for p in o.model.parameters()
@@ -350,11 +342,3 @@ def _check_round_trip(value: Any, path: str) -> None:
     elif isinstance(value, list):
         for index, item in enumerate(value):
             _check_round_trip(item, f"{path}[{index}]")
-
-
-def in_place_version(tensor: torch.Tensor) -> int | None:
-    """The tensor's in-place version counter (``None``: an inference tensor keeps none)."""
-    try:
-        return tensor._version
-    except RuntimeError:
-        return None

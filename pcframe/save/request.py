@@ -54,6 +54,14 @@ class SaveRequest:
         return [self.layout.entries[i].name for i in sorted(moved)]
 
 
+def in_place_version(tensor: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter (``None``: an inference tensor keeps none)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
+
+
 SAMPLE_SIZE = 64  # values compared per parameter: an EMA update moves every one of them
 
 

@@ -84,3 +84,31 @@ def disk_reads_only(monkeypatch: pytest.MonkeyPatch) -> None:
     from pcframe.save.staging import StagingPool
 
     monkeypatch.setattr(StagingPool, "holding", lambda self, lent: {})
+
+
+def adamw_mlp() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Two linear layers with AdamW, one step taken (the moments exist): ~80k parameters,
+    a few chunks at 64 KiB."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    adamw_step(model, optimizer)
+    return model, optimizer
+
+
+def adamw_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.randn(8, 256)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def live_values(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every live value a restore may write, copied."""
+    values = {f"model/{k}": v.clone() for k, v in model.state_dict().items()}
+    for i, per_param in enumerate(optimizer.state.values()):
+        values.update({f"opt/{i}/{k}": v.clone() for k, v in per_param.items()})
+    return values
+
+
+def same_values(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -22,7 +22,13 @@ from pcframe.restore.backup import Spare
 from pcframe.restore.in_place import in_place_targets
 from pcframe.restore.reader import load_version
 from pcframe.save.staging import StagingPool
-from tests.engine.helpers import disk_reads_only
+from tests.engine.helpers import (
+    adamw_mlp,
+    adamw_step,
+    disk_reads_only,
+    live_values,
+    same_values,
+)
 
 SMALL = {"chunk_bytes": 64 << 10, "read_threads": 1}  # many chunks, read in file order
 
@@ -30,32 +36,6 @@ SMALL = {"chunk_bytes": 64 << 10, "read_threads": 1}  # many chunks, read in fil
 @pytest.fixture(autouse=True)
 def _from_disk(monkeypatch):
     disk_reads_only(monkeypatch)
-
-
-def _objects() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 64))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _step(model, optimizer)
-    return model, optimizer
-
-
-def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    model(torch.randn(8, 256)).sum().backward()
-    optimizer.step()
-    optimizer.zero_grad()
-
-
-def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Every live value a restore may write, copied."""
-    values = {f"model/{k}": v.clone() for k, v in model.state_dict().items()}
-    for i, per_param in enumerate(optimizer.state.values()):
-        values.update({f"opt/{i}/{k}": v.clone() for k, v in per_param.items()})
-    return values
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _corrupt_chunk(directory, version: int, at: float) -> None:
@@ -76,31 +56,31 @@ def _no_second_read(monkeypatch) -> None:
 def _saved_then_stepped(tmp_path, **options):
     """A checkpointer that saved version 1 (its pool now idle), the objects a step past it,
     and their values before any restore: ``(ckpt, model, optimizer, before)``."""
-    model, optimizer = _objects()
+    model, optimizer = adamw_mlp()
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, **{**SMALL, **options}) as ckpt:
         ckpt.save(1).wait()
-        _step(model, optimizer)
-        yield ckpt, model, optimizer, _state(model, optimizer)
+        adamw_step(model, optimizer)
+        yield ckpt, model, optimizer, live_values(model, optimizer)
 
 
 def test_a_rollback_reads_each_byte_once_and_leaves_the_pool_to_the_next_save(
     tmp_path, monkeypatch
 ):
-    model, optimizer = _objects()
+    model, optimizer = adamw_mlp()
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
         ckpt.save(1).wait()
-        saved = _state(model, optimizer)
+        saved = live_values(model, optimizer)
         pointers = {k: v.data_ptr() for k, v in model.state_dict().items()}
-        _step(model, optimizer)
+        adamw_step(model, optimizer)
         _no_second_read(monkeypatch)
         assert ckpt.restore() == 1
         report = ckpt.last_restore
-        assert _same(_state(model, optimizer), saved)
+        assert same_values(live_values(model, optimizer), saved)
         assert {k: v.data_ptr() for k, v in model.state_dict().items()} == pointers
         assert report.direct_bytes == report.in_place_bytes > 0
         # The pool came back whole: the next version is the restored state, byte for byte.
-        _step(model, optimizer)
-        stepped = _state(model, optimizer)
+        adamw_step(model, optimizer)
+        stepped = live_values(model, optimizer)
         ckpt.save(2).wait()
     monkeypatch.undo()
     named = load_version(tmp_path / "v00000002").named_tensors()
@@ -111,29 +91,29 @@ def test_a_rollback_reads_each_byte_once_and_leaves_the_pool_to_the_next_save(
 
 @pytest.mark.parametrize("at", [0.1, 0.5, 0.95])
 def test_a_damaged_version_puts_back_every_byte_read_over(tmp_path, at):
-    model, optimizer = _objects()
+    model, optimizer = adamw_mlp()
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
         ckpt.save(1).wait()
         _corrupt_chunk(tmp_path, 1, at)
-        _step(model, optimizer)
-        before = _state(model, optimizer)
+        adamw_step(model, optimizer)
+        before = live_values(model, optimizer)
         with pytest.raises(NoValidCheckpoint):
             ckpt.restore()
-        assert _same(_state(model, optimizer), before)
+        assert same_values(live_values(model, optimizer), before)
 
 
 def test_a_damaged_newest_version_falls_back_to_an_exact_older_one(tmp_path):
-    model, optimizer = _objects()
+    model, optimizer = adamw_mlp()
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
         ckpt.save(1).wait()
-        first = _state(model, optimizer)
-        _step(model, optimizer)
+        first = live_values(model, optimizer)
+        adamw_step(model, optimizer)
         ckpt.save(2).wait()
         _corrupt_chunk(tmp_path, 2, 0.9)
-        _step(model, optimizer)
+        adamw_step(model, optimizer)
         assert ckpt.restore() == 1
         assert ckpt.last_restore.direct_bytes > 0
-        assert _same(_state(model, optimizer), first)
+        assert same_values(live_values(model, optimizer), first)
 
 
 def test_an_io_error_mid_read_puts_the_bytes_back(tmp_path, monkeypatch):
@@ -152,7 +132,7 @@ def test_an_io_error_mid_read_puts_the_bytes_back(tmp_path, monkeypatch):
         monkeypatch.setattr("pcframe.restore.sources.BACKOFF", 0.0)
         with pytest.raises(CheckpointError, match="cannot read checkpoint version 1"):
             ckpt.restore()
-        assert _same(_state(model, optimizer), before)
+        assert same_values(live_values(model, optimizer), before)
 
 
 class Refusing:
@@ -171,61 +151,61 @@ class Refusing:
 
 
 def test_a_load_failing_after_the_read_puts_the_bytes_back(tmp_path):
-    model, optimizer = _objects()
+    model, optimizer = adamw_mlp()
     stateful = {"loader": Refusing()}
     with Checkpointer(
         tmp_path, model=model, optimizer=optimizer, stateful=stateful, **SMALL
     ) as ckpt:
         ckpt.save(1).wait()
         stateful["loader"].n = 2
-        _step(model, optimizer)
-        before = _state(model, optimizer)
+        adamw_step(model, optimizer)
+        before = live_values(model, optimizer)
         with pytest.raises(CheckpointError, match="rolled back"):
             ckpt.restore()
         assert ckpt.last_restore.direct_bytes == 0  # nothing was reported loaded
-        assert _same(_state(model, optimizer), before)
+        assert same_values(live_values(model, optimizer), before)
 
 
 def test_a_mismatching_version_read_straight_in_changes_nothing(tmp_path):
-    model, optimizer = _objects()
+    model, optimizer = adamw_mlp()
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
         ckpt.save(1).wait()
     other = torch.optim.Adam(model.parameters())  # AdamW was saved: refused after the read
-    _step(model, other)
+    adamw_step(model, other)
     with Checkpointer(tmp_path, model=model, optimizer=other, **SMALL) as ckpt:
         ckpt.save(2).wait()  # this checkpointer's pool exists
-        _step(model, other)
-        before = _state(model, other)
+        adamw_step(model, other)
+        before = live_values(model, other)
         with pytest.raises(CheckpointError):
             ckpt.restore(version=1)
-        assert _same(_state(model, other), before)
+        assert same_values(live_values(model, other), before)
 
 
 def test_a_pool_smaller_than_the_state_reads_the_rest_twice(tmp_path):
-    model, optimizer = _objects()
+    model, optimizer = adamw_mlp()
     options = {**SMALL, "staging_ratio": 0.3}
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, **options) as ckpt:
         ckpt.save(1).wait()
-        saved = _state(model, optimizer)
-        _step(model, optimizer)
+        saved = live_values(model, optimizer)
+        adamw_step(model, optimizer)
         ckpt.restore()
         report = ckpt.last_restore
         assert 0 < report.direct_bytes < report.in_place_bytes
-        assert _same(_state(model, optimizer), saved)
+        assert same_values(live_values(model, optimizer), saved)
         _corrupt_chunk(tmp_path, 1, 0.95)  # past the chunks the pool had room for
-        _step(model, optimizer)
-        before = _state(model, optimizer)
+        adamw_step(model, optimizer)
+        before = live_values(model, optimizer)
         with pytest.raises(NoValidCheckpoint):
             ckpt.restore()
-        assert _same(_state(model, optimizer), before)
+        assert same_values(live_values(model, optimizer), before)
 
 
 def _read_with_spare(tmp_path, model, optimizer):
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
         ckpt.save(1).wait()
-    saved = _state(model, optimizer)
-    _step(model, optimizer)
-    before = _state(model, optimizer)
+    saved = live_values(model, optimizer)
+    adamw_step(model, optimizer)
+    before = live_values(model, optimizer)
     spare = Spare([torch.empty(1 << 20, dtype=torch.uint8) for _ in range(4)])
     loaded = load_version(
         tmp_path / "v00000001", threads=2, targets=in_place_targets(model, optimizer), spare=spare
@@ -234,31 +214,31 @@ def _read_with_spare(tmp_path, model, optimizer):
 
 
 def test_only_the_sections_that_loaded_keep_the_new_bytes(tmp_path):
-    model, optimizer = _objects()
+    model, optimizer = adamw_mlp()
     loaded, saved, before = _read_with_spare(tmp_path, model, optimizer)
     assert loaded.in_place.direct_bytes == loaded.in_place_bytes
     assert loaded.fill({"optimizer"}) > 0  # the model's load failed (strict=False)
     loaded.release()
-    now = _state(model, optimizer)
+    now = live_values(model, optimizer)
     assert all(torch.equal(now[k], before[k]) for k in now if k.startswith("model/"))
     moments = [k for k in now if k.startswith("opt/") and not k.endswith("/step")]
     assert moments and all(torch.equal(now[k], saved[k]) for k in moments)
 
 
 def test_a_rollback_after_the_fill_puts_everything_back(tmp_path):
-    model, optimizer = _objects()
+    model, optimizer = adamw_mlp()
     loaded, _, before = _read_with_spare(tmp_path, model, optimizer)
     loaded.fill({"model", "optimizer"})
     assert loaded.in_place.unfill()  # nothing was read a second time: all can go back
     loaded.release()
-    assert _same(_state(model, optimizer), before)
+    assert same_values(live_values(model, optimizer), before)
 
 
 def test_a_version_let_go_before_its_fill_leaves_the_live_tensors_as_they_were(tmp_path):
-    model, optimizer = _objects()
+    model, optimizer = adamw_mlp()
     loaded, _, before = _read_with_spare(tmp_path, model, optimizer)
     loaded.release()
-    assert _same(_state(model, optimizer), before)
+    assert same_values(live_values(model, optimizer), before)
 
 
 def test_the_pool_lends_every_buffer_only_while_none_is_out():
@@ -309,18 +289,18 @@ def test_tied_weights_are_put_back_exactly(tmp_path, read_threads):
     step()
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, **options) as ckpt:
         ckpt.save(1).wait()
-        saved = _state(model, optimizer)
+        saved = live_values(model, optimizer)
         step()
         ckpt.restore()
         assert ckpt.last_restore.direct_bytes > 0  # the untied tensors are read once
-        assert _same(_state(model, optimizer), saved)
+        assert same_values(live_values(model, optimizer), saved)
         assert model.head.weight is model.embed.weight
         _corrupt_chunk(tmp_path, 1, 0.97)
         step()
-        before = _state(model, optimizer)
+        before = live_values(model, optimizer)
         with pytest.raises(NoValidCheckpoint):
             ckpt.restore()
-        assert _same(_state(model, optimizer), before)
+        assert same_values(live_values(model, optimizer), before)
 
 
 class InterruptedWhileJoined:
@@ -337,7 +317,7 @@ def test_an_interrupt_between_the_read_and_the_apply_puts_the_bytes_back(tmp_pat
         )
         with pytest.raises(KeyboardInterrupt):
             ckpt.restore()
-        assert _same(_state(model, optimizer), before)
+        assert same_values(live_values(model, optimizer), before)
 
 
 def test_interrupts_while_reading_wait_for_the_reads_in_progress(tmp_path, monkeypatch):
@@ -365,7 +345,7 @@ def test_interrupts_while_reading_wait_for_the_reads_in_progress(tmp_path, monke
         monkeypatch.setattr(reader, "wait", interrupted)
         with pytest.raises(KeyboardInterrupt):
             ckpt.restore()
-        assert _same(_state(model, optimizer), before)
+        assert same_values(live_values(model, optimizer), before)
 
 
 class Aliased(torch.nn.Module):
@@ -408,11 +388,11 @@ def test_memory_another_tensor_sees_is_not_read_over(tmp_path, monkeypatch):
 
 
 def test_the_report_counts_only_the_sections_that_loaded(tmp_path):
-    model, optimizer = _objects()
+    model, optimizer = adamw_mlp()
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
         ckpt.save(1).wait()
     other = torch.optim.Adam(model.parameters())  # AdamW was saved: the optimizer is left out
-    _step(model, other)
+    adamw_step(model, other)
     with Checkpointer(tmp_path, model=model, optimizer=other, **SMALL) as ckpt:
         ckpt.save(2).wait()
         ckpt.restore(version=1, strict=False)

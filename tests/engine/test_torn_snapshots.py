@@ -6,6 +6,7 @@ instead of committing a mix of two states."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 
@@ -40,6 +41,20 @@ def _slow_copy(monkeypatch) -> None:
         return fill(self, *args, **kwargs)
 
     monkeypatch.setattr(Filler, "chunk", slow)
+
+
+@contextlib.contextmanager
+def _copying_version_2(tmp_path, monkeypatch):
+    """A checkpointer that committed version 1 and is still copying version 2 (slowed):
+    ``(ckpt, model, version 2's handle)``."""
+    torch.manual_seed(0)
+    model = Student()
+    optimizer = torch.optim.AdamW(model.net.parameters(), lr=1e-2)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **OPTIONS) as ckpt:
+        _step(model, optimizer)
+        ckpt.save(1).wait()
+        _slow_copy(monkeypatch)
+        yield ckpt, model, ckpt.save(2)
 
 
 def _read_in_place(request) -> dict[str, int]:
@@ -104,14 +119,7 @@ def test_a_stepped_parameter_changed_during_the_copy_fails_the_version(tmp_path,
     """Weight clipping in place after save() and before the copy finished (not through the
     optimizer, which would wait): the version is failed with the tensor named, and the one
     before it stays the newest."""
-    torch.manual_seed(0)
-    model = Student()
-    optimizer = torch.optim.AdamW(model.net.parameters(), lr=1e-2)
-    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **OPTIONS) as ckpt:
-        _step(model, optimizer)
-        ckpt.save(1).wait()
-        _slow_copy(monkeypatch)
-        handle = ckpt.save(2)
+    with _copying_version_2(tmp_path, monkeypatch) as (ckpt, model, handle):
         with torch.no_grad():
             model.net[1].weight.clamp_(-0.01, 0.01)
         with pytest.raises(SaveError, match=r"model/net\.1\.weight changed in place") as info:
@@ -204,14 +212,7 @@ def test_a_still_parameter_changed_through_data_during_the_copy_fails_the_versio
 ):
     """The frozen layer is read in place; written through .data before its copy finished
     (no counter moves), the version is failed rather than committed with the new values."""
-    torch.manual_seed(0)
-    model = Student()
-    optimizer = torch.optim.AdamW(model.net.parameters(), lr=1e-2)
-    with Checkpointer(tmp_path, model=model, optimizer=optimizer, **OPTIONS) as ckpt:
-        _step(model, optimizer)
-        ckpt.save(1).wait()
-        _slow_copy(monkeypatch)
-        handle = ckpt.save(2)
+    with _copying_version_2(tmp_path, monkeypatch) as (_, model, handle):
         model.frozen.weight.data.mul_(2.0)
         with pytest.raises(SaveError, match=r"model/frozen\.weight changed in place"):
             handle.wait()
