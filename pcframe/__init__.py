@@ -2,7 +2,6 @@
 
 from pcframe.checkpointer import Checkpointer, RestoreReport, SaveHandle, SaveRecord
 from pcframe.config import EngineConfig
-from pcframe.data import ResumableLoader, ResumableSampler
 from pcframe.errors import (
     CheckpointError,
     ConfigError,
@@ -14,7 +13,8 @@ from pcframe.errors import (
     SaveError,
     UnsupportedCheckpoint,
 )
-from pcframe.restore.load import load
+from pcframe.restore.restorer import load
+from pcframe.state.data import ResumableLoader, ResumableSampler
 
 __version__ = "0.1.0"
 

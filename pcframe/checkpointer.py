@@ -23,21 +23,22 @@ from pcframe.config import EngineConfig
 from pcframe.decisions import Decisions
 from pcframe.errors import CheckpointError, SaveError
 from pcframe.format.names import check_new_version
-from pcframe.objects import Stateful, TrainingObjects, require_step_hook
 from pcframe.policies.base import Decision, IntervalPolicy, Notice, PolicyContext
 from pcframe.policies.fixed import FixedSteps
 from pcframe.policies.notices.base import NoticeSource
 from pcframe.policies.placement.base import PlacementPolicy
 from pcframe.restore.report import RestoreReport
-from pcframe.restore.restorer import restore_from_tiers
+from pcframe.restore.restorer import RestoreJob, restore_from_tiers
+from pcframe.runtime.threads import one_caller_at_a_time
 from pcframe.save.capture import Capture
 from pcframe.save.flight import InFlight
 from pcframe.save.handle import SaveHandle, SaveRecord
 from pcframe.save.pipeline import SavePipeline
+from pcframe.state.check import LoadRules
+from pcframe.state.objects import Stateful, TrainingObjects, require_step_hook
 from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.starts import UNKNOWN_WRITER
 from pcframe.store.tiers import Secured, Tiers, attach_tiers
-from pcframe.threads import one_caller_at_a_time
 
 log = logging.getLogger("pcframe")
 
@@ -53,7 +54,7 @@ class Checkpointer:
     Args:
         directory: where versions are written (one writer process per directory).
         model, optimizer, scheduler, scaler: the usual torch objects (all optional).
-        data: a stateful data position (e.g. :class:`pcframe.data.ResumableLoader`).
+        data: a stateful data position (e.g. :class:`pcframe.state.data.ResumableLoader`).
         stateful: more named objects with ``state_dict()`` / ``load_state_dict()``.
         extra: a JSON-able dict saved with every version and updated in place on restore.
         policy: decides when :meth:`maybe_save` saves (default: every 100 steps).
@@ -274,8 +275,8 @@ class Checkpointer:
         moved aside as ``.corrupt-vNNNNNNNN-<pid>`` and the next older one is tried; an I/O
         error is retried, then raised, renaming nothing. Returns ``None`` when there is no
         checkpoint. The version is checked against every object before any is touched
-        (``pcframe.restore.check``): a failed restore changes nothing. An interrupt while it
-        commits is raised once it is complete (:mod:`pcframe.interrupts`); an earlier save's
+        (``pcframe.state.check``): a failed restore changes nothing. An interrupt while it
+        commits is raised once it is complete (:mod:`pcframe.runtime.interrupts`); an earlier save's
         failure found while it waits is logged, not raised, whatever the restore does.
 
         Args:
@@ -300,18 +301,15 @@ class Checkpointer:
             except SaveError as exc:
                 log.error("before the restore: %s", exc)
         report = self.last_restore = RestoreReport()
+        rules = LoadRules(strict=strict, allow_cast=allow_cast)
+        job = RestoreJob(self.objects, rules, self.config.read_threads, self.storage.root, report)
         manifest = restore_from_tiers(
             self.tiers,
             version,
-            self.objects,
-            report,
+            job,
             self.pipeline.pool,
             self._number_above,  # every version any tier holds, valid or not
             lambda manifest: self.resumed(manifest.step, manifest.engine),
-            threads=self.config.read_threads,
-            strict=strict,
-            allow_cast=allow_cast,
-            root=self.storage.root,
         )
         if manifest is None:
             if self.storage.starts.number > 1:  # earlier writers died before a first commit

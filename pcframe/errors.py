@@ -1,6 +1,15 @@
-"""Exceptions that name what went wrong, where, and what to do about it."""
+"""Every exception pcframe raises on purpose, in one place: each names what went wrong,
+where, and what to do about it.
+
+The engine's all derive from :class:`CheckpointError`; the simulator's bad input is a
+:class:`SimConfigError` (a ``ValueError``). The policies' and kernels' packages keep their
+own (``pcframe.policies.errors``, ``pcframe.kernels.dispatch``), as they stand apart.
+"""
 
 from __future__ import annotations
+
+import errno
+from pathlib import Path
 
 
 class CheckpointError(RuntimeError):
@@ -88,9 +97,71 @@ class DirectoryLocked(CheckpointError):
     """Another live process is already writing checkpoints into this directory."""
 
 
-def _describe(exc: BaseException) -> str:
-    import errno
+class NotRegularFile(CorruptCheckpoint):
+    """A checkpoint file is a link, FIFO, device or directory: refused, never read."""
 
+
+class StateMismatch(CheckpointError):
+    """The saved state does not fit the objects given; nothing was loaded.
+
+    ``mismatches`` lists every problem found, one line each (also in the message).
+    """
+
+    def __init__(self, message: str, mismatches: list[str]) -> None:
+        super().__init__(message)
+        self.mismatches = list(mismatches)
+
+
+class TierError(CheckpointError):
+    """A tier is misconfigured or cannot be reached; the message names the tier and the fix."""
+
+
+class TierCancelled(TierError):
+    """A write was cancelled on purpose (superseded by a newer version, or shutting down)."""
+
+
+class RanksOutOfStep(CheckpointError):
+    """The ranks made different calls, or hold state of different structure, at one meeting.
+
+    Final for this job: the checkpointer enters no collective again (restart the job).
+    """
+
+
+class ReshardError(CheckpointError):
+    """Sharded state cannot be laid out for this job; the message names both world sizes."""
+
+
+class SupervisorError(CheckpointError):
+    """The child failed on its own (not killed by us) or the run timed out."""
+
+
+class SimConfigError(ValueError):
+    """A simulator parameter or trace that cannot be simulated.
+
+    The message names the offending key (``job.save_stall``) or file and says how to fix it.
+    """
+
+
+def out_of_memory(what: str, nbytes: int | None, path: Path | str) -> OSError:
+    """The error for a buffer the machine refused: ENOMEM, an ``OSError`` like any other
+    transient failure of a restore (retried, then ``RestoreIOError``; never quarantined).
+    Sizes were validated with the manifest, so a refusal says this machine is short of
+    memory now (a cgroup, a ulimit, a busy host), not that the checkpoint is bad."""
+    size = "" if nbytes is None else f" for {nbytes / 2**20:.1f} MiB"
+    return OSError(errno.ENOMEM, f"out of memory{size} ({what})", str(path))
+
+
+# How the allocators that can fail under a restore word a refusal (torch's CPU allocator
+# raises a plain RuntimeError, zstandard a ZstdError): told apart from corrupt bytes.
+_REFUSED = ("can't allocate memory", "cannot allocate memory", "out of memory", "not enough memory")
+
+
+def refused_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation the machine refused (not bad bytes)."""
+    return isinstance(exc, MemoryError) or any(w in str(exc).lower() for w in _REFUSED)
+
+
+def _describe(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return (
             f"no space left on device ({exc.filename or 'checkpoint directory'}): free space, "

@@ -1,4 +1,4 @@
-"""Training step time while an engine is alive: the OpenMP-team effect (pcframe.threads).
+"""Training step time while an engine is alive: the OpenMP-team effect (pcframe.runtime.threads).
 
 Trains the built-in GPT workload with 2 torch threads and times segments of steps in
 three conditions, round-robin so machine load hits all alike:

@@ -1,5 +1,5 @@
 """Python's cyclic collector and the stall: saves of a 3200-tensor state with and without
-the pause ``save()`` captures under (:mod:`pcframe.collector`).
+the pause ``save()`` captures under (:mod:`pcframe.runtime.collector`).
 
 The capture makes a few objects per tensor, which live until the version is written.
 Without the pause, the collections they set off move them into older generations, and full

@@ -971,7 +971,7 @@ def trial_hostile(ws: Workspace, spec: dict[str, Any]) -> None:
 
 
 def _hostile_dist(ws, spec, config, info, root, outside, rng) -> None:
-    from pcframe.distributed import record as rec
+    from pcframe.distributed import global_versions as rec
 
     steps = _ints(info["global"])
     variant = spec["variant"]

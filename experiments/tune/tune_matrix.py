@@ -34,7 +34,7 @@ from rich.console import Console
 
 from pcframe.apps.compose import compose_config, engine_config
 from pcframe.apps.tuning import Tuner, best_trial, measure
-from pcframe.apps.tuning.targets import Limit, TargetSpec, open_target
+from pcframe.apps.tuning.target_storage import Limit, TargetSpec, open_target
 from pcframe.apps.tuning.throttle import ProbeResult, probe_throttle
 from pcframe.apps.workloads import build
 from pcframe.config import EngineConfig

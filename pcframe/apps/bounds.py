@@ -8,7 +8,7 @@ size, interval and duration whose invalid values are obvious is listed here with
 the key and the range (one line, exit code 2 through :mod:`pcframe.apps.errors`).
 
 The engine's keys are not here: :class:`pcframe.config.EngineConfig` checks its own. A
-policy's arguments are checked by its constructor (see :func:`pcframe.apps.targets.build`).
+policy's arguments are checked by its constructor (see :func:`pcframe.apps.instantiate.build`).
 """
 
 from __future__ import annotations

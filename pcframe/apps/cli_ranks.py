@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pcframe.distributed import record as rec
+from pcframe.distributed import global_versions
 from pcframe.errors import CheckpointError, ManifestError
 from pcframe.format.manifest import MANIFEST_NAME
 from pcframe.format.names import version_name
@@ -18,14 +18,14 @@ from pcframe.restore.reader import load_version
 
 def is_multi_rank_root(root: Path) -> bool:
     """A root written by ``DistributedCheckpointer`` (its record folder or pointer)."""
-    return (root / rec.RECORDS).is_dir() or (root / rec.POINTER).is_file()
+    return (root / global_versions.RECORDS).is_dir() or (root / global_versions.POINTER).is_file()
 
 
 def refuse_multi_rank_root(root: Path, command: str) -> None:
     """``inspect`` and ``export`` read one rank's shard: say which directory to give."""
     if is_multi_rank_root(root):
         ranks = sorted(p.name for p in root.glob("rank-*") if p.is_dir())
-        example = root / (ranks[0] if ranks else rec.rank_dirname(0))
+        example = root / (ranks[0] if ranks else global_versions.rank_dirname(0))
         raise CheckpointError(
             f"{root} is a multi-rank checkpoint root ({len(ranks)} rank directories): "
             f"{command} one rank's shard, e.g. pcframe {command} {example}"
@@ -34,8 +34,8 @@ def refuse_multi_rank_root(root: Path, command: str) -> None:
 
 def list_global(root: Path, when, one_line) -> int:
     """One line per global version, newest last; 1 if any record is unreadable."""
-    latest = rec.read_pointer(root)
-    good, bad = rec.valid_records(root)
+    latest = global_versions.read_pointer(root)
+    good, bad = global_versions.valid_records(root)
     rows = {r.version: r for r in good}
     unreadable = dict(bad)
     print(f"{'version':>8} {'step':>10} {'ranks':>5} {'size':>12}  written              ")
@@ -58,7 +58,7 @@ def list_global(root: Path, when, one_line) -> int:
 
 def verify_global(root: Path, version: int | None, threads: int, one_line) -> int:
     """Verify every shard of every global version (or one); 1 if any fails."""
-    good, bad = rec.valid_records(root)
+    good, bad = global_versions.valid_records(root)
     found = {r.version for r in good} | {v for v, _ in bad}
     if version is not None and version not in found:
         raise CheckpointError(f"{root}: global version {version} not found; have {sorted(found)}")
@@ -74,14 +74,14 @@ def verify_global(root: Path, version: int | None, threads: int, one_line) -> in
         for shard in record.shards:
             where = root / shard.directory / version_name(shard.version)
             try:
-                if rec.manifest_crc(where / MANIFEST_NAME) != shard.manifest_crc32c:
+                if global_versions.manifest_crc(where / MANIFEST_NAME) != shard.manifest_crc32c:
                     raise ManifestError(f"{where}: not the shard the global record pins")
                 loaded = load_version(where, threads=max(1, threads))
                 loaded.state_tree()
                 tensors += len(loaded.tensors)
             except (CheckpointError, OSError) as exc:
                 problems.append(f"rank {shard.rank}: {one_line(exc)}")
-        if problems and not rec.record_path(root, record.version).exists():
+        if problems and not global_versions.record_path(root, record.version).exists():
             # The coordinator's retention deleted the record (then the ranks its shards).
             print(f"v{record.version}: deleted while it was verified (a live job's retention)")
         elif problems:

@@ -17,8 +17,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from pcframe.apps.bounds import check_bounds
 from pcframe.apps.errors import describe_error
+from pcframe.apps.instantiate import check_targets
 from pcframe.apps.schemas import register_app_schemas
-from pcframe.apps.targets import check_targets
 from pcframe.config import EngineConfig
 from pcframe.errors import ConfigError
 

@@ -104,7 +104,7 @@ def _exit(exc: BaseException, prog: str) -> None:
 
 def describe_error(exc: BaseException) -> tuple[int, str | None]:
     """``(exit code, message)``; ``None`` as message for an unexpected error (a bug)."""
-    from pcframe.policies.traces.errors import TraceFormatError
+    from pcframe.policies.errors import TraceFormatError
 
     if isinstance(exc, ConfigError | TraceFormatError) or _is_sim_config_error(exc):
         return USAGE_ERROR, _flat(str(exc))
@@ -128,7 +128,7 @@ def describe_error(exc: BaseException) -> tuple[int, str | None]:
 
 
 def _is_sim_config_error(exc: BaseException) -> bool:
-    from pcframe.sim.errors import SimConfigError
+    from pcframe.errors import SimConfigError
 
     return isinstance(exc, SimConfigError)
 

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
+from pcframe.runtime.threads import single_threaded_torch
 from pcframe.save.persist import pwrite_all
-from pcframe.threads import single_threaded_torch
 
 BLOCK = 64 << 20  # the largest request; sizes are rounded up to whole blocks of it
 BLOCKS = (16 << 20, 64 << 20)  # request sizes tried: the faster one is the disk's (virtual

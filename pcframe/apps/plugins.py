@@ -9,7 +9,7 @@ its constructor arguments with their defaults (required ones as ``???``). Then
     pcframe-run policy/interval=steps_or_seconds policy.interval.steps=50
     pcframe-sim policy/interval=steps_or_seconds policy/resource=my_resource_policy
 
-work like for a built-in, and :mod:`pcframe.apps.targets` checks the keys against the
+work like for a built-in, and :mod:`pcframe.apps.instantiate` checks the keys against the
 constructor. The apps call this at start-up; ConfigStore options come after YAML files in
 Hydra's search path, and a name with a YAML (shipped, or in ``$PCFRAME_CONFIG_DIR``) is
 skipped altogether, so a YAML always wins.

@@ -31,6 +31,8 @@ from rich.console import Console
 from pcframe.apps.bounds import check_bounds
 from pcframe.apps.compose import engine_config, quiet_missing_user_conf
 from pcframe.apps.errors import reported, run_app
+from pcframe.apps.instantiate import build as build_target
+from pcframe.apps.instantiate import check_targets, locate
 from pcframe.apps.machine import describe_threads, resolve_threads
 from pcframe.apps.policy_text import describe_policy, no_commit_reason, policy_from_config
 from pcframe.apps.preemption import ChildSpec, Supervisor, compare_finals
@@ -40,8 +42,6 @@ from pcframe.apps.progress import StepProgress
 from pcframe.apps.schemas import register_app_schemas
 from pcframe.apps.summary import Summary, overhead_text, print_summary, write_summary
 from pcframe.apps.sweep import claim_directory
-from pcframe.apps.targets import build as build_target
-from pcframe.apps.targets import check_targets, locate
 from pcframe.apps.training import train
 from pcframe.apps.tuning.report import tuned_config_warnings
 from pcframe.apps.workloads import build

@@ -4,7 +4,7 @@ Every config group has a schema: a YAML option lists it first in its defaults li
 (``defaults: [engine_schema, _self_]``), so a misspelt key or a value of the wrong type is
 rejected by OmegaConf while Hydra composes, with the full key in the message. Groups whose
 options carry a ``_target_`` (the policies) are checked against the target's signature by
-:mod:`pcframe.apps.targets` right after composing.
+:mod:`pcframe.apps.instantiate` right after composing.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ class TuneConfig:
     report_dir: str = "."
     progress: bool = True
     # the storage measured on (conf/tune/target/: {name, kind, ...}); checked by
-    # pcframe.apps.tuning.targets.TargetSpec.from_config, untyped so each kind has its keys
+    # pcframe.apps.tuning.target_storage.TargetSpec.from_config, untyped so each kind has its keys
     target: Any = None
 
 

@@ -20,8 +20,8 @@ from rich.console import Console
 from rich.table import Table
 
 from pcframe.apps.errors import register_resolvers, reported, run_app
+from pcframe.apps.instantiate import check_targets
 from pcframe.apps.plugins import register_policy_configs
-from pcframe.apps.targets import check_targets
 from pcframe.sim.app_config import (
     SHORT,
     legend,

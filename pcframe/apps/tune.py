@@ -18,11 +18,11 @@ from rich.console import Console
 from pcframe.apps.bounds import check_bounds
 from pcframe.apps.compose import quiet_missing_user_conf
 from pcframe.apps.errors import reported, run_app
+from pcframe.apps.instantiate import check_targets
 from pcframe.apps.limits import measure_limits
 from pcframe.apps.machine import resolve_threads
 from pcframe.apps.paths import user_config_dir
 from pcframe.apps.schemas import register_app_schemas
-from pcframe.apps.targets import check_targets
 from pcframe.apps.tuning import (
     Tuner,
     best_trial,
@@ -33,7 +33,7 @@ from pcframe.apps.tuning import (
     write_tuned_config,
 )
 from pcframe.apps.tuning.measure import check_schedule
-from pcframe.apps.tuning.targets import ActiveTarget, TargetSpec, open_target
+from pcframe.apps.tuning.target_storage import ActiveTarget, TargetSpec, open_target
 from pcframe.errors import ConfigError
 
 register_app_schemas()

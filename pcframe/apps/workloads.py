@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from pcframe.data import ResumableLoader, ResumableSampler
+from pcframe.state.data import ResumableLoader, ResumableSampler
 
 
 @dataclass

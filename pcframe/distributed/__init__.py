@@ -4,10 +4,9 @@ See ``docs/distributed.md``. The entry point is :class:`DistributedCheckpointer`
 """
 
 from pcframe.distributed.checkpointer import DistributedCheckpointer
+from pcframe.distributed.global_versions import GlobalRecord, ShardRef, read_record, valid_records
 from pcframe.distributed.handle import DistributedSaveHandle
-from pcframe.distributed.meeting import RanksOutOfStep
-from pcframe.distributed.record import GlobalRecord, ShardRef, read_record, valid_records
-from pcframe.distributed.restore import ReshardError
+from pcframe.errors import RanksOutOfStep, ReshardError
 from pcframe.restore.report import DistributedRestoreReport
 
 __all__ = [

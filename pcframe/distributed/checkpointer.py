@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from pcframe.checkpointer import Checkpointer
 from pcframe.config import EngineConfig
-from pcframe.distributed import record as rec
+from pcframe.distributed import global_versions
 from pcframe.distributed.capture import ModelView, OptimizerView, Stash, StateSplitter
 from pcframe.distributed.handle import DistributedSaveHandle
 from pcframe.distributed.meeting import Call, Doing, Meetings
@@ -34,12 +34,12 @@ from pcframe.distributed.opening import open_shards
 from pcframe.distributed.protocol import CommitProtocol, Round
 from pcframe.distributed.verdict import load_newest, records_to_try
 from pcframe.errors import CheckpointError, SaveError
-from pcframe.objects import TrainingObjects
 from pcframe.restore.report import DistributedRestoreReport
+from pcframe.runtime.threads import one_caller_at_a_time
 from pcframe.save.handle import SaveHandle
 from pcframe.save.status import SaveStatus
+from pcframe.state.objects import TrainingObjects
 from pcframe.store.retention import KeepWhere
-from pcframe.threads import one_caller_at_a_time
 
 log = logging.getLogger("pcframe")
 
@@ -119,7 +119,7 @@ class DistributedCheckpointer:
             self.root,
             functools.partial(
                 Checkpointer,
-                self.root / rec.rank_dirname(self.rank),
+                self.root / global_versions.rank_dirname(self.rank),
                 model=model_view,
                 optimizer=optim_view,
                 scheduler=scheduler,
@@ -311,7 +311,7 @@ class DistributedCheckpointer:
         records, invalid = records_to_try(self.root, self.rank, self._control)
         report = self.last_restore = DistributedRestoreReport(skipped=list(invalid))
 
-        def applied(record: rec.GlobalRecord, written: Any) -> None:
+        def applied(record: global_versions.GlobalRecord, written: Any) -> None:
             self.local.resumed(record.step, written)
             report.seconds = time.perf_counter() - start
 

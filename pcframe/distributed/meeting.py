@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from pcframe.distributed.peers import peers
-from pcframe.errors import CheckpointError
+from pcframe.errors import CheckpointError, RanksOutOfStep
 
 
 class Call(IntEnum):
@@ -88,13 +88,6 @@ class Met:
     sharded_bytes: list[int]  # per rank
     flags: tuple[int, ...]  # each flag's maximum over the ranks
     undescribed: list[int]  # ranks whose save() failed before reading their state
-
-
-class RanksOutOfStep(CheckpointError):
-    """The ranks made different calls, or hold state of different structure, at one meeting.
-
-    Final for this job: the checkpointer enters no collective again (restart the job).
-    """
 
 
 class Meeting:

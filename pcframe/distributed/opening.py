@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from pcframe.checkpointer import Checkpointer
-from pcframe.distributed import record as rec
+from pcframe.distributed import global_versions
 from pcframe.distributed.peers import peers
 from pcframe.errors import CheckpointError
 
@@ -44,10 +44,10 @@ def open_shards(
     try:
         local = open_local()
         if rank == 0:
-            rec.remove_partial_records(root)
-            records, _ = rec.valid_records(root)
+            global_versions.remove_partial_records(root)
+            records, _ = global_versions.valid_records(root)
             retained = sorted(r.version for r in records)
-            newest_record = max(rec.record_versions(root), default=0)
+            newest_record = max(global_versions.record_versions(root), default=0)
     except (CheckpointError, OSError, TypeError, ValueError) as exc:
         mine, error = exc, f"{type(exc).__name__}: {exc}"
     top = max(local.storage.next_version(), newest_record + 1) if local else 0

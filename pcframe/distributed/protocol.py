@@ -38,16 +38,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pcframe.distributed import record as rec
+from pcframe.distributed import global_versions
 from pcframe.distributed.meeting import Meeting
 from pcframe.errors import CheckpointError
-from pcframe.faults import crash_point
-from pcframe.format.manifest import MANIFEST_NAME
-from pcframe.format.names import version_name
-from pcframe.format.stripes import stored_data_bytes
+from pcframe.runtime.threads import single_threaded_torch
 from pcframe.save.handle import SaveHandle
 from pcframe.save.status import SaveStatus
-from pcframe.threads import single_threaded_torch
 
 log = logging.getLogger("pcframe")
 
@@ -89,7 +85,7 @@ class CommitProtocol:
         keep_global: int,
     ) -> None:
         self.root, self.rank, self.world_size = root, rank, world_size
-        self.shard_dir = root / rec.rank_dirname(rank)
+        self.shard_dir = root / global_versions.rank_dirname(rank)
         self.keep_global = keep_global
         self._group = group
         self._lock = threading.Lock()
@@ -164,10 +160,11 @@ class CommitProtocol:
     # --- used by the local engine's commit thread ------------------------------------------
 
     def keep(self, committed: Sequence[int]) -> set[int]:
-        """Retention reason of the local engine: what :func:`retention_allowed` refuses."""
+        """Retention reason of the local engine: what
+        :func:`~pcframe.distributed.global_versions.retention_allowed` refuses."""
         with self._lock:
             retained, upto = list(self._retained), self._decided_up_to
-        allowed = set(retention_allowed(list(committed), retained, upto))
+        allowed = set(global_versions.retention_allowed(list(committed), retained, upto))
         return {v for v in committed if v not in allowed}
 
     # --- the round thread --------------------------------------------------------------------
@@ -223,10 +220,9 @@ class CommitProtocol:
             return report
         report["status"] = status
         if report["status"] == SaveStatus.COMMITTED:
-            directory = self.shard_dir / version_name(round_.version)
             try:
-                report["manifest_crc32c"] = rec.manifest_crc(directory / MANIFEST_NAME)
-                report["nbytes"] = stored_data_bytes(directory)
+                shard = global_versions.shard_ref(self.root, self.rank, round_.version, round_.step)
+                report.update(manifest_crc32c=shard.manifest_crc32c, nbytes=shard.nbytes)
             except (OSError, CheckpointError) as exc:
                 report.update(status=SaveStatus.FAILED, error=f"committed shard unreadable: {exc}")
         return report
@@ -260,9 +256,9 @@ class CommitProtocol:
             decision["reason"] = f"not newer than global version {newest}"
             return decision
         shards = tuple(
-            rec.ShardRef(
+            global_versions.ShardRef(
                 r["rank"],
-                rec.rank_dirname(r["rank"]),
+                global_versions.rank_dirname(r["rank"]),
                 version,
                 r["step"],
                 r["manifest_crc32c"],
@@ -270,26 +266,15 @@ class CommitProtocol:
             )
             for r in sorted(reports, key=lambda r: r["rank"])
         )
-        record = rec.GlobalRecord(version, reports[0]["step"], time.time(), self.world_size, shards)
+        record = global_versions.GlobalRecord(
+            version, reports[0]["step"], time.time(), self.world_size, shards
+        )
         try:
-            rec.write_record(self.root, record)
+            retained = global_versions.publish(self.root, record, self.keep_global, self.retained)
         except OSError as exc:
             decision["reason"] = f"could not write the global record: {exc}"
             log.warning("global version %d not published: %s", version, exc)
             return decision
-        crash_point("global_record_written")
-        try:
-            rec.write_pointer(self.root, version)
-        except OSError as exc:  # the record is the commit point; GLOBAL is only a hint
-            log.warning("could not update %s: %s", self.root / rec.POINTER, exc)
-        crash_point("global_published")
-        retained = sorted({*self.retained, version})[-self.keep_global :]
-        for old in rec.record_versions(self.root):
-            if old < version and old not in retained:
-                try:
-                    rec.delete_record(self.root, old)
-                except OSError as exc:
-                    log.warning("could not delete global record v%d: %s", old, exc)
         decision.update(status=SaveStatus.COMMITTED, retained=retained)
         return decision
 
@@ -307,16 +292,3 @@ class CommitProtocol:
         if not round_.published:
             log.info("version %d is not global: %s", round_.version, round_.reason)
         round_.decided.set()
-
-
-def retention_allowed(doomed: list[int], retained: list[int], decided_up_to: int) -> list[int]:
-    """The local versions among ``doomed`` that no global version needs, now or later.
-
-    A version may go once its round is decided (``<= decided_up_to``) and it is not one of the
-    retained global versions (the newest ``keep_global``: the current and the previous one).
-    Rounds are decided in order and global versions only move forward, so a decided version
-    that is not retained can never be needed again. A rank learns of new global versions
-    after rank 0 has written them, so its view only lags, and lagging keeps more, never less.
-    """
-    keep = set(retained)
-    return [v for v in doomed if v <= decided_up_to and v not in keep]

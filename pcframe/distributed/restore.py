@@ -22,16 +22,15 @@ import torch
 
 from pcframe.distributed.index import SavedIndex, SavedItem, ShardSource
 from pcframe.distributed.placement import Box, Placed, is_dtensor, placement_of, rebuild
-from pcframe.errors import CheckpointError, ManifestError
+from pcframe.errors import CheckpointError, ManifestError, ReshardError
 from pcframe.format.manifest import MANIFEST_NAME, Manifest
 from pcframe.format.tree import DTYPES, decode_tree
-from pcframe.objects import TrainingObjects
-from pcframe.restore.apply import apply_tree
 from pcframe.restore.reader import read_entries
+from pcframe.state.apply import apply_tree
+from pcframe.state.check import LoadRules
+from pcframe.state.objects import TrainingObjects
 
-
-class ReshardError(CheckpointError):
-    """Sharded state cannot be laid out for this job; the message names both world sizes."""
+_HINT = "Pass the same objects that were checkpointed"
 
 
 @dataclass
@@ -45,7 +44,7 @@ class Prepared:
     resharded: bool = False
 
     def tree(self) -> dict[str, Any]:
-        """What :func:`~pcframe.restore.apply.apply_tree` loads: only what this rank read."""
+        """What :func:`~pcframe.state.apply.apply_tree` loads: only what this rank read."""
         tree = {
             name: value
             for name, value in self.sections.items()
@@ -60,14 +59,8 @@ class Prepared:
 
     def apply(self, objects: TrainingObjects) -> None:
         """Load the prepared state into ``objects`` (every rank prepared successfully)."""
-        apply_tree(
-            objects,
-            self.tree(),
-            "the global version",
-            partial=True,
-            owner=None,
-            hint="Pass the same objects that were checkpointed",
-        )
+        rules = LoadRules(partial=True, owner=None, hint=_HINT)
+        apply_tree(objects, self.tree(), "the global version", rules)
 
 
 def prepare(

@@ -9,10 +9,10 @@ objects, or cannot be resharded) is raised on every rank. The exchange happens e
 this rank failed, so no rank waits in a collective the others left.
 
 :func:`load_newest` is the restore's entry: it walks the records newest first, then applies
-the version that verifies with signals held (:mod:`pcframe.interrupts`).
+the version that verifies with signals held (:mod:`pcframe.runtime.interrupts`).
 Once an older version verifies, each version skipped as corrupt is forgotten by the commit
 protocol and its record moved aside by rank 0
-(:func:`~pcframe.distributed.record.quarantine_record`), so it stops counting as one of the
+(:func:`~pcframe.distributed.global_versions.quarantine_record`), so it stops counting as one of the
 ``keep_global`` retained versions: the next publication keeps the good version the restore
 fell back to, not the bad one above it.
 """
@@ -28,23 +28,24 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pcframe.collector import collect_if_paused, collector_paused
-from pcframe.distributed import record as rec
+from pcframe.distributed import global_versions
 from pcframe.distributed.index import SavedIndex
 from pcframe.distributed.peers import peers
 from pcframe.distributed.protocol import CommitProtocol
-from pcframe.distributed.restore import Prepared, ReshardError, prepare
+from pcframe.distributed.restore import Prepared, prepare
 from pcframe.errors import (
     CheckpointError,
     ManifestError,
     NoValidCheckpoint,
+    ReshardError,
     RestoreIOError,
     UnsupportedCheckpoint,
 )
-from pcframe.interrupts import interrupts_held
-from pcframe.objects import TrainingObjects
 from pcframe.restore.report import DistributedRestoreReport
 from pcframe.restore.sources import READ_ATTEMPTS, read_with_retries, stop_at_unsupported
+from pcframe.runtime.collector import collect_if_paused, collector_paused
+from pcframe.runtime.interrupts import interrupts_held
+from pcframe.state.objects import TrainingObjects
 from pcframe.store.starts import UNKNOWN_WRITER
 
 log = logging.getLogger("pcframe")
@@ -60,7 +61,7 @@ class Verdict(Enum):
 
 def records_to_try(
     root: Path, rank: int, group: Any
-) -> tuple[list[rec.GlobalRecord], list[tuple[int, str]]]:
+) -> tuple[list[global_versions.GlobalRecord], list[tuple[int, str]]]:
     """Rank 0's valid records, newest first, and the invalid ones, on every rank (collective).
 
     Raises:
@@ -69,7 +70,7 @@ def records_to_try(
     box: list[Any] = [None]
     if rank == 0:  # an error goes to every rank too, so none waits in the broadcast alone
         try:
-            box[0] = rec.valid_records(root, refuse_newer=True)
+            box[0] = global_versions.valid_records(root, refuse_newer=True)
         except UnsupportedCheckpoint as exc:
             back = "move that record out of global/ to restore an older version"
             box[0] = UnsupportedCheckpoint(
@@ -84,7 +85,7 @@ def records_to_try(
 
 def try_global_version(
     root: Path,
-    record: rec.GlobalRecord,
+    record: global_versions.GlobalRecord,
     objects: TrainingObjects,
     *,
     rank: int,
@@ -137,7 +138,8 @@ def try_global_version(
             stop_at_unsupported(
                 f"global version {record.version}",
                 "; ".join(unsupported),
-                f"move {rec.record_path(root, record.version)} aside to restore an older version",
+                f"move {global_versions.record_path(root, record.version)} aside to restore an "
+                "older version",
             )
         )
     unreadable = [f"rank {r}: {v[1]}" for r, v in enumerate(verdicts) if v[0] is Verdict.UNREADABLE]
@@ -154,9 +156,9 @@ def try_global_version(
 
 
 def load_newest(
-    applied: Callable[[rec.GlobalRecord, Any], object],
+    applied: Callable[[global_versions.GlobalRecord, Any], object],
     root: Path,
-    records: Sequence[rec.GlobalRecord],
+    records: Sequence[global_versions.GlobalRecord],
     objects: TrainingObjects,
     report: DistributedRestoreReport,
     protocol: CommitProtocol,
@@ -166,7 +168,7 @@ def load_newest(
     reshard: bool,
     threads: int,
     group: Any,
-) -> rec.GlobalRecord | None:
+) -> global_versions.GlobalRecord | None:
     """Load the newest of ``records`` (newest first) that verifies on every rank into
     ``objects`` (collective); fill ``report``; return its record (``None`` when there are no
     records).
@@ -178,8 +180,8 @@ def load_newest(
     ``applied(record, written)``, the caller's bookkeeping, is called once the version is
     applied (``written``: the ``engine`` section of this rank's shard manifest, its writer;
     unknown after a resize). The cyclic collector is held off as in a single-process
-    restore (:mod:`pcframe.collector`), and signals from the apply to the end of
-    ``applied`` (:mod:`pcframe.interrupts`).
+    restore (:mod:`pcframe.runtime.collector`), and signals from the apply to the end of
+    ``applied`` (:mod:`pcframe.runtime.interrupts`).
 
     Raises:
         NoValidCheckpoint: records exist but none verifies.
@@ -210,10 +212,10 @@ def load_newest(
             for version in skipped:
                 protocol.forget(version)
                 if rank == 0:
-                    rec.quarantine_record(root, version)
+                    global_versions.quarantine_record(root, version)
             if skipped and rank == 0:  # GLOBAL named a version just set aside
                 with contextlib.suppress(OSError):
-                    rec.write_pointer(root, record.version)
+                    global_versions.write_pointer(root, record.version)
             prepared, index = outcome
             with interrupts_held():  # past the point of no return
                 prepared.apply(objects)

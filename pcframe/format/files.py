@@ -14,12 +14,7 @@ import os
 import stat
 from pathlib import Path
 
-from pcframe.errors import CorruptCheckpoint
-
-
-class NotRegularFile(CorruptCheckpoint):
-    """A checkpoint file is a link, FIFO, device or directory: refused, never read."""
-
+from pcframe.errors import NotRegularFile
 
 _KINDS = {
     stat.S_IFIFO: "a FIFO",

@@ -1,13 +1,8 @@
 """The JSON manifest of one checkpoint version: written last, verified first.
 
-File form (``manifest.json``)::
-
-    {"format": "pcframe-manifest", "format_version": 1, "body_bytes": N, "body_crc32c": "..."}\n
-    <N bytes of JSON body>
-
-The one-line header lets a reader check the body's integrity before parsing it, so a flipped
-byte anywhere in the manifest is detected rather than silently changing a number. The body
-is validated against hard limits before anything is allocated from it.
+File form (``manifest.json``): the JSON body under the one-line integrity header of
+:mod:`pcframe.format.envelope` (format ``pcframe-manifest``), checked before the body is
+parsed. The body is validated against hard limits before anything is allocated from it.
 
 Format versions: 1 has every tensor raw in ``data.bin``. 2 (written only when codecs are
 configured, so default checkpoints stay readable by older pcframe) adds ``codec.bin``: a
@@ -21,63 +16,184 @@ Version 3 allows numpy scalars in the state tree. Version 4 allows
 ``files/data.bin/stripes: K``: the chunks are spread over ``K`` files
 (:mod:`pcframe.format.stripes`); the layout and checksums are those of one ``data.bin``.
 
-This module reads and validates (a coded tensor's segments in
-:mod:`pcframe.format.segments`); the records and their writing are in
-:mod:`pcframe.format.records` (all importable from here).
+:class:`Manifest` holds what one version is (its tensors, where their bytes are, the chunk
+checksums, the state tree); :meth:`Manifest.to_bytes` gives the file, :func:`read_manifest`
+reads and validates one (a coded tensor's segments in :mod:`pcframe.format.segments`).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
-import crc32c
-
-from pcframe.errors import CorruptCheckpoint, ManifestError, UnsupportedCheckpoint
+from pcframe.errors import CorruptCheckpoint, ManifestError
 from pcframe.format.checksum import CHECKSUMS
+from pcframe.format.envelope import Envelope, seal
 from pcframe.format.files import open_regular
-from pcframe.format.layout import Entry
-from pcframe.format.names import MAX_VERSION, SAFE_FILE
-from pcframe.format.records import (
-    CODEC_NAME,
-    DATA_NAME,
-    FORMAT,
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    PLAIN_FORMAT_VERSION,
-    ChunkRecord,
-    DeltaLink,
-    Manifest,
-    SegmentRecord,
-)
-from pcframe.format.segments import CodedSegments
+from pcframe.format.layout import Entry, Layout
+from pcframe.format.names import CODEC_NAME, DATA_NAME, MANIFEST_NAME, MAX_VERSION, SAFE_FILE
+from pcframe.format.segments import CodedSegments, SegmentRecord
 from pcframe.format.stripes import MAX_STRIPES
 from pcframe.format.tree import check_tree
 from pcframe.kernels.dtypes import DTYPES
 
-__all__ = [
-    "CODEC_NAME",
-    "DATA_NAME",
-    "FORMAT",
-    "FORMAT_VERSION",
-    "MANIFEST_NAME",
-    "MAX_CHAIN",
-    "MAX_CHUNK_BYTES",
-    "MAX_DIMS",
-    "MAX_MANIFEST_BYTES",
-    "MAX_NAME",
-    "MAX_TENSORS",
-    "PLAIN_FORMAT_VERSION",
-    "READABLE_VERSIONS",
-    "ChunkRecord",
-    "DeltaLink",
-    "Manifest",
-    "SegmentRecord",
-    "parse_body",
-    "read_manifest",
-]
+FORMAT = "pcframe-manifest"
+FORMAT_VERSION = 4  # the newest this code reads and writes
+STRIPED_FORMAT_VERSION = 4  # written when data.bin is striped over several files
+NUMPY_FORMAT_VERSION = 3  # written when the state tree holds a numpy scalar
+CODED_FORMAT_VERSION = 2  # written when a tensor is coded (codec.bin, deltas)
+PLAIN_FORMAT_VERSION = 1  # written when no tensor is coded: readable by every pcframe
+# Version 3 adds numpy scalars to the state tree ({"$np": [dtype, text]}), version 4 the
+# stripes of data.bin (files/data.bin/stripes): each written only when used, so that a
+# pcframe before it says "upgrade" instead of "corrupt".
+
+
+@dataclass
+class ChunkRecord:
+    offset: int
+    length: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class DeltaLink:
+    """A delta version's base: the committed version its delta tensors are XORed against."""
+
+    base: int
+    depth: int  # versions read to restore it, minus one (the full version has depth 0)
+
+
+@dataclass
+class Manifest:
+    version: int
+    step: int
+    wall_time: float
+    checksum: str
+    chunk_bytes: int
+    data_size: int
+    entries: list[Entry]
+    chunks: list[ChunkRecord]
+    tree: Any
+    numpy_tensors: list[int] = field(default_factory=list)
+    codecs: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)
+    segments: dict[int, list[SegmentRecord]] = field(default_factory=dict)  # coded entries
+    codec_size: int = 0  # bytes of codec.bin
+    delta: DeltaLink | None = None
+    stripes: int = 1  # files data.bin's chunks are spread over (pcframe.format.stripes)
+
+    @property
+    def coded(self) -> bool:
+        """Whether any tensor is stored with a codec (format version 2)."""
+        return bool(self.segments) or any(not e.raw for e in self.entries) or bool(self.delta)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of the version's data files: ``data.bin`` and, if coded, ``codec.bin``."""
+        return self.data_size + self.codec_size
+
+    @property
+    def format_version(self) -> int:
+        if self.stripes > 1:
+            return STRIPED_FORMAT_VERSION
+        if _holds_numpy_scalar(self.tree):
+            return NUMPY_FORMAT_VERSION
+        return CODED_FORMAT_VERSION if self.coded else PLAIN_FORMAT_VERSION
+
+    @property
+    def depth(self) -> int:
+        return self.delta.depth if self.delta is not None else 0
+
+    @property
+    def raw_layout(self) -> Layout:
+        """The data.bin layout; coded entries are not in its chunks."""
+        return Layout.from_entries(self.entries, self.data_size, self.chunk_bytes)
+
+    @property
+    def layout(self) -> Layout:
+        """The data.bin layout of a version whose tensors are all raw.
+
+        Raises:
+            ManifestError: some tensors are coded; a reader of ``data.bin`` alone would miss
+                them (read such versions with :func:`pcframe.restore.reader.load_version`).
+        """
+        if self.coded:
+            coded = [e.name for e in self.entries if not e.raw][:3]
+            raise ManifestError(
+                f"version {self.version} stores tensors with codecs (e.g. {coded}); this "
+                "reader reads raw tensors only: load it with pcframe.restore.reader.load_version"
+            )
+        return self.raw_layout
+
+    def error_bound(self, name: str) -> float:
+        """Largest absolute error a lossy codec recorded for tensor ``name`` (0.0 if exact)."""
+        for index, entry in enumerate(self.entries):
+            if entry.name == name:
+                bounds = [s.meta.get("error_bound", 0.0) for s in self.segments.get(index, [])]
+                return float(max(bounds, default=0.0))
+        raise KeyError(f"version {self.version} has no tensor named {name!r}")
+
+    def body(self) -> dict[str, Any]:
+        files: dict[str, Any] = {
+            DATA_NAME: {
+                "size": self.data_size,
+                "chunks": [[c.offset, c.length, c.checksum] for c in self.chunks],
+            }
+        }
+        if self.stripes > 1:
+            files[DATA_NAME]["stripes"] = self.stripes
+        if self.coded:
+            files[CODEC_NAME] = {"size": self.codec_size}
+        body = {
+            "version": self.version,
+            "step": self.step,
+            "wall_time": self.wall_time,
+            "checksum": self.checksum,
+            "chunk_bytes": self.chunk_bytes,
+            "files": files,
+            "tensors": [self._tensor(i, e) for i, e in enumerate(self.entries)],
+            "numpy_tensors": self.numpy_tensors,
+            "tree": self.tree,
+            "codecs": self.codecs,
+            "metadata": self.metadata,
+            "engine": self.engine,
+        }
+        if self.delta is not None:
+            body["delta"] = {"base": self.delta.base, "depth": self.delta.depth}
+        return body
+
+    def _tensor(self, index: int, e: Entry) -> dict[str, Any]:
+        item: dict[str, Any] = {"name": e.name, "dtype": e.dtype, "shape": list(e.shape)}
+        if e.raw:
+            item.update(file=DATA_NAME, offset=e.offset, nbytes=e.nbytes, codec="raw")
+        else:
+            segments = [s.to_list() for s in self.segments.get(index, [])]
+            item.update(file=CODEC_NAME, nbytes=e.nbytes, codec=e.codec, segments=segments)
+        return item
+
+    def to_bytes(self) -> bytes:
+        """The file form: the body under its integrity header (:mod:`pcframe.format.envelope`)."""
+        return seal(FORMAT, self.format_version, self.body())
+
+
+def _holds_numpy_scalar(node: Any) -> bool:
+    """Whether an encoded state tree has a ``$np`` node (format version 3)."""
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, dict):
+            if "$np" in current and len(current) == 1:
+                return True
+            stack.extend(current.values())
+        elif isinstance(current, list):
+            stack.extend(current)
+    return False
+
+
+__all__ = ["CODEC_NAME", "DATA_NAME", "MANIFEST_NAME", "Manifest", "SegmentRecord", "read_manifest"]
 
 READABLE_VERSIONS = (1, 2, 3, 4)
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
@@ -114,34 +230,7 @@ def read_manifest(path: str) -> Manifest:
                 f"{path}: manifest is {size} bytes, over the {MAX_MANIFEST_BYTES} limit"
             )
         raw = f.read(size + 1)  # its own size: a buffer of the limit is 256 MiB up front
-    line, sep, body = raw.partition(b"\n")
-    if not sep:
-        raise CorruptCheckpoint(f"{path}: manifest has no header line (truncated?)")
-    try:
-        header = json.loads(line)
-    except (ValueError, RecursionError) as exc:
-        raise CorruptCheckpoint(f"{path}: manifest header is not JSON ({exc})") from None
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise ManifestError(f"{path}: not a pcframe manifest (header {line[:80]!r})")
-    format_version = header.get("format_version")
-    if type(format_version) is not int or format_version not in READABLE_VERSIONS:
-        # A newer version number is a newer writer, not damage: the version stays as it is.
-        newer = type(format_version) is int and format_version > max(READABLE_VERSIONS)
-        raise (UnsupportedCheckpoint if newer else ManifestError)(
-            f"{path}: manifest format_version {format_version!r} is not supported by this "
-            f"pcframe (reads versions {', '.join(map(str, READABLE_VERSIONS))}); upgrade pcframe "
-            "to read it"
-        )
-    if header.get("body_bytes") != len(body):
-        raise CorruptCheckpoint(
-            f"{path}: manifest body is {len(body)} bytes, header says {header.get('body_bytes')!r}"
-        )
-    if header.get("body_crc32c") != f"{crc32c.crc32c(body):08x}":
-        raise CorruptCheckpoint(f"{path}: manifest checksum mismatch (bytes were altered)")
-    try:
-        parsed = json.loads(body)
-    except (ValueError, RecursionError) as exc:
-        raise ManifestError(f"{path}: manifest body is not valid JSON ({exc})") from None
+    format_version, parsed = Envelope(FORMAT, READABLE_VERSIONS, "manifest").open(raw, path)
     return parse_body(parsed, path, format_version)
 
 

@@ -20,6 +20,11 @@ from typing import Any
 
 from pcframe.errors import CheckpointError
 
+# The files of one version's folder.
+MANIFEST_NAME = "manifest.json"
+DATA_NAME = "data.bin"  # raw tensors, in chunks (or striped: pcframe.format.stripes)
+CODEC_NAME = "codec.bin"  # coded tensors' segments (format version 2)
+
 log = logging.getLogger("pcframe")
 
 # The largest version number pcframe writes or reads: a trillion versions (one per second

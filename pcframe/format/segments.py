@@ -9,11 +9,27 @@ its elements ``[start, start + count)``. :class:`CodedSegments` checks each tens
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pcframe.errors import UnsupportedCheckpoint
-from pcframe.format.records import CODEC_NAME, SegmentRecord
+from pcframe.format.names import CODEC_NAME
 from pcframe.kernels.dtypes import DTYPES
+
+
+@dataclass(frozen=True)
+class SegmentRecord:
+    """One encoded segment of a coded tensor: where its payload is and what it holds."""
+
+    offset: int  # byte offset of the payload in codec.bin
+    length: int  # payload bytes
+    checksum: str  # of the payload, with the manifest's algorithm
+    start: int  # first element of the tensor (row-major) it holds
+    count: int  # elements it holds
+    meta: dict[str, Any]  # the codec's JSON meta (scales offset, error bound, ...)
+
+    def to_list(self) -> list[Any]:
+        return [self.offset, self.length, self.checksum, self.start, self.count, self.meta]
 
 
 class CodedSegments:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pcframe.format.records import DATA_NAME
+from pcframe.format.names import DATA_NAME
 
 MAX_STRIPES = 256
 

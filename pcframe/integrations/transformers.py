@@ -33,7 +33,7 @@ import torch  # noqa: E402  (after the guard, on purpose)
 
 from pcframe.checkpointer import Checkpointer  # noqa: E402
 from pcframe.policies.base import IntervalPolicy  # noqa: E402
-from pcframe.rng import capture_rng, restore_rng  # noqa: E402
+from pcframe.state.rng import capture_rng, restore_rng  # noqa: E402
 
 log = logging.getLogger("pcframe")
 

@@ -8,17 +8,17 @@ are read, and each of them is verified.
 Raw chunks (from ``data.bin`` or its stripes) are read with ``preadv`` straight into freshly
 allocated tensors (no staging
 copy) and checksummed in the same worker thread, a window of ``READ_WINDOW`` bytes at a
-time (:func:`~pcframe.restore.reading.read_windows`): each window is hashed right after it
+time (:func:`~pcframe.restore.chunk_io.read_windows`): each window is hashed right after it
 is read, while its bytes are still in the CPU's cache. Bytes only the checksum needs go to
 one scratch window per thread. Tensors given as ``targets`` (live tensors of
-the same dtype and shape: :mod:`pcframe.restore.in_place`) are not written while the
+the same dtype and shape: :mod:`pcframe.state.in_place`) are not written while the
 version is verified: their bytes go through the scratch window and are checksummed, and
 :attr:`LoadedVersion.fill` reads them a second time, from the page cache, into the targets
 once the caller decides to apply. Given ``spare`` memory (the idle staging pool), chunks
 whose targets' bytes fit in it are read straight into the targets instead, each after its
-targets' bytes were copied there (:mod:`pcframe.restore.backup`); a failure puts them back.
+targets' bytes were copied there (:mod:`pcframe.restore.live`); a failure puts them back.
 Coded tensors (format version 2) are read segment by segment from ``codec.bin``
-(:mod:`pcframe.restore.segments`): each payload is checksummed, then decoded into its
+(:mod:`pcframe.restore.coded`): each payload is checksummed, then decoded into its
 element range of a fresh tensor. A delta
 tensor first loads its value in the base version (recursively, down to the full version),
 and every version on the way is verified like the one asked for.
@@ -47,8 +47,7 @@ from pcframe.format.manifest import (
 )
 from pcframe.format.names import VERSION_DIR, version_name
 from pcframe.format.tree import decode_tree
-from pcframe.restore.backup import Spare
-from pcframe.restore.reading import (
+from pcframe.restore.chunk_io import (
     DataFiles,
     byte_buffer,
     fresh_tensor,
@@ -56,9 +55,9 @@ from pcframe.restore.reading import (
     read_windows,
     reading_pool,
 )
-from pcframe.restore.segments import CodecFile
+from pcframe.restore.coded import CodecFile
+from pcframe.restore.live import InPlaceTargets, Spare
 from pcframe.restore.staged import StagedChunks
-from pcframe.restore.targets import InPlaceTargets
 
 
 def _nothing(*_: object) -> int:
@@ -115,7 +114,7 @@ def load_version(
     match the manifest), through the returned version's ``fill`` after verification;
     ``spare``: host buffers free for the duration (the idle staging pool) in which the old
     bytes of targets read straight in are kept, and the targets not to read straight in
-    (:class:`~pcframe.restore.backup.Spare`).
+    (:class:`~pcframe.restore.live.Spare`).
 
     Raises:
         ManifestError / CorruptCheckpoint: naming the file and what is wrong with it.

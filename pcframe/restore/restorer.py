@@ -1,54 +1,78 @@
-"""One restore: the first source that verifies, checked against and applied to the objects."""
+"""One restore: the first source that verifies, checked against and applied to the objects.
+
+Both ways in share :func:`load_and_apply`: a :class:`~pcframe.Checkpointer`'s restore
+(:func:`restore_from_tiers`: its tiers, its idle staging pool lent as spare memory) and
+:func:`load`, which restores from a directory without writing to it (read-only media). The
+Checkpointer takes the directory's writer lock, cleans leftovers and quarantines damaged
+versions, so it needs a writable directory; ``load`` only reads: the same verification,
+fallback to older versions and all-or-nothing apply, but a damaged version is skipped,
+never renamed, and nothing is created, locked or deleted.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from pcframe.collector import collector_paused
-from pcframe.errors import NoValidCheckpoint
+from pcframe.errors import CheckpointError, NoValidCheckpoint, RestoreIOError
 from pcframe.format.manifest import Manifest
-from pcframe.format.names import version_name
-from pcframe.interrupts import interrupts_held
-from pcframe.objects import TrainingObjects
-from pcframe.restore.apply import apply_tree
-from pcframe.restore.backup import Spare
-from pcframe.restore.check_optimizer import prefetch_fresh_state
-from pcframe.restore.in_place import in_place_targets, seen_elsewhere
+from pcframe.format.names import check_requested_version, version_name
+from pcframe.restore.live import Spare
 from pcframe.restore.reader import LoadedVersion
 from pcframe.restore.report import RestoreReport
 from pcframe.restore.sources import load_first_valid, restore_sources
+from pcframe.runtime.collector import collector_paused
+from pcframe.runtime.interrupts import interrupts_held
 from pcframe.save.staging import StagingPool
-from pcframe.store.directory import quarantined_versions
+from pcframe.state.apply import apply_tree
+from pcframe.state.check import LoadRules
+from pcframe.state.in_place import in_place_targets, seen_elsewhere
+from pcframe.state.objects import Stateful, TrainingObjects
+from pcframe.state.optimizer import prefetch_fresh_state
+from pcframe.store.directory import CheckpointDir, quarantined_versions
 from pcframe.store.tiers import Source, Tiers
 
 log = logging.getLogger("pcframe")
+
+LISTINGS = 3  # walks of a directory whose writer keeps committing while load() reads it
+
+
+@dataclass
+class RestoreJob:
+    """What one restore loads into and how: the objects, the rules for a version that does
+    not fit them, the reading threads, the directory it is named by in messages, and the
+    report it fills."""
+
+    objects: TrainingObjects
+    rules: LoadRules
+    threads: int
+    root: Path
+    report: RestoreReport
 
 
 def restore_from_tiers(
     tiers: Tiers,
     version: int | None,
-    objects: TrainingObjects,
-    report: RestoreReport,
+    job: RestoreJob,
     pool: StagingPool,
     seen: Callable[[int], None],
     applied: Callable[[Manifest], object],
-    *,
-    threads: int,
-    strict: bool,
-    allow_cast: bool,
-    root: Path,
 ) -> Manifest | None:
     """A checkpointer's restore: the newest valid version the tiers hold (or ``version``)
-    loaded into ``objects`` (:func:`load_and_apply`), its idle staging ``pool`` lent as
+    loaded as ``job`` says (:func:`load_and_apply`), its idle staging ``pool`` lent as
     spare memory. ``seen`` is called with the newest version number any tier holds, valid
     or not, before anything is read, and with the version loaded (new versions are numbered
     above both); ``applied(manifest)`` once the version holds."""
-    sources = restore_sources(tiers, version, report)
+    sources = restore_sources(tiers, version, job.report)
     if sources:
         seen(sources[0].version)
 
@@ -57,64 +81,48 @@ def restore_from_tiers(
         applied(manifest)
 
     with pool.lend() as buffers:
-        manifest = load_and_apply(
-            sources,
-            objects,
-            report,
-            threads=threads,
-            strict=strict,
-            allow_cast=allow_cast,
-            root=root,
-            spare=Spare(buffers, staged=pool.holding(buffers), written=pool.forget),
-            applied=holds,
-        )
-    return manifest
+        spare = Spare(buffers, staged=pool.holding(buffers), written=pool.forget)
+        return load_and_apply(sources, job, spare, holds)
 
 
 def load_and_apply(
     sources: list[Source],
-    objects: TrainingObjects,
-    report: RestoreReport,
-    *,
-    threads: int,
-    strict: bool,
-    allow_cast: bool,
-    root: Path,
+    job: RestoreJob,
     spare: Spare | None = None,
     applied: Callable[[Manifest], object] | None = None,
 ) -> Manifest | None:
-    """Load the newest valid source into ``objects``; fill ``report``; return its manifest.
+    """Load the newest valid source into ``job.objects``; fill ``job.report``; return its
+    manifest (``None`` when there is no checkpoint at all).
 
     ``applied(manifest)``: called once the version is applied, before an interrupt held
     during the commit is raised (the caller's bookkeeping of a restore that holds).
 
     ``spare``: host buffers free while this runs (the checkpointer's idle staging pool), where
     the live tensors' old bytes are kept so that the version is read straight into them
-    (:mod:`pcframe.restore.backup`), and the raw chunks they still hold from the saves,
+    (:mod:`pcframe.restore.live`), and the raw chunks they still hold from the saves,
     copied instead of read where they verify (:mod:`pcframe.restore.staged`). Whatever ends
     this call by an exception (an interrupt between the read and the apply included), bytes
     read over and not committed go back.
-
-    Returns ``None`` when there is no checkpoint at all.
 
     Raises:
         NoValidCheckpoint: every committed version failed verification.
         RestoreIOError: the newest version cannot be read (I/O errors after retries).
         CheckpointError: the version does not fit the objects (nothing was changed).
     """
-    start = time.perf_counter()
+    start, objects, report = time.perf_counter(), job.objects, job.report
     with collector_paused():  # no full collections among the restore's short-lived objects
         targets = in_place_targets(objects.model, objects.optimizer)
         lent = spare or Spare()
         lent.shared = seen_elsewhere(targets, objects.model, objects.optimizer)
+        finding = prefetch_fresh_state(objects.optimizer)  # on a thread, while bytes are read
         try:
-            loaded = _first_valid(sources, objects, report, targets, lent, threads, root)
+            loaded = _first_valid(sources, job, targets, lent, finding)
             if loaded is None:
                 return None
             # The commit: once a byte is filled a second time there is no way back, so an
-            # interrupt waits until the restore is complete (pcframe.interrupts).
+            # interrupt waits until the restore is complete (pcframe.runtime.interrupts).
             with interrupts_held():
-                manifest = _commit(loaded, objects, report, strict, allow_cast)
+                manifest = _commit(loaded, job)
                 report.seconds = time.perf_counter() - start
                 log.info(
                     "restored version %d (step %d) in %.2f s%s%s",
@@ -136,17 +144,16 @@ def load_and_apply(
 
 def _first_valid(
     sources: list[Source],
-    objects: TrainingObjects,
-    report: RestoreReport,
+    job: RestoreJob,
     targets: dict[str, torch.Tensor],
     spare: Spare,
-    threads: int,
-    root: Path,
+    finding: threading.Thread | None,
 ) -> LoadedVersion | None:
-    """The newest source that reads and verifies (None: there is no checkpoint at all)."""
-    finding = prefetch_fresh_state(objects.optimizer)  # while the bytes are read
+    """The newest source that reads and verifies (None: there is no checkpoint at all);
+    ``finding`` (the optimizer's fresh state being worked out) is joined either way."""
+    report, root = job.report, job.root
     try:
-        loaded = load_first_valid(sources, threads, report, targets=targets, spare=spare)
+        loaded = load_first_valid(sources, job.threads, report, targets=targets, spare=spare)
     finally:
         if finding is not None:
             finding.join()
@@ -167,33 +174,92 @@ def _first_valid(
     return loaded
 
 
-def _commit(
-    loaded: LoadedVersion,
-    objects: TrainingObjects,
-    report: RestoreReport,
-    strict: bool,
-    allow_cast: bool,
-) -> Manifest:
+@dataclass
+class _FillInto:
+    """The apply's in-place fill of one loaded version, its bytes counted in the report."""
+
+    loaded: LoadedVersion
+    report: RestoreReport
+
+    def fill(self, sections: Collection[str]) -> int:
+        self.report.in_place_bytes = self.loaded.fill(sections)
+        return self.report.in_place_bytes
+
+    def unfill(self) -> bool:
+        return self.loaded.in_place.unfill()
+
+
+def _commit(loaded: LoadedVersion, job: RestoreJob) -> Manifest:
     """Check the verified version against the objects and apply it (filling in place)."""
-    manifest = loaded.manifest
+    manifest, report = loaded.manifest, job.report
     where = f"version {manifest.version} ({version_name(manifest.version)})"
-
-    def fill(sections: Collection[str]) -> int:
-        report.in_place_bytes = loaded.fill(sections)
-        return report.in_place_bytes
-
+    fill = _FillInto(loaded, report) if loaded.in_place_bytes else None
     try:
-        report.not_loaded = apply_tree(
-            objects,
-            loaded.state_tree(),
-            where,
-            strict=strict,
-            allow_cast=allow_cast,
-            fill=fill if loaded.in_place_bytes else None,
-            unfill=loaded.in_place.unfill,
-        )
+        report.not_loaded = apply_tree(job.objects, loaded.state_tree(), where, job.rules, fill)
     finally:
         loaded.release()
     report.version, report.step = manifest.version, manifest.step
     report.direct_bytes = loaded.in_place.direct_bytes
     return manifest
+
+
+def load(
+    directory: str | os.PathLike[str],
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    data: Stateful | None = None,
+    stateful: Mapping[str, Stateful] | None = None,
+    extra: dict[str, Any] | None = None,
+    version: int | None = None,
+    strict: bool = True,
+    allow_cast: bool = False,
+    threads: int = 8,
+) -> RestoreReport:
+    """Load the newest valid version (or ``version``) of ``directory`` into the objects,
+    writing nothing to it.
+
+    Returns the :class:`RestoreReport` (``report.step`` is ``None`` when the directory holds
+    no checkpoint). The objects are those a :class:`~pcframe.Checkpointer` takes; RNG
+    states are restored too. Without a ``policy`` the saved policy state is ignored.
+
+    Raises:
+        NoValidCheckpoint, RestoreIOError, CheckpointError: as ``Checkpointer.restore``.
+    """
+    check_requested_version(version, "load(version=...)")
+    objects = TrainingObjects.given(model, optimizer, scheduler, scaler, data, stateful, extra)
+    root = CheckpointDir(directory)
+    if not root.root.is_dir():
+        raise CheckpointError(f"{root.root} is not a directory: give a checkpoint directory")
+    rules = LoadRules(strict=strict, allow_cast=allow_cast)
+    listed = root.committed_versions()
+    for attempt in range(LISTINGS):
+        versions = [v for v in reversed(listed) if version in (None, v)]
+        if version is not None and not versions:
+            raise CheckpointError(
+                f"version {version} is not committed in {root.root}; committed: {listed}"
+            )
+        report = RestoreReport()
+        try:
+            load_and_apply(
+                _read_only_sources(root, versions),
+                RestoreJob(objects, rules, threads, root.root, report),
+            )
+            return report
+        except (NoValidCheckpoint, RestoreIOError):
+            # A writer still at work can commit a newer version and delete (by its
+            # retention) the ones this listing named while they are read: list again.
+            # Only a listing with a version not tried yet earns another walk.
+            before, listed = set(listed), root.committed_versions()
+            if version is not None or attempt == LISTINGS - 1 or set(listed) <= before:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _read_only_sources(root: CheckpointDir, versions: list[int]) -> list[Source]:
+    return [
+        Source(v, "", lambda v=v: contextlib.nullcontext(root.path(v)), lambda: None)
+        for v in versions
+    ]

@@ -27,13 +27,18 @@ from typing import TypeVar
 
 import torch
 
-from pcframe.collector import collect_if_paused
-from pcframe.errors import CheckpointError, ManifestError, RestoreIOError, UnsupportedCheckpoint
+from pcframe.errors import (
+    CheckpointError,
+    ManifestError,
+    RestoreIOError,
+    UnsupportedCheckpoint,
+    out_of_memory,
+)
 from pcframe.format.names import check_requested_version
-from pcframe.restore.backup import Spare
+from pcframe.restore.live import Spare
 from pcframe.restore.reader import LoadedVersion, load_version
-from pcframe.restore.reading import out_of_memory
 from pcframe.restore.report import RestoreReport
+from pcframe.runtime.collector import collect_if_paused
 from pcframe.store.tiers import Source, TierError, Tiers
 
 log = logging.getLogger("pcframe")

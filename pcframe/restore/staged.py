@@ -10,7 +10,7 @@ first, the same check a disk read passes, so what is restored is what is on disk
 Only when every raw chunk the restore needs is held and verifies: otherwise the version is
 read from disk as before (a mismatch in memory says nothing about the checkpoint, so nothing
 is quarantined for it). The live tensors are filled after the whole version verified, as a
-restore without spare memory fills them (:mod:`pcframe.restore.in_place`), but from memory:
+restore without spare memory fills them (:mod:`pcframe.state.in_place`), but from memory:
 the buffers the copy reads are lent to the restore, so nothing else writes them meanwhile.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from pcframe.format.layout import Chunk
-from pcframe.format.records import Manifest
+from pcframe.format.manifest import Manifest
 
 
 class StagedChunks:

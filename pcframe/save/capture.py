@@ -19,15 +19,15 @@ from pcframe.format.layout import Layout
 from pcframe.format.manifest import MAX_DIMS, MAX_NAME, MAX_NUMEL, MAX_STEP, MAX_TENSORS
 from pcframe.format.tree import TensorRef, encode_tree
 from pcframe.kernels.dtypes import DTYPE_NAMES
-from pcframe.migrations import versions_to_save
-from pcframe.objects import (
+from pcframe.save.request import SaveRequest, in_place_version, same_sample, value_sample
+from pcframe.state.migrations import versions_to_save
+from pcframe.state.objects import (
     TrainingObjects,
     check_params_are_the_models,
     class_name,
     optimizer_param_names,
 )
-from pcframe.rng import capture_rng
-from pcframe.save.request import SaveRequest, in_place_version, same_sample, value_sample
+from pcframe.state.rng import capture_rng
 
 
 class Capture:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from pcframe.config import EngineConfig
 from pcframe.errors import CheckpointError
-from pcframe.faults import crash_point
 from pcframe.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, ChunkRecord, Manifest
+from pcframe.runtime.faults import crash_point
 from pcframe.save.delta import DeltaTracker
 from pcframe.save.status import SaveStatus
 from pcframe.save.write import VersionWrite

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pcframe.collector import collector_paused
 from pcframe.errors import SaveError
+from pcframe.runtime.collector import collector_paused
 from pcframe.save.handle import SaveRecord
 from pcframe.save.progress import SaveProgress
 from pcframe.save.status import SaveStatus, Stage

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from pcframe.config import PAGE
-from pcframe.format.records import DATA_NAME
+from pcframe.format.manifest import DATA_NAME
 from pcframe.format.stripes import stripe_location, stripe_paths, stripe_sizes
 from pcframe.store.mounts import mount_of
 

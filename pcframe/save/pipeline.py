@@ -43,6 +43,7 @@ import torch
 from pcframe.config import EngineConfig
 from pcframe.errors import SaveError, TornSnapshot
 from pcframe.format.layout import Chunk
+from pcframe.runtime.threads import one_openmp_thread, single_threaded_torch
 from pcframe.save.commit import CommitListener, Committer
 from pcframe.save.copy import Copier, DeviceCopies, SharedChunks
 from pcframe.save.delta import DeltaTracker
@@ -57,7 +58,6 @@ from pcframe.save.workers import WorkerPool
 from pcframe.save.write import VersionWrite, Writer
 from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.retention import KeepBases, KeepLast, KeepReason, Retention
-from pcframe.threads import one_openmp_thread, single_threaded_torch
 
 log = logging.getLogger("pcframe")
 

@@ -207,7 +207,7 @@ class StagingPool:
     @contextlib.contextmanager
     def lend(self) -> Iterator[list[torch.Tensor]]:
         """Every buffer, for the duration, while no save uses the pool (a restore keeps the
-        live bytes it overwrites there: :mod:`pcframe.restore.backup`); none when a buffer
+        live bytes it overwrites there: :mod:`pcframe.restore.live`); none when a buffer
         is out, the pool is closed or not allocated, or being allocated right now (then
         the restore reads the old way rather than wait for the pages to be faulted in)."""
         lent: list[torch.Tensor] = []

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from pcframe.threads import single_threaded_torch
+from pcframe.runtime.threads import single_threaded_torch
 
 log = logging.getLogger("pcframe")
 
@@ -56,7 +56,7 @@ class WorkerPool:
             thread.join()
 
     def _run(self) -> None:
-        single_threaded_torch()  # see pcframe.threads: no second OpenMP team
+        single_threaded_torch()  # see pcframe.runtime.threads: no second OpenMP team
         while (item := self._queue.get()) is not None:
             task, args = item
             try:

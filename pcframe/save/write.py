@@ -14,11 +14,11 @@ import numpy as np
 import torch
 
 from pcframe.config import EngineConfig
-from pcframe.faults import crash_point
 from pcframe.format.checksum import checksum_function, format_digest
 from pcframe.format.layout import Chunk
 from pcframe.format.manifest import SegmentRecord
 from pcframe.format.tree import DTYPES
+from pcframe.runtime.faults import crash_point
 from pcframe.save.codec import CodecPlan, Segment, encode_segment
 from pcframe.save.delta import DeltaChoice
 from pcframe.save.persist import DataFile, pwrite_all

@@ -6,10 +6,10 @@ preemption/availability trace through the real ``pcframe.policies`` objects and 
 deadline). See docs/simulator.md for the event model and its assumptions.
 """
 
+from pcframe.errors import SimConfigError
 from pcframe.sim.baselines import Oracle, best_fixed_interval, fixed_interval_grid
 from pcframe.sim.calibrate import job_from_records
 from pcframe.sim.capacity import Capacity
-from pcframe.sim.errors import SimConfigError
 from pcframe.sim.result import BREAKDOWN, SimResult
 from pcframe.sim.simulator import simulate
 from pcframe.sim.spec import JobSpec, SimOptions

@@ -22,9 +22,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pcframe.errors import SimConfigError
 from pcframe.policies.traces import Trace
 from pcframe.sim.baselines import Oracle
-from pcframe.sim.errors import SimConfigError
 from pcframe.sim.report import (
     markdown_table,
     plot_breakdown,

@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Iterable
 from typing import Any
 
-from pcframe.sim.errors import SimConfigError
+from pcframe.errors import SimConfigError
 from pcframe.sim.spec import JobSpec
 
 

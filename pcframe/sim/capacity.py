@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pcframe.errors import SimConfigError
 from pcframe.policies.traces import Trace
-from pcframe.sim.errors import SimConfigError
 from pcframe.sim.spec import SimOptions
 
 

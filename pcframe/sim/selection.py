@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 from pathlib import Path
 
+from pcframe.errors import SimConfigError
 from pcframe.policies.traces import (
     Trace,
     is_trace_file,
@@ -14,7 +15,6 @@ from pcframe.policies.traces import (
     shared_traces_dir,
     trace_files,
 )
-from pcframe.sim.errors import SimConfigError
 
 
 def select_traces(spec: str, cwd: str | Path | None = None) -> list[Trace]:

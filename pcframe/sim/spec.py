@@ -14,7 +14,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, Literal
 
-from pcframe.sim.errors import SimConfigError
+from pcframe.errors import SimConfigError
 
 Persist = Literal["parallel", "serial"]
 PolicyState = Literal["checkpoint", "process"]

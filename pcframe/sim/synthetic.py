@@ -12,8 +12,8 @@ import math
 
 import numpy as np
 
+from pcframe.errors import SimConfigError
 from pcframe.policies.traces import Trace
-from pcframe.sim.errors import SimConfigError
 
 
 def poisson_trace(

@@ -25,10 +25,10 @@ import shutil
 import weakref
 from pathlib import Path
 
-from pcframe.errors import CheckpointError, DirectoryLocked, RestoreIOError
-from pcframe.faults import crash_point
-from pcframe.format.files import NotRegularFile, is_real_directory, open_regular, read_small
+from pcframe.errors import CheckpointError, DirectoryLocked, NotRegularFile, RestoreIOError
+from pcframe.format.files import is_real_directory, open_regular, read_small
 from pcframe.format.names import version_name, version_number
+from pcframe.runtime.faults import crash_point
 from pcframe.store.starts import Starts, count_start
 
 log = logging.getLogger("pcframe")

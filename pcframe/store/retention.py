@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from pcframe.faults import crash_point
+from pcframe.runtime.faults import crash_point
 from pcframe.store.directory import WritableCheckpointDir
 
 log = logging.getLogger("pcframe")

@@ -27,7 +27,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from pcframe.format.files import NotRegularFile, read_small
+from pcframe.errors import NotRegularFile
+from pcframe.format.files import read_small
 
 log = logging.getLogger("pcframe")
 

@@ -1,6 +1,6 @@
 """Real spot traces in one normalised schema (:class:`Trace`), from any supported file."""
 
-from pcframe.policies.traces.errors import TraceFormatError
+from pcframe.policies.errors import TraceFormatError
 from pcframe.policies.traces.loader import (
     ENV_VAR,
     FORMATS,

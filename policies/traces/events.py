@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pcframe.policies.traces.errors import TraceFormatError
+from pcframe.policies.errors import TraceFormatError
 from pcframe.policies.traces.schema import MAX_DURATION, Trace
 from pcframe.policies.traces.timeutil import median_step
 

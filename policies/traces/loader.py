@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pcframe.policies.traces.errors import TraceFormatError
+from pcframe.policies.errors import TraceFormatError
 from pcframe.policies.traces.events import read_bamboo_events, read_pccheck_gpus
 from pcframe.policies.traces.native import read_pcframe_csv, read_pcframe_json
 from pcframe.policies.traces.schema import FORMAT_TAG, Trace

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pcframe.policies.traces.errors import TraceFormatError
+from pcframe.policies.errors import TraceFormatError
 from pcframe.policies.traces.schema import FORMAT_TAG, Trace
 from pcframe.policies.traces.timeutil import median_step, parse_time
 

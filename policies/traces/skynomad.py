@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pcframe.policies.traces.errors import TraceFormatError
+from pcframe.policies.errors import TraceFormatError
 from pcframe.policies.traces.schema import Trace
 from pcframe.policies.traces.timeutil import median_step, parse_time
 

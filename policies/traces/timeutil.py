@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pcframe.policies.traces.errors import TraceFormatError
+from pcframe.policies.errors import TraceFormatError
 
 
 def parse_time(text: str, path: Path, where: str) -> datetime:

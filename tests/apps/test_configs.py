@@ -10,8 +10,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from pcframe.apps.compose import compose_config, engine_config
+from pcframe.apps.instantiate import build as build_target
 from pcframe.apps.preemption import kill_times
-from pcframe.apps.targets import build as build_target
 from pcframe.apps.tuning import Tuner, base_params, fixed_knobs, parse_space
 from pcframe.apps.workloads import build
 from pcframe.errors import ConfigError

@@ -18,8 +18,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from pcframe.apps.errors import USAGE_ERROR
+from pcframe.apps.instantiate import check_targets
 from pcframe.apps.plugins import GROUPS, target_node
-from pcframe.apps.targets import check_targets
 from pcframe.errors import ConfigError
 from pcframe.policies import Decision, IntervalPolicy, PolicyContext
 

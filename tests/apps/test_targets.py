@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from pcframe.apps.tuning import measure
 from pcframe.apps.tuning.report import read_tuned_meta
-from pcframe.apps.tuning.targets import (
+from pcframe.apps.tuning.target_storage import (
     TargetKind,
     TargetSpec,
     open_target,

@@ -1,7 +1,7 @@
 """Real multi-rank jobs on CPU (gloo): round trip, resize, SIGKILL during a save, resume.
 
 Every job is 2 or 3 separate Python processes with a real process group; crashes are real
-SIGKILLs at the engine's and the protocol's crash points (:mod:`pcframe.faults`).
+SIGKILLs at the engine's and the protocol's crash points (:mod:`pcframe.runtime.faults`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pcframe.distributed import record as rec
+from pcframe.distributed import global_versions as rec
 from pcframe.format.manifest import MANIFEST_NAME, read_manifest
 from pcframe.format.names import version_name
 from pcframe.restore.reader import load_version

@@ -15,11 +15,11 @@ import torch
 
 from pcframe import Checkpointer
 from pcframe.distributed import DistributedCheckpointer
-from pcframe.distributed import record as rec
+from pcframe.distributed import global_versions as rec
+from pcframe.distributed.global_versions import retention_allowed
 from pcframe.distributed.index import ShardSource
 from pcframe.distributed.partition import assign_owners
 from pcframe.distributed.placement import Box, shard_box
-from pcframe.distributed.protocol import retention_allowed
 from pcframe.distributed.restore import assemble
 from pcframe.errors import CheckpointError, CorruptCheckpoint, ManifestError
 from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME, read_manifest

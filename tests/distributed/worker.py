@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 # Under torchrun every rank shares one environment: arm the crash point for one rank and
-# only in the first incarnation, before pcframe.faults reads the variable at import.
+# only in the first incarnation, before pcframe.runtime.faults reads the variable at import.
 if (
     os.environ.get("TEST_CRASH_AT")
     and os.environ.get("RANK") == os.environ.get("TEST_CRASH_RANK")
@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from pcframe.distributed import DistributedCheckpointer, ReshardError
-from pcframe.distributed import record as rec
+from pcframe.distributed import global_versions as rec
 from pcframe.errors import CheckpointError, SaveError
 from pcframe.policies import Decision, FixedSteps, PolicyContext
 from pcframe.save.status import SaveStatus

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from pcframe.collector import collector_paused
+from pcframe.runtime.collector import collector_paused
 
 
 def test_nested_holders_give_it_back_when_the_last_leaves():

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from pcframe import Checkpointer
-from pcframe.restore import check_optimizer, restorer
+from pcframe.restore import restorer
+from pcframe.state import optimizer as check_optimizer
 
 
 def _trained(amsgrad: bool) -> tuple[nn.Module, torch.optim.Optimizer]:

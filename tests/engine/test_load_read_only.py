@@ -67,7 +67,7 @@ def test_load_while_its_writer_commits_and_prunes_reads_the_new_version(tmp_path
     """An eval job loads while training saves with keep_last=1: the version it listed is
     deleted by the writer's retention before it is read. Before, load called it corrupt
     and raised NoValidCheckpoint although a newer valid version was there."""
-    import pcframe.restore.load as load_module
+    import pcframe.restore.restorer as load_module
 
     model = torch.nn.Linear(4, 4)
     with Checkpointer(tmp_path, model=model, keep_last=1) as writer:

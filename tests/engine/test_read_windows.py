@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import pcframe.restore.chunk_io as reading
 import pcframe.restore.reader as reader
-import pcframe.restore.reading as reading
 from pcframe import Checkpointer
 from pcframe.errors import NoValidCheckpoint
 from pcframe.format.manifest import MANIFEST_NAME, read_manifest

@@ -17,11 +17,12 @@ import torch
 
 from pcframe import Checkpointer
 from pcframe.errors import CheckpointError, NoValidCheckpoint
-from pcframe.restore import apply, reader
-from pcframe.restore.backup import Spare
-from pcframe.restore.in_place import in_place_targets
+from pcframe.restore import reader
+from pcframe.restore.live import Spare
 from pcframe.restore.reader import load_version
 from pcframe.save.staging import StagingPool
+from pcframe.state import apply
+from pcframe.state.in_place import in_place_targets
 from tests.engine.helpers import (
     adamw_mlp,
     adamw_step,
@@ -325,7 +326,7 @@ def test_interrupts_while_reading_wait_for_the_reads_in_progress(tmp_path, monke
     live memory after the put-back would leave new bytes there."""
     import time
 
-    from pcframe.restore import reading
+    from pcframe.restore import chunk_io as reading
 
     with _saved_then_stepped(tmp_path, read_threads=4) as (ckpt, model, optimizer, before):
         real = reading.preadv_all

@@ -13,7 +13,7 @@ import torch
 
 from pcframe import Checkpointer
 from pcframe.errors import CheckpointError, NoValidCheckpoint
-from pcframe.restore.in_place import in_place_targets, plain_module_loading
+from pcframe.state.in_place import in_place_targets, plain_module_loading
 
 
 def _model() -> torch.nn.Module:

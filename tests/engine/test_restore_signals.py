@@ -20,7 +20,7 @@ import pcframe.restore.reader as reader
 import pcframe.save.persist as persist
 from pcframe import Checkpointer
 from pcframe.errors import CheckpointError
-from pcframe.interrupts import interrupts_held
+from pcframe.runtime.interrupts import interrupts_held
 from pcframe.save.status import SaveStatus
 from tests.engine.helpers import disk_reads_only
 
@@ -267,7 +267,7 @@ def test_a_put_back_cut_short_by_a_signal_leaves_every_signal_handled(monkeypatc
     """Python runs a handler between any two bytecodes: Ctrl-C raised in the middle of
     putting the handlers back left the rest holding signals for good, and every later
     restore holding nothing. A released hold now passes each signal on to its handler."""
-    import pcframe.interrupts as interrupts
+    import pcframe.runtime.interrupts as interrupts
 
     seen: list[str] = []
 
@@ -304,7 +304,7 @@ def test_a_put_back_cut_short_by_a_signal_leaves_every_signal_handled(monkeypatc
 
 
 def test_a_hold_whose_outer_end_was_cut_short_is_released_by_the_next_one():
-    import pcframe.interrupts as interrupts
+    import pcframe.runtime.interrupts as interrupts
 
     seen: list[int] = []
     previous = signal.signal(signal.SIGUSR1, lambda n, _f: seen.append(n))

@@ -353,7 +353,7 @@ def test_an_optimizer_of_many_groups_restores_as_torch_loads_it(tmp_path):
 
 
 def test_indexed_param_ids_answer_in_as_the_plain_lists():
-    from pcframe.restore.apply import _indexed
+    from pcframe.state.apply import _indexed
 
     state = {"state": {}, "param_groups": [{"params": [0, 2, 5]}, {"params": [1, 3]}]}
     indexed = _indexed(state)

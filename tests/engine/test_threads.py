@@ -1,4 +1,4 @@
-"""The engine's threads never start OpenMP thread teams of their own (pcframe.threads).
+"""The engine's threads never start OpenMP thread teams of their own (pcframe.runtime.threads).
 
 A team made by a background thread put GNU OpenMP past one thread per core, and the training
 step then ran about 45 % slower for as long as the engine lived. The test checks the cause,
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pcframe import Checkpointer, EngineConfig
-from pcframe.threads import single_threaded_torch
+from pcframe.runtime.threads import single_threaded_torch
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
 

@@ -559,7 +559,7 @@ def remote_versions(url: str, storage_options: dict[str, Any], scratch: Path) ->
 
 def check_global(root: Path, told: dict[int, int]) -> dict[int, int]:
     """A 2-rank root after a crash: every record's shards verify; {global version: step}."""
-    from pcframe.distributed import record as rec
+    from pcframe.distributed import global_versions as rec
     from pcframe.format.manifest import MANIFEST_NAME
     from pcframe.format.names import version_name
     from pcframe.restore.reader import load_version

@@ -22,8 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from pcframe import Checkpointer, CheckpointError, ResumableLoader, ResumableSampler
-from pcframe.restore.check import StateMismatch
-from pcframe.rng import capture_rng, check_rng
+from pcframe.errors import StateMismatch
+from pcframe.state.rng import capture_rng, check_rng
 from pcframe.store.directory import CheckpointDir
 from tests.engine.helpers import CPU_AND_CUDA
 from tests.engine.test_hostile_manifest import rewrite

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_module
 
+from pcframe.errors import SimConfigError
 from pcframe.sim.app_config import cases_from_config, register_schemas, select_traces
-from pcframe.sim.errors import SimConfigError
 
 SMALL = "pccheck/gpus_trace.csv"  # 3.8 h, 26 drops: quick
 

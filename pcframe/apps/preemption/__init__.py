@@ -22,9 +22,9 @@ from pcframe.apps.preemption.supervisor import (
     Life,
     SupervisedRun,
     Supervisor,
-    SupervisorError,
     compare_finals,
 )
+from pcframe.errors import SupervisorError
 
 __all__ = [
     "ChildSpec",

@@ -25,13 +25,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from pcframe.apps.training import EVENT_PREFIX
-from pcframe.errors import CheckpointError
+from pcframe.errors import SupervisorError
 
 _EOF = object()
-
-
-class SupervisorError(CheckpointError):
-    """The child failed on its own (not killed by us) or the run timed out."""
 
 
 class KillClock(Enum):

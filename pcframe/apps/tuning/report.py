@@ -15,7 +15,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from pcframe.apps.limits import MachineLimits
 from pcframe.apps.machine import machine_differences, machine_identity
-from pcframe.apps.tuning.targets import target_differences
+from pcframe.apps.tuning.target_storage import target_differences
 from pcframe.config import EngineConfig
 
 META_PREFIX = "# pcframe-tune-meta: "
@@ -203,7 +203,7 @@ def write_tuned_config(
 
     The header records what it was tuned for: the workload (name and arguments), the torch
     threads, this machine (:func:`~pcframe.apps.machine.machine_identity`) and the target
-    (:meth:`~pcframe.apps.tuning.targets.ActiveTarget.identity`: its name, the storage
+    (:meth:`~pcframe.apps.tuning.target_storage.ActiveTarget.identity`: its name, the storage
     directory's device and file system, a blkio throttle, a remote tier), as readable
     comments and as one ``# pcframe-tune-meta: {json}`` line that ``pcframe-run`` compares
     with its own setup (:func:`tuned_config_warnings`).

@@ -25,13 +25,13 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from pcframe.collector import collector_paused
 from pcframe.errors import CheckpointError, CorruptCheckpoint, NoValidCheckpoint
 from pcframe.format.names import check_requested_version
 from pcframe.format.tree import decode_tree
 from pcframe.integrations.dcp import root as roots
 from pcframe.integrations.dcp.schema import ReadIndex, build_metadata, section
 from pcframe.restore.reader import read_entries
+from pcframe.runtime.collector import collector_paused
 
 log = logging.getLogger("pcframe")
 
@@ -119,7 +119,7 @@ class StorageReader(_DcpStorageReader):
                     "does not match this version's metadata)"
                 )
             by_rank[location.rank].append((read, index.items[location.rank][location.item]))
-        # As in pcframe's own restores (pcframe.collector): no full collections of the whole
+        # As in pcframe's own restores (pcframe.runtime.collector): no full collections of the whole
         # process set off among the read's short-lived objects; a failed shard's cycle is
         # freed when the pause ends.
         with collector_paused():

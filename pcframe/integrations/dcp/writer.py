@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from pcframe.config import EngineConfig
+from pcframe.distributed import global_versions
 from pcframe.errors import CheckpointError, DirectoryLocked
 from pcframe.format.files import read_small
 from pcframe.format.layout import Layout
@@ -142,7 +143,7 @@ class StorageWriter(_DcpStorageWriter):
         """Coordinator: one version number and layout for every rank of this save."""
         assert self.root is not None
         world = len(plans)
-        version = roots.next_version(self.root)
+        version = global_versions.next_version(self.root)
         step = self.step if self.step is not None else _step_of(self.checkpoint_id, version)
         layout = roots.layout_for(self.root, world)
         self._info = PlanInfo(version, step, 0, world, layout, self.checkpoint_id, self._save_id)
@@ -315,7 +316,7 @@ def _commit(
     config = dataclasses.replace(config, staging_bytes=min(staging, chunks * config.chunk_bytes))
     storage = _open_directory(directory, info.version)
     try:
-        keep = [KeepWhere("global records", roots.GlobalShards(root).keep)]
+        keep = [KeepWhere("global records", global_versions.GlobalShards(root).keep)]
         pipeline = SavePipeline(
             config, storage, lambda _: None, keep if info.layout == roots.RANKS else []
         )

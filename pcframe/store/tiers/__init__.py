@@ -5,7 +5,8 @@ the background from committed versions, per-tier retention from a placement poli
 across tiers, and the emergency path for preemption notices. See ``docs/tiers.md``.
 """
 
-from pcframe.store.tiers.base import Tier, TierCancelled, TierError
+from pcframe.errors import TierCancelled, TierError
+from pcframe.store.tiers.base import Tier
 from pcframe.store.tiers.local import LocalTier
 from pcframe.store.tiers.memory import is_memory_backed, memory_directory
 from pcframe.store.tiers.replicator import Replicator, TierStatus

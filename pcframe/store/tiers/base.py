@@ -14,17 +14,9 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from pcframe.errors import CheckpointError
+from pcframe.errors import TierError
 from pcframe.format.manifest import MANIFEST_NAME
 from pcframe.format.names import SAFE_FILE
-
-
-class TierError(CheckpointError):
-    """A tier is misconfigured or cannot be reached; the message names the tier and the fix."""
-
-
-class TierCancelled(TierError):
-    """A write was cancelled on purpose (superseded by a newer version, or shutting down)."""
 
 
 class Tier(ABC):

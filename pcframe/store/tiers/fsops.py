@@ -14,7 +14,7 @@ import concurrent.futures
 import threading
 from typing import Any
 
-from pcframe.store.tiers.base import TierCancelled
+from pcframe.errors import TierCancelled
 
 
 class FsCalls:

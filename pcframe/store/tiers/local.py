@@ -16,10 +16,10 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from pcframe.errors import CheckpointError
-from pcframe.faults import crash_point
+from pcframe.errors import CheckpointError, TierCancelled, TierError
+from pcframe.runtime.faults import crash_point
 from pcframe.store.directory import WritableCheckpointDir
-from pcframe.store.tiers.base import Tier, TierCancelled, TierError, version_files
+from pcframe.store.tiers.base import Tier, version_files
 
 _PIECE = 64 * 1024 * 1024  # bytes per copy call: the granularity at which a copy can be cancelled
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from pcframe.errors import TierError
 from pcframe.store.mounts import file_system_type
-from pcframe.store.tiers.base import TierError
 
 SHM = Path("/dev/shm")
 _RAM_FS = {"tmpfs", "ramfs"}

@@ -27,10 +27,10 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from pcframe.errors import CorruptCheckpoint
-from pcframe.faults import crash_point
+from pcframe.errors import CorruptCheckpoint, TierError
 from pcframe.format.names import SAFE_FILE, VERSION_DIGITS, version_from_digits, version_name
-from pcframe.store.tiers.base import Tier, TierError, version_files
+from pcframe.runtime.faults import crash_point
+from pcframe.store.tiers.base import Tier, version_files
 from pcframe.store.tiers.fsops import FsCalls
 
 MARKER = "COMMITTED"

@@ -19,9 +19,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pcframe.errors import TierCancelled, TierError
 from pcframe.feed import ewma
-from pcframe.store.tiers.base import Tier, TierCancelled, TierError
-from pcframe.threads import single_threaded_torch
+from pcframe.runtime.threads import single_threaded_torch
+from pcframe.store.tiers.base import Tier
 
 log = logging.getLogger("pcframe.store.tiers")
 

@@ -15,9 +15,10 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
+from pcframe.errors import TierError
 from pcframe.format.names import version_name
 from pcframe.store.directory import WritableCheckpointDir
-from pcframe.store.tiers.base import Tier, TierError
+from pcframe.store.tiers.base import Tier
 
 
 @dataclass(frozen=True)

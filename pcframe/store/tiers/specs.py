@@ -6,7 +6,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from pcframe.store.tiers.base import Tier, TierError
+from pcframe.errors import TierError
+from pcframe.store.tiers.base import Tier
 from pcframe.store.tiers.local import LocalTier
 
 TierSpec = str | os.PathLike[str] | Tier | Mapping[str, Any]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pcframe.errors import TierError
 from pcframe.policies.base import Notice
 from pcframe.policies.placement import (
     PlacementContext,
@@ -31,7 +32,7 @@ from pcframe.policies.placement import (
 )
 from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.retention import KeepWhere
-from pcframe.store.tiers.base import Tier, TierError
+from pcframe.store.tiers.base import Tier
 from pcframe.store.tiers.local import LocalTier
 from pcframe.store.tiers.replicator import Job, Replicator, TierStatus
 from pcframe.store.tiers.sources import Source, tier_sources

@@ -5,7 +5,7 @@ Each segment's payload is read whole, checksummed, then decoded by its codec int
 element range of the entry's tensor (a delta codec from the tensor's value in the base
 version). A decoder that fails on verified bytes means hostile or corrupt bytes
 (``CorruptCheckpoint``), unless the machine refused it memory (``ENOMEM``, retried like any
-I/O error: :func:`~pcframe.restore.reading.out_of_memory`).
+I/O error: :func:`~pcframe.restore.chunk_io.out_of_memory`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from pcframe.errors import CorruptCheckpoint
+from pcframe.errors import CorruptCheckpoint, out_of_memory, refused_memory
 from pcframe.format.files import open_regular
 from pcframe.format.manifest import CODEC_NAME, Manifest, SegmentRecord
-from pcframe.restore.reading import check_size, out_of_memory, preadv_all, refused_memory
+from pcframe.restore.chunk_io import check_size, preadv_all
 
 
 class CodecFile:

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import torch
 
 from pcframe.errors import CheckpointError
-from pcframe.interrupts import held_to_the_end
+from pcframe.runtime.interrupts import held_to_the_end
 
 log = logging.getLogger("pcframe")
 
@@ -52,7 +52,7 @@ def one_caller_at_a_time(method: F | None = None, *, alone: bool = False) -> Any
     valid-looking version, or waited forever for the staging buffers the restore holds),
     and so does the method itself called from inside another serialized one (a restore in
     the middle of a save's capture). Other threads wait for the lock as always. Signals
-    held while the restore commits are handled when it returns (:mod:`pcframe.interrupts`),
+    held while the restore commits are handled when it returns (:mod:`pcframe.runtime.interrupts`),
     so a held handler that saves finds it over.
     """
 

@@ -4,8 +4,8 @@ The one apply of both front doors: :class:`~pcframe.Checkpointer` applies a whol
 version, :class:`~pcframe.distributed.DistributedCheckpointer` the tree one rank assembled
 from the shards (``partial=True``: only the sections that rank loads).
 
-First :func:`~pcframe.restore.check.plan_load` compares everything with the live objects
-and nothing is touched: a mismatch raises one :class:`~pcframe.restore.check.StateMismatch`
+First :func:`~pcframe.state.check.plan_load` compares everything with the live objects
+and nothing is touched: a mismatch raises one :class:`~pcframe.state.check.StateMismatch`
 listing every problem (``strict``), or the objects that do not fit are left out and listed
 (``strict=False``). Then each object is loaded after its undo is recorded, and a
 ``load_state_dict`` that fails anyway rolls every object back, so a failed restore changes
@@ -16,13 +16,13 @@ nothing:
   own ``load_state_dict`` gets a deep copy of its ``state_dict()`` instead;
 * model: the parameters and buffers, copied to host memory just before the model is loaded
   (the model is loaded last of the fallible objects) and copied back in place on failure;
-* tensors the reader fills in place (``fill``: :mod:`pcframe.restore.in_place`): no copy
+* tensors the reader fills in place (``fill``: :mod:`pcframe.state.in_place`): no copy
   here. The model and optimizer load with those tensors as they are (the same tensors, so
   an undo above restores everything), and the fill, making them hold the verified bytes,
   is the last step that can fail, for the sections that loaded. Tensors read straight in
   already hold the new bytes; their old ones, kept aside by the reader, go back on any
   failure (``unfill``, or the reader's release when the fill never ran:
-  :mod:`pcframe.restore.backup`). Only a failure of the fill itself (an I/O error
+  :mod:`pcframe.restore.live`). Only a failure of the fill itself (an I/O error
   re-reading verified bytes) cannot be rolled back; the error says so;
 * scheduler, scaler, stateful objects, policy: a deep copy of their ``state_dict()``;
 * RNG and extra: their current state (they cannot fail once checked).
@@ -35,24 +35,35 @@ import copy
 import logging
 from collections.abc import Callable, Collection
 from itertools import chain
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.optim.optimizer import Optimizer
 
-from pcframe.errors import CheckpointError, RestoreIOError
-from pcframe.migrations import load_pre_hooks_held
-from pcframe.objects import TrainingObjects
-from pcframe.restore.check import LoadPlan, StateMismatch, describe_problems, plan_load
-from pcframe.restore.in_place import SECTIONS, plain_module_loading, view_of
-from pcframe.restore.reading import refused_memory
-from pcframe.rng import capture_rng, restore_rng
+from pcframe.errors import CheckpointError, RestoreIOError, StateMismatch, refused_memory
+from pcframe.state.check import STRICT, LoadPlan, LoadRules, describe_problems, plan_load
+from pcframe.state.in_place import SECTIONS, plain_module_loading, view_of
+from pcframe.state.migrations import load_pre_hooks_held
+from pcframe.state.objects import TrainingObjects
+from pcframe.state.rng import capture_rng, restore_rng
 
 log = logging.getLogger("pcframe")
 
-RESTORE_HINT = (
-    "Pass the same objects that were checkpointed, or restore(strict=False) to load only what fits"
-)
+
+class InPlaceFill(Protocol):
+    """The reader's side of a version read into the live tensors themselves."""
+
+    def fill(self, sections: Collection[str]) -> int:
+        """Make the in-place tensors of those tree sections hold the verified bytes (and
+        put back the old bytes of the others); their bytes. ``OSError`` if a read fails."""
+        ...
+
+    def unfill(self) -> bool:
+        """After :meth:`fill`, put the old bytes back; False if it cannot (some were read
+        a second time): a rollback then raises."""
+        ...
+
+
 CAST_HINT = "; restore(allow_cast=True) casts tensors to the live dtypes"
 
 
@@ -60,47 +71,30 @@ def apply_tree(
     objects: TrainingObjects,
     tree: dict[str, Any],
     where: str,
-    *,
-    partial: bool = False,
-    strict: bool = True,
-    allow_cast: bool = False,
-    owner: str | None = "the Checkpointer",
-    hint: str | None = RESTORE_HINT,
-    fill: Callable[[Collection[str]], int] | None = None,
-    unfill: Callable[[], bool] | None = None,
+    rules: LoadRules = STRICT,
+    fill: InPlaceFill | None = None,
 ) -> list[str]:
-    """Load ``tree`` (a decoded version) into ``objects``; ``where`` names the version.
+    """Load ``tree`` (a decoded version) into ``objects`` under ``rules``; ``where`` names
+    the version.
 
-    Args:
-        partial: ``tree`` holds only the sections this caller loads (a multi-rank restore,
-            whose caller checked what it needs: a rank beyond the saved world size keeps its
-            own per-rank state); a section missing from it is left alone, not refused.
-        strict: refuse any mismatch (the default). ``False``: load what fits (the model's
-            matching keys, every other object whose state fits) and return the rest.
-        allow_cast: load tensors saved in another dtype, cast to the live one (otherwise a
-            dtype difference is a mismatch).
-        owner: the front door the objects were given to, named in the errors (``None``:
-            not named).
-        hint: the advice that ends a mismatch message (``None``: none).
-        fill: ``fill(sections)`` reads the verified bytes of the tensors that ``tree`` holds
-            as the live tensors themselves (the reader's in-place targets) into them, for
-            the sections that loaded; run after every other fallible load.
-        unfill: after ``fill``, puts the old bytes back in those tensors; False if it
-            cannot (some were read a second time): a rollback after ``fill`` then raises.
+    ``fill``: the verified bytes of the tensors that ``tree`` holds as the live tensors
+    themselves (the reader's in-place targets), read into them for the sections that loaded
+    (:meth:`InPlaceFill.fill`), after every other fallible load.
 
     Returns:
         What was not loaded, one line per mismatch (empty after a strict restore).
 
     Raises:
-        StateMismatch: (a CheckpointError) ``strict`` and the version does not fit the
+        StateMismatch: (a CheckpointError) ``rules.strict`` and the version does not fit the
             objects; the message lists every mismatch. Nothing was changed.
         CheckpointError: a ``load_state_dict`` failed after the checks; every object was
             rolled back to its state before the call.
     """
+    strict, owner = rules.strict, rules.owner
     given = f"the objects given to {owner}" if owner else "the objects given"
-    plan = plan_load(objects, tree, partial=partial, allow_cast=allow_cast, owner=owner)
+    plan = plan_load(objects, tree, rules)
     if plan.problems and strict:
-        advice = hint + (CAST_HINT if plan.casts else "") if hint else None
+        advice = rules.hint + (CAST_HINT if plan.casts else "") if rules.hint else None
         raise StateMismatch(describe_problems(where, given, plan.problems, advice), plan.problems)
     not_loaded = list(plan.problems)
     undo = _Undo()
@@ -108,7 +102,7 @@ def apply_tree(
     loads = _loads(objects, plan, in_place=fill is not None)
     if fill is not None:  # after the model and optimizer, before RNG and extra
         at = next((i for i, (name, _) in enumerate(loads) if name in ("rng", "extra")), None)
-        step = ("in-place tensors", _fill(fill, unfill, loaded))
+        step = ("in-place tensors", _fill(fill, loaded))
         loads.insert(len(loads) if at is None else at, step)
     for name, load in loads:
         try:
@@ -346,16 +340,12 @@ def _loads_onto_itself(model: torch.nn.Module, state: dict[str, Any]) -> bool:
     )
 
 
-def _fill(
-    fill: Callable[[Collection[str]], int],
-    unfill: Callable[[], bool] | None,
-    loaded: set[str],
-) -> Callable[[_Undo], None]:
+def _fill(fill: InPlaceFill, loaded: set[str]) -> Callable[[_Undo], None]:
     def load(undo: _Undo) -> None:
         sections = loaded & set(SECTIONS)
 
         def put_back() -> None:
-            if unfill is None or not unfill():
+            if not fill.unfill():
                 raise CheckpointError(
                     f"the {' and '.join(sorted(sections))} tensors read in place may hold "
                     "part of the checkpoint's values (re-reading the verified bytes failed) "
@@ -363,7 +353,7 @@ def _fill(
                 )
 
         undo.push(put_back)
-        fill(sections)
+        fill.fill(sections)
 
     return load
 

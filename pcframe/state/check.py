@@ -2,16 +2,16 @@
 
 :func:`plan_load` compares every section of a version with the object it would be loaded
 into and returns a :class:`LoadPlan`: what to load and every mismatch, one line each.
-:func:`~pcframe.restore.apply.apply_tree` refuses a plan with mismatches (strict) or loads
+:func:`~pcframe.state.apply.apply_tree` refuses a plan with mismatches (strict) or loads
 only what fits (``strict=False``). What is compared:
 
 * model: keys both ways, and per tensor the shape and (unless ``allow_cast``) the dtype;
-* optimizer (:mod:`pcframe.restore.check_optimizer`): class, param groups, hyperparameters
+* optimizer (:mod:`pcframe.state.optimizer`): class, param groups, hyperparameters
   and per-parameter state keys, shapes and dtypes;
 * scheduler: present, and not of another class (its public keys);
 * scaler, extra: present when an object is given (a GradScaler's state complete);
 * stateful objects: every name given is saved;
-* RNG: every generator state loads into a scratch generator (:func:`pcframe.rng.check_rng`).
+* RNG: every generator state loads into a scratch generator (:func:`pcframe.state.rng.check_rng`).
 
 The policy's learned state is not compared (any policy may read another's state); a failing
 ``load_state_dict`` of it, or of anything else, is rolled back by the apply.
@@ -24,24 +24,44 @@ from typing import Any
 
 import torch
 
-from pcframe.errors import CheckpointError
-from pcframe.migrations import as_loaded, has_load_pre_hooks, module_metadata, with_versions
-from pcframe.objects import TrainingObjects, class_name
-from pcframe.restore.check_optimizer import align_to_names, check_optimizer
+from pcframe.errors import StateMismatch
+from pcframe.state.migrations import as_loaded, has_load_pre_hooks, module_metadata, with_versions
+from pcframe.state.objects import TrainingObjects, class_name
+from pcframe.state.optimizer import align_to_names, check_optimizer
+from pcframe.state.rng import check_rng
 
-__all__ = ["LoadPlan", "StateMismatch", "class_name", "plan_load", "tensor_misfit"]
-from pcframe.rng import check_rng
+__all__ = ["LoadPlan", "LoadRules", "StateMismatch", "class_name", "plan_load", "tensor_misfit"]
+
+RESTORE_HINT = (
+    "Pass the same objects that were checkpointed, or restore(strict=False) to load only what fits"
+)
 
 
-class StateMismatch(CheckpointError):
-    """The saved state does not fit the objects given; nothing was loaded.
+@dataclass(frozen=True)
+class LoadRules:
+    """How a restore treats a version that does not fit the objects exactly.
 
-    ``mismatches`` lists every problem found, one line each (also in the message).
+    Attributes:
+        strict: refuse any mismatch (the default). ``False``: load what fits (the model's
+            matching keys, every other object whose state fits) and list the rest.
+        allow_cast: load tensors saved in another dtype, cast to the live one (otherwise a
+            dtype difference is a mismatch).
+        partial: the tree holds only the sections this caller loads (a multi-rank restore,
+            whose caller checked what it needs: a rank beyond the saved world size keeps its
+            own per-rank state); a section missing from it is left alone, not refused.
+        owner: the front door the objects were given to, named in the errors (``None``:
+            not named).
+        hint: the advice that ends a mismatch message (``None``: none).
     """
 
-    def __init__(self, message: str, mismatches: list[str]) -> None:
-        super().__init__(message)
-        self.mismatches = list(mismatches)
+    strict: bool = True
+    allow_cast: bool = False
+    partial: bool = False
+    owner: str | None = "the Checkpointer"
+    hint: str | None = RESTORE_HINT
+
+
+STRICT = LoadRules()  # a Checkpointer's restore() as called with no arguments
 
 
 @dataclass
@@ -57,19 +77,10 @@ class LoadPlan:
     model_migrated: bool = False  # its values went through the load pre-hooks already
 
 
-def plan_load(
-    objects: TrainingObjects,
-    tree: Any,
-    *,
-    partial: bool = False,
-    allow_cast: bool = False,
-    owner: str | None = "the Checkpointer",
-) -> LoadPlan:
-    """Compare ``tree`` (a decoded version) with ``objects``; nothing is changed.
-
-    ``partial``: a section missing from ``tree`` is left alone instead of being a problem
-    (a multi-rank restore, whose tree holds only what that rank loads).
-    """
+def plan_load(objects: TrainingObjects, tree: Any, rules: LoadRules = STRICT) -> LoadPlan:
+    """Compare ``tree`` (a decoded version) with ``objects`` under ``rules``; nothing is
+    changed (``rules.strict`` is the apply's to act on)."""
+    partial, allow_cast, owner = rules.partial, rules.allow_cast, rules.owner
     plan = LoadPlan()
     if not isinstance(tree, dict):
         plan.problems.append(f"the state tree is a {type(tree).__name__}, not a dict")

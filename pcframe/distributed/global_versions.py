@@ -1,4 +1,8 @@
-"""The global record: which shard of every rank makes up one global checkpoint version.
+"""Global versions of a multi-rank checkpoint: the record, publishing it, retention, numbers.
+
+One home for both writers of multi-rank roots: :class:`~pcframe.distributed.
+DistributedCheckpointer` (its commit protocol, :mod:`pcframe.distributed.protocol`) and the
+DCP ``StorageWriter`` on several ranks (:mod:`pcframe.integrations.dcp.writer`).
 
 Layout of a distributed checkpoint root::
 
@@ -10,8 +14,8 @@ Layout of a distributed checkpoint root::
 
 Rank 0 writes ``global/vNNNNNNNN.json`` only after every rank reported its shard of that
 version durably committed, so the record's existence means the whole version is on disk.
-The file is written durably (tmp, fsync, rename, fsync the directory) and has the same
-one-line integrity header as a manifest, followed by the JSON body::
+The file is written durably (tmp, fsync, rename, fsync the directory) under the one-line
+integrity header of :mod:`pcframe.format.envelope`, as a manifest is, with the JSON body::
 
     {"version": 12, "step": 120, "wall_time": ..., "world_size": 2,
      "shards": [{"rank": 0, "directory": "rank-0", "version": 12, "step": 120,
@@ -19,24 +23,39 @@ one-line integrity header as a manifest, followed by the JSON body::
 
 ``manifest_crc32c`` is the body checksum from the shard's manifest header: a restore refuses
 a shard directory that was replaced by a different one of the same version number.
+
+:func:`publish` is the commit of a global version (record, then pointer, then older records
+beyond ``keep`` pruned); :func:`retention_allowed` and :class:`GlobalShards` say which local
+shards a rank's retention may delete; :func:`next_version` numbers a new version above
+every one a root has used.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import logging
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import crc32c
-
-from pcframe.errors import CorruptCheckpoint, ManifestError, UnsupportedCheckpoint
-from pcframe.format.files import NotRegularFile, read_small
+from pcframe.errors import CorruptCheckpoint, ManifestError, NotRegularFile, UnsupportedCheckpoint
+from pcframe.format.envelope import Envelope, header_crc, is_crc, seal
+from pcframe.format.files import read_small
+from pcframe.format.manifest import MANIFEST_NAME
 from pcframe.format.names import version_from_digits, version_name, version_number
-from pcframe.store.directory import QUARANTINE_PREFIX, fsync_dir, write_file_durably
+from pcframe.format.stripes import stored_data_bytes
+from pcframe.runtime.faults import crash_point
+from pcframe.store.directory import (
+    QUARANTINE_PREFIX,
+    CheckpointDir,
+    fsync_dir,
+    write_file_durably,
+)
+
+log = logging.getLogger("pcframe")
 
 FORMAT = "pcframe-global"
 FORMAT_VERSION = 1
@@ -45,7 +64,13 @@ RECORDS = "global"
 MAX_RECORD_BYTES = 16 * 1024 * 1024
 MAX_WORLD_SIZE = 1 << 20
 _RECORD_NAME = re.compile(r"^v(\d{8,})\.json$")
-_CRC = re.compile(r"^[0-9a-f]{8}$")
+_RANK_DIR = re.compile(r"^rank-(\d{1,7})$")
+GLOBAL_RECORD = Envelope(
+    FORMAT,
+    (FORMAT_VERSION,),
+    "global record",
+    fix="delete this file to fall back to the previous global version",
+)
 
 
 def rank_dirname(rank: int) -> str:
@@ -80,14 +105,7 @@ class GlobalRecord:
             "world_size": self.world_size,
             "shards": [asdict(s) for s in self.shards],
         }
-        raw = json.dumps(body, separators=(",", ":")).encode()
-        header = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "body_bytes": len(raw),
-            "body_crc32c": f"{crc32c.crc32c(raw):08x}",
-        }
-        return json.dumps(header).encode() + b"\n" + raw
+        return seal(FORMAT, FORMAT_VERSION, body)
 
 
 def record_path(root: Path, version: int) -> Path:
@@ -167,35 +185,14 @@ def read_record(path: Path) -> GlobalRecord:
     Raises:
         ManifestError / CorruptCheckpoint: naming the file, what is wrong, and the fix.
     """
-    fix = "delete this file to fall back to the previous global version"
+    fix = GLOBAL_RECORD.fix
     try:  # a regular file only (never a FIFO, device or link), read with a bound
         raw = read_small(path, MAX_RECORD_BYTES + 1)
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{path}: global record is missing") from None
     if len(raw) > MAX_RECORD_BYTES:
         raise ManifestError(f"{path}: global record is over {MAX_RECORD_BYTES} bytes; {fix}")
-    line, sep, body = raw.partition(b"\n")
-    try:
-        header = json.loads(line) if sep else None
-    except ValueError:
-        header = None
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise CorruptCheckpoint(f"{path}: not a pcframe global record (truncated?); {fix}")
-    written = header.get("format_version")
-    if written != FORMAT_VERSION:
-        newer = type(written) is int and written > FORMAT_VERSION  # a newer writer, not damage
-        raise (UnsupportedCheckpoint if newer else ManifestError)(
-            f"{path}: global record format_version {written!r} is not "
-            f"supported (this pcframe reads {FORMAT_VERSION}); upgrade pcframe to read it"
-        )
-    if header.get("body_bytes") != len(body) or header.get("body_crc32c") != (
-        f"{crc32c.crc32c(body):08x}"
-    ):
-        raise CorruptCheckpoint(f"{path}: global record checksum mismatch; {fix}")
-    try:
-        parsed = json.loads(body)
-    except (ValueError, RecursionError) as exc:
-        raise ManifestError(f"{path}: global record body is not JSON ({exc}); {fix}") from None
+    _, parsed = GLOBAL_RECORD.open(raw, path)
     record = parse_record(parsed, str(path))
     match = _RECORD_NAME.match(path.name)
     if match and int(match.group(1)) != record.version:
@@ -237,7 +234,7 @@ def parse_record(body: Any, where: str = "<global record>") -> GlobalRecord:
         if raw.get("directory") != rank_dirname(rank):
             raise fail(f"shard {rank} names directory {raw.get('directory')!r}")
         crc = raw.get("manifest_crc32c")
-        if not isinstance(crc, str) or not _CRC.match(crc):
+        if not is_crc(crc):
             raise fail(f"shard {rank} has an invalid manifest_crc32c {crc!r}")
         shards.append(
             ShardRef(
@@ -276,11 +273,112 @@ def valid_records(
 
 def manifest_crc(manifest_path: Path) -> str:
     """The body checksum from a shard manifest's header line (what the record pins)."""
-    line = read_small(manifest_path, 4096).partition(b"\n")[0]
+    return header_crc(read_small(manifest_path, 4096).partition(b"\n")[0], manifest_path)
+
+
+def shard_ref(root: Path, rank: int, version: int, step: int) -> ShardRef:
+    """Rank ``rank``'s committed shard of ``version``, as a record names it.
+
+    Raises:
+        CorruptCheckpoint / OSError: its manifest or data files cannot be read.
+    """
+    directory = root / rank_dirname(rank) / version_name(version)
+    return ShardRef(
+        rank=rank,
+        directory=rank_dirname(rank),
+        version=version,
+        step=step,
+        manifest_crc32c=manifest_crc(directory / MANIFEST_NAME),
+        nbytes=stored_data_bytes(directory),
+    )
+
+
+# --- publishing -------------------------------------------------------------------------------
+
+
+def publish(
+    root: Path, record: GlobalRecord, keep: int, retained: Sequence[int] | None = None
+) -> list[int]:
+    """Commit global version ``record.version``: every shard it names is durable.
+
+    Writes the record durably (the commit point), then the GLOBAL pointer (a hint: a
+    failure is logged), then deletes the records older than it beyond the newest ``keep``
+    of ``retained`` (the valid global versions the caller knows of; by default every record
+    on disk) and it. The ranks' own retention deletes the shards no record needs at their
+    next commit. Returns the retained global versions, oldest first.
+
+    Raises:
+        OSError: the record could not be written (nothing was published).
+    """
+    version = record.version
+    write_record(root, record)
+    crash_point("global_record_written")
     try:
-        crc = json.loads(line)["body_crc32c"]
-    except (ValueError, KeyError, TypeError):
-        raise CorruptCheckpoint(f"{manifest_path}: manifest header is unreadable") from None
-    if not isinstance(crc, str) or not _CRC.match(crc):
-        raise CorruptCheckpoint(f"{manifest_path}: manifest header has no valid body_crc32c")
-    return crc
+        write_pointer(root, version)
+    except OSError as exc:  # the record is the commit point; GLOBAL is only a hint
+        log.warning("could not update %s: %s", root / POINTER, exc)
+    crash_point("global_published")
+    known = record_versions(root) if retained is None else retained
+    kept = sorted({*known, version})[-keep:]
+    for old in record_versions(root):
+        if old < version and old not in kept:
+            try:
+                delete_record(root, old)
+            except OSError as exc:
+                log.warning("could not delete global record v%d: %s", old, exc)
+    return kept
+
+
+# --- what a rank's retention may delete -------------------------------------------------------
+
+
+def retention_allowed(doomed: list[int], retained: list[int], decided_up_to: int) -> list[int]:
+    """The local versions among ``doomed`` that no global version needs, now or later
+    (a :class:`~pcframe.distributed.DistributedCheckpointer`'s rank).
+
+    A version may go once its round is decided (``<= decided_up_to``) and it is not one of the
+    retained global versions (the newest ``keep_global``: the current and the previous one).
+    Rounds are decided in order and global versions only move forward, so a decided version
+    that is not retained can never be needed again. A rank learns of new global versions
+    after rank 0 has written them, so its view only lags, and lagging keeps more, never less.
+    """
+    keep = set(retained)
+    return [v for v in doomed if v <= decided_up_to and v not in keep]
+
+
+class GlobalShards:
+    """Retention reason of a rank's directory written through DCP: the shards some global
+    version may still need.
+
+    A shard is kept while a global record names its version, or while it is newer than the
+    newest record (its global version is not decided yet). Records are read from disk at
+    each commit, so every rank sees what the coordinator pruned.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def keep(self, committed: Sequence[int]) -> set[int]:
+        records = set(record_versions(self.root))
+        newest = max(records, default=0)
+        return {v for v in committed if v in records or v > newest}
+
+
+# --- numbering --------------------------------------------------------------------------------
+
+
+def next_version(root: Path) -> int:
+    """One above every version number ``root`` has used: its own versions (a root written
+    by one rank), every ``rank-<r>/`` shard directory, the records and the pointer.
+
+    A number is never reused, even for a version a crash left behind on one rank only.
+    """
+    used = record_versions(root)
+    pointer = read_pointer(root)
+    directories = [CheckpointDir(root)]
+    if root.is_dir():
+        directories += [CheckpointDir(root / n) for n in os.listdir(root) if _RANK_DIR.match(n)]
+    for directory in directories:
+        used += directory.committed_versions()
+        used.append(directory.latest_hint() or 0)
+    return max([pointer or 0, *used], default=0) + 1

@@ -4,12 +4,11 @@ read a window at a time for hashing as it arrives, and :class:`DataFiles` (a ver
 
 The reading threads are started once per thread count and kept (starting them for every
 restore cost 50 ms on a loaded 2-core machine); they run torch on one OpenMP thread like
-every engine thread (:mod:`pcframe.threads`), and a forked child forgets its parent's pool.
+every engine thread (:mod:`pcframe.runtime.threads`), and a forked child forgets its parent's pool.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -20,13 +19,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pcframe.errors import CorruptCheckpoint
+from pcframe.errors import CorruptCheckpoint, out_of_memory, refused_memory
 from pcframe.format.files import open_regular
 from pcframe.format.layout import Chunk, Entry
-from pcframe.format.records import Manifest
+from pcframe.format.manifest import Manifest
 from pcframe.format.stripes import stripe_location, stripe_paths, stripe_sizes
 from pcframe.format.tree import DTYPES
-from pcframe.threads import single_threaded_torch
+from pcframe.runtime.threads import single_threaded_torch
 
 _IOV_MAX = 1024
 #: bytes read and hashed at a time: small enough to be hashed from the CPU's cache
@@ -62,25 +61,6 @@ def reading_pool(threads: int) -> ThreadPoolExecutor:
                 threads, thread_name_prefix="pcframe-read", initializer=single_threaded_torch
             )
         return pool
-
-
-def out_of_memory(what: str, nbytes: int | None, path: Path | str) -> OSError:
-    """The error for a buffer the machine refused: ENOMEM, an ``OSError`` like any other
-    transient failure of a restore (retried, then ``RestoreIOError``; never quarantined).
-    Sizes were validated with the manifest, so a refusal says this machine is short of
-    memory now (a cgroup, a ulimit, a busy host), not that the checkpoint is bad."""
-    size = "" if nbytes is None else f" for {nbytes / 2**20:.1f} MiB"
-    return OSError(errno.ENOMEM, f"out of memory{size} ({what})", str(path))
-
-
-# How the allocators that can fail under a restore word a refusal (torch's CPU allocator
-# raises a plain RuntimeError, zstandard a ZstdError): told apart from corrupt bytes.
-_REFUSED = ("can't allocate memory", "cannot allocate memory", "out of memory", "not enough memory")
-
-
-def refused_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is an allocation the machine refused (not bad bytes)."""
-    return isinstance(exc, MemoryError) or any(w in str(exc).lower() for w in _REFUSED)
 
 
 def fresh_tensor(entry: Entry, path: Path) -> torch.Tensor:

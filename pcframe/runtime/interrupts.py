@@ -1,7 +1,7 @@
 """Interrupts held while a restore commits: from the first byte it cannot take back.
 
 A restore changes nothing until it commits. It verifies every byte first, and the live
-bytes it reads straight over are kept aside until it holds (:mod:`pcframe.restore.backup`).
+bytes it reads straight over are kept aside until it holds (:mod:`pcframe.restore.live`).
 Where no spare memory was lent (a process that has not saved yet: the usual resume), the
 commit reads the verified bytes a second time into the live tensors (the fill), and from
 its first byte the old values are gone. An interrupt there (Ctrl-C, or a signal handler

@@ -36,7 +36,7 @@ import torch
 import torch.optim.optimizer as optimizer_module
 from torch.optim.optimizer import Optimizer
 
-from pcframe.objects import class_name, optimizer_param_names
+from pcframe.state.objects import class_name, optimizer_param_names
 
 PRIME_DIMS = (2, 3, 5, 7, 11, 13)  # scratch parameter sizes: a state shaped like it is telling
 GROUP_BOOKKEEPING = {"params", "param_names"}
