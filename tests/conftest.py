@@ -48,7 +48,7 @@ def child_env() -> dict[str, str]:
     """Environment for child Python processes: one thread, the repo importable."""
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    # Child scripts import shared test helpers (``tests.engine.stamp``) from the repository.
+    # Child scripts import shared test helpers (``tests.stamp``) from the repository.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.pop("PCFRAME_CRASH_AT", None)
     return env

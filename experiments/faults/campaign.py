@@ -1096,7 +1096,7 @@ def run_trial(ws: Workspace, spec: dict[str, Any]) -> tuple[str, str]:
 def start_server(specs: list[dict[str, Any]]) -> Any:
     if not any(MODES[s["mode"]].tier == "remote" for s in specs):
         return None
-    from tests.tiers.conftest import MotoServer
+    from tests.store.tiers.conftest import MotoServer
 
     server = MotoServer()
     server.start()

@@ -23,7 +23,7 @@ from pcframe.format.names import version_name
 from pcframe.restore.reader import load_version
 from pcframe.store.directory import CheckpointDir, WritableCheckpointDir
 from tests.distributed.launch import REPO, base_env, run_job
-from tests.engine.helpers import flip_byte
+from tests.helpers import flip_byte
 
 pytestmark = pytest.mark.slow
 

@@ -38,7 +38,7 @@ from pcframe.distributed import global_versions as rec
 from pcframe.errors import CheckpointError, SaveError
 from pcframe.policies import Decision, FixedSteps, PolicyContext
 from pcframe.save.status import SaveStatus
-from tests.engine.helpers import flip_byte
+from tests.helpers import flip_byte
 
 ENGINE = {"chunk_bytes": 16384, "max_in_flight": 2, "writer_threads": 2}
 DELTAS = {"model/*": "xor_delta_zstd", "optimizer/state/*/exp_avg*": "xor_delta_zstd"}

@@ -7,7 +7,7 @@ that saves in a loop until it kills itself at a crash point::
     python -m tests.faults.harness save CONFIG_JSON      # one process (or one rank)
     python -m tests.faults.harness resume CONFIG_JSON    # a rank of a fresh 2-rank job
 
-The saver uses :class:`tests.engine.stamp.StepStampOptimizer`: after ``optimizer.step()``
+The saver uses :class:`tests.stamp.StepStampOptimizer`: after ``optimizer.step()``
 every parameter (and, with ``moments``, every ``exp_avg``) holds the step number, so a
 version mixing two steps is caught by :func:`check_version`. Each version the child learns is
 committed is printed as ``committed <version> <step>``; a crash must never lose one of them.
@@ -199,7 +199,7 @@ class Injector:
 def build(moments: bool):
     import torch
 
-    from tests.engine.stamp import StepStampOptimizer
+    from tests.stamp import StepStampOptimizer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])

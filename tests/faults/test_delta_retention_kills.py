@@ -20,7 +20,7 @@ from pcframe.store.directory import CheckpointDir
 SAVER = r"""
 import sys, torch
 from pcframe import Checkpointer
-from tests.engine.stamp import StepStampOptimizer
+from tests.stamp import StepStampOptimizer
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])

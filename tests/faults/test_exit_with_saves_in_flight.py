@@ -20,7 +20,7 @@ from pcframe.store.directory import CheckpointDir
 SCRIPT = r"""
 import os, sys, torch
 from pcframe import Checkpointer
-from tests.engine.stamp import StepStampOptimizer
+from tests.stamp import StepStampOptimizer
 
 model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)])
 opt = StepStampOptimizer(model.parameters())

@@ -17,8 +17,8 @@ import torch
 
 from pcframe import Checkpointer, RestoreIOError, SaveError
 from pcframe.store.directory import CheckpointDir
-from tests.engine.helpers import small_training, state_equal, train_steps
 from tests.faults.inject import EINTR, EIO, EMFILE, ENOMEM, ENOSPC, inject, short_reads
+from tests.helpers import small_training, state_equal, train_steps
 
 
 def three_versions(root) -> dict:

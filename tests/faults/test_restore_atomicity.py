@@ -25,8 +25,8 @@ from pcframe import Checkpointer, CheckpointError, ResumableLoader, ResumableSam
 from pcframe.errors import StateMismatch
 from pcframe.state.rng import capture_rng, check_rng
 from pcframe.store.directory import CheckpointDir
-from tests.engine.helpers import CPU_AND_CUDA
-from tests.engine.test_hostile_manifest import rewrite
+from tests.format.test_hostile_manifest import rewrite
+from tests.helpers import CPU_AND_CUDA
 
 SAVED_STEP = 3
 

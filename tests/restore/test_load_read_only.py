@@ -12,7 +12,7 @@ import torch
 
 import pcframe
 from pcframe import Checkpointer, NoValidCheckpoint
-from tests.engine.helpers import small_training, state_equal, train_steps
+from tests.helpers import small_training, state_equal, train_steps
 
 
 def snapshot_tree(root) -> dict:

@@ -11,7 +11,7 @@ import torch
 from pcframe import Checkpointer, ConfigError, EngineConfig
 from pcframe.format.manifest import read_manifest
 from pcframe.kernels import checksum
-from tests.engine.helpers import small_training, state_equal, train_steps
+from tests.helpers import small_training, state_equal, train_steps
 
 DIGITS = {"crc32c": 8, "pcf64": 16, "xxh3_64": 16}
 

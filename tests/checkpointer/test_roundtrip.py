@@ -12,7 +12,7 @@ import torch
 
 from pcframe import Checkpointer
 from pcframe.format.layout import Layout
-from tests.engine.helpers import CPU_AND_CUDA, StateBox, small_training, state_equal, train_steps
+from tests.helpers import CPU_AND_CUDA, StateBox, small_training, state_equal, train_steps
 
 DTYPES = [
     torch.float32,

@@ -2,7 +2,7 @@
 
 CPU twin of the queued CUDA copies: a CUDA event cannot exist without a GPU, so these runs
 use an event that completes when the test says so; the real events run in the gpu-marked
-round trips (tests/engine/test_roundtrip.py, test_copy_backends.py).
+round trips (tests/checkpointer/test_roundtrip.py, test_copy_backends.py).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from pcframe.policies import Decision, FixedSteps, IntervalPolicy, Notice, Resta
 from pcframe.save.fill import Filler
 from pcframe.store.directory import CheckpointDir
 from pcframe.store.retention import KeepWhere
-from tests.engine.helpers import StateBox, small_training, state_equal, train_steps
+from tests.helpers import StateBox, small_training, state_equal, train_steps
 
 
 def test_optimizer_step_waits_for_the_snapshot(tmp_path, monkeypatch):
@@ -329,7 +329,7 @@ def test_a_restart_says_whether_the_previous_run_closed_cleanly(tmp_path, python
     # A process that exits without closing (os._exit skips atexit: like a SIGKILL).
     script = (
         "import os, sys; from pcframe import Checkpointer;"
-        "from tests.engine.helpers import small_training; m, o, _ = small_training();"
+        "from tests.helpers import small_training; m, o, _ = small_training();"
         "c = Checkpointer(sys.argv[1], model=m, optimizer=o); c.save(step=1).wait();"
         "os._exit(0)"
     )

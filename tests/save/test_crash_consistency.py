@@ -18,7 +18,7 @@ import sys, torch
 from pcframe import Checkpointer
 
 
-from tests.engine.stamp import StepStampOptimizer
+from tests.stamp import StepStampOptimizer
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(96, 96) for _ in range(6)])

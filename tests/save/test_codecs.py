@@ -14,7 +14,7 @@ from pcframe.format.manifest import read_manifest
 from pcframe.kernels import dequantize_blockwise, quantize_blockwise
 from pcframe.restore.reader import load_version
 from pcframe.save.fill import Filler
-from tests.engine.helpers import small_training, state_equal, train_steps
+from tests.helpers import small_training, state_equal, train_steps
 
 MOMENTS = "optimizer/state/*/exp_avg*"
 

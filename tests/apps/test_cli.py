@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from pcframe import Checkpointer
 from pcframe.apps import cli as pcframe_cli
 from pcframe.store.directory import CheckpointDir
-from tests.engine.helpers import flip_byte
+from tests.helpers import flip_byte
 
 
 def cli_process(python, *args):

@@ -11,7 +11,7 @@ import torch
 import pcframe
 from pcframe import Checkpointer, NoValidCheckpoint
 from pcframe.store.directory import CheckpointDir
-from tests.engine.helpers import flip_byte, small_training, state_equal, train_steps
+from tests.helpers import flip_byte, small_training, state_equal, train_steps
 
 
 def two_versions(root):

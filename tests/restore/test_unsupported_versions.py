@@ -15,7 +15,7 @@ import torch
 
 from pcframe import Checkpointer, ManifestError, UnsupportedCheckpoint
 from pcframe.format.manifest import read_manifest
-from tests.engine.test_hostile_manifest import rewrite
+from tests.format.test_hostile_manifest import rewrite
 
 
 def two_versions(root, **engine):

@@ -26,7 +26,7 @@ import pcframe.policies as P
 from pcframe import Checkpointer
 
 
-from tests.engine.stamp import StepStampOptimizer
+from tests.stamp import StepStampOptimizer
 
 directory, mode, stop_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 torch.manual_seed(0)

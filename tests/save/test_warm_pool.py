@@ -13,7 +13,7 @@ import torch
 
 import pcframe.policies as P
 from pcframe import Checkpointer
-from tests.engine.helpers import small_training, train_steps
+from tests.helpers import small_training, train_steps
 
 CHUNK = 4096
 

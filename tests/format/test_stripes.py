@@ -16,7 +16,7 @@ from pcframe.kernels import checksum
 from pcframe.restore.reader import load_version
 from pcframe.save import persist
 from pcframe.store.mounts import Mount
-from tests.engine.helpers import flip_byte, small_training, state_equal, train_steps
+from tests.helpers import flip_byte, small_training, state_equal, train_steps
 
 CHUNK = 4096
 

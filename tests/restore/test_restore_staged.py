@@ -6,7 +6,7 @@ from __future__ import annotations
 from pcframe import Checkpointer
 from pcframe.restore import reader
 from pcframe.store.directory import CheckpointDir
-from tests.engine.helpers import adamw_mlp, adamw_step, live_values, same_values
+from tests.helpers import adamw_mlp, adamw_step, live_values, same_values
 
 SMALL = {"chunk_bytes": 64 << 10, "read_threads": 2}
 

@@ -19,8 +19,8 @@ import pcframe.policies as P
 from pcframe import Checkpointer
 from pcframe.restore.reader import load_version
 from pcframe.store.tiers import RemoteTier, Tiers
-from tests.tiers.conftest import MotoServer
-from tests.tiers.helpers import same, snapshot
+from tests.store.tiers.conftest import MotoServer
+from tests.store.tiers.helpers import same, snapshot
 
 PART = 5 * 1024 * 1024  # the smallest multipart part S3 accepts: uploads take several requests
 

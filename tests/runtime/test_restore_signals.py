@@ -22,7 +22,7 @@ from pcframe import Checkpointer
 from pcframe.errors import CheckpointError
 from pcframe.runtime.interrupts import interrupts_held
 from pcframe.save.status import SaveStatus
-from tests.engine.helpers import disk_reads_only
+from tests.helpers import disk_reads_only
 
 SMALL = {"chunk_bytes": 64 << 10, "read_threads": 1}
 

@@ -23,7 +23,7 @@ from pcframe.restore.reader import load_version
 from pcframe.save.staging import StagingPool
 from pcframe.state import apply
 from pcframe.state.in_place import in_place_targets
-from tests.engine.helpers import (
+from tests.helpers import (
     adamw_mlp,
     adamw_step,
     disk_reads_only,

@@ -15,7 +15,7 @@ from pcframe import Checkpointer
 from pcframe.restore.reader import load_version
 from pcframe.store.directory import CheckpointDir
 from pcframe.store.tiers import LocalTier, TierError, Tiers, is_memory_backed, memory_directory
-from tests.tiers.helpers import model_and_optimizer, same, snapshot, step
+from tests.store.tiers.helpers import model_and_optimizer, same, snapshot, step
 
 
 def _checkpointer(primary: Path, disk: Path, model, optimizer, **kw) -> Checkpointer:

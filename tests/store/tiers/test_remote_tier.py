@@ -13,8 +13,8 @@ from pcframe import Checkpointer
 from pcframe.errors import CheckpointError, RestoreIOError
 from pcframe.store.directory import CheckpointDir
 from pcframe.store.tiers import RemoteTier, TierError, Tiers
-from tests.tiers.conftest import MotoServer
-from tests.tiers.helpers import model_and_optimizer, same, snapshot, step
+from tests.store.tiers.conftest import MotoServer
+from tests.store.tiers.helpers import model_and_optimizer, same, snapshot, step
 
 
 def remote(server: MotoServer, bucket: str, **kw) -> RemoteTier:

@@ -17,8 +17,8 @@ from pcframe.format.manifest import read_manifest
 from pcframe.restore.reader import load_version
 from pcframe.save.persist import choose_persist
 from pcframe.store.directory import CheckpointDir
-from tests.engine.helpers import small_training, state_equal, train_steps
-from tests.engine.test_copy_backends import recomputed_checksums_match
+from tests.helpers import small_training, state_equal, train_steps
+from tests.save.test_copy_backends import recomputed_checksums_match
 
 SHM = Path("/dev/shm")
 needs_shm = pytest.mark.skipif(not SHM.is_dir(), reason="needs a tmpfs at /dev/shm")
@@ -85,7 +85,7 @@ import sys, torch
 from pcframe import Checkpointer
 
 
-from tests.engine.stamp import StepStampOptimizer
+from tests.stamp import StepStampOptimizer
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])

@@ -10,7 +10,7 @@ import pcframe.policies as P
 from pcframe import Checkpointer
 from pcframe.store.directory import CheckpointDir
 from pcframe.store.tiers import Tiers
-from tests.tiers.helpers import model_and_optimizer, same, snapshot, step
+from tests.store.tiers.helpers import model_and_optimizer, same, snapshot, step
 
 
 def make(primary: Path, disk: Path, model, opt, source: P.ManualNoticeSource) -> Checkpointer:
