@@ -97,58 +97,60 @@ class Checkpointer:
         config = (config or EngineConfig()).with_overrides(**overrides)
         config.check_runtime()  # e.g. copy_backend="triton" without CUDA: refuse before locking
         self.config = config
-        self.decisions = Decisions(policy if policy is not None else FixedSteps(100), notices or [])
-        self.objects = TrainingObjects.given(
+        self._decisions = Decisions(
+            policy if policy is not None else FixedSteps(100), notices or []
+        )
+        self._objects = TrainingObjects.given(
             model, optimizer, scheduler, scaler, data, stateful, extra, self.policy
         )
         require_step_hook(optimizer)  # before locking: nothing to undo
-        self.storage = WritableCheckpointDir(directory)
+        self._storage = WritableCheckpointDir(directory)
         # A failure on the way leaves no lock, no handler, no tier thread, the mark kept:
         # every undo is tried (its own failure ignored), the lock released last.
         with contextlib.ExitStack() as undo:
-            undo.callback(self.storage.abandon)
-            if leftovers := self.storage.removed_leftovers:
+            undo.callback(self._storage.abandon)
+            if leftovers := self._storage.removed_leftovers:
                 log.info("removed leftovers of an interrupted run: %s", leftovers)
-            self._next_version = self.storage.next_version()
+            self._next_version = self._storage.next_version()
             self.last_secured: Secured | None = None  # where the last emergency version went
-            self.tiers, newest = attach_tiers(tiers, placement, self.storage, config.keep_last)
+            self.tiers, newest = attach_tiers(tiers, placement, self._storage, config.keep_last)
             self._number_above(newest)  # no tier sees a version number reused
             undo.callback(_quietly, functools.partial(self.tiers.close, hurry=True))
             for source in self.notices:
                 undo.callback(_quietly, source.close)  # first: a half-done start is undone
                 source.start()  # signal handlers: must run in the main thread
-            self.capture = Capture(self.objects, config)
-            self.flight = InFlight(config.max_in_flight)
-            self.pipeline = SavePipeline(config, self.storage, self.flight.finished)
-            self.flight.wait_for_copies = self.pipeline.wait_for_copies
-            self.tiers.follow(self.pipeline)
-            self._hook = optimizer.register_step_pre_hook(self.flight.gate) if optimizer else None
+            self._capture = Capture(self._objects, config)
+            self._flight = InFlight(config.max_in_flight)
+            self._pipeline = SavePipeline(config, self._storage, self._flight.finished)
+            self._flight.wait_for_copies = self._pipeline.wait_for_copies
+            self.tiers.follow(self._pipeline)
+            self._hook = optimizer.register_step_pre_hook(self._flight.gate) if optimizer else None
             if self._hook is not None:
                 undo.callback(_quietly, self._hook.remove)
-            self.storage.count_start()  # fully built: from here on, an end without close() counts
+            self._storage.count_start()  # fully built: from here on, an end without close() counts
             undo.pop_all()
         self.last_restore: RestoreReport | None = None
         self._closed = False
         self.save_last = save_last
         atexit.register(self._atexit)
 
-    # The live objects, as given (read-only views of self.objects).
-    model = property(lambda self: self.objects.model)
-    optimizer = property(lambda self: self.objects.optimizer)
-    scheduler = property(lambda self: self.objects.scheduler)
-    scaler = property(lambda self: self.objects.scaler)
-    stateful = property(lambda self: self.objects.stateful)
-    extra = property(lambda self: self.objects.extra)
+    # The live objects, as given (read-only views of self._objects).
+    model = property(lambda self: self._objects.model)
+    optimizer = property(lambda self: self._objects.optimizer)
+    scheduler = property(lambda self: self._objects.scheduler)
+    scaler = property(lambda self: self._objects.scaler)
+    stateful = property(lambda self: self._objects.stateful)
+    extra = property(lambda self: self._objects.extra)
     # The policy side (:class:`~pcframe.decisions.Decisions`), read-only.
-    policy = property(lambda self: self.decisions.policy)
-    notices = property(lambda self: self.decisions.notices)
-    feed = property(lambda self: self.decisions.feed)
-    last_decision = property(lambda self: self.decisions.last)
-    notice = property(lambda self: self.decisions.notice)
+    policy = property(lambda self: self._decisions.policy)
+    notices = property(lambda self: self._decisions.notices)
+    feed = property(lambda self: self._decisions.feed)
+    last_decision = property(lambda self: self._decisions.last)
+    notice = property(lambda self: self._decisions.notice)
 
     # Each version's save costs (updated at each engine call); the one Retention object.
-    records = property(lambda self: self.flight.records)
-    retention = property(lambda self: self.pipeline.retention)
+    records = property(lambda self: self._flight.records)
+    retention = property(lambda self: self._pipeline.retention)
 
     # --- saving ----------------------------------------------------------------------------
 
@@ -179,10 +181,10 @@ class Checkpointer:
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step={step!r}: the training step is an int")
-        self.flight.report(self.decisions.committed)
-        decision = self.decisions.decide(step, notice, self.tiers, self.flight.occupancy())
+        self._flight.report(self._decisions.committed)
+        decision = self._decisions.decide(step, notice, self.tiers, self._flight.occupancy())
         if not decision.save:  # the staging pool, ahead of the first save
-            self.pipeline.prepare(lambda: self.capture.new_footprint(self.flight.steps))
+            self._pipeline.prepare(lambda: self._capture.new_footprint(self._flight.steps))
         return decision
 
     def context(
@@ -190,7 +192,7 @@ class Checkpointer:
     ) -> PolicyContext:
         """The :class:`PolicyContext` the policy sees at ``step`` (also for custom loops)."""
         now = time.monotonic() if now is None else now
-        return self.decisions.context(step, now, notice, self.tiers, self.flight.occupancy())
+        return self._decisions.context(step, now, notice, self.tiers, self._flight.occupancy())
 
     @one_caller_at_a_time
     def save(
@@ -209,29 +211,29 @@ class Checkpointer:
         """
         check_new_version(version, self._next_version)
         self._check_open()
-        self.flight.report(self.decisions.committed)
+        self._flight.report(self._decisions.committed)
         entered = time.perf_counter()
         metadata = {**(metadata or {}), "reason": reason} if reason else (metadata or {})
-        self.flight.acquire()  # blocks while max_in_flight versions are in flight
+        self._flight.acquire()  # blocks while max_in_flight versions are in flight
         try:  # start gives the slot back if the version does not start
             if version is not None:
                 self._next_version = version
-            progress = self.flight.start(
-                self.capture, self.pipeline, self._next_version, step, metadata, entered
+            progress = self._flight.start(
+                self._capture, self._pipeline, self._next_version, step, metadata, entered
             )
         finally:
-            if self._next_version in self.flight.records:  # captured: the number is taken
+            if self._next_version in self._flight.records:  # captured: the number is taken
                 self._next_version += 1
         if self.optimizer is None:
             # Nothing gates the next update: the copy is done before this returns.
-            self.flight.wait_for_copies([progress])
+            self._flight.wait_for_copies([progress])
         progress.stall += time.perf_counter() - entered
-        self.decisions.saved(step)
+        self._decisions.saved(step)
         return SaveHandle(progress)
 
     def wait_for_snapshot(self) -> None:
         """Block until every in-flight snapshot has been copied (not necessarily persisted)."""
-        self.flight.gate()
+        self._flight.gate()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every in-flight version is committed, discarded or failed.
@@ -242,13 +244,13 @@ class Checkpointer:
         """
         self._check_open()
         self._wait_all(timeout, "wait", "wait again")
-        self.flight.report(self.decisions.committed)
+        self._flight.report(self._decisions.committed)
 
     def _wait_all(self, timeout: float | None, call: str, again: str) -> None:
-        if not self.flight.wait_all(timeout):
+        if not self._flight.wait_all(timeout):
             raise CheckpointError(
-                f"{call}: version(s) {self.flight.in_flight_versions()} still in flight after "
-                f"{timeout:.0f} s (writing to {self.storage.root}): the storage is slow or "
+                f"{call}: version(s) {self._flight.in_flight_versions()} still in flight after "
+                f"{timeout:.0f} s (writing to {self._storage.root}): the storage is slow or "
                 f"stuck; {again}, or stop the process (the last committed version is intact)"
             )
 
@@ -258,12 +260,12 @@ class Checkpointer:
         Listeners must be quick or hand work to their own thread (uploaders, tier copies); an
         exception is logged and does not undo the commit.
         """
-        self.pipeline.commit_listeners.append(listener)
+        self._pipeline.commit_listeners.append(listener)
 
     # --- restoring ---------------------------------------------------------------------------
 
     def committed_versions(self) -> list[int]:
-        return self.storage.committed_versions()
+        return self._storage.committed_versions()
 
     @one_caller_at_a_time(alone=True)  # a save from a signal handler meanwhile is refused
     def restore(
@@ -302,18 +304,17 @@ class Checkpointer:
                 log.error("before the restore: %s", exc)
         report = self.last_restore = RestoreReport()
         rules = LoadRules(strict=strict, allow_cast=allow_cast)
-        job = RestoreJob(self.objects, rules, self.config.read_threads, self.storage.root, report)
+        job = RestoreJob(self._objects, rules, self.config.read_threads, self._storage.root, report)
         manifest = restore_from_tiers(
             self.tiers,
             version,
             job,
-            self.pipeline.pool,
+            self._pipeline.pool,
             self._number_above,  # every version any tier holds, valid or not
             lambda manifest: self.resumed(manifest.step, manifest.engine),
         )
         if manifest is None:
-            if self.storage.starts.number > 1:  # earlier writers died before a first commit
-                self.resumed(0, written=None)
+            self.restarted_empty()
             return None
         return manifest.step
 
@@ -328,8 +329,8 @@ class Checkpointer:
         (:meth:`Starts.unseen`); ``None``: nothing was loaded. Called by :meth:`restore`,
         and by a multi-rank restore that loaded the state itself.
         """
-        starts, clean = self.storage.starts, self.storage.previous_exit_clean
-        self.decisions.resumed(step, written, starts, clean)
+        starts, clean = self._storage.starts, self._storage.previous_exit_clean
+        self._decisions.resumed(step, written, starts, clean)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -358,18 +359,18 @@ class Checkpointer:
             self._closed = True
             if self._hook is not None:
                 self._hook.remove()
-            self.decisions.close()  # e.g. restore signal handlers, stop notice pollers
-            self.pipeline.close()
+            self._decisions.close()  # e.g. restore signal handlers, stop notice pollers
+            self._pipeline.close()
             # After the last commit, before the lock is released; preempted: no time to drain.
             self.tiers.close(hurry=self.notice is not None)
             if clean and self.notice is None:  # a preempted or crashed run's restart is not
                 with contextlib.suppress(OSError):  # a clean one
-                    self.storage.mark_clean_exit()
-            self.storage.close()
+                    self._storage.mark_clean_exit()
+            self._storage.close()
             atexit.unregister(self._atexit)
 
     def _save_last(self) -> None:
-        if (step := self.decisions.unsaved_step()) is not None:
+        if (step := self._decisions.unsaved_step()) is not None:
             self.save(step, reason="save_last")
 
     def _atexit(self) -> None:
@@ -390,7 +391,23 @@ class Checkpointer:
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.close(clean=exc_type is None)
 
-    directory = property(lambda self: self.storage.root)  # the primary tier's Path
+    directory = property(lambda self: self._storage.root)  # the primary tier's Path
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory the staging pool holds now (its budget is ``config.staging_bytes``)."""
+        return self._pipeline.pool.capacity_bytes
+
+    @property
+    def next_version(self) -> int:
+        """The number the next version will get."""
+        return self._next_version
+
+    def restarted_empty(self) -> None:
+        """No version was loaded: if earlier writers of this directory died before a first
+        commit, training restarts from step 0 after a failure (tell the policy)."""
+        if self._storage.starts.number > 1:
+            self.resumed(0, written=None)
 
 
 def _quietly(undo: Callable[[], object]) -> None:

@@ -100,7 +100,7 @@ def serve_method(args: argparse.Namespace) -> None:
         overlap = loop(impl, command["checkpoints"], command["every"], command["iteration"])
         overlap["peak_extra_bytes"] = rss_bytes("VmHWM") - baseline
         if isinstance(impl, PCFrame):  # what its staging pool may hold, by its config
-            overlap["staging_bytes"] = impl.ckpt.pipeline.pool.capacity_bytes
+            overlap["staging_bytes"] = impl.ckpt.staging_bytes
         impl.finish()
         impl.prune()  # the restore rounds read only the newest checkpoint: free the disk
         reply(overlap)

@@ -45,7 +45,7 @@ def main() -> None:
         directory = args.dir or stack.enter_context(tempfile.TemporaryDirectory(dir="."))
         ckpt = stack.enter_context(Checkpointer(directory, model=model, optimizer=optimizer))
         ckpt.save(1).wait()
-        pool = ckpt.pipeline.pool
+        pool = ckpt._pipeline.pool
         lend = pool.lend
         for i in range(args.repeats):
             order = list(times) if i % 2 == 0 else list(reversed(times))

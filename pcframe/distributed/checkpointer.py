@@ -101,12 +101,11 @@ class DistributedCheckpointer:
             )
         self.root = Path(root)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        stateful = dict(stateful or {})
-        if data is not None:
-            stateful["data"] = data
         # What a restore loads into, checked before any directory is locked (the local
         # engine saves views of them; the policy is the local engine's, set below).
-        self.objects = TrainingObjects(model, optimizer, scheduler, scaler, stateful, extra)
+        self.objects = TrainingObjects.given(
+            model, optimizer, scheduler, scaler, data, stateful, extra
+        )
         timeout = timedelta(seconds=protocol_timeout)
         # Two private gloo groups, created in the same order on every rank: `control` for the
         # collectives of the training thread, `report` for the round thread only.
@@ -124,7 +123,7 @@ class DistributedCheckpointer:
                 optimizer=optim_view,
                 scheduler=scheduler,
                 scaler=scaler,
-                stateful=stateful,
+                stateful=self.objects.stateful,
                 extra=extra,
                 policy=policy,
                 notices=notices,
@@ -329,8 +328,7 @@ class DistributedCheckpointer:
             group=self._control,
         )
         if record is None:
-            if self.local.storage.starts.number > 1:  # this rank's earlier writers all died
-                self.local.resumed(0, None)
+            self.local.restarted_empty()  # e.g. this rank's earlier writers all died
             return None
         return record.step
 

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from pcframe.errors import CorruptCheckpoint, ManifestError, NotRegularFile, UnsupportedCheckpoint
-from pcframe.format.envelope import Envelope, header_crc, is_crc, seal
+from pcframe.format.envelope import BodyFields, Envelope, header_crc, is_crc, seal
 from pcframe.format.files import read_small
 from pcframe.format.manifest import MANIFEST_NAME
 from pcframe.format.names import version_from_digits, version_name, version_number
@@ -206,14 +206,8 @@ def read_record(path: Path) -> GlobalRecord:
 def parse_record(body: Any, where: str = "<global record>") -> GlobalRecord:
     """Validate a decoded record body (types, ranks 0..N-1 in order, safe directory names)."""
 
-    def fail(reason: str) -> ManifestError:
-        return ManifestError(f"{where}: {reason}")
-
-    def integer(value: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-            raise fail(f"{what} must be an integer in [{lo}, {hi}], got {value!r}")
-        return value
-
+    fields = BodyFields(where)
+    fail, integer = fields.fail, fields.integer
     if not isinstance(body, dict):
         raise fail("body must be a JSON object")
     version = integer(body.get("version"), "version", 1)

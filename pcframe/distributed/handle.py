@@ -1,8 +1,8 @@
 """``DistributedSaveHandle``: a version on its way to being global.
 
-The protocol of :class:`pcframe.save.handle.SaveHandle` (``version``, ``step``, ``status``,
-``done()``, ``wait()``), for the global version: it is committed only once every rank's
-shard is durable and rank 0 published it (see :mod:`pcframe.distributed.protocol`).
+The :class:`~pcframe.save.handle.VersionHandle` of a global version: it is committed only
+once every rank's shard is durable and rank 0 published it (see
+:mod:`pcframe.distributed.protocol`).
 """
 
 from __future__ import annotations
@@ -11,27 +11,17 @@ import time
 
 from pcframe.distributed.protocol import Round
 from pcframe.errors import CheckpointError, SaveError
+from pcframe.save.handle import VersionHandle
 from pcframe.save.status import SaveStatus, Stage
 
 
-class DistributedSaveHandle:
-    """A version on its way to being global."""
+class DistributedSaveHandle(VersionHandle):
+    """A version on its way to being global; its ``status`` is ``IN_FLIGHT`` until the
+    round is decided, then where the global version stands."""
 
     def __init__(self, round_: Round) -> None:
+        super().__init__(round_)
         self._round = round_
-
-    @property
-    def version(self) -> int:
-        return self._round.version
-
-    @property
-    def step(self) -> int:
-        return self._round.step
-
-    @property
-    def status(self) -> SaveStatus:
-        """``IN_FLIGHT`` until the round is decided, then where the global version stands."""
-        return self._round.status
 
     def done(self) -> bool:
         return self._round.decided.is_set()

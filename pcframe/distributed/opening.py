@@ -50,7 +50,7 @@ def open_shards(
             newest_record = max(global_versions.record_versions(root), default=0)
     except (CheckpointError, OSError, TypeError, ValueError) as exc:
         mine, error = exc, f"{type(exc).__name__}: {exc}"
-    top = max(local.storage.next_version(), newest_record + 1) if local else 0
+    top = max(local.next_version, newest_record + 1) if local else 0
     gathered: list[Any] = [None] * world_size
     try:
         with peers("opening the checkpoint"):

@@ -28,7 +28,7 @@ from pcframe.format.tree import DTYPES, decode_tree
 from pcframe.restore.reader import read_entries
 from pcframe.state.apply import apply_tree
 from pcframe.state.check import LoadRules
-from pcframe.state.objects import TrainingObjects
+from pcframe.state.objects import PER_RANK, Section, TrainingObjects
 
 _HINT = "Pass the same objects that were checkpointed"
 
@@ -49,12 +49,12 @@ class Prepared:
             name: value
             for name, value in self.sections.items()
             # learned policy state and extras are loaded only as the dicts they were saved as
-            if name not in ("policy", "extra") or isinstance(value, dict)
+            if name not in (Section.POLICY, Section.EXTRA) or isinstance(value, dict)
         }
         if self.model_state is not None:
-            tree["model"] = self.model_state
+            tree[Section.MODEL] = self.model_state
         if self.optimizer_state is not None:
-            tree["optimizer"] = self.optimizer_state
+            tree[Section.OPTIMIZER] = self.optimizer_state
         return tree
 
     def apply(self, objects: TrainingObjects) -> None:
@@ -94,7 +94,7 @@ def prepare(
     if current_model is not None:
         saved_keys = {n[len("model/") :] for n in index.items if n.startswith("model/")}
         saved_keys |= {n[len("model/") :] for n in index.value_names if n.startswith("model/")}
-        _same_keys(set(current_model), saved_keys, version, "model")
+        _same_keys(set(current_model), saved_keys, version, Section.MODEL)
         for key, value in current_model.items():
             name = f"model/{key}"
             if isinstance(value, torch.Tensor):
@@ -145,14 +145,9 @@ def prepare(
     }
     _check_sections(prepared, objects, version)
     if current_model is not None:
-        state: dict[str, Any] = {}
-        for key in current_model:
-            name = f"model/{key}"
-            if name in assembled:
-                state[key] = rebuild(assembled[name], targets[name][0])
-            else:
-                state[key] = decoded_values[name]
-        prepared.model_state = state
+        prepared.model_state = {
+            key: _value(f"model/{key}", assembled, targets, decoded_values) for key in current_model
+        }
     if optimizer_plan is not None:
         prepared.optimizer_state = _optimizer_state(
             optimizer_plan, assembled, targets, prepared.sections, decoded_values, version
@@ -183,14 +178,13 @@ def _small_state(index: SavedIndex, own: int | None, small_from: int) -> list[tu
     """(section, saved rank, encoded tree) of the small state this rank loads."""
     wanted: list[tuple[str, int, Any]] = [
         (name, small_from, index.section(small_from, name))
-        for name in ("scheduler", "scaler", "extra")
+        for name in (Section.SCHEDULER, Section.SCALER, Section.EXTRA)
     ]
-    optimizer_section = index.section(small_from, "optimizer")
+    optimizer_section = index.section(small_from, Section.OPTIMIZER)
     if isinstance(optimizer_section, dict):
         wanted.append(("param_groups", small_from, optimizer_section.get("param_groups")))
     if own is not None:  # per-rank state only from the same rank of the saved job
-        per_rank = ("rng", "stateful", "policy")
-        wanted += [(name, own, index.section(own, name)) for name in per_rank]
+        wanted += [(name, own, index.section(own, name)) for name in PER_RANK]
     return wanted
 
 
@@ -247,15 +241,23 @@ def _optimizer_state(
         raise CheckpointError(f"global version {version} holds no optimizer param_groups")
     state: dict[int, dict[str, Any]] = {}
     for param_index, keys in plan.items():
-        entry: dict[str, Any] = {}
-        for key in keys:
-            name = f"optimizer/{param_index}/{key}"
-            if name in assembled:
-                entry[key] = rebuild(assembled[name], targets[name][0])
-            else:
-                entry[key] = values[name]
-        state[param_index] = entry
+        state[param_index] = {
+            key: _value(f"optimizer/{param_index}/{key}", assembled, targets, values)
+            for key in keys
+        }
     return {"state": state, "param_groups": groups}
+
+
+def _value(
+    name: str,
+    assembled: dict[str, torch.Tensor],
+    targets: dict[str, tuple[Placed, Box]],
+    values: dict[str, Any],
+) -> Any:
+    """The loaded value of ``name``: its tensor rebuilt as placed now, or its plain value."""
+    if name in assembled:
+        return rebuild(assembled[name], targets[name][0])
+    return values[name]
 
 
 def _check_shape(item: SavedItem, placed: Placed, old: int, new: int, version: int) -> None:
@@ -275,13 +277,13 @@ def _check_shape(item: SavedItem, placed: Placed, old: int, new: int, version: i
 
 
 def _check_sections(prepared: Prepared, objects: TrainingObjects, version: int) -> None:
-    for name in ("scheduler", "scaler"):
+    for name in (Section.SCHEDULER, Section.SCALER):
         if getattr(objects, name) is not None and name not in prepared.sections:
             raise CheckpointError(
                 f"global version {version} has no '{name}' state, but one was given; pass the "
                 "same objects that were checkpointed"
             )
-    states = prepared.sections.get("stateful")
+    states = prepared.sections.get(Section.STATEFUL)
     if prepared.per_rank_from is not None and objects.stateful:
         missing = sorted(set(objects.stateful) - set(states or {}))
         if missing:

@@ -103,6 +103,22 @@ class Envelope:
             raise ManifestError(f"{path}: {what} body is not valid JSON ({exc}){fix}") from None
 
 
+@dataclass(frozen=True)
+class BodyFields:
+    """Checks of a parsed body's fields; every error names the file (``where``) first."""
+
+    where: str
+
+    def fail(self, reason: str, kind: type[ManifestError] = ManifestError) -> ManifestError:
+        return kind(f"{self.where}: {reason}")
+
+    def integer(self, value: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+        """``value`` if it is an int (not a bool) in ``[lo, hi]``."""
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise self.fail(f"{what} must be an integer in [{lo}, {hi}], got {value!r}")
+        return value
+
+
 def header_crc(line: bytes, path: object) -> str:
     """The ``body_crc32c`` of a record's header line (what a global record pins a shard's
     manifest by).

@@ -30,7 +30,7 @@ from typing import Any
 
 from pcframe.errors import CorruptCheckpoint, ManifestError
 from pcframe.format.checksum import CHECKSUMS
-from pcframe.format.envelope import Envelope, seal
+from pcframe.format.envelope import BodyFields, Envelope, seal
 from pcframe.format.files import open_regular
 from pcframe.format.layout import Entry, Layout
 from pcframe.format.names import CODEC_NAME, DATA_NAME, MANIFEST_NAME, MAX_VERSION, SAFE_FILE
@@ -240,14 +240,8 @@ def parse_body(body: Any, path: str = "<manifest>", format_version: int = 1) -> 
     ``format_version`` comes from the header: version 1 bodies may not use codecs.
     """
 
-    def fail(reason: str, kind: type[ManifestError] = ManifestError) -> ManifestError:
-        return kind(f"{path}: {reason}")
-
-    def integer(value: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-            raise fail(f"{what} must be an integer in [{lo}, {hi}], got {value!r}")
-        return value
-
+    fields = BodyFields(path)
+    fail, integer = fields.fail, fields.integer
     if not isinstance(body, dict):
         raise fail("body must be a JSON object")
     version = integer(body.get("version"), "version", 0, MAX_VERSION)

@@ -22,6 +22,7 @@ from pcframe.kernels.dtypes import DTYPE_NAMES
 from pcframe.save.request import SaveRequest, in_place_version, same_sample, value_sample
 from pcframe.state.migrations import versions_to_save
 from pcframe.state.objects import (
+    Section,
     TrainingObjects,
     check_params_are_the_models,
     class_name,
@@ -148,28 +149,28 @@ class Capture:
         o = self.objects
         tree: dict[str, Any] = {}
         if o.model is not None:
-            tree["model"] = o.model.state_dict()
-            versions = versions_to_save(tree["model"])
+            tree[Section.MODEL] = o.model.state_dict()
+            versions = versions_to_save(tree[Section.MODEL])
             if versions:  # module versions other than the default, for migrations
                 tree["model_versions"] = versions
         if o.optimizer is not None:
-            tree["optimizer"] = o.optimizer.state_dict()
+            tree[Section.OPTIMIZER] = o.optimizer.state_dict()
             if isinstance(o.optimizer, torch.optim.Optimizer):  # not a multi-rank stand-in
                 # So a restore can refuse Adam state for AdamW (same keys, other maths).
                 tree["optimizer_class"] = class_name(o.optimizer)
                 if o.model is not None:  # so a restore can refuse state in another order
                     tree["optimizer_param_names"] = self._param_names()
         if o.scheduler is not None:
-            tree["scheduler"] = o.scheduler.state_dict()
+            tree[Section.SCHEDULER] = o.scheduler.state_dict()
             # torch loads any scheduler's state into any other (a __dict__.update).
             tree["scheduler_class"] = class_name(o.scheduler)
         if o.scaler is not None:
-            tree["scaler"] = o.scaler.state_dict()
-        tree["rng"] = capture_rng()
-        tree["stateful"] = {name: obj.state_dict() for name, obj in o.stateful.items()}
-        tree["policy"] = o.policy.state_dict()
+            tree[Section.SCALER] = o.scaler.state_dict()
+        tree[Section.RNG] = capture_rng()
+        tree[Section.STATEFUL] = {name: obj.state_dict() for name, obj in o.stateful.items()}
+        tree[Section.POLICY] = o.policy.state_dict()
         if o.extra is not None:
-            tree["extra"] = json_only(o.extra, "extra")
+            tree[Section.EXTRA] = json_only(o.extra, Section.EXTRA)
         return tree
 
     def _buffer_paths(self) -> frozenset[str]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 from pcframe.errors import SaveError
 from pcframe.save.progress import SaveProgress
@@ -25,28 +27,46 @@ class SaveRecord:
     error: str = ""
 
 
-class SaveHandle:
-    """A checkpoint version on its way to disk.
+class VersionHandle(ABC):
+    """What ``save()`` returns at either front door: a version on its way.
 
-    The same protocol as :class:`pcframe.distributed.DistributedSaveHandle`: ``version``,
-    ``step``, ``done()`` and ``wait()``, which returns the final :class:`SaveStatus` and
-    raises :class:`SaveError` if the version failed.
+    ``version``, ``step``, ``status``; ``done()``; ``wait()``, which returns the final
+    :class:`SaveStatus` and raises :class:`SaveError` if the version failed.
+    :class:`SaveHandle` (one process) and :class:`pcframe.distributed.DistributedSaveHandle`
+    (a global version) implement it over what tracks their version (``tracked``: anything
+    with ``version``, ``step`` and ``status``).
     """
 
-    def __init__(self, progress: SaveProgress) -> None:
-        self._progress = progress
+    def __init__(self, tracked: Any) -> None:
+        self._tracked = tracked
 
     @property
     def version(self) -> int:
-        return self._progress.version
+        return self._tracked.version
 
     @property
     def step(self) -> int:
-        return self._progress.step
+        return self._tracked.step
 
     @property
     def status(self) -> SaveStatus:
-        return self._progress.status
+        return self._tracked.status
+
+    @abstractmethod
+    def done(self) -> bool:
+        """Whether the version's outcome is known (``wait`` would not block)."""
+
+    @abstractmethod
+    def wait(self, timeout: float | None = None) -> SaveStatus:
+        """Block until the version's outcome is known; return its status."""
+
+
+class SaveHandle(VersionHandle):
+    """A checkpoint version on its way to disk (:class:`VersionHandle`)."""
+
+    def __init__(self, progress: SaveProgress) -> None:
+        super().__init__(progress)
+        self._progress = progress
 
     def done(self) -> bool:
         return self._progress.finished.is_set()

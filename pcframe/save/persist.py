@@ -78,6 +78,8 @@ class DataFile(ABC):
     direct: bool = False
     #: files the chunks are spread over (recorded in the manifest: files/data.bin/stripes)
     stripes: int = 1
+    #: the open descriptor of a file that keeps one (-1: none, or closed)
+    fd: int = -1
 
     def write_length(self, length: int) -> int:
         """Bytes of the staging buffer :meth:`write` will read for a chunk of ``length``."""
@@ -91,8 +93,13 @@ class DataFile(ABC):
     def sync(self) -> None:
         """Make every written byte and the file size durable (before the manifest is written)."""
 
-    @abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Close the descriptor (a subclass lets go of what else it holds first)."""
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            finally:
+                self.fd = -1
 
 
 class WrittenFile(DataFile):
@@ -138,13 +145,6 @@ class WrittenFile(DataFile):
             os.ftruncate(self.fd, self.size)
         os.fdatasync(self.fd)
 
-    def close(self) -> None:
-        if self.fd >= 0:
-            try:
-                os.close(self.fd)
-            finally:
-                self.fd = -1
-
 
 class MappedDataFile(DataFile):
     """Copy chunks into a shared mapping (checksum fused into the copy), msync per chunk."""
@@ -185,11 +185,7 @@ class MappedDataFile(DataFile):
         if self.mapped is not None:
             self.mapped.close()
             self.mapped = None
-        if self.fd >= 0:
-            try:
-                os.close(self.fd)
-            finally:
-                self.fd = -1
+        super().close()
 
 
 class StripedFile(DataFile):

@@ -20,6 +20,7 @@ The arithmetic of a save is the kernel's (:mod:`pcframe.sim.kernel`), the same a
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -38,7 +39,7 @@ class Stretch(NamedTuple):
 
     first: int  # its first version
     end: int  # one past its last version
-    snapshot: tuple  # process and policy before it (``_snapshot``)
+    snapshot: _Snapshot  # process and policy before it
     fast_forwards: int  # the ledger's count before it
 
 
@@ -271,52 +272,49 @@ class FastPaths:
                     self.fast_forward = was
                 return
 
-    def _snapshot(self) -> tuple:
-        led = self.ledger
-        return (
-            saved_state(self.policy),
-            self.seg_t0,
-            self.seg_step0,
-            self.step,
-            self.t,
-            list(self.inflight),
-            (self.commit.step, self.commit.version, self.commit.time, self.commit.policy_state),
-            self.stall,
-            self.feed.save_stall,
-            self.feed.save_duration,
-            self.feed.last_save_step,
-            self.feed.last_save_time,
-            self.last_decide,
-            self.hint,
-            list(self._saves),
-            self.versions.next,
-            (led.saves, led.decisions, led.emergency_saves),
+    def _snapshot(self) -> _Snapshot:
+        led, commit = self.ledger, self.commit
+        return _Snapshot(
+            own={name: getattr(self, name) for name in _OWN},
+            feed={name: getattr(self.feed, name) for name in _FEED},
+            policy_state=saved_state(self.policy),
+            inflight=list(self.inflight),
+            saves=list(self._saves),
+            commit=(commit.step, commit.version, commit.time, commit.policy_state),
+            counts=(led.saves, led.decisions, led.emergency_saves),
+            next_version=self.versions.next,
         )
 
-    def _restore(self, snap: tuple) -> None:
-        (
-            state,
-            self.seg_t0,
-            self.seg_step0,
-            self.step,
-            self.t,
-            self.inflight,
-            commit,
-            self.stall,
-            self.feed.save_stall,
-            self.feed.save_duration,
-            self.feed.last_save_step,
-            self.feed.last_save_time,
-            self.last_decide,
-            self.hint,
-            self._saves,
-            self.versions.next,
-            counts,
-        ) = snap
-        self.policy.load_state_dict(state)  # the snapshot's own copy, used once
-        self._set_commit(*commit)
-        self.ledger.saves, self.ledger.decisions, self.ledger.emergency_saves = counts
+    def _restore(self, snap: _Snapshot) -> None:
+        for name, value in snap.own.items():
+            setattr(self, name, value)
+        for name, value in snap.feed.items():
+            setattr(self.feed, name, value)
+        self.policy.load_state_dict(snap.policy_state)  # the snapshot's own copy, used once
+        self.inflight, self._saves = snap.inflight, snap.saves
+        self._set_commit(*snap.commit)
+        self.ledger.saves, self.ledger.decisions, self.ledger.emergency_saves = snap.counts
+        self.versions.next = snap.next_version
         self._ff_every = 0
+
+
+# What a stretch's snapshot keeps of the process (plain values) and of its feed.
+_OWN = ("seg_t0", "seg_step0", "step", "t", "stall", "last_decide", "hint")
+_FEED = ("save_stall", "save_duration", "last_save_step", "last_save_time")
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """A process as it stood when a fast-forward stretch began (to go back to)."""
+
+    own: dict[str, Any]
+    feed: dict[str, Any]
+    policy_state: Any
+    inflight: list[Any]
+    saves: list[Any]
+    commit: tuple[Any, ...]
+    counts: tuple[int, int, int]
+    next_version: int
 
 
 def _unchanging(rows: list[list[float]], last_stall: float) -> bool:

@@ -299,18 +299,7 @@ class Process(FastPaths):
     # --- endings ------------------------------------------------------------------------------
     def _finish(self) -> None:
         """The last step is done: make it durable (blocking) and end the process."""
-        t = self.t
-        end = t
-        saved = any(f.step == self.step for f in self.inflight)
-        if self.job.final_save and not saved and self.commit.step < self.step:
-            end = t + self.job.save_duration
-            state = saved_state(self.policy)
-            self.inflight.append(Flight(self.versions.take(), self.step, t, end, end - t, state))
-            self.ledger.saves += 1
-        end = max([end] + [f.durable_at for f in self.inflight])
-        self.stall += end - t
-        self.t = end
-        self._commit_durable(end, report=False)
+        end = self._save_and_drain(self.t, save=self.job.final_save)
         if not self.job.final_save:
             self._set_commit(self.step, self.commit.version, end, self.commit.policy_state)
         self.finished = True
@@ -326,9 +315,16 @@ class Process(FastPaths):
         self.run_until(at)
         if self.finished:
             return max(at, self.t)
-        t = max(at, self.t)
+        end = self._save_and_drain(max(at, self.t), save=True)
+        self._close(end, kept=self.step)
+        return end
+
+    def _save_and_drain(self, t: float, save: bool) -> float:
+        """A blocking save of the current step at ``t`` (if ``save`` and no version holds
+        it yet), then every version in flight made durable; returns when that ended."""
         end = t
-        if self.commit.step < self.step and not any(f.step == self.step for f in self.inflight):
+        saved = any(f.step == self.step for f in self.inflight)
+        if save and not saved and self.commit.step < self.step:
             end = t + self.job.save_duration
             state = saved_state(self.policy)
             self.inflight.append(Flight(self.versions.take(), self.step, t, end, end - t, state))
@@ -337,7 +333,6 @@ class Process(FastPaths):
         self.stall += end - t
         self.t = end
         self._commit_durable(end, report=False)
-        self._close(end, kept=self.step)
         return end
 
     def kill(self, at: float) -> int:

@@ -42,9 +42,9 @@ from torch.optim.optimizer import Optimizer
 
 from pcframe.errors import CheckpointError, RestoreIOError, StateMismatch, refused_memory
 from pcframe.state.check import STRICT, LoadPlan, LoadRules, describe_problems, plan_load
-from pcframe.state.in_place import SECTIONS, plain_module_loading, view_of
+from pcframe.state.in_place import plain_module_loading, view_of
 from pcframe.state.migrations import load_pre_hooks_held
-from pcframe.state.objects import TrainingObjects
+from pcframe.state.objects import IN_PLACE, Section, TrainingObjects
 from pcframe.state.rng import capture_rng, restore_rng
 
 log = logging.getLogger("pcframe")
@@ -101,7 +101,9 @@ def apply_tree(
     loaded: set[str] = set()
     loads = _loads(objects, plan, in_place=fill is not None)
     if fill is not None:  # after the model and optimizer, before RNG and extra
-        at = next((i for i, (name, _) in enumerate(loads) if name in ("rng", "extra")), None)
+        at = next(
+            (i for i, (name, _) in enumerate(loads) if name in (Section.RNG, Section.EXTRA)), None
+        )
         step = ("in-place tensors", _fill(fill, loaded))
         loads.insert(len(loads) if at is None else at, step)
     for name, load in loads:
@@ -130,7 +132,11 @@ def apply_tree(
             undo.last(cause)
             not_loaded.append(f"{name}: load_state_dict failed: {type(exc).__name__}: {exc}")
         undo.commit_step()
-    if "scheduler" in loaded and "optimizer" not in loaded and objects.optimizer is not None:
+    if (
+        Section.SCHEDULER in loaded
+        and Section.OPTIMIZER not in loaded
+        and objects.optimizer is not None
+    ):
         _lr_from_scheduler(objects.optimizer, objects.scheduler, not_loaded)
     if not_loaded:
         log.warning("%s: not loaded (strict=False): %s", where, "; ".join(not_loaded))
@@ -168,20 +174,22 @@ def _loads(
         (f"stateful[{name!r}]", _state_load(objects.stateful[name], state))
         for name, state in plan.stateful.items()
     ]
-    for section in ("scheduler", "scaler", "policy"):
+    for section in (Section.SCHEDULER, Section.SCALER, Section.POLICY):
         if section in states:
             loads.append((section, _state_load(getattr(objects, section), states[section])))
-    if "optimizer" in states:
-        loads.append(("optimizer", _optimizer_load(objects.optimizer, states["optimizer"])))
-    if "model" in states:
-        model = _model_load(
-            objects.model, states["model"], plan.model_complete, in_place, plan.model_migrated
+    if Section.OPTIMIZER in states:
+        loads.append(
+            (Section.OPTIMIZER, _optimizer_load(objects.optimizer, states[Section.OPTIMIZER]))
         )
-        loads.append(("model", model))
-    if "rng" in states:
-        loads.append(("rng", _rng_load(states["rng"], plan.rng_skip)))
-    if "extra" in states:
-        loads.append(("extra", _extra_load(objects.extra, states["extra"])))
+    if Section.MODEL in states:
+        model = _model_load(
+            objects.model, states[Section.MODEL], plan.model_complete, in_place, plan.model_migrated
+        )
+        loads.append((Section.MODEL, model))
+    if Section.RNG in states:
+        loads.append((Section.RNG, _rng_load(states[Section.RNG], plan.rng_skip)))
+    if Section.EXTRA in states:
+        loads.append((Section.EXTRA, _extra_load(objects.extra, states[Section.EXTRA])))
     return loads
 
 
@@ -342,7 +350,7 @@ def _loads_onto_itself(model: torch.nn.Module, state: dict[str, Any]) -> bool:
 
 def _fill(fill: InPlaceFill, loaded: set[str]) -> Callable[[_Undo], None]:
     def load(undo: _Undo) -> None:
-        sections = loaded & set(SECTIONS)
+        sections = loaded & set(IN_PLACE)
 
         def put_back() -> None:
             if not fill.unfill():

@@ -26,7 +26,7 @@ import torch
 
 from pcframe.errors import StateMismatch
 from pcframe.state.migrations import as_loaded, has_load_pre_hooks, module_metadata, with_versions
-from pcframe.state.objects import TrainingObjects, class_name
+from pcframe.state.objects import Section, TrainingObjects, class_name
 from pcframe.state.optimizer import align_to_names, check_optimizer
 from pcframe.state.rng import check_rng
 
@@ -96,18 +96,20 @@ def plan_load(objects: TrainingObjects, tree: Any, rules: LoadRules = STRICT) ->
             plan.problems.append(f"{section}: the checkpoint holds no {section} state, but {given}")
         return False
 
-    if objects.stateful and wanted("stateful", objects.stateful):
-        _check_stateful(objects.stateful, tree["stateful"], plan)
-    if wanted("scheduler", objects.scheduler):
-        _check_scheduler(objects.scheduler, tree["scheduler"], tree.get("scheduler_class"), plan)
-    if wanted("scaler", objects.scaler):
-        _check_scaler(objects.scaler, tree["scaler"], plan)
-    if objects.policy is not None and "policy" in tree:
-        plan.states["policy"] = tree["policy"]
-    if wanted("optimizer", objects.optimizer):
+    if objects.stateful and wanted(Section.STATEFUL, objects.stateful):
+        _check_stateful(objects.stateful, tree[Section.STATEFUL], plan)
+    if wanted(Section.SCHEDULER, objects.scheduler):
+        _check_scheduler(
+            objects.scheduler, tree[Section.SCHEDULER], tree.get("scheduler_class"), plan
+        )
+    if wanted(Section.SCALER, objects.scaler):
+        _check_scaler(objects.scaler, tree[Section.SCALER], plan)
+    if objects.policy is not None and Section.POLICY in tree:
+        plan.states[Section.POLICY] = tree[Section.POLICY]
+    if wanted(Section.OPTIMIZER, objects.optimizer):
         saved_class = tree.get("optimizer_class")
         before = len(plan.problems)
-        state, order_problems = tree["optimizer"], []
+        state, order_problems = tree[Section.OPTIMIZER], []
         if objects.model is not None:
             state, order_problems = align_to_names(
                 state, tree.get("optimizer_param_names"), objects.model, objects.optimizer
@@ -123,18 +125,20 @@ def plan_load(objects: TrainingObjects, tree: Any, rules: LoadRules = STRICT) ->
         if len(plan.problems) == before:
             plan.problems += order_problems
         if len(plan.problems) == before:
-            plan.states["optimizer"] = state
-    if wanted("model", objects.model):
-        _check_model(objects.model, tree["model"], tree.get("model_versions"), allow_cast, plan)
-    if "rng" in tree:
-        refused = check_rng(tree["rng"])
+            plan.states[Section.OPTIMIZER] = state
+    if wanted(Section.MODEL, objects.model):
+        _check_model(
+            objects.model, tree[Section.MODEL], tree.get("model_versions"), allow_cast, plan
+        )
+    if Section.RNG in tree:
+        refused = check_rng(tree[Section.RNG])
         plan.problems += [f"rng[{name!r}]: {why}" for name, why in refused.items()]
-        if "rng" not in refused:  # a dict of generator states: restore the valid ones
-            plan.states["rng"] = tree["rng"]
+        if Section.RNG not in refused:  # a dict of generator states: restore the valid ones
+            plan.states[Section.RNG] = tree[Section.RNG]
             plan.rng_skip = set(refused)
-    if isinstance(objects.extra, dict) and wanted("extra", objects.extra):
-        if isinstance(tree["extra"], dict):
-            plan.states["extra"] = tree["extra"]
+    if isinstance(objects.extra, dict) and wanted(Section.EXTRA, objects.extra):
+        if isinstance(tree[Section.EXTRA], dict):
+            plan.states[Section.EXTRA] = tree[Section.EXTRA]
         else:
             plan.problems.append(f"extra: the checkpoint holds a {type(tree['extra']).__name__}")
     return plan
@@ -193,7 +197,7 @@ def _check_model(
             fits = saved  # the hooks migrate it inside load_state_dict, as torch's load does
         else:  # what fits is already migrated: loaded with the hooks held off
             plan.model_migrated = compared is not saved
-        plan.states["model"] = with_versions(fits, metadata)
+        plan.states[Section.MODEL] = with_versions(fits, metadata)
 
 
 def tensor_misfit(live: Any, saved: Any, allow_cast: bool) -> str | None:
@@ -231,7 +235,7 @@ def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
         return ""
     pairs = (
         (sorted(unexpected), sorted(missing), "checkpoint"),
-        (sorted(missing), sorted(unexpected), "model"),
+        (sorted(missing), sorted(unexpected), Section.MODEL),
     )
     for longer, shorter, side in pairs:
         if len(longer[0]) > len(shorter[0]) and longer[0].endswith(shorter[0]):
@@ -264,7 +268,7 @@ def _check_scheduler(scheduler: Any, saved: Any, saved_class: Any, plan: LoadPla
                 f"{sorted(public - kept)}: it was saved by another scheduler class"
             )
             return
-    plan.states["scheduler"] = saved
+    plan.states[Section.SCHEDULER] = saved
 
 
 def _check_stateful(given: Any, saved: Any, plan: LoadPlan) -> None:
@@ -291,4 +295,4 @@ def _check_scaler(scaler: Any, saved: Any, plan: LoadPlan) -> None:
                 "scaler, or another kind of object?)"
             )
             return
-    plan.states["scaler"] = saved
+    plan.states[Section.SCALER] = saved

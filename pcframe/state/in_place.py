@@ -34,8 +34,6 @@ from typing import Any
 import torch
 from torch.optim.optimizer import Optimizer
 
-SECTIONS = ("model", "optimizer")  # the tree sections whose tensors may be read in place
-
 
 def in_place_targets(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
     """``{manifest entry name: live tensor}`` for the tensors a restore may fill in place."""

@@ -4,11 +4,32 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import torch
 
 Stateful = Any  # anything with state_dict() / load_state_dict()
+
+
+class Section(StrEnum):
+    """The sections of a version's state tree: one per training object a checkpointer
+    saves and restores, in one place (each section's key in the tree is its value)."""
+
+    MODEL = "model"
+    OPTIMIZER = "optimizer"
+    SCHEDULER = "scheduler"
+    SCALER = "scaler"
+    STATEFUL = "stateful"  # the data position and any other named object
+    EXTRA = "extra"  # a JSON-able dict updated in place on restore
+    POLICY = "policy"  # the interval policy's learned state
+    RNG = "rng"  # every random number generator (captured, not given)
+
+
+# Sections kept per rank by a multi-rank checkpoint (each rank's own), and those whose
+# tensors a restore may read straight into the live objects.
+PER_RANK = (Section.RNG, Section.STATEFUL, Section.POLICY)
+IN_PLACE = (Section.MODEL, Section.OPTIMIZER)
 
 
 @dataclass
@@ -54,9 +75,9 @@ class TrainingObjects:
     def __post_init__(self) -> None:
         # Checked at construction: each of these failed only at the first save or decision.
         for what, obj in (
-            ("model", self.model),
-            ("scheduler", self.scheduler),
-            ("scaler", self.scaler),
+            (Section.MODEL, self.model),
+            (Section.SCHEDULER, self.scheduler),
+            (Section.SCALER, self.scaler),
         ):
             if obj is not None and not (
                 hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")

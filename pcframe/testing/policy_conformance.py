@@ -28,13 +28,12 @@ from pcframe.policies.resource.base import ResourceContext, ResourceDecision, Re
 from pcframe.testing.interval_conformance import IntervalDriver, IntervalPolicyConformance
 from pcframe.testing.kit import Kit, json_round_trip
 
-__all__ = [
+__all__ = [  # the interval kit lives in pcframe.testing.interval_conformance
     "IntervalDriver",
     "IntervalPolicyConformance",
     "PlacementPolicyConformance",
     "PredictorConformance",
     "ResourcePolicyConformance",
-    "json_round_trip",
 ]
 
 

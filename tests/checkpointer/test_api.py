@@ -288,7 +288,7 @@ def test_save_record_counts_the_engine_threads_cpu_and_not_the_training_threads(
         handle = ckpt.save(step=1)
         burn_cpu(0.5)  # training's CPU while the save is in flight: not the engine's
         handle.wait()
-        chunks = len(ckpt.pipeline.opener._plan.layout.chunks)
+        chunks = len(ckpt._pipeline.opener._plan.layout.chunks)
         record = ckpt.records[handle.version]
     assert chunks >= 2
     assert 0.03 * chunks <= record.cpu < 0.03 * chunks + 0.4
@@ -339,7 +339,7 @@ def test_a_restart_says_whether_the_previous_run_closed_cleanly(tmp_path, python
     with Checkpointer(tmp_path / "noticed", model=model, optimizer=optimizer) as ckpt:
         ckpt.save(step=1)
         now = time.monotonic()
-        ckpt.decisions.notice = Notice(received_at=now, deadline=now + 30.0, source="test")
+        ckpt._decisions.notice = Notice(received_at=now, deadline=now + 30.0, source="test")
     assert not restart_after(tmp_path / "noticed").clean
 
 

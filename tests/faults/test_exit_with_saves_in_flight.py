@@ -29,7 +29,7 @@ ckpt = Checkpointer(sys.argv[1], model=model, optimizer=opt, chunk_bytes=65536,
 for step in range(1, 4):
     opt.step()
     ckpt.save(step)
-print("in flight at exit:", ckpt.flight.in_flight_versions(), flush=True)
+print("in flight at exit:", ckpt._flight.in_flight_versions(), flush=True)
 if os.environ.get("RAISE"):
     raise RuntimeError("the training loop crashed")
 """

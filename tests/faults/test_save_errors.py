@@ -169,16 +169,16 @@ def test_an_interrupt_while_a_save_starts_gives_its_slot_back(tmp_path, monkeypa
 
             monkeypatch.setattr(flight, "SaveProgress", interrupted)
         else:
-            real_submit = ckpt.pipeline.submit
+            real_submit = ckpt._pipeline.submit
 
             def interrupted(request, progress):
-                monkeypatch.setattr(ckpt.pipeline, "submit", real_submit)
+                monkeypatch.setattr(ckpt._pipeline, "submit", real_submit)
                 raise KeyboardInterrupt
 
-            monkeypatch.setattr(ckpt.pipeline, "submit", interrupted)
+            monkeypatch.setattr(ckpt._pipeline, "submit", interrupted)
         with pytest.raises(KeyboardInterrupt):
             ckpt.save(1)
-        assert ckpt.flight.wait_all(timeout=5)  # every slot free
+        assert ckpt._flight.wait_all(timeout=5)  # every slot free
         assert ckpt.save(2).wait() is SaveStatus.COMMITTED
     finally:  # a leaked slot would make a plain close() wait forever
         with contextlib.suppress(CheckpointError):

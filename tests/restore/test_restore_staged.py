@@ -66,7 +66,7 @@ def test_a_staged_chunk_changed_in_memory_is_read_from_disk_instead(tmp_path, mo
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, **SMALL) as ckpt:
         ckpt.save(1).wait()
         saved = live_values(model, optimizer)
-        pool = ckpt.pipeline.pool
+        pool = ckpt._pipeline.pool
         with pool.lend() as buffers:
             held = pool.holding(buffers)[1]
             chunk = sorted(held)[len(held) // 2]
@@ -109,7 +109,7 @@ def test_buffers_a_restore_wrote_over_hold_nothing_afterwards(tmp_path, monkeypa
         assert ckpt.restore(version=1) == 1  # from disk, the buffers as spare memory
         assert same_values(live_values(model, optimizer), first)
         assert ckpt.last_restore.direct_bytes > 0
-        pool = ckpt.pipeline.pool
+        pool = ckpt._pipeline.pool
         with pool.lend() as buffers:
             assert pool.holding(buffers) == {}
         reads = _count_disk_reads(monkeypatch)

@@ -118,7 +118,7 @@ def test_the_host_kernel_stages_the_bytes_the_torch_reference_does(tmp_path, alg
             chunk_bytes=4096,
             tensor_align=64,
         ) as ckpt:
-            assert ckpt.pipeline.copier.host_kernel == (method != "torch")
+            assert ckpt._pipeline.copier.host_kernel == (method != "torch")
             ckpt.save(step=1).wait()
         version = tmp_path / method / "v00000001"
         recomputed_checksums_match(version)

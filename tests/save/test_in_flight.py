@@ -95,7 +95,7 @@ def test_in_flight_limit_and_staging_budget_hold(tmp_path, monkeypatch):
         staging_bytes=3 * 65536,
         writer_threads=2,
     ) as ckpt:
-        pool = ckpt.pipeline.pool
+        pool = ckpt._pipeline.pool
         peak = [0]
         original_acquire = pool.acquire
 

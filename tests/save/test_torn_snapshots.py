@@ -104,13 +104,13 @@ def test_a_frozen_layer_is_read_in_place_not_cloned(tmp_path):
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, **OPTIONS) as ckpt:
         _step(model, optimizer)
         for _ in range(2):
-            request = ckpt.capture.request(99, 1, {})
+            request = ckpt._capture.request(99, 1, {})
             read = _read_in_place(request)
             assert read["model/frozen.weight"] == model.frozen.weight.data_ptr()
             assert read["model/net.0.weight"] == model.net[0].weight.data_ptr()  # stepped
             assert read["model/ema.0.weight"] == model.ema[0].weight.data_ptr()  # still so far
         _ema_update(model)
-        request = ckpt.capture.request(99, 1, {})
+        request = ckpt._capture.request(99, 1, {})
         read = _read_in_place(request)
         assert read["model/ema.0.weight"] != model.ema[0].weight.data_ptr()  # moved: cloned
 

@@ -19,7 +19,7 @@ CHUNK = 4096
 
 
 def _warmed(ckpt: Checkpointer, timeout: float = 30.0) -> bool:
-    thread = ckpt.pipeline._warming
+    thread = ckpt._pipeline._warming
     if thread is None:
         return False
     thread.join(timeout)
@@ -34,16 +34,16 @@ def test_a_declined_maybe_save_sizes_the_pool_once_the_optimizer_has_state(tmp_p
     ) as ckpt:
         assert ckpt.maybe_save(0) is None
         # no moments yet: the state's size is not final, nothing is allocated
-        assert ckpt.pipeline._warming is None and ckpt.pipeline.pool.capacity_bytes == 0
+        assert ckpt._pipeline._warming is None and ckpt.staging_bytes == 0
         train_steps(model, optimizer, scheduler, 1)
         assert ckpt.maybe_save(1) is None
         assert _warmed(ckpt)
-        nbytes, on_cuda = ckpt.capture.footprint()
+        nbytes, on_cuda = ckpt._capture.footprint()
         assert not on_cuda
-        assert ckpt.pipeline.pool.capacity_bytes >= nbytes  # staging_ratio 1.0: one version
-        capacity = ckpt.pipeline.pool.capacity_bytes
+        assert ckpt.staging_bytes >= nbytes  # staging_ratio 1.0: one version
+        capacity = ckpt.staging_bytes
         ckpt.save(step=1).wait()  # the same pool: no second allocation
-        assert ckpt.pipeline.pool.capacity_bytes == capacity
+        assert ckpt.staging_bytes == capacity
     with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
         assert ckpt.restore() == 1
 
@@ -67,7 +67,7 @@ def test_the_warm_pool_is_resident_before_any_save(tmp_path):
         assert ckpt.maybe_save(1) is None
         assert _warmed(ckpt)
         grown = _resident_bytes() - before
-        assert grown >= 0.9 * ckpt.pipeline.pool.capacity_bytes >= 0.9 * 48 * 2**20
+        assert grown >= 0.9 * ckpt.staging_bytes >= 0.9 * 48 * 2**20
 
 
 def test_close_while_the_pool_is_warming_does_not_hang_or_keep_it(tmp_path, monkeypatch):
@@ -87,7 +87,7 @@ def test_close_while_the_pool_is_warming_does_not_hang_or_keep_it(tmp_path, monk
         tmp_path, model=model, optimizer=optimizer, policy=P.FixedSteps(1000)
     ) as ckpt:
         assert ckpt.maybe_save(1) is None
-        pool = ckpt.pipeline.pool
+        pool = ckpt._pipeline.pool
     assert time.monotonic() - started < 10
     assert _warmed(ckpt)
     assert not pool._free  # closed: nothing kept
@@ -120,11 +120,11 @@ def test_the_pool_grows_ahead_when_a_branch_first_gets_its_moments(tmp_path):
     ) as ckpt:
         step(False)
         assert ckpt.maybe_save(1) is None and _warmed(ckpt)
-        first = ckpt.pipeline.pool.capacity_bytes
+        first = ckpt.staging_bytes
         step(True)  # b's moments now exist: the state is larger
         assert ckpt.maybe_save(2) is None and _warmed(ckpt)
-        nbytes, _ = ckpt.capture.footprint()
-        assert ckpt.pipeline.pool.capacity_bytes >= nbytes > first
+        nbytes, _ = ckpt._capture.footprint()
+        assert ckpt.staging_bytes >= nbytes > first
 
 
 def test_an_optimizer_without_state_is_sized_after_its_first_step(tmp_path):
@@ -134,11 +134,11 @@ def test_an_optimizer_without_state_is_sized_after_its_first_step(tmp_path):
         tmp_path, model=model, optimizer=optimizer, policy=P.FixedSteps(1000)
     ) as ckpt:
         assert ckpt.maybe_save(0) is None
-        assert ckpt.pipeline._warming is None  # not stepped yet: not known to be final
+        assert ckpt._pipeline._warming is None  # not stepped yet: not known to be final
         model(torch.randn(2, 64)).sum().backward()
         optimizer.step()
         assert ckpt.maybe_save(1) is None and _warmed(ckpt)
-        assert ckpt.pipeline.pool.capacity_bytes > 0
+        assert ckpt.staging_bytes > 0
 
 
 def test_a_pool_a_save_sized_is_not_resized_by_a_late_warm_up():
@@ -167,7 +167,7 @@ def test_a_warm_up_that_cannot_start_its_thread_does_not_stop_training(tmp_path,
         with monkeypatch.context() as patch:
             patch.setattr(pipeline.threading, "Thread", NoThread)
             assert ckpt.maybe_save(1) is None  # declined, and no exception
-        assert ckpt.pipeline.pool.capacity_bytes == 0
+        assert ckpt.staging_bytes == 0
         ckpt.save(step=1).wait()  # the save allocates the pool itself
     with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
         assert ckpt.restore() == 1

@@ -24,10 +24,10 @@ def test_with_block_left_by_an_exception_is_not_a_clean_exit(tmp_path):
         raise ValueError("training crashed")
     assert not clean_mark(tmp_path)
     with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2)) as ckpt:
-        assert ckpt.storage.previous_exit_clean is False
+        assert ckpt._storage.previous_exit_clean is False
     assert clean_mark(tmp_path)  # this one closed normally
     with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2)) as ckpt:
-        assert ckpt.storage.previous_exit_clean is True
+        assert ckpt._storage.previous_exit_clean is True
 
 
 @pytest.mark.parametrize(

@@ -97,7 +97,7 @@ def test_the_version_records_its_writer(tmp_path):
     for expected in (1, 2):
         with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2)) as ckpt:
             ckpt.save(expected).wait()
-            assert ckpt.storage.starts.number == expected
+            assert ckpt._storage.starts.number == expected
     manifest = read_manifest(str(tmp_path / "v00000002" / "manifest.json"))
     epoch = Starts.parse((tmp_path / STARTS).read_bytes()).epoch
     expected = written(2, 1, epoch)  # writer 2, after one clean close (writer 1's)
@@ -274,5 +274,5 @@ def test_an_unwritable_count_does_not_stop_training(tmp_path, caplog):
         Checkpointer(tmp_path, model=torch.nn.Linear(2, 2)) as ckpt,
     ):
         ckpt.save(1).wait()
-        assert ckpt.storage.starts == Starts()
+        assert ckpt._storage.starts == Starts()
     assert any(STARTS in r.getMessage() for r in caplog.records)

@@ -180,7 +180,7 @@ def measure(
         warm = ckpt.save(step)
         warm.wait()
         ckpt.tiers.wait_idle()
-        result.memory = ckpt.pipeline.pool.capacity_bytes
+        result.memory = ckpt.staging_bytes
         result.checkpoint_bytes = ckpt.records[warm.version].nbytes
         if on_memory is not None:
             on_memory(result.memory)
