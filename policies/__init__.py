@@ -18,6 +18,7 @@ from pcframe.policies.base import (
 )
 from pcframe.policies.checkfreq import CheckFreq, checkfreq_k
 from pcframe.policies.daly import Daly
+from pcframe.policies.errors import PluginError
 from pcframe.policies.estimates import CostModel, RunningEstimate
 from pcframe.policies.fixed import FixedSteps
 from pcframe.policies.fixed_time import FixedTime
@@ -53,7 +54,6 @@ from pcframe.policies.predictors import (
 from pcframe.policies.preemption_aware import PreemptionAware
 from pcframe.policies.registry import (
     ENTRY_POINT_GROUP,
-    PluginError,
     Registry,
     available,
     create,

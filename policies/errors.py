@@ -1,4 +1,5 @@
-"""The one error a trace loader raises: it names the file, the place in it and the fix."""
+"""The errors of the policies package: a plugin that cannot be loaded, a trace file that
+cannot be read (it names the file, the place in it and the fix)."""
 
 from __future__ import annotations
 
@@ -15,3 +16,7 @@ class TraceFormatError(ValueError):
         self.fix = fix
         loc = f"{self.path}:{where}" if where else self.path
         super().__init__(f"{loc}: {problem}. Fix: {fix}")
+
+
+class PluginError(RuntimeError):
+    """A plugin entry point could not be loaded or is not a pcframe plugin class."""

@@ -18,15 +18,12 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from pcframe.policies.errors import PluginError
 from pcframe.policies.kinds import KINDS, kind_of
 
 ENTRY_POINT_GROUP = "pcframe.policies"
 
 T = TypeVar("T")
-
-
-class PluginError(RuntimeError):
-    """A plugin entry point could not be loaded or is not a pcframe plugin class."""
 
 
 class Registry:

@@ -25,8 +25,9 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from pcframe.policies.errors import PluginError
 from pcframe.policies.kinds import kind_of
-from pcframe.policies.registry import REGISTRY, PluginError
+from pcframe.policies.registry import REGISTRY
 
 # registry kind -> config group (notice sources are nested inside `notice`, no group)
 GROUPS = {

@@ -11,7 +11,8 @@ import pytest
 
 import pcframe.policies as P
 from pcframe.policies import Registry
-from pcframe.policies.registry import ENTRY_POINT_GROUP, PluginError
+from pcframe.policies.errors import PluginError
+from pcframe.policies.registry import ENTRY_POINT_GROUP
 
 SHIPPED = {
     "interval": {
