@@ -22,7 +22,7 @@ from pcframe.apps.cli_versions import check_directory, deleted_while_read, expli
 from pcframe.errors import CheckpointError, ManifestError
 from pcframe.format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from pcframe.restore.reader import LoadedVersion, load_version
-from pcframe.store.directory import CheckpointDir, quarantined_versions
+from pcframe.store.directory import CheckpointDir, quarantined_versions, set_aside_reason
 
 
 def _manifest(directory: CheckpointDir, version: int) -> Manifest:
@@ -72,9 +72,18 @@ def cmd_list(args: argparse.Namespace) -> int:
     if not versions:
         print(f"(no committed versions in {directory.root})")
     # Named, or a version that failed a restore would just vanish from the listing.
-    if set_aside := quarantined_versions(directory.root):
-        print(f"(set aside by a restore as damaged, kept for inspection: {', '.join(set_aside)})")
+    for line in _set_aside_lines(directory):
+        print(f"({line})")
     return 1 if unreadable else 0
+
+
+def _set_aside_lines(directory: CheckpointDir) -> list[str]:
+    """One line per version a restore set aside as damaged: the folder and why."""
+    return [
+        f"set aside by a restore as damaged, kept for inspection: {name}: "
+        f"{set_aside_reason(directory.root / name)}"
+        for name in quarantined_versions(directory.root)
+    ]
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -87,6 +96,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         versions = directory.committed_versions()
     if not versions:
         print(f"no committed versions in {directory.root}", file=sys.stderr)
+        for line in _set_aside_lines(directory):
+            print(line, file=sys.stderr)
         return 1
     failures = 0
     for version in versions:
@@ -105,7 +116,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
             continue
         stored = loaded.manifest.stored_bytes
         print(f"v{version}: OK ({len(loaded.tensors)} tensors, {stored} bytes)")
-    return 1 if failures else 0
+    # A version a restore set aside is damage found earlier: named, and the run fails, until
+    # it is inspected and moved away (or deleted).
+    set_aside = _set_aside_lines(directory) if args.version is None else []
+    for line in set_aside:
+        print(f"{line}; move it out of {directory.root} once inspected")
+    return 1 if failures or set_aside else 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -142,17 +142,41 @@ def delete_record(root: Path, version: int) -> None:
         fsync_dir(root / RECORDS)
 
 
-def quarantine_record(root: Path, version: int) -> None:
+def quarantine_record(root: Path, version: int, reason: str = "") -> None:
     """Move the record of a global version that failed verification out of the listing.
 
-    It is kept as ``global/.corrupt-vNNNNNNNN-<pid>.json``, so the version no longer counts
-    as one of the ``keep_global`` retained versions, and ``pcframe list`` does not show it.
+    It is kept as ``global/.corrupt-vNNNNNNNN-<pid>.json`` (and ``reason`` beside it, as
+    ``….why``), so the version no longer counts as one of the ``keep_global`` retained
+    versions, and ``pcframe list`` does not show it as a version (it names it as set aside).
     On read-only media it stays listed and is skipped again by the next restore.
     """
-    target = root / RECORDS / f"{QUARANTINE_PREFIX}{version_name(version)}-{os.getpid()}.json"
-    with contextlib.suppress(OSError):
-        os.rename(record_path(root, version), target)
+    stem = f"{QUARANTINE_PREFIX}{version_name(version)}-{os.getpid()}"
+    try:
+        os.rename(record_path(root, version), root / RECORDS / f"{stem}.json")
         fsync_dir(root / RECORDS)
+    except OSError:
+        return
+    if reason:  # best effort: the record is out of the listing whether or not this lands
+        with contextlib.suppress(OSError):
+            (root / RECORDS / f"{stem}.why").write_text(f"{reason}\n")
+
+
+def set_aside_records(root: Path) -> list[tuple[str, str]]:
+    """``(file, why)`` of every global record a restore set aside as damaged."""
+    try:
+        names = sorted(os.listdir(root / RECORDS))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if name.startswith(f"{QUARANTINE_PREFIX}v") and name.endswith(".json"):
+            why = root / RECORDS / f"{name[: -len('.json')]}.why"
+            try:
+                reason = read_small(why, 64 * 1024).decode(errors="replace").strip()
+            except (OSError, NotRegularFile):
+                reason = "reason not recorded"
+            found.append((f"{RECORDS}/{name}", reason))
+    return found
 
 
 def remove_partial_records(root: Path) -> None:

@@ -209,10 +209,11 @@ def load_newest(
                 continue
             # Only once an older version verified: when none does (a root not mounted on this
             # node reads as "manifest missing" everywhere), every record stays for a later try.
+            reasons = dict(report.skipped)
             for version in skipped:
                 protocol.forget(version)
                 if rank == 0:
-                    global_versions.quarantine_record(root, version)
+                    global_versions.quarantine_record(root, version, reasons.get(version, ""))
             if skipped and rank == 0:  # GLOBAL named a version just set aside
                 with contextlib.suppress(OSError):
                     global_versions.write_pointer(root, record.version)

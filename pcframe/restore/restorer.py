@@ -260,6 +260,6 @@ def load(
 
 def _read_only_sources(root: CheckpointDir, versions: list[int]) -> list[Source]:
     return [
-        Source(v, "", lambda v=v: contextlib.nullcontext(root.path(v)), lambda: None)
+        Source(v, "", lambda v=v: contextlib.nullcontext(root.path(v)), lambda _: None)
         for v in versions
     ]

@@ -122,7 +122,7 @@ def load_first_valid(
             reason = f"in tier {source.tier}: {exc}" if source.tier else str(exc)
             report.skipped.append((source.version, reason))
             log.warning("skipping checkpoint version %d: %s", source.version, reason)
-            source.quarantine()
+            source.quarantine(str(exc))
             continue
         except (OSError, TierError) as exc:
             where = f"tier {source.tier}: " if source.tier else ""

@@ -42,6 +42,7 @@ CLEAN_EXIT = ".clean-exit"
 # deleted by retention, one a restore set aside as damaged (kept for inspection).
 TRASH_PREFIX = ".trash-"
 QUARANTINE_PREFIX = ".corrupt-"
+SET_ASIDE_NAME = "set-aside.txt"  # in a quarantined version: why a restore set it aside
 
 # Every writer holding its lock in this process. A child forked without exec (a DataLoader
 # worker, a multiprocessing helper) would inherit the lock's open file and with it the
@@ -170,6 +171,15 @@ def quarantined_versions(root: Path) -> list[str]:
     except OSError:
         return []
     return sorted(name for name in names if name.startswith(f"{QUARANTINE_PREFIX}v"))
+
+
+def set_aside_reason(folder: Path) -> str:
+    """Why a restore set ``folder`` (a ``.corrupt-v…`` version) aside, as it recorded it;
+    ``"reason not recorded"`` for one set aside by a pcframe that did not record it."""
+    try:
+        return read_small(folder / SET_ASIDE_NAME, 64 * 1024).decode(errors="replace").strip()
+    except (OSError, NotRegularFile):
+        return "reason not recorded"
 
 
 def _locked_message(root: Path, holder: str) -> str:
@@ -327,14 +337,18 @@ class WritableCheckpointDir(CheckpointDir):
     def discard(self, version: int) -> None:
         shutil.rmtree(self.staging_path(version), ignore_errors=True)
 
-    def quarantine(self, version: int) -> None:
-        """Move a version that failed verification out of the listing, keeping its files."""
+    def quarantine(self, version: int, reason: str = "") -> None:
+        """Move a version that failed verification out of the listing, keeping its files
+        and, beside them, why (``set-aside.txt``: read by ``pcframe list`` and ``verify``)."""
         target = self.root / f"{QUARANTINE_PREFIX}{version_name(version)}-{os.getpid()}"
         try:
             os.rename(self.path(version), target)
             fsync_dir(self.root)
         except OSError:
-            pass  # already gone, or read-only: it stays listed and is skipped again next time
+            return  # already gone, or read-only: it stays listed and is skipped again next time
+        if reason:  # best effort: the version is out of the listing whether or not this lands
+            with contextlib.suppress(OSError):
+                (target / SET_ASIDE_NAME).write_text(f"{reason}\n")
 
     def delete(self, version: int) -> None:
         """Delete a committed version so that no crash leaves it half-deleted but listed."""

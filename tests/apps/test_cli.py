@@ -322,3 +322,22 @@ def test_a_url_is_named_as_one_not_mangled_into_a_missing_folder(python):
         assert result.returncode == 2, result.stderr
         assert "s3://my-bucket/runs/run1 is a URL" in result.stderr
         assert "tiers=" in result.stderr and "s3:/my" not in result.stderr
+
+
+def test_verify_and_list_name_each_version_a_restore_set_aside_and_why(tmp_path, python):
+    """A restore that found v2 damaged set it aside and loaded v1: verify fails (the damage
+    is still there, until inspected and moved away) and both commands say what and why."""
+    model = make(tmp_path)
+    flip_byte(tmp_path / "v00000002" / "data.bin", 3)
+    with Checkpointer(tmp_path, model=model, optimizer=torch.optim.Adam(model.parameters())) as c:
+        assert c.restore() == 10
+    verify = cli(python, "verify", tmp_path)
+    assert verify.returncode == 1 and "v1: OK" in verify.stdout, verify.stdout
+    set_aside = [line for line in verify.stdout.splitlines() if "set aside" in line]
+    assert len(set_aside) == 1 and ".corrupt-v00000002-" in set_aside[0]
+    assert "checksum mismatch" in set_aside[0] and "move it out of" in set_aside[0]
+    listing = cli(python, "list", tmp_path)
+    assert "set aside" in listing.stdout and "checksum mismatch" in listing.stdout
+    # One set aside by a pcframe that recorded no reason is still named.
+    (tmp_path / ".corrupt-v00000007-12").mkdir()
+    assert "v00000007-12: reason not recorded" in cli(python, "verify", tmp_path).stdout

@@ -6,6 +6,8 @@ SIGKILLs at the engine's and the protocol's crash points (:mod:`pcframe.runtime.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -17,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from pcframe.apps import cli as pcframe_cli
 from pcframe.distributed import global_versions as rec
 from pcframe.format.manifest import MANIFEST_NAME, read_manifest
 from pcframe.format.names import version_name
@@ -343,8 +346,14 @@ def test_a_corrupt_global_version_stops_counting_so_the_good_one_before_it_survi
     run_job(2, [*args, "--tag", "second"], tmp_path / "logs2").check()  # v3, then v5 at 12
     assert results(out, "train", "second", 2)[0]["restored_step"] == 9
     assert rec.record_versions(root) == [3, 5]
-    # The bad version's record is kept aside, not deleted.
+    # The bad version's record is kept aside, not deleted, and verify names it and why.
     assert len(list((root / "global").glob(".corrupt-v00000004-*.json"))) == 1
+    verify = io.StringIO()
+    with contextlib.redirect_stdout(verify):
+        assert pcframe_cli.main(["verify", str(root)]) == 1  # the damage is still there
+    set_aside = [line for line in verify.getvalue().splitlines() if "set aside" in line]
+    assert len(set_aside) == 1 and "v00000004" in set_aside[0], verify.getvalue()
+    assert "rank 1" in set_aside[0] and "checksum mismatch" in set_aside[0], set_aside
     flip_byte(root / "rank-0" / "v00000005" / "data.bin", 100)
     run_job(2, [*args, "--tag", "third", "--steps", "9"], tmp_path / "logs3").check()
     assert results(out, "train", "third", 2)[0]["restored_step"] == 9

@@ -66,8 +66,9 @@ class Tier(ABC):
         remove on exit); local tiers yield their own directory.
         """
 
-    def quarantine(self, version: int) -> None:  # noqa: B027 - optional hook
-        """Move a version that failed verification out of the listing (local tiers only)."""
+    def quarantine(self, version: int, reason: str = "") -> None:  # noqa: B027 - optional hook
+        """Move a version that failed verification (``reason``) out of the listing (local
+        tiers only)."""
 
     def sweep(self) -> list[str]:
         """Delete leftovers of interrupted writes or deletes; return what was removed."""

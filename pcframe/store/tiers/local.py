@@ -112,8 +112,8 @@ class LocalTier(Tier):
         del scratch  # already local: read in place
         return self._here(version)
 
-    def quarantine(self, version: int) -> None:
-        self._dir.quarantine(version)
+    def quarantine(self, version: int, reason: str = "") -> None:
+        self._dir.quarantine(version, reason)
 
     def cancel(self) -> None:
         self._cancel.set()

@@ -28,7 +28,7 @@ class Source:
     version: int
     tier: str
     fetch: Callable[[], AbstractContextManager[Path]]
-    quarantine: Callable[[], None]
+    quarantine: Callable[[str], None]  # set the version aside, recording why
     where: str = ""  # the version's place in a replica tier (its URL), for messages
 
 
@@ -52,7 +52,7 @@ def tier_sources(
                 v,
                 primary_name,
                 lambda v=v: contextlib.nullcontext(primary.path(v)),
-                lambda v=v: primary.quarantine(v),
+                lambda why, v=v: primary.quarantine(v, why),
             ),
         )
     unavailable = []
@@ -70,7 +70,7 @@ def tier_sources(
                     v,
                     name,
                     lambda t=tier, v=v, s=scratch: t.fetch(v, s),
-                    lambda t=tier, v=v: t.quarantine(v),
+                    lambda why, t=tier, v=v: t.quarantine(v, why),
                     f"{tier.location.rstrip('/')}/{version_name(v)}",
                 ),
             )
