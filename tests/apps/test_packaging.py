@@ -65,3 +65,25 @@ def test_wheel_ships_every_config_and_the_apps_compose_from_it(tmp_path, child_e
     )
     assert probe.returncode == 0, probe.stderr
     assert str(target) in probe.stdout
+
+
+def test_the_kernels_folder_is_no_top_level_kernels_from_the_repository_root(child_env):
+    """A script run from the repository's root finds Hugging Face's ``kernels`` (which
+    transformers imports when it is installed), not this repository's ``kernels/``
+    folder; without it, ``import kernels`` fails as if the folder were not there."""
+    probe = "import kernels; print(kernels.__file__)"
+    found = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, env=child_env, capture_output=True, text=True
+    )
+    assert found.returncode == 0, found.stderr
+    assert not found.stdout.strip().startswith(str(REPO / "kernels")), found.stdout
+    hub = "import transformers.integrations.hub_kernels; import pcframe.kernels as k; k.gather"
+    both = subprocess.run(
+        [sys.executable, "-c", hub], cwd=REPO, env=child_env, capture_output=True, text=True
+    )
+    assert both.returncode == 0, both.stderr[-2000:]
+    # No other package named kernels on the path (-S: no site-packages).
+    alone = subprocess.run(
+        [sys.executable, "-S", "-c", probe], cwd=REPO, env=child_env, capture_output=True, text=True
+    )
+    assert alone.returncode == 1 and "No module named 'kernels'" in alone.stderr, alone.stderr
