@@ -38,6 +38,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # experiments/: results_file
+from results_file import header, table_lines, write_results
+
 METHODS = ["pcframe", "dcp.save", "dcp.async_save"]
 BASELINE = "none"  # the same training steps without a checkpoint, in the same rotation
 
@@ -249,15 +252,9 @@ def summarize(payload: dict[str, Any], args: argparse.Namespace, command: str) -
             "raw_durable": durable,
         }
     ref = rows["pcframe"]
+    title = "Distributed checkpointing on CPU: pcframe vs torch.distributed.checkpoint"
     lines = [
-        "# Distributed checkpointing on CPU: pcframe vs torch.distributed.checkpoint",
-        "",
-        "Made by:",
-        "",
-        "```",
-        command,
-        "```",
-        "",
+        *header(title, command),
         f"2 ranks (gloo, 1 torch thread each) on a {os.cpu_count()}-core machine shared with "
         f"other jobs, torch {payload['torch']}, ext4 on a virtual disk. Model: DDP, "
         f"{args.layers} x Linear({args.width}, {args.width}) + Adam = "
@@ -268,17 +265,26 @@ def summarize(payload: dict[str, Any], args: argparse.Namespace, command: str) -
         "rank counts. pcframe: default engine config (2 in flight, 4 writer threads, 16 MiB "
         "chunks, crc32c); dcp: FileSystemWriter defaults (1 thread, fsync on).",
         "",
-        "| method | stall / save (s) | overlap cost (s) | time to durable (s) | written (MB) "
-        "| aggregate write bandwidth (MB/s) | stall / pcframe | bandwidth / pcframe |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    cells = []
     for name in METHODS:
         row = rows[name]
-        lines.append(
-            f"| {name} | {row['stall']:.3f} | {row['overlap']:.3f} | {row['durable']:.2f} | "
-            f"{row['mb']:.0f} | {row['bw']:.0f} | {row['stall'] / ref['stall']:.1f}x | "
-            f"{row['bw'] / ref['bw']:.2f}x |"
+        cells.append(
+            [
+                name,
+                f"{row['stall']:.3f}",
+                f"{row['overlap']:.3f}",
+                f"{row['durable']:.2f}",
+                f"{row['mb']:.0f}",
+                f"{row['bw']:.0f}",
+                f"{row['stall'] / ref['stall']:.1f}x",
+                f"{row['bw'] / ref['bw']:.2f}x",
+            ]
         )
+    columns = ["method", "stall / save (s)", "overlap cost (s)", "time to durable (s)"]
+    columns += ["written (MB)", "aggregate write bandwidth (MB/s)", "stall / pcframe"]
+    columns += ["bandwidth / pcframe"]
+    lines += table_lines(columns, cells, align="lrrrrrrr")
     lines += ["", "Per save (stall s / time to durable s):", ""]
     for name in METHODS:
         row = rows[name]
@@ -329,7 +335,7 @@ def main() -> None:
             shutil.rmtree(args.root, ignore_errors=True)
     table = summarize(payload, args, command)
     if args.out:
-        Path(args.out).write_text(table)
+        write_results(args.out, table)
     print(table)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -37,6 +38,9 @@ from pcframe.apps.machine import resolve_threads, usable_cpus
 from pcframe.apps.tuning.measure import measure
 from pcframe.apps.workloads import build
 from pcframe.config import EngineConfig
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # experiments/: results_file
+from results_file import header, table_lines, write_results
 
 
 def run(interval: int, steps: int, pairs: int, directory: Path) -> dict:
@@ -85,38 +89,45 @@ def main() -> None:
             results.append(run(interval, args.steps, args.pairs, Path(directory)))
         r = results[-1]
         print(f"every {interval}: median {r['median']:+.2%}, mean {r['mean']:+.2%}", flush=True)
-    lines = [
-        "# End to end: training slowdown of the GPT workload with pcframe (CPU)",
-        "",
-        "Command: `python experiments/engine/bench_end_to_end.py --intervals "
+    command = (
+        "python experiments/engine/bench_end_to_end.py --intervals "
         f"{' '.join(map(str, args.intervals))} --steps {args.steps} --pairs {args.pairs} "
-        f"--out {args.out}`",
-        "",
+        f"--out {args.out}"
+    )
+    title = "End to end: training slowdown of the GPT workload with pcframe (CPU)"
+    lines = [
+        *header(title, command),
         f"Workload `gpt` (conf/workload/gpt.yaml), {results[0]['nbytes'] / 1e6:.0f} MB per "
         f"checkpoint; {threads} torch thread(s) of {usable_cpus()} usable CPUs "
         "(`threads: auto`); engine defaults. "
         f"{args.pairs} A/B pairs of {args.steps} steps per interval (see the script's "
         "docstring for the design).",
         "",
-        "| checkpoint every | step (ms) | slowdown median | mean [95 % CI] | stall / ckpt (ms) "
-        "| durable (ms) | committed | per-pair slowdowns |",
-        "|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
+    rows = []
     for r in results:
         low, high = r["ci"]
-        lines.append(
-            f"| {r['interval']} steps | {r['step_ms']:.1f} | {r['median']:+.2%} | "
-            f"{r['mean']:+.2%} [{low:+.2%}, {high:+.2%}] | {r['stall_ms']:.2f} | "
-            f"{r['durable_ms']:.0f} | {r['committed']}/{r['saves']} | "
-            + ", ".join(f"{s:+.1%}" for s in r["slowdowns"])
-            + " |"
+        rows.append(
+            [
+                f"{r['interval']} steps",
+                f"{r['step_ms']:.1f}",
+                f"{r['median']:+.2%}",
+                f"{r['mean']:+.2%} [{low:+.2%}, {high:+.2%}]",
+                f"{r['stall_ms']:.2f}",
+                f"{r['durable_ms']:.0f}",
+                f"{r['committed']}/{r['saves']}",
+                ", ".join(f"{s:+.1%}" for s in r["slowdowns"]),
+            ]
         )
+    columns = ["checkpoint every", "step (ms)", "slowdown median", "mean [95 % CI]"]
+    columns += ["stall / ckpt (ms)", "durable (ms)", "committed", "per-pair slowdowns"]
+    lines += table_lines(columns, rows, align="rrrrrrrl")
     lines += [
         "",
         "Published anchors (their hardware): PCcheck < 3 % at every 10 iterations (A100); "
         "LowDiff < 3.1 % at every iteration; Checkmate: no-checkpoint throughput.",
     ]
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    write_results(args.out, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

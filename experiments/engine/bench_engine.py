@@ -59,6 +59,9 @@ from methods import (
     rss_bytes,
 )
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # experiments/: results_file
+from results_file import header, table_lines, write_results
+
 # --- inside each method's process: commands in on stdin, replies out as JSON lines ---------
 
 
@@ -287,15 +290,16 @@ def write_table(
         return [med(r["idle"][label][kind]) for r in rounds]
 
     gib = 1 << 30
-    lines = [
-        "# Engine benchmark (CPU): pcframe vs the 2026 anchors and the machine's limits",
-        "",
-        "Command: `python experiments/engine/bench_engine.py "
+    command = (
+        "python experiments/engine/bench_engine.py "
         f"--size-gb {args.size_gb} --rounds {args.rounds} --checkpoints {args.checkpoints} "
         f"--seed {args.seed} "
         f"--every {args.every} --iteration-ms {args.iteration_ms:g} "
-        f"--restores {args.restores} --out {args.out}`",
-        "",
+        f"--restores {args.restores} --out {args.out}"
+    )
+    title = "Engine benchmark (CPU): pcframe vs the 2026 anchors and the machine's limits"
+    lines = [
+        *header(title, command),
         f"State: {nbytes / gib:.2f} GiB (model + Adam moments, fp32, CPU), one process per "
         "method, kept for the whole run, one warm-up checkpoint each. Numbers are medians "
         "(min..max).",
@@ -323,11 +327,8 @@ def write_table(
         "This is the snapshot's floor; the parent's two fresh contiguous buffers, a minute "
         "apart and in another process, can copy faster or slower.",
         "",
-        "| method | stall (s) | ÷ DefaultStager | ÷ parent's memcpy | "
-        "÷ memcpy in its process, per checkpoint | "
-        "time to durable (s) | durable rate ÷ the round's disk rate |",
-        "|---|---:|---:|---:|---:|---:|---:|",
     ]
+    rows = []
     for label in [r["method"] for r in results if r["method"] in rounds[0]["idle"]]:
         stalls = [s for r in rounds for s in r["idle"][label]["stalls"]]
         durables = [d for r in rounds for d in r["idle"][label]["durables"]]
@@ -344,12 +345,21 @@ def write_table(
         to_disk = [
             r["limits"].disk_seconds(nbytes) / med(r["idle"][label]["durables"]) for r in rounds
         ]
-        lines.append(
-            f"| {label} | {spread(stalls)} | {spread(to_anchor, digits=2)} | "
-            f"{spread(to_memcpy, digits=2)} | {spread(here, digits=2)} | "
-            f"{spread(durables, digits=2)} | "
-            f"{spread(to_disk, digits=2)} |"
+        rows.append(
+            [
+                label,
+                spread(stalls),
+                spread(to_anchor, digits=2),
+                spread(to_memcpy, digits=2),
+                spread(here, digits=2),
+                spread(durables, digits=2),
+                spread(to_disk, digits=2),
+            ]
         )
+    columns = ["method", "stall (s)", "÷ DefaultStager", "÷ parent's memcpy"]
+    columns += ["÷ memcpy in its process, per checkpoint", "time to durable (s)"]
+    columns += ["durable rate ÷ the round's disk rate"]
+    lines += table_lines(columns, rows, align="lrrrrrr")
     by = {r["method"]: r for r in results}
     baseline_peak = by["no checkpoint"]["overlap"]["peak_extra_bytes"]
     lines += [
@@ -360,28 +370,33 @@ def write_table(
         "Here nothing waits for the copy, so the writers start at once; the durable rate is "
         "divided by the run's median disk rate (this phase is not paired).",
         "",
-        "| method | stall (ms) | time to durable (s) | durable rate ÷ the run's disk rate | "
-        "peak extra host mem (GiB) | above the loop alone (GiB) | ÷ state size | "
-        "÷ its staging budget |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    rows = []
     for r in results:
         if r["method"] == "no checkpoint":
-            lines.append(
-                f"| no checkpoint (the loop alone) | — | — | — | {baseline_peak / gib:.2f} "
-                "| — | — | — |"
-            )
+            alone = f"{baseline_peak / gib:.2f}"
+            rows.append(["no checkpoint (the loop alone)", "—", "—", "—", alone, "—", "—", "—"])
             continue
         stalls, durables = r["overlap"]["stalls"], r["overlap"]["durables"]
         peak = r["overlap"]["peak_extra_bytes"]
         above = peak - baseline_peak
         budget = r["overlap"].get("staging_bytes")
-        lines.append(
-            f"| {r['method']} | {spread(stalls, 1000, 1)} | {spread(durables, digits=2)} | "
-            f"{disk_s / med(durables):.2f} | {peak / gib:.2f} | {above / gib:.2f} | "
-            f"{above / nbytes:.2f} | "
-            f"{f'{above / budget:.2f}' if budget else '—'} |"
+        rows.append(
+            [
+                r["method"],
+                spread(stalls, 1000, 1),
+                spread(durables, digits=2),
+                f"{disk_s / med(durables):.2f}",
+                f"{peak / gib:.2f}",
+                f"{above / gib:.2f}",
+                f"{above / nbytes:.2f}",
+                f"{above / budget:.2f}" if budget else "—",
+            ]
         )
+    columns = ["method", "stall (ms)", "time to durable (s)", "durable rate ÷ the run's disk rate"]
+    columns += ["peak extra host mem (GiB)", "above the loop alone (GiB)", "÷ state size"]
+    columns += ["÷ its staging budget"]
+    lines += table_lines(columns, rows, align="lrrrrrrr")
     labels = list(restores[0]["live"])
 
     def times(kind: str, label: str) -> list[float]:
@@ -413,8 +428,6 @@ def write_table(
         f"this run: {spread(read_limits, digits=3)} s). Ratios are paired: each round's time "
         "÷ the anchor's of the same kind in the same round, median (min..max) over rounds.",
         "",
-        "| restore | method | time (s) | ÷ torch.load | ÷ dcp.load | ÷ read limit |",
-        "|---|---|---:|---:|---:|---:|",
     ]
 
     def to_limit(kind: str, label: str) -> str:
@@ -424,13 +437,20 @@ def write_table(
         )
 
     kinds = [k for k in ("rollback", "live", "resume") if k in restores[0]]
-    for kind in kinds:
-        for label in labels:
-            lines.append(
-                f"| {kind} | {label} | {spread(times(kind, label), digits=2)} | "
-                f"{paired(kind, label, 'torch.save')} | {paired(kind, label, 'dcp.save')} | "
-                f"{to_limit(kind, label)} |"
-            )
+    rows = [
+        [
+            kind,
+            label,
+            spread(times(kind, label), digits=2),
+            paired(kind, label, "torch.save"),
+            paired(kind, label, "dcp.save"),
+            to_limit(kind, label),
+        ]
+        for kind in kinds
+        for label in labels
+    ]
+    columns = ["restore", "method", "time (s)", "÷ torch.load", "÷ dcp.load", "÷ read limit"]
+    lines += table_lines(columns, rows, align="llrrrr")
     lines += [
         "",
         "torch.load's rows are `torch.load(weights_only=True)` + `load_state_dict` of both; "
@@ -441,8 +461,7 @@ def write_table(
         "and the column after it is what checkpointing holds on top (DefaultStager caches a "
         "full staged copy; pcframe's staging pool is one version, `staging_ratio: 1.0`).",
     ]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    write_results(args.out, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -34,6 +34,9 @@ from pcframe.apps.training import batches
 from pcframe.apps.workloads import build
 from pcframe.policies import FixedSteps
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # experiments/: results_file
+from results_file import header, table_lines, write_results
+
 GPT: dict = {}  # the defaults of conf/workload/gpt.yaml: 3.7 M parameters
 
 
@@ -88,28 +91,24 @@ def main() -> int:
     base = statistics.median(times["no engine"])
     command = "python experiments/engine/bench_openmp_teams.py " + " ".join(sys.argv[1:])
     lines = [
-        "# Training step time with an idle engine alive (OpenMP teams)",
-        "",
-        f"Command: `{command}`",
-        "",
+        *header("Training step time with an idle engine alive (OpenMP teams)", command),
         f"GPT workload (conf/workload/gpt.yaml), torch {torch.__version__}, "
         f"{args.threads} torch threads, "
         f"{os.cpu_count()} CPUs; {args.rounds} rounds of {args.steps} steps per condition, "
         f"round-robin; load average at the end {os.getloadavg()[0]:.1f}.",
         "",
-        "| condition | step time (ms, median) | min – max | ÷ no engine |",
-        "|---|---:|---|---:|",
     ]
+    rows = []
     for name, values in times.items():
         med = statistics.median(values)
-        lines.append(
-            f"| {name} | {1e3 * med:.1f} | {1e3 * min(values):.1f} – {1e3 * max(values):.1f} "
-            f"| {med / base:.2f} |"
-        )
+        low_high = f"{1e3 * min(values):.1f} – {1e3 * max(values):.1f}"
+        rows.append([name, f"{1e3 * med:.1f}", low_high, f"{med / base:.2f}"])
+    columns = ["condition", "step time (ms, median)", "min – max", "÷ no engine"]
+    lines += table_lines(columns, rows, align="lrlr")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        Path(args.out).write_text(text)
+        write_results(args.out, text)
     return 0
 
 

@@ -36,6 +36,9 @@ import torch
 from pcframe import Checkpointer
 from pcframe.restore.reader import load_version
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # experiments/: results_file
+from results_file import header, table_lines, write_results
+
 
 class Holder:
     """The state: ``count`` fp32 tensors of ``mb`` MiB in total."""
@@ -133,13 +136,13 @@ def run(args: argparse.Namespace) -> str:
 def report(args, nbytes, cases, results, verify) -> str:
     gb = nbytes / 1e9
     med = {k: {m: statistics.median(v) for m, v in r.items()} for k, r in results.items()}
-    lines = [
-        "# Engine persist paths and copy backends (CPU)",
-        "",
-        f"Command: `python experiments/engine/bench_persist_paths.py --mb {args.mb} "
+    command = (
+        f"python experiments/engine/bench_persist_paths.py --mb {args.mb} "
         f"--reps {args.reps} --writers {args.writers} --disk-dir {args.disk_dir} "
-        f"--out {args.out}`",
-        "",
+        f"--out {args.out}"
+    )
+    lines = [
+        *header("Engine persist paths and copy backends (CPU)", command),
         f"State: {nbytes / (1 << 20):.0f} MiB of fp32 in 32 tensors; chunk 16 MiB; "
         f"{args.writers} writer threads; median of {args.reps} saves per configuration, "
         "configurations interleaved round-robin in one process. Machine: "
@@ -153,18 +156,18 @@ def report(args, nbytes, cases, results, verify) -> str:
         "",
         "## Persist paths (time from save() to committed)",
         "",
-        "| file system | path | durable (s) | GB/s | ÷ pwrite same fs | CPU (s) | ÷ |",
-        "|---|---|---:|---:|---:|---:|---:|",
     ]
     base = {
         fs: next(k for k, f, *_ in cases if f == fs and k.startswith("p")) for fs in ("disk", "shm")
     }
+    rows = []
     for key, fs, label, _ in cases[: len(PERSIST)]:
         d, c = med[key]["durable"], med[key]["cpu"]
         ratio, cpu_ratio = d / med[base[fs]]["durable"], c / med[base[fs]]["cpu"]
-        lines.append(
-            f"| {fs} | {label} | {d:.3f} | {gb / d:.2f} | {ratio:.2f} | {c:.3f} | {cpu_ratio:.2f} |"
-        )
+        rows.append([fs, label, f"{d:.3f}", f"{gb / d:.2f}", f"{ratio:.2f}", f"{c:.3f}"])
+        rows[-1].append(f"{cpu_ratio:.2f}")
+    columns = ["file system", "path", "durable (s)", "GB/s", "÷ pwrite same fs", "CPU (s)", "÷"]
+    lines += table_lines(columns, rows, align="llrrrrr")
     lines += [
         "",
         "## Copy backends and checksums on /dev/shm",
@@ -174,18 +177,28 @@ def report(args, nbytes, cases, results, verify) -> str:
         "every chunk, page cache warm). Ratios are to the first row (time ratios: < 1 is "
         "faster).",
         "",
-        "| configuration | copy (s) | ÷ | durable (s) | ÷ | GB/s | CPU (s) | ÷ "
-        "| restore+verify (s) | ÷ |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     first = cases[len(PERSIST)][0]
+    rows = []
     for key, _, label, _ in cases[len(PERSIST) :]:
         c, d, v, u = med[key]["copy"], med[key]["durable"], verify[key], med[key]["cpu"]
-        lines.append(
-            f"| {label} | {c:.3f} | {c / med[first]['copy']:.2f} | {d:.3f} | "
-            f"{d / med[first]['durable']:.2f} | {gb / d:.2f} | {u:.3f} | "
-            f"{u / med[first]['cpu']:.2f} | {v:.3f} | {v / verify[first]:.2f} |"
+        rows.append(
+            [
+                label,
+                f"{c:.3f}",
+                f"{c / med[first]['copy']:.2f}",
+                f"{d:.3f}",
+                f"{d / med[first]['durable']:.2f}",
+                f"{gb / d:.2f}",
+                f"{u:.3f}",
+                f"{u / med[first]['cpu']:.2f}",
+                f"{v:.3f}",
+                f"{v / verify[first]:.2f}",
+            ]
         )
+    columns = ["configuration", "copy (s)", "÷", "durable (s)", "÷", "GB/s", "CPU (s)", "÷"]
+    columns += ["restore+verify (s)", "÷"]
+    lines += table_lines(columns, rows, align="lrrrrrrrrr")
     return "\n".join(lines) + "\n"
 
 
@@ -198,7 +211,7 @@ def main() -> None:
     parser.add_argument("--out", default="experiments/results/engine_paths_cpu.md")
     args = parser.parse_args()
     text = run(args)
-    Path(args.out).write_text(text)
+    write_results(args.out, text)
     print(text)
 
 

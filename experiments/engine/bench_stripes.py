@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -28,6 +28,9 @@ from pathlib import Path
 
 from bench_engine import spread
 from methods import build_state
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # experiments/: results_file
+from results_file import header, table_lines, write_results
 
 BLOCK = 16 << 20
 
@@ -134,16 +137,14 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
     gb = nbytes / 1e9
-    lines = [
-        "# Time to durable on tmpfs: one data file against stripes",
-        "",
-        f"Command: `python experiments/engine/bench_stripes.py --size-gb {args.size_gb} "
+    command = (
+        f"python experiments/engine/bench_stripes.py --size-gb {args.size_gb} "
         f"--rounds {args.rounds} --per-case {args.per_case} --writers {args.writers} "
-        f"--dir {args.dir}`",
-        "",
-        f"_generated {time.strftime('%Y-%m-%d %H:%M')} on {platform.machine()}, "
-        f"{os.cpu_count()} CPUs, torch {torch.__version__}; directory on {fs or 'unknown'}_",
-        "",
+        f"--dir {args.dir}"
+    )
+    note = f"{os.cpu_count()} CPUs; directory on {fs or 'unknown'}"
+    lines = [
+        *header("Time to durable on tmpfs: one data file against stripes", command, note),
         f"State: {nbytes / 2**30:.2f} GiB (model + Adam moments, fp32, CPU), "
         f"{args.writers} writer threads, crc32c per chunk. {args.rounds} rounds in a random "
         f"order; pcframe's figure per round is the median of {args.per_case} checkpoints "
@@ -152,13 +153,11 @@ def main() -> None:
         "(`pwrite` of 16 MiB blocks into fallocated files, then `fsync`). Median (min..max) "
         "over rounds.",
         "",
-        "| case | seconds | GB/s |",
-        "|---|---:|---:|",
-    ]
-    for case in cases:
-        rate = [gb / v for v in rows[case]]
-        lines.append(f"| {case} | {spread(rows[case])} | {spread(rate, digits=2)} |")
-    lines += [
+        *table_lines(
+            ["case", "seconds", "GB/s"],
+            [[c, spread(rows[c]), spread([gb / v for v in rows[c]], digits=2)] for c in cases],
+            align="lrr",
+        ),
         "",
         "Paired within a round (median (min..max)):",
         "",
@@ -173,7 +172,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        Path(args.out).write_text(text)
+        write_results(args.out, text)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import argparse
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -37,6 +38,9 @@ from pathlib import Path
 
 from bench_engine import spread
 from methods import build_state
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # experiments/: results_file
+from results_file import header, table_lines, write_results
 
 CASES = ("step at once", "steps until durable", "nothing after")
 BLOCK = 16 << 20
@@ -124,13 +128,13 @@ def write_table(args: argparse.Namespace, nbytes: int, rows: list[dict]) -> None
 
     import torch
 
-    lines = [
-        "# Time to durable while the training step takes the CPU",
-        "",
-        "Command: `python experiments/engine/durable_contention.py "
+    command = (
+        "python experiments/engine/durable_contention.py "
         f"--size-gb {args.size_gb} --rounds {args.rounds} --per-case {args.per_case} "
-        f"--seed {args.seed} --max-in-flight {args.max_in_flight} --out {args.out}`",
-        "",
+        f"--seed {args.seed} --max-in-flight {args.max_in_flight} --out {args.out}"
+    )
+    lines = [
+        *header("Time to durable while the training step takes the CPU", command),
         f"State: {nbytes / (1 << 30):.2f} GiB (model + Adam moments, fp32, CPU), pcframe "
         f"defaults with `max_in_flight: {args.max_in_flight}`, torch {torch.__version__} on "
         f"{torch.get_num_threads()} threads, {platform.machine()}. {args.rounds} rounds of "
@@ -138,17 +142,18 @@ def write_table(args: argparse.Namespace, nbytes: int, rows: list[dict]) -> None
         "1 and 4 synced O_DIRECT writers) measured after each round. Median (min..max) over "
         "rounds of each round's median.",
         "",
-        "| case | time to durable (s) | durable rate ÷ the round's disk rate |",
-        "|---|---:|---:|",
     ]
     cases = [(f"pcframe, {case}", case) for case in CASES] + [
         ("plain O_DIRECT writer, alone", "plain alone"),
         ("plain O_DIRECT writer, the step beside it", "plain beside the step"),
     ]
+    table = []
     for label, key in cases:
         seconds = [row[key] for row in rows]
         ratios = [row["disk"] / row[key] for row in rows]
-        lines.append(f"| {label} | {spread(seconds, digits=3)} | {spread(ratios, digits=2)} |")
+        table.append([label, spread(seconds, digits=3), spread(ratios, digits=2)])
+    columns = ["case", "time to durable (s)", "durable rate ÷ the round's disk rate"]
+    lines += table_lines(columns, table, align="lrr")
     steps = [row["step"] for row in rows]
     disk = [row["disk"] for row in rows]
     cost = [row["step at once"] / row["nothing after"] for row in rows]
@@ -165,7 +170,7 @@ def write_table(args: argparse.Namespace, nbytes: int, rows: list[dict]) -> None
         f"CPU never idle while the version is written) ÷ without: {spread(busy, digits=2)}.",
         "",
     ]
-    Path(args.out).write_text("\n".join(lines))
+    write_results(args.out, "\n".join(lines))
     print("\n".join(lines))
 
 

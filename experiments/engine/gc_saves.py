@@ -29,7 +29,9 @@ import time
 from pathlib import Path
 
 from bench_engine import spread
-from methods import report_header, write_report
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # experiments/: results_file
+from results_file import header, table_lines, write_results
 
 VARIANTS = ("paused (default)", "unpaused")
 
@@ -107,7 +109,7 @@ def main() -> None:
     )
     title = "The cyclic collector and the stall: saves with and without the capture's pause"
     lines = [
-        *report_header(title, command),
+        *header(title, command),
         f"0.25 GiB as {args.layers} `Linear` layers with Adam ({args.layers * 8} tensors), "
         f"{args.checkpoints} checkpoints in a loop (`optimizer.step()`, then one checkpoint "
         "with nothing to overlap), a fresh process per variant and repeat, the variants "
@@ -115,21 +117,28 @@ def main() -> None:
         "time are counted over the whole loop (saves, steps and the engine's threads), so "
         "work moved out of the stall into the step would still show.",
         "",
-        "| variant | collections | full collections | collector time (s) | loop (s) | "
-        "stall median (ms) | stall max (ms) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
     ]
+    rows = []
     for variant, results in runs.items():
         medians = [statistics.median(r["stalls"]) for r in results]
         maxima = [max(r["stalls"]) for r in results]
-        lines.append(
-            f"| {variant} | {spread([r['collections'] for r in results], digits=0)} | "
-            f"{spread([r['full'] for r in results], digits=0)} | "
-            f"{spread([r['gc_seconds'] for r in results], digits=2)} | "
-            f"{spread([r['wall'] for r in results], digits=2)} | "
-            f"{spread(medians, 1000, 1)} | {spread(maxima, 1000, 1)} |"
+        rows.append(
+            [
+                variant,
+                spread([r["collections"] for r in results], digits=0),
+                spread([r["full"] for r in results], digits=0),
+                spread([r["gc_seconds"] for r in results], digits=2),
+                spread([r["wall"] for r in results], digits=2),
+                spread(medians, 1000, 1),
+                spread(maxima, 1000, 1),
+            ]
         )
-    write_report(args.out, lines)
+    columns = ["variant", "collections", "full collections", "collector time (s)", "loop (s)"]
+    columns += ["stall median (ms)", "stall max (ms)"]
+    lines += table_lines(columns, rows, align="lrrrrrr")
+    text = "\n".join([*lines, ""])
+    write_results(args.out, text)
+    print(text)
 
 
 if __name__ == "__main__":

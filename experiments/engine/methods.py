@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import platform
 import shutil
 import threading
 import time
@@ -333,25 +332,3 @@ def build_stack(size_gb: float, layers: int, fresh: bool = False):
             p.grad = torch.randn_like(p) * 1e-3
         optimizer.step()  # the moments exist
     return model, optimizer
-
-
-def report_header(title: str, command: str) -> list[str]:
-    """A results table's first lines: its title, the command that made it, when and where."""
-    import torch
-
-    return [
-        f"# {title}",
-        "",
-        f"Command: `{command}`",
-        "",
-        f"_generated {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}: "
-        f"{platform.machine()}, torch {torch.__version__}_",
-        "",
-    ]
-
-
-def write_report(out: str, lines: list[str]) -> None:
-    """Write a results table (``lines``, then an empty line) to ``out`` and print it."""
-    text = "\n".join([*lines, ""])
-    Path(out).write_text(text)
-    print(text)

@@ -37,8 +37,11 @@ import time
 from pathlib import Path
 
 from bench_engine import spread
-from methods import build_stack, drop_caches, make_method, report_header, write_report
+from methods import build_stack, drop_caches, make_method
 from restore_rounds import newest_number, read_limit_seconds
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # experiments/: results_file
+from results_file import header, table_lines, write_results
 
 # (label, method, kind): every restore a round times, each in a fresh process
 RESTORES = (
@@ -155,8 +158,33 @@ def main() -> None:
         f"python experiments/engine/restore_tensors.py --size-gb {args.size_gb} "
         f"--layers {args.layers} --rounds {args.rounds} --out {args.out}"
     )
+    rows = []
+    for layers, res in results.items():
+        rounds = res["rounds"]
+        for label, _, kind in RESTORES:
+            name = f"{label} {kind}"
+            anchor = "live" if kind == "rollback" else kind
+            torch_ratio = dcp_ratio = "—"
+            if label != "torch.load":
+                torch_ratio = spread(ratios(rounds, name, f"torch.load {anchor}"), digits=2)
+            if label != "dcp.load":
+                dcp_ratio = spread(ratios(rounds, name, f"dcp.load {anchor}"), digits=2)
+            rows.append(
+                [
+                    layers,
+                    res["tensors"],
+                    f"{res['nbytes'] / (1 << 30):.2f}",
+                    name,
+                    spread([row[name] for row in rounds], digits=3),
+                    torch_ratio,
+                    dcp_ratio,
+                    spread(ratios(rounds, name, "read limit"), digits=2),
+                ]
+            )
+    columns = ["layers", "tensors", "GiB", "restore", "seconds"]
+    columns += ["÷ torch.load", "÷ dcp.load", "÷ read limit"]
     lines = [
-        *report_header("Cold restores as the state's tensor count grows", command),
+        *header("Cold restores as the state's tensor count grows", command),
         "A stack of `Linear(w, w)` layers with Adam moments, the same bytes cut into more "
         "tensors as the layers grow. Every restore in a fresh process, the page cache "
         f"dropped first; {args.rounds} rounds, the order rotated per round. `rollback`: "
@@ -170,25 +198,11 @@ def main() -> None:
         "÷ read limit: the fastest cold read of pcframe's data file by 1, 2 or 4 threads); "
         "median (min..max) over rounds.",
         "",
-        "| layers | tensors | GiB | restore | seconds | ÷ torch.load | ÷ dcp.load | ÷ read limit |",
-        "|---:|---:|---:|---|---:|---:|---:|---:|",
+        *table_lines(columns, rows, align="rrrlrrrr"),
     ]
-    for layers, res in results.items():
-        rounds = res["rounds"]
-        for label, _, kind in RESTORES:
-            name = f"{label} {kind}"
-            anchor = "live" if kind == "rollback" else kind
-            torch_ratio = dcp_ratio = "—"
-            if label != "torch.load":
-                torch_ratio = spread(ratios(rounds, name, f"torch.load {anchor}"), digits=2)
-            if label != "dcp.load":
-                dcp_ratio = spread(ratios(rounds, name, f"dcp.load {anchor}"), digits=2)
-            lines.append(
-                f"| {layers} | {res['tensors']} | {res['nbytes'] / (1 << 30):.2f} | {name} | "
-                f"{spread([row[name] for row in rounds], digits=3)} | {torch_ratio} | "
-                f"{dcp_ratio} | {spread(ratios(rounds, name, 'read limit'), digits=2)} |"
-            )
-    write_report(args.out, lines)
+    text = "\n".join([*lines, ""])
+    write_results(args.out, text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +25,9 @@ import torch
 from methods import build_state, drop_caches
 
 from pcframe import Checkpointer
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # experiments/: results_file
+from results_file import header, table_lines, write_results
 
 
 def spread(values: list[float], digits: int = 3) -> str:
@@ -47,6 +51,9 @@ def main() -> None:
         ckpt.save(1).wait()
         pool = ckpt._pipeline.pool
         lend = pool.lend
+        # Both ways read the disk: a rollback of the version just saved would otherwise be
+        # copied from the staging buffers that still hold it (restore/staged.py).
+        pool.holding = lambda lent: {}
         for i in range(args.repeats):
             order = list(times) if i % 2 == 0 else list(reversed(times))
             for way in order:
@@ -61,26 +68,24 @@ def main() -> None:
         pool.lend = lend
         nbytes = ckpt.last_restore.in_place_bytes
     ratios = [a / b for a, b in zip(times["pool lent"], times["read twice"], strict=True)]
+    command = (
+        f"python experiments/engine/rollback_backup.py --size-gb {args.size_gb} "
+        f"--repeats {args.repeats}" + (f" --out {args.out}" if args.out else "")
+    )
     lines = [
-        "# Rollback restore: the idle staging pool lent vs reading twice",
-        "",
-        f"Command: `python experiments/engine/rollback_backup.py --size-gb {args.size_gb} "
-        f"--repeats {args.repeats}" + (f" --out {args.out}`" if args.out else "`"),
-        "",
+        *header("Rollback restore: the idle staging pool lent vs reading twice", command),
         f"One process, one checkpointer that saved once ({nbytes / 2**30:.2f} GiB read into "
         "the live model and Adam moments), then restores of that version alternating the two "
         "ways, the page cache dropped before each. Seconds, median (min..max) over "
         f"{args.repeats} restores each; the ratio is paired (same pair, with pool ÷ without).",
         "",
-        "| way | restore (s) |",
-        "|---|---:|",
-        *(f"| {way} | {spread(values)} |" for way, values in times.items()),
+        *table_lines(["way", "restore (s)"], [[w, spread(v)] for w, v in times.items()], "lr"),
         "",
         f"Paired ratio (pool lent ÷ read twice): {spread(ratios, 2)}",
     ]
     print("\n".join(lines))
     if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
+        write_results(args.out, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -23,13 +23,17 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 from bench_engine import gather_seconds, spread, state_tensors
-from methods import DCP, PCFrame, build_state, loop, report_header, stall_of_one, write_report
+from methods import DCP, PCFrame, build_state, loop, stall_of_one
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # experiments/: results_file
+from results_file import header, table_lines, write_results
 
 
 class CopyLog:
@@ -136,7 +140,7 @@ def main() -> None:
     )
     title = "Where the stall goes: pcframe and DefaultStager against a copy of the same tensors"
     lines = [
-        *report_header(title, command),
+        *header(title, command),
         f"State: {nbytes / (1 << 30):.2f} GiB (model + Adam moments, fp32, CPU), both methods "
         f"in one process, {args.rounds} rounds of {args.checkpoints} checkpoints each "
         "(alternating which method goes first), nothing between `save()` and the next "
@@ -144,30 +148,35 @@ def main() -> None:
         "buffer (2 threads, median of 3) timed just before it; median (min..max) over "
         f"{count} checkpoints.",
         "",
-        "| method | stall (s) | ÷ copy of the same tensors just before |",
-        "|---|---:|---:|",
-    ]
-    for name in methods:
-        lines.append(f"| {name} | {spread(stalls[name])} | {spread(ratios[name], digits=2)} |")
-    lines += [
+        *table_lines(
+            ["method", "stall (s)", "÷ copy of the same tensors just before"],
+            [[name, spread(stalls[name]), spread(ratios[name], digits=2)] for name in methods],
+            align="lrr",
+        ),
         "",
         "pcframe's two copying threads, per checkpoint (median (min..max)): when each "
         "started its first chunk after `save()` was called, how long it copied, and its "
         "rate while copying.",
         "",
-        "| thread | first chunk after save() (ms) | copying (ms) | rate (GB/s) |",
-        "|---|---:|---:|---:|",
-    ]
-    for role in sorted(starts):
-        lines.append(
-            f"| {role} | {spread(starts[role], 1000, 2)} | {spread(busy[role], 1000, 1)} | "
-            f"{spread(rates[role], 1e-9, 2)} |"
-        )
-    lines += [
+        *table_lines(
+            ["thread", "first chunk after save() (ms)", "copying (ms)", "rate (GB/s)"],
+            [
+                [
+                    role,
+                    spread(starts[role], 1000, 2),
+                    spread(busy[role], 1000, 1),
+                    spread(rates[role], 1e-9, 2),
+                ]
+                for role in sorted(starts)
+            ],
+            align="lrrr",
+        ),
         "",
         f"The same copy, 2 threads, end of run: {spread(copy_rates, 1e-9, 2)} GB/s.",
     ]
-    write_report(args.out, lines)
+    text = "\n".join([*lines, ""])
+    write_results(args.out, text)
+    print(text)
 
 
 if __name__ == "__main__":

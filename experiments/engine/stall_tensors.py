@@ -28,12 +28,16 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from bench_engine import gather_seconds, spread, state_tensors
-from methods import DCP, PCFrame, build_stack, loop, report_header, stall_of_one, write_report
+from methods import DCP, PCFrame, build_stack, loop, stall_of_one
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # experiments/: results_file
+from results_file import header, table_lines, write_results
 
 METHODS = (
     "pcframe (default: auto)",
@@ -142,7 +146,7 @@ def main() -> None:
         f"--out {args.out}"
     )
     lines = [
-        *report_header("The stall as the state's tensor count grows", command),
+        *header("The stall as the state's tensor count grows", command),
         "One process per row group: a stack of `Linear(w, w)` layers with Adam moments, the "
         "same bytes cut into more tensors as the layers grow; every method in the same "
         f"process, {args.rounds} rounds of {args.checkpoints} checkpoints each (the order "
@@ -153,20 +157,27 @@ def main() -> None:
         f"it; median (min..max) over {count} checkpoints. `÷ DefaultStager`: each round's "
         "median ÷ DefaultStager's median in that round, median (min..max) over rounds.",
         "",
-        "| layers | tensors | GiB | method | stall (ms) | ÷ DefaultStager | ÷ memcpy | "
-        "÷ per-tensor copy |",
-        "|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
-    for layers, res in results.items():
-        for name in METHODS:
-            lines.append(
-                f"| {layers} | {res['state_tensors']} | {res['nbytes'] / (1 << 30):.2f} | "
-                f"{name} | {spread(res['stalls'][name], 1000, 1)} | "
-                f"{spread(res['per_stager'][name], digits=2)} | "
-                f"{spread(res['per_memcpy'][name], digits=2)} | "
-                f"{spread(res['per_gather'][name], digits=2)} |"
-            )
-    write_report(args.out, lines)
+    rows = [
+        [
+            layers,
+            res["state_tensors"],
+            f"{res['nbytes'] / (1 << 30):.2f}",
+            name,
+            spread(res["stalls"][name], 1000, 1),
+            spread(res["per_stager"][name], digits=2),
+            spread(res["per_memcpy"][name], digits=2),
+            spread(res["per_gather"][name], digits=2),
+        ]
+        for layers, res in results.items()
+        for name in METHODS
+    ]
+    columns = ["layers", "tensors", "GiB", "method", "stall (ms)", "÷ DefaultStager"]
+    columns += ["÷ memcpy", "÷ per-tensor copy"]
+    lines += table_lines(columns, rows, align="rrrlrrrr")
+    text = "\n".join([*lines, ""])
+    write_results(args.out, text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO / "experiments"))  # results_file
+
+from results_file import header, table_lines, write_results  # noqa: E402
 
 from tests.faults.harness import (  # noqa: E402
     DEFAULT_NTH,
@@ -1154,29 +1157,23 @@ def write_table(path: Path, command: str, results: list[dict[str, Any]], seconds
         if r.get("hit") is False:
             counts[(r["kind"], r["mode"])]["not hit"] += 1
     lines = [
-        "# Fault campaign",
-        "",
-        "Made by:",
-        "",
-        "```",
-        command,
-        "```",
-        "",
+        *header("Fault campaign", command),
         f"{len(results)} trials in {seconds:.0f} s on this machine ({os.cpu_count()} cores, "
         f"shared). Script: `experiments/faults/campaign.py`; outcome classes in its docstring.",
         "Each trial runs its children with a timeout; `hung` means a timeout fired.",
         "",
     ]
+    columns = ["mode", "tried", *OUTCOMES, "fault not hit"]
     for kind in KINDS:
-        header = "| mode | tried | " + " | ".join(OUTCOMES) + " | fault not hit |"
-        lines += [f"## {kind}", "", header, "|---|" + "---:|" * (len(OUTCOMES) + 2)]
+        rows = []
         for mode in MODES:
             c = counts.get((kind, mode))
             if not c:
-                lines.append(f"| {mode} | — | | | | | | | |")
+                rows.append([mode, "—", *[""] * (len(OUTCOMES) + 1)])
                 continue
-            cells = " | ".join(str(c[o]) for o in OUTCOMES)
-            lines.append(f"| {mode} | {sum(c[o] for o in OUTCOMES)} | {cells} | {c['not hit']} |")
+            tried = sum(c[o] for o in OUTCOMES)
+            rows.append([mode, tried, *(c[o] for o in OUTCOMES), c["not hit"]])
+        lines += [f"## {kind}", "", *table_lines(columns, rows, "l" + "r" * (len(columns) - 1))]
         lines.append("")
     lines += [
         "`fault not hit`: trials (counted as tried) whose fault never triggered: an I/O fault "
@@ -1198,8 +1195,7 @@ def write_table(path: Path, command: str, results: list[dict[str, Any]], seconds
     lines.append("")
     lines += history_section()
     text = "\n".join(lines)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    write_results(path, text)
     return text
 
 

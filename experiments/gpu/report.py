@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from common import read_json, write_json
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # experiments/: results_file
+from results_file import table_lines, write_results
 
 GOAL_OVERHEAD = 0.03
 
@@ -72,22 +76,26 @@ def tests_section(tests: dict | None) -> list[str]:
     lines = ["## Tests (Triton compiled for the GPU, not the interpreter)", ""]
     if not tests:
         return [*lines, "(tests part produced nothing)", ""]
-    lines += [
-        "| suite | passed | failed | errors | skipped | exit | time s |",
-        "|---|---|---|---|---|---|---|",
-    ]
     names = {"gpu": "`pytest -m gpu tests`", "kernels": "`pytest tests/kernels -m 'not gpu'`"}
+    rows = []
     for name, t in tests.items():
         if "error" in t:
-            lines.append(
-                f"| {names.get(name, name)} | {t['error']} | | | | {t.get('exit_code')} | |"
-            )
+            rows.append([names.get(name, name), t["error"], "", "", "", t.get("exit_code"), ""])
             continue
-        lines.append(
-            f"| {names.get(name, name)} | {t['passed']} | {t['failed']} | {t['errors']} | "
-            f"{t['skipped']} | {t.get('exit_code')}{' (timed out)' if t.get('timed_out') else ''}"
-            f" | {fmt(t.get('time_s'))} |"
+        timed_out = " (timed out)" if t.get("timed_out") else ""
+        rows.append(
+            [
+                names.get(name, name),
+                t["passed"],
+                t["failed"],
+                t["errors"],
+                t["skipped"],
+                f"{t.get('exit_code')}{timed_out}",
+                fmt(t.get("time_s")),
+            ]
         )
+    columns = ["suite", "passed", "failed", "errors", "skipped", "exit", "time s"]
+    lines += table_lines(columns, rows)
     for name, t in tests.items():
         if t.get("failures"):
             lines += ["", f"Failing in {name}:", ""] + [f"* `{f}`" for f in t["failures"]]
@@ -107,32 +115,36 @@ def kernels_section(k: dict | None) -> tuple[list[str], dict]:
         f"Copy layout: {lay.get('tensors')} tensors, {lay.get('chunks')} chunks of "
         f"{fmt(k.get('chunk_bytes'), 0, 2**-20)} MiB, {lay.get('pieces')} pieces.",
         "",
-        "| limit (same run) | GB/s median [min–max] |",
-        "|---|---|",
     ]
-    for key, lim in k.get("limits", {}).items():
-        lines.append(
-            f"| {key}: {lim['name']} | {fmt(lim['gbps'])} "
-            f"[{fmt(lim['gbps_min'])}–{fmt(lim['gbps_max'])}] |"
-        )
-    lines += [
-        "",
-        "| kernel | GB/s median [min–max] | x limit | goal | met | kernel only GB/s "
-        "| kernel only x limit |",
-        "|---|---|---|---|---|---|---|",
+    limits = [
+        [
+            f"{key}: {lim['name']}",
+            f"{fmt(lim['gbps'])} [{fmt(lim['gbps_min'])}–{fmt(lim['gbps_max'])}]",
+        ]
+        for key, lim in k.get("limits", {}).items()
     ]
+    lines += table_lines(["limit (same run)", "GB/s median [min–max]"], limits)
+    rows = []
     for r in k.get("rows", []):
         if "error" in r:
-            lines.append(f"| {r['name']} | FAILED: {r['error'][:120]} | | | | | |")
+            rows.append([r["name"], f"FAILED: {r['error'][:120]}", "", "", "", "", ""])
             continue
         ko = r.get("kernel_only") or {}
-        lines.append(
-            f"| {r['name']} | {fmt(r.get('gbps'))} [{fmt(r.get('gbps_min'))}–"
-            f"{fmt(r.get('gbps_max'))}] | {fmt(r.get('ratio'), 2)} vs {r['limit']} | "
-            f"{r['goal']} | {yes(r.get('met'))} | {fmt(ko.get('gbps'))} | "
-            f"{fmt(ko.get('ratio'), 2)} |"
+        rows.append(
+            [
+                r["name"],
+                f"{fmt(r.get('gbps'))} [{fmt(r.get('gbps_min'))}–{fmt(r.get('gbps_max'))}]",
+                f"{fmt(r.get('ratio'), 2)} vs {r['limit']}",
+                r["goal"],
+                yes(r.get("met")),
+                fmt(ko.get("gbps")),
+                fmt(ko.get("ratio"), 2),
+            ]
         )
         goals[r["name"]] = (r.get("met"), ko.get("met"), r.get("limit"))
+    columns = ["kernel", "GB/s median [min–max]", "x limit", "goal", "met", "kernel only GB/s"]
+    columns += ["kernel only x limit"]
+    lines += ["", *table_lines(columns, rows)]
     checks = k.get("checks", {})
     if checks:
         lines += [
@@ -163,39 +175,42 @@ def engine_section(e: dict | None) -> tuple[list[str], dict]:
         f"({e.get('ckpt_root_why')}; sequential write + fsync there: "
         f"{fmt(probe.get('gbps'))} GB/s).",
         "",
-        "| method | iteration ms | overhead vs none | stall / ckpt s (loop) | stall / ckpt s "
-        "(engine) | copy s | durable s | copy overlapped (events) | copy overlapped "
-        "(profiler) | peak RSS GiB | first save stall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     comp: dict = {}
+    rows = []
     for name, m in methods.items():
         if m.get("error"):
-            lines.append(f"| {name} | FAILED: {str(m['error'])[:150]} | | | | | | | | | |")
+            rows.append([name, f"FAILED: {str(m['error'])[:150]}", *[""] * 9])
             continue
         s = m.get("summary", {})
         prof = m.get("profile") or {}
         first = s.get("first_save", {})
         iters = s.get("iter_s") if name == "none" else {"median": m.get("clean_iter_s"), "n": 1}
-        lines.append(
-            f"| {name} | {spread(iters, 1, 1e3)} | {fmt(s.get('overhead_vs_none'), 1, 100, ' %')} "
-            f"| {spread(s.get('loop_stall_s'), 3)} | {spread(s.get('engine_stall_s'), 3)} | "
-            f"{spread(s.get('copy_s'), 2)} | {spread(s.get('durable_s'), 1)} | "
-            f"{fmt((s.get('window_overlap_fraction') or {}).get('median'), 0, 100, ' %')} | "
-            f"{fmt(prof.get('overlap_fraction_of_copy'), 0, 100, ' %')} | "
-            f"{fmt(m.get('rss_peak_bytes'), 1, 2**-30)} | {fmt(first.get('loop_stall_s'), 2)} |"
+        rows.append(
+            [
+                name,
+                spread(iters, 1, 1e3),
+                fmt(s.get("overhead_vs_none"), 1, 100, " %"),
+                spread(s.get("loop_stall_s"), 3),
+                spread(s.get("engine_stall_s"), 3),
+                spread(s.get("copy_s"), 2),
+                spread(s.get("durable_s"), 1),
+                fmt((s.get("window_overlap_fraction") or {}).get("median"), 0, 100, " %"),
+                fmt(prof.get("overlap_fraction_of_copy"), 0, 100, " %"),
+                fmt(m.get("rss_peak_bytes"), 1, 2**-30),
+                fmt(first.get("loop_stall_s"), 2),
+            ]
         )
         comp[name] = {
             "stall": (s.get("loop_stall_s") or {}).get("median"),
             "overhead": s.get("overhead_vs_none"),
             "overlap": prof.get("overlap_fraction_of_copy"),
         }
-    lines += [
-        "",
-        "| method | checkpoint GB | measured saves | staging | pinned host allocator peak GiB "
-        "| GPU max allocated GiB | wall s | exit |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    columns = ["method", "iteration ms", "overhead vs none", "stall / ckpt s (loop)"]
+    columns += ["stall / ckpt s (engine)", "copy s", "durable s", "copy overlapped (events)"]
+    columns += ["copy overlapped (profiler)", "peak RSS GiB", "first save stall s"]
+    lines += table_lines(columns, rows)
+    rows = []
     for name, m in methods.items():
         s = m.get("summary", {})
         info = m.get("method_info") or {}
@@ -213,12 +228,21 @@ def engine_section(e: dict | None) -> tuple[list[str], dict]:
             )
         else:
             staging = "–"
-        lines.append(
-            f"| {name} | {fmt(s.get('checkpoint_bytes'), 2, 1e-9)} | "
-            f"{len(s.get('per_save') or [])} | {staging} | {fmt(pinned, 1, 2**-30)} | "
-            f"{fmt(m.get('gpu_max_allocated_bytes'), 1, 2**-30)} | {fmt(m.get('wall_s'), 0)} | "
-            f"{m.get('exit_code')} |"
+        rows.append(
+            [
+                name,
+                fmt(s.get("checkpoint_bytes"), 2, 1e-9),
+                len(s.get("per_save") or []),
+                staging,
+                fmt(pinned, 1, 2**-30),
+                fmt(m.get("gpu_max_allocated_bytes"), 1, 2**-30),
+                fmt(m.get("wall_s"), 0),
+                m.get("exit_code"),
+            ]
         )
+    columns = ["method", "checkpoint GB", "measured saves", "staging"]
+    columns += ["pinned host allocator peak GiB", "GPU max allocated GiB", "wall s", "exit"]
+    lines += ["", *table_lines(columns, rows)]
     lines += [
         "",
         "Stall (loop): the save iteration and the next two, less 3x the run's median iteration "
@@ -307,5 +331,5 @@ def write(work: Path, out: Path, command: str) -> dict:
     ksec, kgoals = kernels_section(parts["kernels"])
     esec, comp = engine_section(parts["engine"])
     lines += goals_section(kgoals, comp) + ksec + esec
-    (out / "gpu_h200.md").write_text("\n".join(lines) + "\n")
+    write_results(out / "gpu_h200.md", "\n".join(lines) + "\n")
     return results

@@ -31,6 +31,9 @@ import torch.distributed.checkpoint as dcp
 
 from pcframe.integrations.dcp import StorageWriter
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # experiments/: results_file
+from results_file import header, table_lines, write_results
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
@@ -103,15 +106,9 @@ def main() -> None:
 def report(args: argparse.Namespace, nbytes: int, times: dict[str, list[float]]) -> None:
     reference = statistics.median(times["FileSystemWriter (1 thread, default)"])
     command = "python experiments/integrations/bench_dcp_storage.py " + " ".join(sys.argv[1:])
+    title = "dcp.save: pcframe StorageWriter vs FileSystemWriter (time to durable)"
     lines = [
-        "# dcp.save: pcframe StorageWriter vs FileSystemWriter (time to durable)",
-        "",
-        "Made by:",
-        "",
-        "```",
-        command,
-        "```",
-        "",
+        *header(title, command),
         f"{nbytes / 2**20:.0f} MiB of float32 state ({args.repeats} timed rounds after one "
         f"warm-up, writers in rotating order), one process, torch {torch.__version__}, "
         f"{os.cpu_count()} CPUs ({platform.machine()}), files on "
@@ -120,26 +117,31 @@ def report(args: argparse.Namespace, nbytes: int, times: dict[str, list[float]])
         "fsyncs manifest, directories and LATEST. The machine is shared with other jobs: "
         "read the spread.",
         "",
-        "| writer | median (s) | min (s) | max (s) | spread (max/min) | GiB/s (median) | "
-        "time / FileSystemWriter default |",
-        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     order = list(writers(Path("."), 0))  # the same row order in every report
     times = {name: times[name] for name in order}
+    rows = []
     for name, values in times.items():
         median = statistics.median(values)
-        lines.append(
-            f"| {name} | {median:.3f} | {min(values):.3f} | {max(values):.3f} | "
-            f"{max(values) / min(values):.2f}x | {nbytes / 2**30 / median:.2f} | "
-            f"{median / reference:.2f}x |"
+        rows.append(
+            [
+                name,
+                f"{median:.3f}",
+                f"{min(values):.3f}",
+                f"{max(values):.3f}",
+                f"{max(values) / min(values):.2f}x",
+                f"{nbytes / 2**30 / median:.2f}",
+                f"{median / reference:.2f}x",
+            ]
         )
+    columns = ["writer", "median (s)", "min (s)", "max (s)", "spread (max/min)"]
+    columns += ["GiB/s (median)", "time / FileSystemWriter default"]
+    lines += table_lines(columns, rows, align="lrrrrrr")
     lines += ["", "Every round (s):", ""]
     lines += [
         f"- {name}: " + ", ".join(f"{v:.3f}" for v in values) for name, values in times.items()
     ]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
+    write_results(args.out, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

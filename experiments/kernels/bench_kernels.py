@@ -17,7 +17,6 @@ buffers; fresh allocations add page faults). Run from the repository root:
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
 import platform
 import shlex
@@ -45,6 +44,9 @@ from pcframe.kernels import (
     quantize_blockwise,
     shuffle_bytes,
 )
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # experiments/: results_file
+from results_file import header, table_lines, write_results
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 CHUNK = 16 << 20  # engine-like chunk size
@@ -318,16 +320,24 @@ def gpu_rows(size: int, repeats: int) -> list[Row]:
 
 
 def render(rows: list[Row], title: str, command: str, env: str) -> str:
-    lines = [f"# {title}", "", "```", command, "```", "", env, ""]
-    lines += ["| kernel | MiB | GB/s | × baseline | baseline GB/s | target | met | note |"]
-    lines += ["|---|---:|---:|---:|---|---:|---|---|"]
+    cells = []
     for r in rows:
         target = f"≥ {r.target:.1f}×" if r.target else ""
         met = ("yes" if r.ratio >= r.target else "**no**") if r.target else ""
-        lines.append(
-            f"| {r.name} | {r.nbytes / 2**20:.0f} | {r.gbps:.2f} | {r.ratio:.2f} "
-            f"| {r.baseline} {r.baseline_gbps:.2f} | {target} | {met} | {r.note} |"
+        cells.append(
+            [
+                r.name,
+                f"{r.nbytes / 2**20:.0f}",
+                f"{r.gbps:.2f}",
+                f"{r.ratio:.2f}",
+                f"{r.baseline} {r.baseline_gbps:.2f}",
+                target,
+                met,
+                r.note,
+            ]
         )
+    columns = ["kernel", "MiB", "GB/s", "× baseline", "baseline GB/s", "target", "met", "note"]
+    lines = [*header(title, command), env, "", *table_lines(columns, cells, align="lrrrlrll")]
     return "\n".join(lines) + "\n"
 
 
@@ -340,7 +350,6 @@ def environment(device: str) -> str:
         pass
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     parts = [
-        f"Date: {dt.date.today()}",
         f"CPU: {cpu}, {os.cpu_count()} logical cores (load average {load:.1f} at the end)",
         f"torch {torch.__version__}, numba {numba.__version__}, numpy {np.__version__}",
     ]
@@ -369,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
         text = render(
             cpu_rows(size, args.repeats), "pcframe kernels on CPU", command, environment("cpu")
         )
-        (args.out / "kernels_cpu.md").write_text(text)
+        write_results(args.out / "kernels_cpu.md", text)
         print(text)
     if args.device in ("cuda", "all"):
         if not torch.cuda.is_available():
@@ -378,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
         text = render(
             gpu_rows(size, args.repeats), "pcframe kernels on GPU", command, environment("cuda")
         )
-        (args.out / "kernels_gpu.md").write_text(text)
+        write_results(args.out / "kernels_gpu.md", text)
         print(text)
 
 

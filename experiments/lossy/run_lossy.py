@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -35,6 +36,9 @@ from pcframe.config import EngineConfig
 from pcframe.format.manifest import read_manifest
 from pcframe.policies.fixed import FixedSteps
 from pcframe.restore.reader import load_version
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # experiments/: results_file
+from results_file import header, table_lines, write_results
 
 MOMENTS = "optimizer/state/*/exp_avg*"
 FORMATS = {
@@ -130,13 +134,13 @@ def report(args: argparse.Namespace, data: dict) -> str:
     same_training = all(
         f["uninterrupted"] == exact["uninterrupted"] for f in data["formats"].values()
     )
-    lines = [
-        "# Lossy checkpoints: loss-curve deviation after restore (CPU)",
-        "",
-        f"Command: `python experiments/lossy/run_lossy.py --steps {args.steps} --every "
+    command = (
+        f"python experiments/lossy/run_lossy.py --steps {args.steps} --every "
         f"{args.every} --hidden {args.hidden} --layers {args.layers} --seed {args.seed} "
-        f"--out {args.out} --plot {args.plot}`",
-        "",
+        f"--out {args.out} --plot {args.plot}"
+    )
+    lines = [
+        *header("Lossy checkpoints: loss-curve deviation after restore (CPU)", command),
         f"Workload: built-in `mlp` (hidden {args.hidden}, {args.layers} layers, AdamW lr 1e-3, "
         f"cosine warm restarts every 200 steps, dropout 0.1), {args.steps} steps, a checkpoint "
         f"every {args.every}; each checkpoint restored in fresh objects and trained on to step "
@@ -152,23 +156,34 @@ def report(args: argparse.Namespace, data: dict) -> str:
         "zeroed = nonzero second moments that the format's checkpoints (all restore points "
         "together) restore as exactly 0: Adam then divides by ~eps and that weight jumps.",
         "",
-        "| format | bytes / checkpoint | ÷ exact | max recorded bound | exp_avg_sq zeroed "
-        "| restored at | mean L (exact) | mean abs ΔL | max abs ΔL | ΔL last step | eval loss "
-        "| Δ eval | weight drift |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    rows = []
     for name, fmt in data["formats"].items():
         for point, run_ in fmt["runs"].items():
             base = exact["runs"][point]
             diffs = [abs(a - b) for a, b in zip(run_["losses"], base["losses"], strict=True)]
             drift = (run_["params"] - base["params"]).norm() / base["params"].norm()
-            lines.append(
-                f"| {name} | {fmt['stored']:,} | {fmt['stored'] / exact['stored']:.3f} | "
-                f"{fmt['bound']:.2e} | {fmt['zeroed'][0]:,} of {fmt['zeroed'][1]:,} | {point} | "
-                f"{statistics.mean(base['losses']):.4f} | {statistics.mean(diffs):.2e} | "
-                f"{max(diffs):.2e} | {diffs[-1]:.2e} | {run_['eval']:.4f} | "
-                f"{run_['eval'] - base['eval']:+.2e} | {drift:.2e} |"
+            rows.append(
+                [
+                    name,
+                    f"{fmt['stored']:,}",
+                    f"{fmt['stored'] / exact['stored']:.3f}",
+                    f"{fmt['bound']:.2e}",
+                    f"{fmt['zeroed'][0]:,} of {fmt['zeroed'][1]:,}",
+                    point,
+                    f"{statistics.mean(base['losses']):.4f}",
+                    f"{statistics.mean(diffs):.2e}",
+                    f"{max(diffs):.2e}",
+                    f"{diffs[-1]:.2e}",
+                    f"{run_['eval']:.4f}",
+                    f"{run_['eval'] - base['eval']:+.2e}",
+                    f"{drift:.2e}",
+                ]
             )
+    columns = ["format", "bytes / checkpoint", "÷ exact", "max recorded bound"]
+    columns += ["exp_avg_sq zeroed", "restored at", "mean L (exact)", "mean abs ΔL"]
+    columns += ["max abs ΔL", "ΔL last step", "eval loss", "Δ eval", "weight drift"]
+    lines += table_lines(columns, rows, align="l" + "r" * 12)
     return "\n".join(lines) + "\n"
 
 
@@ -236,7 +251,7 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     text = report(args, data)
-    Path(args.out).write_text(text)
+    write_results(args.out, text)
     plot(args, data)
     print(text)
 

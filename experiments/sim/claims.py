@@ -22,7 +22,7 @@ import math
 import statistics
 from pathlib import Path
 
-from common import RESULTS, csv_header, header
+from common import RESULTS, csv_header, header, write_results
 
 from pcframe.sim.report import markdown_table, write_csv
 
@@ -125,7 +125,7 @@ def main() -> None:
         "policy with its defaults and a prior from the other zones' traces.",
     )
     text += _interval_text(intervals) + _resource_text(resources)
-    out.with_suffix(".md").write_text(text)
+    write_results(out.with_suffix(".md"), text)
     _plot(exp2, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.md')}")
 

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import RESULTS, csv_header, header
+from common import RESULTS, csv_header, header, write_results
 
 from pcframe import Checkpointer, EngineConfig
 from pcframe.apps.training import batches
@@ -330,7 +330,7 @@ def report(
         )
         columns = ["method", "interval", "saves", "stall_ms", "durable_ms", "blocked_slowdown"]
         text += markdown_table(pc, columns, digits=2)
-    out.with_suffix(".md").write_text(text)
+    write_results(out.with_suffix(".md"), text)
     series = {
         name: (
             [r["interval"] for r in rows if r["method"] == name],

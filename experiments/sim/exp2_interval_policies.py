@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import FAMILIES, RESULTS, csv_header, header
+from common import FAMILIES, RESULTS, csv_header, header, write_results
 from loo import history_for
 from profiles import job_for
 
@@ -113,7 +113,7 @@ def main() -> None:
             title=f"goodput / ideal, {regime} checkpoints",
         )
     text += "## Mean share of wall time (all traces)\n\n" + _breakdown(rows, labels)
-    out.with_suffix(".md").write_text(text)
+    write_results(out.with_suffix(".md"), text)
     print(f"wrote {out.with_suffix('.md')}")
 
 

@@ -25,7 +25,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS, csv_header, header
+from common import RESULTS, csv_header, header, write_results
 from profiles import job_for
 
 import pcframe.policies as P
@@ -125,7 +125,7 @@ def main() -> None:
     text += "\n" + _claim(open_rows) + "\n"
     text += "## Deadline: work = 1/3 of the trace, due at 1/2 of it\n\n"
     text += _deadline_table(deadline_rows)
-    out.with_suffix(".md").write_text(text)
+    write_results(out.with_suffix(".md"), text)
     plot_grouped_bars(
         open_rows, out.parent / f"{out.name}_throughput.png", title="throughput / one VM's ideal"
     )

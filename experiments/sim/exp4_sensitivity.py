@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import RESULTS, csv_header, header
+from common import RESULTS, csv_header, header, write_results
 
 import pcframe.policies as P
 from pcframe.sim import JobSpec, Oracle, poisson_trace
@@ -105,7 +105,7 @@ def main() -> None:
             }
         )
     text += markdown_table(regret, list(regret[0]), digits=3)
-    out.with_suffix(".md").write_text(text)
+    write_results(out.with_suffix(".md"), text)
     _heatmap(cells, labels, out.parent / f"{out.name}.png")
     print(f"wrote {out.with_suffix('.md')}")
 

@@ -22,7 +22,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from common import FAMILIES, RESULTS, csv_header, header
+from common import FAMILIES, RESULTS, csv_header, header, write_results
 from loo import SECONDS_GRID, evaluate, fixed_curves, history_for
 from profiles import job_for
 
@@ -131,7 +131,7 @@ def main() -> None:
         part = [r for r in rows if r["regime"] == regime]
         text += f"## {regime} checkpoints\n\n" + _summary(part) + "\n" + _per_trace(part) + "\n"
     text += _notice_section(notice)
-    out.with_suffix(".md").write_text(text)
+    write_results(out.with_suffix(".md"), text)
     _plot(rows, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.md')}")
 

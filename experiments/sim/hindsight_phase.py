@@ -17,10 +17,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
-from common import RESULTS, header
+from common import RESULTS, header, write_results
 from exp5_loo_hindsight import pa
 from loo import fixed_curves, history_for, key_of
 from profiles import job_for
@@ -97,7 +96,7 @@ def main() -> None:
             rows.append(trace_row(regime, trace, traces, best, every))
         text += f"## {regime} checkpoints\n\n{summary(rows)}\n\nPer trace:\n\n"
         text += markdown_table(rows, list(rows[0]), digits=4) + "\n\n"
-    Path(args.out).write_text(text)
+    write_results(args.out, text)
     print(f"wrote {args.out} in {time.perf_counter() - start:.0f} s")
 
 

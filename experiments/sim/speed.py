@@ -15,7 +15,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import RESULTS, csv_header, header
+from common import RESULTS, csv_header, header, write_results
 from profiles import job_for
 
 import pcframe.policies as P
@@ -89,7 +89,7 @@ def main() -> None:
     text += markdown_table(summary, list(summary[0]), digits=3)
     total = sum(r["cpu_s"] for r in rows)
     text += f"\nAll {len(rows)} simulations: {total:.1f} CPU s.\n"
-    out.with_suffix(".md").write_text(text)
+    write_results(out.with_suffix(".md"), text)
     print(f"wrote {out.with_suffix('.md')}")
 
 

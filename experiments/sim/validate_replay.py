@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import RESULTS, csv_header, header
+from common import RESULTS, csv_header, header, write_results
 from replay_child import accelerated
 
 import pcframe.policies as P
@@ -422,7 +422,7 @@ def write_outputs(args: argparse.Namespace, rows: list[dict], timelines: dict) -
         "restart_in_replay_s",
     ]
     text += markdown_table(rows, cal, digits=2)
-    out.with_suffix(".md").write_text(text)
+    write_results(out.with_suffix(".md"), text)
     _plot(timelines, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.md')}")
 

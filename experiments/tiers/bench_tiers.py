@@ -36,6 +36,9 @@ import pcframe.policies as P
 from pcframe import Checkpointer
 from pcframe.store.tiers import RemoteTier, Tiers
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # experiments/: results_file
+from results_file import header, table_lines, write_results
+
 MiB = 1024 * 1024
 
 
@@ -226,11 +229,9 @@ def main() -> int:
         shutil.rmtree(shm, ignore_errors=True)
 
     command = "python " + " ".join([sys.argv[0], *sys.argv[1:]])
+    title = "Tiers on CPU: time to durable per tier, remote upload throughput and lag"
     lines = [
-        "# Tiers on CPU: time to durable per tier, remote upload throughput and lag",
-        "",
-        f"Command: `{command}`",
-        "",
+        *header(title, command),
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"load average {load:.1f} at start, "
         f"Python {platform.python_version()}, torch {torch.__version__}; disk tier under "
@@ -243,33 +244,38 @@ def main() -> int:
         f"{raw['disk']:.3f} s ({size / raw['disk']:.0f} MiB/s), /dev/shm {raw['memory']:.3f} s "
         f"({size / raw['memory']:.0f} MiB/s).",
         "",
-        "| configuration | save → durable in primary (s) | save → durable in replica (s) "
-        "| MiB/s (primary) |",
-        "|---|---|---|---|",
     ]
+    cells = []
     for name, primary, replica in rows:
         rep = f"{replica:.3f}" if replica is not None else "–"
-        lines.append(f"| {name} | {primary:.3f} | {rep} | {size / primary:.0f} |")
+        cells.append([name, f"{primary:.3f}", rep, f"{size / primary:.0f}"])
     up, local = median(remote["uploads"]), median(remote["local_durable"])
-    lines.append(
-        f"| disk+s3 (remote every version) | {local:.3f} | {local + up:.3f} | {size / local:.0f} |"
-    )
+    remote_row = [f"{local:.3f}", f"{local + up:.3f}", f"{size / local:.0f}"]
+    cells.append(["disk+s3 (remote every version)", *remote_row])
+    columns = ["configuration", "save → durable in primary (s)"]
+    columns += ["save → durable in replica (s)", "MiB/s (primary)"]
+    lines += table_lines(columns, cells)
+    metrics = [
+        ("upload after local commit, median (s)", f"{up:.3f}"),
+        ("upload throughput (MiB/s)", f"{remote['throughput']:.1f}"),
+        ("burst: saves, gap between saves (s)", f"{remote['burst']}, {remote['gap']}"),
+        ("burst: local save → durable, median (s)", f"{remote['burst_local_durable']:.3f}"),
+        (
+            "burst: versions uploaded / skipped (newest wins)",
+            f"{remote['burst_written']} / {remote['burst_skipped']}",
+        ),
+        (
+            "burst: max lag (versions / seconds)",
+            f"{remote['max_lag_versions']} / {remote['max_lag_seconds']:.2f}",
+        ),
+        ("burst: seconds to catch up after the last save", f"{remote['catch_up']:.2f}"),
+        ("remote listing at the end (remote_keep=2)", f"{remote['listed']}"),
+    ]
     lines += [
         "",
         "Remote tier (s3fs → moto on loopback):",
         "",
-        "| metric | value |",
-        "|---|---|",
-        f"| upload after local commit, median (s) | {up:.3f} |",
-        f"| upload throughput (MiB/s) | {remote['throughput']:.1f} |",
-        f"| burst: saves, gap between saves (s) | {remote['burst']}, {remote['gap']} |",
-        f"| burst: local save → durable, median (s) | {remote['burst_local_durable']:.3f} |",
-        f"| burst: versions uploaded / skipped (newest wins) | {remote['burst_written']} / "
-        f"{remote['burst_skipped']} |",
-        f"| burst: max lag (versions / seconds) | {remote['max_lag_versions']} / "
-        f"{remote['max_lag_seconds']:.2f} |",
-        f"| burst: seconds to catch up after the last save | {remote['catch_up']:.2f} |",
-        f"| remote listing at the end (remote_keep=2) | {remote['listed']} |",
+        *table_lines(["metric", "value"], metrics),
         "",
         "Reading the numbers: *save → durable* is from `save()` until the version is committed "
         "(data and manifest synced, renamed, LATEST written) in that tier; the replica column "
@@ -288,8 +294,7 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+        write_results(args.out, text)
     return 0
 
 
