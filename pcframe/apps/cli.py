@@ -13,13 +13,15 @@ from pathlib import Path
 
 from pcframe import __version__
 from pcframe.apps.cli_ranks import (
+    NEWER,
+    NEWER_VERDICT,
     is_multi_rank_root,
     list_global,
     refuse_multi_rank_root,
     verify_global,
 )
 from pcframe.apps.cli_versions import check_directory, deleted_while_read, explicit_version, pick
-from pcframe.errors import CheckpointError, ManifestError
+from pcframe.errors import CheckpointError, ManifestError, UnsupportedCheckpoint
 from pcframe.format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from pcframe.restore.reader import LoadedVersion, load_version
 from pcframe.store.directory import CheckpointDir, quarantined_versions, set_aside_reason
@@ -62,6 +64,10 @@ def cmd_list(args: argparse.Namespace) -> int:
     for version in versions:
         try:
             manifest = _manifest(directory, version)
+        except UnsupportedCheckpoint as exc:  # a newer writer's, not damage
+            unreadable += 1
+            print(f"{version:>8} {'?':>10} {'?':>12}  {NEWER}: {_one_line(exc)}")
+            continue
         except (CheckpointError, OSError) as exc:
             unreadable += 1
             print(f"{version:>8} {'?':>10} {'?':>12}  unreadable: {_one_line(exc)}")
@@ -103,6 +109,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for version in versions:
         try:  # every chunk checksummed, every segment checksummed and decoded, the tree too
             loaded = _verified(directory, version, args.threads)
+        except UnsupportedCheckpoint as exc:  # not verified, and not damaged either
+            failures += 1
+            print(f"v{version}: {NEWER_VERDICT}: {_one_line(exc)}")
+            continue
         except (CheckpointError, OSError) as exc:
             if deleted_while_read(directory, version):
                 print(f"v{version}: deleted while it was verified (a live writer's retention)")

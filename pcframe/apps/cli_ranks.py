@@ -10,10 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from pcframe.distributed import global_versions
-from pcframe.errors import CheckpointError, ManifestError
+from pcframe.errors import CheckpointError, ManifestError, UnsupportedCheckpoint
 from pcframe.format.manifest import MANIFEST_NAME
 from pcframe.format.names import version_name
 from pcframe.restore.reader import load_version
+
+# A version this pcframe cannot read but a newer one can: named as such, never as damage
+# (in list, and in verify's verdicts).
+NEWER = "newer format (not damaged; this pcframe cannot read or verify it)"
+NEWER_VERDICT = "NEWER FORMAT (not damaged; this pcframe cannot read or verify it)"
 
 
 def is_multi_rank_root(root: Path) -> bool:
@@ -42,7 +47,8 @@ def list_global(root: Path, when, one_line) -> int:
     for version in sorted(set(rows) | set(unreadable)):
         if version in unreadable:
             reason = one_line(unreadable[version])
-            print(f"{version:>8} {'?':>10} {'?':>5} {'?':>12}  unreadable: {reason}")
+            what = NEWER if _newer_record(root, version) else "unreadable"
+            print(f"{version:>8} {'?':>10} {'?':>5} {'?':>12}  {what}: {reason}")
             continue
         record = rows[version]
         size = sum(s.nbytes for s in record.shards)
@@ -58,8 +64,20 @@ def list_global(root: Path, when, one_line) -> int:
     return 1 if unreadable else 0
 
 
+def _newer_record(root: Path, version: int) -> bool:
+    """Whether the record of ``version`` failed for being of a newer format (not damage)."""
+    try:
+        global_versions.read_record(global_versions.record_path(root, version))
+    except UnsupportedCheckpoint:
+        return True
+    except (CheckpointError, OSError):
+        return False
+    return False
+
+
 def verify_global(root: Path, version: int | None, threads: int, one_line) -> int:
-    """Verify every shard of every global version (or one); 1 if any fails."""
+    """Verify every shard of every global version (or one); 1 if any fails or cannot be
+    verified by this pcframe (a newer format, named as such)."""
     good, bad = global_versions.valid_records(root)
     found = {r.version for r in good} | {v for v, _ in bad}
     if version is not None and version not in found:
@@ -68,11 +86,12 @@ def verify_global(root: Path, version: int | None, threads: int, one_line) -> in
     for v, reason in sorted(bad):
         if version in (None, v):
             failures += 1
-            print(f"v{v}: FAILED: {one_line(reason)}")
+            what = NEWER_VERDICT if _newer_record(root, v) else "FAILED"
+            print(f"v{v}: {what}: {one_line(reason)}")
     for record in sorted(good, key=lambda r: r.version):
         if version not in (None, record.version):
             continue
-        problems, tensors = [], 0
+        problems, newer, tensors = [], [], 0
         for shard in record.shards:
             where = root / shard.directory / version_name(shard.version)
             try:
@@ -81,14 +100,19 @@ def verify_global(root: Path, version: int | None, threads: int, one_line) -> in
                 loaded = load_version(where, threads=max(1, threads))
                 loaded.state_tree()
                 tensors += len(loaded.tensors)
+            except UnsupportedCheckpoint as exc:
+                newer.append(f"rank {shard.rank}: {one_line(exc)}")
             except (CheckpointError, OSError) as exc:
                 problems.append(f"rank {shard.rank}: {one_line(exc)}")
-        if problems and not global_versions.record_path(root, record.version).exists():
+        if (problems or newer) and not global_versions.record_path(root, record.version).exists():
             # The coordinator's retention deleted the record (then the ranks its shards).
             print(f"v{record.version}: deleted while it was verified (a live job's retention)")
         elif problems:
             failures += 1
-            print(f"v{record.version}: FAILED: {'; '.join(problems)}")
+            print(f"v{record.version}: FAILED: {'; '.join(problems + newer)}")
+        elif newer:
+            failures += 1
+            print(f"v{record.version}: {NEWER_VERDICT}: {'; '.join(newer)}")
         else:
             size = sum(s.nbytes for s in record.shards)
             print(

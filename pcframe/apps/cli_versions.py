@@ -3,7 +3,9 @@
 Without ``--version`` a command reads the newest version that *reads back* (its manifest,
 for ``inspect``; every chunk verified, for ``export``), as a restore does: a newer version
 folder that is empty, garbage or damaged is skipped, and one line on stderr names it and
-why. With ``--version N`` that version is read or the command fails, naming it.
+why; one of a newer format stops the command (as it stops a restore: it is not damage, and
+an older version is not what the directory holds now). With ``--version N`` that version
+is read or the command fails, naming it.
 
 A directory whose writer is still at work changes while it is read: its retention deletes
 old versions (and commits new ones) under a ``verify`` or an ``inspect``. A version whose
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from pcframe.apps.cli_ranks import is_multi_rank_root
-from pcframe.errors import CheckpointError
+from pcframe.errors import CheckpointError, UnsupportedCheckpoint
 from pcframe.format.manifest import MANIFEST_NAME
 from pcframe.format.names import version_number
 from pcframe.store.directory import (
@@ -108,6 +110,14 @@ def pick(
             tried.add(candidate)
             try:
                 value = read(candidate)
+            except UnsupportedCheckpoint as exc:
+                older = [v for v in directory.committed_versions() if v < candidate]
+                pick = f"--version {older[-1]}" if older else "--version N"
+                raise CheckpointError(
+                    f"{directory.root}: version {candidate} is of a newer format "
+                    f"than this pcframe reads ({one_line(exc)}); not falling back past it: "
+                    f"upgrade pcframe, or pick an older version on purpose with {pick}"
+                ) from None
             except (CheckpointError, OSError) as exc:
                 if not deleted_while_read(directory, candidate):
                     skipped.append(f"version {candidate} ({one_line(exc)})")

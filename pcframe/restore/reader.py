@@ -154,27 +154,39 @@ def read_entries(
     wanted: Iterable[int],
     threads: int = 4,
     verify: bool = True,
+    files: DataFiles | None = None,
 ) -> dict[int, torch.Tensor]:
     """Return ``{entry index: tensor}`` for the wanted entries of the version in ``directory``.
 
     ``manifest`` is that version's (validated) manifest. Raw, coded and delta tensors alike;
-    a delta tensor's base versions are looked up next to ``directory``.
+    a delta tensor's base versions are looked up next to ``directory``. ``files``: that
+    version's data files, already open and left open (a reader that holds them from the
+    moment it chose the version reads it even after a live writer's retention deleted it).
 
     Raises:
         ManifestError / CorruptCheckpoint: a file is missing, short, or fails its checksum.
         OSError: when the files cannot be read.
     """
-    reader = _VersionReader(Path(directory), manifest, threads, verify)
+    reader = _VersionReader(Path(directory), manifest, threads, verify, files)
     tensors, _ = reader.read(sorted(set(wanted)))
     return tensors
 
 
 class _VersionReader:
-    def __init__(self, directory: Path, manifest: Manifest, threads: int, verify: bool) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        manifest: Manifest,
+        threads: int,
+        verify: bool,
+        files: DataFiles | None = None,
+    ) -> None:
         self.directory, self.manifest = directory, manifest
         self.threads, self.verify = threads, verify and manifest.checksum != "none"
         self.checksum = checksum_function(manifest.checksum)
-        self.data = DataFiles(directory, manifest)  # open while reading (and kept for fill)
+        # Open while reading (and kept for fill); the caller's own files stay open.
+        self.data = files if files is not None else DataFiles(directory, manifest)
+        self._own_files = files is None
         self.data_path = self.data.paths[0]
         self.codec = CodecFile(directory, manifest, self.verify, self.checksum)
         self.targets = InPlaceTargets(manifest, {})  # none unless read() is given some
@@ -211,7 +223,7 @@ class _VersionReader:
             tasks += self.codec.tasks(out, coded, previous)
         kept = False
         try:
-            if raw:
+            if raw and not self.data.is_open:
                 self.data.open()
             if coded:
                 self.codec.open()
@@ -224,7 +236,7 @@ class _VersionReader:
             raise
         finally:
             self.codec.close()
-            if not kept:
+            if not kept and self._own_files:
                 self.data.close()
         return out, chain
 

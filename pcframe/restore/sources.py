@@ -126,12 +126,12 @@ def load_first_valid(
             continue
         except (OSError, TierError) as exc:
             where = f"tier {source.tier}: " if source.tier else ""
-            io_failed.setdefault(source.version, []).append(where + _describe_io(exc))
+            io_failed.setdefault(source.version, []).append(where + describe_io(exc))
             log.warning(
                 "cannot read checkpoint version %d %s(%s); not quarantined",
                 source.version,
                 f"from tier {source.tier} " if source.tier else "",
-                _describe_io(exc),
+                describe_io(exc),
             )
             continue
         report.tier = source.tier or None
@@ -230,7 +230,8 @@ def _load_with_retries(
     return read_with_retries(read, backoff, (OSError, TierError))
 
 
-def _describe_io(exc: BaseException) -> str:
+def describe_io(exc: BaseException) -> str:
+    """An I/O error in one line: the file, the error and its errno name (``EIO``)."""
     if isinstance(exc, OSError) and exc.errno is not None:
         name = errno.errorcode.get(exc.errno, str(exc.errno))
         where = f"{exc.filename}: " if exc.filename else ""

@@ -151,7 +151,153 @@ def _saves(root: Path) -> None:
         print(f"committed {step}", flush=True)
 
 
-SCENARIOS = {"two_ranks": _two_ranks, "saves": _saves}
+def conj_value(step: int) -> torch.Tensor:
+    """A lazy conjugate view (its bytes are not its values), as a state may hold one."""
+    return (torch.arange(6.0).to(torch.complex64) * (1 + 2j) + step).conj()
+
+
+def _sharded(root: Path) -> None:
+    """Two ranks save versions 1..3 of a state with a row-sharded DTensor and a conjugate
+    view, then load as the DCP reader tests need real ranks to:
+
+    1. version 3 is committed (its global record put in place) by rank 0 only after rank
+       0's load chose version 2, and rank 1 loads once it is there: every rank reads version
+       3, the newest any rank chose, none a mix of two versions;
+    2. a copy of the root (``<root>-pristine``) is left for the parent's tests;
+    3. rank 1's data of version 3 is damaged in every chunk, and both ranks load it with the
+       DTensor replicated (each reads both shards): it fails on each rank, and neither rank's
+       live parameters, optimizer state or tensors changed; version 2 then loads.
+    """
+    import shutil
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from pcframe.errors import CorruptCheckpoint
+    from pcframe.format.manifest import DATA_NAME, read_manifest
+    from pcframe.integrations.dcp import StorageReader, StorageWriter
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def state_of(step: int) -> dict[str, Any]:
+        state = training_state(step)
+        state["sharded"] = distribute_tensor(sharded_value(step), mesh, [Shard(0)])
+        state["conj"] = conj_value(step)
+        return state
+
+    def fresh(placement: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+        net, opt, state = fresh_state()
+        state["sharded"] = distribute_tensor(torch.zeros(SHARDED), mesh, [placement])
+        state["conj"] = torch.zeros(6, dtype=torch.complex64)
+        return net, opt, state
+
+    def check(net: Any, opt: Any, state: dict[str, Any], step: int) -> None:
+        assert_loaded(net, opt, state, step)
+        assert torch.equal(state["sharded"].full_tensor(), sharded_value(step))
+        assert torch.equal(state["conj"], conj_value(step).resolve_conj())
+
+    for step in (1, 2, 3):
+        dcp.save(state_of(step), storage_writer=StorageWriter(root, keep_last=3, step=step))
+    record, staged = root / "global" / "v00000003.json", root / "staged-v00000003.json"
+    dist.barrier()
+    if rank == 0:
+        os.rename(record, staged)  # version 3 not committed yet
+    dist.barrier()
+
+    class CommitsVersion3(DefaultLoadPlanner):
+        def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+            super().set_up_planner(*args, **kwargs)  # read_metadata has chosen version 2
+            os.rename(staged, record)
+
+    net, opt, state = fresh(Shard(0))
+    if rank == 0:
+        reader = StorageReader(root)
+        dcp.load(state, storage_reader=reader, planner=CommitsVersion3())
+    else:
+        while not record.exists():
+            time.sleep(0.01)
+        reader = StorageReader(root)
+        dcp.load(state, storage_reader=reader)
+    check(net, opt, state, 3)
+    assert reader.loaded is not None and reader.loaded.version == 3
+    dist.barrier()
+    if rank == 0:
+        shutil.copytree(root, root.with_name(root.name + "-pristine"))
+        damaged = root / "rank-1" / "v00000003"
+        manifest = read_manifest(str(damaged / "manifest.json"))
+        with open(damaged / DATA_NAME, "r+b") as f:
+            for chunk in manifest.chunks:
+                f.seek(chunk.offset)
+                byte = f.read(1)
+                f.seek(chunk.offset)
+                f.write(bytes([byte[0] ^ 0x40]))
+    dist.barrier()
+
+    net, opt, state = fresh(Replicate())
+    before = [t.clone() for t in _live_tensors(net, opt, state)]
+    try:
+        dcp.load(state, storage_reader=StorageReader(root))
+    except CheckpointException as exc:
+        failure = exc.failures[rank]
+        error = failure[0] if isinstance(failure, tuple) else failure
+        assert isinstance(error, CorruptCheckpoint), repr(error)
+        assert "rank-1/v00000003/data.bin" in str(error) and "\n" not in str(error), str(error)
+        assert "nothing was placed" in str(error), str(error)
+    else:
+        raise AssertionError("a damaged version loaded")
+    after = _live_tensors(net, opt, state)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), "changed"
+    dcp.load(state, storage_reader=StorageReader(root, version=2))
+    check(net, opt, state, 2)
+    dist.barrier()
+    dist.destroy_process_group()
+    print("ok", flush=True)
+    os._exit(0)  # as _two_ranks: no interpreter teardown once everything is checked
+
+
+def _live_tensors(net: torch.nn.Module, opt: torch.optim.Optimizer, state: dict) -> list:
+    """Every tensor a load into ``state`` could change: parameters, optimizer state, the
+    DTensor's local part and the plain tensors."""
+    tensors = [p.detach() for p in net.parameters()]
+    tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    tensors += [state["sharded"].to_local(), state["conj"]]
+    return tensors
+
+
+def _sharded_saves(root: Path) -> None:
+    """Two ranks saving versions 1, 2, ... of a state with a row-sharded DTensor, with
+    ``keep_last=1``, until killed (prints ``committed <step>`` on rank 0 after each)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from pcframe.integrations.dcp import StorageWriter
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for step in range(1, int(os.environ.get("DCP_TEST_STEPS", "3")) + 1):
+        state = training_state(step)
+        state["sharded"] = distribute_tensor(sharded_value(step), mesh, [Shard(0)])
+        dcp.save(state, storage_writer=StorageWriter(root, keep_last=1, step=step))
+        if dist.get_rank() == 0:
+            print(f"committed {step}", flush=True)
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+SCENARIOS = {
+    "two_ranks": _two_ranks,
+    "saves": _saves,
+    "sharded": _sharded,
+    "sharded_saves": _sharded_saves,
+}
 
 
 # --- the parent's side ---------------------------------------------------------------------

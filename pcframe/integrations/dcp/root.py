@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pcframe.distributed import global_versions
 from pcframe.distributed.index import SavedIndex
-from pcframe.errors import CheckpointError, ManifestError
+from pcframe.errors import CheckpointError, CorruptCheckpoint, ManifestError
 from pcframe.format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from pcframe.store.directory import CheckpointDir
 
@@ -68,10 +68,15 @@ class Committed:
     step: int
     directories: dict[int, Path]
     manifests: dict[int, Manifest]
+    world_size: int  # the ranks that saved it (1 for a root written by one rank)
+    record: Path | None = None  # its global record (a multi-rank root)
 
     @property
     def where(self) -> str:
         return str(self.directories[0]) if len(self.directories) == 1 else f"version {self.version}"
+
+    def manifest_path(self, rank: int) -> str:
+        return str(self.directories[rank] / MANIFEST_NAME)
 
 
 def candidates(root: Path) -> list[int]:
@@ -85,18 +90,27 @@ def open_version(root: Path, version: int) -> Committed:
     """Read and validate the manifests of ``version`` (every shard's, pinned by its record).
 
     Raises:
-        ManifestError / CorruptCheckpoint: naming the file; OSError: it cannot be read.
+        UnsupportedCheckpoint: a record or manifest of a newer format.
+        ManifestError / CorruptCheckpoint: naming the file (a missing file included);
+        OSError: a file cannot be read.
     """
-    if version in global_versions.record_versions(root):
-        record = global_versions.read_record(global_versions.record_path(root, version))
-        index = SavedIndex(root, record)  # checks each shard against the record's checksum
-        directories = {r: index.directory(r) for r in index.manifests}
-        return Committed(version, record.step, directories, dict(index.manifests))
-    directory = CheckpointDir(root).path(version)
-    manifest = read_manifest(str(directory / MANIFEST_NAME))
+    try:
+        if version in global_versions.record_versions(root):
+            record = global_versions.read_record(global_versions.record_path(root, version))
+            index = SavedIndex(root, record)  # checks each shard against the record's checksum
+            directories = {r: index.directory(r) for r in index.manifests}
+            manifests = dict(index.manifests)
+            where = global_versions.record_path(root, version)
+            return Committed(version, record.step, directories, manifests, record.world_size, where)
+        directory = CheckpointDir(root).path(version)
+        manifest = read_manifest(str(directory / MANIFEST_NAME))
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        # A file or folder the version needs is not there: damage, or a live writer's
+        # retention that deleted it meanwhile (the reader tells which by listing again).
+        raise CorruptCheckpoint(f"{exc.filename}: missing ({exc.strerror})") from None
     if manifest.version != version:
         raise ManifestError(
             f"{directory / MANIFEST_NAME}: 'version' is {manifest.version}, but the folder is "
             f"{directory.name}"
         )
-    return Committed(version, manifest.step, {0: directory}, {0: manifest})
+    return Committed(version, manifest.step, {0: directory}, {0: manifest}, 1)

@@ -16,6 +16,14 @@ encoding holds exactly (:mod:`pcframe.format.tree`), so no pickle is stored for 
 ``pickled`` items are the bytes DCP's planner produced with ``torch.save`` for values it
 cannot hold, kept as a uint8 tensor (checksummed like the rest) and never unpickled by
 pcframe. :func:`build_metadata` turns the items of every rank back into DCP's ``Metadata``.
+
+Reading trusts nothing in a section: :func:`section` checks every field of it and of every
+item before anything uses one (a problem is one :class:`~pcframe.errors.ManifestError` line
+naming the manifest and the field, e.g. ``dcp.items[3].offsets``, so that the reader can go
+back to the previous version), and :func:`build_metadata` checks that the chunks of each
+tensor are disjoint boxes inside it that cover it exactly (:func:`cover_problem`). A
+``schema`` above :data:`SCHEMA` is a newer pcframe's: :class:`~pcframe.errors.
+UnsupportedCheckpoint`, which readers stop at instead of skipping.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 
-from pcframe.errors import ManifestError
+from pcframe.errors import ManifestError, UnsupportedCheckpoint
 from pcframe.format.manifest import Manifest
 from pcframe.format.tree import TensorRef, decode_tree, encode_tree
 from pcframe.kernels.dtypes import DTYPES, dtype_name
@@ -54,6 +62,39 @@ class Location:
     item: int
 
 
+@dataclass(frozen=True)
+class StoredItem:
+    """One validated item of a rank's ``dcp`` section.
+
+    ``entry``: the manifest tensor holding its bytes (tensor and pickled items); a tensor
+    item is the chunk of ``shape`` (the stored tensor's) at ``offsets`` of a tensor of global
+    ``size``; a value item's ``value`` is already decoded.
+    """
+
+    fqn: str
+    kind: str
+    entry: int | None = None
+    offsets: tuple[int, ...] = ()
+    size: tuple[int, ...] = ()
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    requires_grad: bool = False
+    pin_memory: bool = False
+    value: Any = None
+
+
+@dataclass(frozen=True)
+class ShardSection:
+    """One rank's validated ``dcp`` section."""
+
+    rank: int
+    world_size: int
+    checkpoint_id: str | None
+    save_id: str
+    planner_data: dict[str, tuple[str | int, ...]] | None
+    items: list[StoredItem]
+
+
 @dataclass
 class ReadIndex:
     """The DCP view of one committed version: ``Metadata`` plus where each item is stored."""
@@ -61,7 +102,8 @@ class ReadIndex:
     metadata: Metadata
     # (fqn, chunk offsets or None for non-tensors) -> where it is
     locations: dict[tuple[str, tuple[int, ...] | None], Location] = field(default_factory=dict)
-    items: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # rank -> its items
+    items: dict[int, list[StoredItem]] = field(default_factory=dict)  # rank -> its items
+    checkpoint_id: str | None = None
 
 
 def plain_value(planner: SavePlanner, item: WriteItem) -> tuple[bool, Any]:
@@ -133,11 +175,17 @@ def json_path(value: Any) -> list[str | int] | None:
     return None
 
 
-def section(manifest: Manifest, where: str) -> dict[str, Any]:
-    """The validated ``dcp`` section of a manifest's tree.
+def section(
+    manifest: Manifest, where: str, rank: int | None = None, world_size: int | None = None
+) -> ShardSection:
+    """The validated ``dcp`` section of a manifest's tree (``where``: the manifest's path).
+
+    ``rank`` / ``world_size``: what the shard must say it is (the global record's, or 0 / 1
+    for a version of a root written by one rank); not checked when ``None``.
 
     Raises:
-        ManifestError: naming ``where`` (the manifest) and what is wrong.
+        UnsupportedCheckpoint: the section is of a newer schema (a newer pcframe wrote it).
+        ManifestError: one line naming ``where``, the field and what is wrong with it.
     """
     tree = manifest.tree
     body = tree.get(SECTION) if isinstance(tree, dict) else None
@@ -146,121 +194,333 @@ def section(manifest: Manifest, where: str) -> dict[str, Any]:
             f"{where}: not written by pcframe's DCP StorageWriter (no '{SECTION}' section); "
             "load it with pcframe.load() or Checkpointer.restore()"
         )
-    if body.get("schema") != SCHEMA:
-        raise ManifestError(
-            f"{where}: DCP section schema {body.get('schema')!r} is not supported (this pcframe "
-            f"reads {SCHEMA}); upgrade pcframe"
+    fields = _Fields(where)
+    schema = body.get("schema")
+    if _plain_int(schema) and schema > SCHEMA:
+        raise UnsupportedCheckpoint(
+            f"{where}: field 'dcp.schema' is {schema}: written by a newer pcframe (this one "
+            f"reads DCP schema {SCHEMA}); upgrade pcframe to read it"
         )
+    if schema != SCHEMA or not _plain_int(schema):
+        raise fields.fail("dcp.schema", f"must be {SCHEMA}, got {schema!r:.40}")
+    own = fields.integer(body, "rank", 0)
+    world = fields.integer(body, "world_size", 1)
+    if own >= world:
+        raise fields.fail("dcp.rank", f"is {own}, not below 'world_size' {world}")
+    if rank is not None and own != rank:
+        raise fields.fail("dcp.rank", f"is {own}, but this is rank {rank}'s shard")
+    if world_size is not None and world != world_size:
+        raise fields.fail("dcp.world_size", f"is {world}, but the version has {world_size}")
+    checkpoint_id = body.get("checkpoint_id")
+    if checkpoint_id is not None and not isinstance(checkpoint_id, str):
+        raise fields.fail(
+            "dcp.checkpoint_id", f"must be a string or null, got {checkpoint_id!r:.40}"
+        )
+    save_id = body.get("save_id")
+    if not isinstance(save_id, str):
+        raise fields.fail("dcp.save_id", f"must be a string, got {save_id!r:.40}")
     items = body.get("items")
     if not isinstance(items, list):
-        raise ManifestError(f"{where}: DCP section has no item list")
-    for i, item in enumerate(items):
-        _check_item(item, i, manifest, where)
-    return body
-
-
-def _check_item(item: Any, i: int, manifest: Manifest, where: str) -> None:
-    def fail(reason: str) -> ManifestError:
-        return ManifestError(f"{where}: DCP item {i}: {reason}")
-
-    if not isinstance(item, dict) or not isinstance(item.get("fqn"), str):
-        raise fail("must be an object with a string 'fqn'")
-    kind = item.get("kind")
-    if kind not in KINDS:
-        raise fail(f"unknown kind {kind!r:.40}; known: {', '.join(KINDS)}")
-    if kind == "value":
-        return  # the whole tree was validated with the manifest (format.tree.check_tree)
-    ref = item.get("data")
-    index = ref.get("$t") if isinstance(ref, dict) else None
-    if not isinstance(index, int) or not 0 <= index < len(manifest.entries):
-        raise fail("has no valid tensor reference")
-    entry = manifest.entries[index]
-    if kind == "pickled":
-        if entry.dtype != "uint8" or len(entry.shape) != 1:
-            raise fail(f"pickled bytes must be a 1-d uint8 tensor, got {entry.dtype}")
-        return
-    offsets, size = item.get("offsets"), item.get("size")
-    if not _is_int_list(offsets) or not _is_int_list(size):
-        raise fail("'offsets' and 'size' must be lists of integers")
-    shape = entry.shape
-    if len(offsets) != len(size) or len(shape) != len(size):
-        raise fail(f"chunk {list(shape)} at {offsets} does not fit a tensor of size {size}")
-    if any(o < 0 or o + n > g for o, n, g in zip(offsets, shape, size, strict=True)):
-        raise fail(f"chunk {list(shape)} at {offsets} lies outside size {size}")
-    if item.get("dtype") != entry.dtype:
-        raise fail(f"dtype {item.get('dtype')!r:.40} differs from the stored {entry.dtype}")
-
-
-def _is_int_list(value: Any) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(x, int) and not isinstance(x, bool) for x in value
+        raise fields.fail("dcp.items", f"must be a list, got {type(items).__name__}")
+    return ShardSection(
+        own,
+        world,
+        checkpoint_id,
+        save_id,
+        _planner_data(body.get("planner_data"), fields),
+        [_item(raw, i, manifest, fields) for i, raw in enumerate(items)],
     )
 
 
-def build_metadata(manifests: dict[int, Manifest], where: str) -> ReadIndex:
+class _Fields:
+    """Field checks of one manifest's section: every error is one line naming the file and
+    the field."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, name: str, reason: str) -> ManifestError:
+        return ManifestError(f"{self.where}: field '{name}' {reason}")
+
+    def integer(self, body: dict[str, Any], key: str, lo: int) -> int:
+        value = body.get(key)
+        if not _plain_int(value) or value < lo:
+            raise self.fail(f"dcp.{key}", f"must be an integer >= {lo}, got {value!r:.40}")
+        return value
+
+    def ints(self, item: dict[str, Any], key: str, name: str) -> tuple[int, ...]:
+        value = item.get(key)
+        if not isinstance(value, list) or not all(_plain_int(x) and x >= 0 for x in value):
+            raise self.fail(f"{name}.{key}", f"must be a list of integers >= 0, got {value!r:.60}")
+        return tuple(value)
+
+    def flag(self, item: dict[str, Any], key: str, name: str) -> bool:
+        value = item.get(key, False)
+        if not isinstance(value, bool):
+            raise self.fail(f"{name}.{key}", f"must be true or false, got {value!r:.40}")
+        return value
+
+
+def _plain_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _planner_data(raw: Any, fields: _Fields) -> dict[str, tuple[str | int, ...]] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise fields.fail("dcp.planner_data", f"must be an object or null, got {raw!r:.40}")
+    mappings = {}
+    for fqn, path in raw.items():
+        keys = json_path(path)
+        if not isinstance(path, list) or keys is None:
+            raise fields.fail(
+                f"dcp.planner_data[{fqn!r:.60}]",
+                f"must be a list of string / integer keys, got {path!r:.60}",
+            )
+        mappings[fqn] = tuple(keys)
+    return mappings
+
+
+def _item(raw: Any, i: int, manifest: Manifest, fields: _Fields) -> StoredItem:
+    name = f"dcp.items[{i}]"
+    if not isinstance(raw, dict):
+        raise fields.fail(name, f"must be an object, got {type(raw).__name__}")
+    fqn = raw.get("fqn")
+    if not isinstance(fqn, str):
+        raise fields.fail(f"{name}.fqn", f"must be a string, got {fqn!r:.40}")
+    kind = raw.get("kind")
+    if kind not in KINDS:
+        raise fields.fail(f"{name}.kind", f"is {kind!r:.40}; known: {', '.join(KINDS)}")
+    if kind == "value":
+        if "value" not in raw:
+            raise fields.fail(f"{name}.value", f"is missing (the value of {fqn!r:.60})")
+        try:  # tags were checked with the whole tree; a value holds no tensor reference
+            value = decode_tree(raw["value"], [])
+        except ManifestError as exc:
+            why = (
+                "holds a tensor reference (a DCP value holds none)"
+                if "tensor reference" in str(exc)
+                else f"cannot be decoded: {exc}"
+            )
+            raise fields.fail(f"{name}.value", why) from None
+        return StoredItem(fqn, kind, value=value)
+    ref = raw.get("data")
+    index = ref.get("$t") if isinstance(ref, dict) and len(ref) == 1 else None
+    count = len(manifest.entries)
+    if not _plain_int(index) or not 0 <= index < count:
+        raise fields.fail(
+            f"{name}.data",
+            f'must be a tensor reference {{"$t": i}} with i in 0..{count - 1}, got {ref!r:.60}',
+        )
+    entry = manifest.entries[index]
+    if not entry.raw:
+        raise fields.fail(
+            f"{name}.data",
+            f"names tensor {index}, stored with codec {entry.codec!r}: DCP items are stored raw",
+        )
+    if kind == "pickled":
+        if entry.dtype != "uint8" or len(entry.shape) != 1:
+            raise fields.fail(
+                f"{name}.data",
+                f"names a {entry.dtype} tensor of shape {list(entry.shape)}; pickled bytes "
+                "are a 1-d uint8 tensor",
+            )
+        return StoredItem(fqn, kind, index, shape=entry.shape)
+    offsets = fields.ints(raw, "offsets", name)
+    size = fields.ints(raw, "size", name)
+    shape = tuple(entry.shape)
+    if len(offsets) != len(size) or len(shape) != len(size):
+        raise fields.fail(
+            f"{name}.offsets",
+            f"{list(offsets)} and the stored chunk {list(shape)} do not fit 'size' {list(size)} "
+            "(dimensions differ)",
+        )
+    if any(o + n > g for o, n, g in zip(offsets, shape, size, strict=True)):
+        raise fields.fail(
+            f"{name}.offsets",
+            f"{list(offsets)}: the stored chunk {list(shape)} there lies outside 'size' "
+            f"{list(size)}",
+        )
+    dtype = raw.get("dtype")
+    if dtype != entry.dtype:
+        raise fields.fail(
+            f"{name}.dtype", f"is {dtype!r:.40}, the stored tensor's is {entry.dtype!r}"
+        )
+    return StoredItem(
+        fqn,
+        kind,
+        index,
+        offsets,
+        size,
+        shape,
+        entry.dtype,
+        fields.flag(raw, "requires_grad", name),
+        fields.flag(raw, "pin_memory", name),
+    )
+
+
+def cover_problem(
+    size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> str | None:
+    """What keeps ``boxes`` (``(offsets, shape)`` each, every one already inside ``size``)
+    from being disjoint pieces that cover a tensor of ``size`` exactly; ``None`` if they are."""
+    found = _cover(size, boxes)
+    return None if found is None else found[0]
+
+
+def _cover(
+    size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> tuple[str, tuple[int, ...]] | None:
+    """:func:`cover_problem`, with the indices of the boxes at fault (two that overlap).
+
+    Disjoint boxes inside the tensor cover it exactly iff their volumes add up to its own,
+    so overlaps are looked for first: a sweep along the dimension where the boxes start at
+    the most places, comparing only boxes whose extents along it overlap (a few per box for
+    sharding by rows, by columns or in a grid, rather than every pair).
+    """
+    if not size:  # a 0-d tensor: one chunk, () at ()
+        if len(boxes) > 1:
+            return f"{len(boxes)} chunks of a 0-d tensor", (0, 1)
+    else:
+        solid = [k for k, (_, shape) in enumerate(boxes) if math.prod(shape) > 0]
+        axis = max(range(len(size)), key=lambda d: len({boxes[k][0][d] for k in solid}))
+        solid.sort(key=lambda k: boxes[k][0][axis])
+        active: list[int] = []
+        for k in solid:
+            offsets, shape = boxes[k]
+            start = offsets[axis]
+            active = [j for j in active if boxes[j][0][axis] + boxes[j][1][axis] > start]
+            for j in active:
+                other, extent = boxes[j]
+                if all(
+                    max(a, b) < min(a + m, b + n)
+                    for a, m, b, n in zip(offsets, shape, other, extent, strict=True)
+                ):
+                    return (
+                        f"the chunk {list(shape)} at {list(offsets)} overlaps the chunk "
+                        f"{list(extent)} at {list(other)}",
+                        (j, k),
+                    )
+            active.append(k)
+    covered, whole = sum(math.prod(s) for _, s in boxes), math.prod(size)
+    if covered != whole:
+        return f"the stored chunks cover {covered} of its {whole} elements (a shard is missing)", ()
+    return None
+
+
+def build_metadata(
+    manifests: dict[int, Manifest],
+    wheres: dict[int, str],
+    world_size: int | None = None,
+    version_where: str | None = None,
+) -> ReadIndex:
     """DCP's ``Metadata`` of one version from every rank's manifest (rank -> manifest).
 
-    ``where`` names the version (its directory) in errors.
+    ``wheres``: each rank's manifest path, named in errors; ``world_size``: the ranks that
+    saved the version (each section must say so, and its own rank), when known;
+    ``version_where``: the file that names the whole version (a multi-rank version's global
+    record), named when part of a tensor is in no file.
 
     Raises:
-        ManifestError: a ``dcp`` section is malformed, ranks disagree about an item, or a
-            tensor's chunks do not cover it.
+        UnsupportedCheckpoint: a section is of a newer schema.
+        ManifestError: one line naming the manifest and the field: a malformed section or
+            item, ranks that disagree about an item, or chunks of a tensor that overlap or
+            leave part of it uncovered.
     """
-    sections = {rank: section(m, f"{where} (rank {rank})") for rank, m in manifests.items()}
+    sections = {
+        rank: section(m, wheres[rank], rank if world_size else None, world_size)
+        for rank, m in manifests.items()
+    }
     state: dict[str, Any] = {}
-    index = ReadIndex(Metadata(state_dict_metadata=state))
-    covered: dict[str, int] = {}
-    mappings: dict[str, tuple[str | int, ...]] | None = {}
     first = sections[min(sections)]
+    index = ReadIndex(Metadata(state_dict_metadata=state), checkpoint_id=first.checkpoint_id)
+    boxes: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    sources: dict[str, list[tuple[int, int]]] = {}  # fqn -> (rank, item) of each box
+    owner: dict[str, int] = {}  # fqn -> the rank whose item first described it
+    mappings: dict[str, tuple[str | int, ...]] | None = {}
     for rank in sorted(sections):
-        body = sections[rank]
-        index.items[rank] = body["items"]
-        planner_data = body.get("planner_data")
-        if mappings is not None and isinstance(planner_data, dict):
-            for fqn, path in planner_data.items():
-                if json_path(path) is not None:
-                    mappings[fqn] = tuple(path)
+        body, where = sections[rank], wheres[rank]
+        if (body.checkpoint_id, body.save_id) != (first.checkpoint_id, first.save_id):
+            raise ManifestError(
+                f"{where}: field 'dcp.save_id' is {body.save_id!r:.40}, rank {min(sections)}'s "
+                f"is {first.save_id!r:.40}: the shards are of different saves"
+            )
+        index.items[rank] = body.items
+        if mappings is not None and body.planner_data is not None:
+            mappings.update(body.planner_data)
         else:
             mappings = None  # a planner without JSON mappings: DCP gets none
-        for i, item in enumerate(body["items"]):
-            fqn = item["fqn"]
-            if item["kind"] != "tensor":
-                if isinstance(state.get(fqn), TensorStorageMetadata):
-                    raise ManifestError(f"{where}: '{fqn}' is a tensor on one rank, not another")
-                state[fqn] = BytesStorageMetadata()
+        for i, item in enumerate(body.items):
+            name, fqn = f"dcp.items[{i}]", item.fqn
+            known = state.get(fqn)
+            if item.kind != "tensor":
+                if isinstance(known, TensorStorageMetadata):
+                    raise ManifestError(
+                        f"{where}: field '{name}.kind' is {item.kind!r} but {fqn!r:.80} is a "
+                        f"tensor in {wheres[owner[fqn]]}"
+                    )
+                if known is None:
+                    state[fqn], owner[fqn] = BytesStorageMetadata(), rank
                 index.locations.setdefault((fqn, None), Location(rank, i))
                 continue
-            meta = state.setdefault(fqn, _tensor_meta(item))
-            if (
-                not isinstance(meta, TensorStorageMetadata)
-                or list(meta.size) != item["size"]
-                or (meta.properties.dtype != DTYPES[item["dtype"]])
-            ):
-                raise ManifestError(f"{where}: ranks disagree about tensor '{fqn}'")
-            key = (fqn, tuple(item["offsets"]))
+            if known is None:
+                known = state[fqn] = _tensor_meta(item)
+                owner[fqn] = rank
+            if not isinstance(known, TensorStorageMetadata):
+                raise ManifestError(
+                    f"{where}: field '{name}.kind' is 'tensor' but {fqn!r:.80} is a value in "
+                    f"{wheres[owner[fqn]]}"
+                )
+            if tuple(known.size) != item.size or known.properties.dtype != DTYPES[item.dtype]:
+                raise ManifestError(
+                    f"{where}: field '{name}' says {fqn!r:.80} is {item.dtype} {list(item.size)}, "
+                    f"{wheres[owner[fqn]]} says {dtype_name(known.properties.dtype)} "
+                    f"{list(known.size)}"
+                )
+            key = (fqn, item.offsets)
             if key in index.locations:
-                continue  # the same chunk written twice (replicated): one copy is enough
-            shape = torch.Size(manifests[rank].entries[item["data"]["$t"]].shape)
-            meta.chunks.append(ChunkStorageMetadata(torch.Size(item["offsets"]), shape))
-            index.locations[key] = Location(rank, i)
-            covered[fqn] = covered.get(fqn, 0) + math.prod(shape)
+                stored = index.locations[key]
+                if index.items[stored.rank][stored.item].shape == item.shape:
+                    continue  # the same chunk written twice (replicated): one copy is enough
+                # A different chunk at the same place: the cover check names the overlap.
+            else:
+                index.locations[key] = Location(rank, i)
+                known.chunks.append(
+                    ChunkStorageMetadata(torch.Size(item.offsets), torch.Size(item.shape))
+                )
+            boxes.setdefault(fqn, []).append((item.offsets, item.shape))
+            sources.setdefault(fqn, []).append((rank, i))
     for fqn, meta in state.items():
-        if isinstance(meta, TensorStorageMetadata) and covered.get(fqn) != math.prod(meta.size):
+        if not isinstance(meta, TensorStorageMetadata):
+            continue
+        found = _cover(tuple(meta.size), boxes.get(fqn, []))
+        if found is None:
+            continue
+        problem, at_fault = found
+        if at_fault:  # two chunks overlap: the files and fields of both
+            (r0, i0), (r1, i1) = (sources[fqn][k] for k in at_fault)
             raise ManifestError(
-                f"{where}: the stored chunks of '{fqn}' cover {covered.get(fqn)} of its "
-                f"{math.prod(meta.size)} elements (a rank's shard is missing)"
+                f"{wheres[r1]}: field 'dcp.items[{i1}]' (a chunk of {fqn!r:.80}, size "
+                f"{list(meta.size)}) and field 'dcp.items[{i0}]' of {wheres[r0]}: {problem}"
             )
+        holding = sorted({r for r, _ in sources.get(fqn, [])})
+        raise ManifestError(
+            f"{version_where or wheres[owner[fqn]]}: the chunks of {fqn!r:.80} (fields "
+            f"'dcp.items' of rank(s) {holding}) do not tile its size {list(meta.size)}: "
+            f"{problem}"
+        )
     index.metadata.planner_data = mappings or None
     index.metadata.storage_meta = StorageMeta(
-        checkpoint_id=first.get("checkpoint_id"), save_id=first.get("save_id")
+        checkpoint_id=first.checkpoint_id, save_id=first.save_id
     )
     return index
 
 
-def _tensor_meta(item: dict[str, Any]) -> TensorStorageMetadata:
+def _tensor_meta(item: StoredItem) -> TensorStorageMetadata:
     properties = TensorProperties(
-        dtype=DTYPES[item["dtype"]],
-        requires_grad=bool(item.get("requires_grad", False)),
-        pin_memory=bool(item.get("pin_memory", False)),
+        dtype=DTYPES[item.dtype],
+        requires_grad=item.requires_grad,
+        pin_memory=item.pin_memory,
     )
-    return TensorStorageMetadata(properties, torch.Size(item["size"]), [])
+    return TensorStorageMetadata(properties, torch.Size(item.size), [])

@@ -264,7 +264,13 @@ def _collect(
             )
         whole = list(data.chunk.sizes) == list(data.size)
         suffix = "" if whole else "@" + "_".join(map(str, data.chunk.offsets))
-        tensors.append((name_for(fqn, suffix), tensor.detach()))
+        tensor = tensor.detach()
+        if tensor.is_conj() or tensor.is_neg():
+            # A lazy conjugate or negation: its bytes are not its values, and the pipeline
+            # copies bytes. Materialised now, as Checkpointer's clone of a tensor it does not
+            # read in place materialises it (the save's snapshot is taken here anyway).
+            tensor = tensor.resolve_conj().resolve_neg()
+        tensors.append((name_for(fqn, suffix), tensor))
         items.append(tensor_record(item, len(tensors) - 1))
         nbytes = tensor.numel() * tensor.element_size()
         results.append(WriteResult(item.index, nbytes, (info.rank, len(items) - 1)))
