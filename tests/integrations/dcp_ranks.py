@@ -166,7 +166,8 @@ def _sharded(root: Path) -> None:
     2. a copy of the root (``<root>-pristine``) is left for the parent's tests;
     3. rank 1's data of version 3 is damaged in every chunk, and both ranks load it with the
        DTensor replicated (each reads both shards): it fails on each rank, and neither rank's
-       live parameters, optimizer state or tensors changed; version 2 then loads.
+       live parameters, optimizer state or tensors changed; version 2 then loads;
+    4. only rank 1's reads fail: rank 0, whose own verify, places nothing either.
     """
     import shutil
 
@@ -255,6 +256,28 @@ def _sharded(root: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), "changed"
     dcp.load(state, storage_reader=StorageReader(root, version=2))
     check(net, opt, state, 2)
+
+    # 4. Only rank 1's part fails (its reads refused): rank 0, whose own reads verify, places
+    # nothing either, and says which rank failed.
+    class RefusingReader(StorageReader):
+        def _read_all(self, *args: Any) -> Any:
+            raise CorruptCheckpoint("rank 1's reads refused (injected)")
+
+    net, opt, state = fresh(Shard(0))
+    before = [t.clone() for t in _live_tensors(net, opt, state)]
+    reader = RefusingReader(root, version=2) if rank == 1 else StorageReader(root, version=2)
+    try:
+        dcp.load(state, storage_reader=reader)
+    except CheckpointException as exc:
+        failure = exc.failures[rank]
+        error = failure[0] if isinstance(failure, tuple) else failure
+        if rank == 0:
+            assert "rank 1 failed" in str(error) and "injected" in str(error), str(error)
+            assert "nothing was placed on this rank" in str(error), str(error)
+    else:
+        raise AssertionError("a load with a failed rank placed its state")
+    after = _live_tensors(net, opt, state)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), "changed"
     dist.barrier()
     dist.destroy_process_group()
     print("ok", flush=True)

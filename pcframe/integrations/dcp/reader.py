@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import StorageReader as _DcpStorageReader
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
@@ -50,6 +51,7 @@ from torch.futures import Future
 
 from pcframe.errors import (
     CheckpointError,
+    CorruptCheckpoint,
     ManifestError,
     NoValidCheckpoint,
     RestoreIOError,
@@ -85,6 +87,8 @@ class StorageReader(_DcpStorageReader):
             pcframe's JSON tree cannot hold); DCP's planner unpickles those, so only for
             checkpoints you trust.
         threads: reader threads per shard.
+        process_group: the group ``dcp.load`` runs on, when not the default one: the ranks
+            agree on it that every part verified before any of them places a byte.
     """
 
     def __init__(
@@ -94,8 +98,12 @@ class StorageReader(_DcpStorageReader):
         version: int | None = None,
         allow_pickle: bool = False,
         threads: int = 8,
+        process_group: Any = None,
     ) -> None:
         super().__init__()
+        # The group dcp.load runs on, where the ranks agree that every part verified before
+        # any rank places a byte (None: the default group, when the load spans all of it).
+        self.process_group = process_group
         check_requested_version(version, "StorageReader(version=...)")
         self.root = Path(path) if path is not None else None
         self.version = version
@@ -145,24 +153,26 @@ class StorageReader(_DcpStorageReader):
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Coordinator: every rank reads the same version, the newest any rank holds (ranks
-        differ only when a writer committed while they chose)."""
+        differ only when a writer committed while they chose), and learns how many ranks
+        load (they agree before placing: :meth:`read_data`)."""
         versions = {p.storage_data for p in plans if _is_version(p.storage_data)}
-        if len(versions) <= 1:
-            return plans
-        newest = max(versions)
-        log.info(
-            "the ranks of this load chose versions %s of %s (a writer committed meanwhile); "
-            "all read version %d",
-            sorted(versions),
-            self.root,
-            newest,
-        )
-        return [dataclasses.replace(p, storage_data=newest) for p in plans]
+        if len(versions) > 1:
+            log.info(
+                "the ranks of this load chose versions %s of %s (a writer committed "
+                "meanwhile); all read version %d",
+                sorted(versions),
+                self.root,
+                max(versions),
+            )
+        newest = max(versions) if versions else None
+        return [dataclasses.replace(p, storage_data=_Agreed(newest, len(plans))) for p in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read and verify every item of this rank's plan, then place them."""
-        self._raise_failure()
+        """Read and verify every item of this rank's plan; once every rank of the load has
+        verified its part, place them (a failure anywhere: no rank places a byte)."""
+        failure: BaseException | None = None
         try:
+            self._raise_failure()
             opened, reads = self._agreed(plan)
             self._refuse_pickles(opened, reads)
             # As in pcframe's own restores (pcframe.runtime.collector): no full collections
@@ -170,12 +180,43 @@ class StorageReader(_DcpStorageReader):
             # read's cycle is freed when the pause ends.
             with collector_paused():
                 stored = self._read_all(opened, reads)  # every shard verified, nothing placed
+        except Exception as exc:  # told to the other ranks first: none of them places
+            failure = exc
+        try:
+            elsewhere = self._failed_elsewhere(plan, failure)
+            if failure is not None:
+                raise failure
+            if elsewhere:
+                raise CorruptCheckpoint(
+                    f"{self.root}: version {opened.committed.version} was not loaded: "
+                    f"{elsewhere}; nothing was placed on this rank either"
+                )
+            with collector_paused():
                 place_all(reads, stored, planner, opened.committed)
         finally:
             self._let_go()
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _failed_elsewhere(self, plan: LoadPlan, failure: BaseException | None) -> str:
+        """What failed on the other ranks of this load ("" if nothing): one all-gather on
+        the load's group, so a rank places only once every rank verified its part. Skipped
+        for a load of one rank, and when the group is unknown (``dcp.load`` on a subgroup
+        without ``process_group=`` given here: each rank then places what it verified)."""
+        note = plan.storage_data
+        ranks = note.ranks if isinstance(note, _Agreed) else 1
+        if ranks <= 1 or not dist.is_available() or not dist.is_initialized():
+            return ""
+        group = self.process_group
+        if group is None:
+            if dist.get_world_size() != ranks:
+                return ""  # not the default group: which one is DCP's own business
+            group = dist.group.WORLD
+        mine = "" if failure is None else f"{type(failure).__name__}: {failure}"
+        outcomes: list[Any] = [None] * ranks
+        dist.all_gather_object(outcomes, (dist.get_rank(), mine), group=group)
+        return "; ".join(f"rank {r} failed ({why})" for r, why in outcomes if why and why != mine)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -378,7 +419,8 @@ class StorageReader(_DcpStorageReader):
         opened = self._chosen
         if opened is None:
             raise CheckpointError("StorageReader.read_data before read_metadata")
-        agreed = plan.storage_data
+        note = plan.storage_data
+        agreed = note.version if isinstance(note, _Agreed) else note
         if _is_version(agreed) and agreed != opened.committed.version:
             # Another rank holds a newer version: read that one too, so no rank mixes two.
             # No listing again from here: the ranks could not agree on its outcome.
@@ -464,6 +506,15 @@ class StorageReader(_DcpStorageReader):
                 ) from None
             stored.update({(rank, entry): t for entry, t in tensors.items()})
         return stored
+
+
+@dataclasses.dataclass(frozen=True)
+class _Agreed:
+    """The coordinator's word to every rank of a load: the version all read (``None``: each
+    its own, a one-rank root) and how many ranks load."""
+
+    version: int | None
+    ranks: int
 
 
 def _is_version(value: Any) -> bool:
