@@ -165,3 +165,52 @@ def rebuild(local: torch.Tensor, like: Placed) -> Any:
     return DTensor.from_local(
         local, like.mesh, like.placements, run_check=False, shape=like.global_shape, stride=stride
     )
+
+
+def cover_problem(
+    size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> str | None:
+    """What keeps ``boxes`` (``(offsets, shape)`` each, every one already inside ``size``)
+    from being disjoint pieces that cover a tensor of ``size`` exactly; ``None`` if they are."""
+    found = cover_fault(size, boxes)
+    return None if found is None else found[0]
+
+
+def cover_fault(
+    size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> tuple[str, tuple[int, ...]] | None:
+    """:func:`cover_problem`, with the indices of the boxes at fault (two that overlap).
+
+    Disjoint boxes inside the tensor cover it exactly iff their volumes add up to its own,
+    so overlaps are looked for first: a sweep along the dimension where the boxes start at
+    the most places, comparing only boxes whose extents along it overlap (a few per box for
+    sharding by rows, by columns or in a grid, rather than every pair).
+    """
+    if not size:  # a 0-d tensor: one chunk, () at ()
+        if len(boxes) > 1:
+            return f"{len(boxes)} chunks of a 0-d tensor", (0, 1)
+    else:
+        solid = [k for k, (_, shape) in enumerate(boxes) if math.prod(shape) > 0]
+        axis = max(range(len(size)), key=lambda d: len({boxes[k][0][d] for k in solid}))
+        solid.sort(key=lambda k: boxes[k][0][axis])
+        active: list[int] = []
+        for k in solid:
+            offsets, shape = boxes[k]
+            start = offsets[axis]
+            active = [j for j in active if boxes[j][0][axis] + boxes[j][1][axis] > start]
+            for j in active:
+                other, extent = boxes[j]
+                if all(
+                    max(a, b) < min(a + m, b + n)
+                    for a, m, b, n in zip(offsets, shape, other, extent, strict=True)
+                ):
+                    return (
+                        f"the chunk {list(shape)} at {list(offsets)} overlaps the chunk "
+                        f"{list(extent)} at {list(other)}",
+                        (j, k),
+                    )
+            active.append(k)
+    covered, whole = sum(math.prod(s) for _, s in boxes), math.prod(size)
+    if covered != whole:
+        return f"the stored chunks cover {covered} of its {whole} elements (a shard is missing)", ()
+    return None

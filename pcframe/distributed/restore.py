@@ -21,7 +21,14 @@ from typing import Any
 import torch
 
 from pcframe.distributed.index import SavedIndex, SavedItem, ShardSource
-from pcframe.distributed.placement import Box, Placed, is_dtensor, placement_of, rebuild
+from pcframe.distributed.placement import (
+    Box,
+    Placed,
+    cover_problem,
+    is_dtensor,
+    placement_of,
+    rebuild,
+)
 from pcframe.errors import CheckpointError, ManifestError, ReshardError
 from pcframe.format.manifest import MANIFEST_NAME, Manifest
 from pcframe.format.tree import DTYPES, decode_tree
@@ -164,14 +171,16 @@ def _pieces(
     if item is None:
         raise CheckpointError(f"global version {version} holds no tensor '{name}'")
     _check_shape(item, placed, old_world, world_size, version)
-    found = [(s, cut) for s in item.sources if (cut := s.box.intersect(box)) is not None]
-    if sum(cut.numel for _, cut in found) != box.numel:
-        raise ReshardError(
-            f"cannot assemble '{name}' box {box} of global shape {placed.global_shape} for "
-            f"rank {rank} of {world_size} from the shards saved by {old_world} ranks in "
-            f"global version {version}: they do not cover it"
+    # The stored boxes must tile the whole tensor (disjoint, nothing missing), whatever
+    # this rank's box: overlapping boxes whose volumes add up would leave part of it unread.
+    stored = [(s.box.offset, s.box.shape) for s in item.sources]
+    problem = cover_problem(item.global_shape, stored)
+    if problem is not None:
+        raise ManifestError(
+            f"global version {version}: the stored boxes of '{name}' (global shape "
+            f"{list(item.global_shape)}) do not tile it: {problem}"
         )
-    return found
+    return [(s, cut) for s in item.sources if (cut := s.box.intersect(box)) is not None]
 
 
 def _small_state(index: SavedIndex, own: int | None, small_from: int) -> list[tuple[str, int, Any]]:

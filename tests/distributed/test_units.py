@@ -298,3 +298,30 @@ def test_needs_an_initialised_process_group(tmp_path):
 def test_keeps_at_least_two_global_versions(tmp_path):
     with pytest.raises(ValueError, match="keep_global=1"):
         DistributedCheckpointer(tmp_path, keep_global=1)
+
+
+def test_stored_boxes_that_overlap_but_add_up_are_refused_not_half_loaded():
+    """Two stored boxes of a [4, 2] tensor that overlap on row 1 and together count 8
+    elements: by volume they 'cover' it, yet row 3 is in neither. The multi-rank restore
+    refuses such a version as damaged (it left row 3 unloaded before)."""
+    from types import SimpleNamespace
+
+    from pcframe.distributed.index import SavedItem, ShardSource
+    from pcframe.distributed.placement import Box, Placed
+    from pcframe.distributed.restore import _pieces
+    from pcframe.errors import ManifestError
+
+    def index_with(*boxes: Box) -> SimpleNamespace:
+        item = SavedItem("model/w", "float32", (4, 2), True)
+        item.sources = [ShardSource(rank, 0, box) for rank, box in enumerate(boxes)]
+        return SimpleNamespace(
+            record=SimpleNamespace(version=3), world_size=2, items={"model/w": item}
+        )
+
+    whole = Box((0, 0), (4, 2))
+    placed = Placed(torch.zeros(4, 2), (4, 2), whole)
+    overlapping = index_with(Box((0, 0), (2, 2)), Box((1, 0), (2, 2)))  # rows 0-1, 1-2
+    with pytest.raises(ManifestError, match=r"global version 3: .*'model/w'.*overlaps"):
+        _pieces("model/w", placed, whole, overlapping, 0, 2)
+    exact = index_with(Box((0, 0), (2, 2)), Box((2, 0), (2, 2)))
+    assert len(_pieces("model/w", placed, whole, exact, 0, 2)) == 2

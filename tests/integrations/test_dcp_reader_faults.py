@@ -26,6 +26,7 @@ import pcframe
 from pcframe import Checkpointer
 from pcframe.apps import cli
 from pcframe.distributed import global_versions
+from pcframe.distributed.placement import cover_problem
 from pcframe.errors import (
     CorruptCheckpoint,
     ManifestError,
@@ -34,7 +35,6 @@ from pcframe.errors import (
 )
 from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME, read_manifest
 from pcframe.integrations.dcp import StorageReader, StorageWriter
-from pcframe.integrations.dcp.schema import cover_problem
 from tests.integrations.dcp_ranks import (
     SHARDED,
     assert_loaded,
