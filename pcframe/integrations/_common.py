@@ -1,14 +1,24 @@
-"""What the framework integrations share: the import guard, the policy argument, ``resume=``."""
+"""What the framework integrations share: the import guard, the policy argument, ``resume=``,
+the all-or-nothing apply of the framework's own state, the data shape a position refers to,
+and how a failed version is reported."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import importlib
+import logging
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
+from pcframe.checkpointer import Checkpointer
+from pcframe.errors import INTACT, CheckpointError, SaveError
 from pcframe.policies.base import IntervalPolicy
 from pcframe.policies.fixed import FixedSteps
 from pcframe.policies.registry import create
+
+log = logging.getLogger("pcframe")
 
 DEFAULT_EVERY = 100  # steps between versions when neither a policy nor an interval is given
 
@@ -70,3 +80,178 @@ def check_resume(resume: Any) -> bool | int:
         f"resume={resume!r}: use 'auto' (the newest valid version), False, or a version "
         "number (1 or more)"
     )
+
+
+# --- the framework's own state, applied inside the engine's all-or-nothing restore -------------
+
+ROLLBACK_MARK = "pcframe-integration-rollback"  # the section's "state" while a restore runs
+
+
+class Undo:
+    """Undo steps of one restore, run newest first."""
+
+    def __init__(self) -> None:
+        self.steps: list[Callable[[], object]] = []
+
+    def push(self, step: Callable[[], object]) -> None:
+        self.steps.append(step)
+
+    def run(self) -> None:
+        steps, self.steps = self.steps, []
+        failed: Exception | None = None
+        for step in reversed(steps):
+            try:
+                step()
+            except Exception as exc:  # undo what can be undone; raise the first failure after
+                log.error("rolling back a refused resume: %s", exc)
+                failed = failed or exc
+        if failed is not None:
+            raise CheckpointError(
+                f"a resume was refused and rolling it back failed too ({failed}): the trainer "
+                "may be partly loaded; build it again before training"
+            ) from failed
+
+    def load(self, obj: Any, state: Any) -> None:
+        """``obj.load_state_dict(state)``, undone by loading back a copy of its state before."""
+        before = copy.deepcopy(obj.state_dict())
+        try:
+            obj.load_state_dict(copy.deepcopy(state))  # as Lightning: the object may keep it
+        except BaseException:
+            # It refused, maybe half-way: put back what it had. An object that checks before
+            # it changes anything may refuse that too; then it holds what it had anyway.
+            with contextlib.suppress(Exception):
+                obj.load_state_dict(before)
+            raise
+        self.push(lambda: obj.load_state_dict(before))
+
+
+class RestoredSection:
+    """A ``stateful=`` section of the framework's own state (loops, callbacks, data position)
+    applied *inside* :meth:`Checkpointer.restore`, so that a refusal of any part of it, or of
+    the model or optimizer after it, changes nothing at all.
+
+    The engine loads the ``stateful`` objects first, each after keeping ``state_dict()`` as
+    its undo, and on any later failure loads that back (``pcframe.state.apply``). While a
+    restore runs (:meth:`restoring`), ``state_dict()`` is a mark and loading the mark undoes
+    what :meth:`apply` changed, so the engine's rollback covers this section's changes too.
+    Outside a restore, ``state_dict()`` is :meth:`capture` (what every version saves).
+    """
+
+    def __init__(self) -> None:
+        self._undo: Undo | None = None
+
+    @contextlib.contextmanager
+    def restoring(self) -> Iterator[None]:
+        self._undo = Undo()
+        try:
+            yield
+        finally:  # applied: the changes stay; refused: they were undone by then
+            self._undo = None
+
+    def capture(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def apply(self, state: dict[str, Any], undo: Undo) -> None:
+        """Apply ``state``; every change first pushes its undo. Raise to refuse the version."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._undo is not None:
+            return {ROLLBACK_MARK: True}
+        return self.capture()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        undo = self._undo
+        if undo is None:
+            raise RuntimeError(f"{type(self).__name__} is loaded by the callback's restore only")
+        if not isinstance(state, dict):
+            raise ValueError(f"the saved section is a {type(state).__name__}, not a dict")
+        if len(state) == 1 and state.get(ROLLBACK_MARK) is True:  # the engine rolls back
+            undo.run()
+            return
+        try:
+            self.apply(state, undo)
+        except BaseException:
+            undo.run()
+            raise
+
+
+# --- the data a mid-epoch position refers to ---------------------------------------------------
+
+
+def data_shape(loader: Any) -> dict[str, int | None]:
+    """How many samples and batches one epoch of ``loader`` has (``None``: it has no length).
+
+    A mid-epoch position (``k`` batches of this epoch trained) means the same samples only in
+    data of the same shape: in a shorter dataset the order is another permutation and the
+    position skips samples that were never trained.
+    """
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None:  # a wrapper such as pcframe's ResumableLoader
+        dataset = getattr(getattr(loader, "loader", None), "dataset", None)
+    return {"samples": length(dataset), "batches": length(loader)}
+
+
+def length(obj: Any) -> int | None:
+    if obj is None:
+        return None
+    try:
+        return len(obj)
+    except (TypeError, NotImplementedError):  # an IterableDataset, a generator
+        return None
+
+
+def shape_changes(saved: Any, now: dict[str, Any]) -> list[str]:
+    """``"samples 40 -> 30"`` for each recorded quantity that differs (both known)."""
+    if not isinstance(saved, dict):
+        return []
+    return [
+        f"{name} {saved[name]} -> {now[name]}"
+        for name in now
+        if saved.get(name) is not None and now[name] is not None and saved[name] != now[name]
+    ]
+
+
+# --- a failed version while the callback runs --------------------------------------------------
+
+
+class CallbackSaveError(SaveError):
+    """A :class:`SaveError` as the callback reports it: what the callback did about it.
+
+    The engine's message ends "training may continue" (true of a loop that catches it); the
+    callbacks stop the fit instead, or find the failure once training has ended, and say so.
+    ``version``, ``step``, ``stage`` and ``cause`` are the engine's error's.
+    """
+
+    def __init__(self, message: str, version: int, step: int, stage: str, cause: BaseException):
+        CheckpointError.__init__(self, message, version, step, stage, cause)  # picklable args
+        self.version, self.step, self.stage, self.cause = version, step, stage, cause
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def stopped_by(error: SaveError, owner: str, step: int, finished: bool, again: str) -> SaveError:
+    """``error`` reworded for a callback: it stopped training at ``step``, or (``finished``)
+    training had ended at ``step`` when the failure was found; ``again`` resumes."""
+    what = str(error).removesuffix(INTACT).rstrip()
+    if finished:
+        told = (
+            f"{owner}: training ended at step {step}, but {what} The last committed checkpoint "
+            f"is intact but older than the end of training: fix the cause and save again, or "
+            f"{again} to resume from it"
+        )
+    else:
+        told = (
+            f"{owner} stopped training at step {step}: {what} The last committed checkpoint is "
+            f"intact: fix the cause and {again} to resume from it"
+        )
+    return CallbackSaveError(told, error.version, error.step, error.stage, error.cause)
+
+
+def close_quietly(checkpointer: Checkpointer, owner: str) -> None:
+    """Close after an exception: never raise over it (the lock is released either way)."""
+    try:
+        checkpointer.close(clean=False)
+    except Exception as exc:  # a failed version found while closing: the original error wins
+        log.error("%s: closing the Checkpointer after an error: %s", owner, exc)
