@@ -35,6 +35,7 @@ from pcframe.policies.periodic import SecondsIntervalPolicy
 from pcframe.policies.placement import (
     LocalPlusRemote,
     MemoryThenDisk,
+    PeersThenRemote,
     PlacementContext,
     PlacementDecision,
     PlacementPolicy,
@@ -97,6 +98,7 @@ __all__ = [
     "NoticeSource",
     "OnDemandOnly",
     "OverheadBudget",
+    "PeersThenRemote",
     "PlacementContext",
     "PlacementDecision",
     "PlacementPolicy",

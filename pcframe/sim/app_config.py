@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -67,8 +68,21 @@ def _schema_of(cls: type, name: str) -> type:
         hint = hints[f.name]
         if typing.get_origin(hint) is typing.Literal:
             hint = str
+        if _optional_mapping(hint):
+            # OmegaConf cannot merge a mapping into a typed None node, nor add keys to an
+            # empty typed one under Hydra's struct flag: `sim.job.restart_by_tier={peers:
+            # 420}` raised. Untyped, the value is set whole; JobSpec validates it.
+            hint = Any
         fields.append((f.name, hint, field(default=f.default)))
     return dataclasses.make_dataclass(name, fields)
+
+
+def _optional_mapping(hint: Any) -> bool:
+    """Whether ``hint`` is ``dict[K, V] | None``."""
+    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
+        return False
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return len(args) == 1 and typing.get_origin(args[0]) is dict
 
 
 JobSchema = _schema_of(JobSpec, "JobSchema")
@@ -155,9 +169,17 @@ def cases_from_config(cfg: DictConfig, traces: Sequence[Trace]) -> list[Case]:
         raise SimConfigError("policy.interval is missing; pick one, e.g. policy/interval=daly")
     interval = _factory(interval_node, "policy.interval")
     resource = _factory(cfg.policy.get("resource"), "policy.resource")
+    placement = _factory(cfg.policy.get("placement"), "policy.placement")
+    if job.restart_by_tier and placement is None:
+        raise SimConfigError(
+            "sim.job.restart_by_tier needs a placement policy to say which tiers hold each "
+            "version: add policy/placement=peers_then_remote (or another placement)"
+        )
     predictor = _factory(cfg.sim.predictor, "sim.predictor")
     label = cfg.label or str(interval_node.get("_target_", "policy")).rsplit(".", 1)[-1]
     params = {**job.to_dict(), "seed": options.seed}
+    if job.restart_by_tier is not None:  # one CSV cell, readable: {"peers": 420.0, ...}
+        params["restart_by_tier"] = json.dumps(job.restart_by_tier, sort_keys=True)
     cases = []
     for trace in traces:
         common = dict(
@@ -167,6 +189,7 @@ def cases_from_config(cfg: DictConfig, traces: Sequence[Trace]) -> list[Case]:
             predictor=predictor,
             options=options,
             params=params,
+            placement=placement,
         )
         cases.append(Case(label=label, interval=interval, **common))
         if "oracle" in cfg.baselines:
@@ -221,9 +244,15 @@ COLUMN_HELP = {
     "finish_hours": "when the last step was durable (total_steps set)",
     "deadline_met": "finished by sim.job.deadline (empty without a deadline)",
     "sim_seconds": "CPU seconds the simulation took",
+    "placement_policy": "the placement policy (policy/placement): where each version goes, "
+    "hence which versions survive a preemption",
     "job": "the sweep job the row comes from",
 }
 PARAM_HELP = "p_<key>: the job parameter sim.job.<key> (and the seed) of the row"
+RESTORES_HELP = (
+    "restores_<tier>: starts that restored from that tier, those preempted while starting "
+    "included (with a placement)"
+)
 
 # Shorter headers for the terminal table.
 SHORT = {
@@ -276,7 +305,15 @@ def legend(columns: Sequence[str]) -> list[str]:
     lines = [f"{c}: {COLUMN_HELP[c]}" for c in columns if c in COLUMN_HELP]
     if any(c.startswith("p_") for c in columns):
         lines.append(PARAM_HELP)
+    if any(c.startswith("restores_") for c in columns):
+        lines.append(RESTORES_HELP)
     return lines
+
+
+def _prefix_help(column: str) -> str:
+    if column.startswith("p_"):
+        return PARAM_HELP
+    return RESTORES_HELP if column.startswith("restores_") else ""
 
 
 def write_outputs(
@@ -300,9 +337,7 @@ def write_outputs(
                 "command": header,
                 "rows": len(rows),
                 "csv": csv_path.name,
-                "columns": {
-                    c: COLUMN_HELP.get(c, PARAM_HELP if c.startswith("p_") else "") for c in columns
-                },
+                "columns": {c: COLUMN_HELP.get(c, _prefix_help(c)) for c in columns},
             },
             indent=2,
         )

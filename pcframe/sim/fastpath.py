@@ -54,6 +54,8 @@ class FastPaths:
     versions: Any
     inflight: list[Flight]
     _stretches: list[Stretch]
+    placements: Any  # pcframe.sim.tiers.Placements | None
+    life: int
 
     # --- the kernel ---------------------------------------------------------------------------
     def _kernel(
@@ -93,6 +95,29 @@ class FastPaths:
     def _limit(self, t_stop: float) -> float:
         return t_stop if self.t >= self.notice_at else min(t_stop, self.notice_at)
 
+    def _place_rows(self, rows: list[list[float]], v0: int, state: Any, limit: float) -> None:
+        """Ask the placement about each of a run's saves (rows: step, start, durable,
+        stall; versions from ``v0``), as the engine asks at every commit. The run stops
+        at ``limit``, before any kill: no kill precedes ``min(start, limit)``."""
+        for i, (s, start, durable, _stall) in enumerate(rows):
+            self.placements.place(
+                v0 + i,
+                int(s),
+                start,
+                durable,
+                now=min(start, limit),
+                notice=None,
+                policy_state=state,
+                life=self.life,
+            )
+
+    def _restorable_floor(self) -> int:
+        """The oldest version a kill from now on can restore: the committed one, or with
+        placements the newest in a tier that survives (a stretch may still hold it)."""
+        if self.placements is None:
+            return self.commit.version
+        return self.placements.floor(self.t)
+
     def _periodic(self, hint: SaveHint, t_stop: float) -> None:
         """All saves of a periodic policy up to ``t_stop`` (or the notice), in the kernel."""
         every = int(hint.every)  # type: ignore[arg-type]
@@ -109,6 +134,11 @@ class FastPaths:
             return
         # A periodic policy's state does not change between saves: one snapshot serves all.
         state = saved_state(self.policy)
+        if self.placements is not None:
+            # Every save is placed on its own (the same run again, recording each save).
+            rows = np.empty((saves, 4))
+            self._kernel(first, every, limit, saves, rows)
+            self._place_rows(rows.tolist(), self.versions.next, state, limit)
         v0 = self.versions.take(saves)
 
         def version(s: int) -> int:
@@ -209,6 +239,8 @@ class FastPaths:
             return False
         snapshot = self._snapshot()
         state = saved_state(self.policy)
+        if self.placements is not None:
+            self._place_rows(rows, self.versions.next, state, limit)
         v0 = self.versions.take(n)
         for i, (s, start, durable, stall) in enumerate(rows):
             self.inflight.append(Flight(v0 + i, int(s), start, durable, stall, state))
@@ -227,7 +259,7 @@ class FastPaths:
         self._decide()
         if self.feed.last_save_step == target and self._ff_every == k:
             self.ledger.fast_forwards += 1
-            kept = [r for r in self._stretches if r.end > self.commit.version]
+            kept = [r for r in self._stretches if r.end > self._restorable_floor()]
             done = self.ledger.fast_forwards - 1
             self._stretches = [*kept, Stretch(v0, v0 + n, snapshot, done)]
             return True
@@ -256,10 +288,18 @@ class FastPaths:
         the way (what CheckFreq's cost estimates and the overhead budget's ledger learn). A
         restart from such a save must get what the policy knew then, so the stretch is
         re-run from its snapshot, without fast-forwarding, up to the kill."""
-        newest = max(
-            (f for f in self.inflight if f.durable_at <= at), key=lambda f: f.step, default=None
-        )
-        kept = newest.version if newest and newest.step > self.commit.step else self.commit.version
+        if self.placements is not None:
+            survivor = self.placements.survivor(at)
+            kept = 0 if survivor is None else survivor.version
+        else:
+            newest = max(
+                (f for f in self.inflight if f.durable_at <= at),
+                key=lambda f: f.step,
+                default=None,
+            )
+            kept = (
+                newest.version if newest and newest.step > self.commit.step else self.commit.version
+            )
         for stretch in self._stretches:
             if stretch.first <= kept < stretch.end:
                 self._stretches = []
@@ -283,6 +323,7 @@ class FastPaths:
             commit=(commit.step, commit.version, commit.time, commit.policy_state),
             counts=(led.saves, led.decisions, led.emergency_saves),
             next_version=self.versions.next,
+            placements=None if self.placements is None else self.placements.snapshot(),
         )
 
     def _restore(self, snap: _Snapshot) -> None:
@@ -295,6 +336,8 @@ class FastPaths:
         self._set_commit(*snap.commit)
         self.ledger.saves, self.ledger.decisions, self.ledger.emergency_saves = snap.counts
         self.versions.next = snap.next_version
+        if snap.placements is not None:
+            self.placements.restore(snap.placements)
         self._ff_every = 0
 
 
@@ -315,6 +358,7 @@ class _Snapshot:
     commit: tuple[Any, ...]
     counts: tuple[int, int, int]
     next_version: int
+    placements: Any = None  # the placements' own snapshot, when they are modelled
 
 
 def _unchanging(rows: list[list[float]], last_stall: float) -> bool:

@@ -17,6 +17,9 @@ iteration time, the stall and time-to-durable EWMAs measured in this process (``
 a save of this process completed), a ``Notice`` when the trace's preemption is
 ``notice_window`` ahead, and after a restart the policy state stored in the checkpoint that
 was restored, then ``Restarted``.
+
+With a placement policy (:mod:`pcframe.sim.tiers`) every save is also placed, and a kill or
+a planned stop keeps only what a tier outliving the VMs holds (``_lose_vms``).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from pcframe.sim.state import (
     measured,
     saved_state,
 )
+from pcframe.sim.tiers import Placements
 
 __all__ = ["SURVIVOR_TIER", "Commit", "Flight", "Ledger", "Process", "Versions"]
 
@@ -70,8 +74,12 @@ class Process(FastPaths):
         unix0: float | None = None,
         life: int = 0,
         restart_cost: float | None = None,
+        placements: Placements | None = None,
     ) -> None:
         self.policy = policy
+        # Where each version goes and what survives a preemption (None: every durable
+        # version survives, the one-tier model).
+        self.placements = placements
         self.life = life  # this process's index among the job's starts
         self.job = job
         self.ledger = ledger
@@ -264,9 +272,22 @@ class Process(FastPaths):
             end = max(end, durable)  # the engine waits until the version is durable
             self.ledger.emergency_saves += 1
         state = saved_state(self.policy)
-        self.inflight.append(
-            Flight(self.versions.take(), self.step, start, durable, end - t, state)
-        )
+        version = self.versions.take()
+        self.inflight.append(Flight(version, self.step, start, durable, end - t, state))
+        if self.placements is not None:
+            notice = None
+            if emergency:  # the engine asks again with the notice (Tiers.secure)
+                notice = self.notice or Notice(t, math.inf, "emergency save")
+            self.placements.place(
+                version,
+                self.step,
+                start,
+                durable,
+                now=t,
+                notice=notice,
+                policy_state=state,
+                life=self.life,
+            )
         self.stall += end - t
         self.ledger.saves += 1
         self.seg_t0, self.seg_step0, self.t = end, self.step, end
@@ -310,25 +331,54 @@ class Process(FastPaths):
         if self.ended:
             return at
         if at < self.ready:  # still starting: nothing to save
+            self._lose_vms(at)
             self._close(at, kept=self.step)
             return at
         self.run_until(at)
         if self.finished:
             return max(at, self.t)
-        end = self._save_and_drain(max(at, self.t), save=True)
-        self._close(end, kept=self.step)
+        end = self._save_and_drain(max(at, self.t), save=True, secure=True)
+        # The VMs are given back: what only they held is gone (with placements).
+        kept = self.commit.step if self._lose_vms(end) else self.step
+        self._close(end, kept=kept)
         return end
 
-    def _save_and_drain(self, t: float, save: bool) -> float:
+    def _save_and_drain(self, t: float, save: bool, secure: bool = False) -> float:
         """A blocking save of the current step at ``t`` (if ``save`` and no version holds
-        it yet), then every version in flight made durable; returns when that ended."""
+        it yet), then every version in flight made durable; returns when that ended.
+
+        ``secure`` (a planned stop, with placements): the version of the current step is
+        placed as on a notice, so that it reaches a tier that outlives the VMs."""
         end = t
         saved = any(f.step == self.step for f in self.inflight)
         if save and not saved and self.commit.step < self.step:
             end = t + self.job.save_duration
             state = saved_state(self.policy)
-            self.inflight.append(Flight(self.versions.take(), self.step, t, end, end - t, state))
+            version = self.versions.take()
+            self.inflight.append(Flight(version, self.step, t, end, end - t, state))
             self.ledger.saves += 1
+            if self.placements is not None:
+                self.placements.place(
+                    version,
+                    self.step,
+                    t,
+                    end,
+                    now=t,
+                    notice=None,
+                    policy_state=state,
+                    life=self.life,
+                )
+        if secure and self.placements is not None:
+            newest = max(self.inflight, key=lambda f: f.step, default=None)
+            if newest is not None and newest.step == self.step:
+                self.placements.secure(
+                    newest.version,
+                    newest.step,
+                    newest.durable_at,
+                    at=t,
+                    policy_state=newest.policy_state,
+                    life=self.life,
+                )
         end = max([end] + [f.durable_at for f in self.inflight])
         self.stall += end - t
         self.t = end
@@ -345,6 +395,7 @@ class Process(FastPaths):
         self._commit_durable(at, report=False)
         self.ledger.saves_lost += len(self.inflight)
         self.inflight = []
+        self._lose_vms(at)
         lost = max(self.step - self.commit.step, 0)
         if self.t > at:  # killed inside a stall: only the part before the kill happened
             self.stall -= self.t - at
@@ -365,6 +416,23 @@ class Process(FastPaths):
         self._close(at, kept=self.step)
         if self.step > self.commit.step:
             self._set_commit(self.step, self.commit.version, at, self.commit.policy_state)
+
+    def _lose_vms(self, at: float) -> bool:
+        """With placements: the job's VMs are gone at ``at``, with every version only they
+        held; the restore point becomes the newest version in a tier that survives (none:
+        the job starts over). The engine then numbers versions above the newest it finds.
+        Returns whether placements are modelled."""
+        if self.placements is None:
+            return False
+        found = self.placements.lose(at)
+        c = self.commit
+        if found is None:
+            c.step, c.version, c.time, c.policy_state, c.life = 0, 0, -math.inf, None, -1
+        else:
+            c.step, c.version, c.time = found.step, found.version, found.durable_at
+            c.policy_state, c.life = found.policy_state, found.life
+        self.versions.next = c.version + 1
+        return True
 
     def _close(self, end: float, kept: int) -> None:
         self.ended = True

@@ -48,6 +48,10 @@ class SimResult:
     ideal_goodput: float
     sim_seconds: float = 0.0
     params: dict[str, Any] = field(default_factory=dict)
+    # With a placement policy (else empty, and absent from row()): its name, and the
+    # restores per tier they read from.
+    placement_policy: str = ""
+    restores: dict[str, int] = field(default_factory=dict)
 
     @property
     def cost(self) -> float:
@@ -115,6 +119,9 @@ class SimResult:
             deadline_met=self.deadline_met,
             sim_seconds=self.sim_seconds,
         )
+        if self.placement_policy:  # only then: rows without placements keep their columns
+            out["placement_policy"] = self.placement_policy
+            out.update({f"restores_{tier}": n for tier, n in sorted(self.restores.items())})
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from pcframe.policies.base import IntervalPolicy, Notice, Preempted, Restarted
+from pcframe.policies.placement import PlacementPolicy
 from pcframe.policies.predictors.base import Prediction, Predictor
 from pcframe.policies.resource import ResourceContext, ResourceDecision, ResourcePolicy, SpotOnly
 from pcframe.policies.traces import Trace
@@ -25,6 +26,7 @@ from pcframe.sim.process import Commit, Ledger, Process, Versions
 from pcframe.sim.result import SimResult
 from pcframe.sim.spec import JobSpec, SimOptions
 from pcframe.sim.state import saved_state
+from pcframe.sim.tiers import Placements, check_restart_inputs, placement_name
 
 
 def simulate(
@@ -36,6 +38,7 @@ def simulate(
     options: SimOptions | None = None,
     params: dict[str, Any] | None = None,
     label: str | None = None,
+    placement: PlacementPolicy | None = None,
 ) -> SimResult:
     """Simulate ``job`` over ``trace``; the policies are the real ``pcframe.policies`` objects.
 
@@ -50,12 +53,19 @@ def simulate(
         options: how to simulate (:class:`SimOptions`).
         params: free-form values copied into the result (sweep coordinates).
         label: the name of this run in tables (default: the interval policy's name).
+        placement: the placement policy the engine would use: asked at every save which
+            tiers get the version; a preemption then keeps only versions in tiers that
+            survive the VM, and a restart pays ``job.restart_by_tier`` of the tier it reads
+            (:mod:`pcframe.sim.tiers`). Mutated by the run: a fresh object per simulation.
+            ``None``: every durable version survives, every restart costs
+            ``job.restart_cost``.
     """
     began = time.process_time()
     job = job or JobSpec()
     options = options or SimOptions()
+    check_restart_inputs(job, placement)
     resource = resource or SpotOnly(wanted_vms(job, trace))
-    sim = _Simulation(trace, interval, job, resource, predictor, options)
+    sim = _Simulation(trace, interval, job, resource, predictor, options, placement)
     sim.run()
     return sim.result(params or {}, time.process_time() - began, label)
 
@@ -82,8 +92,11 @@ class _Simulation:
         resource: ResourcePolicy,
         predictor: Predictor | None,
         options: SimOptions,
+        placement: PlacementPolicy | None = None,
     ) -> None:
         self.trace, self.interval, self.job = trace, interval, job
+        self.placement = placement
+        self.placements = None if placement is None else Placements(placement, job)
         self.resource, self.predictor, self.options = resource, predictor, options
         self.cap = Capacity(trace, options)
         self.ledger = Ledger()
@@ -188,16 +201,21 @@ class _Simulation:
         job, opts = self.job, self.options
         spot, od = vms
         kill_at = self.cap.next_kill(t, spot) if spot else math.inf
-        restart, step_time = self._draw_costs(job.step_time(spot + od))
+        restored = self.commit.version > 0
+        base = job.restart_cost
+        if self.placements is not None:  # the restore reads the tier the version survived in
+            base = self.placements.restart_base(restored)
+        restart, step_time = self._draw_costs(job.step_time(spot + od), base)
         notice = None
         if job.notice_window > 0 and math.isfinite(kill_at):
             notice = Notice(max(kill_at - job.notice_window, t), kill_at, "trace")
-        restored = self.commit.version > 0
         if opts.policy_state == "checkpoint":
             state = self.commit.policy_state if restored else self.initial_state
             # A fresh copy: a policy may keep (and change) the dict it is given, and the
             # same commit can be restored from again.
             self.interval.load_state_dict(copy.deepcopy(state or {}))
+            if self.placements is not None:  # its state rides in the version too
+                self.placement.load_state_dict(self.placements.state_to_restore(restored))
         proc = Process(
             policy=self.interval,
             job=job,
@@ -212,6 +230,7 @@ class _Simulation:
             unix0=self.unix0,
             life=self.starts,
             restart_cost=restart,
+            placements=self.placements,
         )
         if restored or (opts.policy_state == "process" and self.starts > 0):
             # The engine's count of starts whose state died with them (see Restarted).
@@ -239,8 +258,9 @@ class _Simulation:
         self.starts += 1
         return proc, kill_at
 
-    def _draw_costs(self, step_time: float) -> tuple[float, float]:
-        """This start's restart time and step time: the job's, or drawn around them.
+    def _draw_costs(self, step_time: float, restart_cost: float) -> tuple[float, float]:
+        """This start's restart time and step time: ``restart_cost`` (the job's, or that of
+        the tier the restore reads) and the job's step time, or drawn around them.
 
         Real restarts and step times vary (start-up on a loaded machine, noisy neighbours);
         with long intervals whether a kill lands just before or just after a checkpoint
@@ -249,9 +269,9 @@ class _Simulation:
         """
         job = self.job
         if not (job.restart_jitter or job.iteration_jitter):
-            return job.restart_cost, step_time
+            return restart_cost, step_time
         z_restart, z_step = self._jitter.standard_normal(2)
-        restart = max(job.restart_cost + job.restart_jitter * z_restart, 0.0)
+        restart = max(restart_cost + job.restart_jitter * z_restart, 0.0)
         factor = max(1.0 + job.iteration_jitter * z_step, 0.05)
         return restart, step_time * factor
 
@@ -333,6 +353,8 @@ class _Simulation:
             ideal_goodput=job.speedup(wanted_vms(job, self.trace)) / job.iteration_time,
             sim_seconds=seconds,
             params=dict(params),
+            placement_policy=placement_name(self.placement),
+            restores={} if self.placements is None else dict(self.placements.restores),
         )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, Literal
 
@@ -67,6 +68,13 @@ class JobSpec:
             ``restart_cost`` (normal, floored at 0); 0: every restart takes exactly that.
         iteration_jitter: relative standard deviation of each process's step time (one
             draw per process: the load of the machine it got); 0: exactly the step time.
+        restart_by_tier: seconds from getting VMs to training again when the restore reads
+            from a tier, per tier name of the placement policy (e.g. ``{"local": 300,
+            "peers": 420, "remote": 900}``), replacing ``restart_cost`` for such restarts
+            (the first start, and a tier not listed, still cost ``restart_cost``). Needs a
+            placement policy (``simulate(..., placement=...)``), which also decides which
+            versions survive a preemption (:mod:`pcframe.sim.tiers`). ``None`` (or empty):
+            one restart cost for every restart.
     """
 
     # Where error messages say the keys live; from_dict can name another place.
@@ -88,6 +96,7 @@ class JobSpec:
     survivor_tier_duration: float | None = None
     restart_jitter: float = 0.0
     iteration_jitter: float = 0.0
+    restart_by_tier: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         p = self.KEY_PREFIX
@@ -143,6 +152,28 @@ class JobSpec:
             raise _bad(p, "iteration_jitter", self.iteration_jitter, "use [0, 1), e.g. 0.01")
         if not (_finite(self.scaling_efficiency) and 0 < self.scaling_efficiency <= 1):
             raise _bad(p, "scaling_efficiency", self.scaling_efficiency, "use (0, 1]")
+        self._check_restart_by_tier()
+
+    def _check_restart_by_tier(self) -> None:
+        p, tiers = self.KEY_PREFIX, self.restart_by_tier
+        if tiers is None:
+            return
+        if isinstance(tiers, Mapping) and not tiers:  # empty: not given (Hydra's default)
+            object.__setattr__(self, "restart_by_tier", None)
+            return
+        if not isinstance(tiers, Mapping):
+            raise _bad(
+                p, "restart_by_tier", tiers, "give {tier: seconds}, e.g. {peers: 420}, or null"
+            )
+        for name, seconds in tiers.items():
+            if not (isinstance(name, str) and name):
+                raise _bad(p, "restart_by_tier", dict(tiers), "tier names are non-empty strings")
+            if not (_finite(seconds) and seconds >= 0):
+                raise _bad(
+                    p, f"restart_by_tier.{name}", seconds, "give a finite number of seconds >= 0"
+                )
+        # A plain dict of floats whatever mapping came in (a Hydra DictConfig, ints).
+        object.__setattr__(self, "restart_by_tier", {k: float(v) for k, v in tiers.items()})
 
     def speedup(self, vms: int) -> float:
         """Throughput of ``vms`` VMs relative to one (data-parallel scaling)."""

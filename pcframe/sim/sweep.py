@@ -9,6 +9,7 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pcframe.policies.base import IntervalPolicy
+from pcframe.policies.placement import PlacementPolicy
 from pcframe.policies.predictors.base import Predictor
 from pcframe.policies.resource import ResourcePolicy
 from pcframe.policies.traces import Trace
@@ -27,6 +28,8 @@ class Case:
     Policies learn while they run, so every case builds its own from a factory taking the
     trace (a policy may be configured from it, e.g. Young with the trace's MTBF).
     ``interval="best_fixed"`` searches the best ``FixedSteps`` interval in hindsight instead.
+    ``placement`` (a factory too: placements may learn) turns on the per-tier restart model
+    (:mod:`pcframe.sim.tiers`).
     """
 
     trace: Trace
@@ -37,6 +40,7 @@ class Case:
     predictor: Callable[[Trace], Predictor] | None = None
     options: SimOptions = field(default_factory=SimOptions)
     params: dict[str, Any] = field(default_factory=dict)
+    placement: Callable[[Trace], PlacementPolicy] | None = None
 
 
 def run_case(case: Case) -> SimResult:
@@ -51,6 +55,7 @@ def run_case(case: Case) -> SimResult:
                 case.resource(case.trace) if case.resource else None,
                 case.predictor(case.trace) if case.predictor else None,
                 case.options,
+                placement=case.placement(case.trace) if case.placement else None,
             )
 
         every, result, _ = best_fixed_interval(run, case.job, case.trace.duration)
@@ -67,6 +72,7 @@ def run_case(case: Case) -> SimResult:
         case.options,
         params=case.params,
         label=case.label,
+        placement=case.placement(case.trace) if case.placement else None,
     )
 
 

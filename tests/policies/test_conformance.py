@@ -81,6 +81,16 @@ class TestLocalPlusRemote(PlacementPolicyConformance):
     factory = staticmethod(lambda: P.LocalPlusRemote(remote_every=4))
 
 
+class TestPeersThenRemote(PlacementPolicyConformance):
+    # both rules: the kit's clock moves 10 s per version, so the time rule fires in between
+    factory = staticmethod(lambda: P.PeersThenRemote(remote_every=7, remote_every_seconds=45.0))
+
+
+class TestPeersThenRemoteByTime(PlacementPolicyConformance):
+    # the time rule alone: its learned state (the last upload's time) must round-trip
+    factory = staticmethod(lambda: P.PeersThenRemote(remote_every=None, remote_every_seconds=35.0))
+
+
 # --- resource ---------------------------------------------------------------------------------
 
 

@@ -25,7 +25,7 @@ SHIPPED = {
         "preemption_aware",
         "notice",
     },
-    "placement": {"single_tier", "memory_then_disk", "local_plus_remote"},
+    "placement": {"single_tier", "memory_then_disk", "local_plus_remote", "peers_then_remote"},
     "resource": {"spot_only", "on_demand_only", "hybrid_availability", "uniform_progress"},
     "predictor": {"poisson_window", "ewma", "hazard_tod", "gamma_poisson"},
     "notice_source": {"signal", "file", "metadata_url", "manual"},
