@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from pcframe.apps.paths import user_config_dir
-from pcframe.errors import CheckpointError, ConfigError
+from pcframe.errors import CheckpointError, ConfigError, StateMismatch
 
 USAGE_ERROR = 2  # exit code of a configuration mistake
 FULL_ERROR = "HYDRA_FULL_ERROR"
@@ -48,7 +49,7 @@ APP_GROUPS = {
         "experiment",
     ),
     "tune": ("tune", "workload", "engine", "kernels", "storage"),
-    "sim": ("sim/job", "policy/interval", "policy/resource", "sim/predictor"),
+    "sim": ("sim/job", "policy/interval", "policy/resource", "policy/placement", "sim/predictor"),
 }
 
 
@@ -63,6 +64,10 @@ def run_app(app: Callable[[], Any], prog: str) -> None:
     "Error executing job" line does not precede the one line.
     """
     global _user_full_error
+    if "--version" in sys.argv[1:]:
+        # Hydra's own --version names Hydra, not the app a user asks about.
+        print(version_lines(prog))
+        raise SystemExit(0)
     if os.environ.get(FULL_ERROR) == "1":
         _user_full_error = True
         app()
@@ -80,6 +85,28 @@ def run_app(app: Callable[[], Any], prog: str) -> None:
         os.environ.pop(FULL_ERROR, None)
 
 
+def version_lines(prog: str) -> str:
+    """``pcframe-run --version``: pcframe's version, then what it runs on (for bug reports)."""
+    import platform
+
+    import hydra
+    import omegaconf
+
+    from pcframe import __version__
+
+    try:
+        import torch
+
+        torch_version = f", torch {torch.__version__}"
+    except ImportError:  # pragma: no cover - torch is a dependency
+        torch_version = ""
+    return (
+        f"{prog} (pcframe) {__version__}\n"
+        f"Hydra {hydra.__version__}, OmegaConf {omegaconf.__version__}{torch_version}, "
+        f"Python {platform.python_version()}"
+    )
+
+
 @contextlib.contextmanager
 def reported(prog: str) -> Iterator[None]:
     """Inside a task function: report a known error in one line and exit (2: config)."""
@@ -92,7 +119,7 @@ def reported(prog: str) -> Iterator[None]:
 
 
 def _exit(exc: BaseException, prog: str) -> None:
-    code, text = describe_error(exc)
+    code, text = describe_error(exc, _app_name(prog))
     if text is None:
         traceback.print_exc()
         sys.stderr.write(f"{prog}: unexpected error (a bug: please report it)\n")
@@ -102,14 +129,23 @@ def _exit(exc: BaseException, prog: str) -> None:
     raise SystemExit(code)
 
 
-def describe_error(exc: BaseException) -> tuple[int, str | None]:
-    """``(exit code, message)``; ``None`` as message for an unexpected error (a bug)."""
+def _app_name(prog: str) -> str:
+    """``run`` from ``pcframe-run``: the primary config's name."""
+    return prog.removeprefix("pcframe-")
+
+
+def describe_error(exc: BaseException, app: str | None = None) -> tuple[int, str | None]:
+    """``(exit code, message)``; ``None`` as message for an unexpected error (a bug).
+
+    ``app`` (``run``, ``sim``, ``tune``): the app whose config groups an advice may name
+    (``policy=young`` -> ``policy/interval=young``); ``None``: every group.
+    """
     from pcframe.policies.errors import TraceFormatError
 
     if isinstance(exc, ConfigError | TraceFormatError) or _is_sim_config_error(exc):
         return USAGE_ERROR, _flat(str(exc))
     if isinstance(exc, MissingConfigException):
-        return USAGE_ERROR, _missing_option(exc)
+        return USAGE_ERROR, _missing_option(exc, app)
     if isinstance(exc, OverrideParseException):
         first = _flat(exc.message.split("\n")[0])
         return USAGE_ERROR, (
@@ -117,14 +153,27 @@ def describe_error(exc: BaseException) -> tuple[int, str | None]:
             "special characters, e.g. 'key=\"a b\"' (Hydra's override grammar)"
         )
     if isinstance(exc, ConfigCompositionException | InstantiationException):
-        return USAGE_ERROR, _composition(exc)
+        return USAGE_ERROR, _composition(exc, app)
     if isinstance(exc, OmegaConfBaseException):
-        return USAGE_ERROR, _omegaconf(exc)
+        return USAGE_ERROR, _omegaconf(exc, app=app)
     if isinstance(exc, HydraException):
         return USAGE_ERROR, _flat(str(exc))
+    if isinstance(exc, StateMismatch):
+        return 1, _mismatch(exc)
     if isinstance(exc, CheckpointError):
-        return 1, str(exc)
+        return 1, _flat(str(exc))
     return 1, None
+
+
+def _mismatch(exc: StateMismatch, shown: int = 3) -> str:
+    """A :class:`StateMismatch` (a line, then one line per mismatch) on one line."""
+    head = str(exc).split("\n", 1)[0].rstrip(":")
+    problems = exc.mismatches[:shown]
+    more = len(exc.mismatches) - len(problems)
+    listed = "; ".join(problems) + (f"; and {more} more" if more > 0 else "")
+    hint = str(exc).rstrip().rsplit("\n", 1)[-1] if "\n" in str(exc) else ""
+    tail = f". {hint}" if hint and not hint.lstrip().startswith("-") else ""
+    return _flat(f"{head}: {listed}{tail}")
 
 
 def _is_sim_config_error(exc: BaseException) -> bool:
@@ -139,7 +188,9 @@ def _flat(text: str) -> str:
     return " ".join(parts)
 
 
-def _omegaconf(exc: OmegaConfBaseException, override: str | None = None) -> str:
+def _omegaconf(
+    exc: OmegaConfBaseException, override: str | None = None, app: str | None = None
+) -> str:
     key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"
     msg = str(getattr(exc, "msg", None) or exc).split("\n")[0].strip()
     given_key, has_value, given_value = (override or "").partition("=")
@@ -155,8 +206,12 @@ def _omegaconf(exc: OmegaConfBaseException, override: str | None = None) -> str:
         fields = _fields(getattr(exc, "object_type", None)) or _keys(exc)
         close = difflib.get_close_matches(name, fields, n=1)
         where = f" of {parent}" if parent else ""
+        # A top-level name given a group's option (interval=young, polcy=young): the group.
+        group = _group_for(name, given_value, app) if not parent and has_value else None
         hint = (
-            f"did you mean {parent + '.' if parent else ''}{close[0]}?"
+            f"did you mean {group}? (a config group: group=option)"
+            if group
+            else f"did you mean {parent + '.' if parent else ''}{close[0]}?"
             if close
             else "see the keys with --cfg job"
         )
@@ -197,28 +252,39 @@ def _keys(exc: OmegaConfBaseException) -> list[str]:
     return []
 
 
-def _composition(exc: HydraException) -> str:
+def _composition(exc: HydraException, app: str | None = None) -> str:
     text = str(exc)
     cause = exc.__cause__
+    not_in_defaults = re.search(
+        r"Could not override '([^']+)'\. No match in the defaults list.*use \+(\S+)", text, re.S
+    )
+    if not_in_defaults:  # Hydra's advice (append it with +) is wrong for pcframe's groups
+        advice = group_advice(not_in_defaults.group(2), app)
+        if advice:
+            return advice
     match = re.search(r"override (\S+=\S*)", text) or re.search(r"override '([^']+)'", text)
     override = match.group(1) if match else None
     if isinstance(cause, OmegaConfBaseException):
         if override and "=" not in override:  # "Could not override 'key'." + "+key=value"
             plus = re.search(r"use \+(\S+)", text)
             override = plus.group(1) if plus else override
-        return _omegaconf(cause, override)
+        return _omegaconf(cause, override, app)
     line = _flat(text)
     if cause is not None and str(cause).strip():
         line += f" ({_flat(str(cause))})"
     return line
 
 
-def _missing_option(exc: MissingConfigException) -> str:
+def _missing_option(exc: MissingConfigException, app: str | None = None) -> str:
     missing = exc.missing_cfg_file or ""
     group, _, option = missing.rpartition("/")
     options = [o for o in (exc.options or []) if not o.endswith("_schema")]
     if not group:  # the primary config itself
         return _flat(str(exc).split("\n")[0])
+    if not options:  # +policy=young: `policy` holds groups, not options
+        advice = group_advice(f"{group}={option}", app)
+        if advice:
+            return advice
     user = user_config_dir()
     state = "" if user.is_dir() else ", which does not exist"
     have = f" (have: {', '.join(options)})" if options else ""
@@ -242,6 +308,144 @@ def _missing_option(exc: MissingConfigException) -> str:
             "in: run from that folder, or set PCFRAME_CONFIG_DIR to its pcframe-conf"
         )
     return line
+
+
+# --- config groups: the advice for group=option mistakes -----------------------------------
+
+
+@contextlib.contextmanager
+def _config_loader() -> Iterator[Any]:
+    """Hydra's config loader: the running app's, or one over the installed configs."""
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        yield GlobalHydra.instance().config_loader()
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. an absent $PCFRAME_CONFIG_DIR
+        with initialize_config_module("pcframe.conf", version_base="1.3"):
+            yield GlobalHydra.instance().config_loader()
+
+
+def config_groups(app: str | None = None) -> dict[str, list[str]]:
+    """Every config group that has options -> its options (schemas left out), as Hydra finds
+    them for ``app``'s primary config (installed configs, ``$PCFRAME_CONFIG_DIR``, plugins).
+
+    ``{}`` if they cannot be listed: the callers then keep Hydra's own message.
+    """
+    found: dict[str, list[str]] = {}
+    try:
+        with _config_loader() as loader:
+
+            def options(group: str) -> list[str]:
+                if app is not None:
+                    with contextlib.suppress(Exception):
+                        return loader.get_group_options(group, config_name=app)
+                return loader.get_group_options(group)
+
+            def walk(parent: str) -> None:
+                for name in sorted(loader.list_groups(parent)):
+                    group = f"{parent}/{name}" if parent else name
+                    if group == "hydra":
+                        continue
+                    shown = sorted(o for o in options(group) if not o.endswith("_schema"))
+                    if shown:
+                        found[group] = shown
+                    walk(group)
+
+            walk("")
+    except Exception:  # never let the advice replace the error it explains
+        return {}
+    return found
+
+
+def _used_groups(app: str | None, groups: dict[str, list[str]]) -> list[str]:
+    return [g for g in APP_GROUPS.get(app or "", list(groups)) if g in groups]
+
+
+def _users(group: str) -> list[str]:
+    return [f"pcframe-{app}" for app, used in APP_GROUPS.items() if group in used]
+
+
+def _options_text(group: str, groups: dict[str, list[str]]) -> str:
+    return f"{group} ({', '.join(groups[group])})"
+
+
+def group_advice(override: str, app: str | None = None) -> str | None:
+    """One line for ``key=value`` where ``key`` is no config group of ``app``'s defaults list.
+
+    Hydra says "append it with +key=value", which is wrong where ``key`` is a folder of
+    groups (``policy=young``: ``policy/interval=young``), a group another app uses
+    (``pcframe-run policy/resource=spot_only``) or a typo. ``None``: nothing better to say.
+    """
+    key, _, value = override.lstrip("+~").partition("=")
+    key = key.strip("/")
+    groups = config_groups(app)
+    if not groups:
+        return None
+    used = _used_groups(app, groups)
+    prog = f"pcframe-{app}" if app else "this app"
+    if key in groups:  # a real group, just not one this app composes
+        if key in used:
+            return None
+        users = _users(key)
+        by = f" ({' and '.join(users)} uses it; {prog} would ignore it)" if users else ""
+        return (
+            f"{key}={value}: {prog} has no {key} group{by}; its groups are "
+            f"{', '.join(used)}; to add it anyway: +{key}={value}"
+        )
+    below = [g for g in groups if g.startswith(f"{key}/")]
+    related = below + [g for g in groups if g.rsplit("/", 1)[-1] == key and g not in below]
+    if not related:
+        return None
+    what = (
+        f"{key} is not a config group but a folder of groups ({', '.join(below)})"
+        if below
+        else f"{key} is not a config group"
+    )
+    fits = [g for g in related if g in used and value in groups[g]]
+    if len(fits) == 1:
+        return f"{what}; {value} is a {fits[0]} option: give {fits[0]}={value}"
+    mine = [g for g in related if g in used]
+    elsewhere = [g for g in related if g not in used and value in groups[g]]
+    if elsewhere and mine:
+        users = " and ".join(u for g in elsewhere for u in _users(g)) or "another app"
+        return (
+            f"{what}; {value} is a {' and '.join(elsewhere)} option, which {prog} does not "
+            f"use ({users} does); {prog}'s: " + "; ".join(_options_text(g, groups) for g in mine)
+        )
+    if not mine:
+        return (
+            f"{what}, and {prog} uses none of {', '.join(related)}; "
+            f"its groups are {', '.join(used)}"
+        )
+    near = [
+        (g, close[0]) for g in mine if (close := difflib.get_close_matches(value, groups[g], n=1))
+    ]
+    example = f"; did you mean {near[0][0]}={near[0][1]}?" if near else ""
+    return (
+        f"{what}: pick an option of "
+        + "; ".join(_options_text(g, groups) for g in mine)
+        + f" as group=option, e.g. {mine[0]}={groups[mine[0]][0]}{example}"
+    )
+
+
+def _group_for(name: str, value: str, app: str | None) -> str | None:
+    """``group=option`` for a top-level name that is no key but meant a group of ``app``:
+    the one group with the option ``value`` (``interval=young``, ``wrkload=gpt``), or the
+    group named ``name`` (``predictor=x``: ``sim/predictor=<one of ...>``); else ``None``."""
+    if not re.fullmatch(r"[\w.-]*", value or ""):
+        return None
+    groups = config_groups(app)
+    used = _used_groups(app, groups)
+    having = [g for g in used if value and value in groups[g]]
+    if len(having) == 1:
+        return f"{having[0]}={value}"
+    named = [g for g in used if g.rsplit("/", 1)[-1] == name]
+    if len(named) == 1:
+        return f"{named[0]}=<one of: {', '.join(groups[named[0]])}>"
+    return None
 
 
 # --- --help --------------------------------------------------------------------------------

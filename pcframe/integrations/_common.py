@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import importlib
 import logging
 from collections.abc import Callable, Iterator
@@ -13,7 +14,8 @@ from types import ModuleType
 from typing import Any
 
 from pcframe.checkpointer import Checkpointer
-from pcframe.errors import INTACT, CheckpointError, SaveError
+from pcframe.config import EngineConfig
+from pcframe.errors import INTACT, CheckpointError, SaveError, StateMismatch
 from pcframe.policies.base import IntervalPolicy
 from pcframe.policies.fixed import FixedSteps
 from pcframe.policies.registry import create
@@ -255,3 +257,77 @@ def close_quietly(checkpointer: Checkpointer, owner: str) -> None:
         checkpointer.close(clean=False)
     except Exception as exc:  # a failed version found while closing: the original error wins
         log.error("%s: closing the Checkpointer after an error: %s", owner, exc)
+
+
+# --- options checked when the callback is made (not when training starts) ----------------------
+
+# What a Checkpointer takes besides EngineConfig's fields, and what only the multi-process
+# engine (DistributedCheckpointer) takes: accepted by a callback, ignored in one process.
+ENGINE_ARGUMENTS = ("config", "tiers", "placement", "notices")
+DISTRIBUTED_ARGUMENTS = (
+    "keep_global",
+    "protocol_timeout",
+    "replicas",
+    "peer_dir",
+    "peer_budget",
+    "node",
+)
+
+
+def check_engine_options(
+    owner: str, options: dict[str, Any], own: list[str], refused: dict[str, str]
+) -> None:
+    """Refuse, in one line, an option of ``options`` (the callback's ``**engine_options``)
+    that no engine takes, or whose value the engine would refuse, when the callback is made.
+
+    ``own``: the callback's own argument names (offered as near matches); ``refused``: the
+    framework's own options the callback deliberately does not take, with the reason.
+    """
+    fields = set(EngineConfig().to_dict())
+    known = fields | set(ENGINE_ARGUMENTS) | set(DISTRIBUTED_ARGUMENTS)
+    for name in options:
+        if name in refused:
+            raise ValueError(f"{owner}: {name}= {refused[name]}")
+        if name not in known:
+            near = difflib.get_close_matches(name, [*own, *sorted(known)], n=1)
+            hint = f" (did you mean {near[0]}=?)" if near else ""
+            raise TypeError(
+                f"{owner}: unknown option {name}={options[name]!r}{hint}; it takes its own "
+                f"arguments ({', '.join(own)}) and pcframe's engine options "
+                "(pcframe.config.EngineConfig fields, e.g. keep_last=3, max_in_flight=2)"
+            )
+    config = options.get("config")
+    if config is not None and not isinstance(config, EngineConfig):
+        raise TypeError(f"{owner}: config= must be a pcframe.config.EngineConfig")
+    # The values too (a ConfigError, one line naming the option), before any fit runs.
+    (config or EngineConfig()).with_overrides(**{k: v for k, v in options.items() if k in fields})
+
+
+def another_model(
+    owner: str, directory: Any, error: CheckpointError, folder: str = "dirpath"
+) -> StateMismatch:
+    """A resume refused because ``directory`` holds another model's checkpoints, in one short
+    line naming the folder and the fix (a callback cannot call ``restore(strict=False)``).
+    ``mismatches`` keeps every problem the engine found; ``folder``: the callback's name of
+    its directory argument."""
+    mismatches = list(getattr(error, "mismatches", None) or [str(error)])
+    first = " ".join(mismatches[0].split())
+    first = first if len(first) <= 120 else first[:117] + "..."
+    more = f"; {len(mismatches) - 1} more" if len(mismatches) > 1 else ""
+    return StateMismatch(
+        f"{owner}: {directory} holds checkpoints of another model ({first}{more}): give this "
+        f"run its own {folder}, or pass resume=False to start over in {directory}",
+        mismatches,
+    )
+
+
+def fits_another_model(error: BaseException) -> bool:
+    """Whether a refused restore says the folder holds another model (its keys or shapes; not
+    a dtype, the optimizer, the scheduler, the data position or a framework section, whose
+    own refusal says more than "another model")."""
+    if isinstance(error, StateMismatch):
+        return any(
+            m.startswith(("model:", "model[")) and "dtype" not in m for m in error.mismatches
+        )
+    # DistributedCheckpointer: "global version N does not fit this model: missing keys ..."
+    return type(error) is CheckpointError and "does not fit this model" in str(error)

@@ -6,18 +6,19 @@
 A callback cannot change the arguments of ``Trainer.train``, so the Trainer starts as a fresh
 run and the callback turns it into the resumed one in ``on_train_begin`` (where optimizer,
 scheduler and the prepared dataloader exist): model, optimizer, scheduler, RNGs and
-``TrainerState`` are loaded, and the prepared dataloader is moved to the saved position: the
-seedable sampler's seed is offset by the epochs already trained (the Trainer numbers its epochs
-from 0 again), and the batches already trained in the interrupted epoch are skipped
-(``DataLoaderShard.skip_batches``, as the Trainer's own resume does). The RNGs are set once
-more right after the first batch is fetched, so the iterator's creation does not shift them,
-and ``state.epoch`` is corrected at each step for the renumbered epochs. Saves happen in
-``on_step_end``, after ``optimizer.step()``; the engine's pre-hook on the next step keeps the
-weights unchanged until the snapshot is copied.
+``TrainerState`` are loaded, and the prepared dataloader is moved to the saved position
+(:mod:`pcframe.integrations._hf_state`). Saves happen in ``on_step_end``, after
+``optimizer.step()``; the engine's pre-hook on the next step keeps the weights unchanged until
+the snapshot is copied.
 
-The TrainerState and the data position are applied inside ``Checkpointer.restore``, before the
+One process runs pcframe's ``Checkpointer``; a job under ``torchrun`` / ``accelerate launch``
+(DDP, accelerate's FSDP2) runs a ``DistributedCheckpointer`` on every rank
+(:mod:`pcframe.integrations._hf_engine`).
+
+The TrainerState and the data position are applied inside the engine's restore, before the
 weights, after the position is checked against the data it was saved in: a refusal of any
-part changes nothing. Any exit of ``train()`` closes the Checkpointer (``_ClosingTrain``).
+part changes nothing. Any exit of ``train()`` closes the engine (``_ClosingTrain``), which also
+turns ``train(resume_from_checkpoint=True)`` into a resume from pcframe's newest version.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import os
 import sys
 import threading
@@ -34,69 +34,93 @@ from pathlib import Path
 from typing import Any
 
 from pcframe.integrations._common import (
-    RestoredSection,
-    Undo,
+    check_engine_options,
     check_resume,
     close_quietly,
-    data_shape,
     require_library,
     resolve_policy,
-    shape_changes,
     stopped_by,
 )
 
 transformers = require_library("transformers", "transformers", "transformers")
 
 import torch  # noqa: E402  (after the guard, on purpose)
+from transformers.trainer_utils import SaveStrategy  # noqa: E402
 
-from pcframe.checkpointer import Checkpointer  # noqa: E402
-from pcframe.errors import SaveError  # noqa: E402
+from pcframe.distributed import global_versions  # noqa: E402
+from pcframe.errors import CheckpointError, SaveError  # noqa: E402
+from pcframe.integrations._common import another_model, fits_another_model  # noqa: E402
+from pcframe.integrations._hf_engine import (  # noqa: E402
+    Engine,
+    check_folder,
+    job_ranks,
+    open_engine,
+    restore,
+    save,
+    share_trainer_state,
+    summary,
+)
+from pcframe.integrations._hf_state import Position, TrainerStateSection  # noqa: E402
 from pcframe.policies.base import IntervalPolicy  # noqa: E402
-from pcframe.state.rng import capture_rng, restore_rng  # noqa: E402
+from pcframe.store.directory import CheckpointDir  # noqa: E402
 
 log = logging.getLogger("pcframe")
 
 __all__ = ["PcframeCallback"]
 
-SECTION = "trainer_state"  # the stateful name of the TrainerState in every version
-DATA = "pcframe_data"  # in that section, beside the TrainerState's fields: the data's shape
-AGAIN = "run trainer.train() again"  # what resumes from the last committed version
 NAME = "PcframeCallback"
-# Set by this run's TrainingArguments (as the Trainer's own resume keeps them), not restored.
-RUN_FIELDS = frozenset(
-    {
-        "max_steps",
-        "num_train_epochs",
-        "logging_steps",
-        "eval_steps",
-        "save_steps",
-        "train_batch_size",
-        "is_local_process_zero",
-        "is_world_process_zero",
-        "is_hyper_param_search",
-    }
-)
+AGAIN = "run trainer.train() again"  # what resumes from the last committed version
+OWN = [
+    "output_dir",
+    "policy",
+    "policy_options",
+    "save_steps",
+    "save_last",
+    "resume",
+    "trainer_checkpoints",
+]
+# The Trainer's own names a user may try here, and what they mean for this callback.
+REFUSED = {
+    "save_total_limit": "is the Trainer's; pcframe keeps the newest keep_last versions "
+    "(keep_last=3 by default)",
+    "save_strategy": "is the Trainer's; this callback saves on its policy (save_steps=N or "
+    "policy=...), and turns the Trainer's own saves off unless trainer_checkpoints=True",
+    "resume_from_checkpoint": "goes to trainer.train(); here resume='auto' (the default), "
+    "False or a version number",
+    "dirpath": "is Lightning's name: give the folder as output_dir",
+}
 
 
 class PcframeCallback(transformers.TrainerCallback):
     """Save with pcframe on the policy's schedule; ``trainer.train()`` resumes the newest version.
 
     Args:
-        output_dir: the checkpoint directory (one writer process at a time).
+        output_dir: the checkpoint directory (one job at a time), another than the
+            Trainer's ``output_dir`` is clearer but not required.
         policy: a :mod:`pcframe.policies` interval policy or its registered name;
             ``policy_options`` are its arguments.
         save_steps: shorthand for ``policy=FixedSteps(n)`` (the Trainer's name). Neither
-            given: every 100 optimizer steps. Set the Trainer's own ``save_strategy="no"``.
+            given: every 100 optimizer steps.
         save_last: also save the step after which training stops, if the policy did not.
         resume: ``"auto"`` (newest valid version; a corrupt one is quarantined and the previous
-            tried), ``False`` (fresh), or a version number.
-        engine_options: :class:`pcframe.config.EngineConfig` fields (``max_in_flight=2``, ...).
+            tried), ``False`` (fresh), or a version number (one process).
+            ``trainer.train(resume_from_checkpoint=True)`` resumes the newest version and
+            refuses at once when there is none (as the Trainer does).
+        trainer_checkpoints: keep the Trainer's own ``checkpoint-N`` folders too. By default
+            the callback sets ``args.save_strategy = "no"`` (with a warning unless it was
+            already), as two checkpointers writing the same state is rarely meant;
+            ``load_best_model_at_end=True`` keeps them (it needs them), with a warning.
+        engine_options: :class:`pcframe.config.EngineConfig` fields (``max_in_flight=2``,
+            ``keep_last=3``, ...), ``tiers``, ``placement``, ``notices``, and for a job of
+            several processes the ``DistributedCheckpointer``'s (``keep_global``,
+            ``protocol_timeout``, ``replicas``, ...). An unknown name or a bad value is refused
+            here, in one line.
 
-    The Checkpointer is open from ``on_train_begin`` to ``on_train_end``. ``TrainerCallback``
+    The engine is open from ``on_train_begin`` to ``on_train_end``. ``TrainerCallback``
     has no hook for an exception, so given to the Trainer's constructor the callback wraps
     that trainer's ``train`` (an instance attribute; ``del trainer.train`` removes it): any
-    exit of ``train()``, KeyboardInterrupt included, closes the Checkpointer and releases the
-    directory. A Checkpointer an earlier ``train()`` in this thread left open on the same
+    exit of ``train()``, KeyboardInterrupt included, closes the engine and releases the
+    directory. An engine an earlier ``train()`` in this thread left open on the same
     directory (a callback added with ``add_callback``) is closed when the next one begins.
     """
 
@@ -109,65 +133,100 @@ class PcframeCallback(transformers.TrainerCallback):
         save_steps: int | None = None,
         save_last: bool = True,
         resume: bool | int | str = "auto",
+        trainer_checkpoints: bool = False,
         **engine_options: Any,
     ) -> None:
         if output_dir is None or str(output_dir) == "":
-            raise ValueError("PcframeCallback: output_dir= is required (the checkpoint directory)")
+            raise ValueError(f"{NAME}: output_dir= is required (the checkpoint directory)")
+        check_engine_options(NAME, engine_options, OWN, REFUSED)
         self.output_dir = Path(output_dir)
         self.policy = resolve_policy(policy, save_steps, "save_steps", policy_options)
         self.save_last = save_last
         self.resume = check_resume(resume)
+        self.trainer_checkpoints = bool(trainer_checkpoints)
         self.engine_options = engine_options
-        self.checkpointer: Checkpointer | None = None
+        self.checkpointer: Engine | None = None
         self.resumed_step: int | None = None  # the step the last train() resumed from
-        self._position: _Position | None = None
+        self._position: Position | None = None
         self._finalizer: weakref.finalize | None = None
+        self._asked = False  # train(resume_from_checkpoint=True): a version must be there
+        self._speaks = True  # says its warnings (rank 0 of a job of several processes)
 
     # --- lifecycle -------------------------------------------------------------------------
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._speaks = getattr(args, "process_index", 0) == 0
+        _check_parallelism(args, None)
+        self._trainer_saves(args)
         _ClosingTrain.install(_calling_trainer(self), self)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if args.world_size > 1:
-            raise RuntimeError(
-                f"PcframeCallback runs in one process; this run has world_size={args.world_size}"
-            )
+        self._speaks = bool(state.is_world_process_zero)
+        required, self._asked = self._asked, False
+        _check_parallelism(args, kwargs["model"])
+        self._trainer_saves(args)  # a callback added with add_callback had no on_init_end
         # Added after the Trainer was built (no on_init_end): wrap train() for later calls.
         _ClosingTrain.install(_calling_trainer(self), self)
         self._close_stale()
+        ranks = job_ranks()
+        resume = True if required else self.resume
+        if ranks is not None and resume not in (True, False):
+            raise ValueError(
+                f"{NAME}: resume={resume} (a version number) is for one process; a job of "
+                f"{ranks} processes resumes the newest global version (resume='auto') or "
+                "starts fresh (resume=False)"
+            )
+        check_folder(NAME, self.output_dir, ranks)
         optimizer = kwargs["optimizer"]
-        dataloader = kwargs.get("train_dataloader")
-        section = _TrainerStateSection(args, state, dataloader)
-        checkpointer = Checkpointer(
+        section = TrainerStateSection(args, state, kwargs.get("train_dataloader"), self._say)
+        checkpointer = open_engine(
             self.output_dir,
+            ranks,
             model=kwargs["model"],
             # accelerate wraps the optimizer; the gate goes on the torch optimizer it steps
             optimizer=getattr(optimizer, "optimizer", optimizer),
             scheduler=kwargs.get("lr_scheduler"),
-            stateful={SECTION: section},
+            section=section,
             policy=self.policy,
-            **self.engine_options,
+            options=self.engine_options,
         )
         self._hold(checkpointer)
         self.resumed_step, self._position = None, None
         try:
-            self._resume(state, control, section)
+            self._resume(state, control, section, resume, required)
         except BaseException:  # a refused resume: nothing was loaded; release the directory
             self._close(error=True)
             raise
 
-    def _resume(self, state: Any, control: Any, section: _TrainerStateSection) -> None:
-        if self.resume is False:
+    def _resume(
+        self,
+        state: Any,
+        control: Any,
+        section: TrainerStateSection,
+        resume: bool | int,
+        required: bool,
+    ) -> None:
+        if resume is False:
             return
         assert self.checkpointer is not None
         # The section applies the TrainerState and the data position inside the restore,
         # first of all objects: a refusal of any part leaves model, optimizer, scheduler,
         # TrainerState and RNG as they were.
-        with section.restoring():
-            step = self.checkpointer.restore(None if self.resume is True else self.resume)
+        try:
+            with section.restoring():
+                step = restore(self.checkpointer, resume)
+        except CheckpointError as exc:
+            if fits_another_model(exc):  # one short line instead of every mismatch
+                raise another_model(NAME, self.output_dir, exc, folder="output_dir") from None
+            raise
         if step is None:
+            if required:
+                raise ValueError(
+                    f"{NAME}: resume_from_checkpoint=True, but {self.output_dir} holds no "
+                    "complete version; call trainer.train() without it to start fresh"
+                )
             return  # nothing saved yet: a fresh start
+        share_trainer_state(self.checkpointer, section)
         self.resumed_step = step
         self._position = section.position
         if self._position is not None:
@@ -178,7 +237,13 @@ class PcframeCallback(transformers.TrainerCallback):
             control.should_training_stop = True
             if self._position is not None:
                 self._position.skip_all()
-        log.info("PcframeCallback: resumed from %s at step %d", self.output_dir, step)
+        self._say(
+            "%s: resumed from %s at step %d (%s)",
+            NAME,
+            self.output_dir,
+            step,
+            summary(self.checkpointer),
+        )
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._position is not None:
@@ -199,7 +264,7 @@ class PcframeCallback(transformers.TrainerCallback):
             handle = self.checkpointer.maybe_save(step, metadata)
             last = control.should_training_stop or step >= state.max_steps
             if handle is None and self.save_last and last:
-                self.checkpointer.save(step, metadata, reason="save_last")
+                save(self.checkpointer, step, metadata)
         except SaveError as exc:
             # An earlier version failed in the background: the engine leaves the choice to
             # the loop; this callback stops training (as a failed save of the Trainer's own
@@ -209,17 +274,84 @@ class PcframeCallback(transformers.TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close(error=False, step=state.global_step)
 
+    # --- what the Trainer is told and asked ------------------------------------------------
+
+    def _say(self, message: str, *args: Any) -> None:
+        """A WARNING a default Trainer setup shows (once per job: rank 0)."""
+        if self._speaks:
+            log.warning(message, *args)
+
+    def _trainer_saves(self, args: Any) -> None:
+        """Turn the Trainer's own checkpoints off (``save_strategy="no"``), saying so."""
+        strategy = getattr(args, "save_strategy", SaveStrategy.NO)
+        if self.trainer_checkpoints or strategy == SaveStrategy.NO:
+            return
+        where = (
+            f"pickled checkpoint-N folders in {args.output_dir}, beside pcframe's {self.output_dir}"
+        )
+        if getattr(args, "load_best_model_at_end", False):
+            self._say(
+                "%s: the Trainer writes its own checkpoints as well (%s), as "
+                "load_best_model_at_end=True needs them",
+                NAME,
+                where,
+            )
+            return
+        every = f", save_steps={args.save_steps}" if strategy == SaveStrategy.STEPS else ""
+        args.save_strategy = SaveStrategy.NO
+        self._say(
+            "%s: turned the Trainer's own checkpoints off (save_strategy=%r%s: %s); set "
+            "save_strategy='no' to say so, or pass %s(trainer_checkpoints=True) to keep them",
+            NAME,
+            str(getattr(strategy, "value", strategy)),
+            every,
+            where,
+            NAME,
+        )
+
+    def _resume_argument(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``trainer.train()``'s arguments, ``resume_from_checkpoint`` as a Trainer user means
+        it: ``True`` (or this callback's folder) is the newest pcframe version, refused at
+        once if there is none; a Trainer checkpoint is refused at once unless ``resume=False``
+        (then the Trainer loads it, and pcframe saves from there)."""
+        named = "resume_from_checkpoint" in kwargs
+        given = kwargs["resume_from_checkpoint"] if named else (args[0] if args else None)
+        if given is None or given is False:
+            return args, kwargs
+        ours = given is True or (
+            isinstance(given, str | os.PathLike) and _key(Path(given)) == _key(self.output_dir)
+        )
+        if not ours:
+            if self.resume is False:
+                return args, kwargs
+            raise ValueError(
+                f"{NAME} resumes from its own folder {self.output_dir}, not from "
+                f"resume_from_checkpoint={given!r}: pass resume_from_checkpoint=True (pcframe's "
+                f"newest version) or nothing, or {NAME}(..., resume=False) to let the Trainer "
+                "load that checkpoint"
+            )
+        if not _has_versions(self.output_dir):
+            raise ValueError(
+                f"{NAME}: resume_from_checkpoint=True, but {self.output_dir} holds no pcframe "
+                "checkpoint; call trainer.train() without it (it resumes on its own once there "
+                "is one)"
+            )
+        self._asked = True
+        if named:
+            return args, {**kwargs, "resume_from_checkpoint": None}
+        return (None, *args[1:]), kwargs
+
     # --- holding the directory -------------------------------------------------------------
 
-    def _hold(self, checkpointer: Checkpointer) -> None:
+    def _hold(self, checkpointer: Engine) -> None:
         self.checkpointer = checkpointer
         _OPEN[_key(self.output_dir)] = _Opened(weakref.ref(self), threading.current_thread())
-        # A callback dropped with its Checkpointer open (its Trainer gone) releases it.
+        # A callback dropped with its engine open (its Trainer gone) releases it.
         self._finalizer = weakref.finalize(self, close_quietly, checkpointer, NAME)
-        self._finalizer.atexit = False  # the Checkpointer's own atexit closes it then
+        self._finalizer.atexit = False  # the engine's own atexit closes it then
 
     def _close(self, error: bool, step: int | None = None) -> None:
-        """Close the Checkpointer; ``error``: after an exception (never raises over it).
+        """Close the engine; ``error``: after an exception (never raises over it).
         A close interrupted (a second Ctrl-C) keeps it, for the next train() to close."""
         checkpointer = self.checkpointer
         if checkpointer is None:
@@ -247,8 +379,8 @@ class PcframeCallback(transformers.TrainerCallback):
 
     def _close_stale(self) -> None:
         """Close what an earlier train() that ended by an exception left open here: this
-        callback's Checkpointer, or another callback's on this directory from this thread
-        (or a thread that has ended), as no train() of it can still be running."""
+        callback's engine, or another callback's on this directory from this thread (or a
+        thread that has ended), as no train() of it can still be running."""
         if self.checkpointer is not None:
             log.warning("%s: closing the Checkpointer an earlier train() left open", NAME)
             self._close(error=True)
@@ -265,6 +397,31 @@ class PcframeCallback(transformers.TrainerCallback):
                 self.output_dir,
             )
             other._close(error=True)
+
+
+def _check_parallelism(args: Any, model: Any) -> None:
+    """Refuse, in one line, the parallelism whose state this callback does not snapshot."""
+    if getattr(args, "deepspeed", None):
+        raise ValueError(
+            f"{NAME} does not support DeepSpeed (its engine owns the optimizer and the ZeRO "
+            "partitions): use FSDP2 (fsdp=True, fsdp_config={'version': 2}) or DDP, or the "
+            "Trainer's own checkpoints"
+        )
+    fsdp1 = torch.distributed.is_available() and isinstance(
+        model, torch.distributed.fsdp.FullyShardedDataParallel
+    )
+    config = getattr(args, "fsdp_config", None) or {}
+    if fsdp1 or (getattr(args, "fsdp", None) and str(config.get("version", 2)) == "1"):
+        raise ValueError(
+            f"{NAME} supports FSDP2 (DTensor parameters), not FSDP1: set "
+            "fsdp_config={'version': 2} (the default)"
+        )
+
+
+def _has_versions(directory: Path) -> bool:
+    return bool(
+        CheckpointDir(directory).committed_versions() or global_versions.record_versions(directory)
+    )
 
 
 @dataclasses.dataclass
@@ -301,19 +458,23 @@ def _calling_trainer(callback: PcframeCallback) -> Any:
 
 
 class _ClosingTrain:
-    """``trainer.train`` as it was, then: any exit by an exception closes the callback's
-    Checkpointer (on a normal exit ``on_train_end`` has closed it)."""
+    """``trainer.train`` as it was, with ``resume_from_checkpoint`` as the callback reads it;
+    then: any exit by an exception closes the callback's engine (on a normal exit
+    ``on_train_end`` has closed it)."""
 
     def __init__(self, train: Any, callback: PcframeCallback) -> None:
         functools.update_wrapper(self, train)
         self.callback = callback
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self.callback._resume_argument(args, kwargs)  # refused before training
         try:
             return self.__wrapped__(*args, **kwargs)
         except BaseException:
             self.callback._close(error=True)
             raise
+        finally:
+            self.callback._asked = False
 
     @classmethod
     def install(cls, trainer: Any, callback: PcframeCallback) -> None:
@@ -325,175 +486,3 @@ class _ClosingTrain:
                 return  # wrapped already
             train = train.__wrapped__
         trainer.train = cls(trainer.train, callback)
-
-
-class _TrainerStateSection(RestoredSection):
-    """The ``trainer_state`` entry of a version: the TrainerState's fields, as JSON, and the
-    shape of the train data (what a mid-epoch position refers to)."""
-
-    def __init__(self, args: Any, state: Any, dataloader: Any) -> None:
-        super().__init__()
-        self.args, self.state, self.dataloader = args, state, dataloader
-        self.position: _Position | None = None  # applied by the last restore
-
-    def capture(self) -> dict[str, Any]:
-        saved = dataclasses.asdict(self.state)
-        if self.dataloader is not None:
-            offset = self.position.offset if self.position is not None else 0
-            saved[DATA] = _shape(self.args, self.dataloader, offset)
-        return saved
-
-    def apply(self, saved: dict[str, Any], undo: Undo) -> None:
-        step = saved.get("global_step")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"the saved TrainerState's global_step is {step!r}")
-        # Checked before anything changes: the data position against the data now.
-        position = _Position.plan(self.args, step, saved.get(DATA), self.dataloader)
-        names = [f.name for f in dataclasses.fields(self.state)]
-        before = {name: getattr(self.state, name) for name in names}  # replaced, not changed
-
-        def put_back() -> None:
-            for name, value in before.items():
-                setattr(self.state, name, value)
-            self.position = None
-
-        undo.push(put_back)
-        for name, value in saved.items():
-            if name in names and name not in RUN_FIELDS:
-                setattr(self.state, name, value)
-        if position is not None:
-            undo.push(position.apply())
-        self.position = position
-
-
-def _shape(args: Any, dataloader: Any, offset: int = 0) -> dict[str, Any]:
-    """Samples and batches of an epoch, the accumulation, and the seed of the data order
-    (``offset``: what a resume added to the sampler's seed, not part of it)."""
-    seed = getattr(_sampler(dataloader), "initial_seed", None)
-    return {
-        **data_shape(dataloader),
-        "accumulate": args.gradient_accumulation_steps,
-        "seed": seed - offset if isinstance(seed, int) else None,
-    }
-
-
-@dataclasses.dataclass
-class _Position:
-    """Where in the data the resumed run is, and the Trainer's loop renumbered from epoch 0.
-
-    The Trainer counts ``epoch`` and ``step`` from 0 in a run it believes fresh; ``offset`` is
-    the true epoch of its epoch 0 and ``skipped`` the batches of that epoch trained before.
-    """
-
-    dataloader: Any
-    offset: int
-    skipped: int
-    steps_in_epoch: int
-    rng: dict[str, Any] | None = None  # the restored RNGs, set again after the first fetch
-    local_epoch: int = -1
-
-    @classmethod
-    def plan(cls, args: Any, step: int, recorded: Any, dataloader: Any) -> _Position | None:
-        """The position of saved ``step`` in ``dataloader``, changing nothing; refused (a
-        ``ValueError``) where it is mid-epoch and the data is not the data it was saved in."""
-        if dataloader is None:
-            return None
-        now = _shape(args, dataloader)
-        batches = now["batches"]
-        if batches is None:
-            if step:
-                log.warning(
-                    "PcframeCallback: the train dataloader has no length; its position cannot "
-                    "be restored and the resumed run reads the data from its beginning"
-                )
-            return None
-        # Where the version stands, in the data it was saved in (an older version without
-        # the record: the data now).
-        saved = recorded if isinstance(recorded, dict) else now
-        saved_batches = saved.get("batches") or batches
-        saved_accumulate = saved.get("accumulate") or args.gradient_accumulation_steps
-        per_epoch = max(math.ceil(saved_batches / saved_accumulate), 1)  # update steps
-        offset, done = divmod(step, per_epoch)
-        changes = shape_changes(saved, now)
-        if changes and done:
-            raise ValueError(
-                f"the version was saved mid-epoch (step {step}: {done} of the {per_epoch} "
-                f"steps of its epoch) and the train data has changed since "
-                f"({'; '.join(changes)}): resuming would skip other samples than the ones "
-                "trained. Resume with the same data, batch size and seed, from a version "
-                "saved at the end of an epoch (resume=<version>), or start fresh (resume=False)"
-            )
-        if changes:
-            log.warning(
-                "PcframeCallback: the train data has changed since the version was saved (%s); "
-                "it was saved at the end of an epoch, so the next epoch uses the new data",
-                "; ".join(changes),
-            )
-        accumulate = args.gradient_accumulation_steps
-        skipped = done * accumulate  # as the Trainer's resume
-        if skipped and accumulate > 1 and batches % accumulate:
-            log.warning(
-                "PcframeCallback: gradient_accumulation_steps=%d does not divide the %d batches "
-                "of an epoch; the rest of the interrupted epoch is not accumulated as before",
-                accumulate,
-                batches,
-            )
-        sampler = _sampler(dataloader)
-        plain = isinstance(sampler, torch.utils.data.SequentialSampler | type(None))
-        if offset and not hasattr(sampler, "initial_seed") and not plain:
-            log.warning(
-                "PcframeCallback: the sampler %s has no seed to offset; epochs after the resume "
-                "are ordered as the Trainer's epoch 0, 1, ... (use accelerate's seedable sampler)",
-                type(sampler).__name__,
-            )
-        return cls(dataloader, offset, skipped, batches)
-
-    def apply(self) -> Any:
-        """Move the dataloader to the position; returns the undo."""
-        sampler = _sampler(self.dataloader)
-        seeded = self.offset and hasattr(sampler, "initial_seed")
-        seed, skip = getattr(sampler, "initial_seed", None), self.dataloader.skip_batches
-
-        def undo() -> None:
-            if seeded:
-                sampler.initial_seed = seed
-            self.dataloader.skip_batches = skip
-
-        if seeded:
-            sampler.initial_seed += self.offset  # seed = initial_seed + epoch: the true order
-        if self.skipped:
-            self.dataloader.skip_batches = self.skipped
-        return undo
-
-    def restored(self) -> None:
-        """The restore is complete: keep the RNGs it set, to set them again after the first
-        fetch (creating the iterator draws nothing the uninterrupted run did not)."""
-        self.rng = capture_rng() if self.skipped else None
-
-    def skip_all(self) -> None:
-        self.dataloader.skip_batches = self.steps_in_epoch
-
-    def epoch_begins(self) -> None:
-        self.local_epoch += 1
-        if self.local_epoch == 1 and self.skipped:
-            self.dataloader.skip_batches = 0  # only the interrupted epoch is partly trained
-
-    def batch_fetched(self) -> None:
-        if self.rng is not None:
-            restore_rng(self.rng)  # as saved, whatever creating the iterator drew
-            self.rng = None
-
-    def fix_epoch(self, state: Any) -> None:
-        # The Trainer set state.epoch = local_epoch + (local_step + 1) / steps_in_epoch; write
-        # the same expression with the true epoch and step, so the value is bit for bit equal.
-        local = max(self.local_epoch, 0)
-        done = round((state.epoch - local) * self.steps_in_epoch)
-        if local == 0:
-            done += self.skipped
-        state.epoch = (self.offset + local) + done / self.steps_in_epoch
-
-
-def _sampler(dataloader: Any) -> Any:
-    batch_sampler = getattr(dataloader, "batch_sampler", None)
-    inner = getattr(batch_sampler, "batch_sampler", batch_sampler)  # a BatchSamplerShard
-    return getattr(inner, "sampler", getattr(dataloader, "sampler", None))

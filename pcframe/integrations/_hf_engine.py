@@ -1,0 +1,143 @@
+"""The engine a ``PcframeCallback`` opens on its folder, and what it says about the folder.
+
+One process: pcframe's :class:`~pcframe.Checkpointer`. A ``torch.distributed`` job (the
+Trainer under ``torchrun`` / ``accelerate launch``: DDP, accelerate's FSDP2): a
+:class:`~pcframe.distributed.DistributedCheckpointer` on every rank, whose every call is
+collective (the Trainer calls the callback's hooks at the same steps on every rank). It
+takes the model as the Trainer holds it: plain tensors are replicated (DDP: each written
+once, by its owner rank), DTensors sharded (FSDP2: each rank its own blocks); a restore with
+another number of processes reshards them.
+
+The two keep different layouts (``vNNNNNNNN/`` against ``rank-<r>/`` and ``global/``); a
+folder the other kind wrote is refused in one line before anything is opened, since neither
+engine would see the other's versions and the run would silently start from step 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from pcframe.checkpointer import Checkpointer
+from pcframe.distributed import DistributedCheckpointer, global_versions
+from pcframe.errors import CheckpointError
+from pcframe.integrations._common import DISTRIBUTED_ARGUMENTS
+from pcframe.integrations._hf_state import SECTION, TrainerStateSection
+from pcframe.store.directory import CheckpointDir
+
+Engine = Checkpointer | DistributedCheckpointer
+
+
+def job_ranks() -> int | None:
+    """The processes of this job when torch.distributed runs (``None``: one plain process)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return None
+
+
+def check_folder(owner: str, directory: Path, ranks: int | None) -> None:
+    """Refuse ``directory`` in one line when the other kind of job wrote it (``ranks``: as
+    :func:`job_ranks`)."""
+    records = global_versions.record_versions(directory)
+    multi = bool(records) or (directory / global_versions.rank_dirname(0)).is_dir()
+    single = CheckpointDir(directory).committed_versions()
+    if ranks is None and multi:
+        good, _ = global_versions.valid_records(directory)
+        what = (
+            f"a job of {good[0].world_size} process(es) (global version {good[0].version}, "
+            f"step {good[0].step})"
+            if good
+            else "a job of several processes"
+        )
+        raise ValueError(
+            f"{owner}: {directory} holds the checkpoints of {what}, which one process without "
+            "torch.distributed cannot read: resume them under torchrun (--nproc-per-node 1 "
+            "for one process; pcframe reshards), or give this run its own output_dir"
+        )
+    if ranks is not None and single and not multi:
+        raise ValueError(
+            f"{owner}: {directory} holds the checkpoints of a one-process run (versions "
+            f"{single[0]}..{single[-1]}), which a job of {ranks} process(es) under "
+            "torch.distributed cannot read: resume them with one process (python "
+            "<script>, no launcher), or give this job its own output_dir"
+        )
+
+
+def open_engine(
+    directory: Path,
+    ranks: int | None,
+    *,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    section: TrainerStateSection,
+    policy: Any,
+    options: dict[str, Any],
+) -> Engine:
+    """The engine for this job; the TrainerState section is every version's ``stateful``
+    entry (per rank in a job of several: each rank applies its own inside its restore)."""
+    objects = {
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "stateful": {SECTION: section},
+        "policy": policy,
+    }
+    if ranks is not None:
+        return DistributedCheckpointer(directory, **objects, **options)
+    local = {k: v for k, v in options.items() if k not in DISTRIBUTED_ARGUMENTS}
+    return Checkpointer(directory, **objects, **local)
+
+
+def restore(engine: Engine, resume: bool | int) -> int | None:
+    """The engine's restore: the newest valid version (``True``) or version ``resume``."""
+    if isinstance(engine, DistributedCheckpointer):
+        return engine.restore()  # the newest global version that verifies on every rank
+    return engine.restore(None if resume is True else resume)
+
+
+def save(engine: Engine, step: int, metadata: dict[str, Any]) -> None:
+    """The version of the step after which training stops."""
+    if isinstance(engine, DistributedCheckpointer):
+        engine.save(step, metadata)
+    else:
+        engine.save(step, metadata, reason="save_last")
+
+
+def share_trainer_state(engine: Engine, section: TrainerStateSection) -> None:
+    """After a restore into more processes than saved the version: the ranks the saved job
+    did not have got no TrainerState (per-rank state comes from the same rank of the saved
+    job); each applies saved rank 0's, the same on every rank (collective)."""
+    if not isinstance(engine, DistributedCheckpointer):
+        return
+    report = engine.last_restore
+    saved = report.saved_world_size if report is not None else None
+    if saved is None or saved >= engine.world_size:
+        return
+    sent = [section.applied if engine.rank == 0 else None]
+    dist.broadcast_object_list(sent, src=0)
+    if report is not None and report.per_rank_state_from is None:
+        if not isinstance(sent[0], dict):
+            raise CheckpointError(
+                f"rank 0 sent no TrainerState to rank {engine.rank} after the restore"
+            )
+        with section.restoring():
+            section.load_state_dict(sent[0])
+
+
+def summary(engine: Engine) -> str:
+    """What the last restore did, for the resume line: the version, the versions skipped as
+    damaged, and a change of the number of processes."""
+    report = engine.last_restore
+    if report is None:
+        return ""
+    said = [f"version {report.version}"]
+    if report.skipped:
+        skipped = ", ".join(str(version) for version, _ in report.skipped)
+        said.append(f"after setting aside damaged version(s) {skipped}")
+    saved = getattr(report, "saved_world_size", None)
+    if isinstance(engine, DistributedCheckpointer) and saved not in (None, engine.world_size):
+        said.append(f"saved by {saved} process(es), resharded for {engine.world_size}")
+    return "; ".join(said)

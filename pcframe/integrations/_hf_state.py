@@ -1,0 +1,230 @@
+"""The Hugging Face Trainer's own state in a pcframe version: the ``trainer_state`` section
+(the ``TrainerState`` fields and the shape of the train data) and the data position a resume
+moves the prepared dataloader to.
+
+The Trainer counts ``epoch`` and ``step`` from 0 in a run it believes fresh; a resume tells
+its dataloader where the saved run stood (the seedable sampler's seed offset by the epochs
+trained, the batches of the interrupted epoch skipped) and rewrites ``state.epoch`` with the
+true epoch at each step. Warnings go through ``warn``, so a job of several processes says
+each once (rank 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pcframe.integrations._common import RestoredSection, Undo, data_shape, shape_changes
+from pcframe.state.rng import capture_rng, restore_rng
+
+SECTION = "trainer_state"  # the stateful name of the TrainerState in every version
+DATA = "pcframe_data"  # in that section, beside the TrainerState's fields: the data's shape
+PROCESSES = "processes"  # in DATA: the job's number of processes
+# Set by this run's TrainingArguments (as the Trainer's own resume keeps them), not restored.
+RUN_FIELDS = frozenset(
+    {
+        "max_steps",
+        "num_train_epochs",
+        "logging_steps",
+        "eval_steps",
+        "save_steps",
+        "train_batch_size",
+        "is_local_process_zero",
+        "is_world_process_zero",
+        "is_hyper_param_search",
+    }
+)
+
+Warn = Callable[..., None]  # logging-style: a format string and its arguments
+
+
+class TrainerStateSection(RestoredSection):
+    """The ``trainer_state`` entry of a version: the TrainerState's fields, as JSON, and the
+    shape of the train data (what a mid-epoch position refers to)."""
+
+    def __init__(self, args: Any, state: Any, dataloader: Any, warn: Warn) -> None:
+        super().__init__()
+        self.args, self.state, self.dataloader, self.warn = args, state, dataloader, warn
+        self.position: Position | None = None  # applied by the last restore
+        self.applied: dict[str, Any] | None = None  # the saved section the last restore applied
+
+    def capture(self) -> dict[str, Any]:
+        saved = dataclasses.asdict(self.state)
+        if self.dataloader is not None:
+            offset = self.position.offset if self.position is not None else 0
+            # The processes beside the shape, to word a refusal (the position itself is the
+            # same for another number of processes with the same batches an epoch).
+            recorded = shape(self.args, self.dataloader, offset)
+            saved[DATA] = {**recorded, PROCESSES: processes(self.args)}
+        return saved
+
+    def apply(self, saved: dict[str, Any], undo: Undo) -> None:
+        step = saved.get("global_step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"the saved TrainerState's global_step is {step!r}")
+        # Checked before anything changes: the data position against the data now.
+        position = Position.plan(self.args, step, saved.get(DATA), self.dataloader, self.warn)
+        names = [f.name for f in dataclasses.fields(self.state)]
+        before = {name: getattr(self.state, name) for name in names}  # replaced, not changed
+
+        def put_back() -> None:
+            for name, value in before.items():
+                setattr(self.state, name, value)
+            self.position, self.applied = None, None
+
+        undo.push(put_back)
+        for name, value in saved.items():
+            if name in names and name not in RUN_FIELDS:
+                setattr(self.state, name, value)
+        if position is not None:
+            undo.push(position.apply())
+        self.position, self.applied = position, saved
+
+
+def shape(args: Any, dataloader: Any, offset: int = 0) -> dict[str, Any]:
+    """Samples and batches of an epoch, the accumulation, and the seed of the data order
+    (``offset``: what a resume added to the sampler's seed, not part of it)."""
+    seed = getattr(sampler_of(dataloader), "initial_seed", None)
+    return {
+        **data_shape(dataloader),
+        "accumulate": args.gradient_accumulation_steps,
+        "seed": seed - offset if isinstance(seed, int) else None,
+    }
+
+
+@dataclasses.dataclass
+class Position:
+    """Where in the data the resumed run is, and the Trainer's loop renumbered from epoch 0.
+
+    The Trainer counts ``epoch`` and ``step`` from 0 in a run it believes fresh; ``offset`` is
+    the true epoch of its epoch 0 and ``skipped`` the batches of that epoch trained before.
+    """
+
+    dataloader: Any
+    offset: int
+    skipped: int
+    steps_in_epoch: int
+    rng: dict[str, Any] | None = None  # the restored RNGs, set again after the first fetch
+    local_epoch: int = -1
+
+    @classmethod
+    def plan(
+        cls, args: Any, step: int, recorded: Any, dataloader: Any, warn: Warn
+    ) -> Position | None:
+        """The position of saved ``step`` in ``dataloader``, changing nothing; refused (a
+        ``ValueError``) where it is mid-epoch and the data is not the data it was saved in."""
+        if dataloader is None:
+            return None
+        now = shape(args, dataloader)
+        batches = now["batches"]
+        if batches is None:
+            if step:
+                warn(
+                    "PcframeCallback: the train dataloader has no length; its position cannot "
+                    "be restored and the resumed run reads the data from its beginning"
+                )
+            return None
+        # Where the version stands, in the data it was saved in (an older version without
+        # the record: the data now).
+        saved = recorded if isinstance(recorded, dict) else now
+        saved_batches = saved.get("batches") or batches
+        saved_accumulate = saved.get("accumulate") or args.gradient_accumulation_steps
+        per_epoch = max(math.ceil(saved_batches / saved_accumulate), 1)  # update steps
+        offset, done = divmod(step, per_epoch)
+        changes = shape_changes(saved, now)
+        if changes and done:
+            was, now_processes = saved.get(PROCESSES), processes(args)
+            if isinstance(was, int) and was != now_processes:
+                changes.append(
+                    f"saved by {was} processes, this job has {now_processes}: keep "
+                    "per_device_train_batch_size x processes the same"
+                )
+            raise ValueError(
+                f"the version was saved mid-epoch (step {step}: {done} of the {per_epoch} "
+                f"steps of its epoch) and the train data has changed since "
+                f"({'; '.join(changes)}): resuming would skip other samples than the ones "
+                "trained. Resume with the same data, batch size and seed, from a version "
+                "saved at the end of an epoch (resume=<version>), or start fresh (resume=False)"
+            )
+        if changes:
+            warn(
+                "PcframeCallback: the train data has changed since the version was saved (%s); "
+                "it was saved at the end of an epoch, so the next epoch uses the new data",
+                "; ".join(changes),
+            )
+        accumulate = args.gradient_accumulation_steps
+        skipped = done * accumulate  # as the Trainer's resume
+        if skipped and accumulate > 1 and batches % accumulate:
+            warn(
+                "PcframeCallback: gradient_accumulation_steps=%d does not divide the %d batches "
+                "of an epoch; the rest of the interrupted epoch is not accumulated as before",
+                accumulate,
+                batches,
+            )
+        sampler = sampler_of(dataloader)
+        plain = isinstance(sampler, torch.utils.data.SequentialSampler | type(None))
+        if offset and not hasattr(sampler, "initial_seed") and not plain:
+            warn(
+                "PcframeCallback: the sampler %s has no seed to offset; epochs after the resume "
+                "are ordered as the Trainer's epoch 0, 1, ... (use accelerate's seedable sampler)",
+                type(sampler).__name__,
+            )
+        return cls(dataloader, offset, skipped, batches)
+
+    def apply(self) -> Any:
+        """Move the dataloader to the position; returns the undo."""
+        sampler = sampler_of(self.dataloader)
+        seeded = self.offset and hasattr(sampler, "initial_seed")
+        seed, skip = getattr(sampler, "initial_seed", None), self.dataloader.skip_batches
+
+        def undo() -> None:
+            if seeded:
+                sampler.initial_seed = seed
+            self.dataloader.skip_batches = skip
+
+        if seeded:
+            sampler.initial_seed += self.offset  # seed = initial_seed + epoch: the true order
+        if self.skipped:
+            self.dataloader.skip_batches = self.skipped
+        return undo
+
+    def restored(self) -> None:
+        """The restore is complete: keep the RNGs it set, to set them again after the first
+        fetch (creating the iterator draws nothing the uninterrupted run did not)."""
+        self.rng = capture_rng() if self.skipped else None
+
+    def skip_all(self) -> None:
+        self.dataloader.skip_batches = self.steps_in_epoch
+
+    def epoch_begins(self) -> None:
+        self.local_epoch += 1
+        if self.local_epoch == 1 and self.skipped:
+            self.dataloader.skip_batches = 0  # only the interrupted epoch is partly trained
+
+    def batch_fetched(self) -> None:
+        if self.rng is not None:
+            restore_rng(self.rng)  # as saved, whatever creating the iterator drew
+            self.rng = None
+
+    def fix_epoch(self, state: Any) -> None:
+        # The Trainer set state.epoch = local_epoch + (local_step + 1) / steps_in_epoch; write
+        # the same expression with the true epoch and step, so the value is bit for bit equal.
+        local = max(self.local_epoch, 0)
+        done = round((state.epoch - local) * self.steps_in_epoch)
+        if local == 0:
+            done += self.skipped
+        state.epoch = (self.offset + local) + done / self.steps_in_epoch
+
+
+def processes(args: Any) -> int:
+    return int(getattr(args, "world_size", 1) or 1)
+
+
+def sampler_of(dataloader: Any) -> Any:
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    inner = getattr(batch_sampler, "batch_sampler", batch_sampler)  # a BatchSamplerShard
+    return getattr(inner, "sampler", getattr(dataloader, "sampler", None))
