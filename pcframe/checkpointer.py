@@ -13,8 +13,11 @@ import functools
 import logging
 import os
 import sys
+import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
 from typing import Any
 
 import torch
@@ -29,10 +32,11 @@ from pcframe.policies.notices.base import NoticeSource
 from pcframe.policies.placement.base import PlacementPolicy
 from pcframe.restore.report import RestoreReport
 from pcframe.restore.restorer import RestoreJob, restore_from_tiers
-from pcframe.runtime.threads import one_caller_at_a_time
+from pcframe.runtime.interrupts import interrupts_held
+from pcframe.runtime.threads import EngineCalls, Reentry, engine_call, one_caller_at_a_time
 from pcframe.save.capture import Capture
-from pcframe.save.flight import InFlight
-from pcframe.save.handle import SaveHandle, SaveRecord
+from pcframe.save.flight import DeferredSave, EngineSaveHandle, InFlight
+from pcframe.save.handle import SaveHandle, SaveRecord, VersionHandle
 from pcframe.save.pipeline import SavePipeline
 from pcframe.state.check import LoadRules
 from pcframe.state.objects import Stateful, TrainingObjects, require_step_hook
@@ -46,6 +50,13 @@ log = logging.getLogger("pcframe")
 CLOSE_TIMEOUT_AT_EXIT = 600.0
 
 __all__ = ["Checkpointer", "RestoreReport", "SaveHandle", "SaveRecord"]
+
+# Why decide() and maybe_save() are refused in the middle of another engine call.
+_NEEDS_THE_POLICY = (
+    "the interval policy may be mid-update there: in a signal handler call save(step) (it "
+    "runs once {running}() has returned), or record the signal and save from the loop "
+    "(notices=[SignalNoticeSource()] with policy=NoticeDriven(...), or set a flag)"
+)
 
 
 class Checkpointer:
@@ -73,6 +84,12 @@ class Checkpointer:
     The optimizer step is gated: ``optimizer.step()`` waits until the snapshot of the weights
     it is about to change has been copied. Call :meth:`wait_for_snapshot` before changing
     parameters any other way while a save is in flight.
+
+    Signal handlers (a spot VM's SIGTERM): a handler may call ``save(step).wait()``,
+    ``wait()`` and ``close()``, then ``sys.exit(0)``. Landing in the middle of one of this
+    engine's calls on the same thread, these run once that call has returned or unwound
+    (the ``sys.exit`` unwinds it: the save is committed and the engine closed on the way
+    out); ``decide()`` and ``maybe_save()`` are refused there (:mod:`pcframe.runtime.threads`).
     """
 
     def __init__(
@@ -124,9 +141,21 @@ class Checkpointer:
             self._pipeline = SavePipeline(config, self._storage, self._flight.finished)
             self._flight.wait_for_copies = self._pipeline.wait_for_copies
             self.tiers.follow(self._pipeline)
-            self._hook = optimizer.register_step_pre_hook(self._flight.gate) if optimizer else None
-            if self._hook is not None:
-                undo.callback(_quietly, self._hook.remove)
+            self._engine_calls = EngineCalls()  # this engine's calls in progress, per thread
+            self._in_step_hook = 0  # optimizer.step() runs one of the hooks (close: keep them)
+            self._stepping: dict[int, Any] = {}  # thread -> its optimizer.step() in progress
+            # Weak references: hooks left in place (close() inside one) keep nothing alive.
+            engine = weakref.ref(self)
+            self._hooks = []
+            if optimizer is not None:
+                self._hooks.append(
+                    optimizer.register_step_pre_hook(functools.partial(_step_pre_hook, engine))
+                )
+                undo.callback(_quietly, self._hooks[-1].remove)
+                # A multi-rank optimizer view has none: its steps are gated, not tracked.
+                if callable(post := getattr(optimizer, "register_step_post_hook", None)):
+                    self._hooks.append(post(functools.partial(_step_post_hook, engine)))
+                    undo.callback(_quietly, self._hooks[-1].remove)
             self._storage.count_start()  # fully built: from here on, an end without close() counts
             undo.pop_all()
         self.last_restore: RestoreReport | None = None
@@ -154,21 +183,21 @@ class Checkpointer:
 
     # --- saving ----------------------------------------------------------------------------
 
-    @one_caller_at_a_time
+    @one_caller_at_a_time(fix=_NEEDS_THE_POLICY)
     def maybe_save(
         self, step: int, metadata: dict[str, Any] | None = None, notice: Notice | None = None
     ) -> SaveHandle | None:
         """Ask the interval policy whether to save at ``step``; save if it says so."""
-        decision = self.decide(step, notice)
+        decision = self._decide(step, notice)
         if not decision.save:
             return None
-        handle = self.save(step, metadata, reason=decision.reason)
+        handle = self._save(step, metadata, reason=decision.reason)
         if decision.emergency:
-            handle.wait()  # durable in the primary; now in a tier that survives (if any)
+            handle.wait_here()  # durable in the primary; now in a tier that survives (if any)
             self.last_secured = self.tiers.secure(handle.version, step, notice)
         return handle
 
-    @one_caller_at_a_time
+    @one_caller_at_a_time(fix=_NEEDS_THE_POLICY)
     def decide(self, step: int, notice: Notice | None = None) -> Decision:
         """The interval policy's answer at ``step``, without acting on it.
 
@@ -178,6 +207,9 @@ class Checkpointer:
         first save, a decision not to save may also size the state and start allocating
         the staging pool on a thread of its own (:meth:`SavePipeline.prepare`).
         """
+        return self._decide(step, notice)
+
+    def _decide(self, step: int, notice: Notice | None) -> Decision:
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step={step!r}: the training step is an int")
@@ -194,7 +226,7 @@ class Checkpointer:
         now = time.monotonic() if now is None else now
         return self._decisions.context(step, now, notice, self.tiers, self._flight.occupancy())
 
-    @one_caller_at_a_time
+    @one_caller_at_a_time(reentry=Reentry.DEFERRED, later="_save_later")
     def save(
         self,
         step: int,
@@ -202,39 +234,98 @@ class Checkpointer:
         *,
         reason: str = "",
         version: int | None = None,
-    ) -> SaveHandle:
+    ) -> VersionHandle:
         """Start a checkpoint of the current state at ``step``; returns at once (mostly).
 
         Blocks only while ``max_in_flight`` versions are already in flight (backpressure),
         and, without an optimizer to gate, until the snapshot is copied. ``version`` forces
         the version number (coordinated multi-rank saves); it must be above every earlier one.
+
+        Called by a signal handler in the middle of another call of this engine on the same
+        thread, it starts once that call has returned, and returns a :class:`DeferredSave`
+        (its ``wait()`` there returns ``IN_FLIGHT`` at once; see the class docstring).
         """
+        return self._save(step, metadata, reason=reason, version=version)
+
+    def _save(
+        self,
+        step: int,
+        metadata: dict[str, Any] | None = None,
+        *,
+        reason: str = "",
+        version: int | None = None,
+    ) -> EngineSaveHandle:
         check_new_version(version, self._next_version)
         self._check_open()
         self._flight.report(self._decisions.committed)
         entered = time.perf_counter()
         metadata = {**(metadata or {}), "reason": reason} if reason else (metadata or {})
         self._flight.acquire()  # blocks while max_in_flight versions are in flight
-        try:  # start gives the slot back if the version does not start
-            if version is not None:
-                self._next_version = version
+        number = None
+        try:
+            # Taken before the capture, so no save that starts meanwhile can take it too.
+            number = self._take_number(version)
             progress = self._flight.start(
-                self._capture, self._pipeline, self._next_version, step, metadata, entered
+                self._capture, self._pipeline, number, step, metadata, entered
             )
         finally:
-            if self._next_version in self._flight.records:  # captured: the number is taken
-                self._next_version += 1
+            if number is not None and number not in self._flight.records:
+                self._give_back(number)  # never started: no folder, no record holds it
         if self.optimizer is None:
             # Nothing gates the next update: the copy is done before this returns.
             self._flight.wait_for_copies([progress])
         progress.stall += time.perf_counter() - entered
         self._decisions.saved(step)
-        return SaveHandle(progress)
+        return EngineSaveHandle(progress, self._engine_calls, self._flight)
 
+    def _take_number(self, forced: int | None) -> int:
+        """The next version's number (``forced``: checked by the caller), counted at once."""
+        number = self._next_version if forced is None else forced
+        self._next_version = number + 1
+        return number
+
+    def _give_back(self, number: int) -> None:
+        """A save that did not start frees its number, unless a later one was taken."""
+        if self._next_version == number + 1:
+            self._next_version = number
+
+    def _save_later(
+        self,
+        step: int,
+        metadata: dict[str, Any] | None = None,
+        *,
+        reason: str = "",
+        version: int | None = None,
+    ) -> DeferredSave:
+        """``save()`` in the middle of another call of this engine on the same thread."""
+
+        def save_now() -> VersionHandle:
+            if self._closed:
+                raise CheckpointError(
+                    f"the save of step {step} was asked for (by a signal handler?) while "
+                    "close() shut the engine down after its last version: not saved (the "
+                    f"last version is {self._next_version - 1})"
+                )
+            while True:
+                first = self._next_version
+                try:
+                    return self.save(step, metadata, reason=reason, version=version)
+                except SaveError as exc:
+                    if exc.version >= first:
+                        raise
+                    # An earlier version's failure, raised before this one started: the
+                    # save a handler asked for (an emergency one, as likely as not) goes on.
+                    log.error("before the save of step %d: %s", step, exc)
+
+        call = self._engine_calls.defer("save", save_now)
+        return DeferredSave(call, step, self._engine_calls)
+
+    @engine_call(reentry=Reentry.DEFERRED)
     def wait_for_snapshot(self) -> None:
         """Block until every in-flight snapshot has been copied (not necessarily persisted)."""
         self._flight.gate()
 
+    @engine_call(reentry=Reentry.DEFERRED)
     def wait(self, timeout: float | None = None) -> None:
         """Block until every in-flight version is committed, discarded or failed.
 
@@ -242,9 +333,17 @@ class Checkpointer:
             SaveError: for the first failed version not yet reported.
             CheckpointError: ``timeout`` seconds passed first (the versions go on).
         """
+        self._wait(timeout)
+
+    def _wait(self, timeout: float | None = None) -> None:
         self._check_open()
         self._wait_all(timeout, "wait", "wait again")
         self._flight.report(self._decisions.committed)
+
+    @engine_call(name="optimizer.step", owner="", fix="step the optimizer from the loop")
+    def _gate(self, *, count: bool) -> None:
+        """The optimizer step's wait for the snapshots of the weights it is about to change."""
+        self._flight.gate(count=count)
 
     def _wait_all(self, timeout: float | None, call: str, again: str) -> None:
         if not self._flight.wait_all(timeout):
@@ -298,7 +397,7 @@ class Checkpointer:
                 raise TypeError(f"restore({name}={flag!r}): give True or False")
         while True:  # no save in flight: the staging pool is idle, lent to the restore
             try:
-                self.wait()
+                self._wait()
                 break
             except SaveError as exc:
                 log.error("before the restore: %s", exc)
@@ -334,7 +433,9 @@ class Checkpointer:
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    @one_caller_at_a_time  # refused during a restore: it would release the lock under it
+    # Refused during a restore (it would release the lock under it); from a handler in the
+    # middle of another call, it closes once that call has returned.
+    @one_caller_at_a_time(reentry=Reentry.DEFERRED)
     def close(self, timeout: float | None = None, *, clean: bool = True) -> None:
         """Wait for in-flight versions, stop the threads, release the directory lock.
 
@@ -353,25 +454,87 @@ class Checkpointer:
         if clean and self.save_last and self.notice is None:
             self._save_last()
         self._wait_all(timeout, "close", "call close() again to keep waiting")
+        # A signal handler's save (and wait) while this waited: before the end, as if this
+        # call had returned first, and waited for like the rest.
+        while self._engine_calls.drain_here():
+            if self._closed:  # the handler's close() ran there
+                return
+            self._wait_all(timeout, "close", "call close() again to keep waiting")
+        self._shut_down(clean)
+
+    def _shut_down(self, clean: bool) -> None:
+        """Stop the pipeline, the tiers, the lock. The steps that must not be cut short run
+        with signals held (:mod:`pcframe.runtime.interrupts`): a handler's ``sys.exit()``
+        there is raised once they are done (the calls it made are deferred to the end of
+        ``close()``, and find the engine closed). The replicas' drain is not held: Ctrl-C
+        may cut that wait short, and the lock is released all the same."""
         try:
-            self.wait()
+            with interrupts_held():
+                try:
+                    self._wait()
+                finally:
+                    self._closed = True  # from here the gate lets every step through
+                    # Not from inside a hook (a handler's close() deferred to its end):
+                    # removing a hook while optimizer.step() runs its hooks breaks the loop
+                    # over them. Hooks left behind do nothing and hold the engine weakly.
+                    for hook in self._hooks if not self._in_step_hook else ():
+                        hook.remove()
+                    self._decisions.close()  # e.g. restore signal handlers, stop pollers
+                    self._pipeline.close()
         finally:
-            self._closed = True
-            if self._hook is not None:
-                self._hook.remove()
-            self._decisions.close()  # e.g. restore signal handlers, stop notice pollers
-            self._pipeline.close()
-            # After the last commit, before the lock is released; preempted: no time to drain.
-            self.tiers.close(hurry=self.notice is not None)
-            if clean and self.notice is None:  # a preempted or crashed run's restart is not
-                with contextlib.suppress(OSError):  # a clean one
-                    self._storage.mark_clean_exit()
-            self._storage.close()
-            atexit.unregister(self._atexit)
+            drained = False
+            try:
+                # After the last commit, before the lock is released; preempted: no time to
+                # drain.
+                self.tiers.close(hurry=self.notice is not None)
+                drained = True
+            finally:
+                with interrupts_held():
+                    # A preempted or crashed run's restart is not a clean one.
+                    if drained and clean and self.notice is None:
+                        with contextlib.suppress(OSError):
+                            self._storage.mark_clean_exit()
+                    self._storage.close()
+                    atexit.unregister(self._atexit)
 
     def _save_last(self) -> None:
         if (step := self._decisions.unsaved_step()) is not None:
-            self.save(step, reason="save_last")
+            self._save(step, reason="save_last")
+
+    def _step_pre_hook(self) -> None:
+        """``optimizer.step()``'s pre-hook: the gate, as an engine call (a handler's save
+        during its wait runs once the gate is over: before the update, so it holds the
+        weights the signal interrupted; then its copy is waited for too). Then the update
+        itself is an engine call until the post-hook: a handler's save in the middle of it
+        runs after it, on a whole step (half the weights and moments updated were saved, and
+        the step's first update could leave the optimizer's state half made)."""
+        self._in_step_hook += 1
+        try:
+            count = True
+            while not self._closed:
+                self._gate(count=count)
+                count = False
+                if not self._flight.copying():
+                    break
+            if len(self._hooks) == 2 and not self._closed:
+                # Ends at the post-hook; or, if the step raises, once its frame has returned.
+                frame = _outside_engine(sys._getframe())
+                thread = threading.get_ident()
+                self._stepping[thread] = self._engine_calls.enter("optimizer.step", frame)
+        finally:
+            self._in_step_hook -= 1
+
+    def _step_post_hook(self) -> None:
+        """``optimizer.step()``'s post-hook: the update is over; what a signal handler asked
+        for meanwhile runs now."""
+        entry = self._stepping.pop(threading.get_ident(), None)
+        if entry is None:
+            return
+        self._in_step_hook += 1
+        try:
+            self._engine_calls.leave(entry)
+        finally:
+            self._in_step_hook -= 1
 
     def _atexit(self) -> None:
         # An unhandled exception on the way out was printed and left in sys.last_value.
@@ -408,6 +571,28 @@ class Checkpointer:
         commit, training restarts from step 0 after a failure (tell the policy)."""
         if self._storage.starts.number > 1:
             self.resumed(0, written=None)
+
+
+def _step_pre_hook(engine: weakref.ref[Checkpointer], *_: Any) -> None:
+    checkpointer = engine()
+    if checkpointer is not None:
+        checkpointer._step_pre_hook()
+
+
+def _step_post_hook(engine: weakref.ref[Checkpointer], *_: Any) -> None:
+    checkpointer = engine()
+    if checkpointer is not None:
+        checkpointer._step_post_hook()
+
+
+_ENGINE = os.path.dirname(os.path.abspath(__file__))  # pcframe/
+
+
+def _outside_engine(frame: FrameType) -> FrameType:
+    """The innermost frame of ``frame``'s stack outside pcframe (the code that called it)."""
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_ENGINE):
+        frame = frame.f_back
+    return frame
 
 
 def _quietly(undo: Callable[[], object]) -> None:

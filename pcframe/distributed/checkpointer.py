@@ -29,21 +29,37 @@ from pcframe.config import EngineConfig
 from pcframe.distributed import global_versions
 from pcframe.distributed.capture import ModelView, OptimizerView, Stash, StateSplitter
 from pcframe.distributed.handle import DistributedSaveHandle
+from pcframe.distributed.job_tiers import PEERS, peers_due, rank_tiers
 from pcframe.distributed.meeting import Call, Doing, Meetings
+from pcframe.distributed.nodes import check_replicas
 from pcframe.distributed.opening import open_shards
 from pcframe.distributed.protocol import CommitProtocol, Round
-from pcframe.distributed.verdict import load_newest, records_to_try
+from pcframe.distributed.recovery import Place, Recovery
+from pcframe.distributed.replication import PeerReplication
+from pcframe.distributed.verdict import load_newest
 from pcframe.errors import CheckpointError, SaveError
+from pcframe.format.names import version_name
+from pcframe.policies.placement.base import PlacementPolicy
 from pcframe.restore.report import DistributedRestoreReport
-from pcframe.runtime.threads import one_caller_at_a_time
+from pcframe.runtime.threads import engine_call, one_caller_at_a_time
 from pcframe.save.handle import SaveHandle
 from pcframe.save.status import SaveStatus
 from pcframe.state.objects import TrainingObjects
 from pcframe.store.retention import KeepWhere
+from pcframe.store.tiers import Secured, Tiers
+from pcframe.store.tiers.peer import PeerStore, default_peer_directory
 
 log = logging.getLogger("pcframe")
 
 _KEEP_ROUNDS = 1024  # recent versions whose timings stay inspectable in `rounds`
+
+# Every collective method is refused on a thread inside another (a signal handler landed
+# in it): a collective there hangs the job, the other ranks being in another one or none.
+_COLLECTIVE = (
+    "a collective there would hang the job (the other ranks are not in it): record the "
+    "signal instead (notices=[SignalNoticeSource()] with policy=NoticeDriven(...): every "
+    "rank saves at its next maybe_save), or set a flag and save from the loop"
+)
 
 
 class DistributedCheckpointer:
@@ -53,9 +69,12 @@ class DistributedCheckpointer:
     initialised default process group of the whole job.
 
     Args:
-        root: shared directory; rank ``r`` writes ``root/rank-<r>/``, rank 0 also
-            ``root/global/`` and ``root/GLOBAL``. Restoring state that other ranks wrote
-            needs every rank to see the whole root (a shared file system).
+        root: where rank ``r`` writes ``root/rank-<r>/``; a shared file system, or each
+            node's own disk (the same path on every node, or another per node). Every root
+            keeps the global records (``root/global/``, ``root/GLOBAL``), written by the
+            lowest rank that uses it. A restore reads the shards other ranks wrote from the
+            roots it sees, from the peer tier, or from the object store, fetching what its
+            root lacks (:mod:`pcframe.distributed.recovery`).
         model, optimizer, scheduler, scaler: the usual objects; plain tensors in model and
             optimizer state are taken to be replicated (DDP), DTensors are sharded or
             replicated by their placements (FSDP2, tensor parallel).
@@ -68,6 +87,20 @@ class DistributedCheckpointer:
         keep_global: global versions kept (at least 2: the current and the previous one).
         protocol_timeout: seconds a commit round waits for the slowest rank before the
             protocol gives up (a rank that died).
+        tiers: replica tiers as for :class:`~pcframe.Checkpointer` (name -> path or URL);
+            each rank writes its shards under ``<tier>/rank-<r>/``; rank 0 also uploads the
+            records to an object store's ``<url>/global/``, where a job that lost every node
+            finds them.
+        placement: which tiers get each version, as for one process; a tier named
+            ``"peers"`` in it is the peer tier (:mod:`pcframe.distributed.job_tiers`).
+        replicas: copies of each rank's shard kept in the memory of ranks on other nodes
+            (0 to 3; none when the job runs on one node).
+        peer_dir: this node's folder for those copies (default: under ``/dev/shm``, named
+            after ``root``, so a job restarted on this node finds them).
+        peer_budget: bytes of copies one rank holds at most (default: half of the free
+            memory of ``peer_dir``'s file system).
+        node: this rank's node, when neither the launcher (``GROUP_RANK``) nor the host name
+            tells (``PCFRAME_NODE`` does the same).
         config, overrides: the local engine's :class:`~pcframe.EngineConfig`.
     """
 
@@ -86,6 +119,12 @@ class DistributedCheckpointer:
         notices: Any = None,
         keep_global: int = 2,
         protocol_timeout: float = 1800.0,
+        tiers: Mapping[str, Any] | None = None,
+        placement: PlacementPolicy | None = None,
+        replicas: int = 1,
+        peer_dir: str | os.PathLike[str] | None = None,
+        peer_budget: int | None = None,
+        node: str | None = None,
         config: EngineConfig | None = None,
         **overrides: Any,
     ) -> None:
@@ -101,16 +140,26 @@ class DistributedCheckpointer:
             )
         self.root = Path(root)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.replicas = check_replicas(replicas)
+        job_tiers = rank_tiers(tiers, self.rank)
+        self.remote = job_tiers.remote
+        local_tiers = None
+        if job_tiers.local or placement is not None:
+            local_tiers = Tiers(job_tiers.local, placement, external=(PEERS,))
         # What a restore loads into, checked before any directory is locked (the local
         # engine saves views of them; the policy is the local engine's, set below).
+        # (named stateful objects may also come as pairs, as dict() takes them)
+        pairs = dict(stateful) if stateful is not None else None
         self.objects = TrainingObjects.given(
-            model, optimizer, scheduler, scaler, data, stateful, extra
+            model, optimizer, scheduler, scaler, data, pairs, extra
         )
         timeout = timedelta(seconds=protocol_timeout)
-        # Two private gloo groups, created in the same order on every rank: `control` for the
-        # collectives of the training thread, `report` for the round thread only.
+        # Three private gloo groups, created in the same order on every rank: `control` for
+        # the collectives of the training thread, `report` for the round thread only, `peer`
+        # for the peer tier's thread only.
         self._control = dist.new_group(backend="gloo", timeout=timeout)
         self._report = dist.new_group(backend="gloo", timeout=timeout)
+        self._peer = dist.new_group(backend="gloo", timeout=timeout)
         self._stash = Stash()
         model_view = ModelView(model, self._stash) if model is not None else None
         optim_view = OptimizerView(optimizer, self._stash) if optimizer is not None else None
@@ -127,13 +176,17 @@ class DistributedCheckpointer:
                 extra=extra,
                 policy=policy,
                 notices=notices,
+                tiers=local_tiers,
                 config=config,
                 **overrides,
             ),
             self._control,
             self._report,
+            node,
         )
         self.local, self._next = opened.local, opened.next_version
+        self.nodes, self._groups = opened.nodes, opened.groups
+        self.peer_base = Path(peer_dir) if peer_dir else default_peer_directory(self.root)
         self.objects.policy = self.local.policy
         self.protocol = CommitProtocol(
             self.root,
@@ -143,20 +196,129 @@ class DistributedCheckpointer:
             opened.retained,
             self._next - 1,
             keep_global,
+            writes_records=self._groups[self.rank] == self.rank != 0,  # leads another root
+            peers_due=peers_due(local_tiers, self.replicas) if self._has_peers() else None,
+            protect=lambda: self.peers.protected() if self.peers is not None else (),
+            remote_held=self._remote_held if self.remote is not None else None,
         )
         # Global versions: one more reason to keep a version, in the engine's one Retention.
         self.local.retention.add(KeepWhere("global versions", self.protocol.keep))
+        self.peers: PeerReplication | None = None
+        if self._has_peers():
+            store = PeerStore(self.peer_base / f"kept-by-rank-{self.rank}", peer_budget)
+            self.peers = PeerReplication(
+                self.nodes,
+                self.rank,
+                self.replicas,
+                store,
+                lambda version: self.local.directory / version_name(version),
+                self._peer,
+            )
+            self.protocol.published.append(self._to_peers)
+        if self.remote is not None:
+            self.protocol.remote_listeners.append(self._whole_in_remote)
         self._meetings = Meetings(self._control, self.world_size)
         self.splitter = StateSplitter(
             model, optimizer, self.rank, self.world_size, self._meetings.for_save
         )
         self.rounds: dict[int, Round] = {}
         self.last_restore: DistributedRestoreReport | None = None
+        self.last_secured: Secured | None = None  # where the last emergency version went
         self._closed = False
+
+    # --- the tiers beyond the ranks' own disks ------------------------------------------------
+
+    def _secure(self, version: int, step: int) -> Secured:
+        """After an emergency version became global: its copies in the fastest tiers that
+        outlive this node, within the notice's window (the peer tier first, then the local
+        engine's other tiers, e.g. the object store, if time is left)."""
+        notice = self.local.notice
+        deadline = notice.deadline if notice is not None and notice.deadline else None
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        where: list[str] = []
+        reasons: list[str] = []
+        if self.peers is not None:
+            if self.peers.wait(version, left) and self.peers.copied(version):
+                where.append(PEERS)
+            else:
+                reasons.append("the peer copies were not confirmed in time")
+        secured = self.local.tiers.secure(version, step, notice)
+        if secured is not None:
+            if secured.durable:
+                where += [t for t in secured.tiers if t != self.local.tiers.primary_name]
+            reasons.append(secured.reason)
+        return Secured(version, tuple(where), bool(where), "; ".join(r for r in reasons if r))
+
+    def _has_peers(self) -> bool:
+        """Whether any rank has a peer on another node to copy to (the same on every rank)."""
+        return self.replicas > 0 and len(self.nodes.nodes) > 1
+
+    def _to_peers(self, record: global_versions.GlobalRecord, due: bool) -> None:
+        """The round thread's listener: a global version placed in the peer tier is copied."""
+        if due and self.peers is not None:
+            self.peers.submit(record)
+
+    def _remote_held(self) -> list[int]:
+        """This rank's shard versions in the object store, as its tier last listed them."""
+        remote = self.local.tiers.remote()
+        return remote[1] if remote is not None else []
+
+    def _whole_in_remote(self, version: int, record: global_versions.GlobalRecord | None) -> None:
+        """A listener of the commit protocol: ``version`` is whole in the object store. Each
+        rank's tier holds it until a newer one is; rank 0 uploads its record (the object
+        store's records are those of whole versions)."""
+        remote = self.local.tiers.remote()
+        if remote is not None:
+            self.local.tiers.hold(remote[0], {version})
+        if self.rank == 0 and record is not None and self.remote is not None:
+            try:
+                self.remote.put_record(record)
+            except Exception as exc:  # the object store is down: the nodes keep their copies
+                log.warning("could not upload global record v%d: %s", version, exc)
+
+    def _secure(self, version: int, step: int) -> Secured:
+        """After an emergency version became global: its copies in the fastest tiers that
+        outlive this node, within the notice's window (the peer tier first, then the local
+        engine's other tiers, e.g. the object store, if time is left)."""
+        notice = self.local.notice
+        deadline = notice.deadline if notice is not None and notice.deadline else None
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        where: list[str] = []
+        reasons: list[str] = []
+        if self.peers is not None:
+            if self.peers.wait(version, left) and self.peers.copied(version):
+                where.append(PEERS)
+            else:
+                reasons.append("the peer copies were not confirmed in time")
+        secured = self.local.tiers.secure(version, step, notice)
+        if secured is not None:
+            if secured.durable:
+                where += [t for t in secured.tiers if t != self.local.tiers.primary_name]
+            reasons.append(secured.reason)
+        return Secured(version, tuple(where), bool(where), "; ".join(r for r in reasons if r))
+
+    def _has_peers(self) -> bool:
+        """Whether any rank has a peer on another node to copy to (the same on every rank)."""
+        return self.replicas > 0 and len(self.nodes.nodes) > 1
+
+    def _to_peers(self, record: global_versions.GlobalRecord, due: bool) -> None:
+        """The round thread's listener: a global version placed in the peer tier is copied."""
+        if due and self.peers is not None:
+            self.peers.submit(record)
+
+    def _record_to_remote(self, record: global_versions.GlobalRecord, due: bool) -> None:
+        """Rank 0: the record beside the shards in the object store (for a job that lost
+        every node; a version is restorable from there once its shards are too)."""
+        del due
+        assert self.remote is not None
+        try:
+            self.remote.put_record(record)
+        except Exception as exc:  # the object store is down: the nodes keep their copies
+            log.warning("could not upload global record v%d: %s", record.version, exc)
 
     # --- saving ----------------------------------------------------------------------------
 
-    @one_caller_at_a_time
+    @one_caller_at_a_time(fix=_COLLECTIVE)
     def save(self, step: int, metadata: dict[str, Any] | None = None) -> DistributedSaveHandle:
         """Start version ``n`` of the job's state at ``step`` on this rank (collective).
 
@@ -168,10 +330,17 @@ class DistributedCheckpointer:
             SaveError / CheckpointError: an earlier version failed, or the protocol stopped;
                 raised after this version was started, so training may go on.
         """
+        handle = self._save(step, metadata)
+        self.protocol.raise_errors()
+        return handle
+
+    def _save(
+        self, step: int, metadata: dict[str, Any] | None, emergency: bool = False
+    ) -> DistributedSaveHandle:
         self._check_open()
         self._meetings.settle()
         start = time.perf_counter()
-        round_ = Round(self._next, step, start)
+        round_ = Round(self._next, step, start, emergency=emergency)
         self._next += 1
         try:
             self._stash.model, self._stash.optimizer = self.splitter.split(round_.version, step)
@@ -193,10 +362,9 @@ class DistributedCheckpointer:
         while len(self.rounds) > _KEEP_ROUNDS:  # bounded bookkeeping in long runs
             del self.rounds[next(iter(self.rounds))]
         self.protocol.submit(round_)
-        self.protocol.raise_errors()
         return DistributedSaveHandle(round_)
 
-    @one_caller_at_a_time
+    @one_caller_at_a_time(fix=_COLLECTIVE)
     def maybe_save(
         self, step: int, metadata: dict[str, Any] | None = None
     ) -> DistributedSaveHandle | None:
@@ -207,39 +375,45 @@ class DistributedCheckpointer:
         on any rank (a notice its sources saw) is a save on all, waited for until global.
         """
         self._check_open()
-        deferred: SaveError | None = None
+        deferred = False
         while True:  # an earlier version's failure: raised after the meeting every rank holds
             try:
                 decision = self.local.decide(step)
                 break
-            except SaveError as exc:
-                deferred = deferred or exc
+            except SaveError as exc:  # the engine raises each failure once: keep every one
+                self.protocol.defer(exc)
+                deferred = True
         periodic = decision.save if self.rank == 0 else False
         flags = (int(periodic or decision.emergency), int(decision.emergency))
         met = self._meetings.meet(Doing(Call.MAYBE_SAVE, self._next, step, flags=flags))
         save, emergency = met.flags
         if not save:
-            if deferred is not None:
-                raise deferred
+            if deferred:
+                self.protocol.raise_errors()
             return None
-        handle = self.save(step, metadata)
+        handle = self._save(step, metadata, emergency=bool(emergency))
         if emergency:
             # The VM may soon be gone: global now. A failure is the handle's (raised next call).
             with contextlib.suppress(SaveError):
                 handle.wait()
-        if deferred is not None:
-            raise deferred
+            if handle.status is SaveStatus.COMMITTED:
+                self.last_secured = self._secure(handle.version, step)
+        self.protocol.raise_errors()  # as save() does, after the emergency's wait
         return handle
 
     def _local_save(self, step: int, version: int, metadata: dict[str, Any] | None) -> SaveHandle:
-        try:
-            return self.local.save(step, metadata, version=version)
-        except SaveError as exc:
-            if exc.version >= version:
-                raise
-            # An older version's failure (the round thread reports it too): start this one.
-            return self.local.save(step, metadata, version=version)
+        while True:
+            try:
+                return self.local.save(step, metadata, version=version)
+            except SaveError as exc:
+                if exc.version >= version:
+                    raise
+                # An older version's failure, raised (and so claimed) by the engine's report
+                # before this one started: the round thread will not report it, so it waits
+                # in the protocol's errors for save() to raise once this version is started.
+                self.protocol.defer(exc)
 
+    @engine_call(fix=_COLLECTIVE)  # it reads the last save's meeting
     def wait(self) -> None:
         """Block until every started version is decided (global or not) on this rank.
 
@@ -307,7 +481,9 @@ class DistributedCheckpointer:
             # left the others waiting in it, and after it in the restore's collectives.
             log.error("before the restore: %s", exc)
         start = time.perf_counter()
-        records, invalid = records_to_try(self.root, self.rank, self._control)
+        place = Place(self.root, self.peer_base)  # copies kept here by any earlier job
+        recovery = Recovery(place, self._groups, self.rank, self._control, self.remote)
+        records, invalid = recovery.records()
         report = self.last_restore = DistributedRestoreReport(skipped=list(invalid))
 
         def applied(record: global_versions.GlobalRecord, written: Any) -> None:
@@ -321,6 +497,7 @@ class DistributedCheckpointer:
             self.objects,
             report,
             self.protocol,
+            recovery,
             rank=self.rank,
             world_size=self.world_size,
             reshard=reshard,
@@ -334,7 +511,7 @@ class DistributedCheckpointer:
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    @one_caller_at_a_time
+    @one_caller_at_a_time(fix=_COLLECTIVE)
     def close(self, *, clean: bool = True) -> None:
         """Finish every started version, stop the threads, release the directory (collective).
 
@@ -355,6 +532,8 @@ class DistributedCheckpointer:
         finally:
             self._closed = True
             self.protocol.close()
+            if self.peers is not None:  # its last rounds: every rank submitted the same ones
+                self.peers.close()
             self.local.close(clean=clean)
             try:
                 if dist.is_initialized() and self.protocol.healthy:
@@ -362,6 +541,7 @@ class DistributedCheckpointer:
                     self._meetings.meet(Doing(Call.CLOSE, self._next))
             finally:
                 if dist.is_initialized():
+                    dist.destroy_process_group(self._peer)
                     dist.destroy_process_group(self._report)
                     dist.destroy_process_group(self._control)
         self.protocol.raise_errors()
@@ -381,9 +561,12 @@ class DistributedCheckpointer:
             log.error("closing after an exception: %s", exc)
         for exc in self.protocol.take_errors():
             log.error("closing after an exception: %s", exc)
+        peers_stopped = self.peers is None or self.peers.stop(1.0)
         if dist.is_initialized():
             if self.protocol.stopped(1.0):  # else its thread is inside a collective of it
                 dist.destroy_process_group(self._report)
+            if peers_stopped:
+                dist.destroy_process_group(self._peer)
             dist.destroy_process_group(self._control)
 
     def _check_open(self) -> None:

@@ -36,7 +36,7 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -227,6 +227,15 @@ def read_record(path: Path) -> GlobalRecord:
     return record
 
 
+def record_from_bytes(raw: bytes, where: str) -> GlobalRecord:
+    """A record from its file's bytes (another rank's copy, the object store's), checked as
+    :func:`read_record` checks a file (``where`` names it in errors)."""
+    if len(raw) > MAX_RECORD_BYTES:
+        raise ManifestError(f"{where}: global record is over {MAX_RECORD_BYTES} bytes")
+    _, parsed = GLOBAL_RECORD.open(raw, where)
+    return parse_record(parsed, where)
+
+
 def parse_record(body: Any, where: str = "<global record>") -> GlobalRecord:
     """Validate a decoded record body (types, ranks 0..N-1 in order, safe directory names)."""
 
@@ -315,15 +324,22 @@ def shard_ref(root: Path, rank: int, version: int, step: int) -> ShardRef:
 
 
 def publish(
-    root: Path, record: GlobalRecord, keep: int, retained: Sequence[int] | None = None
+    root: Path,
+    record: GlobalRecord,
+    keep: int,
+    retained: Sequence[int] | None = None,
+    protect: Collection[int] = (),
 ) -> list[int]:
     """Commit global version ``record.version``: every shard it names is durable.
 
     Writes the record durably (the commit point), then the GLOBAL pointer (a hint: a
     failure is logged), then deletes the records older than it beyond the newest ``keep``
     of ``retained`` (the valid global versions the caller knows of; by default every record
-    on disk) and it. The ranks' own retention deletes the shards no record needs at their
-    next commit. Returns the retained global versions, oldest first.
+    on disk) and it, and those of ``protect`` (the peer tier's: the newest version secured
+    beyond every node and those it has yet to copy: a lost node's shards may be had only
+    for those). The ranks' own
+    retention deletes the shards no record needs at their next commit. Returns the retained
+    global versions, oldest first.
 
     Raises:
         OSError: the record could not be written (nothing was published).
@@ -338,6 +354,7 @@ def publish(
     crash_point("global_published")
     known = record_versions(root) if retained is None else retained
     kept = sorted({*known, version})[-keep:]
+    kept = sorted({*kept, *(v for v in protect if v in known)})
     for old in record_versions(root):
         if old < version and old not in kept:
             try:

@@ -9,6 +9,7 @@ a manifest is validated, so a hostile or damaged manifest raises ``ManifestError
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,8 +42,15 @@ class SavedItem:
 class SavedIndex:
     """What one global version holds, gathered from every rank's shard manifest."""
 
-    def __init__(self, root: Path, record: GlobalRecord) -> None:
-        self.root, self.record = root, record
+    def __init__(
+        self,
+        root: Path,
+        record: GlobalRecord,
+        locate: Callable[[int, int], Path] | None = None,
+    ) -> None:
+        """``locate(rank, version)``: where a shard is read from when not at its place in
+        ``root`` (a copy a restore fetched from a peer or the object store)."""
+        self.root, self.record, self._locate = root, record, locate
         self.manifests: dict[int, Manifest] = {}
         self.items: dict[str, SavedItem] = {}
         # Non-tensor model/optimizer entries: their names (in order), and the encoded node
@@ -71,6 +79,8 @@ class SavedIndex:
 
     def directory(self, rank: int) -> Path:
         shard = self.record.shards[rank]
+        if self._locate is not None:
+            return self._locate(rank, shard.version)
         return self.root / shard.directory / version_name(shard.version)
 
     def value(self, name: str, rank: int) -> tuple[int, Any]:

@@ -1,15 +1,24 @@
 """Opening a multi-rank checkpoint: every rank opens its shard directory, all agree.
 
-Each rank opens its local engine on ``root/rank-<r>/``; rank 0 also lists the global
-records. Then one collective: the next version number is above everything any rank or
-record has used, so a number is never reused for different contents (a crashed run may
-have left local-only versions), and a failure on any rank is raised on every rank, so a
-rank that cannot open its directory never leaves the others waiting in the first
-collective of a save.
+Each rank opens its local engine on ``root/rank-<r>/``. Then two collectives:
+
+1. the next version number is above everything any rank, record or pointer has used, so a
+   number is never reused for different contents (a crashed run may have left local-only
+   versions), and a failure on any rank is raised on every rank, so a rank that cannot open
+   its directory never leaves the others waiting in the first collective of a save; each
+   rank also says which node it is on (:func:`~pcframe.distributed.nodes.node_key`) and
+   leaves a marker file named after a token of its own in its root;
+2. each rank says which ranks' markers it sees: ranks that see each other's share a root
+   (one shared file system, or one node's local disk), and the lowest of them leads that
+   root: it keeps the root's copies of the global records and lists them here, so the
+   retained global versions are those of every root, not rank 0's alone.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,19 +28,28 @@ import torch.distributed as dist
 
 from pcframe.checkpointer import Checkpointer
 from pcframe.distributed import global_versions
+from pcframe.distributed.nodes import NodeMap, node_key
 from pcframe.distributed.peers import peers
 from pcframe.errors import CheckpointError
+
+_MARKER = ".pcframe-open-"  # + a rank's token: which ranks see which roots
 
 
 @dataclass(frozen=True)
 class Opened:
     local: Checkpointer  # this rank's engine
     next_version: int  # the next version number, the same on every rank
-    retained: list[int]  # the global versions whose records are valid (from rank 0)
+    retained: list[int]  # the global versions whose records are valid (in any root)
+    nodes: NodeMap  # which ranks share a node
+    groups: tuple[int, ...]  # per rank, the lowest rank that shares its root (its leader)
 
 
 def open_shards(
-    root: Path, open_local: Callable[[], Checkpointer], control: Any, report: Any
+    root: Path,
+    open_local: Callable[[], Checkpointer],
+    control: Any,
+    report: Any,
+    node: str | None = None,
 ) -> Opened:
     """Open this rank's engine with ``open_local`` and agree with the others (collective).
 
@@ -40,24 +58,60 @@ def open_shards(
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local, mine, error = None, None, ""
-    retained, newest_record = [], 0
+    token, marker = secrets.token_hex(8), None
     try:
         local = open_local()
-        if rank == 0:
-            global_versions.remove_partial_records(root)
-            records, _ = global_versions.valid_records(root)
-            retained = sorted(r.version for r in records)
-            newest_record = max(global_versions.record_versions(root), default=0)
+        marker = root / f"{_MARKER}{token}"
+        marker.touch()
     except (CheckpointError, OSError, TypeError, ValueError) as exc:
         mine, error = exc, f"{type(exc).__name__}: {exc}"
-    top = max(local.next_version, newest_record + 1) if local else 0
+    try:
+        top = local.next_version if local else 0
+        row = (top, node_key(node), token, error)
+        first = _agree(row, world_size, control, mine, local, report)
+        mine = None
+        try:  # who shares this root: the ranks whose markers it holds (its own among them)
+            tokens = [t for _, _, t, _ in first]
+            group = min(r for r, t in enumerate(tokens) if (root / f"{_MARKER}{t}").exists())
+            retained, newest_record, error = [], 0, ""
+            if group == rank:  # this root's leader lists its records
+                global_versions.remove_partial_records(root)
+                records, _ = global_versions.valid_records(root)
+                retained = sorted(r.version for r in records)
+                newest_record = max(global_versions.record_versions(root), default=0)
+        except (CheckpointError, OSError, ValueError) as exc:
+            mine, error = exc, f"{type(exc).__name__}: {exc}"
+            group, retained, newest_record = rank, [], 0
+        row = (group, retained, newest_record, error)
+        second = _agree(row, world_size, control, mine, local, report)
+    finally:  # every rank has looked once the second collective is over
+        with contextlib.suppress(OSError):
+            if marker is not None:
+                os.unlink(marker)
+    assert local is not None
+    groups = tuple(g for g, _, _, _ in second)
+    top = max([t for t, _, _, _ in first] + [n + 1 for _, _, n, _ in second])
+    retained = sorted({v for _, kept, _, _ in second for v in kept})
+    return Opened(local, top, retained, NodeMap(tuple(k for _, k, _, _ in first)), groups)
+
+
+def _agree(
+    row: tuple[Any, ...],
+    world_size: int,
+    control: Any,
+    mine: BaseException | None,
+    local: Checkpointer | None,
+    report: Any,
+) -> list[tuple[Any, ...]]:
+    """All-gather ``row`` (its last field: this rank's error, or ""); on an error anywhere,
+    close this rank's engine, destroy both groups and raise on every rank."""
     gathered: list[Any] = [None] * world_size
     try:
         with peers("opening the checkpoint"):
-            dist.all_gather_object(gathered, (top, retained, error), group=control)
+            dist.all_gather_object(gathered, row, group=control)
     except CheckpointError as exc:  # a peer is gone: nothing to agree with
-        gathered, mine = [(0, [], str(exc))], mine or exc
-    failed = [(r, e) for r, (_, _, e) in enumerate(gathered) if e]
+        gathered, mine = [(*row[:-1], str(exc))], mine or exc
+    failed = [(r, g[-1]) for r, g in enumerate(gathered) if g[-1]]
     if failed:
         if local is not None:
             local.close()
@@ -67,5 +121,4 @@ def open_shards(
             raise mine
         other, message = failed[0]
         raise CheckpointError(f"rank {other} could not open its checkpoint shard: {message}")
-    assert local is not None
-    return Opened(local, max(t for t, _, _ in gathered), gathered[0][1])
+    return gathered

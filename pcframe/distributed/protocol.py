@@ -7,9 +7,13 @@ dedicated gloo process group that nothing else uses:
 2. ``all_gather_object`` of every rank's report (status, manifest checksum, bytes);
 3. rank 0 decides: only if every rank committed the same version, and it is newer than the
    last global version, it writes ``global/vN.json`` durably (the commit point), then the
-   GLOBAL pointer, then prunes records beyond ``keep_global``;
+   GLOBAL pointer, then prunes records beyond ``keep_global``; it also says whether the
+   version goes to the peer tier (``peers_due``);
 4. ``broadcast_object_list`` of the decision, so every rank learns which global versions
-   exist before its retention may delete anything older.
+   exist before its retention may delete anything older. Where nodes do not share rank 0's
+   root, the leader of each other root (``writes_records``) writes the same record there,
+   so every node can name the versions its shards belong to. Then the version is handed to
+   the ``published`` listeners (the peer tier's copies, the object store's record).
 
 Why a dedicated group and a thread: the rounds block until the slowest rank is durable, which
 must not stall training, and collectives issued from a background thread on the job's own
@@ -31,7 +35,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +50,8 @@ from pcframe.save.handle import SaveHandle
 from pcframe.save.status import SaveStatus
 
 log = logging.getLogger("pcframe")
+
+_RECENT = 64  # published records rank 0 keeps in memory (to upload once whole remotely)
 
 
 @dataclass(eq=False)
@@ -64,6 +70,7 @@ class Round:
     call: float = 0.0  # seconds of the whole save() call on this rank
     local_call: float = 0.0  # of which inside the local engine's save()
     meeting: Meeting | None = None  # the save's meeting when not waited for in save()
+    emergency: bool = False  # saved for a preemption notice (rank 0's placement sees it)
 
     @property
     def published(self) -> bool:
@@ -83,10 +90,31 @@ class CommitProtocol:
         retained: list[int],
         decided_up_to: int,
         keep_global: int,
+        writes_records: bool = False,
+        peers_due: Callable[[int, bool], bool] | None = None,
+        protect: Callable[[], Collection[int]] | None = None,
+        remote_held: Callable[[], list[int]] | None = None,
     ) -> None:
+        """``writes_records``: this rank leads a root other than rank 0's and keeps a copy of
+        every record there; ``peers_due(version, emergency)``: rank 0's placement of a
+        published version in the peer tier (``None``: never)."""
         self.root, self.rank, self.world_size = root, rank, world_size
         self.shard_dir = root / global_versions.rank_dirname(rank)
         self.keep_global = keep_global
+        self.writes_records = writes_records
+        self.peers_due = peers_due
+        self.protect = protect  # global versions the peer tier still needs (kept)
+        # The versions of this rank's shard in the object store (as its tier last listed
+        # them), reported each round: rank 0 finds the newest global version every shard
+        # of which is there (``remote_whole``), which each rank's tier then holds, so the
+        # object store always has one whole version (each rank's own retention alone kept
+        # different versions on different ranks, and no version whole).
+        self.remote_held = remote_held
+        self.remote_whole = 0
+        self.remote_listeners: list[Callable[[int, global_versions.GlobalRecord | None], None]] = []
+        self._recent: dict[int, global_versions.GlobalRecord] = {}  # rank 0: published
+        # Called on the round thread with (record, to_peers) once a version is global here.
+        self.published: list[Callable[[global_versions.GlobalRecord, bool], None]] = []
         self._group = group
         self._lock = threading.Lock()
         self._retained = sorted(retained)  # global versions whose records exist
@@ -94,6 +122,7 @@ class CommitProtocol:
         self._errors: list[BaseException] = []
         self._broken: BaseException | None = None
         self._queue: queue.Queue[Round | None] = queue.Queue()
+        self._emergency = False  # of the round being decided (rank 0's placement reads it)
         self._thread = threading.Thread(target=self._loop, name="pcframe-global", daemon=True)
         self._thread.start()
 
@@ -134,6 +163,13 @@ class CommitProtocol:
         """Whether the round thread has ended (waiting up to ``timeout`` s)."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def defer(self, error: BaseException) -> None:
+        """An error the local engine raised to the training thread before a meeting (an
+        earlier version's failure, which the engine raises once and the round thread then
+        leaves to it): kept with the rounds' errors, for the next :meth:`raise_errors`."""
+        with self._lock:
+            self._errors.append(error)
 
     def take_errors(self) -> list[BaseException]:
         with self._lock:
@@ -179,6 +215,7 @@ class CommitProtocol:
                     continue
                 try:
                     reports: list[Any] = [None] * self.world_size
+                    self._emergency = round_.emergency
                     dist.all_gather_object(reports, report, group=self._group)
                     box = [self._decide(round_.version, reports) if self.rank == 0 else None]
                     dist.broadcast_object_list(box, group=self._group, group_src=0)
@@ -207,6 +244,7 @@ class CommitProtocol:
             "manifest_crc32c": "",
             "nbytes": 0,
             "error": "",
+            "remote": self.remote_held() if self.remote_held is not None else None,
         }
         if round_.error is not None or round_.handle is None:
             report["error"] = f"save() raised {type(round_.error).__name__}: {round_.error}"
@@ -233,6 +271,7 @@ class CommitProtocol:
             "version": version,
             "status": SaveStatus.FAILED,
             "reason": "",
+            "remote_whole": self._whole_in_remote(reports),
         }
         if any((r["version"], r["step"]) != (version, reports[0]["step"]) for r in reports):
             seen = ", ".join(f"rank {r['rank']}: v{r['version']} step {r['step']}" for r in reports)
@@ -270,15 +309,35 @@ class CommitProtocol:
             version, reports[0]["step"], time.time(), self.world_size, shards
         )
         try:
-            retained = global_versions.publish(self.root, record, self.keep_global, self.retained)
+            protect = self.protect() if self.protect is not None else ()
+            retained = global_versions.publish(
+                self.root, record, self.keep_global, self.retained, protect
+            )
         except OSError as exc:
             decision["reason"] = f"could not write the global record: {exc}"
             log.warning("global version %d not published: %s", version, exc)
             return decision
-        decision.update(status=SaveStatus.COMMITTED, retained=retained)
+        self._recent[version] = record
+        while len(self._recent) > _RECENT:
+            del self._recent[min(self._recent)]
+        to_peers = self.peers_due is not None and self.peers_due(version, self._emergency)
+        decision.update(
+            status=SaveStatus.COMMITTED, retained=retained, record=record, peers=to_peers
+        )
         return decision
 
     def _finish(self, round_: Round, decision: dict[str, Any] | None, reason: str) -> None:
+        published = decision is not None and decision["status"] == SaveStatus.COMMITTED
+        if published and self.writes_records:
+            self._copy_record(decision["record"], decision["retained"])
+        whole = decision.get("remote_whole", 0) if decision is not None else 0
+        if whole > self.remote_whole:
+            self.remote_whole = whole
+            for listener in self.remote_listeners:
+                try:
+                    listener(whole, self._recent.get(whole))
+                except Exception as exc:  # the object store's bookkeeping; training goes on
+                    log.warning("after version %d became whole in the object store: %s", whole, exc)
         with self._lock:
             if decision is not None and decision["status"] == SaveStatus.COMMITTED:
                 self._retained = list(decision["retained"])
@@ -292,3 +351,31 @@ class CommitProtocol:
         if not round_.published:
             log.info("version %d is not global: %s", round_.version, round_.reason)
         round_.decided.set()
+        if published:
+            for listener in self.published:
+                try:
+                    listener(decision["record"], bool(decision.get("peers")))
+                except Exception as exc:  # a listener's failure does not undo the version
+                    log.error("after global version %d: %s", round_.version, exc)
+
+    def _whole_in_remote(self, reports: list[dict[str, Any]]) -> int:
+        """Rank 0: the newest published version every rank's shard of which the object
+        store holds (by the ranks' reports), never going back."""
+        if any(r.get("remote") is None for r in reports):
+            return self.remote_whole
+        common = set.intersection(*(set(r["remote"]) for r in reports))
+        return max([self.remote_whole, *(v for v in common if v in self._recent)])
+
+    def _copy_record(self, record: global_versions.GlobalRecord, retained: list[int]) -> None:
+        """This root's copy of a published record, and its older copies beyond ``retained``
+        gone (as rank 0 prunes its own); a failure leaves this root a version behind."""
+        try:
+            global_versions.write_record(self.root, record)
+            global_versions.write_pointer(self.root, record.version)
+            for old in global_versions.record_versions(self.root):
+                if old < record.version and old not in retained:
+                    global_versions.delete_record(self.root, old)
+        except OSError as exc:
+            log.warning(
+                "could not copy global record v%d to %s: %s", record.version, self.root, exc
+            )

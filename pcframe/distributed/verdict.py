@@ -32,6 +32,7 @@ from pcframe.distributed import global_versions
 from pcframe.distributed.index import SavedIndex
 from pcframe.distributed.peers import peers
 from pcframe.distributed.protocol import CommitProtocol
+from pcframe.distributed.recovery import Recovery
 from pcframe.distributed.restore import Prepared, prepare
 from pcframe.errors import (
     CheckpointError,
@@ -50,6 +51,8 @@ from pcframe.store.starts import UNKNOWN_WRITER
 
 log = logging.getLogger("pcframe")
 
+MAX_COPY_RETRIES = 4  # gathers of one version after damaged copies were dropped
+
 
 class Verdict(Enum):
     OK = "ok"
@@ -57,30 +60,10 @@ class Verdict(Enum):
     UNREADABLE = "unreadable"  # an I/O error that outlasted the retries
     UNSUPPORTED = "unsupported"  # a newer format or an unregistered codec: stop, move nothing
     INCOMPATIBLE = "incompatible"  # the saved state does not fit this job's objects
+    COPY_DAMAGED = "copy damaged"  # a peer's or a fetched copy failed, dropped: fetch again
 
 
-def records_to_try(
-    root: Path, rank: int, group: Any
-) -> tuple[list[global_versions.GlobalRecord], list[tuple[int, str]]]:
-    """Rank 0's valid records, newest first, and the invalid ones, on every rank (collective).
-
-    Raises:
-        UnsupportedCheckpoint: on every rank, when the newest record is of a newer format.
-    """
-    box: list[Any] = [None]
-    if rank == 0:  # an error goes to every rank too, so none waits in the broadcast alone
-        try:
-            box[0] = global_versions.valid_records(root, refuse_newer=True)
-        except UnsupportedCheckpoint as exc:
-            back = "move that record out of global/ to restore an older version"
-            box[0] = UnsupportedCheckpoint(
-                stop_at_unsupported("the newest global record", exc, back)
-            )
-    with peers("restore"):
-        dist.broadcast_object_list(box, group=group, group_src=0)
-    if isinstance(box[0], UnsupportedCheckpoint):
-        raise box[0]
-    return box[0]
+RETRY = "retry"  # try_global_version: a damaged copy was dropped; gather the version again
 
 
 def try_global_version(
@@ -93,6 +76,8 @@ def try_global_version(
     reshard: bool,
     threads: int,
     group: Any,
+    locate: Callable[[int, int], Path] | None = None,
+    drop_copy: Callable[[str], bool] | None = None,
 ) -> tuple[Prepared, SavedIndex] | str:
     """Read and verify ``record`` on every rank (collective).
 
@@ -109,14 +94,16 @@ def try_global_version(
     error: BaseException | None = None
     mine: tuple[Verdict, str, str] = (Verdict.OK, "", "")
     try:
-        index = SavedIndex(root, record)
+        index = SavedIndex(root, record, locate)
         prepared = read_with_retries(
             lambda: prepare(index, objects, rank, world_size, reshard, threads)
         )
     except UnsupportedCheckpoint as exc:
         mine = (Verdict.UNSUPPORTED, str(exc), type(exc).__name__)
     except ManifestError as exc:
-        mine = (Verdict.CORRUPT, str(exc), type(exc).__name__)
+        # A damaged copy (in a peer's memory, or fetched) says nothing of the version.
+        copy = drop_copy is not None and drop_copy(str(exc))
+        mine = (Verdict.COPY_DAMAGED if copy else Verdict.CORRUPT, str(exc), type(exc).__name__)
     except OSError as exc:  # retried already
         mine = (Verdict.UNREADABLE, str(exc), type(exc).__name__)
     except Exception as exc:  # every rank must still reach the collective below
@@ -150,6 +137,8 @@ def try_global_version(
             "the storage and restore again"
         )
     corrupt = [f"rank {r}: {v[1]}" for r, v in enumerate(verdicts) if v[0] is Verdict.CORRUPT]
+    if not corrupt and any(v[0] is Verdict.COPY_DAMAGED for v in verdicts):
+        return RETRY
     if corrupt:
         return "; ".join(corrupt)
     return prepared, index
@@ -162,6 +151,7 @@ def load_newest(
     objects: TrainingObjects,
     report: DistributedRestoreReport,
     protocol: CommitProtocol,
+    recovery: Recovery,
     *,
     rank: int,
     world_size: int,
@@ -192,16 +182,34 @@ def load_newest(
         for record in records:  # newest first
             if skipped:
                 collect_if_paused()  # the failed attempt's tensors, held in a cycle by its error
-            outcome = try_global_version(
-                root,
-                record,
-                objects,
-                rank=rank,
-                world_size=world_size,
-                reshard=reshard,
-                threads=threads,
-                group=group,
-            )
+            for _ in range(MAX_COPY_RETRIES):
+                lost = recovery.gather_version(record)
+                if lost:
+                    break
+                outcome = try_global_version(
+                    root,
+                    record,
+                    objects,
+                    rank=rank,
+                    world_size=world_size,
+                    reshard=reshard,
+                    threads=threads,
+                    group=group,
+                    locate=recovery.locate,
+                    drop_copy=lambda message, record=record: recovery.drop_copy(record, message),
+                )
+                if outcome is not RETRY:
+                    break
+                log.warning(
+                    "global version %d: a damaged copy was dropped; fetching it again",
+                    record.version,
+                )
+            else:
+                lost = "every copy of a shard failed its checksums"
+            if lost:
+                report.lost.append((record.version, lost))
+                log.warning("passing over global version %d: %s", record.version, lost)
+                continue
             if isinstance(outcome, str):
                 report.skipped.append((record.version, outcome))
                 log.warning("skipping global version %d: %s", record.version, outcome)
@@ -210,11 +218,11 @@ def load_newest(
             # Only once an older version verified: when none does (a root not mounted on this
             # node reads as "manifest missing" everywhere), every record stays for a later try.
             reasons = dict(report.skipped)
-            for version in skipped:
+            for version in skipped:  # every root's copy of the record (one leader each)
                 protocol.forget(version)
-                if rank == 0:
+                if recovery.leader:
                     global_versions.quarantine_record(root, version, reasons.get(version, ""))
-            if skipped and rank == 0:  # GLOBAL named a version just set aside
+            if skipped and recovery.leader:  # GLOBAL named a version just set aside
                 with contextlib.suppress(OSError):
                     global_versions.write_pointer(root, record.version)
             prepared, index = outcome
@@ -224,10 +232,14 @@ def load_newest(
                 report.saved_world_size = record.world_size
                 report.resharded = prepared.resharded
                 report.per_rank_state_from = prepared.per_rank_from
+                report.shard_sources = recovery.kinds(record)
+                fetched = recovery.report
+                report.peer_bytes, report.remote_bytes = fetched.peer_bytes, fetched.remote_bytes
+                report.fetch_seconds = fetched.seconds
                 shard = index.manifests.get(rank)
                 applied(record, shard.engine if shard else UNKNOWN_WRITER)
             return record
-    if report.skipped:
-        reasons = "; ".join(f"v{v}: {why}" for v, why in report.skipped)
+    if report.skipped or report.lost:
+        reasons = "; ".join(f"v{v}: {why}" for v, why in [*report.skipped, *report.lost])
         raise NoValidCheckpoint(f"no valid global checkpoint in {root}: {reasons}")
     return None

@@ -27,3 +27,11 @@ class DistributedRestoreReport(RestoreReport):
     saved_world_size: int | None = None
     resharded: bool = False
     per_rank_state_from: int | None = None  # saved rank whose RNG/data position was loaded
+    # Where this rank read each shard of the version from (rank -> "local disk", "peer
+    # memory", "fetched": brought by this restore, "object store"), what bringing the
+    # missing ones cost it, and the versions passed over because a shard was nowhere.
+    shard_sources: dict[int, str] = field(default_factory=dict)
+    peer_bytes: int = 0  # received from other ranks (their disks or peer memory)
+    remote_bytes: int = 0  # downloaded from the object store
+    fetch_seconds: float = 0.0
+    lost: list[tuple[int, str]] = field(default_factory=list)  # (version, which shard)

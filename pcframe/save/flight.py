@@ -1,23 +1,42 @@
-"""The versions in flight, seen from the training thread: slots, the optimizer gate, reports.
+"""The versions in flight, seen from the training thread: slots, the optimizer gate, reports,
+and the handles ``save()`` returns.
 
 At most ``max_in_flight`` versions are between ``save()`` and their end (committed,
-discarded or failed); taking a slot is the backpressure a training loop feels. The
-optimizer step pre-hook (:meth:`InFlight.gate`) waits only for snapshot copies. Finished
-versions are handed over by the commit thread and reported on the training thread at its
-next engine call: records updated, the policy told, and the first unreported failure raised.
+discarded or failed); waiting for one of them to end is the backpressure a training loop
+feels. A slot is not a token a save holds: it is a version started and not finished, so an
+interrupt anywhere in ``save()`` (Ctrl-C, a signal handler's ``sys.exit()``) cannot leave
+one taken, and ``close()`` waits for the versions the pipeline has, never for a save that
+did not start. The optimizer step pre-hook (:meth:`InFlight.gate`) waits only for snapshot
+copies. Finished versions are handed over by the commit thread and reported on the
+training thread at its next engine call: records updated, the policy told, and the first
+unreported failure raised.
+
+Waiting on a handle is an engine call of its thread (:mod:`pcframe.runtime.threads`): a
+signal handler's ``wait()`` in the middle of another engine call returns at once and waits
+once that call has returned (:class:`EngineSaveHandle`, :class:`DeferredSave`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pcframe.errors import SaveError
+from pcframe.errors import CheckpointError, SaveError
 from pcframe.runtime.collector import collector_paused
-from pcframe.save.handle import SaveRecord
+from pcframe.runtime.interrupts import interrupts_held
+from pcframe.runtime.threads import (
+    Bell,
+    DeferredCall,
+    EngineCalls,
+    Reentry,
+    engine_call,
+    on_main_thread,
+)
+from pcframe.save.handle import SaveHandle, SaveRecord, VersionHandle
 from pcframe.save.progress import SaveProgress
 from pcframe.save.status import SaveStatus, Stage
 
@@ -33,7 +52,11 @@ class InFlight:
     def __init__(self, max_in_flight: int) -> None:
         self.max_in_flight = max_in_flight
         self.records: dict[int, SaveRecord] = {}
-        self._slots = threading.BoundedSemaphore(max_in_flight)
+        # Rung (notified) when a version finishes: the training thread waits on the bell,
+        # which no other thread acquires (pcframe.runtime.threads.Bell), other threads on
+        # the condition.
+        self._ended_bell = Bell()
+        self._ended = threading.Condition()
         self._finished: list[SaveProgress] = []
         self._finished_lock = threading.Lock()
         self._copying: list[SaveProgress] = []  # snapshot copy not yet done
@@ -48,12 +71,35 @@ class InFlight:
     # --- training thread ---------------------------------------------------------------
 
     def acquire(self) -> None:
-        """Take a slot (blocks while ``max_in_flight`` versions are in flight)."""
-        self._slots.acquire()
+        """Wait for a free slot: fewer than ``max_in_flight`` versions in flight.
 
-    def release(self) -> None:
-        """Give back a slot taken for a save that did not start."""
-        self._slots.release()
+        Nothing is taken: the version :meth:`start` starts is the slot. Only one caller at
+        a time saves (``Checkpointer.save`` is serialized), so no other save takes the slot
+        between this check and that start.
+        """
+        self.wait_until(lambda: self.count() < self.max_in_flight, None)
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait until ``ready()`` (it changes when a version finishes); False if ``timeout``
+        seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not ready():
+            # In slices as well: a version finished by a path that did not ring (none known)
+            # costs a second, not the run.
+            left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if left <= 0:
+                return False
+            if on_main_thread():
+                self._ended_bell.wait(left)
+            else:
+                with self._ended:
+                    if not ready():
+                        self._ended.wait(left)
+        return True
+
+    def wait_finished(self, progress: SaveProgress, timeout: float | None) -> bool:
+        """Wait until ``progress``'s version has finished; False if ``timeout`` passed."""
+        return self.wait_until(progress.finished.is_set, timeout)
 
     def start(
         self,
@@ -64,26 +110,29 @@ class InFlight:
         metadata: dict[str, Any],
         entered: float,
     ) -> SaveProgress:
-        """Start one version in the slot the caller took (:meth:`acquire`): capture the
-        state, hand it to ``pipeline``.
+        """Start one version in the slot :meth:`acquire` found free: capture the state, hand
+        it to ``pipeline``.
 
-        Each step is undone if the next fails (the slot given back, a version the pipeline
-        refused finished as failed), so ``close()`` never waits for a version that did not
-        start. ``entered``: when ``save()`` was called (the version's stall starts there).
+        A version the pipeline refused (or an interrupt cut short after it was recorded) is
+        finished as failed, so ``close()`` never waits for a version that did not start.
+        ``entered``: when ``save()`` was called (the version's stall starts there).
         """
         progress: SaveProgress | None = None
-        try:  # one try from the slot taken to the hand-off: an interrupt anywhere is undone
+        handed = False
+        try:  # one try from the capture to the hand-off: an interrupt anywhere is undone
             with collector_paused():  # no full collections set off by the capture's objects
                 request = capture.request(version, step, metadata)
                 progress = SaveProgress(version, step, request.nbytes, entered)
-                self.started(progress)
-                pipeline.submit(request, progress)
+                # The hand-off takes locks the pipeline's threads take (the staging pool's):
+                # a signal handler's exception there is raised once it is over.
+                with interrupts_held():
+                    self.started(progress)
+                    pipeline.submit(request, progress)
+                    handed = True
                 del request  # the pipeline holds the snapshot's sources only while it needs them
         except BaseException as exc:  # e.g. a staging pool that cannot be allocated
-            if progress is not None and progress.version in self.records:
-                self.abandon(progress, exc)  # finished as failed: its slot comes back
-            else:
-                self.release()
+            if not handed and progress is not None and progress.version in self.records:
+                self.abandon(progress, exc)  # finished as failed: its slot is free again
             raise
         return progress
 
@@ -103,9 +152,15 @@ class InFlight:
         """``in_flight`` and ``max_in_flight`` as the policy's context takes them."""
         return {"in_flight": self.count(), "max_in_flight": self.max_in_flight}
 
-    def gate(self, *_: Any) -> None:
-        """Optimizer step pre-hook: wait for in-flight snapshots of the weights it will change."""
-        self.steps += 1
+    def copying(self) -> bool:
+        """Whether a started version's snapshot is still being copied."""
+        return any(not p.copy_done.is_set() for p in self._copying)
+
+    def gate(self, *_: Any, count: bool = True) -> None:
+        """Optimizer step pre-hook: wait for in-flight snapshots of the weights it will change
+        (``count=False``: a second wait in the same step, not another step)."""
+        if count:
+            self.steps += 1
         still = [p for p in self._copying if not p.copy_done.is_set()]
         if still:
             start = time.perf_counter()
@@ -114,22 +169,12 @@ class InFlight:
         self._copying = [p for p in self._copying if not p.copy_done.is_set()]
 
     def wait_all(self, timeout: float | None = None) -> bool:
-        """Block until every version in flight has finished (all slots free).
+        """Block until every version started so far has finished (all slots free).
 
-        Returns False if ``timeout`` seconds passed first (nothing is taken then).
+        Returns False if ``timeout`` seconds passed first.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        taken = 0
-        try:
-            for _ in range(self.max_in_flight):
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not self._slots.acquire(timeout=left):
-                    return False
-                taken += 1
-            return True
-        finally:
-            for _ in range(taken):
-                self._slots.release()
+        waiting = list(self._unfinished)
+        return self.wait_until(lambda: all(p.finished.is_set() for p in waiting), timeout)
 
     def in_flight_versions(self) -> list[int]:
         return [p.version for p in self._unfinished if not p.finished.is_set()]
@@ -198,12 +243,137 @@ class InFlight:
     # --- commit thread -----------------------------------------------------------------
 
     def finished(self, progress: SaveProgress) -> None:
-        """Hand a finished version over to the training thread and free its slot."""
+        """Hand a finished version over to the training thread; a save waiting for a slot
+        looks again (the version's ``finished`` is set already)."""
         with self._finished_lock:
             self._finished.append(progress)
-        self._slots.release()
+        self._ended_bell.ring()
+        with self._ended:
+            self._ended.notify_all()
 
 
 def _wait_each(progresses: Sequence[SaveProgress]) -> None:
     for progress in progresses:
         progress.copy_done.wait()
+
+
+class EngineSaveHandle(SaveHandle):
+    """The :class:`SaveHandle` a ``Checkpointer`` returns: waiting on it is an engine call
+    of its thread (:mod:`pcframe.runtime.threads`).
+
+    So a signal handler's ``save()`` that lands while the training thread waits on a handle
+    runs once that wait has returned, instead of inside it; and a handler's ``wait()`` in
+    the middle of an engine call returns at once (the status so far, never raising: the
+    engine raises a failure at its next call) and waits when that call has returned.
+    """
+
+    def __init__(self, progress: SaveProgress, calls: EngineCalls, flight: InFlight) -> None:
+        super().__init__(progress)
+        self._engine_calls, self._flight = calls, flight
+
+    @engine_call(reentry=Reentry.DEFERRED, owner="SaveHandle", name="wait", later="_wait_later")
+    def outcome(self, timeout: float | None = None) -> tuple[SaveStatus, SaveError | None]:
+        return self._outcome(timeout)
+
+    def wait_here(self) -> SaveStatus:
+        """:meth:`wait` inside the engine call that made the version (an emergency save
+        that ``maybe_save`` waits for): not a call of its own."""
+        status, error = self._outcome(None)
+        if error is not None:
+            self.claim_report()
+            raise error
+        return status
+
+    def _outcome(self, timeout: float | None) -> tuple[SaveStatus, SaveError | None]:
+        # Not the version's Event: the training thread waits on the flight's bell
+        # (pcframe.runtime.threads.Bell), and reads the fields the commit thread set
+        # before ``finished``.
+        if not self._flight.wait_finished(self._progress, timeout):
+            raise TimeoutError(f"checkpoint version {self.version} not durable after {timeout}s")
+        progress = self._progress
+        if progress.error is not None:
+            stage = progress.stage or ""
+            return SaveStatus.FAILED, SaveError(self.version, self.step, stage, progress.error)
+        return progress.status, None
+
+    def _wait_later(self, timeout: float | None = None) -> tuple[SaveStatus, SaveError | None]:
+        # No wait at all here: the interrupted call may be in the middle of one.
+        if not self._progress.finished.is_set():
+            self._engine_calls.defer("SaveHandle.wait", functools.partial(self.wait, timeout))
+        return self._progress.status, None
+
+
+class DeferredSave(VersionHandle):
+    """What ``save()`` returns when it is called (by a signal handler, or a callback) while
+    another engine call runs on its thread: the save starts once that call has returned.
+
+    ``version`` is 0 until then; ``status`` is ``IN_FLIGHT`` until the version has an
+    outcome (``FAILED`` if the save could not start: ``wait()`` raises why). ``wait()`` on
+    the thread that made it, once nothing of the engine runs there, starts what was
+    deferred first; in the middle of another engine call it returns the status at once.
+    """
+
+    def __init__(self, call: DeferredCall, step: int, calls: EngineCalls) -> None:
+        super().__init__(None)
+        self._call, self._step, self._engine_calls = call, step, calls
+
+    @property
+    def started(self) -> SaveHandle | None:
+        """The handle of the started save (None until it has started)."""
+        if not self._call.done.is_set() or not isinstance(self._call.result, SaveHandle):
+            return None
+        return self._call.result
+
+    @property
+    def version(self) -> int:
+        handle = self.started
+        return handle.version if handle is not None else 0
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def status(self) -> SaveStatus:
+        if self._call.error is not None:
+            return SaveStatus.FAILED
+        handle = self.started
+        return handle.status if handle is not None else SaveStatus.IN_FLIGHT
+
+    def done(self) -> bool:
+        handle = self.started
+        return self._call.error is not None or (handle is not None and handle.done())
+
+    @engine_call(reentry=Reentry.DEFERRED, owner="SaveHandle", name="wait", later="_wait_later")
+    def wait(self, timeout: float | None = None) -> SaveStatus:
+        """Block until the save has started and its version has an outcome; return it.
+
+        Raises:
+            SaveError: the version failed; or what stopped the save from starting (e.g.
+                ``CheckpointError``: the engine was closed first).
+            TimeoutError: ``timeout`` passed first.
+        """
+        # Entering this call ran what this thread deferred (this save among it); a save
+        # deferred on another thread is started by that thread.
+        if self._call.thread == threading.get_ident() and not self._call.done.is_set():
+            # Only a call made while this save's own turn runs gets here (a callback of it,
+            # or of a call deferred before it): waiting would wait for itself.
+            raise CheckpointError(
+                f"wait() on the save of step {self._step} was called before that save could "
+                "start on this thread; wait for it after the call that deferred it returns"
+            )
+        if not self._call.done.wait(timeout):
+            raise TimeoutError(f"the save of step {self._step} did not start within {timeout}s")
+        if self._call.error is not None:
+            raise self._call.error
+        handle = self.started
+        assert handle is not None  # done without an error: save() returned its handle
+        return handle.wait(timeout)
+
+    def _wait_later(self, timeout: float | None = None) -> SaveStatus:
+        if not self.done():
+            self._engine_calls.defer("SaveHandle.wait", functools.partial(self.wait, timeout))
+        return self.status
+
+    def __repr__(self) -> str:
+        return f"SaveHandle(version={self.version}, step={self.step}, status={self.status})"

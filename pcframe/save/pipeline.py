@@ -43,7 +43,8 @@ import torch
 from pcframe.config import EngineConfig
 from pcframe.errors import SaveError, TornSnapshot
 from pcframe.format.layout import Chunk
-from pcframe.runtime.threads import one_openmp_thread, single_threaded_torch
+from pcframe.runtime.interrupts import interrupts_held
+from pcframe.runtime.threads import Bell, on_main_thread, one_openmp_thread, single_threaded_torch
 from pcframe.save.commit import CommitListener, Committer
 from pcframe.save.copy import Copier, DeviceCopies, SharedChunks
 from pcframe.save.delta import DeltaTracker
@@ -97,8 +98,10 @@ class SavePipeline:
         bases: list[KeepBases] = [self.deltas]
         self.retention = Retention(storage, [KeepLast(config.keep_last), *keep], bases)
         self.committer = Committer(config, storage, self.deltas, self.retention, self.persist)
-        self._copy_queue: queue.Queue[VersionWrite | None] = queue.Queue()
-        self._commit_queue: queue.Queue[VersionWrite | None] = queue.Queue()
+        # Queues in C: a put is one operation, so an exception a signal handler raises on
+        # the training thread around its put can never leave the queue's lock taken.
+        self._copy_queue: queue.SimpleQueue[VersionWrite | None] = queue.SimpleQueue()
+        self._commit_queue: queue.SimpleQueue[VersionWrite | None] = queue.SimpleQueue()
         self._writers = WorkerPool(config.writer_threads, "pcframe-w")
         # Creates each version's files (posix_fallocate of the whole data file: milliseconds)
         # while the copy thread already copies; one thread, so versions open in order.
@@ -106,6 +109,7 @@ class SavePipeline:
         self._warming: threading.Thread | None = None  # the pool allocated ahead (prepare)
         self._sharing: SharedChunks | None = None  # the host chunks being copied now
         self._sharing_changed = threading.Condition()  # notified when _sharing is set or done
+        self._copy_bell = Bell()  # rung then too: what the training thread waits on
         self._copy_thread = threading.Thread(
             target=self._copy_loop, name="pcframe-copy", daemon=True
         )
@@ -167,7 +171,32 @@ class SavePipeline:
 
         Meanwhile the writers hold off, and the training thread takes host chunks of the
         version being copied and stages them itself (a CPU that would idle copies too).
+
+        On the main thread it waits in rounds of at most 50 ms plus a helping turn, each
+        with signals held (:mod:`pcframe.runtime.interrupts`): a signal handler's exception
+        (``sys.exit()``, Ctrl-C) is raised between two rounds, where this thread holds none
+        of the locks the copy thread and the writers take. Raised anywhere inside, it could
+        leave the staging pool's lock taken or the writers held off, and no version would
+        ever finish again (the handler's own save included).
         """
+        if not on_main_thread():
+            self._wait_for_copies(progresses)
+            return
+        for progress in progresses:
+            while not progress.copy_done.is_set():
+                with interrupts_held(), self.pool.training_waits():
+                    sharing = self._sharing  # one read: the copy thread sets and clears it
+                    helped = (
+                        sharing is not None
+                        and sharing.write.progress is progress
+                        and self._help_copy(sharing)
+                    )
+                    if not helped and not progress.copy_done.is_set():
+                        # Not being copied yet (or by the device stream), or no chunk left to
+                        # take: the copy thread rings when it starts or finishes a version.
+                        self._copy_bell.wait(0.05)
+
+    def _wait_for_copies(self, progresses: Sequence[SaveProgress]) -> None:
         with self.pool.training_waits():
             for progress in progresses:
                 while not progress.copy_done.is_set():
@@ -181,18 +210,22 @@ class SavePipeline:
                     self._help_copy(sharing)
                     progress.copy_done.wait()
 
-    def _help_copy(self, sharing: SharedChunks) -> None:
-        cpu = time.thread_time()
+    def _help_copy(self, sharing: SharedChunks) -> bool:
+        """Stage chunks of the version being copied; whether any was staged here."""
+        cpu, staged = time.thread_time(), 0
         # One thread of its own: with the copy thread beside it, an OpenMP team here would
         # put more threads than cores on the copy (measured: twice as slow on 2 cores).
-        # A failure is the version's (recorded in its progress), not the training step's;
-        # an interrupt (Ctrl-C, a signal handler raising) is the step's: the chunk it cut
-        # short goes back to the copy thread and the version still commits.
+        # A failure is the version's (the copy thread meets it too and records it), not the
+        # training step's; an interrupt (Ctrl-C, a signal handler raising) is the step's: the
+        # chunk it cut short goes back to the copy thread and the version still commits. (An
+        # engine call a handler made and was refused is raised again when the training
+        # thread's engine call ends: pcframe.runtime.threads.)
         try:
             with one_openmp_thread(), contextlib.suppress(Exception):
-                self._copy_shared(sharing, helping=True)
+                staged = self._copy_shared(sharing, helping=True)
         finally:
             sharing.write.progress.add_cpu(cpu)
+        return staged > 0
 
     def close(self) -> None:
         if not self._started:
@@ -256,8 +289,9 @@ class SavePipeline:
                 progress.copy_seconds = time.perf_counter() - start
                 progress.add_cpu(cpu)
                 progress.copy_done.set()
+                self._copy_bell.ring()  # a training thread waiting for it
                 with self._sharing_changed:
-                    self._sharing_changed.notify_all()  # a training thread waiting for it
+                    self._sharing_changed.notify_all()
                 if write.copy_finished():
                     self._commit_queue.put(write)
 
@@ -271,6 +305,7 @@ class SavePipeline:
         with self._sharing_changed:
             self._sharing = sharing
             self._sharing_changed.notify_all()
+        self._copy_bell.ring()
         try:
             self._copy_shared(sharing)
         finally:
@@ -299,17 +334,28 @@ class SavePipeline:
         hand_off = functools.partial(self._hand_off, write, self.writer.write_chunk)
         DeviceCopies(self.pool, hand_off).stage(chunks, enqueue, lambda: write.failed)
 
-    def _copy_shared(self, sharing: SharedChunks, *, helping: bool = False) -> None:
-        write = sharing.write
+    def _copy_shared(self, sharing: SharedChunks, *, helping: bool = False) -> int:
+        """Stage chunks of ``sharing`` until none is left; how many were staged here."""
+        write, staged = sharing.write, 0
         while not write.failed and (chunk := sharing.take()) is not None:
             handed = False
             try:
-                self._stage(write, self.writer.write_chunk, self.fill.chunk, chunk, sharing.flats)
+                # The helping training thread never waits for a buffer (a writer to free
+                # one): it gives the chunk back and goes back to waiting, where a signal
+                # can reach it.
+                buffer = self.pool.try_acquire() if helping else self.pool.acquire()
+                if buffer is None:
+                    break
+                self._fill_and_hand_off(
+                    write, self.writer.write_chunk, self.fill.chunk, chunk, sharing.flats, buffer
+                )
                 handed = True
-            except Exception as exc:
-                write.progress.fail(Stage.SNAPSHOT, exc)
-                raise
+                staged += 1
             except BaseException as exc:
+                # The copy thread's failure is the version's. The helping training thread's
+                # need not be: a signal handler runs on it and may raise anything between
+                # two bytecodes (a refused engine call, Ctrl-C). Its chunk goes back to the
+                # copy thread, whose own attempt fails the version if the copy itself fails.
                 if not helping:
                     write.progress.fail(Stage.SNAPSHOT, exc)
                 raise
@@ -317,12 +363,23 @@ class SavePipeline:
                 # A chunk the helping training thread did not hand to a writer (it was
                 # interrupted) is staged by the copy thread after all.
                 sharing.done(None if handed or write.failed else chunk)
+        return staged
 
     def _stage(
         self, write: VersionWrite, task: Callable, fill: Callable, unit: Any, flats: list[Any]
     ) -> None:
         """Copy one chunk or segment into a staging buffer and hand it to a writer."""
-        buffer = self.pool.acquire()
+        self._fill_and_hand_off(write, task, fill, unit, flats, self.pool.acquire())
+
+    def _fill_and_hand_off(
+        self,
+        write: VersionWrite,
+        task: Callable,
+        fill: Callable,
+        unit: Any,
+        flats: list[Any],
+        buffer: Any,
+    ) -> None:
         try:
             fill(write, unit, buffer, flats)
         except BaseException:

@@ -62,6 +62,8 @@ class TrainingObjects:
         policy: Any = None,
     ) -> TrainingObjects:
         """From the front doors' arguments: ``data`` is ``stateful["data"]``."""
+        if _named_pairs(stateful):  # (name, object) pairs, as dict() takes them
+            stateful = dict(stateful)
         if stateful is not None and not isinstance(stateful, Mapping):
             raise TypeError(
                 f"stateful= is a {type(stateful).__name__}: give a dict of name -> object "
@@ -186,3 +188,10 @@ def require_step_hook(optimizer: Any) -> None:
             "wraps (or give it as stateful={'optimizer': ...}: saved, but its step not gated, "
             "so each save copies the whole state before returning)"
         )
+
+
+def _named_pairs(given: Any) -> bool:
+    """Whether ``given`` is a list or tuple of ``(name, object)`` pairs."""
+    return isinstance(given, (list, tuple)) and all(
+        isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str) for pair in given
+    )

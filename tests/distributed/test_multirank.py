@@ -476,25 +476,42 @@ def test_a_save_that_fails_before_reading_the_state_loses_one_version_not_the_jo
     assert pointer == 4 and versions == [2, 4], (pointer, versions)
 
 
-def test_an_earlier_failure_on_one_rank_is_raised_after_the_meeting_not_before(tmp_path):
-    """Rank 1's disk fills at its 2nd and 6th commit while rank 0's round lags behind.
+@pytest.mark.parametrize(("found_in", "raised_at"), [("decide", 5), ("save", 6)])
+def test_an_earlier_failure_on_one_rank_is_raised_after_the_meeting_not_before(
+    tmp_path, found_in, raised_at
+):
+    """Rank 1's disk fills as it commits versions 2 and 6 while rank 0's round lags behind.
 
     Before (found by a review of the meetings), rank 1's maybe_save() raised v2's failure
     before its meeting and restore() raised v6's before its own: rank 0 waited in the
     meeting, rank 1 in DDP's all-reduce, until protocol_timeout, and then every call said a
     rank had left. Now both ranks meet, the failure is raised after (or logged, in a
     restore that rolls back anyway), and training and saving go on.
+
+    The worker orders it without sleeps (it used to slow rank 0's commits by 1 s and hope):
+    rank 1's engine finds v2's failure in maybe_save's decide() (``decide``) or, v2 failing
+    just after that, in its save() (``save``), and no round thread can have taken it first.
+    Each failure reaches the user exactly once: v2 raised by that maybe_save, v6 logged by
+    the restore. (Before, a failure the engine found in save() was dropped: the round thread
+    leaves a failure the engine raised to it, and save() started the next version over it.)
+    v5 is waited for before v6 starts: with both in flight, v6 landing first on a rank
+    discarded v5 there, and the restore went back to step 8.
     """
     out = tmp_path / "out"
     out.mkdir()
     root = tmp_path / "ckpt"
-    args = ["late_failure", "--root", str(root), "--out", str(out)]
+    args = ["late_failure", "--root", str(root), "--out", str(out), "--tag", found_in]
     started = time.monotonic()
-    run_job(2, args, tmp_path / "logs", timeout=100).check()
+    job = run_job(2, args, tmp_path / "logs", timeout=100)
+    job.check()
     assert time.monotonic() - started < 60, "a rank waited for a meeting"
-    seen = [json.loads((out / f"late_failure-run-r{r}.json").read_text()) for r in (0, 1)]
-    assert "SaveError v2" in [o[1] for o in seen[1]["outcomes"]], seen[1]
-    assert all(o[1] != "SaveError v2" for o in seen[0]["outcomes"]), seen[0]
+    seen = [json.loads((out / f"late_failure-{found_in}-r{r}.json").read_text()) for r in (0, 1)]
+    errors = [[o for o in seen[r]["outcomes"] if o[1] not in (None, 1, 2, 3, 4)] for r in (0, 1)]
+    assert errors == [[], [[raised_at, "SaveError v2"]]], seen
+    assert seen[1]["outcomes"][-1] == ["wait", None], seen[1]  # raised once, not again
+    assert job.logs[1].count("before the restore: ") == 1, job.logs[1][-3000:]
+    assert "version 6" in job.logs[1].split("before the restore: ")[1].splitlines()[0]
+    assert "before the restore: " not in job.logs[0], job.logs[0][-3000:]
     for rank in (0, 1):
         assert seen[rank]["restored"] == 9 and seen[rank]["after"] == "committed", seen[rank]
 

@@ -22,6 +22,7 @@ import argparse
 import gc
 import json
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -337,6 +338,68 @@ def train(args: argparse.Namespace, out: dict[str, Any]) -> None:
     save_file(full_state(job), args.out / f"train-{args.tag}-r{rank}.safetensors")
 
 
+def nodes(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """``train`` on "nodes" that share nothing: each node (``PCFRAME_NODE``) has its own
+    root (``<root>/<node>``) and its own memory folder for peer copies
+    (``<root>/<node>-shm``), as VMs with local disks would; with ``--remote`` every rank
+    also uploads its shards to an S3 server. Saves the state at every checkpoint step and
+    right after the restore (``nodes-<tag>-r<rank>-at<step>``), and records where the
+    restore read each shard. ``--emergency-at`` makes one rank's policy ask for an
+    emergency save (a notice on that VM); ``--slow-peer`` makes that rank slow to take
+    the copies it receives."""
+    rank, node = dist.get_rank(), os.environ["PCFRAME_NODE"]
+    if args.slow_peer == rank:
+        from pcframe.store.tiers.peer import PeerStore
+
+        commit = PeerStore.commit
+
+        def slow_commit(self: Any, *a: Any) -> None:
+            time.sleep(1.0)
+            commit(self, *a)
+
+        PeerStore.commit = slow_commit  # type: ignore[method-assign]
+    job = build("ddp")
+    options: dict[str, Any] = {"replicas": args.replicas, "peer_dir": args.root / f"{node}-shm"}
+    if args.remote:
+        client = {"endpoint_url": args.remote_endpoint, "region_name": "us-east-1"}
+        storage = {"key": "testing", "secret": "testing", "client_kwargs": client}
+        options["tiers"] = {"remote": {"url": args.remote, "storage_options": storage}}
+    emergency = args.emergency_at if args.emergency_rank == rank else None
+    options["policy"] = RankPolicy(args.every, emergency)
+
+    def snapshot(step: int) -> None:
+        save_file(full_state(job), args.out / f"nodes-{args.tag}-r{rank}-at{step}.safetensors")
+
+    calls: list[float] = []
+    with job.checkpointer(args.root / node, keep_last=1, **options) as ckpt:
+        start = ckpt.restore() or 0
+        report = ckpt.last_restore
+        out["restored_step"] = start
+        out["shard_sources"] = {str(k): v for k, v in report.shard_sources.items()}
+        out["peer_bytes"], out["remote_bytes"] = report.peer_bytes, report.remote_bytes
+        out["lost"] = report.lost
+        snapshot(start)  # the state the restore brought back
+        for step in range(start + 1, args.steps + 1):
+            job.step()
+            began = time.perf_counter()
+            handle = ckpt.maybe_save(step)
+            calls.append(time.perf_counter() - began)
+            if handle is not None:
+                snapshot(step)  # the uninterrupted run's state at a checkpoint step
+                if args.sync:
+                    handle.wait()
+                    print(f"step {step} version {handle.version} global", flush=True)
+            if ckpt.last_secured is not None and "secured" not in out:
+                secured = ckpt.last_secured
+                out["secured"] = [secured.version, list(secured.tiers), secured.durable]
+        ckpt.wait()
+    peers = ckpt.peers  # closed: every round it was given has ended
+    out["copied"] = list(peers.status.copied) if peers is not None else []
+    out["skipped"] = peers.status.skipped if peers is not None else 0
+    out["slowest_call"] = max(calls, default=0.0)
+    save_file(full_state(job), args.out / f"nodes-{args.tag}-r{rank}.safetensors")
+
+
 class RankPolicy(FixedSteps):
     """Saves every ``every`` steps, asks for an emergency at ``emergency_at``; logs events.
 
@@ -460,44 +523,90 @@ def astray(args: argparse.Namespace, out: dict[str, Any]) -> None:
         raise
 
 
-def _fail_commits(rank: int, failing: set[int], slow_rank: int, slow_s: float) -> None:
-    """Rank ``rank``'s local commits number ``failing`` hit a full disk, at the real crash
-    point after the data is synced; ``slow_rank``'s commits each take ``slow_s`` longer."""
+def _fail_commits(
+    rank: int, failing: set[int], held_rank: int, release: Path, fail_when: threading.Event
+) -> None:
+    """Rank ``rank``'s local commits of the versions ``failing`` hit a full disk, at the real
+    crash point after the data is synced, once ``fail_when`` is set; ``held_rank``'s first
+    commit (of whichever version) waits there until the file ``release`` exists (60 s at
+    most). Every version finishes on the commit thread and the rounds run in version order,
+    so until then no round thread can find a later version's outcome: only the engine's own
+    calls can. By version, not by count: a version whose last chunk lands after a newer
+    one's is discarded without reaching the crash point."""
     import pcframe.save.commit as commit
 
-    real, count = commit.crash_point, [0]
+    real, real_commit = commit.crash_point, commit.Committer.commit
+    committing, count = [0], [0]
+
+    def commit_version(self: Any, write: Any) -> None:
+        committing[0] = write.request.version
+        real_commit(self, write)
 
     def crash_point(name: str) -> None:
         if name == "data_synced":
             count[0] += 1
-            if dist.get_rank() == slow_rank:
-                time.sleep(slow_s)
-            if dist.get_rank() == rank and count[0] in failing:
+            if dist.get_rank() == held_rank and count[0] == 1:
+                deadline = time.monotonic() + 60.0
+                while not release.exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            if dist.get_rank() == rank and committing[0] in failing:
+                fail_when.wait(60.0)
                 raise OSError(28, "No space left on device (injected)")
         real(name)
 
     commit.crash_point = crash_point
+    commit.Committer.commit = commit_version  # type: ignore[method-assign]
 
 
 def late_failure(args: argparse.Namespace, out: dict[str, Any]) -> None:
-    """A background failure on rank 1, raised at its next maybe_save() (rank 0's round lags
-    behind on a slower disk), and another one still unraised when restore() is called."""
-    _fail_commits(rank=1, failing={2, 6}, slow_rank=0, slow_s=1.0)
+    """A background failure on rank 1 (v2, saved at step 4) while rank 0's round of v1 is
+    held back, and another one (v6) still unraised when restore() is called.
+
+    Where rank 1's engine finds v2 (``--tag``): ``decide``: v2 has failed before
+    maybe_save(5), whose decide() finds it; ``save``: v2 fails during maybe_save(6), after
+    its decide() and before its local save(), which finds it. Rank 1 lets rank 0's first
+    commit go on only after that maybe_save has returned or raised. No sleeps.
+    """
+    rank = dist.get_rank()
+    found_at = {"decide": 5, "save": 6}[args.tag]
+    release, fail_now = args.out / f"late_failure-{args.tag}-release", threading.Event()
+    _fail_commits(rank=1, failing={2, 6}, held_rank=0, release=release, fail_when=fail_now)
     job = build("ddp")
     out["outcomes"] = outcomes = []
     with job.checkpointer(args.root, policy=FixedSteps(2), protocol_timeout=20.0) as ckpt:
+        decide = ckpt.local.decide
+
+        def decide_then_fail(step: int, *rest: Any, **options: Any) -> Decision:
+            decision = decide(step, *rest, **options)
+            if step == found_at == 6:  # v2 fails now: this call did not see it, save() will
+                fail_now.set()
+                ckpt.local._flight.wait_all()
+            return decision
+
+        if rank == 1:
+            ckpt.local.decide = decide_then_fail
         for step in range(1, 9):
             job.step()
+            if rank == 1 and step == found_at == 5:  # v2 has failed: decide() finds it
+                fail_now.set()
+                ckpt.local._flight.wait_all()
             try:
                 handle = ckpt.maybe_save(step)
                 outcomes.append([step, handle.version if handle else None])
             except SaveError as exc:
                 outcomes.append([step, f"SaveError v{exc.version}"])
-        ckpt.wait()
-        for step in (9, 10):  # v5 and v6; v6 fails on rank 1 and is not raised before...
-            job.step()
-            ckpt.save(step)
-        time.sleep(1.5)
+            if rank == 1 and step == found_at:
+                release.touch()
+        try:  # a failure not raised in the loop would be raised here (once)
+            ckpt.wait()
+            outcomes.append(["wait", None])
+        except SaveError as exc:
+            outcomes.append(["wait", f"SaveError v{exc.version}"])
+        job.step()
+        ckpt.save(9).wait()  # v5, global: with v6 in flight too, v5 might land second and
+        job.step()  # be discarded (by design: LATEST only moves forward)
+        ckpt.save(10)  # v6: fails on rank 1 and is not raised before...
+        ckpt.local._flight.wait_all()  # (v6 has failed on rank 1, committed on rank 0)
         out["restored"] = ckpt.restore()  # ...the restore, which goes back to step 9
         job.step()
         out["after"] = str(ckpt.save(11).wait())
@@ -544,7 +653,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     scenarios = {"roundtrip": roundtrip, "resize": resize, "train": train, "policy": policy}
     scenarios.update(raises=raises, leaves=leaves, values=values, astray=astray)
-    scenarios.update(late_failure=late_failure)
+    scenarios.update(late_failure=late_failure, nodes=nodes)
     parser.add_argument("scenario", choices=sorted(scenarios))
     parser.add_argument("--root", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
@@ -553,6 +662,12 @@ def main() -> None:
     parser.add_argument("--sync", action="store_true", help="wait for each global decision")
     parser.add_argument("--tag", default="run")
     parser.add_argument("--deltas", action="store_true", help="XOR-delta model and moments")
+    parser.add_argument("--replicas", type=int, default=1, help="peer copies (nodes)")
+    parser.add_argument("--emergency-at", type=int, help="a notice at this step (nodes)")
+    parser.add_argument("--emergency-rank", type=int, default=-1, help="on this rank (nodes)")
+    parser.add_argument("--slow-peer", type=int, default=-1, help="a slow receiver (nodes)")
+    parser.add_argument("--remote", help="an S3 URL every rank also uploads to (nodes)")
+    parser.add_argument("--remote-endpoint", help="the S3 server's URL (nodes)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)

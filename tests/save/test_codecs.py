@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 
 import pytest
@@ -96,37 +97,67 @@ def test_lossy_moments_stay_within_the_recorded_bound(tmp_path, codec, fmt):
 
 
 def test_codec_tensors_are_gated_but_encoding_is_not(tmp_path, monkeypatch):
-    """optimizer.step() waits for the raw copy of coded tensors, not for their encoding."""
+    """optimizer.step() waits for the raw copy of coded tensors, not for their encoding.
+
+    Ordered by events, not sleeps (a step slower than a 0.5 s encode on a busy machine used
+    to fail it): the raw copy of the segments starts only once a step waits in the gate, so
+    that step is stalled by it; every encode is held until the steps are done, so steps that
+    waited for an encode would not return before the 30 s hold (and the test fails).
+    The staging pool holds every buffer of the version: with one buffer (the default for a
+    state this small: staging_ratio 1.0 rounds up to one 16 MiB chunk) the copy waits for a
+    buffer back after each segment, i.e. for its encode, which is the pool's backpressure.
+    """
     import pcframe.save.write as pipeline_module
 
-    encode = pipeline_module.encode_segment
+    encode, fill = pipeline_module.encode_segment, Filler.segment
+    gated, steps_done = threading.Event(), threading.Event()
+    held: list[bool] = []  # per encode: released by the steps being done (else by timeout)
 
-    def slow_encode(*args):
-        time.sleep(0.5)
+    def held_encode(*args):
+        released = steps_done.wait(30.0)
+        steps_done.set()  # after a timeout: fail once, not once per segment
+        held.append(released)
         return encode(*args)
 
-    original_fill = Filler.segment
+    def late_fill(self, *args):
+        if not gated.wait(30.0):
+            gated.set()
+            raise AssertionError("no optimizer step waited for the coded tensors' copy")
+        time.sleep(0.05)  # the gate's stall is at least this
+        fill(self, *args)
 
-    def slow_fill(self, *args):
-        time.sleep(0.05)
-        original_fill(self, *args)
-
-    monkeypatch.setattr(pipeline_module, "encode_segment", slow_encode)
-    monkeypatch.setattr(Filler, "segment", slow_fill)
+    monkeypatch.setattr(pipeline_module, "encode_segment", held_encode)
+    monkeypatch.setattr(Filler, "segment", late_fill)
     model, optimizer, scheduler = small_training()
     train_steps(model, optimizer, scheduler, 2)
     codecs = {"model/*": "zstd", MOMENTS: "zstd"}
+    staging = {"chunk_bytes": 4096, "staging_bytes": 256 * 4096}
     with Checkpointer(
-        tmp_path, model=model, optimizer=optimizer, codecs=codecs, writer_threads=1
+        tmp_path, model=model, optimizer=optimizer, codecs=codecs, writer_threads=1, **staging
     ) as ckpt:
+        gate_waits = ckpt._flight.wait_for_copies
+
+        def waiting_in_the_gate(progresses):
+            gated.set()  # after the gate started timing its stall
+            gate_waits(progresses)
+
+        ckpt._flight.wait_for_copies = waiting_in_the_gate
         handle = ckpt.save(step=2)
         snapshot = {k: v.clone() for k, v in model.state_dict().items()}
         moments = {k: v.clone() for k, v in optimizer.state[next(model.parameters())].items()}
-        train_steps(model, optimizer, scheduler, 3)  # waits for slow_fill, not slow_encode
-        assert not handle.done(), "the step waited for encoding, not just for the copy"
+        try:
+            train_steps(model, optimizer, scheduler, 3)  # waits for late_fill, not held_encode
+            assert gated.is_set() and not held, "the steps waited for an encode"
+            assert not handle.done()
+        finally:
+            steps_done.set()
         assert handle.wait() == "committed"
         ckpt.wait()  # records are updated at the next engine call
+        assert held and all(held), "an encode was held until its timeout"
         assert ckpt.records[1].stall >= 0.05
+    manifest = read_manifest(str(tmp_path / "v00000001" / "manifest.json"))
+    buffers = len(manifest.chunks) + sum(len(s) for s in manifest.segments.values())
+    assert buffers <= 256, "the pool must stage the whole version for this test"
     model2, optimizer2, _ = small_training(seed=4)
     with Checkpointer(tmp_path, model=model2, optimizer=optimizer2) as ckpt:
         ckpt.restore()

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,6 +69,8 @@ class Tiers:
             the exponential backoff between them (seconds).
         drain_timeout: seconds :meth:`close` waits for queued replication before aborting it.
         secure_timeout: how long :meth:`secure` waits when the notice has no deadline.
+        external: tier names the placement may name that someone else fills (the peer tier
+            of a multi-rank job: :mod:`pcframe.distributed.job_tiers`); no replica here.
 
     :meth:`primary_only` is the null object a Checkpointer without tiers uses: the primary
     directory alone, no replication, no placement, restore sources from the primary.
@@ -91,6 +93,7 @@ class Tiers:
         backoff_max: float = 30.0,
         drain_timeout: float = 30.0,
         secure_timeout: float = 120.0,
+        external: Collection[str] = (),
     ) -> None:
         if retries < 0 or backoff <= 0 or backoff_max < backoff or drain_timeout < 0:
             raise TierError(
@@ -108,12 +111,16 @@ class Tiers:
         self.retries, self.backoff, self.backoff_max = retries, backoff, backoff_max
         self.drain_timeout = drain_timeout
         self.secure_timeout = secure_timeout
+        self.external = frozenset(external)
         # False only for the null object: no tier names, no placement, nothing to replicate.
         self.replicated = True
         self.primary_name = ""
         self.primary: WritableCheckpointDir | None = None
         self._replicators: dict[str, Replicator] = {}
         self._primary_keep: set[int] = set()
+        # Per replica tier, versions kept whatever the placement says (a multi-rank job's
+        # newest version whole in the object store: :meth:`hold`).
+        self._held: dict[str, set[int]] = {}
         self._primary_seconds: float | None = None
         self._delta_versions: set[int] = set()
         self._lock = threading.Lock()
@@ -164,7 +171,7 @@ class Tiers:
 
     def _validate(self, primary: WritableCheckpointDir) -> None:
         assert self.placement is not None
-        wanted = set(self.placement.tiers[1:])
+        wanted = set(self.placement.tiers[1:]) - self.external
         missing = sorted(wanted - set(self.replicas))
         if missing:
             raise TierError(
@@ -213,7 +220,8 @@ class Tiers:
         committed.update({n: r.committed() for n, r in self._replicators.items()})
         return committed
 
-    def _place(self, version: int, step: int, notice: Notice | None) -> PlacementDecision:
+    def place(self, version: int, step: int, notice: Notice | None) -> PlacementDecision:
+        """The placement's decision for ``version`` now (calls to it serialized)."""
         assert self.placement is not None
         ctx = PlacementContext(
             version, step, time.monotonic(), self.write_times(), self._committed(), notice
@@ -230,7 +238,7 @@ class Tiers:
         ctx = PlacementContext(job.version, job.step, time.monotonic(), {}, committed, None)
         with self._lock:
             decision = self.placement.place(ctx)
-        return set(decision.keep.get(name, ())) | {job.version}
+        return set(decision.keep.get(name, ())) | {job.version} | self._held.get(name, set())
 
     def follow(self, pipeline: SavePipeline) -> None:
         """Serve the engine's save ``pipeline``: each commit is routed to the tiers
@@ -252,11 +260,26 @@ class Tiers:
             self._delta_versions.add(version)
             log.info("version %d is a delta version: not replicated", version)
             return
-        decision = self._place(version, manifest.step, None)
+        decision = self.place(version, manifest.step, None)
         self._primary_keep = set(decision.keep.get(self.primary_name, ()))
         for name in decision.tiers:
-            if name != self.primary_name:
+            if name != self.primary_name and name not in self.external:
                 self._replicators[name].submit(Job(version, manifest.step))
+
+    def hold(self, name: str, versions: Collection[int]) -> None:
+        """Keep ``versions`` in replica tier ``name`` whatever the placement's retention says
+        (replacing what was held there before): the newest version a multi-rank job has
+        whole in its object store, which no rank may delete alone."""
+        with self._lock:
+            self._held[name] = set(versions)
+
+    def remote(self) -> tuple[str, list[int]] | None:
+        """The (first) non-local replica's name and its versions as last listed (no call),
+        or ``None`` without one."""
+        for name, replicator in self._replicators.items():
+            if not replicator.tier.local:
+                return name, sorted(replicator.committed())
+        return None
 
     def keep(self, committed: Sequence[int]) -> set[int]:
         """Retention reason: the primary keeps what the placement keeps for it and what
@@ -277,8 +300,8 @@ class Tiers:
         if not self.replicated:
             return None
         now = time.monotonic()
-        decision = self._place(version, step, notice or Notice(now, now + self.secure_timeout))
-        targets = [t for t in decision.tiers if t != self.primary_name]
+        decision = self.place(version, step, notice or Notice(now, now + self.secure_timeout))
+        targets = [t for t in decision.tiers if t != self.primary_name and t not in self.external]
         if not targets:
             return Secured(version, (self.primary_name,), True, decision.reason)
         if version in self._delta_versions:

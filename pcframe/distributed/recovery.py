@@ -1,0 +1,438 @@
+"""A multi-rank restore when the shards are not all where each rank reads them.
+
+After a VM is lost, its local disk and memory are gone: its ranks come back on an empty
+node, and the other nodes never had its shards on their own disks. What can still be had:
+
+* a shard in a root a rank reads (its own folder, or every rank's on a shared file system);
+* a copy in a node's memory kept by the peer tier (:mod:`pcframe.distributed.replication`);
+* a shard a restore fetched before (``<root>/.fetched/rank-<r>/vN``);
+* a shard in the object store (:mod:`pcframe.distributed.remote_shards`).
+
+:class:`Recovery` makes every shard of a global version readable on every rank before the
+usual restore reads it (:func:`~pcframe.distributed.verdict.load_newest`), in rounds, each
+collective on the restore's group:
+
+1. ``all_gather`` of what each rank can read (:class:`Holdings`; a root's leader, the lowest
+   rank that shares it, also sends the records it holds, rank 0 the object store's listing);
+2. the same plan on every rank (:func:`plan_round`): for each root that lacks a shard, one
+   of its ranks receives it from a rank that can read it, spread over the senders by
+   bytes; a shard no rank can read is downloaded from the object store by one rank of the
+   first root that needs it, and sent from there to the others the round after: each byte
+   of the object store is read once across the job;
+3. the transfers (every piece verified against the record's manifest checksum and the
+   manifest's chunk checksums); a copy that fails is not used again, and the next round
+   takes another holder.
+
+The rounds end when every root can read every shard (delta versions add their bases as they
+are found), or when a shard is nowhere: the version is then unavailable and the restore
+takes the previous one (said at WARNING, never quarantined).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from pcframe.distributed import global_versions
+from pcframe.distributed.global_versions import GlobalRecord, rank_dirname
+from pcframe.distributed.nodes import spread
+from pcframe.distributed.peers import peers
+from pcframe.distributed.remote_shards import RemoteShards
+from pcframe.distributed.shard_stream import receive_version, send_version
+from pcframe.errors import CheckpointError, ManifestError, TierError, UnsupportedCheckpoint
+from pcframe.format.manifest import read_manifest
+from pcframe.format.names import MANIFEST_NAME, version_name
+from pcframe.format.stripes import stored_data_bytes
+from pcframe.restore.sources import stop_at_unsupported
+
+log = logging.getLogger("pcframe")
+
+FETCHED = ".fetched"  # in a root: shards a restore fetched from a peer or the object store
+MAX_ROUNDS = 8
+_RANK_DIR = re.compile(r"^rank-(\d{1,7})$")
+_VERSION_DIR = re.compile(r"^v(\d{8,})$")
+
+
+class Kind(Enum):
+    """Where a rank found a shard it reads."""
+
+    LOCAL = "local disk"
+    PEER = "peer memory"
+    FETCHED = "fetched"
+    REMOTE = "object store"
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where one rank reads shards without the network: its root, what a restore fetched
+    into it, and the peer copies kept in its node's memory (``peer_base``: the folder of
+    every rank's peer store on this node)."""
+
+    root: Path
+    peer_base: Path | None = None
+
+    def folders(self) -> list[tuple[Kind, Path]]:
+        found = [(Kind.LOCAL, self.root), (Kind.FETCHED, self.root / FETCHED)]
+        if self.peer_base is not None and self.peer_base.is_dir():
+            found += [(Kind.PEER, d) for d in sorted(self.peer_base.iterdir()) if d.is_dir()]
+        return found
+
+    def find(self, src: int, version: int) -> tuple[Kind, Path] | None:
+        """Where ``src``'s shard of ``version`` is complete here, if anywhere."""
+        for kind, folder in self.folders():
+            path = folder / rank_dirname(src) / version_name(version)
+            if (path / MANIFEST_NAME).is_file():
+                return kind, path
+        return None
+
+    def readable(self) -> dict[int, dict[int, int]]:
+        """``{src: {version: base}}`` of every complete shard here (base 0: a full one)."""
+        found: dict[int, dict[int, int]] = defaultdict(dict)
+        for _, folder in self.folders():
+            for src, version, path in _shards(folder):
+                if version not in found[src]:
+                    found[src][version] = _base_of(path)
+        return {src: dict(v) for src, v in found.items()}
+
+    def fetch_path(self, src: int, version: int) -> Path:
+        return self.root / FETCHED / rank_dirname(src) / version_name(version)
+
+
+@dataclass
+class Holdings:
+    """What one rank tells the others at the start of a round."""
+
+    rank: int
+    readable: dict[int, dict[int, int]]  # src -> {version: base}
+    records: dict[int, bytes] = field(default_factory=dict)  # a root leader's record files
+    unsupported: tuple[int, str] | None = None  # (version, why): a newer-format newest record
+    remote: dict[int, list[int]] | None = None  # rank 0: src -> versions in the object store
+    bad: list[tuple[int, int, int]] = field(default_factory=list)  # (holder, src, version)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    sender: int
+    receiver: int
+    src: int  # the rank whose shard it is
+    version: int
+
+
+@dataclass(frozen=True)
+class Download:
+    reader: int
+    src: int
+    version: int
+
+
+@dataclass
+class FetchReport:
+    """What making a version readable cost this rank."""
+
+    peer_bytes: int = 0  # received from other ranks
+    remote_bytes: int = 0  # downloaded from the object store
+    sent_bytes: int = 0
+    seconds: float = 0.0
+    rounds: int = 0
+
+
+class Recovery:
+    """Makes every shard of a version readable on this rank (see the module docstring).
+
+    Args:
+        place: where this rank reads shards.
+        groups: per rank, the lowest rank that shares its root (one id per root).
+        rank, group: this rank and the restore's process group (every rank).
+        remote: the object store's copies, if the job has one.
+    """
+
+    def __init__(
+        self,
+        place: Place,
+        groups: Sequence[int],
+        rank: int,
+        group: Any,
+        remote: RemoteShards | None = None,
+    ) -> None:
+        self.place, self.groups, self.rank, self._group = place, list(groups), rank, group
+        self.remote = remote
+        self.bad: list[tuple[int, int, int]] = []
+        self.report = FetchReport()
+        self._remote_listing: dict[int, list[int]] | None = None
+
+    @property
+    def leader(self) -> bool:
+        return self.groups[self.rank] == self.rank
+
+    # --- records ---------------------------------------------------------------------------
+
+    def records(self) -> tuple[list[GlobalRecord], list[tuple[int, str]]]:
+        """Every valid record any root (or the object store) holds, newest first, and the
+        invalid ones (collective).
+
+        Raises:
+            UnsupportedCheckpoint: on every rank, when the newest record anywhere is of a
+                newer format (restoring an older one would drop its work).
+        """
+        holdings = self._gather(records=True)
+        by_version: dict[int, GlobalRecord] = {}
+        invalid: dict[int, str] = {}
+        unsupported = [h.unsupported for h in holdings if h.unsupported is not None]
+        for h in holdings:
+            for version, raw in sorted(h.records.items()):
+                where = f"rank {h.rank}'s copy of {version_name(version)}.json"
+                try:
+                    record = global_versions.record_from_bytes(raw, where)
+                except UnsupportedCheckpoint as exc:
+                    unsupported.append((version, str(exc)))
+                    continue
+                except ManifestError as exc:
+                    invalid.setdefault(version, str(exc))
+                    continue
+                by_version.setdefault(record.version, record)
+                invalid.pop(record.version, None)
+        newest = max(by_version, default=0)
+        newer = [(v, why) for v, why in unsupported if v > newest]
+        if newer:
+            back = "move that record out of global/ to restore an older version"
+            raise UnsupportedCheckpoint(
+                stop_at_unsupported("the newest global record", max(newer)[1], back)
+            )
+        good = [by_version[v] for v in sorted(by_version, reverse=True)]
+        return good, sorted(invalid.items(), reverse=True)
+
+    # --- making a version readable ----------------------------------------------------------
+
+    def gather_version(self, record: GlobalRecord) -> str:
+        """Fetch what this rank's root lacks of ``record`` (collective); ``""`` once every
+        rank can read every shard, else why the version cannot be had."""
+        start = time.perf_counter()
+        try:
+            for round_ in range(MAX_ROUNDS):
+                holdings = self._gather(records=False)
+                transfers, downloads, missing = plan_round(record, holdings, self.groups)
+                if missing:
+                    return missing
+                if not transfers and not downloads:
+                    return ""
+                self.report.rounds = round_ + 1
+                self._run(record, transfers, downloads)
+            return f"version {record.version}: shards still missing after {MAX_ROUNDS} rounds"
+        finally:
+            self.report.seconds += time.perf_counter() - start
+
+    def locate(self, src: int, version: int) -> Path:
+        """Where this rank reads ``src``'s shard of ``version`` (after :meth:`gather_version`);
+        its place in the root when it is nowhere (the read then names that path)."""
+        found = self.place.find(src, version)
+        if found is None:
+            return self.place.root / rank_dirname(src) / version_name(version)
+        return found[1]
+
+    def drop_copy(self, record: GlobalRecord, message: str) -> bool:
+        """Forget the copies (a peer's, or fetched) of ``record``'s shards that ``message``
+        (a read's error) names: the next gather brings them from another holder. False
+        when it names none (the damage is in a shard's own folder: the version's)."""
+        dropped = False
+        for shard in record.shards:
+            found = self.place.find(shard.rank, shard.version)
+            if found is not None and found[0] is not Kind.LOCAL and str(found[1]) in message:
+                shutil.rmtree(found[1], ignore_errors=True)
+                log.warning("restore: dropped the damaged copy %s", found[1])
+                dropped = True
+        return dropped
+
+    def kinds(self, record: GlobalRecord) -> dict[int, str]:
+        """Per shard of ``record``, where this rank reads it from (for the restore report)."""
+        kinds = {}
+        for shard in record.shards:
+            found = self.place.find(shard.rank, shard.version)
+            kinds[shard.rank] = found[0].value if found else "missing"
+        return kinds
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _gather(self, records: bool) -> list[Holdings]:
+        mine = Holdings(self.rank, self.place.readable(), bad=list(self.bad))
+        if records and self.leader:
+            try:
+                good, _ = global_versions.valid_records(self.place.root, refuse_newer=True)
+                mine.records = {r.version: r.to_bytes() for r in good}
+            except UnsupportedCheckpoint as exc:  # the newest record of this root
+                newest = max(global_versions.record_versions(self.place.root))
+                mine.unsupported = (newest, str(exc))
+        if self.rank == 0 and self.remote is not None:
+            if self._remote_listing is None:  # once per restore: nothing in it changes
+                self._remote_listing = self.remote.listing()
+            mine.remote = self._remote_listing
+            if records:
+                for version, raw in self.remote.records().items():
+                    mine.records.setdefault(version, raw)
+        gathered: list[Any] = [None] * len(self.groups)
+        with peers("restore: gathering what every rank holds"):
+            dist.all_gather_object(gathered, mine, group=self._group)
+        return gathered
+
+    def _run(
+        self, record: GlobalRecord, transfers: list[Transfer], downloads: list[Download]
+    ) -> None:
+        pinned = {s.rank: s.manifest_crc32c for s in record.shards}
+        for download in downloads:
+            if download.reader == self.rank:
+                self._download(download)
+        for t in transfers:
+            pin = pinned.get(t.src) if t.version == record.version else None
+            if t.sender == self.rank:
+                found = self.place.find(t.src, t.version)
+                directory = found[1] if found else self.place.fetch_path(t.src, t.version)
+                with peers("restore: sending a shard"):
+                    self.report.sent_bytes += send_version(directory, t.receiver, self._group)
+            elif t.receiver == self.rank:
+                self._receive(t, pin)
+
+    def _download(self, download: Download) -> None:
+        assert self.remote is not None
+        final = self.place.fetch_path(download.src, download.version)
+        shutil.rmtree(final, ignore_errors=True)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.remote.fetch(download.src, download.version, final)
+        except (CheckpointError, TierError, OSError) as exc:
+            shutil.rmtree(final, ignore_errors=True)
+            self.bad.append((-1, download.src, download.version))
+            log.warning(
+                "restore: rank %d's shard of version %d could not be downloaded from the "
+                "object store: %s",
+                download.src,
+                download.version,
+                exc,
+            )
+            return
+        self.report.remote_bytes += stored_data_bytes(final)
+
+    def _receive(self, t: Transfer, pin: str | None) -> None:
+        final = self.place.fetch_path(t.src, t.version)
+        staging = final.with_name(final.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with peers("restore: receiving a shard"):
+                manifest = receive_version(t.sender, staging, self._group, pin)
+        except (CheckpointError, ManifestError, OSError) as exc:
+            if not isinstance(exc, ManifestError) and "another rank" in str(exc):
+                raise  # the job is broken (a rank gone): no round can follow
+            shutil.rmtree(staging, ignore_errors=True)
+            self.bad.append((t.sender, t.src, t.version))
+            log.warning(
+                "restore: rank %d's copy of rank %d's shard of version %d was refused: %s",
+                t.sender,
+                t.src,
+                t.version,
+                exc,
+            )
+            return
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(staging, final)
+        self.report.peer_bytes += manifest.stored_bytes
+
+
+def plan_round(
+    record: GlobalRecord, holdings: Sequence[Holdings], groups: Sequence[int]
+) -> tuple[list[Transfer], list[Download], str]:
+    """One round's transfers and downloads, the same on every rank; the third value says
+    which shard is nowhere (the version cannot be had) or is ``""``."""
+    world = len(holdings)
+    readable: dict[tuple[int, int], list[int]] = defaultdict(list)  # (src, version) -> ranks
+    base: dict[tuple[int, int], int] = {}
+    for h in holdings:
+        for src, versions in h.readable.items():
+            for version, b in versions.items():
+                readable[(src, version)].append(h.rank)
+                base.setdefault((src, version), b)
+    bad = {(holder, src, version) for h in holdings for holder, src, version in h.bad}
+    remote = next((h.remote for h in holdings if h.remote is not None), None) or {}
+    sizes = {s.rank: max(s.nbytes, 1) for s in record.shards}
+    send_load, receive_load = [0] * world, [0] * world
+    transfers: list[Transfer] = []
+    downloads: list[Download] = []
+    claimed: set[tuple[int, int]] = set()  # downloads planned this round
+    members: dict[int, list[int]] = defaultdict(list)
+    for rank in range(world):
+        members[groups[rank]].append(rank)
+    for group in sorted(members):
+        ranks = members[group]
+        for shard in record.shards:
+            src, version = shard.rank, shard.version
+            while version:
+                key = (src, version)
+                holders = [r for r in readable.get(key, []) if (r, src, version) not in bad]
+                if not any(r in ranks for r in holders):
+                    weight = sizes.get(src, 1)
+                    if holders:
+                        sender = spread(send_load, holders)
+                        receiver = spread(receive_load, ranks)
+                        send_load[sender] += weight
+                        receive_load[receiver] += weight
+                        transfers.append(Transfer(sender, receiver, src, version))
+                    elif key in claimed:
+                        pass  # downloaded this round by another root: sent to this one next
+                    elif version in remote.get(src, []) and (-1, src, version) not in bad:
+                        reader = spread(receive_load, ranks)
+                        receive_load[reader] += weight
+                        downloads.append(Download(reader, src, version))
+                        claimed.add(key)
+                    else:
+                        where = "no rank holds it and it is not in the object store"
+                        return (
+                            [],
+                            [],
+                            (f"rank {src}'s shard of version {version} is nowhere ({where})"),
+                        )
+                version = base.get(key, 0)  # a delta's base, once some rank has read it
+    return sorted(transfers, key=_order), downloads, ""
+
+
+def _order(t: Transfer) -> tuple[int, int, int, int]:
+    return (t.sender, t.receiver, t.src, t.version)
+
+
+def _shards(folder: Path) -> list[tuple[int, int, Path]]:
+    """``(src, version, path)`` of every complete shard folder under ``folder``."""
+    found = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    for name in names:
+        match = _RANK_DIR.match(name)
+        if not match:
+            continue
+        try:
+            versions = os.listdir(folder / name)
+        except OSError:
+            continue
+        for version_dir in versions:
+            v = _VERSION_DIR.match(version_dir)
+            path = folder / name / version_dir
+            if v and (path / MANIFEST_NAME).is_file():
+                found.append((int(match.group(1)), int(v.group(1)), path))
+    return found
+
+
+def _base_of(path: Path) -> int:
+    try:
+        manifest = read_manifest(str(path / MANIFEST_NAME))
+    except (ManifestError, OSError):
+        return 0
+    return manifest.delta.base if manifest.delta is not None else 0

@@ -1,0 +1,303 @@
+"""The peer tier's transfers: each global version's shards copied to ranks on other nodes.
+
+Once a version is global and placed in the peer tier (the commit protocol's decision, the
+same on every rank), every rank sends its shard to its replica ranks
+(:func:`~pcframe.distributed.nodes.replica_ranks`) and receives the shards of the ranks it
+backs up into its :class:`~pcframe.store.tiers.peer.PeerStore`. One round per version, in
+version order, on a thread of its own with a gloo group nothing else uses (as the commit
+protocol's rounds, for the same reasons: training never waits for it, and its collectives
+never interleave with the job's):
+
+1. ``all_gather`` of the newest version each rank has queued: the round copies the oldest
+   of those (every rank has it), and versions older than it that are still queued are
+   skipped (a newer copy supersedes them: a slow peer costs versions, never memory);
+2. ``all_gather`` of what each rank offers: the version and, for a delta version, the base
+   versions it reads, with their sizes (a shard it cannot read offers nothing);
+3. ``all_gather`` of what each rank takes: per rank it backs up, the versions it lacks and
+   has room for (:meth:`PeerStore.make_room`); a copy that does not fit is declined;
+4. the transfers, in one order every rank follows (sender ascending, then receiver, bases
+   first), each a :func:`~pcframe.distributed.shard_stream.send_version` /
+   :func:`~pcframe.distributed.shard_stream.receive_version` pair, every piece verified;
+5. ``all_gather`` of the copies each rank now holds, so a sender knows its shard is safe
+   (:meth:`PeerReplication.copied`: what a preemption notice waits for).
+
+A peer that dies or stops answering breaks a transfer after the group's timeout: from then
+on this process replicates nothing (logged once; the status says so) and training goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from pcframe.distributed.global_versions import GlobalRecord
+from pcframe.distributed.nodes import NodeMap, backed_up_by, replica_ranks
+from pcframe.distributed.shard_stream import receive_version, send_version
+from pcframe.errors import CheckpointError, CorruptCheckpoint, ManifestError
+from pcframe.format.manifest import read_manifest
+from pcframe.format.names import MANIFEST_NAME
+from pcframe.format.stripes import stored_data_bytes
+from pcframe.runtime.threads import single_threaded_torch
+from pcframe.store.tiers.peer import PeerStore
+
+log = logging.getLogger("pcframe")
+
+
+@dataclass
+class PeerStatus:
+    """What the peer tier has done on this rank (read from any thread)."""
+
+    copied: list[int] = field(default_factory=list)  # versions whose round completed
+    skipped: int = 0  # queued versions superseded by a newer one before their round
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    declined: int = 0  # copies this rank had no room for
+    failed: list[str] = field(default_factory=list)  # copies refused (one line each)
+    seconds: float = 0.0  # in rounds, all told
+    broken: str = ""  # why replication stopped for this process ("" while it runs)
+
+
+class PeerReplication:
+    """The peer rounds of one rank (see the module docstring).
+
+    Args:
+        nodes: which ranks share a node.
+        rank: this rank.
+        replicas: copies of each shard on other nodes.
+        store: this rank's copies of the ranks it backs up.
+        shard_dir: the folder of one of this rank's own versions.
+        group: a gloo group of every rank, used by this thread alone.
+    """
+
+    def __init__(
+        self,
+        nodes: NodeMap,
+        rank: int,
+        replicas: int,
+        store: PeerStore,
+        shard_dir: Callable[[int], Path],
+        group: Any,
+    ) -> None:
+        self.nodes, self.rank, self.replicas = nodes, rank, replicas
+        self.store, self.shard_dir, self._group = store, shard_dir, group
+        self.targets = replica_ranks(nodes, rank, replicas)
+        self.sources = backed_up_by(nodes, rank, replicas)
+        self.status = PeerStatus()
+        # The newest version every shard of which reached all its peers: what a restore
+        # can have after losing any one node; and the versions queued or in a round here.
+        # The records' retention keeps both (:meth:`protected`).
+        self.secured = 0
+        self._undecided: set[int] = set()  # submitted, round not ended yet
+        self._records: queue.Queue[GlobalRecord | None] = queue.Queue()
+        self._done = threading.Condition()
+        self._decided: set[int] = set()  # versions whose round ended here (copied or not)
+        self._thread = threading.Thread(target=self._loop, name="pcframe-peers", daemon=True)
+        self._thread.start()
+
+    # --- used by the commit protocol's thread and the training thread --------------------
+
+    def submit(self, record: GlobalRecord) -> None:
+        """Copy ``record``'s version (every rank submits the same versions in order)."""
+        with self._done:
+            self._undecided.add(record.version)
+        self._records.put(record)
+
+    def wait(self, version: int, timeout: float | None = None) -> bool:
+        """Whether ``version``'s round ended here (copied, skipped or failed) in time."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._done:
+            while version not in self._decided and not self.status.broken:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._done.wait(left)
+            return version in self._decided
+
+    def protected(self) -> frozenset[int]:
+        """The global versions whose records (and so shards) must stay: the newest secured
+        one, and those this rank may still copy (a lost node's shards exist only there)."""
+        with self._done:
+            return frozenset(self._undecided | {self.secured})
+
+    def copied(self, version: int) -> bool:
+        """Whether every copy of this rank's shard of ``version`` reached its peers."""
+        return version in self.status.copied
+
+    def close(self) -> None:
+        """Finish the rounds submitted (every rank submitted the same), then stop."""
+        self._records.put(None)
+        self._thread.join()
+
+    def stop(self, timeout: float) -> bool:
+        """Stop without finishing (this rank leaves on an error): whether the thread ended
+        within ``timeout`` s (else it is inside a collective of the peer group)."""
+        self.status.broken = self.status.broken or "this rank closed after an exception"
+        self._records.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # --- the round thread ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        single_threaded_torch()
+        pending: list[GlobalRecord] = []
+        closing = False
+        while not closing or pending:
+            if not pending:
+                item = self._records.get()
+                if item is None:
+                    return
+                pending.append(item)
+            while True:  # take what else is queued: a round copies the newest all have
+                try:
+                    more = self._records.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:  # close(): the rounds every rank was given still run
+                    closing = True
+                    break
+                pending.append(more)
+            if self.status.broken:
+                self._finish([r.version for r in pending], copied=False)
+                pending.clear()
+                continue
+            pending = self._round(pending)
+
+    def _round(self, pending: list[GlobalRecord]) -> list[GlobalRecord]:
+        """One round; returns the records still queued for a later one."""
+        start = time.perf_counter()
+        try:
+            newest: list[Any] = [None] * self.nodes.world_size
+            dist.all_gather_object(newest, pending[-1].version, group=self._group)
+            version = min(newest)
+            record = next((r for r in pending if r.version == version), None)
+            if record is None:  # another rank is ahead of what this rank has been told
+                raise CheckpointError(f"peer round for version {version}: not published here")
+            older = [r.version for r in pending if r.version < version]
+            self.status.skipped += len(older)
+            self._finish(older, copied=False)
+            self._copy(record)
+        except RuntimeError as exc:  # a peer died or stopped answering: stop replicating
+            self.status.broken = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            log.error(
+                "peer tier: replication stopped on rank %d (%s); versions stay on local disk "
+                "and in the other tiers; restart the job to resume it",
+                self.rank,
+                self.status.broken,
+            )
+            self._finish([r.version for r in pending], copied=False)
+            return []
+        self.status.seconds += time.perf_counter() - start
+        return [r for r in pending if r.version > record.version]
+
+    def _copy(self, record: GlobalRecord) -> None:
+        """Steps 2-4 of a round for ``record`` (collective on the peer group)."""
+        offers: list[Any] = [None] * self.nodes.world_size
+        dist.all_gather_object(offers, self._offer(record.version), group=self._group)
+        wants: list[Any] = [None] * self.nodes.world_size
+        dist.all_gather_object(wants, self._want(offers), group=self._group)
+        pinned = {s.rank: s.manifest_crc32c for s in record.shards}
+        kept: list[tuple[int, int]] = []  # (src, version) this rank now holds
+        for src, dst, version in _transfers(wants):
+            if src == self.rank:
+                self.status.sent_bytes += send_version(self.shard_dir(version), dst, self._group)
+            elif dst == self.rank:
+                pin = pinned.get(src) if version == record.version else None
+                if self._receive(src, version, pin):
+                    kept.append((src, version))
+        for src, wanted in (wants[self.rank] or {}).items():  # held already: nothing was sent
+            if not wanted:
+                kept.append((src, record.version))
+        holders: list[Any] = [None] * self.nodes.world_size
+        dist.all_gather_object(holders, kept, group=self._group)
+        mine = (self.rank, record.version)
+        safe = all(mine in (holders[dst] or []) for dst in self.targets)
+        everywhere = all(  # every rank's shard on every one of its peers: the same on all
+            (src, record.version) in (holders[dst] or [])
+            for src in range(self.nodes.world_size)
+            for dst in replica_ranks(self.nodes, src, self.replicas)
+        )
+        if everywhere:
+            self.secured = max(self.secured, record.version)
+        self._finish([record.version], copied=safe)
+
+    def _offer(self, version: int) -> list[tuple[int, int]] | None:
+        """``[(version, bytes)]`` this rank can send for ``version``, bases first."""
+        chain, current = [], version
+        try:
+            while True:
+                directory = self.shard_dir(current)
+                chain.append((current, stored_data_bytes(directory)))
+                manifest = read_manifest(str(directory / MANIFEST_NAME))
+                if manifest.delta is None:
+                    return chain[::-1]
+                current = manifest.delta.base
+        except (OSError, ManifestError) as exc:
+            log.warning("peer tier: rank %d cannot offer version %d: %s", self.rank, version, exc)
+            return None
+
+    def _want(self, offers: list[Any]) -> dict[int, list[int]]:
+        """Per backed-up rank, the offered versions this rank lacks and has room for."""
+        held, wanted = self.store.held(), {}
+        for src in self.sources:
+            chain = offers[src]
+            if chain is None:
+                continue
+            missing = [(v, n) for v, n in chain if v not in held.get(src, [])]
+            if not missing:
+                wanted[src] = []
+                continue
+            room = all(self.store.make_room(src, v, n) for v, n in missing)
+            if not room or sum(n for _, n in missing) > self.store.budget:
+                self.status.declined += 1
+                log.warning(
+                    "peer tier: rank %d has no room for rank %d's version %d (%d bytes, budget "
+                    "%d): declined",
+                    self.rank,
+                    src,
+                    chain[-1][0],
+                    sum(n for _, n in missing),
+                    self.store.budget,
+                )
+                continue
+            wanted[src] = [v for v, _ in missing]
+        return wanted
+
+    def _receive(self, src: int, version: int, pin: str | None) -> bool:
+        staging = self.store.staging(src, version)
+        try:
+            manifest = receive_version(src, staging, self._group, pin)
+        except (CorruptCheckpoint, ManifestError, OSError) as exc:
+            self.store.discard(staging)
+            self.status.failed.append(f"rank {src} v{version}: {exc}")
+            log.warning("peer tier: copy of rank %d's version %d refused: %s", src, version, exc)
+            return False
+        self.store.commit(src, version, staging)
+        self.status.received_bytes += manifest.stored_bytes
+        return True
+
+    def _finish(self, versions: list[int], copied: bool) -> None:
+        with self._done:
+            self._decided.update(versions)
+            self._undecided.difference_update(versions)
+            if copied:
+                self.status.copied.extend(versions)
+            self._done.notify_all()
+
+
+def _transfers(wants: list[Any]) -> list[tuple[int, int, int]]:
+    """``(src, dst, version)`` of every copy, in the one order every rank follows."""
+    return sorted(
+        (src, dst, version)
+        for dst, wanted in enumerate(wants)
+        for src, versions in (wanted or {}).items()
+        for version in versions
+    )

@@ -1,0 +1,201 @@
+"""The peer tier's store on one rank: copies of other ranks' shards, in this node's memory.
+
+A spot preemption takes a VM with its local disk and its memory, so the newest versions are
+safe only once they are on another node. Each rank keeps, in a folder of its node's memory
+(``/dev/shm`` by default: it outlives the worker process, so a job restarted on this node
+finds it), verified copies of the shards of the ranks it backs up
+(:func:`pcframe.distributed.nodes.backed_up_by`)::
+
+    <directory>/rank-<src>/vNNNNNNNN/    an exact copy of rank src's shard directory
+    <directory>/rank-<src>/vNNNNNNNN.tmp  a copy on its way (never listed; swept at start)
+
+A copy is written into ``.tmp`` by :func:`~pcframe.distributed.shard_stream.receive_version`
+(every piece checked) and renamed into place, so a listed copy is complete. The store holds
+at most ``budget`` bytes: before a copy is received the oldest copies beyond ``keep`` per
+rank go, then the oldest others, but never the base of a delta copy it keeps; a copy that
+does not fit even then is declined (the sender is told, nothing waits). :class:`PeerStore`
+is this bookkeeping; the transfers are :mod:`pcframe.distributed.replication`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import shutil
+import threading
+from pathlib import Path
+
+from pcframe.errors import TierError
+from pcframe.format.manifest import read_manifest
+from pcframe.format.names import MANIFEST_NAME, version_name
+from pcframe.format.stripes import stored_data_bytes
+from pcframe.store.tiers.memory import SHM
+
+log = logging.getLogger("pcframe.store.tiers")
+
+_RANK_DIR = re.compile(r"^rank-(\d{1,7})$")
+_VERSION_DIR = re.compile(r"^v(\d{8,})$")
+DEFAULT_BUDGET_SHARE = 0.5  # of the memory file system's free space when no budget is given
+
+
+def default_peer_directory(root: Path, base: Path = SHM) -> Path:
+    """Where a job writing ``root`` keeps peer copies on this node: the same folder for every
+    restart of the job (named after the root), a different one for another job."""
+    key = hashlib.sha1(str(Path(root).resolve()).encode()).hexdigest()[:12]
+    return base / "pcframe-peers" / key
+
+
+class PeerStore:
+    """Verified copies of other ranks' shards on this rank, within ``budget`` bytes.
+
+    Args:
+        directory: this rank's folder of copies (created; ``rank-<src>/`` inside).
+        budget: bytes of copies held at most (``None``: half the free space of the file
+            system the folder is on, measured at start).
+        keep: copies kept per backed-up rank (the newest; the bases of delta copies too).
+    """
+
+    def __init__(self, directory: Path, budget: int | None = None, keep: int = 2) -> None:
+        if keep < 1:
+            raise TierError(f"peer tier: keep={keep} must be >= 1")
+        self.directory = Path(directory)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TierError(
+                f"peer tier: cannot create {self.directory} ({exc.strerror}); give "
+                "peer_dir= a writable folder in this node's memory (e.g. under /dev/shm)"
+            ) from exc
+        if budget is None:
+            free = shutil.disk_usage(self.directory).free
+            budget = int(free * DEFAULT_BUDGET_SHARE)
+        if budget < 0:
+            raise TierError(f"peer tier: budget={budget} bytes must be >= 0")
+        self.budget, self.keep = int(budget), keep
+        self._lock = threading.Lock()
+        self.swept = self._sweep()
+
+    # --- listing ---------------------------------------------------------------------------
+
+    def path(self, src: int, version: int) -> Path:
+        return self.directory / f"rank-{src}" / version_name(version)
+
+    def held(self) -> dict[int, list[int]]:
+        """Complete copies by backed-up rank: ``{src: [versions, oldest first]}``."""
+        found: dict[int, list[int]] = {}
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.directory):
+                match = _RANK_DIR.match(name)
+                if not match:
+                    continue
+                versions = [
+                    int(v.group(1))
+                    for v in map(_VERSION_DIR.match, os.listdir(self.directory / name))
+                    if v
+                ]
+                if versions:
+                    found[int(match.group(1))] = sorted(versions)
+        return found
+
+    def held_bytes(self) -> int:
+        return sum(self._size(src, v) for src, versions in self.held().items() for v in versions)
+
+    # --- receiving -------------------------------------------------------------------------
+
+    def make_room(self, src: int, version: int, nbytes: int) -> bool:
+        """Prune so that a copy of ``nbytes`` for ``(src, version)`` fits; False if it does
+        not fit even with every prunable copy gone (the copy is then declined).
+
+        The newest copy of every rank stays until a newer one is in place (a failed transfer
+        never costs the last good copy), and so does every base a kept delta copy reads.
+        """
+        with self._lock:
+            if nbytes > self.budget:
+                return False
+            held = self.held()
+            used = sum(self._size(s, v) for s, vs in held.items() for v in vs)
+            kept = {(s, vs[-1]) for s, vs in held.items()} | self._bases_needed(held)
+            for v, s in sorted((v, s) for s, vs in held.items() for v in vs):  # oldest first
+                if used + nbytes <= self.budget:
+                    break
+                if (s, v) not in kept:
+                    used -= self._size(s, v)
+                    self._remove(s, v)
+            return used + nbytes <= self.budget
+
+    def staging(self, src: int, version: int) -> Path:
+        """A fresh ``.tmp`` folder path for a copy (any leftover there removed)."""
+        staging = self.path(src, version).with_name(f"{version_name(version)}.tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.parent.mkdir(parents=True, exist_ok=True)
+        return staging
+
+    def commit(self, src: int, version: int, staging: Path) -> None:
+        """The verified copy in ``staging`` becomes listed (replacing an older copy of it)."""
+        final = self.path(src, version)
+        with self._lock:
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(staging, final)
+            self._prune_beyond_keep(src)
+
+    def discard(self, staging: Path) -> None:
+        shutil.rmtree(staging, ignore_errors=True)
+
+    # --- the restore's side ---------------------------------------------------------------
+
+    def forget(self, src: int, version: int) -> None:
+        """Drop a copy found damaged (a restore reads it and it fails its checksums)."""
+        with self._lock:
+            self._remove(src, version)
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _size(self, src: int, version: int) -> int:
+        try:
+            return stored_data_bytes(self.path(src, version))
+        except OSError:
+            return 0
+
+    def _remove(self, src: int, version: int) -> None:
+        shutil.rmtree(self.path(src, version), ignore_errors=True)
+
+    def _prune_beyond_keep(self, src: int) -> None:
+        versions = self.held().get(src, [])
+        keep = set(versions[-self.keep :])
+        keep |= {b for s, b in self._bases_needed({src: sorted(keep)}) if s == src}
+        for version in versions:
+            if version not in keep:
+                self._remove(src, version)
+
+    def _bases_needed(self, held: dict[int, list[int]]) -> set[tuple[int, int]]:
+        """``(src, version)`` of every base a held delta copy reads (its whole chain)."""
+        needed: set[tuple[int, int]] = set()
+        for src, versions in held.items():
+            for version in versions:
+                current = version
+                while True:
+                    try:
+                        manifest = read_manifest(str(self.path(src, current) / MANIFEST_NAME))
+                    except Exception:  # a copy that cannot be read bases nothing
+                        break
+                    if manifest.delta is None:
+                        break
+                    current = manifest.delta.base
+                    needed.add((src, current))
+        return needed
+
+    def _sweep(self) -> list[str]:
+        """Remove copies left half-received by a process that died (``*.tmp``)."""
+        removed = []
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.directory):
+                if not _RANK_DIR.match(name):
+                    continue
+                for leftover in os.listdir(self.directory / name):
+                    if leftover.endswith(".tmp"):
+                        shutil.rmtree(self.directory / name / leftover, ignore_errors=True)
+                        removed.append(f"{name}/{leftover}")
+        return removed

@@ -1,0 +1,104 @@
+"""The peer tier under faults and habits: a preemption notice on one node, a slow peer, a
+restart on fewer nodes, a node killed at a random moment (4 real gloo ranks as 2 "nodes")."""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+
+from pcframe.distributed import global_versions as rec
+from tests.distributed.nodes_kit import NODES, final, job, lose_node
+
+
+def test_a_notice_on_one_node_secures_its_newest_state_on_a_peer_first(tmp_path):
+    """Rank 2's VM gets a notice at step 5 (between periodic saves): every rank saves, and
+    rank 2 learns its shard of that version is in a peer's memory before it goes on."""
+    runs = job(
+        tmp_path, tmp_path / "ckpt", "notice", 6, "--emergency-at", "5", "--emergency-rank", "2"
+    )
+    version, tiers, durable = runs[2]["secured"]
+    assert tiers == ["peers"] and durable, runs[2]
+    copy = tmp_path / "ckpt" / "a-shm" / "kept-by-rank-0" / "rank-2" / f"v{version:08d}"
+    assert (copy / "manifest.json").is_file()
+
+
+def test_a_slow_peer_costs_copies_not_training_time(tmp_path):
+    """Rank 3 takes 1 s to keep each copy it receives; saves every step: the training loop
+    is not held up by it (each save call returns at once), versions queued meanwhile are
+    superseded by newer ones, and the newest still reaches every peer by the close."""
+    runs = job(tmp_path, tmp_path / "ckpt", "slow", 12, "--every", "1", "--slow-peer", "3")
+    assert all(r["slowest_call"] < 0.9 for r in runs), [r["slowest_call"] for r in runs]
+    assert any(r["skipped"] > 0 for r in runs), runs  # superseded while rank 3 lagged
+    assert all(12 in r["copied"] for r in runs)  # the newest version is on its peers
+
+
+def test_a_restart_on_fewer_nodes_reshards_reading_the_copies_in_its_memory(tmp_path, reference):
+    """Node b is gone for good: the job goes on with node a's 2 ranks, reading b's shards
+    from the copies in a's memory, and the state is laid out for 2 ranks (resharded)."""
+    root = tmp_path / "ckpt"
+    job(tmp_path, root, "first", 9)
+    lose_node(root, "b")
+    runs = job(tmp_path, root, "two", 9, nodes={0: "a", 1: "a"})
+    assert [r["restored_step"] for r in runs] == [9, 9]
+    assert runs[0]["shard_sources"] == {
+        "0": "local disk",
+        "1": "local disk",
+        "2": "peer memory",
+        "3": "peer memory",
+    }
+    for rank in (0, 1):  # model and optimizer as the 4-rank run had them at step 9
+        expected = final(reference, "reference", rank, 9)
+        got = load_file(tmp_path / "out" / f"nodes-two-r{rank}-at9.safetensors")
+        for key in expected:
+            if key.startswith(("model/", "optimizer/", "scheduler/")):
+                assert torch.equal(expected[key], got[key]), (rank, key)
+
+
+def test_a_node_killed_at_a_random_moment_comes_back_from_what_was_secured(tmp_path, reference):
+    """SIGKILL node b's ranks at a random moment (in a save, a copy, between them), then
+    the VM is gone; the job restarts and restores the newest version every shard of which
+    survived, exactly as the uninterrupted run had it, losing at most two intervals."""
+    import random
+    import signal
+    import time
+
+    from tests.distributed.launch import REPO, base_env, free_port
+    from tests.warm import WarmProcess
+
+    rng = random.Random(7)
+    out, root = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    env = {**base_env(), "WORLD_SIZE": "4", "MASTER_PORT": str(free_port())}
+    args = ["nodes", "--root", str(root), "--out", str(out), "--tag", "killed", "--steps", "60"]
+    procs = []
+    for rank, node in NODES.items():
+        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "PCFRAME_NODE": node}
+        log = tmp_path / f"killed-{rank}.log"
+        procs.append(WarmProcess("tests.distributed.worker", args, env=rank_env, cwd=REPO, log=log))
+    first_record = root / "a" / "global" / "v00000001.json"
+    deadline = time.monotonic() + 120
+    while not first_record.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(rng.uniform(0.0, 1.5))
+    for proc in procs[2:]:
+        proc.send_signal(signal.SIGKILL)  # node b's VM is taken
+    for proc in procs:  # the launcher ends the rest of the job
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    lose_node(root, "b")
+    copies = root / "a-shm"
+    had = [  # the global versions whose lost shards both had a copy on node a
+        v
+        for v in rec.record_versions(root / "a")
+        if all(list(copies.glob(f"kept-by-rank-*/rank-{r}/v{v:08d}")) for r in (2, 3))
+    ]
+    assert had, "no version was secured on a peer before the kill"
+    resumed = job(tmp_path, root, "after", 60)
+    restored = resumed[0]["restored_step"]
+    assert [r["restored_step"] for r in resumed] == [restored] * 4
+    assert restored == 3 * max(had)  # the newest version every shard of which survived
+    for rank in range(4):
+        expected = final(reference, "reference", rank, restored)
+        got = final(tmp_path, "after", rank, restored)
+        for key in expected:
+            assert torch.equal(expected[key], got[key]), (rank, key)

@@ -1,0 +1,182 @@
+"""The peer tier's pieces: node placement, the verified shard stream between two real gloo
+ranks, and the store's budget and retention."""
+
+from __future__ import annotations
+
+import filecmp
+import multiprocessing
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from pcframe import Checkpointer
+from pcframe.distributed.nodes import NodeMap, backed_up_by, check_replicas, replica_ranks
+from pcframe.errors import CorruptCheckpoint
+from pcframe.restore.reader import load_version
+from pcframe.store.tiers.peer import PeerStore
+from tests.distributed.launch import free_port
+from tests.helpers import flip_byte
+
+# --- where copies go ------------------------------------------------------------------------
+
+
+def test_copies_go_to_the_same_position_on_the_next_nodes_never_the_own_node():
+    nodes = NodeMap(("a", "a", "b", "b"))
+    assert [replica_ranks(nodes, r, 1) for r in range(4)] == [(2,), (3,), (0,), (1,)]
+    assert [backed_up_by(nodes, r, 1) for r in range(4)] == [(2,), (3,), (0,), (1,)]
+    three = NodeMap(("a", "a", "b", "c", "c"))  # uneven nodes: positions wrap
+    for rank in range(5):
+        targets = replica_ranks(three, rank, 3)
+        assert len(targets) == 2  # two other nodes: at most two safe copies
+        assert all(not three.same_node(rank, t) for t in targets)
+        assert len({three.node_of(t) for t in targets}) == 2
+        for t in targets:
+            assert rank in backed_up_by(three, t, 3)
+    assert replica_ranks(NodeMap(("a", "a")), 0, 2) == ()  # one node: nowhere safe
+    with pytest.raises(ValueError, match="replicas=4"):
+        check_replicas(4)
+
+
+# --- the shard stream, between two real ranks -------------------------------------------------
+
+
+def _two_ranks(target, *args) -> list[object]:
+    """Run ``target(rank, group, *args)`` on two gloo ranks; what each returned (or the
+    traceback text of what it raised)."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    procs = [
+        context.Process(target=_rank_main, args=(rank, port, results, target, args))
+        for rank in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    out: dict[int, object] = {}
+    for _ in procs:
+        rank, value = results.get(timeout=120)
+        out[rank] = value
+    for proc in procs:
+        proc.join(timeout=30)
+    return [out[0], out[1]]
+
+
+def _rank_main(rank: int, port: int, results, target, args) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        results.put((rank, target(rank, dist.group.WORLD, *args)))
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def _save(directory: Path, **engine) -> Path:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    with Checkpointer(directory, model=model, optimizer=optimizer, **engine) as ckpt:
+        ckpt.save(1).wait()
+    return directory / "v00000001"
+
+
+def _streams(rank, group, cases: list[tuple[str, str, str | None]]):
+    """Each case (sent folder, receiving folder, pinned manifest checksum) in turn: rank 0
+    sends, rank 1 receives; what rank 1 got of each."""
+    from pcframe.distributed.shard_stream import receive_version, send_version
+
+    outcomes = []
+    for sent, received, pin in cases:
+        if rank == 0:
+            send_version(Path(sent), 1, group)
+            continue
+        try:
+            manifest = receive_version(0, Path(received), group, pin)
+            outcomes.append(("ok", manifest.version))
+        except CorruptCheckpoint as exc:
+            outcomes.append(("refused", str(exc)))
+    return outcomes
+
+
+def test_the_shard_stream_copies_verified_files_and_refuses_anything_else(tmp_path):
+    """One pair of real gloo ranks, several transfers in a row (each must end on both sides,
+    or the next one would read the rest of it):
+
+    1-2. a plain version and a striped, coded one arrive byte for byte and verify;
+    3. a damaged chunk is refused, naming the file and where;
+    4. a manifest other than the pinned one is refused;
+    5. a sender without the version says so;
+    6. the stream is still in step: a good version after all that arrives.
+    """
+    plain = _save(tmp_path / "plain")
+    coded = _save(tmp_path / "coded", stripes=2, codecs={"optimizer": "zstd"}, chunk_bytes=4096)
+    damaged = _save(tmp_path / "damaged", chunk_bytes=4096)
+    flip_byte(damaged / "data.bin", 5000)  # the second chunk
+    into = tmp_path / "in"
+    cases = [
+        (str(plain), str(into / "plain"), None),
+        (str(coded), str(into / "coded"), None),
+        (str(damaged), str(into / "damaged"), None),
+        (str(plain), str(into / "pinned"), "0badc0de"),
+        (str(tmp_path / "nothing"), str(into / "nothing"), None),
+        (str(coded), str(into / "again"), None),
+    ]
+    _, received = _two_ranks(_streams, cases)
+    assert received[0] == ("ok", 1) and received[1] == ("ok", 1), received
+    for sent, name in ((plain, "plain"), (coded, "coded")):
+        copy = into / name
+        assert sorted(os.listdir(copy)) == sorted(os.listdir(sent))
+        for file in os.listdir(sent):
+            assert filecmp.cmp(sent / file, copy / file, shallow=False), (name, file)
+        load_version(copy, version=1)  # every chunk checksummed again by the engine's reader
+    assert received[2][0] == "refused", received[2]
+    assert "data.bin: checksum mismatch at byte 4096" in received[2][1]
+    assert received[3][0] == "refused" and "the record pins" in received[3][1], received[3]
+    assert received[4][0] == "refused" and "no readable copy" in received[4][1], received[4]
+    assert received[5] == ("ok", 1), received[5]
+
+
+# --- the store ---------------------------------------------------------------------------------
+
+
+def _copy_in(store: PeerStore, src: int, version: int, source: Path) -> None:
+    staging = store.staging(src, version)
+    staging.mkdir(parents=True)
+    for name in os.listdir(source):
+        (staging / name).write_bytes((source / name).read_bytes())
+    store.commit(src, version, staging)
+
+
+def test_the_store_keeps_the_newest_per_rank_and_stays_within_its_budget(tmp_path):
+    sent = _save(tmp_path / "sender")
+    size = sum(os.path.getsize(sent / n) for n in os.listdir(sent) if n.endswith(".bin"))
+    store = PeerStore(tmp_path / "peers", budget=3 * size, keep=2)
+    for version in (1, 2, 3):
+        assert store.make_room(0, version, size)
+        _copy_in(store, 0, version, sent)
+    assert store.held() == {0: [2, 3]}  # keep=2
+    assert store.make_room(1, 1, size)
+    _copy_in(store, 1, 1, sent)
+    assert store.held_bytes() <= store.budget
+    # A fourth copy fits only by dropping an old one; the newest of each rank stays.
+    assert store.make_room(1, 2, size)
+    assert store.held() == {0: [3], 1: [1]}
+    assert not store.make_room(1, 3, 4 * size)  # larger than the whole budget: declined
+    assert store.held() == {0: [3], 1: [1]}  # declining costs nothing
+
+
+def test_half_received_copies_are_swept_at_start(tmp_path):
+    store = PeerStore(tmp_path / "peers", budget=1 << 20)
+    staging = store.staging(2, 5)
+    staging.mkdir(parents=True)
+    (staging / "data.bin").write_bytes(b"x")
+    again = PeerStore(tmp_path / "peers", budget=1 << 20)
+    assert again.swept == ["rank-2/v00000005.tmp"] and again.held() == {}
