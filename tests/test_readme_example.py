@@ -17,6 +17,7 @@ from pcframe.store.directory import CheckpointDir
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 STEPS = 1000  # long enough that every kill lands mid-run on a fast machine
+FOLDER = "ckpts-loop"  # the script's checkpoint folder (each README example has its own)
 
 
 def readme_script(directory: Path) -> Path:
@@ -35,11 +36,11 @@ def run(python, env, workdir: Path, steps: int) -> subprocess.Popen:
 
 
 def newest(workdir: Path) -> int:
-    return max(CheckpointDir(workdir / "ckpts").committed_versions(), default=0)
+    return max(CheckpointDir(workdir / FOLDER).committed_versions(), default=0)
 
 
 def final_state(workdir: Path) -> dict[str, torch.Tensor]:
-    directory = CheckpointDir(workdir / "ckpts")
+    directory = CheckpointDir(workdir / FOLDER)
     loaded = load_version(directory.path(directory.committed_versions()[-1]))
     return {"step": loaded.manifest.step, **loaded.named_tensors()}
 

@@ -1,6 +1,6 @@
 """Smallest working example: torch.distributed.checkpoint saving into pcframe.
 
-    python examples/integrations/dcp_example.py [CHECKPOINT_DIR]
+    python examples/integrations/dcp_example.py [CHECKPOINT_DIR]   # default: ./ckpts-dcp
 
 Trains a tiny model for 20 steps, saving model + AdamW state every 5 steps with plain
 ``dcp.save`` (pcframe's StorageWriter is the only change), then builds a fresh model and
@@ -61,4 +61,4 @@ def main(root: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "dcp-ckpt")
+    main(sys.argv[1] if len(sys.argv) > 1 else "ckpts-dcp")

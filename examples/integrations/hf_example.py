@@ -1,6 +1,6 @@
 """The smallest transformers.Trainer run checkpointed by pcframe: run it, kill it, run it again.
 
-python hf_example.py      # checkpoints in ./ckpts; a second run resumes from there
+python hf_example.py      # checkpoints in ./ckpts-hf; a second run resumes from there
 """
 
 import torch
@@ -40,7 +40,7 @@ args = TrainingArguments(
     use_cpu=True,
     disable_tqdm=True,
 )
-callback = PcframeCallback("ckpts", save_steps=10)  # or policy="young"
+callback = PcframeCallback("ckpts-hf", save_steps=10)  # or policy="young"
 trainer = Trainer(
     LlamaForCausalLM(config), args, train_dataset=RandomTokens(), callbacks=[callback]
 )

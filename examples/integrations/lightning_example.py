@@ -1,6 +1,6 @@
 """The smallest Lightning run checkpointed by pcframe: run it, kill it, run it again.
 
-python lightning_example.py      # checkpoints in ./ckpts; a second run resumes from there
+python lightning_example.py      # checkpoints in ./ckpts-lightning; a second run resumes from there
 """
 
 import lightning.pytorch as pl
@@ -32,7 +32,7 @@ data = TensorDataset(torch.randn(256, 16), torch.randn(256, 1))
 loader = ResumableLoader(
     DataLoader(data, batch_size=32, sampler=ResumableSampler(len(data), seed=0))
 )
-checkpoint = PcframeCheckpoint("ckpts", every_n_train_steps=10)  # or policy="young"
+checkpoint = PcframeCheckpoint("ckpts-lightning", every_n_train_steps=10)  # or policy="young"
 trainer = pl.Trainer(max_steps=50, callbacks=[checkpoint], logger=False, enable_progress_bar=False)
 trainer.fit(Regressor(), train_dataloaders=loader)  # resumes from the newest valid version
 if checkpoint.resumed_step is not None:

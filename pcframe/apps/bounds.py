@@ -106,7 +106,14 @@ WORKLOAD_ARGS = {
     },
 }
 
-APP_KEYS = {"run": {"steps": _count("training steps"), **FAILURE}, "tune": TUNE}
+APP_KEYS = {
+    "run": {
+        "steps": _count("training steps"),
+        "baseline_runs": _count("runs without checkpointing; 3 or more give the overhead a ±"),
+        **FAILURE,
+    },
+    "tune": TUNE,
+}
 
 _ABSENT = object()
 

@@ -16,6 +16,7 @@ import difflib
 import os
 import re
 import sys
+import textwrap
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -165,14 +166,25 @@ def describe_error(exc: BaseException, app: str | None = None) -> tuple[int, str
     return 1, None
 
 
-def _mismatch(exc: StateMismatch, shown: int = 3) -> str:
-    """A :class:`StateMismatch` (a line, then one line per mismatch) on one line."""
+def error_text(exc: BaseException, advice: bool = True) -> str:
+    """``exc``'s message on one line (the ``pcframe`` CLI has its own, ``cli._one_line``,
+    so that it never imports Hydra): a :class:`StateMismatch` as its first few mismatches,
+    with its closing advice unless ``advice=False`` (where the caller gives the app's fix:
+    the library's, ``restore(strict=False)``, means nothing to an app's user)."""
+    if isinstance(exc, StateMismatch):
+        return _mismatch(exc, advice=advice)
+    return _flat(str(exc))
+
+
+def _mismatch(exc: StateMismatch, shown: int = 3, advice: bool = True, width: int = 160) -> str:
+    """A :class:`StateMismatch` (a line, then one line per mismatch) on one line; each
+    mismatch cut to ``width`` characters (a model's missing keys run to thousands)."""
     head = str(exc).split("\n", 1)[0].rstrip(":")
-    problems = exc.mismatches[:shown]
+    problems = [textwrap.shorten(p, width, placeholder=" ...") for p in exc.mismatches[:shown]]
     more = len(exc.mismatches) - len(problems)
     listed = "; ".join(problems) + (f"; and {more} more" if more > 0 else "")
     hint = str(exc).rstrip().rsplit("\n", 1)[-1] if "\n" in str(exc) else ""
-    tail = f". {hint}" if hint and not hint.lstrip().startswith("-") else ""
+    tail = f". {hint}" if advice and hint and not hint.lstrip().startswith("-") else ""
     return _flat(f"{head}: {listed}{tail}")
 
 

@@ -1,10 +1,10 @@
 """``pcframe-run``: train a built-in workload with checkpointing and print what it cost.
 
 ``failure=none`` trains in this process, with and without checkpointing, and reports the
-overhead with its uncertainty. ``failure=poisson|trace`` runs training as a child process
-under a :class:`~pcframe.apps.preemption.Supervisor` that SIGKILLs it at the injected
-preemption times and restarts it; the kill schedule (and a default checkpoint interval) is
-fitted to this machine from an uninterrupted reference run
+overhead (a ± only where enough baseline runs give one). ``failure=poisson|trace`` runs
+training as a child process under a :class:`~pcframe.apps.preemption.Supervisor` that
+SIGKILLs it at the injected preemption times and restarts it; the kill schedule (and a
+default checkpoint interval) is fitted to this machine from an uninterrupted reference run
 (:mod:`pcframe.apps.preemption.plan`), and the summary reports goodput, lost steps and
 restart time, and whether the final model equals the uninterrupted run's.
 
@@ -38,9 +38,16 @@ from pcframe.apps.policy_text import describe_policy, no_commit_reason, policy_f
 from pcframe.apps.preemption import ChildSpec, Supervisor, compare_finals
 from pcframe.apps.preemption.plan import Measured, check_plan, plan
 from pcframe.apps.preemption.schedule import kill_times
+from pcframe.apps.preflight import check_run_directory
 from pcframe.apps.progress import StepProgress
 from pcframe.apps.schemas import register_app_schemas
-from pcframe.apps.summary import Summary, overhead_text, print_summary, write_summary
+from pcframe.apps.summary import (
+    Summary,
+    baseline_spread,
+    overhead_text,
+    print_summary,
+    write_summary,
+)
 from pcframe.apps.sweep import claim_directory
 from pcframe.apps.training import train
 from pcframe.apps.tuning.report import tuned_config_warnings
@@ -80,6 +87,8 @@ def run_in_process(cfg: DictConfig) -> Summary:
     def fresh() -> Any:
         return build(cfg.workload.name, **workload_args)
 
+    check_run_directory(cfg.directory, fresh())  # a folder it cannot use: before any step
+
     with StepProgress(enabled=cfg.progress) as bar:
         # Warm up allocator, kernels and caches so the first timed run is not penalised.
         warm = min(cfg.steps, WARMUP_STEPS)
@@ -93,9 +102,12 @@ def run_in_process(cfg: DictConfig) -> Summary:
             bar.finish()
             return rate
 
-        # The baseline runs before and after the checkpointed run: their mean cancels drift
-        # of the machine's speed, and their difference shows how much a run varies by itself.
-        before = baseline("without checkpoints (1 of 2)") if cfg.baseline else None
+        # The baseline runs go before and after the checkpointed run (the first half
+        # before): their mean cancels a drift of the machine's speed. Two runs are too few
+        # for an uncertainty (summary.overhead_text prints a ± from 3 on).
+        runs = cfg.baseline_runs if cfg.baseline else 0
+        first = (runs + 1) // 2
+        rates = [baseline(f"without checkpoints ({i} of {runs})") for i in range(1, first + 1)]
         bar.start("with checkpoints", cfg.steps)
         result, checkpointer = train(
             fresh(),
@@ -108,7 +120,9 @@ def run_in_process(cfg: DictConfig) -> Summary:
             on_commit=lambda count, step: bar.set_commits(count),
         )
         bar.finish(f"{bar.commits} checkpoints committed")
-        after = baseline("without checkpoints (2 of 2)") if cfg.baseline else None
+        rates += [
+            baseline(f"without checkpoints ({i} of {runs})") for i in range(first + 1, runs + 1)
+        ]
 
     records = list(checkpointer.records.values())
     committed = [r for r in records if r.status == "committed"]
@@ -128,18 +142,19 @@ def run_in_process(cfg: DictConfig) -> Summary:
     )
     if failed:
         summary["saves_failed"] = len(failed)
-    if before is not None and after is not None:
-        mean = (before + after) / 2
+    if rates:
+        mean = statistics.fmean(rates)
+        spread, noise = baseline_spread(rates)
         summary["baseline_steps_per_s"] = mean
-        summary["baseline_spread_pct"] = 100 * abs(before - after) / mean if mean else 0.0
+        summary["baseline_runs"] = len(rates)
+        summary["baseline_spread_pct"] = spread
         if committed:
-            # A run varies by about the baselines' spread by itself: that is the uncertainty.
             overhead = 100 * (1 - result.steps_per_second / mean) if mean else 0.0
-            noise = summary["baseline_spread_pct"]
             summary["overhead_pct"] = overhead
+            # None below 3 baseline runs: there is no uncertainty to report (summary.py).
             summary["overhead_noise_pct"] = noise
-            summary["overhead_within_noise"] = abs(overhead) <= noise
-            summary["overhead"] = overhead_text(overhead, noise)
+            summary["overhead_within_noise"] = None if noise is None else abs(overhead) <= noise
+            summary["overhead"] = overhead_text(overhead, rates)
         else:
             summary["overhead"] = "n/a: no checkpoint committed"
     warnings = []
@@ -199,6 +214,8 @@ def run_supervised(cfg: DictConfig, out: Path, progress: bool = True) -> Summary
     # the reference run instead of in every child.
     build_target(cfg.policy.interval, "policy.interval")
     kill_times(failure)  # and a bad failure.* (a missing trace file) before it, too
+    workload_args = OmegaConf.to_container(cfg.workload.args, resolve=True)
+    check_run_directory(cfg.directory, build(cfg.workload.name, **workload_args))
     threads = resolve_threads(cfg.threads)
     out.mkdir(parents=True, exist_ok=True)
     final = out / "final.safetensors"

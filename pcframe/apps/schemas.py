@@ -126,6 +126,9 @@ class RunConfig:
     # torch threads: a number, or auto (usable CPUs minus one for the engine; apps/machine.py)
     threads: int | str = "auto"
     baseline: bool = True
+    # runs without checkpointing (the first half before the checkpointed run, the rest
+    # after); the overhead gets a ± (their standard deviation) only from 3 on (summary.py)
+    baseline_runs: int = 2
     progress: bool = True
     directory: str = "${storage.directory}"
 

@@ -8,6 +8,7 @@ import csv
 import json
 import math
 import shlex
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -80,10 +81,40 @@ def text(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def overhead_text(overhead_pct: float, noise_pct: float) -> str:
-    """``"+12.3 % ± 4.0 %"``, with ``(within noise)`` when the spread covers it."""
-    shown = f"{overhead_pct:+.1f} % ± {noise_pct:.1f} %"
-    return shown + " (within noise)" if abs(overhead_pct) <= noise_pct else shown
+MIN_RUNS_FOR_SPREAD = 3  # fewer baseline runs give no ±: their spread is one draw of the noise
+
+
+def baseline_spread(baselines: Sequence[float]) -> tuple[float, float | None]:
+    """``(range, sd)`` of the baseline runs' steps/s, in % of their mean.
+
+    ``range`` (max - min) is what the runs show; ``sd`` (the sample standard deviation: how
+    much one run varies by itself) is an uncertainty only from ``MIN_RUNS_FOR_SPREAD`` runs
+    on, and ``None`` below.
+    """
+    mean = statistics.fmean(baselines)
+    if not mean:
+        return 0.0, None
+    spread = 100 * (max(baselines) - min(baselines)) / mean
+    if len(baselines) < MIN_RUNS_FOR_SPREAD:
+        return spread, None
+    return spread, 100 * statistics.stdev(baselines) / mean
+
+
+def overhead_text(overhead_pct: float, baselines: Sequence[float]) -> str:
+    """The overhead against ``baselines`` (the steps/s of each run without checkpoints).
+
+    From 3 runs on, with its uncertainty: ``"+12.3 % ± 4.0 % (sd of 5 baseline runs)"``,
+    ``(within noise)`` when that covers it. With fewer, no ±: two runs' difference is one
+    draw of the noise, not its size, and a ± from it reads as a result it is not
+    (``"+12.3 % (2 baseline runs: too few for an error bar)"``).
+    """
+    _, sd = baseline_spread(baselines)
+    runs = len(baselines)
+    if sd is None:  # their spread is a row of its own (baseline_spread_pct)
+        plural = "s" if runs != 1 else ""
+        return f"{overhead_pct:+.1f} % ({runs} baseline run{plural}: too few for an error bar)"
+    shown = f"{overhead_pct:+.1f} % ± {sd:.1f} % (sd of {runs} baseline runs)"
+    return shown + " (within noise)" if abs(overhead_pct) <= sd else shown
 
 
 def print_summary(

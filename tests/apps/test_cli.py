@@ -341,3 +341,19 @@ def test_verify_and_list_name_each_version_a_restore_set_aside_and_why(tmp_path,
     # One set aside by a pcframe that recorded no reason is still named.
     (tmp_path / ".corrupt-v00000007-12").mkdir()
     assert "v00000007-12: reason not recorded" in cli(python, "verify", tmp_path).stdout
+
+
+def test_help_is_plain_text(python):
+    """``pcframe --help`` showed the module docstring's reStructuredText (``pcframe``)."""
+    for args in (["--help"], *([command, "--help"] for command in COMMANDS)):
+        shown = cli(python, *args)
+        assert shown.returncode == 0 and shown.stdout, args
+        for markup in ("``", ":class:", ":func:", ":mod:", ":meth:", ".. "):
+            assert markup not in shown.stdout, (args, markup)
+    top = cli(python, "--help").stdout
+    assert "List, verify, inspect and export" in top
+    assert max(map(len, top.splitlines())) <= 80  # the raw text, as written
+    assert "pcframe verify ckpts-run" in top  # an example, with pcframe-run's README folder
+
+
+COMMANDS = ("list", "verify", "inspect", "export")

@@ -41,6 +41,8 @@ def run_script(name: str, *args: str, cwd: Path, env: dict, timeout: float = 120
         ("policy.interval._target_=nosuch.Policy", "policy.interval._target_", "No module"),
         # reported in Hydra's wording, after the warm-up had run
         ("policy.interval.every=0", "policy.interval.every=0", "whole number of steps >= 1"),
+        # Hydra advised "+policy=young", which fails again (policy is a folder of groups)
+        ("policy=young", "policy is not a config group", "give policy/interval=young"),
     ],
     ids=str,
 )
@@ -117,6 +119,7 @@ def test_help_lists_only_this_apps_groups(tmp_path, app_env):
         ["engine.max_in_flight=[1"],
         ["+policy.interval.evry=3"],
         ["threads=1.5"],
+        ["baseline_runs=0"],
         # out of range (pcframe.apps.bounds)
         ["steps=0"],
         ["workload.args.hidden=0"],
@@ -195,3 +198,40 @@ def test_bad_input_found_after_composing_is_one_line_too(tmp_path, app_env, app,
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("app", ["run", "sim"])
+@pytest.mark.parametrize("override", ["policy=young", "+policy=young"])
+def test_an_option_given_to_the_policy_folder_names_the_group_to_use(tmp_path, app, override):
+    with pytest.raises(ConfigError) as info:
+        compose(app, override, directory=tmp_path if app == "run" else None)
+    code, line = describe_error(info.value, app)
+    assert code == USAGE_ERROR and "\n" not in line
+    assert "give policy/interval=young" in line  # the key to use, with the option
+    assert "+policy" not in line and "append" not in line  # not Hydra's advice
+
+
+@pytest.mark.parametrize("app", ["run", "sim", "tune"])
+def test_version_names_pcframe_for_every_app(app, monkeypatch, capsys):
+    """Hydra's own --version printed "Hydra 1.3.x": nothing about the app a user asks about."""
+    import importlib
+
+    from pcframe import __version__
+
+    main = importlib.import_module(f"pcframe.apps.{app}").main  # the console script's entry
+    monkeypatch.setattr(sys, "argv", [f"pcframe-{app}", "--version"])
+    with pytest.raises(SystemExit) as info:
+        main()
+    assert info.value.code == 0
+    first, second = capsys.readouterr().out.splitlines()
+    assert first == f"pcframe-{app} (pcframe) {__version__}"
+    assert second.startswith("Hydra ") and "Python " in second  # what it runs on, second
+
+
+def test_version_of_the_installed_script(tmp_path, app_env):
+    from pcframe import __version__
+
+    result = run_script("pcframe-run", "--version", cwd=tmp_path, env=app_env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"pcframe-run (pcframe) {__version__}\n")
+    assert not (tmp_path / "outputs").exists()  # nothing run

@@ -5,12 +5,13 @@ from __future__ import annotations
 import csv
 import json
 import os
+import statistics
 
 import pytest
 
 from pcframe.apps.machine import ENGINE_RESERVE, resolve_threads, usable_cpus
 from pcframe.apps.run import run
-from pcframe.apps.summary import overhead_text, print_summary
+from pcframe.apps.summary import baseline_spread, overhead_text, print_summary
 from pcframe.errors import ConfigError
 from tests.apps.conftest import compose, run_module
 
@@ -31,10 +32,31 @@ def test_the_shipped_configs_default_to_threads_auto(tmp_path):
     assert compose("tune", directory=tmp_path).threads == "auto"
 
 
-def test_overhead_is_shown_with_its_uncertainty():
-    assert overhead_text(3.0, 5.0) == "+3.0 % ± 5.0 % (within noise)"
-    assert overhead_text(-58.9, 62.0).endswith("(within noise)")
-    assert overhead_text(12.0, 2.5) == "+12.0 % ± 2.5 %"
+def test_the_overhead_has_a_spread_only_from_enough_baseline_runs():
+    """Two baseline runs' difference was printed as "± 2.0 %", an uncertainty it is not."""
+    two = overhead_text(12.0, [100.0, 98.0])
+    assert "±" not in two and two.startswith("+12.0 % ") and "within noise" not in two
+    assert "2 baseline runs" in two and "too few" in two  # what it is from, said
+    assert "±" not in overhead_text(12.0, [100.0]) and "1 baseline run:" in overhead_text(
+        12.0, [100.0]
+    )
+    # from 3 runs on: the sample standard deviation, in % of their mean, and how many runs
+    rates = [100.0, 104.0, 96.0]
+    sd = 100 * statistics.stdev(rates) / statistics.fmean(rates)
+    assert overhead_text(12.0, rates) == f"+12.0 % ± {sd:.1f} % (sd of 3 baseline runs)"
+    assert overhead_text(3.0, rates).endswith("(within noise)")
+    assert baseline_spread([100.0, 98.0]) == (pytest.approx(200 / 99), None)
+
+
+def test_three_baseline_runs_give_the_overhead_a_spread(tmp_path):
+    cfg = compose(
+        "run", *TINY, "steps=10", "progress=false", "policy.interval.every=5",
+        "baseline_runs=3", directory=tmp_path / "ckpt",
+    )  # fmt: skip
+    summary = run(cfg)
+    assert summary["baseline_runs"] == 3 and summary["checkpoints"] == 2
+    assert summary["overhead_noise_pct"] is not None
+    assert "±" in summary["overhead"] and "(sd of 3 baseline runs)" in summary["overhead"]
 
 
 def test_a_run_that_commits_nothing_says_so_and_why(tmp_path, capsys):
@@ -106,9 +128,14 @@ def test_a_multirun_warns_writes_summaries_and_one_merged_table(tmp_path, app_en
         ("1", "100", "0"),
     ]
     assert "no checkpoint was committed" in rows[1]["warnings"]
-    assert rows[0]["overhead_pct"] and rows[0]["overhead_noise_pct"]
+    assert rows[0]["overhead_pct"] and rows[0]["baseline_runs"] == "2"
+    # two baseline runs: no ± anywhere a sweep's reader looks
+    assert rows[0]["overhead_noise_pct"] == "" and "±" not in rows[0]["overhead"]
+    assert "2 baseline runs" in rows[0]["overhead"]
+    assert "±" not in result.stdout
     table = (sweep / "sweep_summary.md").read_text()
     assert "| job | policy.interval.every |" in table and "job 1: no checkpoint" in table
+    assert "±" not in table
 
 
 @pytest.mark.slow

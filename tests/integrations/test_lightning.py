@@ -133,7 +133,7 @@ def test_example_runs_and_resumes(tmp_path, python, child_env):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "trained to step 50" in proc.stdout and "resumed" not in proc.stdout
-    assert newest(tmp_path / "ckpts") == 5  # steps 10, 20, ..., 50
+    assert newest(tmp_path / "ckpts-lightning") == 5  # steps 10, 20, ..., 50
 
 
 if __name__ == "__main__":

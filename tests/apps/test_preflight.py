@@ -1,0 +1,132 @@
+"""A checkpoint directory pcframe-run cannot use is refused before any step is trained.
+
+Before, the Checkpointer of the checkpointed run found it, after the warm-up and the first
+baseline run (15 s and more), and the run ended as a failure (exit 1, not 2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pcframe import Checkpointer
+from pcframe.apps.errors import USAGE_ERROR, describe_error
+from pcframe.apps.preflight import check_run_directory
+from pcframe.apps.run import run_supervised
+from pcframe.apps.workloads import build
+from pcframe.errors import ConfigError
+from tests.apps.conftest import compose, run_module
+
+TINY = {"hidden": 64, "layers": 2, "samples": 256}  # conf/workload/tiny.yaml, fewer samples
+
+
+def saved(directory: Path, **workload_args) -> Path:
+    """``directory`` holding one committed version of an MLP workload with those args."""
+    w = build("mlp", **{**TINY, **workload_args})
+    objects = dict(model=w.model, optimizer=w.optimizer, scheduler=w.scheduler, data=w.loader)
+    with Checkpointer(directory, **objects) as ckpt:
+        ckpt.save(step=1).wait()
+    return directory
+
+
+def newer_format(directory: Path) -> Path:
+    """The version's header says a format this pcframe cannot read (a newer pcframe's)."""
+    (manifest,) = directory.glob("v*/manifest.json")
+    header, body = manifest.read_bytes().split(b"\n", 1)
+    manifest.write_bytes(
+        json.dumps(json.loads(header) | {"format_version": 99}).encode() + b"\n" + body
+    )
+    return directory
+
+
+def a_file(tmp_path: Path) -> Path:
+    (tmp_path / "notes.txt").write_text("not a folder")
+    return tmp_path / "notes.txt"
+
+
+def under_a_file(tmp_path: Path) -> Path:
+    return a_file(tmp_path) / "ckpts"
+
+
+def unwritable_parent(tmp_path: Path) -> Path:
+    if os.geteuid() != 0:
+        parent = tmp_path / "read-only"
+        parent.mkdir(mode=0o500)
+        return parent / "ckpts"
+    # root writes through any mode bits; /sys refuses new entries to root too
+    if not Path("/sys/kernel").is_dir():
+        pytest.skip("no /sys here to stand for a folder root cannot write into")
+    return Path("/sys/pcframe-test-ckpts")
+
+
+def another_model(tmp_path: Path) -> Path:
+    return saved(tmp_path / "ckpts", hidden=32)
+
+
+def a_newer_format(tmp_path: Path) -> Path:
+    return newer_format(saved(tmp_path / "ckpts"))
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (a_file, "is a file, not a folder"),
+        (under_a_file, "is a file, so no folder can be made under it"),
+        (unwritable_parent, "cannot write into"),
+        (another_model, "holds checkpoints of another model or setup"),
+        (a_newer_format, "holds checkpoints of a newer pcframe"),
+    ],
+    ids=lambda v: getattr(v, "__name__", None) or "",
+)
+def test_a_directory_the_run_cannot_use_is_one_usage_line(tmp_path, make, words):
+    directory = make(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        check_run_directory(directory, build("mlp", **TINY))
+    code, line = describe_error(info.value, "run")
+    assert code == USAGE_ERROR and "\n" not in line
+    assert line.startswith(f"directory={directory}") and words in line
+    assert "give" in line or "upgrade" in line  # the fix, not just the fault
+    assert "strict=False" not in line  # the library's advice means nothing to an app user
+
+
+def test_usable_directories_pass_and_the_check_leaves_no_trace(tmp_path):
+    fresh = tmp_path / "new" / "deeper"
+    check_run_directory(fresh, build("mlp", **TINY))
+    assert not (tmp_path / "new").exists()  # the run creates it, not the check
+
+    directory = saved(tmp_path / "ckpts")  # the same model: the run resumes it
+    before = sorted(p.name for p in directory.iterdir())
+    workload = build("mlp", **TINY)
+    torch.manual_seed(123)  # not the state the checkpoint holds
+    state = torch.random.get_rng_state()
+    check_run_directory(directory, workload)
+    # load() put the checkpoint's RNG state in; the check puts this process's back
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert sorted(p.name for p in directory.iterdir()) == before  # nothing written
+
+
+def test_a_supervised_run_refuses_it_before_the_reference_run(tmp_path):
+    directory = another_model(tmp_path)
+    cfg = compose(
+        "run", "workload=tiny", "threads=1", "steps=20", "progress=false", "failure=poisson",
+        f"hydra.run.dir={tmp_path / 'out'}", directory=directory,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="another model or setup"):
+        run_supervised(cfg, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out" / "reference-checkpoints").exists()
+
+
+def test_pcframe_run_says_it_in_one_line_with_exit_2_before_training(tmp_path, app_env):
+    directory = another_model(tmp_path)
+    result = run_module(
+        "pcframe.apps.run", "workload=tiny", "threads=1", "steps=20", f"directory={directory}",
+        f"hydra.run.dir={tmp_path / 'out'}", cwd=tmp_path, env=app_env,
+    )  # fmt: skip
+    assert result.returncode == USAGE_ERROR, result.stderr[-2000:]
+    (line,) = result.stderr.strip().splitlines()  # not even the warm-up's progress line
+    assert line.startswith(f"pcframe-run: error: directory={directory} holds checkpoints")
+    assert "Traceback" not in result.stderr
