@@ -276,46 +276,6 @@ class DistributedCheckpointer:
             except Exception as exc:  # the object store is down: the nodes keep their copies
                 log.warning("could not upload global record v%d: %s", version, exc)
 
-    def _secure(self, version: int, step: int) -> Secured:
-        """After an emergency version became global: its copies in the fastest tiers that
-        outlive this node, within the notice's window (the peer tier first, then the local
-        engine's other tiers, e.g. the object store, if time is left)."""
-        notice = self.local.notice
-        deadline = notice.deadline if notice is not None and notice.deadline else None
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        where: list[str] = []
-        reasons: list[str] = []
-        if self.peers is not None:
-            if self.peers.wait(version, left) and self.peers.copied(version):
-                where.append(PEERS)
-            else:
-                reasons.append("the peer copies were not confirmed in time")
-        secured = self.local.tiers.secure(version, step, notice)
-        if secured is not None:
-            if secured.durable:
-                where += [t for t in secured.tiers if t != self.local.tiers.primary_name]
-            reasons.append(secured.reason)
-        return Secured(version, tuple(where), bool(where), "; ".join(r for r in reasons if r))
-
-    def _has_peers(self) -> bool:
-        """Whether any rank has a peer on another node to copy to (the same on every rank)."""
-        return self.replicas > 0 and len(self.nodes.nodes) > 1
-
-    def _to_peers(self, record: global_versions.GlobalRecord, due: bool) -> None:
-        """The round thread's listener: a global version placed in the peer tier is copied."""
-        if due and self.peers is not None:
-            self.peers.submit(record)
-
-    def _record_to_remote(self, record: global_versions.GlobalRecord, due: bool) -> None:
-        """Rank 0: the record beside the shards in the object store (for a job that lost
-        every node; a version is restorable from there once its shards are too)."""
-        del due
-        assert self.remote is not None
-        try:
-            self.remote.put_record(record)
-        except Exception as exc:  # the object store is down: the nodes keep their copies
-            log.warning("could not upload global record v%d: %s", record.version, exc)
-
     # --- saving ----------------------------------------------------------------------------
 
     @one_caller_at_a_time(fix=_COLLECTIVE)

@@ -113,7 +113,7 @@ def test_close_with_a_timeout_names_the_versions_in_flight(tmp_path, monkeypatch
     start = time.monotonic()
     with pytest.raises(Exception, match=r"still in flight after 0 s"):
         ckpt.close(timeout=0.2)
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 25  # not the 30 s the stuck write holds
     release.set()
     ckpt.close()
     assert CheckpointDir(tmp_path).committed_versions() == [1]
