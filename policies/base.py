@@ -174,6 +174,11 @@ class IntervalPolicy(Stateful, ABC):
     """Decides, at every step, whether to take a checkpoint now."""
 
     name: ClassVar[str] = ""
+    # True where decide's answers may change with ``ctx.now`` alone (a re-prediction on the
+    # policy's own clock) at points its save_hint names: a caller may skip the calls between
+    # two hinted points but never one of them, so the simulator does not fast-forward over
+    # several saves of such a policy with one call at the end.
+    changes_with_clock: ClassVar[bool] = False
 
     @abstractmethod
     def decide(self, ctx: PolicyContext) -> Decision:
@@ -186,8 +191,11 @@ class IntervalPolicy(Stateful, ABC):
         """The earliest point at which :meth:`decide` could say save, or ``None`` if unknown.
 
         Called right after ``decide(ctx)`` with the same context, assuming no event or notice
-        arrives in between; must not change state. ``None`` (the default) tells a simulator
-        to ask at every step: exact, only slower.
+        arrives in between; must not change state. A caller following it skips the calls
+        of ``decide`` before the hinted point, so the hint must also come no later than any
+        call that would change what later calls answer (a re-prediction on the policy's own
+        clock): earlier is always exact, only slower. ``None`` (the default) tells a
+        simulator to ask at every step.
         """
         del ctx
         return None

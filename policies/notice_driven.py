@@ -147,6 +147,11 @@ class NoticeDriven(IntervalPolicy):
         self.last_notice_decision = d
         return d
 
+    @property
+    def changes_with_clock(self) -> bool:  # type: ignore[override]
+        """Between notices this policy is its inner policy (see IntervalPolicy)."""
+        return bool(getattr(self.inner, "changes_with_clock", False))
+
     def save_hint(self, ctx: PolicyContext) -> SaveHint | None:
         # Notices are delivered by the caller (it decides again when one arrives); between
         # notices this policy is its inner policy, or never saves.

@@ -1,8 +1,10 @@
 """PreemptionAware on the simulator's hinted path (the default) against asked at every step.
 
 Experiment 5's setup (the shipped job presets, the leave-one-zone-out prior): for every
-shipped trace, PA's goodput both ways and their ratio. PA re-predicts every 30 s when asked
-at every step, so the two paths drift apart; this measures by how much (docs/simulator.md).
+shipped trace, PA's goodput both ways and their ratio. Until 2026-12-05 the ratio ranged
+0.962-1.011 (sync): PA's hint did not name its re-predictions (every 30 s when asked at
+every step), so the hinted path adopted other intervals. Now 1.0000 on every trace;
+``path_agreement.py`` checks every shipped policy the same way (docs/simulator.md).
 
     python experiments/sim/pa_hint_paths.py --regime sync
 """

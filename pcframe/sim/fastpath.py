@@ -154,7 +154,8 @@ class FastPaths:
         self.seg_t0, self.seg_step0, self.step = seg_t0, int(seg_step0), int(step)
         self.t = self.time_of(self.step)
         self.stall += stall
-        self.ledger.saves += saves
+        # A periodic run saves at first, first + every, ... (backpressure only stalls).
+        self.ledger.saved(range(first, first + saves * every, every))
         self.feed.last_save_step, self.feed.last_save_time = int(seg_step0), seg_t0
         # What the engine's EWMAs read after these saves (every sample the same, mostly).
         self.feed.save_stall = (
@@ -248,7 +249,7 @@ class FastPaths:
         self.seg_t0 = last_start + self.job.save_stall
         self.seg_step0 = last_step
         self.stall += sum(r[3] for r in rows)
-        self.ledger.saves += n
+        self.ledger.saved([int(r[0]) for r in rows])
         self.feed.last_save_step, self.feed.last_save_time = last_step, self.seg_t0
         self.step = last_step
         self.t = self.seg_t0
@@ -334,7 +335,8 @@ class FastPaths:
         self.policy.load_state_dict(snap.policy_state)  # the snapshot's own copy, used once
         self.inflight, self._saves = snap.inflight, snap.saves
         self._set_commit(*snap.commit)
-        self.ledger.saves, self.ledger.decisions, self.ledger.emergency_saves = snap.counts
+        saves, self.ledger.decisions, self.ledger.emergency_saves = snap.counts
+        self.ledger.set_saves(saves)
         self.versions.next = snap.next_version
         if snap.placements is not None:
             self.placements.restore(snap.placements)

@@ -86,7 +86,13 @@ class Process(FastPaths):
         self.commit = commit
         self.versions = versions
         self.use_hints = options.use_hints
-        self.fast_forward = options.use_hints and options.fast_forward
+        # A stretch asks only at its end: not for a policy that must be asked at the points
+        # its hints name (re-predictions on its own clock), or it drifts from the engine.
+        self.fast_forward = (
+            options.use_hints
+            and options.fast_forward
+            and not getattr(policy, "changes_with_clock", False)
+        )
         self.probe_gap = options.probe_gap
         self.rate = preemption_rate
         self.unix0 = unix0
@@ -289,7 +295,7 @@ class Process(FastPaths):
                 life=self.life,
             )
         self.stall += end - t
-        self.ledger.saves += 1
+        self.ledger.saved((self.step,))
         self.seg_t0, self.seg_step0, self.t = end, self.step, end
         self.feed.saved(self.step, end)
         return end - t
@@ -356,7 +362,7 @@ class Process(FastPaths):
             state = saved_state(self.policy)
             version = self.versions.take()
             self.inflight.append(Flight(version, self.step, t, end, end - t, state))
-            self.ledger.saves += 1
+            self.ledger.saved((self.step,))
             if self.placements is not None:
                 self.placements.place(
                     version,

@@ -52,6 +52,8 @@ class SimResult:
     # restores per tier they read from.
     placement_policy: str = ""
     restores: dict[str, int] = field(default_factory=dict)
+    # The step of every save started, in order; only with SimOptions(record_saves=True).
+    save_steps: tuple[int, ...] = field(default=(), repr=False)
 
     @property
     def cost(self) -> float:

@@ -99,7 +99,7 @@ class _Simulation:
         self.placements = None if placement is None else Placements(placement, job)
         self.resource, self.predictor, self.options = resource, predictor, options
         self.cap = Capacity(trace, options)
-        self.ledger = Ledger()
+        self.ledger = Ledger(save_steps=[] if options.record_saves else None)
         self.commit = Commit()
         self.versions = Versions()
         self.initial_state = saved_state(interval)
@@ -341,6 +341,7 @@ class _Simulation:
             starts=self.starts,
             changeovers=self.changeovers,
             saves=led.saves,
+            save_steps=tuple(led.save_steps or ()),
             saves_lost=led.saves_lost,
             emergency_saves=led.emergency_saves,
             decisions=led.decisions,

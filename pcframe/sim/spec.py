@@ -216,6 +216,9 @@ class SimOptions:
         fast_forward: skip the ``decide`` calls of a policy whose saves are evenly spaced,
             checking that it agrees at the end of each stretch (see
             :mod:`pcframe.sim.process`); ``False`` asks at every candidate point.
+        record_saves: keep the step of every save started, in order
+            (``SimResult.save_steps``): what tests and ``experiments/sim/path_agreement.py``
+            compare between the paths. Off by default: a sweep keeps many results.
         policy_state: ``checkpoint`` (as the engine does): a restarted process gets the policy
             state stored in the checkpoint it restored, then ``Restarted``; a preemption is
             never observed by the dying process. ``process``: one policy object lives through
@@ -235,6 +238,7 @@ class SimOptions:
     resource_interval: float = 1800.0
     use_hints: bool = True
     fast_forward: bool = True
+    record_saves: bool = False
     policy_state: PolicyState = "checkpoint"
     context_rate: ContextRate = "none"
     spot_price: float | None = None
@@ -247,6 +251,8 @@ class SimOptions:
             raise _bad(p, "start", self.start, "give trace seconds >= 0")
         if self.duration is not None and not (_finite(self.duration) and self.duration > 0):
             raise _bad(p, "duration", self.duration, "give seconds > 0, or null for all")
+        if not isinstance(self.record_saves, bool):
+            raise _bad(p, "record_saves", self.record_saves, "give true or false")
         if not isinstance(self.seed, int):
             raise _bad(p, "seed", self.seed, "give an integer")
         for key in ("probe_gap", "resource_interval"):

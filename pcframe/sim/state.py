@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,21 @@ class Ledger:
     fast_forwards: int = 0
     rollbacks: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    # The step of every save started, in order (None: not recorded, SimOptions.record_saves).
+    # One entry per count in ``saves``: a rollback truncates it to the restored count.
+    save_steps: list[int] | None = None
+
+    def saved(self, steps: Sequence[int]) -> None:
+        """Count the saves started at ``steps`` (and record them, when recording)."""
+        self.saves += len(steps)
+        if self.save_steps is not None:
+            self.save_steps.extend(steps)
+
+    def set_saves(self, count: int) -> None:
+        """Go back to ``count`` saves (a fast-forward's rollback)."""
+        self.saves = count
+        if self.save_steps is not None:
+            del self.save_steps[count:]
 
 
 class Versions:

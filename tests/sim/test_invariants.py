@@ -119,13 +119,7 @@ def test_fast_paths_agree_with_asking_at_every_step() -> None:
         hinted = simulate(trace, make(), job, options=SimOptions(**window, fast_forward=False))
         fast = simulate(trace, make(), job, options=SimOptions(**window))
         assert slow.decisions > 10 * fast.decisions, name
-        if name == "preemption_aware":
-            # Its interval drifts with every prediction (re-made every 30 s when asked at
-            # every step): skipping decides may move a save by a step or two.
-            for r in (hinted, fast):
-                assert r.useful_steps == pytest.approx(slow.useful_steps, rel=3e-3)
-                assert r.saves == pytest.approx(slow.saves, rel=0.02)
-            continue
+        # PreemptionAware too: its hints name its re-predictions (issue 43).
         for r in (hinted, fast):
             assert (r.useful_steps, r.saves, r.saves_lost) == (
                 slow.useful_steps,

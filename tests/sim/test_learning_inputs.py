@@ -124,8 +124,11 @@ def test_age_aware_pa_fast_paths_agree_with_asking_every_step() -> None:
     fast_run, slow_run = simulate(trace, make(), job, options=window), None
     slow_run = simulate(trace, make(), job, options=slow)
     assert fast_run.preemptions == slow_run.preemptions >= 5
-    assert fast_run.goodput == pytest.approx(slow_run.goodput, rel=0.005)
-    assert fast_run.decisions < 0.05 * slow_run.decisions
+    # The same decisions (issue 43): the hints name every re-prediction (30 s) and age bucket,
+    # so the fast path asks about once per 15 steps of 2 s instead of at every step.
+    assert (fast_run.useful_steps, fast_run.saves) == (slow_run.useful_steps, slow_run.saves)
+    assert fast_run.goodput == pytest.approx(slow_run.goodput, rel=1e-12)
+    assert fast_run.decisions < 0.1 * slow_run.decisions
 
 
 def test_policies_are_told_the_jobs_checkpoints_in_flight() -> None:
