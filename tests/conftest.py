@@ -23,6 +23,9 @@ if not torch.cuda.is_available():
 # first: xdist hands out whole files in collection order, and a long file handed out last
 # kept one worker busy for minutes after the others had finished.
 LONG_FILES = (
+    "tests/integrations/test_transformers_ranks.py",
+    "tests/integrations/test_lightning_ddp.py",
+    "tests/sim/test_path_agreement.py",
     "tests/distributed/test_multirank.py",
     "tests/apps/test_tune.py",
     "tests/apps/test_errors.py",

@@ -9,6 +9,7 @@ import copy
 import difflib
 import importlib
 import logging
+import re
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -331,3 +332,15 @@ def fits_another_model(error: BaseException) -> bool:
         )
     # DistributedCheckpointer: "global version N does not fit this model: missing keys ..."
     return type(error) is CheckpointError and "does not fit this model" in str(error)
+
+
+# DistributedCheckpointer's refusal of a saved model tensor of another global shape.
+_MODEL_SHAPE = re.compile(r"'model/[^']*' has global shape ")
+
+
+def fits_another_model_of_job(error: BaseException) -> bool:
+    """:func:`fits_another_model`, and the multi-rank restore's own words for a model tensor
+    of another shape ("'model/<key>' has global shape (32, 16) in global version 8 ...")."""
+    return fits_another_model(error) or (
+        type(error) is CheckpointError and _MODEL_SHAPE.match(str(error)) is not None
+    )

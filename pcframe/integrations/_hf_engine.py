@@ -15,6 +15,7 @@ engine would see the other's versions and the run would silently start from step
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,25 @@ from pcframe.integrations._hf_state import SECTION, TrainerStateSection
 from pcframe.store.directory import CheckpointDir
 
 Engine = Checkpointer | DistributedCheckpointer
+
+
+# torchrun --max-restarts: the restarted ranks share the launcher's store with the attempt
+# before, whose gloo addresses are still in it under the same keys; a rank that reads one
+# before its peer overwrote it connects to a dead process (torch 2.13).
+STALE_STORE = (
+    "PcframeCallback: the ranks restarted by torchrun could not connect their gloo groups: "
+    "the launcher's shared store still holds the previous attempt's addresses. Launch with "
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --rdzv-backend c10d --rdzv-endpoint "
+    "<host>:<port> (each attempt then gets a fresh store); pcframe resumes the newest "
+    "global version"
+)
+
+
+def restarted_on_stale_store(error: RuntimeError) -> bool:
+    """Whether ``error`` is the stale-store failure of a rank torchrun restarted."""
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return restarted and shared and "connectFullMesh" in str(error)
 
 
 def job_ranks() -> int | None:
@@ -86,7 +106,12 @@ def open_engine(
         "policy": policy,
     }
     if ranks is not None:
-        return DistributedCheckpointer(directory, **objects, **options)
+        try:
+            return DistributedCheckpointer(directory, **objects, **options)
+        except RuntimeError as exc:
+            if restarted_on_stale_store(exc):
+                raise RuntimeError(STALE_STORE) from exc
+            raise
     local = {k: v for k, v in options.items() if k not in DISTRIBUTED_ARGUMENTS}
     return Checkpointer(directory, **objects, **local)
 
@@ -98,7 +123,7 @@ def restore(engine: Engine, resume: bool | int) -> int | None:
     return engine.restore(None if resume is True else resume)
 
 
-def save(engine: Engine, step: int, metadata: dict[str, Any]) -> None:
+def save_now(engine: Engine, step: int, metadata: dict[str, Any]) -> None:
     """The version of the step after which training stops."""
     if isinstance(engine, DistributedCheckpointer):
         engine.save(step, metadata)
@@ -127,17 +152,38 @@ def share_trainer_state(engine: Engine, section: TrainerStateSection) -> None:
             section.load_state_dict(sent[0])
 
 
-def summary(engine: Engine) -> str:
+def resume_summary(engine: Engine) -> str:
     """What the last restore did, for the resume line: the version, the versions skipped as
     damaged, and a change of the number of processes."""
     report = engine.last_restore
     if report is None:
         return ""
-    said = [f"version {report.version}"]
-    if report.skipped:
-        skipped = ", ".join(str(version) for version, _ in report.skipped)
-        said.append(f"after setting aside damaged version(s) {skipped}")
+    said = [f"version {report.version}"]  # the versions skipped have a line each (fallbacks)
     saved = getattr(report, "saved_world_size", None)
     if isinstance(engine, DistributedCheckpointer) and saved not in (None, engine.world_size):
         said.append(f"saved by {saved} process(es), resharded for {engine.world_size}")
     return "; ".join(said)
+
+
+def fallbacks(engine: Engine, directory: Path) -> list[str]:
+    """One line for each version the last restore fell back from: damaged (set aside), or,
+    in a job of several processes, a shard no surviving holder has."""
+    report = engine.last_restore
+    if report is None:
+        return []
+    said = [
+        f"version {version} in {directory} is damaged ({first_line(why)}); falling back to "
+        "an older version"
+        for version, why in report.skipped
+    ]
+    said += [
+        f"global version {version} in {directory} cannot be gathered ({first_line(why)}); "
+        "falling back to an older version"
+        for version, why in getattr(report, "lost", None) or []
+    ]
+    return said
+
+
+def first_line(why: object) -> str:
+    text = " ".join(str(why).split())
+    return text if len(text) <= 160 else text[:157] + "..."

@@ -17,17 +17,15 @@ One process runs pcframe's ``Checkpointer``; a job under ``torchrun`` / ``accele
 
 The TrainerState and the data position are applied inside the engine's restore, before the
 weights, after the position is checked against the data it was saved in: a refusal of any
-part changes nothing. Any exit of ``train()`` closes the engine (``_ClosingTrain``), which also
-turns ``train(resume_from_checkpoint=True)`` into a resume from pcframe's newest version.
+part changes nothing. Any exit of ``train()`` closes the engine
+(:mod:`pcframe.integrations._hf_train` wraps the Trainer's ``train``), which also turns
+``train(resume_from_checkpoint=True)`` into a resume from pcframe's newest version.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import logging
 import os
-import sys
 import threading
 import weakref
 from pathlib import Path
@@ -49,22 +47,27 @@ from transformers.trainer_utils import SaveStrategy  # noqa: E402
 
 from pcframe.distributed import global_versions  # noqa: E402
 from pcframe.errors import CheckpointError, SaveError  # noqa: E402
-from pcframe.integrations._common import another_model, fits_another_model  # noqa: E402
+from pcframe.integrations._common import another_model, fits_another_model_of_job  # noqa: E402
 from pcframe.integrations._hf_engine import (  # noqa: E402
     Engine,
     check_folder,
+    fallbacks,
     job_ranks,
     open_engine,
     restore,
-    save,
+    resume_summary,
+    save_now,
     share_trainer_state,
-    summary,
 )
 from pcframe.integrations._hf_state import Position, TrainerStateSection  # noqa: E402
+from pcframe.integrations._hf_train import ClosingTrain, calling_trainer  # noqa: E402
 from pcframe.policies.base import IntervalPolicy  # noqa: E402
 from pcframe.store.directory import CheckpointDir  # noqa: E402
 
-log = logging.getLogger("pcframe")
+# The resume, each fallback and each warning of this callback: under the library root logger
+# of transformers, whose handler a default Trainer setup shows ("[transformers] ..." on
+# stderr) and whose verbosity (transformers.logging.set_verbosity_*) the user already sets.
+say = transformers.utils.logging.get_logger("transformers.integrations.pcframe")
 
 __all__ = ["PcframeCallback"]
 
@@ -158,7 +161,7 @@ class PcframeCallback(transformers.TrainerCallback):
         self._speaks = getattr(args, "process_index", 0) == 0
         _check_parallelism(args, None)
         self._trainer_saves(args)
-        _ClosingTrain.install(_calling_trainer(self), self)
+        ClosingTrain.install(calling_trainer(self), self)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._speaks = bool(state.is_world_process_zero)
@@ -166,7 +169,7 @@ class PcframeCallback(transformers.TrainerCallback):
         _check_parallelism(args, kwargs["model"])
         self._trainer_saves(args)  # a callback added with add_callback had no on_init_end
         # Added after the Trainer was built (no on_init_end): wrap train() for later calls.
-        _ClosingTrain.install(_calling_trainer(self), self)
+        ClosingTrain.install(calling_trainer(self), self)
         self._close_stale()
         ranks = job_ranks()
         resume = True if required else self.resume
@@ -216,10 +219,19 @@ class PcframeCallback(transformers.TrainerCallback):
             with section.restoring():
                 step = restore(self.checkpointer, resume)
         except CheckpointError as exc:
-            if fits_another_model(exc):  # one short line instead of every mismatch
+            if fits_another_model_of_job(exc):  # one short line instead of every mismatch
                 raise another_model(NAME, self.output_dir, exc, folder="output_dir") from None
             raise
+        fell_back = fallbacks(self.checkpointer, self.output_dir)
+        for line in fell_back:
+            self._say("%s: %s", NAME, line)
         if step is None:
+            if fell_back and not required:
+                self._say(
+                    "%s: no version of %s is left to resume; training from the start",
+                    NAME,
+                    self.output_dir,
+                )
             if required:
                 raise ValueError(
                     f"{NAME}: resume_from_checkpoint=True, but {self.output_dir} holds no "
@@ -242,7 +254,7 @@ class PcframeCallback(transformers.TrainerCallback):
             NAME,
             self.output_dir,
             step,
-            summary(self.checkpointer),
+            resume_summary(self.checkpointer),
         )
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -264,7 +276,7 @@ class PcframeCallback(transformers.TrainerCallback):
             handle = self.checkpointer.maybe_save(step, metadata)
             last = control.should_training_stop or step >= state.max_steps
             if handle is None and self.save_last and last:
-                save(self.checkpointer, step, metadata)
+                save_now(self.checkpointer, step, metadata)
         except SaveError as exc:
             # An earlier version failed in the background: the engine leaves the choice to
             # the loop; this callback stops training (as a failed save of the Trainer's own
@@ -279,7 +291,7 @@ class PcframeCallback(transformers.TrainerCallback):
     def _say(self, message: str, *args: Any) -> None:
         """A WARNING a default Trainer setup shows (once per job: rank 0)."""
         if self._speaks:
-            log.warning(message, *args)
+            say.warning(message, *args)
 
     def _trainer_saves(self, args: Any) -> None:
         """Turn the Trainer's own checkpoints off (``save_strategy="no"``), saying so."""
@@ -382,7 +394,7 @@ class PcframeCallback(transformers.TrainerCallback):
         callback's engine, or another callback's on this directory from this thread (or a
         thread that has ended), as no train() of it can still be running."""
         if self.checkpointer is not None:
-            log.warning("%s: closing the Checkpointer an earlier train() left open", NAME)
+            say.warning("%s: closing the Checkpointer an earlier train() left open", NAME)
             self._close(error=True)
         held = _OPEN.get(_key(self.output_dir))
         other = held.callback() if held is not None else None
@@ -390,7 +402,7 @@ class PcframeCallback(transformers.TrainerCallback):
             return
         assert held is not None
         if held.thread is threading.current_thread() or not held.thread.is_alive():
-            log.warning(
+            say.warning(
                 "%s: closing the Checkpointer of %s an earlier train() left open (it ended by "
                 "an exception)",
                 NAME,
@@ -435,54 +447,3 @@ _OPEN: dict[str, _Opened] = {}  # directory -> the callback holding it open in t
 
 def _key(directory: Path) -> str:
     return os.path.realpath(directory)
-
-
-def _calling_trainer(callback: PcframeCallback) -> Any:
-    """The Trainer whose callback handler is calling ``callback`` now (``None``: not found).
-
-    A callback is not given its Trainer; the Trainer method that fires the event is on the
-    stack, with the trainer as its ``self``.
-    """
-    frame = sys._getframe(2)
-    for _ in range(32):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        handler = getattr(owner, "callback_handler", None)
-        if any(cb is callback for cb in getattr(handler, "callbacks", ())) and callable(
-            getattr(owner, "train", None)
-        ):
-            return owner
-        frame = frame.f_back
-    return None
-
-
-class _ClosingTrain:
-    """``trainer.train`` as it was, with ``resume_from_checkpoint`` as the callback reads it;
-    then: any exit by an exception closes the callback's engine (on a normal exit
-    ``on_train_end`` has closed it)."""
-
-    def __init__(self, train: Any, callback: PcframeCallback) -> None:
-        functools.update_wrapper(self, train)
-        self.callback = callback
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = self.callback._resume_argument(args, kwargs)  # refused before training
-        try:
-            return self.__wrapped__(*args, **kwargs)
-        except BaseException:
-            self.callback._close(error=True)
-            raise
-        finally:
-            self.callback._asked = False
-
-    @classmethod
-    def install(cls, trainer: Any, callback: PcframeCallback) -> None:
-        if trainer is None:
-            return
-        train = trainer.__dict__.get("train")
-        while isinstance(train, _ClosingTrain):
-            if train.callback is callback:
-                return  # wrapped already
-            train = train.__wrapped__
-        trainer.train = cls(trainer.train, callback)

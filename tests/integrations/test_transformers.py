@@ -105,7 +105,7 @@ def test_example_runs(tmp_path, python, child_env):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "trained to step 40" in proc.stdout and "resumed" not in proc.stdout  # fresh start
-    versions = newest(tmp_path / "ckpts")
+    versions = newest(tmp_path / "ckpts-hf")
     assert versions == 4  # save_steps=10
     # A finished run started again resumes its last step and trains no further.
     again = subprocess.run(
@@ -113,7 +113,7 @@ def test_example_runs(tmp_path, python, child_env):
     )
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert "resumed from step 40" in again.stdout and "trained to step 40" in again.stdout
-    assert newest(tmp_path / "ckpts") == versions  # nothing trained, nothing saved
+    assert newest(tmp_path / "ckpts-hf") == versions  # nothing trained, nothing saved
 
 
 def test_policy_by_name_and_object(tmp_path):

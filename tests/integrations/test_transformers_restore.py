@@ -69,9 +69,14 @@ def trainer_for(
     model_class: type = GPT2LMHeadModel,
     callbacks: tuple[Any, ...] = (),
     add_later: bool = False,
+    options: dict[str, Any] | None = None,
+    quiet: bool = True,
     **arguments: Any,
 ) -> tuple[Trainer, PcframeCallback]:
-    transformers.logging.set_verbosity_error()
+    if quiet:
+        transformers.logging.set_verbosity_error()
+    else:  # as a default setup has it: the callback's warnings show
+        transformers.logging.set_verbosity_warning()
     transformers.set_seed(0)
     config = GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
     model = model_class(config)
@@ -92,7 +97,7 @@ def trainer_for(
             **arguments,
         }
     )
-    callback = PcframeCallback(directory, save_steps=3, max_in_flight=1)
+    callback = PcframeCallback(directory, save_steps=3, max_in_flight=1, **(options or {}))
     given = [*callbacks] if add_later else [*callbacks, callback]
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(samples), callbacks=given)
     if add_later:  # after the constructor: the callback gets no on_init_end
@@ -196,8 +201,13 @@ def test_other_data_after_a_version_at_an_epoch_end_is_used_from_the_next_epoch(
     trainer, _ = trainer_for(directory, 4)  # the end of epoch 0
     trainer.train()
     trainer, callback = trainer_for(directory, 8, samples=24)  # 6 steps an epoch now
-    with caplog.at_level(logging.WARNING, logger="pcframe"):
+    transformers.logging.set_verbosity_warning()  # the callback warns on transformers' logging
+    root = logging.getLogger("transformers")  # which does not propagate to caplog's
+    root.addHandler(caplog.handler)
+    try:
         trainer.train()
+    finally:
+        root.removeHandler(caplog.handler)
     assert callback.resumed_step == 4 and trainer.state.global_step == 8
     assert trainer.state.epoch == pytest.approx(1 + 4 / 6)  # 4 steps into the true epoch 1
     assert "samples 16 -> 24" in caplog.text

@@ -1,0 +1,153 @@
+"""PcframeCallback meets a Trainer user's habits (issue 42): ``train(resume_from_checkpoint=
+True)``, the Trainer's own ``save_strategy`` left at its default, a misspelt option, a folder
+of another model; the resume and each fallback are WARNING lines on transformers' logging.
+
+A real ``transformers.Trainer`` in this process (the tiny GPT-2 of the restore tests).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import transformers
+
+from pcframe.errors import StateMismatch
+from pcframe.integrations.transformers import PcframeCallback
+from pcframe.store.directory import CheckpointDir
+from tests.integrations.test_transformers_restore import trainer_for
+
+pytestmark = pytest.mark.filterwarnings("ignore::Warning")
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def ours(self) -> list[str]:
+        return [
+            r.getMessage()
+            for r in self.records
+            if r.levelno == logging.WARNING and r.getMessage().startswith("PcframeCallback")
+        ]
+
+
+@pytest.fixture(autouse=True)
+def said() -> Iterator[Lines]:
+    """What transformers' logging shows at its default verbosity (WARNING): a handler beside
+    its own on the library's root logger, which does not propagate to the root logger."""
+    root = logging.getLogger("transformers")
+    lines, verbosity = Lines(), transformers.logging.get_verbosity()
+    root.addHandler(lines)
+    try:
+        yield lines
+    finally:
+        root.removeHandler(lines)
+        transformers.logging.set_verbosity(verbosity)
+
+
+def trainer(directory: Path, steps: int, **kwargs: object) -> tuple:
+    return trainer_for(directory, steps, quiet=False, **kwargs)
+
+
+def test_unknown_and_trainer_options_are_refused_when_made(tmp_path: Path) -> None:
+    with pytest.raises(
+        TypeError, match=r"unknown option save_step=3 \(did you mean save_steps="
+    ) as e:
+        PcframeCallback(tmp_path, save_step=3)
+    assert len(str(e.value).splitlines()) == 1
+    with pytest.raises(ValueError, match=r"save_total_limit= is the Trainer's; .*keep_last"):
+        PcframeCallback(tmp_path, save_total_limit=2)
+    with pytest.raises(TypeError, match=r"did you mean keep_last="):
+        PcframeCallback(tmp_path, keep_lst=2)
+
+
+def test_resume_from_checkpoint_true_resumes_pcframes_newest_or_is_refused_at_once(
+    tmp_path: Path, said: Lines
+) -> None:
+    directory = tmp_path / "ckpts"
+    fresh, callback = trainer(directory, 6)
+    with pytest.raises(ValueError, match=r"holds no pcframe checkpoint; call trainer.train\(\)"):
+        fresh.train(resume_from_checkpoint=True)  # the Trainer's "No valid checkpoint found"
+    assert fresh.state.global_step == 0 and callback.checkpointer is None  # nothing trained
+    fresh.train()
+    assert CheckpointDir(directory).committed_versions() == [1, 2]  # steps 3 and 6
+    again, callback = trainer(directory, 8)
+    again.train(resume_from_checkpoint=True)
+    assert callback.resumed_step == 6 and again.state.global_step == 8
+    assert said.ours() == [f"PcframeCallback: resumed from {directory} at step 6 (version 2)"]
+    # Another folder (a Trainer checkpoint) is not what this callback resumes: said at once.
+    other, _ = trainer(directory, 8)
+    with pytest.raises(ValueError, match=r"resumes from its own folder .*resume=False"):
+        other.train(resume_from_checkpoint=str(tmp_path / "hf-out" / "checkpoint-4"))
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_trainers_own_checkpoints_are_turned_off_with_one_warning(
+    tmp_path: Path, said: Lines, keep: bool
+) -> None:
+    directory = tmp_path / "ckpts"
+    options = {"trainer_checkpoints": keep}
+    made, _ = trainer(directory, 4, options=options, save_strategy="steps", save_steps=2)
+    made.train()
+    written = sorted(p.name for p in (tmp_path / "hf-out").glob("checkpoint-*"))
+    if keep:
+        assert written == ["checkpoint-2", "checkpoint-4"]  # what the default would write
+        return
+    assert written == []
+    assert len(said.ours()) == 1
+    assert said.ours()[0].startswith(
+        "PcframeCallback: turned the Trainer's own checkpoints off (save_strategy='steps', "
+        "save_steps=2: pickled checkpoint-N folders in"
+    )
+    assert "trainer_checkpoints=True" in said.ours()[0]
+
+
+def test_a_fallback_and_the_resume_are_one_warning_each(tmp_path: Path, said: Lines) -> None:
+    directory = tmp_path / "ckpts"
+    trainer(directory, 6)[0].train()
+    store = CheckpointDir(directory)
+    data = store.path(2) / "data.bin"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 3] ^= 0x01  # one flipped bit: the chunk checksum fails
+    data.write_bytes(bytes(raw))
+    made, callback = trainer(directory, 8)
+    made.train()
+    assert callback.resumed_step == 3
+    fallback, resumed = said.ours()
+    assert fallback.startswith(f"PcframeCallback: version 2 in {directory} is damaged (")
+    assert fallback.endswith("; falling back to an older version")
+    assert resumed == f"PcframeCallback: resumed from {directory} at step 3 (version 1)"
+    assert all(r.name.startswith("transformers.") for r in said.records)
+
+
+def test_a_folder_of_another_model_is_one_line_naming_it_and_the_fix(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpts"
+    trainer(directory, 3)[0].train()
+    made, callback = trainer(directory, 6, model_class=Wider)
+    with pytest.raises(StateMismatch) as refused:
+        made.train()
+    message = str(refused.value)
+    assert message.startswith(f"PcframeCallback: {directory} holds checkpoints of another model")
+    assert message.endswith(
+        f"give this run its own output_dir, or pass resume=False to start over in {directory}"
+    )
+    assert len(message.splitlines()) == 1 and len(message) < 400
+    assert callback.checkpointer is None and made.state.global_step == 0
+
+
+class Wider(transformers.GPT2LMHeadModel):
+    """Another model in the same code: twice the width."""
+
+    def __init__(self, config: transformers.GPT2Config) -> None:
+        config.n_embd *= 2
+        super().__init__(config)
