@@ -141,7 +141,8 @@ def test_a_folder_of_another_model_is_one_line_naming_it_and_the_fix(tmp_path: P
     assert message.endswith(
         f"give this run its own output_dir, or pass resume=False to start over in {directory}"
     )
-    assert len(message.splitlines()) == 1 and len(message) < 400
+    # Short whatever the folder's name (pytest's temporary paths are long, and appear twice).
+    assert len(message.splitlines()) == 1 and len(message.replace(str(directory), "D")) < 300
     assert callback.checkpointer is None and made.state.global_step == 0
 
 
