@@ -54,15 +54,25 @@ def test_every_registered_interval_policy_is_covered() -> None:
     assert set(registry.available("interval")) <= covered
 
 
-def _cases() -> list[tuple[str, str, str]]:
-    return [
-        (name, trace, regime)
-        for name in _makers(3600.0)
-        for trace in ("synthetic", "h100-slice")
-        for regime in ("async", "sync")
-        # Asked at every step on all paths (its hint is None): the synthetic day is enough.
-        if not (name == "pa_kept_work" and trace != "synthetic")
-    ]
+def _cases() -> list:
+    """Every policy on the synthetic day; on a day of a real trace PA's two flavours by
+    default (their hints are the ones that follow a clock), the others in the long run
+    (``pytest -m campaign``)."""
+    cases = []
+    for name in _makers(3600.0):
+        for trace in ("synthetic", "h100-slice"):
+            # Asked at every step on all paths (its hint is None): the synthetic day is enough.
+            if name == "pa_kept_work" and trace != "synthetic":
+                continue
+            for regime in ("async", "sync"):
+                default = trace == "synthetic" or name in (
+                    "preemption_aware",
+                    "preemption_aware_age",
+                    "notice_pa_age",
+                )
+                marks = () if default else (pytest.mark.campaign,)
+                cases.append(pytest.param(name, trace, regime, marks=marks))
+    return cases
 
 
 def _trace_and_window(which: str) -> tuple[Trace, dict[str, float]]:
