@@ -1,24 +1,18 @@
-"""Leave-one-zone-out evaluation of interval policies against fixed intervals (experiment 5).
+"""Leave-one-zone-out machinery of the simulator experiments.
 
-For every shipped trace and checkpoint regime the policy under test is built from history
-that excludes the trace's zone (a new zone the user has no trace of), and compared with:
-
-* Daly at the MTBF of that history (what a user would configure from the other traces);
-* the fixed interval *chosen in advance*: the one (in seconds of training) with the best
-  mean goodput, relative to each trace's hindsight best, over the other zones' traces;
-* Daly at the trace's own MTBF (clairvoyant: what knowing the zone's mean rate in advance
-  gives; what is left between it and the hindsight best is where the preemptions fell);
-* the best fixed interval in hindsight (the simulator's ``best_fixed_interval`` search);
-* the oracle.
-
-The fixed-interval curves do not depend on the policy under test, so they are cached.
+For every shipped trace the policy under test is built from history that excludes the
+trace's zone (a new zone the user has no trace of): :func:`history_for`. The single-run
+fixed-interval curves (each trace simulated once, the simulator's ``best_fixed_interval``
+search, the interval chosen in advance) are what ``hindsight_phase.py`` measures phase
+luck on; experiment 5 itself uses the seed-averaged yardstick of ``seeded.py``. The curves
+do not depend on the policy under test, so they are cached.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,46 +102,3 @@ def load_or_compute(path: Path, traces: Sequence[Trace], regimes: Sequence[str])
     curves = compute_curves(traces, regimes)
     path.write_text(json.dumps(curves.__dict__))
     return curves
-
-
-Factory = Callable[[Trace, list[Trace]], P.IntervalPolicy]
-
-
-def evaluate(
-    traces: Sequence[Trace],
-    regimes: Sequence[str],
-    curves: FixedCurves,
-    policies: dict[str, Factory],
-) -> list[dict]:
-    """One row per (regime, trace): every policy's goodput and the yardsticks."""
-    rows = []
-    for regime in regimes:
-        for trace in traces:
-            job = job_for(trace, regime)
-            key = f"{regime}|{key_of(trace)}"
-            history = history_for(trace, traces)
-            count = sum(t.preemption_count() for t in history)
-            exposure = sum(t.up_seconds() for t in history)
-            prior_mtbf = exposure / max(count, 0.5)
-            advance, advance_s = curves.in_advance(regime, trace, traces)
-            row = {
-                "regime": regime,
-                "source": trace.source,
-                "trace": trace.name if trace.capacity == 1 else f"{trace.name} ({trace.capacity})",
-                "mtbf_h": trace.mtbf() / 3600.0,
-                "oracle": curves.oracle[key],
-                "hindsight": curves.hindsight[key],
-                "hindsight_every": curves.hindsight_every[key],
-                "hindsight_s": curves.hindsight_every[key] * job.step_time(trace.capacity),
-                "in_advance": advance,
-                "in_advance_s": advance_s,
-                "daly_prior": simulate(trace, P.Daly(mtbf=prior_mtbf), job).goodput,
-                # Clairvoyant yardstick: Daly told this trace's own mean life in advance.
-                "daly_true": simulate(trace, P.Daly(mtbf=trace.mtbf()), job).goodput,
-            }
-            for label, make in policies.items():
-                result = simulate(trace, make(trace, history), job)
-                row[label] = result.goodput
-                row[f"{label}_sim_s"] = result.sim_seconds
-            rows.append(row)
-    return rows
