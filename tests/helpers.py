@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import threading
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -112,3 +117,20 @@ def live_values(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
 
 def same_values(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class DiskFull:
+    """``os`` for pcframe's writer threads, whose ``pwrite`` fails with ENOSPC once ``full``."""
+
+    def __init__(self) -> None:
+        self.full = False
+        self.refused = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def pwrite(self, *args: Any) -> int:
+        if self.full:
+            self.refused.set()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return os.pwrite(*args)

@@ -149,9 +149,8 @@ class DistributedCheckpointer:
         # What a restore loads into, checked before any directory is locked (the local
         # engine saves views of them; the policy is the local engine's, set below).
         # (named stateful objects may also come as pairs, as dict() takes them)
-        pairs = dict(stateful) if stateful is not None else None
         self.objects = TrainingObjects.given(
-            model, optimizer, scheduler, scaler, data, pairs, extra
+            model, optimizer, scheduler, scaler, data, stateful, extra
         )
         timeout = timedelta(seconds=protocol_timeout)
         # Three private gloo groups, created in the same order on every rank: `control` for

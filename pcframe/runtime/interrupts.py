@@ -94,7 +94,8 @@ _to_the_end = False  # inside held_to_the_end: a hold's end waits for it
 _deferred: list[_Hold] = []  # holds that ended inside held_to_the_end, still holding
 
 
-def _on_main_thread() -> bool:
+def on_main_thread() -> bool:
+    """Whether this is the thread Python runs signal handlers on."""
     return threading.current_thread() is threading.main_thread()
 
 
@@ -107,7 +108,7 @@ def _release_deferred() -> None:
 def interrupts_held() -> Iterator[None]:
     """Hold the signals with Python handlers until the block ends, then handle them."""
     global _holding
-    if not _on_main_thread():
+    if not on_main_thread():
         yield
         return
     if not _to_the_end:
@@ -132,7 +133,7 @@ class held_to_the_end:  # lower case: a context manager, named like contextlib's
 
     def __enter__(self) -> None:
         global _to_the_end
-        self.outer = not _to_the_end and _on_main_thread()
+        self.outer = not _to_the_end and on_main_thread()
         if self.outer:
             _to_the_end = True  # last: from here the block's exit releases what it held
 

@@ -351,11 +351,6 @@ class Bell:
         self._rung.acquire(timeout=max(0.0, timeout))
 
 
-def on_main_thread() -> bool:
-    """Whether this is the thread Python runs signal handlers on."""
-    return threading.current_thread() is threading.main_thread()
-
-
 def one_caller_at_a_time(
     method: F | None = None,
     *,

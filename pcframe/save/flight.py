@@ -27,14 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 from pcframe.errors import CheckpointError, SaveError
 from pcframe.runtime.collector import collector_paused
-from pcframe.runtime.interrupts import interrupts_held
+from pcframe.runtime.interrupts import interrupts_held, on_main_thread
 from pcframe.runtime.threads import (
     Bell,
     DeferredCall,
     EngineCalls,
     Reentry,
     engine_call,
-    on_main_thread,
 )
 from pcframe.save.handle import SaveHandle, SaveRecord, VersionHandle
 from pcframe.save.progress import SaveProgress

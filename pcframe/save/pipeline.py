@@ -43,8 +43,8 @@ import torch
 from pcframe.config import EngineConfig
 from pcframe.errors import SaveError, TornSnapshot
 from pcframe.format.layout import Chunk
-from pcframe.runtime.interrupts import interrupts_held
-from pcframe.runtime.threads import Bell, on_main_thread, one_openmp_thread, single_threaded_torch
+from pcframe.runtime.interrupts import interrupts_held, on_main_thread
+from pcframe.runtime.threads import Bell, one_openmp_thread, single_threaded_torch
 from pcframe.save.commit import CommitListener, Committer
 from pcframe.save.copy import Copier, DeviceCopies, SharedChunks
 from pcframe.save.delta import DeltaTracker

@@ -11,12 +11,9 @@ objects then resumes from the same directory.
 from __future__ import annotations
 
 import copy
-import errno
-import os
 import re
 import shutil
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +32,7 @@ from pcframe import ResumableLoader, ResumableSampler
 from pcframe.errors import CheckpointError, SaveError
 from pcframe.integrations.lightning import PcframeCheckpoint
 from pcframe.state.rng import capture_rng
+from tests.helpers import DiskFull
 from tests.integrations.killing import tree_differences
 
 # Lightning's advice for a tiny CPU run (num_workers, log intervals) is not under test here.
@@ -289,23 +287,6 @@ def test_any_exit_of_fit_releases_the_directory(tmp_path: Path, raised: type) ->
     # The version of step 3 is there; the same process opens the directory again.
     trainer, checkpoint = fit(directory, 5)
     assert checkpoint.resumed_step == 3 and trainer.global_step == 5
-
-
-class DiskFull:
-    """``os`` for pcframe's writer threads, whose ``pwrite`` fails with ENOSPC once ``full``."""
-
-    def __init__(self) -> None:
-        self.full = False
-        self.refused = threading.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(os, name)
-
-    def pwrite(self, *args: Any) -> int:
-        if self.full:
-            self.refused.set()
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return os.pwrite(*args)
 
 
 class FillDisk(pl.Callback):

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import errno
 import logging
-import os
 import re
 import shutil
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +32,7 @@ from pcframe import Checkpointer
 from pcframe.errors import CheckpointError, SaveError
 from pcframe.integrations.transformers import PcframeCallback
 from pcframe.state.rng import capture_rng
+from tests.helpers import DiskFull
 from tests.integrations.killing import tree_differences
 
 # transformers' advice for a tiny CPU run (pin_memory, tokens) is not under test here.
@@ -248,23 +246,6 @@ def test_any_exit_of_train_releases_the_directory(
     trainer.train()
     assert callback.resumed_step in (3, 6, 8) and trainer.state.global_step == 8
     assert lock_is_free(directory)
-
-
-class DiskFull:
-    """``os`` for pcframe's writer threads, whose ``pwrite`` fails with ENOSPC once ``full``."""
-
-    def __init__(self) -> None:
-        self.full = False
-        self.refused = threading.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(os, name)
-
-    def pwrite(self, *args: Any) -> int:
-        if self.full:
-            self.refused.set()
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return os.pwrite(*args)
 
 
 class FillDisk(transformers.TrainerCallback):
