@@ -28,12 +28,18 @@ from pcframe.policies.periodic import SecondsIntervalPolicy
 from pcframe.policies.predictors.base import Predictor
 from pcframe.policies.predictors.gamma_poisson import GammaPoissonRate
 from pcframe.policies.predictors.lifetime import LifeShapePosterior, cycle_interval
+from pcframe.policies.predictors.lives_plan import (
+    EmpiricalLives,
+    LifeBlend,
+    lives_interval,
+    prior_survival,
+)
 from pcframe.policies.predictors.schedule import kept_work_schedule
 from pcframe.policies.registry import register
 from pcframe.policies.young import CostKind, checkpoint_cost
 
 Bound = Literal["mean", "upper"]
-Schedule = Literal["kept_work", "cycle"]
+Schedule = Literal["kept_work", "cycle", "lives"]
 
 
 @register()
@@ -60,9 +66,11 @@ class PreemptionAware(SecondsIntervalPolicy):
         schedule: with ``age_hazard``, how the interval at an age is chosen: ``cycle``
             (the best ratio of one cycle at that age,
             :func:`~.predictors.lifetime.cycle_interval`; the default, ahead on the mean of
-            both regimes of experiment 5) or ``kept_work`` (the schedule that maximises the
+            both regimes of experiment 5), ``kept_work`` (the schedule that maximises the
             work a whole life keeps, Bellman's equation of :mod:`~.predictors.schedule`;
-            ahead on the harshest traces).
+            ahead on the harshest traces) or ``lives`` (the ``cycle`` ratio under the
+            job's own lives blended with the prediction, :mod:`~.predictors.lives_plan`;
+            opt-in: behind ``cycle`` in experiment 5).
         **kw: clamps and priors of :class:`~pcframe.policies.periodic.SecondsIntervalPolicy`;
             ``min_interval`` and ``max_interval`` bound τ whatever the prediction says.
     """
@@ -92,8 +100,8 @@ class PreemptionAware(SecondsIntervalPolicy):
             raise ValueError(f"hysteresis={hysteresis} must be in [0, 1)")
         if form not in ("exact", "series"):
             raise ValueError(f"form={form!r} must be 'exact' or 'series'")
-        if schedule not in ("kept_work", "cycle"):
-            raise ValueError(f"schedule={schedule!r} must be 'kept_work' or 'cycle'")
+        if schedule not in ("kept_work", "cycle", "lives"):
+            raise ValueError(f"schedule={schedule!r} must be 'lives', 'cycle' or 'kept_work'")
         if reevaluate_every < 0:
             raise ValueError(f"reevaluate_every={reevaluate_every} must be >= 0 seconds")
         if predictor is None and not (math.isfinite(mtbf_prior) and mtbf_prior > 0):
@@ -115,6 +123,7 @@ class PreemptionAware(SecondsIntervalPolicy):
         self._life_start: float | None = None
         self._age = 0.0
         self._cycle_memo: dict[tuple, float] = {}  # not state: a cache of a pure function
+        self._empirical: tuple[tuple, EmpiricalLives] | None = None  # (what it was built on, it)
         self._rate: float | None = None  # the rate of the last prediction...
         self._evaluated: float | None = None  # ...made at this predictor-clock time
         self.adopted: float | None = None  # the τ in force (before clamps)
@@ -196,7 +205,7 @@ class PreemptionAware(SecondsIntervalPolicy):
             return None
         recheck = self._evaluated + self.reevaluate_every  # the predictor's clock
         if self._follows_age():
-            if self.schedule != "cycle":
+            if self.schedule == "kept_work":
                 return None
             bucket = _age_bucket(self._age)
             recheck = min(recheck, self._life_start + 60.0 * math.expm1((bucket + 0.5) / 20.0))
@@ -261,7 +270,9 @@ class PreemptionAware(SecondsIntervalPolicy):
         """Seconds from this save's start to the next at this age, memoised on bucketed
         inputs (MTBF and age to 5 %, costs to 0.1 s, shape weights to 0.05: finer than the
         20 % hysteresis). ``cycle``: :func:`~.lifetime.cycle_interval` per age bucket (a
-        45-day trace needs a few hundred). ``kept_work``: the schedule of
+        45-day trace needs a few hundred). ``lives``: the same under the blend of the job's
+        lives and the prediction (:func:`~.lives_plan.lives_interval`), per age bucket and
+        set of lives. ``kept_work``: the schedule of
         :func:`~.schedule.kept_work_schedule` plus the stall; it covers every age, so it is
         memoised without the age (a few dozen) and the age is read off by interpolation."""
         mtbf = math.inf if not rate > 0 else 1.0 / rate
@@ -272,6 +283,30 @@ class PreemptionAware(SecondsIntervalPolicy):
         if not any(weights):  # every weight rounded away: keep the heaviest
             weights = tuple(float(w == max(raw)) for w in raw)
         mtbf_b = round(20.0 * math.log(mtbf))
+        if self.schedule == "lives":  # one evaluation per age bucket and set of lives
+            age_b = _age_bucket(self._age)
+            stall_b, durable_b = round(stall, 1), round(max(durable, stall), 1)
+            key = ("lives", mtbf_b, age_b, stall_b, durable_b, weights, lives.version)
+            tau = self._cycle_memo.get(key)
+            if tau is None:
+                if len(self._cycle_memo) > 4096:
+                    self._cycle_memo.clear()
+                # The lives are spread within their windows as the prediction says, so
+                # they are rebuilt when it moves (a new life, a new MTBF or shape bucket).
+                built = (lives.version, mtbf_b, weights)
+                if self._empirical is None or self._empirical[0] != built:
+                    shape = prior_survival(math.exp(mtbf_b / 20.0), weights)
+                    self._empirical = (built, EmpiricalLives(lives.lives, shape))
+                blend = LifeBlend(
+                    self._empirical[1],
+                    self._prior_lives(),
+                    math.exp(mtbf_b / 20.0),
+                    weights,
+                    60.0 * math.expm1(age_b / 20.0),
+                )
+                tau = lives_interval(blend, stall_b, durable_b)
+                self._cycle_memo[key] = tau
+            return tau
         if self.schedule == "cycle":  # one evaluation per age bucket (5 %)
             age_b = _age_bucket(self._age)
             key = ("cycle", mtbf_b, age_b, round(stall, 1), round(durable, 1), weights)
@@ -296,6 +331,12 @@ class PreemptionAware(SecondsIntervalPolicy):
             self._cycle_memo[key] = table
         ages, taus = table
         return float(np.interp(self._age, ages, taus)) + stall
+
+    def _prior_lives(self) -> float:
+        """How many lives the predictor's prior is worth against the job's own (the
+        pseudo-preemptions of its rate prior; 1 where it does not say)."""
+        worth = getattr(self.predictor, "prior_lives", None)
+        return float(worth) if isinstance(worth, (int, float)) and worth > 0 else 1.0
 
     def _count_unseen(self, died: float, lives: int) -> None:
         """Preemptions of processes that never committed: each died before its first save

@@ -57,6 +57,12 @@ def pa_kept_work(trace: Trace, history: list[Trace]) -> P.IntervalPolicy:
     return P.PreemptionAware(P.GammaPoissonRate.from_traces(history), schedule="kept_work")
 
 
+def pa_lives(trace: Trace, history: list[Trace]) -> P.IntervalPolicy:
+    """Variant: the ``lives`` schedule, the best cycle under the job's own lives blended with
+    the prediction (``predictors/lives_plan.py``) instead of the prediction alone."""
+    return P.PreemptionAware(P.GammaPoissonRate.from_traces(history), schedule="lives")
+
+
 def pa_one_gamma(trace: Trace, history: list[Trace]) -> P.IntervalPolicy:
     """Ablation: the previous rate prior, one Gamma fitted to the zones' spread (no mixture)."""
     pred = P.GammaPoissonRate.from_traces(history, prior_components=None)
@@ -78,6 +84,7 @@ def pa_fixed_prior(trace: Trace, history: list[Trace]) -> P.IntervalPolicy:
 VARIANTS: dict[str, Factory] = {
     "PA": pa,
     "PA kept-work": pa_kept_work,
+    "PA lives": pa_lives,
     "PA one Gamma": pa_one_gamma,
     "PA no age": pa_no_age,
     "PA 6 h prior": pa_fixed_prior,

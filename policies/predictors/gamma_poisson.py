@@ -120,6 +120,14 @@ class GammaPoissonRate(Predictor):
             kwargs["life_prior"] = shape_prior(found)
         return cls(**kwargs)
 
+    @property
+    def prior_lives(self) -> float:
+        """What the prior is worth in lives: the preemptions it counts as seen (``α₀``; with
+        a mixture, its components' mean ``α``), each weighed against one of the job's own."""
+        if self.prior_components is None:
+            return self.alpha0
+        return float(np.mean(self._mix_a))
+
     def mean_rate(self) -> float:
         """The posterior mean rate (what ``predict().rate.value`` is), without quantiles."""
         if self.prior_components is None:

@@ -184,6 +184,7 @@ class LifeShapePosterior:
             raise ValueError(f"prior={list(prior)} must be {len(SHAPE_GRID)} weights > 0")
         self.log_prior = [math.log(p) for p in prior]
         self.lives: list[tuple[float, float]] = []
+        self.version = 0  # changes whenever the lives do: a key for what is built from them
         # loglik per MTBF bucket, for the lives seen so far (cleared when one is added).
         self._cache: dict[int, list[float]] = {}
 
@@ -194,6 +195,7 @@ class LifeShapePosterior:
             if len(self.lives) > self.MAX_LIVES:
                 del self.lives[0]
             self._cache = {}
+            self.version += 1
 
     def loglik(self, mtbf: float) -> list[float]:
         if not (math.isfinite(mtbf) and mtbf > 0) or not self.lives:
@@ -236,6 +238,7 @@ class LifeShapePosterior:
     def load_state_dict(self, state: dict) -> None:
         self.lives = [(float(a), float(b)) for a, b in state.get("lives", [])]
         self._cache = {}
+        self.version += 1
 
 
 def _survival_array(age: np.ndarray, mtbf: float, k: float) -> np.ndarray:

@@ -57,6 +57,15 @@ class TestPreemptionAwareDefault(IntervalPolicyConformance):
     factory = staticmethod(lambda: P.PreemptionAware(bound="upper"))
 
 
+class TestPreemptionAwareLives(IntervalPolicyConformance):
+    # plans against its own lives (a life shape prior, so the interval follows the age)
+    factory = staticmethod(
+        lambda: P.PreemptionAware(
+            P.GammaPoissonRate(1800.0, life_prior=[1.0 / 7] * 7), schedule="lives"
+        )
+    )
+
+
 class TestNoticeDrivenAroundDaly(IntervalPolicyConformance):
     factory = staticmethod(lambda: P.NoticeDriven(P.Daly(mtbf=1800.0), P.ManualNoticeSource()))
 
