@@ -5,7 +5,12 @@
 
 For each configuration, in the same run, in an order rotated every repeat:
 
-* ``floor``: no checkpoints; the restart trains from step 0 (what a restart costs at least);
+* ``floor``: no checkpointing at all (neither pcframe nor s3fs imported); the restart trains
+  from step 0 (what a restart costs at least);
+* ``empty``: the floor of the goal, "a restart with nothing to load": the same job as
+  ``peers`` (pcframe imported, the checkpointer opened with its peer tier and S3) over an
+  empty root, memory folder and S3 prefix (the first incarnation saves nothing), so the
+  restore finds nothing and the restart trains from step 0;
 * ``remote``: pcframe, shards in the S3 server only (each node's root is a fresh folder per
   incarnation: nothing local survives; records and every shard come from S3);
 * ``local``: pcframe, node-local roots + S3, ``replicas=0`` (node b's shards come from S3);
@@ -66,9 +71,10 @@ from results_file import command_line, header, table_lines, write_results  # noq
 from pcframe.apps.tuning.loopback_s3 import LoopbackS3  # noqa: E402
 
 WORKER = Path(__file__).with_name("worker.py")
-CONFIGS = ["floor", "remote", "local", "peers", "dcp"]
+CONFIGS = ["floor", "empty", "remote", "local", "peers", "dcp"]
 LABELS = {
-    "floor": "floor (nothing to load)",
+    "floor": "floor: no checkpointing at all",
+    "empty": "floor: the same job, nothing to load",
     "remote": "remote only (S3)",
     "local": "local disk + remote",
     "peers": "peers + remote",
@@ -331,6 +337,7 @@ def metrics(config: str, args: argparse.Namespace, run: dict[str, Any]) -> dict[
         "rss_peak_after": [a.get("rss_peak", 0) for a in after],
         "shm_peak_before": [b.get("shm_peak", 0) for b in before],
         "shm_peak_after": [a.get("shm_peak", 0) for a in after],
+        "fetched_after": [a.get("fetched_bytes", 0) for a in after],
     }
     out["restart_rendezvous"] = out["restart"] + out["imports"] + out["rendezvous"]
     out["total"] = out["restart_rendezvous"] + out["setup"] + out["load"] + out["first_step"]
@@ -683,6 +690,7 @@ def report(
                 spread([mib(max(r["rss_peak_after"])) for r in rs], "{:.0f}"),
                 spread([mib(max(r["shm_peak_before"])) for r in rs], "{:.0f}"),
                 spread([mib(max(r["shm_peak_after"])) for r in rs], "{:.0f}"),
+                spread([mib(max(r.get("fetched_after") or [0])) for r in rs], "{:.0f}"),
             ]
         )
     lines += table_lines(
@@ -692,12 +700,17 @@ def report(
             "after the restart (MiB)",
             "peak /dev/shm of a rank's peer store, before (MiB)",
             "after (MiB)",
+            "fetched shards kept in a node's memory after the restore (MiB)",
         ],
         rows,
-        "lrrrr",
+        "lrrrrr",
     )
     lines += [
         "",
+        "With a peer tier, a restore fetches the shards a node lacks into its memory folder "
+        "and keeps the restored version's there (a second restart on that node reads them "
+        "without fetching): node b holds the whole version after the restore, outside "
+        "`peer_budget`. "
         f"Budget for peer copies: {mib(budget):.0f} MiB per rank (`peer_budget`). The extra "
         "RSS of peer replication is the peers row's peak RSS minus the local-disk row's (same "
         "job otherwise); /dev/shm is sampled every 50 ms.",
@@ -911,27 +924,47 @@ def goal_rows(
                 "–",
             ]
         )
-    ratios = paired(by, "peers", "floor", "total")
-    if ratios:
-        rows.append(
-            [
-                "kill → first step with peers ÷ the floor (a restart with nothing to load)",
-                "≤ 1.3x",
-                f"{spread(ratios)}x",
-                ok(statistics.median(ratios) <= 1.3),
-            ]
-        )
-    for config in ("remote", "local", "dcp"):
-        ratios = paired(by, config, "floor", "total")
+    # The goal's floor is "a restart with nothing to load"; it is read two ways, both scored:
+    # a job without checkpointing at all (the stricter, this benchmark's first yardstick),
+    # and the same job restarting with nothing to load (pcframe imported and opened).
+    for floor, what in (
+        ("floor", "a job without pcframe (no checkpointing: neither pcframe nor s3fs imported)"),
+        ("empty", "the same job restarting with nothing to load (pcframe imported and opened "
+         "with its peer tier and S3, nothing saved yet)"),
+    ):  # fmt: skip
+        ratios = paired(by, "peers", floor, "total")
         if ratios:
             rows.append(
                 [
-                    f"(for reference) kill → first step, {LABELS[config]} ÷ the floor",
+                    f"kill → first step with peers ÷ the floor: {what}",
+                    "≤ 1.3x",
+                    f"{spread(ratios)}x",
+                    ok(statistics.median(ratios) <= 1.3),
+                ]
+            )
+    for config in ("remote", "local", "dcp"):
+        ratios = paired(by, config, "empty", "total")
+        if ratios:
+            rows.append(
+                [
+                    f"(for reference) kill → first step, {LABELS[config]} ÷ the same job "
+                    "with nothing to load",
                     "–",
                     f"{spread(ratios)}x",
                     "–",
                 ]
             )
+    ratios = paired(by, "empty", "floor", "total")
+    if ratios:
+        rows.append(
+            [
+                "(for reference) kill → first step, the same job with nothing to load ÷ a job "
+                "without pcframe (importing pcframe and s3fs, opening the checkpointer)",
+                "–",
+                f"{spread(ratios)}x",
+                "–",
+            ]
+        )
     if peers and local and budget:
         shm = max(max(r["shm_peak_before"] + r["shm_peak_after"]) for r in peers)
         extra = statistics.median(max(r["rss_peak_before"]) for r in peers) - statistics.median(

@@ -69,7 +69,9 @@ def wait_for_wipe(control: Path) -> float:
 def early_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "--config", required=True, choices=["floor", "remote", "local", "peers", "dcp", "overhead"]
+        "--config",
+        required=True,
+        choices=["floor", "empty", "remote", "local", "peers", "dcp", "overhead"],
     )
     parser.add_argument("--work", type=Path, required=True, help="node roots go here (disk)")
     parser.add_argument("--shm", type=Path, required=True, help="node memory folders go here")
@@ -106,7 +108,7 @@ from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 # What each configuration's job imports at its start (counted as imports, not as setup).
-if ARGS.config in ("remote", "local", "peers", "overhead"):
+if ARGS.config in ("empty", "remote", "local", "peers", "overhead"):
     import pcframe.distributed  # noqa: F401
 if ARGS.config == "dcp":
     import torch.distributed.checkpoint
@@ -586,6 +588,9 @@ def killed_run(args: argparse.Namespace, job: Job, log: Log) -> None:
         time_restore_phases()
         root = args.work / (f"{NODE}-inc{INCARNATION}" if config == "remote" else NODE)
         ckpt = open_pcframe(job, args, config, root, budget)
+    elif config == "empty" and INCARNATION > 0:  # the first one saves nothing: all is empty
+        time_restore_phases()
+        ckpt = open_pcframe(job, args, "peers", args.work / NODE, budget)
     elif config == "dcp":
         dcp_ckpt = Dcp(job, args)
     log.stamp("opened")
@@ -598,6 +603,8 @@ def killed_run(args: argparse.Namespace, job: Job, log: Log) -> None:
         log.stamp("restore_begin")
         log.stamp("restore_end")
     log.data["restored_step"] = start
+    # What the restore fetched into this node's memory (kept after it: outside peer_budget).
+    log.data["fetched_bytes"] = folder_bytes(args.shm / f"{NODE}-shm" / "fetched")
     fp_seconds = 0.0
     if INCARNATION > 0 and start and not args.no_fingerprint:
         t = time.perf_counter()
@@ -620,7 +627,7 @@ def killed_run(args: argparse.Namespace, job: Job, log: Log) -> None:
             elif dcp_ckpt is not None:
                 dcp_ckpt.save(step)
                 saves[str(step)] = {"step": step, "t_save": time.time()}
-            if config != "floor" and not args.no_fingerprint:
+            if config not in ("floor", "empty") and not args.no_fingerprint:
                 log.data["fingerprints"][str(step)] = fingerprint(job)
         now = time.time()
         step_times.append(now)

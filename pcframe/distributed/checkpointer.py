@@ -34,7 +34,7 @@ from pcframe.distributed.meeting import Call, Doing, Meetings
 from pcframe.distributed.nodes import check_replicas
 from pcframe.distributed.opening import open_shards
 from pcframe.distributed.protocol import CommitProtocol, Round
-from pcframe.distributed.recovery import Place, Recovery
+from pcframe.distributed.recovery import Place, Recovery, fetched_in_memory
 from pcframe.distributed.replication import PeerReplication
 from pcframe.distributed.verdict import load_newest
 from pcframe.errors import CheckpointError, SaveError
@@ -443,6 +443,10 @@ class DistributedCheckpointer:
         place = Place(self.root, self.peer_base)  # copies kept here by any earlier job
         recovery = Recovery(place, self._groups, self.rank, self._control, self.remote)
         records, invalid = recovery.records()
+        if self.peers is not None:  # fetch into the node's memory (recovery.Place says why)
+            need = sum(s.nbytes for s in records[0].shards) if records else 0
+            folder = fetched_in_memory(self.peer_base, self.root)
+            recovery.fetch_in_memory(folder, self.nodes.keys[self.rank], need)
         report = self.last_restore = DistributedRestoreReport(skipped=list(invalid))
 
         def applied(record: global_versions.GlobalRecord, written: Any) -> None:
@@ -466,6 +470,7 @@ class DistributedCheckpointer:
         if record is None:
             self.local.restarted_empty()  # e.g. this rank's earlier writers all died
             return None
+        recovery.restored(record)
         return record.step
 
     # --- lifecycle ---------------------------------------------------------------------------

@@ -30,10 +30,12 @@ takes the previous one (said at WARNING, never quarantined).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
 import shutil
+import socket
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -59,6 +61,16 @@ from pcframe.restore.sources import stop_at_unsupported
 log = logging.getLogger("pcframe")
 
 FETCHED = ".fetched"  # in a root: shards a restore fetched from a peer or the object store
+FETCHED_IN_MEMORY = "fetched"  # the same in a node's peer folder (a job with a peer tier)
+
+
+def fetched_in_memory(peer_base: Path, root: Path) -> Path:
+    """Where a job with a peer tier fetches shards in its node's memory: one folder per root
+    (ranks with other roots may share ``peer_base``)."""
+    key = hashlib.sha1(str(Path(root).resolve()).encode()).hexdigest()[:12]
+    return peer_base / FETCHED_IN_MEMORY / key
+
+
 MAX_ROUNDS = 8
 _RANK_DIR = re.compile(r"^rank-(\d{1,7})$")
 _VERSION_DIR = re.compile(r"^v(\d{8,})$")
@@ -75,17 +87,34 @@ class Kind(Enum):
 
 @dataclass(frozen=True)
 class Place:
-    """Where one rank reads shards without the network: its root, what a restore fetched
-    into it, and the peer copies kept in its node's memory (``peer_base``: the folder of
-    every rank's peer store on this node)."""
+    """Where one rank reads shards without the network: its root, the copies kept in its
+    node's memory by the peer tier (``peer_base``: the folder of every rank's peer store on
+    this node), and what a restore fetched (``fetch_dir``: ``<root>/.fetched`` unless given).
+
+    A job with a peer tier fetches into its node's memory (``<peer_base>/fetched``): writing
+    a fetched shard there costs a memory copy, where the root's disk takes it at the disk's
+    write speed (a restore's fetch waited on that more than on the network). Copies fetched
+    into the root by an earlier restore stay readable either way.
+    """
 
     root: Path
     peer_base: Path | None = None
+    fetch_dir: Path | None = None
+
+    @property
+    def fetch_into(self) -> Path:
+        return self.fetch_dir if self.fetch_dir is not None else self.root / FETCHED
 
     def folders(self) -> list[tuple[Kind, Path]]:
         found = [(Kind.LOCAL, self.root), (Kind.FETCHED, self.root / FETCHED)]
+        if self.fetch_dir is not None:
+            found.append((Kind.FETCHED, self.fetch_dir))
         if self.peer_base is not None and self.peer_base.is_dir():
-            found += [(Kind.PEER, d) for d in sorted(self.peer_base.iterdir()) if d.is_dir()]
+            found += [
+                (Kind.PEER, d)
+                for d in sorted(self.peer_base.iterdir())
+                if d.is_dir() and d.name != FETCHED_IN_MEMORY
+            ]
         return found
 
     def find(self, src: int, version: int) -> tuple[Kind, Path] | None:
@@ -106,7 +135,49 @@ class Place:
         return {src: dict(v) for src, v in found.items()}
 
     def fetch_path(self, src: int, version: int) -> Path:
-        return self.root / FETCHED / rank_dirname(src) / version_name(version)
+        return self.fetch_into / rank_dirname(src) / version_name(version)
+
+    def keep_fetched(self, record: GlobalRecord) -> None:
+        """Remove every fetched copy but ``record``'s shards and the bases they read (the
+        fetched folders hold one restored version, not one per restart)."""
+        keep: set[tuple[int, int]] = set()
+        for shard in record.shards:
+            src, version = shard.rank, shard.version
+            while version and (src, version) not in keep:
+                keep.add((src, version))
+                found = self.find(src, version)
+                version = _base_of(found[1]) if found else 0
+        for folder in {self.root / FETCHED, self.fetch_into}:
+            try:
+                rank_dirs = os.listdir(folder)
+            except OSError:
+                continue
+            for rank_dir in rank_dirs:
+                match = _RANK_DIR.match(rank_dir)
+                try:
+                    entries = os.listdir(folder / rank_dir)
+                except OSError:
+                    continue
+                for entry in entries:
+                    v = _VERSION_DIR.match(entry)
+                    if match and v and (int(match.group(1)), int(v.group(1))) in keep:
+                        continue
+                    shutil.rmtree(folder / rank_dir / entry, ignore_errors=True)
+
+
+def fetch_groups(
+    root_groups: Sequence[int], node: str | None, fetch_dir: Path, rank: int, group: Any
+) -> list[int]:
+    """Per rank, the lowest rank that reads the same fetched folder (collective): ranks that
+    share a root and the folder's path and, for a folder in a node's memory (``node``: the
+    node's key), the node and host. What one of them fetches every other reads; a restore
+    fetches each shard once per such group."""
+    where = (node, socket.gethostname()) if node is not None else ()
+    mine = (root_groups[rank], *where, str(fetch_dir.resolve()))
+    gathered: list[Any] = [None] * len(root_groups)
+    with peers("restore: agreeing where fetched shards go"):
+        dist.all_gather_object(gathered, mine, group=group)
+    return [next(r for r, other in enumerate(gathered) if other == row) for row in gathered]
 
 
 @dataclass
@@ -166,6 +237,9 @@ class Recovery:
         remote: RemoteShards | None = None,
     ) -> None:
         self.place, self.groups, self.rank, self._group = place, list(groups), rank, group
+        # Per rank, the lowest rank that reads the same fetched folder: the root's, unless
+        # fetch_in_memory says otherwise.
+        self.fetchers = self.groups
         self.remote = remote
         self.bad: list[tuple[int, int, int]] = []
         self.report = FetchReport()
@@ -221,7 +295,7 @@ class Recovery:
         try:
             for round_ in range(MAX_ROUNDS):
                 holdings = self._gather(records=False)
-                transfers, downloads, missing = plan_round(record, holdings, self.groups)
+                transfers, downloads, missing = plan_round(record, holdings, self.fetchers)
                 if missing:
                     return missing
                 if not transfers and not downloads:
@@ -252,6 +326,33 @@ class Recovery:
                 log.warning("restore: dropped the damaged copy %s", found[1])
                 dropped = True
         return dropped
+
+    def fetch_in_memory(self, folder: Path, node: str, need: int) -> None:
+        """Fetch into ``folder`` in this node's memory when its file system has ``need``
+        bytes free (the newest version's shards), else into the root (collective)."""
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            roomy = shutil.disk_usage(folder).free >= need
+        except OSError:
+            roomy = False
+        if not roomy:
+            log.info("restore: not enough room in %s; fetching into %s", folder, self.place.root)
+        self.place = Place(self.place.root, self.place.peer_base, folder if roomy else None)
+        in_memory = node if roomy else None
+        self.fetchers = fetch_groups(
+            self.groups, in_memory, self.place.fetch_into, self.rank, self._group
+        )
+
+    def restored(self, record: GlobalRecord) -> None:
+        """``record`` is applied on every rank: the lowest rank of each fetched folder keeps
+        only its shards there (every rank has read what it needed by then), so a restart on
+        this node before the next version reads them again without fetching them."""
+        if self.fetchers[self.rank] != self.rank:
+            return
+        try:
+            self.place.keep_fetched(record)
+        except OSError as exc:  # a cache left as it is: the restore itself succeeded
+            log.warning("restore: could not clear older fetched shards: %s", exc)
 
     def kinds(self, record: GlobalRecord) -> dict[int, str]:
         """Per shard of ``record``, where this rank reads it from (for the restore report)."""

@@ -15,6 +15,7 @@ rank when it exists, else from saved rank 0.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,9 +33,10 @@ from pcframe.distributed.placement import (
 from pcframe.errors import CheckpointError, ManifestError, ReshardError
 from pcframe.format.manifest import MANIFEST_NAME, Manifest
 from pcframe.format.tree import DTYPES, decode_tree
-from pcframe.restore.reader import read_entries
+from pcframe.restore.reader import InPlaceRead, read_entries, read_entries_into
 from pcframe.state.apply import apply_tree
 from pcframe.state.check import LoadRules
+from pcframe.state.in_place import in_place_targets
 from pcframe.state.objects import PER_RANK, Section, TrainingObjects
 
 _HINT = "Pass the same objects that were checkpointed"
@@ -49,6 +51,10 @@ class Prepared:
     sections: dict[str, Any] = field(default_factory=dict)
     per_rank_from: int | None = None
     resharded: bool = False
+    # Live tensors verified but not yet read into (one per saved rank read from): the
+    # apply's last fallible step fills them (pcframe.state.apply, ``fill``).
+    fills: list[InPlaceRead] = field(default_factory=list)
+    in_place_bytes: int = 0  # after apply: the bytes read straight into live tensors
 
     def tree(self) -> dict[str, Any]:
         """What :func:`~pcframe.state.apply.apply_tree` loads: only what this rank read."""
@@ -67,7 +73,32 @@ class Prepared:
     def apply(self, objects: TrainingObjects) -> None:
         """Load the prepared state into ``objects`` (every rank prepared successfully)."""
         rules = LoadRules(partial=True, owner=None, hint=_HINT)
-        apply_tree(objects, self.tree(), "the global version", rules)
+        fill = _Fills(self.fills) if self.fills else None
+        try:
+            apply_tree(objects, self.tree(), "the global version", rules, fill)
+        finally:
+            self.release()
+        self.in_place_bytes = fill.filled if fill is not None else 0
+
+    def release(self) -> None:
+        """Let go of the files kept for the fill (the version is applied, or not taken)."""
+        for fill in self.fills:
+            fill.release()
+
+
+@dataclass
+class _Fills:
+    """The fills of every saved rank read from, as one ``InPlaceFill`` (pcframe.state.apply)."""
+
+    reads: list[InPlaceRead]
+    filled: int = 0  # the bytes the last fill read into live tensors
+
+    def fill(self, sections: Collection[str]) -> int:
+        self.filled = sum(read.fill(sections) for read in self.reads)
+        return self.filled
+
+    def unfill(self) -> bool:
+        return all([read.unfill() for read in self.reads])  # every one, even after a False
 
 
 def prepare(
@@ -132,34 +163,74 @@ def prepare(
     for source_rank, node in value_nodes.values():
         needed[source_rank].update(_tensor_refs(node, index, source_rank))
 
-    loaded: dict[int, dict[int, torch.Tensor]] = {}
-    for source_rank, entries in sorted(needed.items()):
-        manifest = index.manifests[source_rank]
-        loaded[source_rank] = read_entries(index.directory(source_rank), manifest, entries, threads)
-
-    assembled = {
-        n: assemble(targets[n][1], found, loaded, DTYPES[index.items[n].dtype])
-        for n, found in pieces.items()
-    }
     prepared = Prepared(per_rank_from=own, resharded=resharded)
-    # Each rank's tensors as a tree references them, built once per rank read from.
-    values = {r: _values(index.manifests[r], loaded.get(r, {})) for r in needed}
-    for name, source_rank, node in wanted:
-        if node is not None:
-            prepared.sections[name] = _decode(node, values[source_rank], index, source_rank)
-    decoded_values = {
-        name: _decode(node, values[r], index, r) for name, (r, node) in value_nodes.items()
-    }
-    _check_sections(prepared, objects, version)
-    if current_model is not None:
-        prepared.model_state = {
-            key: _value(f"model/{key}", assembled, targets, decoded_values) for key in current_model
+    live = _in_place_targets(index, targets, pieces, objects)
+    try:  # the files kept open for the fill are let go on any way out but success
+        loaded: dict[int, dict[int, torch.Tensor]] = {}
+        for source_rank, entries in sorted(needed.items()):
+            manifest, directory = index.manifests[source_rank], index.directory(source_rank)
+            if live.get(source_rank):
+                loaded[source_rank] = read_entries_into(
+                    directory, manifest, entries, live[source_rank], prepared.fills, threads
+                )
+            else:
+                loaded[source_rank] = read_entries(directory, manifest, entries, threads)
+        assembled = {
+            n: assemble(targets[n][1], found, loaded, DTYPES[index.items[n].dtype])
+            for n, found in pieces.items()
         }
-    if optimizer_plan is not None:
-        prepared.optimizer_state = _optimizer_state(
-            optimizer_plan, assembled, targets, prepared.sections, decoded_values, version
-        )
+        # Each rank's tensors as a tree references them, built once per rank read from.
+        values = {r: _values(index.manifests[r], loaded.get(r, {})) for r in needed}
+        for name, source_rank, node in wanted:
+            if node is not None:
+                prepared.sections[name] = _decode(node, values[source_rank], index, source_rank)
+        decoded_values = {
+            name: _decode(node, values[r], index, r) for name, (r, node) in value_nodes.items()
+        }
+        _check_sections(prepared, objects, version)
+        if current_model is not None:
+            prepared.model_state = {
+                key: _value(f"model/{key}", assembled, targets, decoded_values)
+                for key in current_model
+            }
+        if optimizer_plan is not None:
+            prepared.optimizer_state = _optimizer_state(
+                optimizer_plan, assembled, targets, prepared.sections, decoded_values, version
+            )
+    except BaseException:
+        prepared.release()
+        raise
     return prepared
+
+
+def _in_place_targets(
+    index: SavedIndex,
+    targets: dict[str, tuple[Placed, Box]],
+    pieces: dict[str, list[tuple[ShardSource, Box]]],
+    objects: TrainingObjects,
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Per saved rank, ``{entry name: live tensor}`` of the tensors read straight into the
+    live ones after every rank verified (``Prepared.fills``): those a single-process restore
+    would fill in place (:func:`~pcframe.state.in_place.in_place_targets`: plain torch
+    loading, the live storage itself, no ``step`` counters) that are stored whole in one
+    entry (replicated state, or a box laid out as it was saved). The reader takes those
+    whose dtype and shape match; the others are read into new tensors and copied by the
+    apply. In place, the state is not allocated a second time nor copied after the read
+    (with a fresh optimizer there is no live state: only the model's)."""
+    allowed = in_place_targets(objects.model, objects.optimizer)
+    live: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
+    for name, found in pieces.items():
+        placed, box = targets[name]
+        # The single-process name: "optimizer/<i>/<key>" is "optimizer/state/<i>/<key>" there.
+        section, _, rest = name.partition("/")
+        target = allowed.get(f"{section}/state/{rest}" if section == "optimizer" else name)
+        if target is None or placed.mesh is not None:
+            continue
+        if len(found) != 1 or found[0][0].box != box:
+            continue
+        source = found[0][0]
+        live[source.rank][index.manifests[source.rank].entries[source.entry].name] = target
+    return live
 
 
 def _pieces(

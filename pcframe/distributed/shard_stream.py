@@ -151,9 +151,13 @@ def receive_version(src: int, into: Path, group: Any, expect_crc: str | None = N
                     f"rank {src} sent"
                 )
                 continue
-            os.pwrite(descriptors[piece.file], memory, piece.offset)
-        for fd in descriptors.values():
-            os.fdatasync(fd)
+            try:
+                os.pwrite(descriptors[piece.file], memory, piece.offset)
+            except OSError as exc:  # no room (a full /dev/shm): refused, the stream drained
+                problem = f"{into / piece.file}: cannot write the copy ({exc.strerror})"
+        if not problem:
+            for fd in descriptors.values():
+                os.fdatasync(fd)
     finally:
         for fd in descriptors.values():
             os.close(fd)

@@ -93,6 +93,7 @@ def try_global_version(
     """
     error: BaseException | None = None
     mine: tuple[Verdict, str, str] = (Verdict.OK, "", "")
+    prepared: Prepared | None = None
     try:
         index = SavedIndex(root, record, locate)
         prepared = read_with_retries(
@@ -109,8 +110,30 @@ def try_global_version(
     except Exception as exc:  # every rank must still reach the collective below
         error, mine = exc, (Verdict.INCOMPATIBLE, str(exc), type(exc).__name__)
     verdicts: list[Any] = [None] * world_size
-    with peers("restore"):
-        dist.all_gather_object(verdicts, mine, group=group)
+    try:
+        with peers("restore"):
+            dist.all_gather_object(verdicts, mine, group=group)
+        outcome = _outcome(root, record, verdicts, error)
+    except BaseException:
+        if prepared is not None:
+            prepared.release()
+        raise
+    if outcome is not None:
+        if prepared is not None:
+            prepared.release()  # another rank's part failed: the version is not applied
+        return outcome
+    assert prepared is not None
+    return prepared, index
+
+
+def _outcome(
+    root: Path,
+    record: global_versions.GlobalRecord,
+    verdicts: list[Any],
+    error: BaseException | None,
+) -> str | None:
+    """What the ranks' verdicts make of the version: ``None`` when every rank verified its
+    part, else the reason to skip it (or ``RETRY``); raises as :func:`try_global_version`."""
     for other, (verdict, message, name) in enumerate(verdicts):
         if verdict is Verdict.INCOMPATIBLE:
             if error is not None:
@@ -141,7 +164,7 @@ def try_global_version(
         return RETRY
     if corrupt:
         return "; ".join(corrupt)
-    return prepared, index
+    return None
 
 
 def load_newest(
@@ -215,22 +238,27 @@ def load_newest(
                 log.warning("skipping global version %d: %s", record.version, outcome)
                 skipped.append(record.version)
                 continue
-            # Only once an older version verified: when none does (a root not mounted on this
-            # node reads as "manifest missing" everywhere), every record stays for a later try.
-            reasons = dict(report.skipped)
-            for version in skipped:  # every root's copy of the record (one leader each)
-                protocol.forget(version)
-                if recovery.leader:
-                    global_versions.quarantine_record(root, version, reasons.get(version, ""))
-            if skipped and recovery.leader:  # GLOBAL named a version just set aside
-                with contextlib.suppress(OSError):
-                    global_versions.write_pointer(root, record.version)
             prepared, index = outcome
+            try:  # its files (kept for the fill) are let go whatever happens (apply: too)
+                # Only once an older version verified: when none does (a root not mounted on
+                # this node reads as "manifest missing" everywhere), every record stays.
+                reasons = dict(report.skipped)
+                for version in skipped:  # every root's copy of the record (one leader each)
+                    protocol.forget(version)
+                    if recovery.leader:
+                        global_versions.quarantine_record(root, version, reasons.get(version, ""))
+                if skipped and recovery.leader:  # GLOBAL named a version just set aside
+                    with contextlib.suppress(OSError):
+                        global_versions.write_pointer(root, record.version)
+            except BaseException:
+                prepared.release()
+                raise
             with interrupts_held():  # past the point of no return
                 prepared.apply(objects)
                 report.version, report.step = record.version, record.step
                 report.saved_world_size = record.world_size
                 report.resharded = prepared.resharded
+                report.in_place_bytes = prepared.in_place_bytes
                 report.per_rank_state_from = prepared.per_rank_from
                 report.shard_sources = recovery.kinds(record)
                 fetched = recovery.report

@@ -172,6 +172,36 @@ def read_entries(
     return tensors
 
 
+@dataclass
+class InPlaceRead:
+    """The targets' half of :func:`read_entries_into`: what
+    :func:`~pcframe.state.apply.apply_tree` takes as its ``fill`` (the targets were only
+    verified; ``fill`` reads them in)."""
+
+    fill: Callable[[Collection[str]], int]
+    unfill: Callable[[], bool]
+    release: Callable[[], object]  # lets go of the files (after the fill, or instead of it)
+
+
+def read_entries_into(
+    directory: str | Path,
+    manifest: Manifest,
+    wanted: Iterable[int],
+    targets: Mapping[str, torch.Tensor],
+    fills: list[InPlaceRead],
+    threads: int = 4,
+) -> dict[int, torch.Tensor]:
+    """:func:`read_entries`, with ``targets`` (entry name -> live tensor of the same dtype and
+    shape) verified now and read into later, by the :class:`InPlaceRead` appended to
+    ``fills`` (before anything is read: whatever interrupts, the caller can release it): the
+    returned dict holds the target itself for each of them. Nothing is allocated for them,
+    and they are not written before ``fill``. The files stay open until ``release``."""
+    reader = _VersionReader(Path(directory), manifest, threads, verify=True)
+    fills.append(InPlaceRead(reader.fill, reader.unfill, reader.release))
+    tensors, _ = reader.read(sorted(set(wanted)), InPlaceTargets(manifest, targets))
+    return tensors
+
+
 class _VersionReader:
     def __init__(
         self,
@@ -315,6 +345,10 @@ class _VersionReader:
             self._run([lambda c=c: self._read_pieces(c, flats) for c in chunks])
 
         return self.targets.fill(sections, read)
+
+    def unfill(self) -> bool:
+        """After :meth:`fill`: the old bytes back (:meth:`InPlaceTargets.unfill`)."""
+        return self.targets.unfill()
 
     def release(self) -> None:
         """Close the descriptors kept for :meth:`fill`; before a fill, put the old bytes

@@ -14,7 +14,7 @@ class RestoreReport:
     tier: str | None = None  # the tier the version was read from (None without tiers)
     unavailable: list[str] = field(default_factory=list)  # tiers that could not be listed
     not_loaded: list[str] = field(default_factory=list)  # restore(strict=False): what did not fit
-    in_place_bytes: int = 0  # bytes read straight into the live model's tensors
+    in_place_bytes: int = 0  # bytes read straight into the live model's (and optimizer's) tensors
     # Of those, read once, straight in (their old bytes kept in the idle staging pool to
     # put back on failure), not verified first and read again from the page cache.
     direct_bytes: int = 0

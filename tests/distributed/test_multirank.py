@@ -104,6 +104,13 @@ def test_round_trip_restores_exactly_the_saved_state_on_every_rank(saved):
             assert result[kind]["restored_step"] == 6, kind
             assert result[kind]["version"] == 2, kind
             assert result[kind]["restored_equal"], f"{kind}: restored state differs"
+            # The live tensors keep their memory; DDP's plain ones are read straight into it
+            # (model and optimizer state: every byte), FSDP's DTensors are copied by the apply
+            assert result[kind]["same_memory"], kind
+        assert result["ddp"]["in_place_bytes"] == result["ddp"]["live_bytes"]
+        assert result["fsdp"]["in_place_bytes"] == 0
+        assert result["hooked_restored"]  # its state_dict gives copies: loaded, not filled
+        assert result["hooked_in_place_model_bytes"] == 0
         assert result["padded_published"]
         assert result["padded_restored"]
         assert result["collector_paused_in_restore"]
@@ -115,6 +122,8 @@ def test_a_damaged_shard_makes_every_rank_fall_back_to_the_previous_global_versi
         damaged = result["damaged"]
         assert damaged["restored_step"] == 3
         assert damaged["equal_to_first_save"]
+        assert damaged["in_place_bytes"] > 0  # v1 filled the live tensors ...
+        assert damaged["data_files_left_open"] == []  # ... and its files were let go
         (version, reason), *_ = damaged["skipped"]
         assert version == 2 and "rank 1" in reason and "checksum mismatch" in reason
 

@@ -36,6 +36,10 @@ def test_a_lost_node_comes_back_from_its_peers_memory_bit_identical(tmp_path, re
         "3": "peer memory",
     }
     assert set(resumed[2]["shard_sources"].values()) == {"fetched"}
+    # ... into its memory folder, not its disk; the restored version's shards stay there.
+    fetched = sorted(p.name for p in (root / "b-shm" / "fetched").glob("*/rank-*/v*"))
+    assert fetched == ["v00000003"] * 4, fetched
+    assert not (root / "b" / ".fetched").exists()
     assert sum(r["peer_bytes"] for r in resumed[2:]) > 0
     assert sum(r["peer_bytes"] for r in resumed[:2]) == 0
     assert_same_as_reference(tmp_path, "resumed", 9)

@@ -180,3 +180,45 @@ def test_half_received_copies_are_swept_at_start(tmp_path):
     (staging / "data.bin").write_bytes(b"x")
     again = PeerStore(tmp_path / "peers", budget=1 << 20)
     assert again.swept == ["rank-2/v00000005.tmp"] and again.held() == {}
+
+
+# --- fetched shards ---------------------------------------------------------------------------
+
+
+def test_a_restore_keeps_one_fetched_version_in_memory_and_reads_old_fetches_on_disk(tmp_path):
+    """With a peer tier, shards a restore fetches go into the node's memory folder (not the
+    root's disk), are listed as fetched (not as peer copies), and once a version is restored
+    only its shards stay there: older fetches and half-received leftovers go."""
+    from types import SimpleNamespace
+
+    from pcframe.distributed.recovery import FETCHED, FETCHED_IN_MEMORY, Kind, Place
+
+    def shard_dir(folder: Path, src: int, version: int) -> Path:
+        path = folder / f"rank-{src}" / f"v{version:08d}"
+        path.mkdir(parents=True)
+        (path / "manifest.json").write_text("{}")  # complete for listing (never read here)
+        return path
+
+    root, peer_base = tmp_path / "root", tmp_path / "shm"
+    place = Place(root, peer_base, peer_base / FETCHED_IN_MEMORY)
+    assert place.fetch_path(2, 5).is_relative_to(peer_base / FETCHED_IN_MEMORY)
+    shard_dir(peer_base / FETCHED_IN_MEMORY, 2, 5)
+    shard_dir(peer_base / FETCHED_IN_MEMORY, 2, 4)
+    shard_dir(peer_base / FETCHED_IN_MEMORY, 3, 5)
+    (peer_base / FETCHED_IN_MEMORY / "rank-3" / "v00000006.tmp").mkdir()
+    shard_dir(peer_base / "kept-by-rank-0", 2, 5)
+    shard_dir(root / FETCHED, 1, 3)  # an earlier restore's fetch into the root: still read
+    assert place.find(2, 5) == (Kind.FETCHED, peer_base / FETCHED_IN_MEMORY / "rank-2/v00000005")
+    assert place.find(1, 3)[0] is Kind.FETCHED
+    assert place.readable() == {2: {5: 0, 4: 0}, 3: {5: 0}, 1: {3: 0}}
+    record = SimpleNamespace(
+        shards=[SimpleNamespace(rank=2, version=5), SimpleNamespace(rank=3, version=5)]
+    )
+    place.keep_fetched(record)
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.glob("*/*/rank-*/*"))
+    assert left == [
+        "shm/fetched/rank-2/v00000005",
+        "shm/fetched/rank-3/v00000005",
+        "shm/kept-by-rank-0/rank-2/v00000005",  # the peer tier's own copies are not a cache
+    ]
+    assert not list((root / FETCHED).glob("rank-*/*"))

@@ -84,20 +84,20 @@ HANDLER_SAVES = textwrap.dedent(
             p.add_(1.0)
     before = [t.clone() for t in model.state_dict().values()]
     signal.signal(signal.SIGUSR1, lambda *_: ckpt.save(2).wait())
-    real = restore.read_entries
+    real = restore.read_entries_into  # the live model's tensors: verified, not yet filled
 
     def then_signal(*args, **kwargs):  # the first read: nothing applied yet
         result = real(*args, **kwargs)
         signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
         return result
 
-    restore.read_entries = then_signal
+    restore.read_entries_into = then_signal
     try:
         ckpt.restore()
         outcome = "returned"
     except CheckpointError as exc:
         outcome = str(exc).split(" was called")[0]
-    restore.read_entries = real
+    restore.read_entries_into = real
     signal.signal(signal.SIGUSR1, signal.SIG_DFL)
     unchanged = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), before))
     versions = ckpt.global_versions()

@@ -19,6 +19,7 @@ if (
     os.environ["PCFRAME_CRASH_AT"] = os.environ["TEST_CRASH_AT"]
 
 import argparse
+import contextlib
 import gc
 import json
 import shutil
@@ -161,6 +162,27 @@ def full_state(job: Job, per_rank: bool = True) -> dict[str, torch.Tensor]:
     return out
 
 
+def open_data_files(root: Path) -> list[str]:
+    """The data files of versions under ``root`` this process holds open."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(str(root)) and target.endswith(".bin"):
+                found.append(target)
+    return found
+
+
+def live_tensors(job: Job) -> list[torch.Tensor]:
+    """The model's parameters and buffers and the optimizer's state tensors as they live (not
+    its step counters: those a restore replaces, as torch's load may convert them)."""
+    found = [*job.model.parameters(), *job.model.buffers()]
+    for param in job.model.parameters():  # in the parameters' order (a load rebuilds the dict)
+        state = job.optimizer.state.get(param, {})
+        found += [state[k] for k in sorted(state) if k != "step" and torch.is_tensor(state[k])]
+    return found
+
+
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(
         a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a
@@ -187,6 +209,7 @@ def roundtrip(args: argparse.Namespace, out: dict[str, Any]) -> None:
             for _ in range(3):
                 job.step()
             moved_on = not same(full_state(job), saved)
+            memory = [t.data_ptr() for t in live_tensors(job)]
             step = ckpt.restore()
             out[kind] = {
                 "published": published,
@@ -195,6 +218,9 @@ def roundtrip(args: argparse.Namespace, out: dict[str, Any]) -> None:
                 "restored_equal": same(full_state(job), saved),
                 "version": ckpt.last_restore.version,
                 "globals": ckpt.global_versions(),
+                "in_place_bytes": ckpt.last_restore.in_place_bytes,
+                "live_bytes": sum(t.nbytes for t in live_tensors(job)),
+                "same_memory": memory == [t.data_ptr() for t in live_tensors(job)],
             }
     damaged_restore(args, out, first)
     failing_save(args, out)
@@ -203,6 +229,23 @@ def roundtrip(args: argparse.Namespace, out: dict[str, Any]) -> None:
         out["locked"] = None
     except CheckpointError as exc:
         out["locked"] = f"{type(exc).__name__}: {exc}"
+    # A module whose state_dict() hands out copies: its tensors are not the live storage,
+    # so they are loaded the ordinary way (filling the copies would restore nothing).
+    job = build("ddp")
+    job.model.register_state_dict_post_hook(_cloned)
+    with job.checkpointer(args.root / "hooked") as ckpt:
+        job.step()
+        ckpt.save(1).wait()
+        saved = full_state(job)
+        job.step()
+        ckpt.restore()
+        out["hooked_restored"] = same(full_state(job), saved)
+        out["hooked_in_place_model_bytes"] = ckpt.last_restore.in_place_bytes - sum(
+            t.nbytes
+            for state in job.optimizer.state.values()
+            for k, t in state.items()
+            if k != "step"
+        )
     holder = padded_holder()
     probe = CollectorProbe()
     stateful = {"probe": probe}
@@ -219,6 +262,12 @@ def roundtrip(args: argparse.Namespace, out: dict[str, Any]) -> None:
         out["padded_restored"] = torch.equal(holder.table.full_tensor(), saved)
         # The multi-rank restore holds the cyclic collector off too, and gives it back.
         out["collector_paused_in_restore"] = probe.seen == [False] and gc.isenabled()
+
+
+def _cloned(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    for key, value in list(state.items()):
+        if isinstance(value, torch.Tensor):
+            state[key] = value.clone()
 
 
 class CollectorProbe:
@@ -242,12 +291,15 @@ def damaged_restore(args: argparse.Namespace, out: dict[str, Any], first: dict) 
         flip_byte(damaged / "rank-1" / "v00000002" / "data.bin", 5000)
     dist.barrier()
     job = build("ddp")
+    job.step()  # optimizer state to read in place: v2's verified files are let go on its skip
     with job.checkpointer(damaged) as ckpt:
         step = ckpt.restore()
         out["damaged"] = {
             "restored_step": step,
             "skipped": ckpt.last_restore.skipped,
             "equal_to_first_save": same(full_state(job), first),
+            "data_files_left_open": open_data_files(damaged),
+            "in_place_bytes": ckpt.last_restore.in_place_bytes,
         }
 
 
@@ -300,6 +352,23 @@ def resize(args: argparse.Namespace, out: dict[str, Any]) -> None:
             job.step()
             result["saved_after_resize"] = ckpt.save(7).wait() == SaveStatus.COMMITTED
             out[kind] = result
+    # A module whose state_dict() hands out copies: its tensors are not the live storage,
+    # so they are loaded the ordinary way (filling the copies would restore nothing).
+    job = build("ddp")
+    job.model.register_state_dict_post_hook(_cloned)
+    with job.checkpointer(args.root / "hooked") as ckpt:
+        job.step()
+        ckpt.save(1).wait()
+        saved = full_state(job)
+        job.step()
+        ckpt.restore()
+        out["hooked_restored"] = same(full_state(job), saved)
+        out["hooked_in_place_model_bytes"] = ckpt.last_restore.in_place_bytes - sum(
+            t.nbytes
+            for state in job.optimizer.state.values()
+            for k, t in state.items()
+            if k != "step"
+        )
     holder = padded_holder()
     probe = CollectorProbe()
     stateful = {"probe": probe}
