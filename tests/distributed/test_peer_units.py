@@ -222,3 +222,65 @@ def test_a_restore_keeps_one_fetched_version_in_memory_and_reads_old_fetches_on_
         "shm/kept-by-rank-0/rank-2/v00000005",  # the peer tier's own copies are not a cache
     ]
     assert not list((root / FETCHED).glob("rank-*/*"))
+
+
+def _fetch_places(rank, group, root: str, memory: str):
+    """Both ranks share a root and a node; rank 1 asks for more room than any disk has."""
+    from pcframe.distributed.recovery import Place, Recovery
+
+    out = []
+    for needs in ((0, 0), (0, 1 << 62)):
+        recovery = Recovery(Place(Path(root)), [0, 0], rank, group)
+        recovery.fetch_in_memory(Path(memory), "node-a", needs[rank])
+        out.append((str(recovery.place.fetch_into), recovery.fetchers))
+    return out
+
+
+def test_a_restore_fetches_into_memory_only_where_the_version_fits(tmp_path):
+    """Ranks that share a root and a node fetch each shard once, into the node's memory; a
+    rank whose memory cannot hold the newest version fetches into the root instead, and so
+    it no longer shares a fetched folder with the others (each group fetches for itself)."""
+    from pcframe.distributed.recovery import FETCHED
+
+    root, memory = tmp_path / "root", tmp_path / "shm" / "fetched" / "key"
+    results = _two_ranks(_fetch_places, str(root), str(memory))
+    for rank, got in enumerate(results):
+        assert isinstance(got, list), got  # else the traceback
+        (both_fit, fitting), (one_fits, fitting_then) = got
+        assert both_fit == str(memory) and fitting == [0, 0]
+        expected = str(memory) if rank == 0 else str(root / FETCHED)
+        assert one_fits == expected and fitting_then == [0, 1]
+
+
+def _full_memory(rank, group, sent: str, into: str):
+    """Rank 1's writes fail as on a full /dev/shm for the first copy, then succeed."""
+    import errno
+
+    from pcframe.distributed import shard_stream
+
+    if rank == 0:
+        shard_stream.send_version(Path(sent), 1, group)
+        shard_stream.send_version(Path(sent), 1, group)
+        return None
+    real = os.pwrite
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    os.pwrite = full
+    try:
+        shard_stream.receive_version(0, Path(into) / "first", group)
+        first = "received"
+    except CorruptCheckpoint as exc:
+        first = str(exc)
+    finally:
+        os.pwrite = real
+    second = shard_stream.receive_version(0, Path(into) / "second", group).version
+    return first, second
+
+
+def test_a_copy_that_cannot_be_written_is_refused_and_the_stream_stays_in_step(tmp_path):
+    sent = _save(tmp_path / "sent", chunk_bytes=4096)  # several pieces after the failing one
+    _, (first, second) = _two_ranks(_full_memory, str(sent), str(tmp_path / "in"))
+    assert "cannot write the copy" in first and "No space left on device" in first, first
+    assert second == 1  # every piece of the refused copy was drained: the next one arrives
