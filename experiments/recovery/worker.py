@@ -691,7 +691,7 @@ def overhead_run(args: argparse.Namespace, job: Job, log: Log) -> None:
                     **extra,
                 )
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), os.times()
             steps = []
             for i in range(1, args.phase_steps + 1):
                 s0 = time.perf_counter()
@@ -707,13 +707,16 @@ def overhead_run(args: argparse.Namespace, job: Job, log: Log) -> None:
             if ckpt is not None:
                 ckpt.close()
                 copied = len(ckpt.peers.status.copied) if ckpt.peers is not None else 0
-            t2 = time.perf_counter()
+            t2, cpu2 = time.perf_counter(), os.times()
             log.data["phases"].append(
                 {
                     "rep": rep,
                     "variant": variant,
                     "seconds": t1 - t0,
                     "close_seconds": t2 - t1,
+                    # This process's CPU time over the phase and its close (all threads):
+                    # what the copies cost, whatever else runs on the machine.
+                    "cpu_seconds": (cpu2.user - cpu0.user) + (cpu2.system - cpu0.system),
                     "steps": steps,
                     "copied": copied,
                 }
