@@ -148,21 +148,9 @@ class Place:
                 found = self.find(src, version)
                 version = _base_of(found[1]) if found else 0
         for folder in {self.root / FETCHED, self.fetch_into}:
-            try:
-                rank_dirs = os.listdir(folder)
-            except OSError:
-                continue
-            for rank_dir in rank_dirs:
-                match = _RANK_DIR.match(rank_dir)
-                try:
-                    entries = os.listdir(folder / rank_dir)
-                except OSError:
-                    continue
-                for entry in entries:
-                    v = _VERSION_DIR.match(entry)
-                    if match and v and (int(match.group(1)), int(v.group(1))) in keep:
-                        continue
-                    shutil.rmtree(folder / rank_dir / entry, ignore_errors=True)
+            for src, version, path in _entries(folder):
+                if (src, version) not in keep:  # leftovers (.tmp, .download) too
+                    shutil.rmtree(path, ignore_errors=True)
 
 
 def fetch_groups(
@@ -508,8 +496,9 @@ def _order(t: Transfer) -> tuple[int, int, int, int]:
     return (t.sender, t.receiver, t.src, t.version)
 
 
-def _shards(folder: Path) -> list[tuple[int, int, Path]]:
-    """``(src, version, path)`` of every complete shard folder under ``folder``."""
+def _entries(folder: Path) -> list[tuple[int, int, Path]]:
+    """``(src, version, path)`` of every entry of every ``rank-<src>/`` folder under
+    ``folder``; ``version`` is 0 for a name that is not a version's (a leftover)."""
     found = []
     try:
         names = os.listdir(folder)
@@ -520,15 +509,22 @@ def _shards(folder: Path) -> list[tuple[int, int, Path]]:
         if not match:
             continue
         try:
-            versions = os.listdir(folder / name)
+            entries = os.listdir(folder / name)
         except OSError:
             continue
-        for version_dir in versions:
-            v = _VERSION_DIR.match(version_dir)
-            path = folder / name / version_dir
-            if v and (path / MANIFEST_NAME).is_file():
-                found.append((int(match.group(1)), int(v.group(1)), path))
+        for entry in entries:
+            v = _VERSION_DIR.match(entry)
+            found.append((int(match.group(1)), int(v.group(1)) if v else 0, folder / name / entry))
     return found
+
+
+def _shards(folder: Path) -> list[tuple[int, int, Path]]:
+    """``(src, version, path)`` of every complete shard folder under ``folder``."""
+    return [
+        (src, version, path)
+        for src, version, path in _entries(folder)
+        if version and (path / MANIFEST_NAME).is_file()
+    ]
 
 
 def _base_of(path: Path) -> int:
