@@ -893,39 +893,29 @@ def goal_rows(
                 ok(once),
             ]
         )
-    ratios = paired(by, "peers", "remote", "fva")
-    if ratios:
-        rows.append(
-            [
-                "load phase (fetch + read/verify + apply, slowest rank each) from peers ÷ from "
-                "the object store (remote only), paired per repeat",
-                "≤ 0.3x",
-                f"{spread(ratios)}x",
-                ok(statistics.median(ratios) <= 0.3),
-            ]
-        )
+
+    def ratio_row(what: str, ratios: list[float], at_most: float | None = None) -> None:
+        """A row of per-repeat ratios: a goal (``at_most``) or, without one, a reference."""
+        if not ratios:
+            return
+        if at_most is None:
+            rows.append([f"(for reference) {what}", "–", f"{spread(ratios)}x", "–"])
+        else:
+            met = ok(statistics.median(ratios) <= at_most)
+            rows.append([what, f"≤ {at_most}x", f"{spread(ratios)}x", met])
+
+    ratio_row(
+        "load phase (fetch + read/verify + apply, slowest rank each) from peers ÷ from the "
+        "object store (remote only), paired per repeat",
+        paired(by, "peers", "remote", "fva"),
+        0.3,
+    )
     for other, what in (("remote", "remote only"), ("local", "local disk + remote")):
-        ratios = paired(by, "peers", other, "load")
-        if ratios:
-            rows.append(
-                [
-                    f"(for reference) the whole restore call (listing included) with peers ÷ "
-                    f"{what}",
-                    "–",
-                    f"{spread(ratios)}x",
-                    "–",
-                ]
-            )
-    ratios = paired(by, "dcp", "peers", "load")
-    if ratios:
-        rows.append(
-            [
-                "(for reference) DCP's restore call ÷ pcframe's with peers",
-                "–",
-                f"{spread(ratios)}x",
-                "–",
-            ]
+        ratio_row(
+            f"the whole restore call (listing included) with peers ÷ {what}",
+            paired(by, "peers", other, "load"),
         )
+    ratio_row("DCP's restore call ÷ pcframe's with peers", paired(by, "dcp", "peers", "load"))
     # The goal's floor is "a restart with nothing to load"; it is read two ways, both scored:
     # a job without checkpointing at all (the stricter, this benchmark's first yardstick),
     # and the same job restarting with nothing to load (pcframe imported and opened).
@@ -934,39 +924,21 @@ def goal_rows(
         ("empty", "the same job restarting with nothing to load (pcframe imported and opened "
          "with its peer tier and S3, nothing saved yet)"),
     ):  # fmt: skip
-        ratios = paired(by, "peers", floor, "total")
-        if ratios:
-            rows.append(
-                [
-                    f"kill → first step with peers ÷ the floor: {what}",
-                    "≤ 1.3x",
-                    f"{spread(ratios)}x",
-                    ok(statistics.median(ratios) <= 1.3),
-                ]
-            )
-    for config in ("remote", "local", "dcp"):
-        ratios = paired(by, config, "empty", "total")
-        if ratios:
-            rows.append(
-                [
-                    f"(for reference) kill → first step, {LABELS[config]} ÷ the same job "
-                    "with nothing to load",
-                    "–",
-                    f"{spread(ratios)}x",
-                    "–",
-                ]
-            )
-    ratios = paired(by, "empty", "floor", "total")
-    if ratios:
-        rows.append(
-            [
-                "(for reference) kill → first step, the same job with nothing to load ÷ a job "
-                "without pcframe (importing pcframe and s3fs, opening the checkpointer)",
-                "–",
-                f"{spread(ratios)}x",
-                "–",
-            ]
+        ratio_row(
+            f"kill → first step with peers ÷ the floor: {what}",
+            paired(by, "peers", floor, "total"),
+            1.3,
         )
+    for config in ("remote", "local", "dcp"):
+        ratio_row(
+            f"kill → first step, {LABELS[config]} ÷ the same job with nothing to load",
+            paired(by, config, "empty", "total"),
+        )
+    ratio_row(
+        "kill → first step, the same job with nothing to load ÷ a job without pcframe "
+        "(importing pcframe and s3fs, opening the checkpointer)",
+        paired(by, "empty", "floor", "total"),
+    )
     if peers and local and budget:
         shm = max(max(r["shm_peak_before"] + r["shm_peak_after"]) for r in peers)
         extra = statistics.median(max(r["rss_peak_before"]) for r in peers) - statistics.median(

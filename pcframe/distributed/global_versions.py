@@ -45,7 +45,7 @@ from pcframe.errors import CorruptCheckpoint, ManifestError, NotRegularFile, Uns
 from pcframe.format.envelope import BodyFields, Envelope, header_crc, is_crc, seal
 from pcframe.format.files import read_small
 from pcframe.format.manifest import MANIFEST_NAME
-from pcframe.format.names import version_from_digits, version_name, version_number
+from pcframe.format.names import RANK_DIR, version_from_digits, version_name, version_number
 from pcframe.format.stripes import stored_data_bytes
 from pcframe.runtime.faults import crash_point
 from pcframe.store.directory import (
@@ -64,7 +64,6 @@ RECORDS = "global"
 MAX_RECORD_BYTES = 16 * 1024 * 1024
 MAX_WORLD_SIZE = 1 << 20
 _RECORD_NAME = re.compile(r"^v(\d{8,})\.json$")
-_RANK_DIR = re.compile(r"^rank-(\d{1,7})$")
 GLOBAL_RECORD = Envelope(
     FORMAT,
     (FORMAT_VERSION,),
@@ -412,7 +411,7 @@ def next_version(root: Path) -> int:
     pointer = read_pointer(root)
     directories = [CheckpointDir(root)]
     if root.is_dir():
-        directories += [CheckpointDir(root / n) for n in os.listdir(root) if _RANK_DIR.match(n)]
+        directories += [CheckpointDir(root / n) for n in os.listdir(root) if RANK_DIR.match(n)]
     for directory in directories:
         used += directory.committed_versions()
         used.append(directory.latest_hint() or 0)

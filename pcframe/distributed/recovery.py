@@ -33,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import shutil
 import socket
 import time
@@ -53,8 +52,8 @@ from pcframe.distributed.peers import peers
 from pcframe.distributed.remote_shards import RemoteShards
 from pcframe.distributed.shard_stream import receive_version, send_version
 from pcframe.errors import CheckpointError, ManifestError, TierError, UnsupportedCheckpoint
-from pcframe.format.manifest import read_manifest
-from pcframe.format.names import MANIFEST_NAME, version_name
+from pcframe.format.manifest import delta_base
+from pcframe.format.names import MANIFEST_NAME, RANK_DIR, VERSION_DIR, version_name
 from pcframe.format.stripes import stored_data_bytes
 from pcframe.restore.sources import stop_at_unsupported
 
@@ -72,8 +71,6 @@ def fetched_in_memory(peer_base: Path, root: Path) -> Path:
 
 
 MAX_ROUNDS = 8
-_RANK_DIR = re.compile(r"^rank-(\d{1,7})$")
-_VERSION_DIR = re.compile(r"^v(\d{8,})$")
 
 
 class Kind(Enum):
@@ -91,7 +88,8 @@ class Place:
     node's memory by the peer tier (``peer_base``: the folder of every rank's peer store on
     this node), and what a restore fetched (``fetch_dir``: ``<root>/.fetched`` unless given).
 
-    A job with a peer tier fetches into its node's memory (``<peer_base>/fetched``): writing
+    A job with a peer tier fetches into its node's memory (:func:`fetched_in_memory`,
+    ``<peer_base>/fetched/<root key>``) when the newest version fits there: writing
     a fetched shard there costs a memory copy, where the root's disk takes it at the disk's
     write speed (a restore's fetch waited on that more than on the network). Copies fetched
     into the root by an earlier restore stay readable either way.
@@ -505,7 +503,7 @@ def _entries(folder: Path) -> list[tuple[int, int, Path]]:
     except OSError:
         return []
     for name in names:
-        match = _RANK_DIR.match(name)
+        match = RANK_DIR.match(name)
         if not match:
             continue
         try:
@@ -513,7 +511,7 @@ def _entries(folder: Path) -> list[tuple[int, int, Path]]:
         except OSError:
             continue
         for entry in entries:
-            v = _VERSION_DIR.match(entry)
+            v = VERSION_DIR.match(entry)
             found.append((int(match.group(1)), int(v.group(1)) if v else 0, folder / name / entry))
     return found
 
@@ -529,7 +527,6 @@ def _shards(folder: Path) -> list[tuple[int, int, Path]]:
 
 def _base_of(path: Path) -> int:
     try:
-        manifest = read_manifest(str(path / MANIFEST_NAME))
-    except (ManifestError, OSError):
+        return delta_base(path)
+    except (ManifestError, OSError):  # unreadable: it bases nothing here (its read says why)
         return 0
-    return manifest.delta.base if manifest.delta is not None else 0

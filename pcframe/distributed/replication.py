@@ -42,8 +42,7 @@ from pcframe.distributed.global_versions import GlobalRecord
 from pcframe.distributed.nodes import NodeMap, backed_up_by, replica_ranks
 from pcframe.distributed.shard_stream import receive_version, send_version
 from pcframe.errors import CheckpointError, CorruptCheckpoint, ManifestError
-from pcframe.format.manifest import read_manifest
-from pcframe.format.names import MANIFEST_NAME
+from pcframe.format.manifest import delta_base
 from pcframe.format.stripes import stored_data_bytes
 from pcframe.runtime.threads import single_threaded_torch
 from pcframe.store.tiers.peer import PeerStore
@@ -236,10 +235,9 @@ class PeerReplication:
             while True:
                 directory = self.shard_dir(current)
                 chain.append((current, stored_data_bytes(directory)))
-                manifest = read_manifest(str(directory / MANIFEST_NAME))
-                if manifest.delta is None:
+                current = delta_base(directory)
+                if not current:
                     return chain[::-1]
-                current = manifest.delta.base
         except (OSError, ManifestError) as exc:
             log.warning("peer tier: rank %d cannot offer version %d: %s", self.rank, version, exc)
             return None

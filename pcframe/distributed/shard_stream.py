@@ -33,6 +33,7 @@ from pcframe.format.files import open_regular
 from pcframe.format.manifest import Manifest, read_manifest
 from pcframe.format.names import CODEC_NAME, MANIFEST_NAME
 from pcframe.format.stripes import stripe_location, stripe_name, stripe_sizes
+from pcframe.restore.chunk_io import preadv_all
 
 _NOTHING = -1  # a manifest length: the sender has no readable version to send
 
@@ -94,8 +95,8 @@ def send_version(directory: Path, dst: int, group: Any) -> int:
                     fd = descriptors.get(piece.file)
                     if fd is None:
                         fd = descriptors[piece.file] = open_regular(directory / piece.file)
-                    _pread_into(fd, view, piece.offset)
-                except OSError:
+                    preadv_all(fd, [memoryview(view.numpy())], piece.offset, directory / piece.file)
+                except (OSError, CorruptCheckpoint):  # unreadable, or shorter than its manifest
                     failed = 1
             if failed:
                 view.zero_()
@@ -172,15 +173,6 @@ def _reserve(path: Path, size: int) -> int:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     os.ftruncate(fd, size)
     return fd
-
-
-def _pread_into(fd: int, view: torch.Tensor, offset: int) -> None:
-    memory, done = memoryview(view.numpy()), 0
-    while done < len(memory):
-        got = os.preadv(fd, [memory[done:]], offset + done)
-        if got == 0:
-            raise OSError(f"file ends before byte {offset + len(memory)}")
-        done += got
 
 
 def _send_int(value: int, dst: int, group: Any) -> None:

@@ -234,6 +234,16 @@ def read_manifest(path: str) -> Manifest:
     return parse_body(parsed, path, format_version)
 
 
+def delta_base(directory: str | os.PathLike[str]) -> int:
+    """The version a version directory's delta reads (0 for a full version).
+
+    Raises:
+        ManifestError / CorruptCheckpoint / OSError: as :func:`read_manifest`.
+    """
+    manifest = read_manifest(os.path.join(directory, MANIFEST_NAME))
+    return manifest.delta.base if manifest.delta is not None else 0
+
+
 def parse_body(body: Any, path: str = "<manifest>", format_version: int = 1) -> Manifest:
     """Validate a decoded manifest body against hard limits and return a :class:`Manifest`.
 

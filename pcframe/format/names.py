@@ -34,6 +34,8 @@ MAX_VERSION = 10**12
 VERSION_DIGITS = r"v(\d{8,})"
 # A committed version's directory (``v00000012``); ``vNNNNNNNN.tmp`` and others do not match.
 VERSION_DIR = re.compile(rf"^{VERSION_DIGITS}$")
+# A rank's folder in a multi-rank root, peer store or fetched folder (``rank-3``).
+RANK_DIR = re.compile(r"^rank-(\d{1,7})$")
 # A file name a version may hold: no path separators, no leading dot, at most 128 characters.
 SAFE_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 _warned: set[str] = set()

@@ -2,7 +2,8 @@
 
 The one reader of the engine: :func:`load_version` reads a whole version (a restore),
 :func:`read_entries` only some of its tensors (a multi-rank restore needs only part of
-another rank's shard). Either way only the chunks and segments holding the wanted tensors
+another rank's shard), :func:`read_entries_into` the same with live tensors verified now
+and filled later. Either way only the chunks and segments holding the wanted tensors
 are read, and each of them is verified.
 
 Raw chunks (from ``data.bin`` or its stripes) are read with ``preadv`` straight into freshly

@@ -229,23 +229,7 @@ def roundtrip(args: argparse.Namespace, out: dict[str, Any]) -> None:
         out["locked"] = None
     except CheckpointError as exc:
         out["locked"] = f"{type(exc).__name__}: {exc}"
-    # A module whose state_dict() hands out copies: its tensors are not the live storage,
-    # so they are loaded the ordinary way (filling the copies would restore nothing).
-    job = build("ddp")
-    job.model.register_state_dict_post_hook(_cloned)
-    with job.checkpointer(args.root / "hooked") as ckpt:
-        job.step()
-        ckpt.save(1).wait()
-        saved = full_state(job)
-        job.step()
-        ckpt.restore()
-        out["hooked_restored"] = same(full_state(job), saved)
-        out["hooked_in_place_model_bytes"] = ckpt.last_restore.in_place_bytes - sum(
-            t.nbytes
-            for state in job.optimizer.state.values()
-            for k, t in state.items()
-            if k != "step"
-        )
+    hooked_restore(args, out)
     holder = padded_holder()
     probe = CollectorProbe()
     stateful = {"probe": probe}
@@ -262,6 +246,26 @@ def roundtrip(args: argparse.Namespace, out: dict[str, Any]) -> None:
         out["padded_restored"] = torch.equal(holder.table.full_tensor(), saved)
         # The multi-rank restore holds the cyclic collector off too, and gives it back.
         out["collector_paused_in_restore"] = probe.seen == [False] and gc.isenabled()
+
+
+def hooked_restore(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """A module whose state_dict() hands out copies: its tensors are not the live storage,
+    so they are loaded the ordinary way (filling the copies would restore nothing)."""
+    job = build("ddp")
+    job.model.register_state_dict_post_hook(_cloned)
+    with job.checkpointer(args.root / "hooked") as ckpt:
+        job.step()
+        ckpt.save(1).wait()
+        saved = full_state(job)
+        job.step()
+        ckpt.restore()
+        out["hooked_restored"] = same(full_state(job), saved)
+        out["hooked_in_place_model_bytes"] = ckpt.last_restore.in_place_bytes - sum(
+            t.nbytes
+            for state in job.optimizer.state.values()
+            for k, t in state.items()
+            if k != "step"
+        )
 
 
 def _cloned(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -352,23 +356,6 @@ def resize(args: argparse.Namespace, out: dict[str, Any]) -> None:
             job.step()
             result["saved_after_resize"] = ckpt.save(7).wait() == SaveStatus.COMMITTED
             out[kind] = result
-    # A module whose state_dict() hands out copies: its tensors are not the live storage,
-    # so they are loaded the ordinary way (filling the copies would restore nothing).
-    job = build("ddp")
-    job.model.register_state_dict_post_hook(_cloned)
-    with job.checkpointer(args.root / "hooked") as ckpt:
-        job.step()
-        ckpt.save(1).wait()
-        saved = full_state(job)
-        job.step()
-        ckpt.restore()
-        out["hooked_restored"] = same(full_state(job), saved)
-        out["hooked_in_place_model_bytes"] = ckpt.last_restore.in_place_bytes - sum(
-            t.nbytes
-            for state in job.optimizer.state.values()
-            for k, t in state.items()
-            if k != "step"
-        )
     holder = padded_holder()
     probe = CollectorProbe()
     stateful = {"probe": probe}

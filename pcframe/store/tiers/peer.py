@@ -23,21 +23,18 @@ import contextlib
 import hashlib
 import logging
 import os
-import re
 import shutil
 import threading
 from pathlib import Path
 
 from pcframe.errors import TierError
-from pcframe.format.manifest import read_manifest
-from pcframe.format.names import MANIFEST_NAME, version_name
+from pcframe.format.manifest import delta_base
+from pcframe.format.names import RANK_DIR, VERSION_DIR, version_name
 from pcframe.format.stripes import stored_data_bytes
 from pcframe.store.tiers.memory import SHM
 
 log = logging.getLogger("pcframe.store.tiers")
 
-_RANK_DIR = re.compile(r"^rank-(\d{1,7})$")
-_VERSION_DIR = re.compile(r"^v(\d{8,})$")
 DEFAULT_BUDGET_SHARE = 0.5  # of the memory file system's free space when no budget is given
 
 
@@ -88,12 +85,12 @@ class PeerStore:
         found: dict[int, list[int]] = {}
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(self.directory):
-                match = _RANK_DIR.match(name)
+                match = RANK_DIR.match(name)
                 if not match:
                     continue
                 versions = [
                     int(v.group(1))
-                    for v in map(_VERSION_DIR.match, os.listdir(self.directory / name))
+                    for v in map(VERSION_DIR.match, os.listdir(self.directory / name))
                     if v
                 ]
                 if versions:
@@ -178,12 +175,11 @@ class PeerStore:
                 current = version
                 while True:
                     try:
-                        manifest = read_manifest(str(self.path(src, current) / MANIFEST_NAME))
+                        current = delta_base(self.path(src, current))
                     except Exception:  # a copy that cannot be read bases nothing
                         break
-                    if manifest.delta is None:
+                    if not current:
                         break
-                    current = manifest.delta.base
                     needed.add((src, current))
         return needed
 
@@ -192,7 +188,7 @@ class PeerStore:
         removed = []
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(self.directory):
-                if not _RANK_DIR.match(name):
+                if not RANK_DIR.match(name):
                     continue
                 for leftover in os.listdir(self.directory / name):
                     if leftover.endswith(".tmp"):
