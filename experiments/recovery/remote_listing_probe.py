@@ -31,7 +31,7 @@ def main() -> None:
                 prefix = f"job/rank-{r}/v{v:08d}"
                 client.put_object(Bucket="probe", Key=f"{prefix}/data.bin", Body=b"x" * 1000)
                 client.put_object(Bucket="probe", Key=f"{prefix}/COMMITTED", Body=b"{}")
-        shards = RemoteShards(s3.url("job"), s3.storage_options())
+        shards = RemoteShards(s3.url("job"), {"storage_options": s3.storage_options()})
         start = time.perf_counter()
         found = {r: shards.versions(r) for r in shards.ranks()}
         per_rank = time.perf_counter() - start

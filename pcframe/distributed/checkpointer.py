@@ -29,10 +29,11 @@ from pcframe.config import EngineConfig
 from pcframe.distributed import global_versions
 from pcframe.distributed.capture import ModelView, OptimizerView, Stash, StateSplitter
 from pcframe.distributed.handle import DistributedSaveHandle
-from pcframe.distributed.job_tiers import PEERS, peers_due, rank_tiers
+from pcframe.distributed.job_tiers import PEERS, peers_due, rank_tiers, start_job_listing
 from pcframe.distributed.meeting import Call, Doing, Meetings
 from pcframe.distributed.nodes import check_replicas
 from pcframe.distributed.opening import open_shards
+from pcframe.distributed.peers import peers
 from pcframe.distributed.protocol import CommitProtocol, Round
 from pcframe.distributed.recovery import Place, Recovery, fetched_in_memory
 from pcframe.distributed.replication import PeerReplication
@@ -146,6 +147,7 @@ class DistributedCheckpointer:
         local_tiers = None
         if job_tiers.local or placement is not None:
             local_tiers = Tiers(job_tiers.local, placement, external=(PEERS,))
+        remote_newest = start_job_listing(job_tiers, local_tiers)
         # What a restore loads into, checked before any directory is locked (the local
         # engine saves views of them; the policy is the local engine's, set below).
         # (named stateful objects may also come as pairs, as dict() takes them)
@@ -182,6 +184,7 @@ class DistributedCheckpointer:
             self._control,
             self._report,
             node,
+            remote_newest,
         )
         self.local, self._next = opened.local, opened.next_version
         self.nodes, self._groups = opened.nodes, opened.groups
@@ -214,6 +217,7 @@ class DistributedCheckpointer:
                 self._peer,
             )
             self.protocol.published.append(self._to_peers)
+        self._remote_wholes: list[int] = []  # the newest whole versions in the object store
         if self.remote is not None:
             self.protocol.remote_listeners.append(self._whole_in_remote)
         self._meetings = Meetings(self._control, self.world_size)
@@ -264,11 +268,19 @@ class DistributedCheckpointer:
 
     def _whole_in_remote(self, version: int, record: global_versions.GlobalRecord | None) -> None:
         """A listener of the commit protocol: ``version`` is whole in the object store. Each
-        rank's tier holds it until a newer one is; rank 0 uploads its record (the object
-        store's records are those of whole versions)."""
+        rank's tier holds it and the whole version before it; rank 0 uploads its record (the
+        object store's records are those of whole versions).
+
+        Two, not one: every rank hears of ``version`` at once, and rank 0 uploads its record
+        while the others may already delete what they held, so with one held, a job that
+        died in between left an object store whose only record named a version no longer
+        whole. The one before is let go only once a newer version is whole, which rank 0
+        decides after this record's upload.
+        """
+        self._remote_wholes = [*self._remote_wholes[-1:], version]
         remote = self.local.tiers.remote()
         if remote is not None:
-            self.local.tiers.hold(remote[0], {version})
+            self.local.tiers.hold(remote[0], set(self._remote_wholes))
         if self.rank == 0 and record is not None and self.remote is not None:
             try:
                 self.remote.put_record(record)
@@ -503,6 +515,11 @@ class DistributedCheckpointer:
                 if dist.is_initialized() and self.protocol.healthy:
                     # Nobody tears down a group still in use (the meeting is a barrier).
                     self._meetings.meet(Doing(Call.CLOSE, self._next))
+                    if self.remote is not None:  # every rank is here: the uploads are over
+                        held: list[Any] = [None] * self.world_size
+                        with peers("closing: the object store's newest whole version"):
+                            dist.all_gather_object(held, self._remote_held(), group=self._control)
+                        self.protocol.settle_remote(held)
             finally:
                 if dist.is_initialized():
                     dist.destroy_process_group(self._peer)

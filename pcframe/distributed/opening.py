@@ -2,12 +2,13 @@
 
 Each rank opens its local engine on ``root/rank-<r>/``. Then two collectives:
 
-1. the next version number is above everything any rank, record or pointer has used, so a
-   number is never reused for different contents (a crashed run may have left local-only
-   versions), and a failure on any rank is raised on every rank, so a rank that cannot open
-   its directory never leaves the others waiting in the first collective of a save; each
-   rank also says which node it is on (:func:`~pcframe.distributed.nodes.node_key`) and
-   leaves a marker file named after a token of its own in its root;
+1. the next version number is above everything any rank, record, pointer or the object
+   store has used, so a number is never reused for different contents (a crashed run may
+   have left local-only versions), and a failure on any rank is raised on every rank, so a
+   rank that cannot open its directory never leaves the others waiting in the first
+   collective of a save; each rank also says which node it is on
+   (:func:`~pcframe.distributed.nodes.node_key`) and leaves a marker file named after a
+   token of its own in its root;
 2. each rank says which ranks' markers it sees: ranks that see each other's share a root
    (one shared file system, or one node's local disk), and the lowest of them leads that
    root: it keeps the root's copies of the global records and lists them here, so the
@@ -50,8 +51,12 @@ def open_shards(
     control: Any,
     report: Any,
     node: str | None = None,
+    remote_newest: Callable[[], int] = lambda: 0,
 ) -> Opened:
     """Open this rank's engine with ``open_local`` and agree with the others (collective).
+
+    ``remote_newest``: the newest version the job's object store holds, where the engines
+    did not list it (:func:`~pcframe.distributed.job_tiers.start_job_listing`).
 
     On a failure anywhere the engine is closed again, both process groups are destroyed and
     the error is raised on every rank (this rank's own, or one naming the failing rank).
@@ -66,7 +71,7 @@ def open_shards(
     except (CheckpointError, OSError, TypeError, ValueError) as exc:
         mine, error = exc, f"{type(exc).__name__}: {exc}"
     try:
-        top = local.next_version if local else 0
+        top = max(local.next_version if local else 0, remote_newest() + 1)
         row = (top, node_key(node), token, error)
         first = _agree(row, world_size, control, mine, local, report)
         mine = None

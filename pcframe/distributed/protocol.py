@@ -330,14 +330,7 @@ class CommitProtocol:
         published = decision is not None and decision["status"] == SaveStatus.COMMITTED
         if published and self.writes_records:
             self._copy_record(decision["record"], decision["retained"])
-        whole = decision.get("remote_whole", 0) if decision is not None else 0
-        if whole > self.remote_whole:
-            self.remote_whole = whole
-            for listener in self.remote_listeners:
-                try:
-                    listener(whole, self._recent.get(whole))
-                except Exception as exc:  # the object store's bookkeeping; training goes on
-                    log.warning("after version %d became whole in the object store: %s", whole, exc)
+        self._whole_now(decision.get("remote_whole", 0) if decision is not None else 0)
         with self._lock:
             if decision is not None and decision["status"] == SaveStatus.COMMITTED:
                 self._retained = list(decision["retained"])
@@ -357,6 +350,26 @@ class CommitProtocol:
                     listener(decision["record"], bool(decision.get("peers")))
                 except Exception as exc:  # a listener's failure does not undo the version
                     log.error("after global version %d: %s", round_.version, exc)
+
+    def _whole_now(self, whole: int) -> None:
+        """Tell the listeners that ``whole`` is the newest version whole in the object store
+        (if it is newer than the last they heard of)."""
+        if whole <= self.remote_whole:
+            return
+        self.remote_whole = whole
+        for listener in self.remote_listeners:
+            try:
+                listener(whole, self._recent.get(whole))
+            except Exception as exc:  # the object store's bookkeeping; training goes on
+                log.warning("after version %d became whole in the object store: %s", whole, exc)
+
+    def settle_remote(self, held: list[list[int] | None]) -> None:
+        """At close, once every rank's engine finished its uploads (``held``: each rank's
+        shard versions in the object store, by rank): the newest version now whole there,
+        which no round will decide any more, goes to the listeners (rank 0 uploads its
+        record), so a job that ends leaves its newest uploaded version restorable from the
+        object store alone."""
+        self._whole_now(self._whole_in_remote([{"remote": versions} for versions in held]))
 
     def _whole_in_remote(self, reports: list[dict[str, Any]]) -> int:
         """Rank 0: the newest published version every rank's shard of which the object

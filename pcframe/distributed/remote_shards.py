@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pcframe.distributed.global_versions import GlobalRecord, rank_dirname
+from pcframe.errors import TierError
 from pcframe.format.names import version_name
 from pcframe.store.tiers.remote import RemoteTier
 
@@ -42,30 +43,38 @@ def rank_url(url: str, rank: int) -> str:
 class RemoteShards:
     """Read access to every rank's shards under ``url``, and the records (see module)."""
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, url: str, options: Mapping[str, Any] | None = None) -> None:
+        """``options``: the tier's own (``storage_options``, ``create``, ``timeout``, ...)."""
         self.url = url.rstrip("/")
-        self.storage_options = dict(storage_options or {})
+        self.options = dict(options or {})
+        self.storage_options = dict(self.options.get("storage_options") or {})
         self._tiers: dict[int, RemoteTier] = {}
-        self._records = RemoteTier(f"{self.url}/global", self.storage_options)
+        self._records = RemoteTier(f"{self.url}/global", **self.options)
 
     def tier(self, rank: int) -> RemoteTier:
         tier = self._tiers.get(rank)
         if tier is None:
-            tier = self._tiers[rank] = RemoteTier(rank_url(self.url, rank), self.storage_options)
+            tier = self._tiers[rank] = RemoteTier(rank_url(self.url, rank), **self.options)
             tier.name = f"remote/{rank_dirname(rank)}"
         return tier
 
     def listing(self) -> dict[int, list[int]]:
         """Every rank's committed shards in the object store, ``{rank: [versions]}``, from
         one recursive listing (``{}`` if it cannot be listed: a restore looks elsewhere)."""
-        tier = self._records
-        base = tier.root.rsplit("/", 1)[0]
-        with contextlib.suppress(AttributeError):
-            tier.fs.invalidate_cache(base)
         try:
-            paths = tier.fs.find(base)
-        except (FileNotFoundError, OSError):
+            return self.committed()
+        except TierError:
             return {}
+
+    def committed(self) -> dict[int, list[int]]:
+        """:meth:`listing`, but a store that cannot be listed raises.
+
+        Raises:
+            TierError: the listing failed or timed out, or the bucket does not exist while
+                the tiers may not create it.
+        """
+        paths = self._records.find_under_parent()
+        base = self._records.root.rsplit("/", 1)[0]
         found: dict[int, set[int]] = {}
         for path in paths:
             match = _COMMITTED.match(path[len(base) :].lstrip("/"))

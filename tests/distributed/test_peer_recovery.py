@@ -81,3 +81,29 @@ def test_with_both_copies_lost_the_object_store_serves_each_byte_once(
     lost_bytes = sum(s.nbytes for s in record.shards if s.rank in (2, 3))
     assert sum(r["remote_bytes"] for r in resumed) == lost_bytes  # each byte read once
     assert_same_as_reference(tmp_path, "resumed", 9)
+
+
+def test_with_every_disk_lost_the_job_numbers_above_what_the_object_store_holds(
+    tmp_path, reference, moto_server, bucket
+):
+    """A job that closed cleanly, then both nodes lost (every root and memory folder new):
+    the restore comes from the S3 server alone and brings back the job's last version, and
+    the versions saved after it are numbered above every version there, though no rank's
+    engine lists its own prefix when it opens (rank 0 lists the store once for the job, and
+    the ranks agree on the number)."""
+    shutil.copytree(reference / "out", tmp_path / "out")
+    root = tmp_path / "ckpt"
+    moto_server.client().create_bucket(Bucket=bucket)
+    remote = ["--remote", f"s3://{bucket}/job", "--remote-endpoint", moto_server.endpoint]
+    first = job(tmp_path, root, "first", 9, *remote)
+    lose_node(root, "a")
+    lose_node(root, "b")
+    resumed = job(tmp_path, root, "resumed", 12, *remote)
+    # The newest version: the first job closed cleanly, its last uploads done, and rank 0
+    # uploaded that version's record at close (no round was left to decide it).
+    assert [r["restored_step"] for r in resumed] == [9] * 4
+    assert sum(r["remote_bytes"] for r in resumed) > 0
+    newest_there = max(first[0]["versions"])  # every rank's shard of it is in the store
+    for r in resumed:
+        assert r["versions"] and min(r["versions"]) > newest_there
+    assert_same_as_reference(tmp_path, "resumed", 9)

@@ -114,12 +114,16 @@ def test_the_shard_stream_copies_verified_files_and_refuses_anything_else(tmp_pa
     3. a damaged chunk is refused, naming the file and where;
     4. a manifest other than the pinned one is refused;
     5. a sender without the version says so;
-    6. the stream is still in step: a good version after all that arrives.
+    6. a sender whose data file is shorter than its manifest says sends zeros and says so
+       at the end (the receiver refuses the copy);
+    7. the stream is still in step: a good version after all that arrives.
     """
     plain = _save(tmp_path / "plain")
     coded = _save(tmp_path / "coded", stripes=2, codecs={"optimizer": "zstd"}, chunk_bytes=4096)
     damaged = _save(tmp_path / "damaged", chunk_bytes=4096)
     flip_byte(damaged / "data.bin", 5000)  # the second chunk
+    short = _save(tmp_path / "short", chunk_bytes=4096)
+    os.truncate(short / "data.bin", 4096)  # the first chunk only
     into = tmp_path / "in"
     cases = [
         (str(plain), str(into / "plain"), None),
@@ -127,6 +131,7 @@ def test_the_shard_stream_copies_verified_files_and_refuses_anything_else(tmp_pa
         (str(damaged), str(into / "damaged"), None),
         (str(plain), str(into / "pinned"), "0badc0de"),
         (str(tmp_path / "nothing"), str(into / "nothing"), None),
+        (str(short), str(into / "short"), None),
         (str(coded), str(into / "again"), None),
     ]
     _, received = _two_ranks(_streams, cases)
@@ -141,7 +146,9 @@ def test_the_shard_stream_copies_verified_files_and_refuses_anything_else(tmp_pa
     assert "data.bin: checksum mismatch at byte 4096" in received[2][1]
     assert received[3][0] == "refused" and "the record pins" in received[3][1], received[3]
     assert received[4][0] == "refused" and "no readable copy" in received[4][1], received[4]
-    assert received[5] == ("ok", 1), received[5]
+    assert received[5][0] == "refused", received[5]
+    assert "could not read its files" in received[5][1] or "checksum" in received[5][1]
+    assert received[6] == ("ok", 1), received[6]
 
 
 # --- the store ---------------------------------------------------------------------------------

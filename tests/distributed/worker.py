@@ -442,6 +442,7 @@ def nodes(args: argparse.Namespace, out: dict[str, Any]) -> None:
             calls.append(time.perf_counter() - began)
             if handle is not None:
                 snapshot(step)  # the uninterrupted run's state at a checkpoint step
+                out.setdefault("versions", []).append(handle.version)
                 if args.sync:
                     handle.wait()
                     print(f"step {step} version {handle.version} global", flush=True)

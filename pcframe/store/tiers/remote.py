@@ -155,6 +155,26 @@ class RemoteTier(Tier):
     def committed_versions(self) -> list[int]:
         return sorted(self._scan()[0])
 
+    def find_under_parent(self) -> list[str]:
+        """Every object under the folder above this tier's root, from one recursive listing
+        (e.g. every rank's tier beside this one: :mod:`pcframe.distributed.remote_shards`);
+        ``[]`` when nothing is there yet.
+
+        Raises:
+            TierError: the listing failed or timed out, or the bucket does not exist while
+                ``create`` is False.
+        """
+        parent = self.root.rsplit("/", 1)[0]
+        with contextlib.suppress(AttributeError):
+            self.fs.invalidate_cache(parent)
+        try:
+            return list(self._calls("find", parent, timeout=self._deadline()))
+        except FileNotFoundError:
+            self._check_bucket()
+            return []
+        except Exception as exc:
+            raise self._fail("cannot list", exc) from exc
+
     # --- writing -------------------------------------------------------------------------
 
     def _ensure_root(self) -> None:

@@ -123,9 +123,20 @@ class Tiers:
         self._held: dict[str, set[int]] = {}
         self._primary_seconds: float | None = None
         self._delta_versions: set[int] = set()
+        self._unlisted: set[str] = set()  # tiers not listed at attach (list_later)
+        self._closed_remote: tuple[str, list[int]] | None = None  # remote() once closed
         self._lock = threading.Lock()
 
     # --- wiring --------------------------------------------------------------------------
+
+    def list_later(self, name: str) -> None:
+        """Do not list tier ``name`` in :meth:`attach`: its worker lists it in the background
+        before its first write, and whoever opens the engine numbers new versions above that
+        tier's itself (a multi-rank job: rank 0 lists the object store once for every rank,
+        :func:`pcframe.distributed.job_tiers.start_job_listing`)."""
+        if name not in self.replicas:
+            raise TierError(f"tiers.{name}: no such replica tier (have {sorted(self.replicas)})")
+        self._unlisted.add(name)
 
     def attach(self, primary: WritableCheckpointDir, keep_last: int) -> int:
         """Bind to the engine's directory, list every replica, start the workers.
@@ -150,8 +161,10 @@ class Tiers:
         newest = 0
         for name, tier in self._ordered():
             try:
-                committed: list[int] | None = tier.committed_versions()
-                newest = max([newest, *committed])
+                committed: list[int] | None = None
+                if name not in self._unlisted:
+                    committed = tier.committed_versions()
+                newest = max([newest, *(committed or ())])
             except TierError as exc:
                 if tier.local:  # locked by another writer, or unusable: fail at start-up
                     self.close()
@@ -275,11 +288,11 @@ class Tiers:
 
     def remote(self) -> tuple[str, list[int]] | None:
         """The (first) non-local replica's name and its versions as last listed (no call),
-        or ``None`` without one."""
+        or ``None`` without one; once closed, as they were when its uploads ended."""
         for name, replicator in self._replicators.items():
             if not replicator.tier.local:
                 return name, sorted(replicator.committed())
-        return None
+        return self._closed_remote
 
     def keep(self, committed: Sequence[int]) -> set[int]:
         """Retention reason: the primary keeps what the placement keeps for it and what
@@ -375,6 +388,7 @@ class Tiers:
                     " (in a hurry: preempted or never started)" if hurry else "",
                     replicator.status(),
                 )
+        self._closed_remote = self.remote()
         self._replicators.clear()
         self._close_tiers()
 

@@ -184,3 +184,38 @@ def test_configuration_errors_name_the_tier_and_the_fix(tmp_path: Path) -> None:
         Checkpointer(tmp_path / "c", model=model, tiers={"disk": tmp_path / "b"})
     first.close()
     Checkpointer(tmp_path / "c", model=model, tiers={"disk": tmp_path / "b"}).close()
+
+
+def test_a_tier_listed_later_is_not_listed_at_open_and_never_written_over(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    """``Tiers.list_later``: the engine does not list that tier when it opens, so it numbers
+    from its own directory alone (the opener, a multi-rank job's rank 0, numbers above the
+    tier); the tier's worker still lists it before writing and refuses to write a version
+    at or below one the tier holds."""
+    disk = tmp_path / "disk"
+    model, opt = model_and_optimizer()
+    with Checkpointer(
+        tmp_path / "first", model=model, optimizer=opt, tiers=Tiers({"local": disk})
+    ) as ckpt:
+        for s in (1, 2, 3):
+            ckpt.save(s).wait()
+        assert ckpt.tiers.wait_idle(30)
+    assert CheckpointDir(disk).committed_versions()[-1] == 3
+
+    later = Tiers({"local": disk}, backoff=0.05, backoff_max=0.1, retries=0)
+    later.list_later("local")
+    with Checkpointer(shm_dir, model=model, optimizer=opt, tiers=later) as ckpt:
+        assert ckpt.next_version == 1  # the tier's versions are the opener's to number above
+        ckpt.save(4).wait()
+        ckpt.tiers.wait_idle(30)
+        status = ckpt.tiers.status()["local"]
+        assert status.written == 0 and "already holds version 3" in status.last_error
+    assert CheckpointDir(disk).committed_versions()[-1] == 3  # nothing written over
+    with pytest.raises(TierError, match="no such replica tier"):
+        Tiers({"local": disk}).list_later("remote")
+
+    with Checkpointer(
+        tmp_path / "third", model=model, optimizer=opt, tiers=Tiers({"local": disk})
+    ) as ckpt:
+        assert ckpt.next_version == 4  # listed at open: numbered above the tier
