@@ -27,6 +27,13 @@ from pcframe.policies.estimates import RunningEstimate
 from pcframe.policies.notices.base import NoticeSource
 from pcframe.policies.registry import register
 
+# Deadlines closer than this (seconds) are one notice. A source recomputes the deadline from
+# two clocks at every poll (``now`` and the signal's, the file's or the endpoint's time), so
+# the same notice comes back microseconds apart; compared exactly, every step looked like a
+# new notice and started another emergency save until the kill (seen in the replay
+# validation: 36 commits instead of 19 in a 29 s replay).
+SAME_NOTICE = 0.1
+
 
 @register()
 class NoticeDriven(IntervalPolicy):
@@ -107,7 +114,7 @@ class NoticeDriven(IntervalPolicy):
             notice = None
         if notice is None:
             return self.inner.decide(ctx) if self.inner is not None else Decision(False)
-        if self._handled == notice.deadline:
+        if self._handled is not None and abs(self._handled - notice.deadline) <= SAME_NOTICE:
             return Decision(False, "preemption notice already handled; waiting for the end")
         self._handled = notice.deadline
         left = notice.deadline - ctx.now

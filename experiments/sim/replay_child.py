@@ -8,6 +8,12 @@ engine benchmark does. On a shared 2-core machine a CPU-bound step swings by 20-
 other users' load; this keeps the step time, which the simulator takes as a constant, stable
 enough to judge the simulator's event model. It prints what ``python -m pcframe.apps.training``
 prints (``step N``, ``pcframe-event`` lines), so ``pcframe.apps.preemption.Supervisor`` runs it.
+
+``--config`` names the interval policy (``replay_setup.Config``: ``fixed:EVERY:N``, ``pa:N``,
+``notice:N``, ``checkfreq:N``), built by ``replay_setup.make_policy`` as the simulator's
+prediction builds it; the engine asks it at every step. ``--notice-file``: the notice-driven
+policy reads preemption notices from this file (``FileNoticeSource``), which the validation
+writes ``--notice-lead`` seconds before each kill.
 """
 
 from __future__ import annotations
@@ -19,12 +25,13 @@ import time
 from typing import Any
 
 import torch
+from replay_setup import Config, make_policy
 
 from pcframe.apps.training import emit, train
 from pcframe.apps.workloads import Workload, build
 from pcframe.config import EngineConfig
 from pcframe.feed import process_age
-from pcframe.policies import FixedSteps
+from pcframe.policies import FileNoticeSource
 
 
 def accelerated(workload: Workload, sleep_ms: float) -> Workload:
@@ -39,6 +46,42 @@ def accelerated(workload: Workload, sleep_ms: float) -> Workload:
     return workload
 
 
+PACE_EVERY = 10  # steps between two "pace" events
+
+
+def paced(workload: Workload) -> list[float]:
+    """Times ``workload``'s steps: ``[steps, seconds]`` inside ``train_step`` in this process,
+    reported as ``pace`` events. The step time between two ``step`` lines also holds the
+    checkpoint stalls, which the simulator adds itself: the validation compares this compute
+    time with the calibration's to see how the machine's load moved the step time."""
+    real_step = workload.train_step
+    pace = [0, 0.0]
+
+    def step(batch: Any) -> float:
+        t0 = time.perf_counter()
+        loss = real_step(batch)
+        pace[0] += 1
+        pace[1] += time.perf_counter() - t0
+        return loss
+
+    workload.train_step = step  # type: ignore[method-assign]
+    return pace
+
+
+def policy_config(args: argparse.Namespace) -> Config:
+    """``--config``, or ``fixed:EVERY:N`` from ``--every`` and ``--in-flight``."""
+    return Config.parse(args.config or f"fixed:{args.every}:{args.in_flight}")
+
+
+def policy_for(args: argparse.Namespace) -> Any:
+    """The interval policy ``--config`` names, as the simulator's prediction builds it."""
+    config = policy_config(args)
+    source = None
+    if config.notices and args.notice_file:
+        source = FileNoticeSource(args.notice_file, window=args.notice_lead, poll_interval=0.0)
+    return make_policy(config, args.mtbf, json.loads(args.priors), source)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--directory", required=True)
@@ -47,9 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-flight", type=int, default=2)
     parser.add_argument("--accelerator-ms", type=float, default=90.0)
     parser.add_argument("--workload-args", default="{}")
+    parser.add_argument("--config", default=None, help="the policy (default fixed:EVERY:N)")
+    parser.add_argument("--mtbf", type=float, default=3600.0, help="PA's and Daly's MTBF")
+    parser.add_argument("--priors", default="{}", help="cost priors of the policy (JSON)")
+    parser.add_argument("--notice-file", default=None)
+    parser.add_argument("--notice-lead", type=float, default=1.0)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     workload = accelerated(build("mlp", **json.loads(args.workload_args)), args.accelerator_ms)
+    pace = paced(workload)
     first = True
 
     def progress(step: int) -> None:
@@ -58,13 +107,16 @@ def main(argv: list[str] | None = None) -> int:
             first = False
             emit("first_step", step=step, age=process_age())
         print(f"step {step}", flush=True)
+        if pace[0] % PACE_EVERY == 0:
+            emit("pace", steps=pace[0], seconds=pace[1])
 
     result, ckpt = train(
         workload,
         args.steps,
         args.directory,
-        FixedSteps(args.every),
-        EngineConfig(max_in_flight=args.in_flight),
+        policy_for(args),
+        # The checkpoints in flight are the configuration's (``--in-flight`` without one).
+        EngineConfig(max_in_flight=policy_config(args).in_flight),
         progress,
         on_restored=lambda step, seconds: emit(
             "restored", step=step or 0, seconds=seconds, age=process_age()

@@ -1,24 +1,36 @@
-"""Validation against reality: replay a trace's preemptions on a compressed clock with the
-real engine, and compare the measured goodput with the simulator's prediction.
+"""Validation against reality: replay traces' preemptions on a compressed clock with the real
+engine and the real interval policies, and compare the measured goodput with the
+simulator's prediction made from a calibration measured **before** the replays.
 
-1. Calibrate first, on the same workload: the step time without checkpoints and the
-   engine's own stall / time to durable per save (in-process runs of the same step
-   function), and the restart cost from a supervised child SIGKILLed three times (from
-   each kill to its successor's first step: process start, imports, restore, that step).
-2. Replay: ``pcframe.apps.preemption.Supervisor`` (the project's preemption supervisor) runs the
-   training child (``replay_child.py``: the real engine, a real model, each step with an
-   accelerator-like sleep, see there), SIGKILLs it at the trace's preemption times divided
-   by ``--compression`` and restarts it at once (the trace's VMs are relaunched as soon as
-   possible) until ``--steps`` are trained.
-3. Predict: the same kill times as a pcframe trace (up, except one 0.05 s tick at each
-   kill) and the calibrated ``JobSpec`` through ``pcframe.sim.simulate`` with the same
-   interval policy; goodput = steps / wall seconds to the end of the job. The prediction
-   is the mean over ``--draws`` seeds of runs whose restart and step times are drawn with
-   the spread measured in step 1 (``JobSpec.restart_jitter``, ``iteration_jitter``): with
-   long intervals a fixed phase decides whether each kill lands just before or just after
-   a checkpoint, and the kill gaps (which shifting does not change) repeat that luck.
+1. Calibrate once, before any replay, on the same workload (``calibrate``): the bare step
+   time (in-process runs), the engine's stall and time to durable per save at each number
+   in flight (in-process runs), and the restart cost and the step time of the loop as the
+   replay runs it from a supervised child SIGKILLed ``--restarts`` times (from each kill to
+   its successor's first step: process start, imports, restore, that step). Each input is
+   the **median** of its samples, its spread 1.4826 x their median absolute deviation
+   (``replay_setup.robust``); the machine's load (1-minute load average before and after,
+   the share of the time some task waited for a CPU from ``/proc/pressure/cpu``, the CPU
+   seconds per wall second this process and its children got) is recorded with it.
+2. Replay: ``pcframe.apps.preemption.Supervisor`` runs the training child
+   (``replay_child.py``: the real engine asking the real policy at every step, a real
+   model, each step with an accelerator-like sleep), SIGKILLs it at the trace's
+   preemption times (compressed so that the mean gap is the trace's ``gap``, shifted
+   earlier by each offset) and restarts it at once, until the trace's steps are trained.
+   For ``notice:N`` a notice file is written ``--notice-lead`` s before each kill (the
+   child's ``FileNoticeSource``) and removed at the kill. The load is recorded again.
+3. Predict each replay twice with ``pcframe.simulate`` on the same kill times, the same
+   policy built by ``replay_setup.make_policy`` and the simulator's every-step path (what
+   the engine does): the **headline** from the calibration's inputs only (what a user has
+   when choosing a policy), and the model check from the inputs measured in the replay
+   itself (its restarts, and the calibrated step time scaled by how its compute per step
+   moved: the child's ``pace`` events). Each is the mean over ``--draws`` seeds of
+   restart and step times drawn with the measured spread. The difference of the two is
+   what moved between calibration and replay (the machine's load), shown beside the load.
+   A replay ends at the child's ``done`` line (last step durable, engine closed), as the
+   simulated job does, not when the interpreter has exited.
 
-    python experiments/sim/validate_replay.py
+    python experiments/sim/validate_replay.py --size campaign   # ~50 min here
+    python experiments/sim/validate_replay.py --size quick      # smoke, ~4 min
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +53,7 @@ import numpy as np
 import torch
 from common import RESULTS, csv_header, header, write_results
 from replay_child import accelerated
+from replay_setup import TRACES, Config, LoadProbe, compression, make_policy, robust, seeded_priors
 
 import pcframe.policies as P
 from pcframe.apps.preemption import ChildSpec, Supervisor, resolve_trace, trace_times
@@ -47,116 +61,237 @@ from pcframe.apps.training import EVENT_PREFIX, train
 from pcframe.apps.workloads import build
 from pcframe.config import EngineConfig
 from pcframe.policies.traces import Trace
-from pcframe.sim import SimOptions, job_from_records, simulate
+from pcframe.sim import JobSpec, SimOptions, simulate
 from pcframe.sim.report import markdown_table, write_csv
 
 TICK = 0.05  # seconds per tick of the replayed trace given to the simulator
-# Floors of the measured spreads: a handful of samples can agree by chance.
+# Floors of the measured spreads: a handful of samples can agree by chance. The calibrated
+# restart spread is also at least 10 % of the restart (experiment 5's jitter): a replay's
+# restarts spread by 0.1-1.2 s on this machine, and a prediction drawn with less rests on
+# one phase of kills vs checkpoints.
 MIN_RESTART_JITTER = 0.05
 MIN_ITERATION_JITTER = 0.005
 WORKLOAD = {"hidden": 512, "layers": 4, "samples": 8192}  # 10 MB of state with AdamW
+RESTART_GAP = 6.0
+# A life's compute per step counts from this many steps on: a shorter one is mostly its
+# first step after the restore (warm-up), whose cost the restart samples already hold.
+MIN_PACE_STEPS = 20  # wall seconds between the calibration's kills
+
+# Fixed intervals (steps) and the policies of the campaign; every trace gets all of them.
+CAMPAIGN_FIXED = ["fixed:10:2", "fixed:25:1", "fixed:50:2", "fixed:100:1"]
+CAMPAIGN_POLICIES = ["pa:2", "notice:1", "checkfreq:2"]
+SIZES: dict[str, dict[str, Any]] = {
+    # ~50 min here (idle machine): calibration ~2.5 min, 3 traces x (4 fixed intervals at
+    # one offset each, rotated + 3 policies x 3 offsets) = 39 replays of 50-100 s (~44 min
+    # simulated with this plan), predictions and process teardown ~3 min.
+    "campaign": dict(
+        traces=["harsh", "medium", "mild"],
+        fixed=CAMPAIGN_FIXED,
+        policies=CAMPAIGN_POLICIES,
+        offsets=[0.0, 1.5, 3.0],
+        restarts=6,
+        draws=24,
+        steps_scale=1.0,
+    ),
+    # Smoke: one trace, one fixed interval and each policy once, short replays (~4 min).
+    "quick": dict(
+        traces=["medium"],
+        fixed=["fixed:25:1"],
+        policies=["pa:2", "notice:1", "checkfreq:2"],
+        offsets=[0.0],
+        restarts=3,
+        draws=6,
+        steps_scale=0.3,
+    ),
+}
 
 
 @dataclasses.dataclass
 class ReplayChild(ChildSpec):
     """The supervisor's child spec, running ``replay_child.py`` instead of the stock loop."""
 
-    every: int = 50
-    in_flight: int = 2
+    config: str = "fixed:50:2"
     accelerator_ms: float = 90.0
+    mtbf: float = 3600.0
+    priors: dict[str, float] = dataclasses.field(default_factory=dict)
+    notice_file: str | None = None
+    notice_lead: float = 2.0
 
     def command(self, python: str = sys.executable) -> list[str]:
-        return [
+        cmd = [
             python,
             str(Path(__file__).with_name("replay_child.py")),
             "--directory",
             self.directory,
             "--steps",
             str(self.steps),
-            "--every",
-            str(self.every),
+            "--config",
+            self.config,
             "--in-flight",
-            str(self.in_flight),
+            str(Config.parse(self.config).in_flight),
             "--accelerator-ms",
             str(self.accelerator_ms),
             "--workload-args",
             json.dumps(self.workload_args),
+            "--mtbf",
+            repr(self.mtbf),
+            "--priors",
+            json.dumps(self.priors),
+            "--notice-lead",
+            repr(self.notice_lead),
         ]
+        if self.notice_file:
+            cmd += ["--notice-file", self.notice_file]
+        return cmd
 
 
-def child(args: argparse.Namespace, directory: Path, steps: int, every: int, n: int) -> ChildSpec:
-    return ReplayChild(
+class NoticeWriter(threading.Thread):
+    """Writes ``path`` (the seconds left) ``lead`` s before each kill and removes it at the
+    kill, on a clock started with the supervisor's (``start``: its ``time.monotonic``)."""
+
+    def __init__(self, path: Path, kills: list[float], lead: float) -> None:
+        super().__init__(daemon=True)
+        self.path, self.kills, self.lead = path, kills, lead
+        self.stopped = threading.Event()
+        self.start_time = time.monotonic()
+        self.delivered = 0
+
+    def _until(self, t: float) -> bool:
+        return not self.stopped.wait(max(0.0, self.start_time + t - time.monotonic()))
+
+    def run(self) -> None:
+        for kill in self.kills:
+            if kill - self.lead > 0 and self._until(kill - self.lead):
+                tmp = self.path.with_suffix(".tmp")
+                tmp.write_text(f"{self.lead}")
+                os.replace(tmp, self.path)
+                self.delivered += 1
+            if not self._until(kill):
+                break
+            self.path.unlink(missing_ok=True)
+        self.path.unlink(missing_ok=True)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join()
+        self.path.unlink(missing_ok=True)
+
+
+def supervised(
+    args: argparse.Namespace,
+    config: Config,
+    kills: list[float],
+    directory: Path,
+    steps: int,
+    mtbf: float = 3600.0,
+    priors: dict[str, float] | None = None,
+) -> tuple[Any, list[tuple[float, int]], list[float], int]:
+    """A supervised child killed at ``kills``: the run, its (time, step) lines, each life's
+    compute seconds per step (``pace`` events, checkpoint stalls left out) and the notices
+    delivered."""
+    timeline: list[tuple[float, int]] = []
+    paces: dict[int, tuple[int, float]] = {}
+    done_at: list[float] = []
+    notice = directory.with_name(directory.name + "-notice") if config.notices else None
+    spec = ReplayChild(
         directory=str(directory),
         steps=steps,
         workload="mlp",
         workload_args=WORKLOAD,
         threads=1,
-        every=every,
-        in_flight=n,
+        config=config.label,
         accelerator_ms=args.accelerator_ms,
+        mtbf=mtbf,
+        priors=priors or {},
+        notice_file=str(notice) if notice else None,
+        notice_lead=args.notice_lead,
     )
-
-
-def supervised(
-    args: argparse.Namespace, every: int, n: int, kills: list[float], directory: Path, steps: int
-) -> tuple[Any, list[tuple[float, int]]]:
-    """A supervised child killed at ``kills``: the run and its (time, step) lines."""
-    timeline: list[tuple[float, int]] = []
+    # The children's stderr is kept next to their checkpoints: a child that fails says why.
+    logs = directory.with_name(directory.name + "-logs")
+    writer = NoticeWriter(notice, kills, args.notice_lead) if notice else None
     start = time.monotonic()
 
     def on_line(index: int, line: str) -> None:
         if line.startswith("step "):
             timeline.append((time.monotonic() - start, int(line.split()[1])))
         elif line.startswith(EVENT_PREFIX):
-            json.loads(line[len(EVENT_PREFIX) :])  # well-formed, or fail loudly
+            event = json.loads(line[len(EVENT_PREFIX) :])  # well-formed, or fail loudly
+            if event["event"] == "pace":
+                paces[index] = (int(event["steps"]), float(event["seconds"]))
+            elif event["event"] == "done":
+                done_at.append(time.monotonic() - start)
 
-    spec = child(args, directory, steps, every, n)
-    # The children's stderr is kept next to their checkpoints: a child that fails says why.
-    logs = directory.with_name(directory.name + "-logs")
-    run = Supervisor(spec, kills, timeout=3600.0, on_line=on_line, log_dir=logs).run()
-    return run, timeline
+    if writer is not None:
+        writer.start_time = start
+        writer.start()
+    try:
+        run = Supervisor(spec, kills, timeout=1800.0, on_line=on_line, log_dir=logs).run()
+    finally:
+        if writer is not None:
+            writer.stop()
+    per_life = [seconds / steps for steps, seconds in paces.values() if steps >= MIN_PACE_STEPS]
+    if done_at:
+        # The job ends when its last step is durable and the engine closed (the ``done``
+        # line), as in the simulator, not when the interpreter has torn torch down (~0.5-1 s
+        # later: 1-2 % of a 60 s replay, 3-7 % of a smoke run's).
+        run.wall = done_at[-1]
+    return run, timeline, per_life, writer.delivered if writer else 0
 
 
-def calibrate(args: argparse.Namespace, every: int, n: int, root: Path) -> dict[str, Any]:
-    """What the simulator needs, measured on this workload before the replay."""
-    runs = [
-        train(accelerated(build("mlp", **WORKLOAD), args.accelerator_ms), 100)[0] for _ in range(2)
+# --- 1. calibration, before any replay ------------------------------------------------------
+
+
+def calibrate(args: argparse.Namespace, in_flights: list[int], root: Path) -> dict[str, Any]:
+    """What the simulator needs, measured on this workload before the replays: medians,
+    spreads and the load they were measured under."""
+    probe = LoadProbe()
+    bare = [
+        train(accelerated(build("mlp", **WORKLOAD), args.accelerator_ms), 100)[0] for _ in range(3)
     ]
-    iteration_time = statistics.fmean(r.seconds / r.steps for r in runs)
-    directory = root / f"calibrate-{every}-{n}"
-    _, ckpt = train(
-        accelerated(build("mlp", **WORKLOAD), args.accelerator_ms),
-        max(4 * every, 200),
-        directory,
-        P.FixedSteps(every),
-        EngineConfig(max_in_flight=n),
+    bare_steps = [r.seconds / r.steps for r in bare]
+    costs: dict[int, dict[str, Any]] = {}
+    for n in sorted(set(in_flights)):
+        directory = root / f"calibrate-{n}"
+        _, ckpt = train(
+            accelerated(build("mlp", **WORKLOAD), args.accelerator_ms),
+            240,
+            directory,
+            P.FixedSteps(20),
+            EngineConfig(max_in_flight=n),
+        )
+        done = [r for r in ckpt.records.values() if r.status == "committed"]
+        shutil.rmtree(directory, ignore_errors=True)
+        costs[n] = {
+            "stall": robust([r.stall for r in done]),
+            "durable": robust([r.durable for r in done]),
+        }
+    # The restart cost and the step time of the loop as the replay runs it: a supervised
+    # child (the engine in the loop, printing each step) SIGKILLed args.restarts times.
+    kills = [RESTART_GAP * (i + 1) for i in range(args.restarts)]
+    it0 = statistics.median(bare_steps)
+    steps = int((args.restarts * (RESTART_GAP - 2.0) + 8.0) / it0)
+    run, timeline, paces, _ = supervised(
+        args, Config("fixed", 1, 25), kills, root / "restart", steps
     )
-    records = list(ckpt.records.values())
-    shutil.rmtree(directory, ignore_errors=True)
-    steps = int(55.0 / iteration_time)
-    run, timeline = supervised(args, every, n, [10.0, 20.0, 30.0, 40.0], root / "restart", steps)
     shutil.rmtree(root / "restart", ignore_errors=True)
-    samples = run.restart_seconds
-    # A sample ends with the first step trained; the simulator adds that step itself.
-    restart = max(statistics.fmean(samples) - iteration_time, 0.0)
-    # The step time of the loop as the replay runs it: the supervised child with the engine
-    # in the loop, printing each step, at this interval (the bare in-process loop above is
-    # ~0.5 % faster, and at long intervals that moves checkpoints across kills). Its spread
-    # over lives (and over the bare runs) is the jitter of the prediction.
     lives = life_step_times(timeline)
-    if lives:
-        iteration_time = statistics.fmean(lives)
-    per_life = [r.seconds / r.steps for r in runs] + lives
+    step = robust(lives or bare_steps)
+    restart = robust(whole_restarts(run))
+    load = probe.stop()
+    it = step["median"]
     return {
-        "iteration_time": iteration_time,
-        "iteration_bare": statistics.fmean(r.seconds / r.steps for r in runs),
-        "records": records,
-        "restart": restart,
-        "restart_samples": samples,
-        "restart_jitter": max(statistics.stdev(samples), MIN_RESTART_JITTER),
-        "iteration_jitter": max(
-            statistics.stdev(per_life) / statistics.fmean(per_life), MIN_ITERATION_JITTER
-        ),
+        "iteration_time": it,
+        "iteration_bare": statistics.median(bare_steps),
+        "iteration_jitter": max(step["spread"] / it, MIN_ITERATION_JITTER),
+        "step": step,
+        # A sample ends with the first step trained; the simulator adds that step itself.
+        "restart": max(restart["median"] - it, 0.0),
+        "restart_jitter": max(restart["spread"], MIN_RESTART_JITTER, 0.1 * restart["median"]),
+        "restart_stats": restart,
+        "restart_samples": whole_restarts(run),
+        "compute": statistics.median(paces) if paces else math.nan,
+        "costs": costs,
+        **load,
     }
 
 
@@ -176,283 +311,422 @@ def life_step_times(timeline: list[tuple[float, int]], min_steps: int = 20) -> l
     ]
 
 
-def predict(
-    cal: dict[str, Any], every: int, n: int, kills: list[float], steps: int, draws: int = 0
-) -> Any:
-    """The calibrated job and its prediction: one fixed phase (``draws=0``), or the mean
-    goodput over ``draws`` seeds with the calibrated restart and step-time spread."""
-    job = job_from_records(
-        cal["records"],
-        cal["iteration_time"],
-        cal["restart"],
-        max_in_flight=n,
-        total_steps=steps,
-        final_save=True,
-    )
-    if not draws:
-        return job, simulate_kills(job, every, kills, steps)
-    jittered = dataclasses.replace(
-        job, restart_jitter=cal["restart_jitter"], iteration_jitter=cal["iteration_jitter"]
-    )
-    runs = [simulate_kills(jittered, every, kills, steps, seed) for seed in range(draws)]
-    return jittered, runs
+def inputs(cal: dict[str, Any], n: int) -> dict[str, float]:
+    """The simulator's inputs at ``n`` in flight from a calibration (or replay) summary."""
+    c = cal["costs"][n]
+    stall = c["stall"]["median"]
+    return {
+        "iteration_time": cal["iteration_time"],
+        "iteration_jitter": cal["iteration_jitter"],
+        "restart": cal["restart"],
+        "restart_jitter": cal["restart_jitter"],
+        "stall": stall,
+        "durable": max(c["durable"]["median"], stall),
+    }
 
 
-def simulate_kills(job: Any, every: int, kills: list[float], steps: int, seed: int = 0) -> Any:
-    """``job`` (restart cost as measured) under exactly these kill times, ``FixedSteps(every)``."""
-    horizon = 4.0 * steps * job.iteration_time + 600.0
+def whole_restarts(run: Any) -> list[float]:
+    """Per kill whose next process trained a step: from the kill to that first step.
+
+    Not ``run.restart_seconds``: a kill during a restart makes that a sample from the first
+    kill to the step after the second restart (and the interrupted process's own too), which
+    on a harsh trace doubled the "restart" measured in the replay; the simulator replays
+    that second kill itself."""
+    lives = run.lives
+    return [
+        lives[i + 1].first_step_at - life.ended
+        for i, life in enumerate(lives[:-1])
+        if life.killed and lives[i + 1].first_step_at is not None
+    ]
+
+
+def measured_inputs(cal: dict[str, Any], run: Any, paces: list[float]) -> dict[str, Any]:
+    """The calibration with restart (mean, deviation) as measured in ``run`` and the step
+    time scaled by how the compute per step moved (``paces``: each life's, stalls left out;
+    the time between two step lines holds the stalls, which the simulator adds itself)."""
+    it = cal["iteration_time"]
+    if paces and cal["compute"] == cal["compute"]:
+        # The spread stays the calibration's: a few lives' paces would give a spread that
+        # the convexity of goodput in the step time turns into a bias.
+        it *= statistics.median(paces) / cal["compute"]
+    # This replay's own restarts: all of them count (its mean), none is an estimate.
+    samples = whole_restarts(run) or cal["restart_samples"]
+    spread = statistics.stdev(samples) if len(samples) > 1 else 0.0
+    return dict(
+        cal,
+        iteration_time=it,
+        restart=max(statistics.fmean(samples) - it, 0.0),
+        restart_jitter=max(spread, MIN_RESTART_JITTER),
+    )
+
+
+# --- 3. prediction -----------------------------------------------------------------------------
+
+
+def kill_trace(kills: list[float], horizon: float) -> Trace:
+    """The kill times as a pcframe trace: up, except one ``TICK`` at each kill."""
     up = np.ones(int(horizon / TICK), dtype=np.int64)
     for k in kills:
         tick = math.ceil(k / TICK)
         if tick < up.size:
             up[tick] = 0
-    trace = Trace("replayed-kills", "replay", TICK, 1, up)
+    return Trace("replayed-kills", "replay", TICK, 1, up)
+
+
+def job_for(x: dict[str, float], config: Config, steps: int, lead: float) -> JobSpec:
     # The outage tick is part of the measured restart time: take it out of the cost.
-    job = dataclasses.replace(job, restart_cost=max(job.restart_cost - TICK, 0.0))
-    return simulate(trace, P.FixedSteps(every), job, options=SimOptions(seed=seed))
+    return JobSpec(
+        iteration_time=x["iteration_time"],
+        save_stall=x["stall"],
+        save_duration=x["durable"],
+        restart_cost=max(x["restart"] - TICK, 0.0),
+        max_in_flight=config.in_flight,
+        total_steps=steps,
+        final_save=True,
+        notice_window=lead if config.notices else 0.0,
+        restart_jitter=x["restart_jitter"],
+        iteration_jitter=x["iteration_jitter"],
+    )
+
+
+def predict(
+    x: dict[str, float],
+    config: Config,
+    kills: list[float],
+    steps: int,
+    draws: int,
+    mtbf: float,
+    lead: float,
+    priors: dict[str, float] | None,
+) -> list[Any]:
+    """The simulator's runs over ``draws`` seeds: ``config``'s policy (a fresh object per
+    run, built as the child builds it) asked at every step, as the engine asks it."""
+    job = job_for(x, config, steps, lead)
+    trace = kill_trace(kills, 4.0 * steps * job.iteration_time + 600.0)
+    return [
+        simulate(
+            trace,
+            make_policy(config, mtbf, priors),
+            job,
+            options=SimOptions(seed=seed, use_hints=False),
+        )
+        for seed in range(draws)
+    ]
+
+
+# --- the campaign -------------------------------------------------------------------------------
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, Config, float]]:
+    """(trace key, configuration, offset in gaps) of every replay, in run order."""
+    out = []
+    for i, key in enumerate(args.traces):
+        for text in args.fixed:
+            # One offset per fixed interval, rotated over the traces and intervals.
+            j = (i + len(out)) % len(args.offsets)
+            out.append((key, Config.parse(text), args.offsets[j]))
+        for text in args.policies:
+            out += [(key, Config.parse(text), o) for o in args.offsets]
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--trace", default="pccheck/gpus_trace.csv")
-    parser.add_argument("--compression", type=float, default=15.0)
-    parser.add_argument("--steps", type=int, default=1600)
-    parser.add_argument(
-        "--configs",
-        nargs="+",
-        default=["50:2", "200:1", "300:1"],
-        help="every:in_flight pairs",
-    )
-    parser.add_argument(
-        "--draws", type=int, default=48, help="seeds of the jittered prediction (its mean)"
-    )
-    parser.add_argument("--accelerator-ms", type=float, default=90.0)
+    parser.add_argument("--size", choices=sorted(SIZES), default="campaign")
+    parser.add_argument("--traces", nargs="+", choices=sorted(TRACES), help="trace presets")
+    parser.add_argument("--fixed", nargs="*", help="fixed:EVERY:N configurations")
+    parser.add_argument("--policies", nargs="*", help="pa:N, notice:N, checkfreq:N")
     parser.add_argument(
         "--offsets",
         nargs="+",
         type=float,
-        default=[0.0, 7.0, 14.0],
-        help="replay the kill schedule shifted earlier by these seconds, once each; the mean "
-        "over shifts averages out where kills happen to fall between two checkpoints",
+        help="shift the kill schedule earlier by these multiples of the trace's mean gap; "
+        "each policy is replayed once per shift, each fixed interval at one of them",
+    )
+    parser.add_argument("--restarts", type=int, help="kills of the restart calibration")
+    parser.add_argument("--draws", type=int, help="seeds of each jittered prediction")
+    parser.add_argument("--steps-scale", type=float, help="x the traces' steps per replay")
+    parser.add_argument("--accelerator-ms", type=float, default=90.0)
+    parser.add_argument(
+        "--notice-lead", type=float, default=1.0, help="seconds of notice before each kill"
+    )
+    parser.add_argument(
+        "--seeded",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="policies get the calibrated costs as priors (see replay_setup)",
     )
     parser.add_argument("--nice", type=int, default=-10)
     parser.add_argument("--out", default=str(RESULTS / "sim_validation"))
     args = parser.parse_args()
+    for key, value in SIZES[args.size].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.restarts < 3:
+        parser.error("--restarts: at least 3 kills (5 or more for a robust median)")
     if args.nice:
         try:
             os.setpriority(os.PRIO_PROCESS, 0, args.nice)  # the children inherit it
         except PermissionError:
             print("could not raise the priority: measuring at normal priority")
     torch.set_num_threads(1)
-    kills = trace_times(resolve_trace(args.trace), compression=args.compression)
-    root = Path(tempfile.mkdtemp(prefix="pcframe-validate-", dir=Path.cwd()))
-    rows, timelines = [], {}
+    replays = plan(args)
+    root = Path(tempfile.mkdtemp(prefix="pcframe-validate-"))  # the system temp dir
+    began = time.monotonic()
     try:
-        for config in args.configs:
-            every, n = (int(x) for x in config.split(":"))
-            cal = calibrate(args, every, n, root)
-            per_offset = []
-            for offset in args.offsets:
-                shifted = [k - offset for k in kills if k > offset]
-                directory = root / f"replay-{config}-{offset:g}"
-                run, timeline = supervised(args, every, n, shifted, directory, args.steps)
-                job, sim = predict(cal, every, n, shifted, args.steps)
-                _, before = predict(cal, every, n, shifted, args.steps, args.draws)
-                # The model check: the same prediction from this replay's own restart and
-                # step times (their means and spread), which the load of this shared
-                # 2-core machine moves by seconds and percents between runs.
-                own = measured_inputs(cal, run, timeline)
-                _, draws = predict(own, every, n, shifted, args.steps, args.draws)
-                per_offset.append(
-                    row(args, every, n, offset, cal, own, job, run, sim, before, draws)
-                )
-                if offset == args.offsets[0]:
-                    wall = statistics.fmean(d.wall_seconds for d in draws)
-                    timelines[f"every {every}, N={n}"] = (timeline, wall, shifted)
-                print({k: per_offset[-1][k] for k in ("every", "offset_s", "error_pct")})
-            rows += per_offset
-            if len(per_offset) > 1:
-                rows.append(mean_row(per_offset))
+        cal = calibrate(args, sorted({c.in_flight for _, c, _ in replays}), root)
+        print(f"calibrated in {time.monotonic() - began:.0f} s: {summary_line(cal)}")
+        groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for i, (key, config, offset) in enumerate(replays):
+            setup = TRACES[key]
+            trace_kills = trace_times(resolve_trace(setup.path))
+            c = compression(trace_kills, setup.gap)
+            kills = [k / c - offset * setup.gap for k in trace_kills if k / c > offset * setup.gap]
+            steps = max(40, round(setup.steps * args.steps_scale))
+            priors = seeded_priors(inputs(cal, config.in_flight)) if args.seeded else None
+            probe = LoadProbe()
+            directory = root / f"replay-{i}"
+            run, _, paces, notices = supervised(
+                args, config, kills, directory, steps, setup.gap, priors
+            )
+            load = probe.stop()
+            shutil.rmtree(directory, ignore_errors=True)
+            before = inputs(cal, config.in_flight)
+            own = inputs(measured_inputs(cal, run, paces), config.in_flight)
+            sims = predict(
+                before, config, kills, steps, args.draws, setup.gap, args.notice_lead, priors
+            )
+            checks = predict(
+                own, config, kills, steps, args.draws, setup.gap, args.notice_lead, priors
+            )
+            r = row(
+                key, config, offset, c, steps, run, notices, before, own, sims, checks, load, cal
+            )
+            groups.setdefault((key, config.label), []).append(r)
+            done = time.monotonic() - began
+            print(
+                f"[{i + 1}/{len(replays)} {done:.0f} s] {key} {config.label} offset {offset:g}: "
+                f"measured {r['goodput_measured']:.3f}, predicted {r['goodput_predicted']:.3f} "
+                f"({r['error_pct']:+.1f} %), in-replay check {r['error_in_replay_pct']:+.1f} %"
+            )
+            # Rewritten after every replay: a campaign cut short keeps what it measured.
+            write_outputs(args, with_means(groups), cal, done, len(replays))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    write_outputs(args, rows, timelines)
 
 
-def measured_inputs(cal: dict[str, Any], run: Any, timeline: list) -> dict[str, Any]:
-    """The calibration with restart and step time (mean, spread) as measured in ``run``."""
-    lives = life_step_times(timeline)
-    it = statistics.fmean(lives) if lives else cal["iteration_time"]
-    samples = run.restart_seconds or cal["restart_samples"]
-    return dict(
-        cal,
-        iteration_time=it,
-        restart=max(statistics.fmean(samples) - it, 0.0),
-        restart_samples=samples,
-        restart_jitter=max(
-            statistics.stdev(samples) if len(samples) > 1 else 0.0, MIN_RESTART_JITTER
-        ),
-        iteration_jitter=max(
-            statistics.stdev(lives) / it if len(lives) > 1 else 0.0, MIN_ITERATION_JITTER
-        ),
+def with_means(groups: dict[tuple[str, str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The rows of each configuration, followed by their mean row where there are several."""
+    table = []
+    for group in groups.values():
+        table += group
+        if len(group) > 1:
+            table.append(mean_row(group))
+    return table
+
+
+def summary_line(cal: dict[str, Any]) -> str:
+    r = cal["restart_stats"]
+    return (
+        f"step {1e3 * cal['iteration_time']:.1f} ms, restart median {r['median']:.2f} s "
+        f"(spread {r['spread']:.2f}, {r['n']} samples), load {cal['load_before']:.2f}->"
+        f"{cal['load_after']:.2f}, CPU pressure {cal['cpu_pressure']:.2f}"
     )
 
 
-def row(args, every, n, offset, cal, own, job, run, sim, before, draws) -> dict[str, Any]:
-    measured = args.steps / run.wall
-    goodputs = [d.goodput for d in draws]
+def row(key, config, offset, c, steps, run, notices, before, own, sims, checks, load, cal):
+    measured = steps / run.wall
+    goodputs = [d.goodput for d in sims]
     predicted = statistics.fmean(goodputs)
-    calibrated = statistics.fmean(d.goodput for d in before)
+    check = statistics.fmean(d.goodput for d in checks)
     return {
-        "every": every,
-        "in_flight": n,
-        "offset_s": f"{offset:g}",
-        "steps": args.steps,
+        "trace": key,
+        "config": config.label,
+        "policy": config.policy,
+        "every": config.every or "",
+        "in_flight": config.in_flight,
+        "offset_gaps": f"{offset:g}",
+        "compression": c,
+        "steps": steps,
         "goodput_measured": measured,
         "goodput_predicted": predicted,
         "error_pct": 100.0 * (predicted / measured - 1.0),
         "predicted_p10": float(np.percentile(goodputs, 10)),
         "predicted_p90": float(np.percentile(goodputs, 90)),
-        "goodput_one_phase": sim.goodput,
-        "error_one_phase_pct": 100.0 * (sim.goodput / measured - 1.0),
-        "goodput_calibrated": calibrated,
-        "error_calibrated_pct": 100.0 * (calibrated / measured - 1.0),
+        "goodput_in_replay": check,
+        "error_in_replay_pct": 100.0 * (check / measured - 1.0),
+        "inputs_moved_pct": 100.0 * (predicted / check - 1.0),
         "wall_measured_s": run.wall,
-        "wall_predicted_s": statistics.fmean(d.wall_seconds for d in draws),
+        "wall_predicted_s": statistics.fmean(d.wall_seconds for d in sims),
         "kills_measured": run.kills,
-        "kills_predicted": statistics.fmean(d.preemptions for d in draws),
+        "kills_predicted": statistics.fmean(d.preemptions for d in sims),
         "lost_steps_measured": run.lost_steps,
-        "lost_steps_predicted": statistics.fmean(d.lost_steps for d in draws),
+        "lost_steps_predicted": statistics.fmean(d.lost_steps for d in sims),
+        "commits_measured": run.commits,
+        "commits_predicted": statistics.fmean(d.saves - d.saves_lost for d in sims),
+        "notices": notices,
+        "emergency_saves_predicted": statistics.fmean(d.emergency_saves for d in sims),
         "iteration_ms": 1e3 * own["iteration_time"],
-        "iteration_calibrated_ms": 1e3 * cal["iteration_time"],
-        "stall_ms": 1e3 * job.save_stall,
-        "durable_ms": 1e3 * job.save_duration,
+        "iteration_calibrated_ms": 1e3 * before["iteration_time"],
         "restart_s": own["restart"] + own["iteration_time"],
-        "restart_calibrated_s": cal["restart"] + cal["iteration_time"],
-        "iteration_bare_ms": 1e3 * cal["iteration_bare"],
+        "restart_calibrated_s": before["restart"] + before["iteration_time"],
         "restart_jitter_s": own["restart_jitter"],
-        "iteration_jitter_pct": 100.0 * own["iteration_jitter"],
-        "restart_samples_s": " ".join(f"{s:.2f}" for s in cal["restart_samples"]),
-        "restart_in_replay_s": (
-            statistics.fmean(run.restart_seconds) if run.restart_seconds else math.nan
-        ),
+        "restart_jitter_calibrated_s": before["restart_jitter"],
+        "stall_ms": 1e3 * before["stall"],
+        "durable_ms": 1e3 * before["durable"],
+        "load": load["load"],
+        "load_calibrated": cal["load"],
+        "cpu_share": load["cpu_share"],
+        "cpu_share_calibrated": cal["cpu_share"],
+        "cpu_pressure": load["cpu_pressure"],
+        "cpu_pressure_calibrated": cal["cpu_pressure"],
     }
 
 
 def mean_row(rows: list[dict]) -> dict[str, Any]:
     """Means over the shifted replays of one configuration; errors of the means."""
-    out = dict(rows[0], offset_s="mean")
+    out = dict(rows[0], offset_gaps="mean")
     fixed = ("every", "in_flight", "steps")
     numeric = [k for k, v in rows[0].items() if isinstance(v, int | float) and k not in fixed]
     for key in numeric:
         out[key] = statistics.fmean(r[key] for r in rows)
-    for measured, predicted, error in (
-        ("goodput_measured", "goodput_predicted", "error_pct"),
-        ("goodput_measured", "goodput_one_phase", "error_one_phase_pct"),
-        ("goodput_measured", "goodput_calibrated", "error_calibrated_pct"),
+    for predicted, error in (
+        ("goodput_predicted", "error_pct"),
+        ("goodput_in_replay", "error_in_replay_pct"),
     ):
-        out[error] = 100.0 * (out[predicted] / out[measured] - 1.0)
-    out["restart_samples_s"] = ""
+        out[error] = 100.0 * (out[predicted] / out["goodput_measured"] - 1.0)
+    out["inputs_moved_pct"] = 100.0 * (out["goodput_predicted"] / out["goodput_in_replay"] - 1.0)
     return out
 
 
-def write_outputs(args: argparse.Namespace, rows: list[dict], timelines: dict) -> None:
+def verdict(rows: list[dict]) -> str:
+    """The issue's criteria over the configurations (mean rows where shifted, else single)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["trace"], r["config"]), []).append(r)
+    per_config = [next((r for r in g if r["offset_gaps"] == "mean"), g[0]) for g in groups.values()]
+    lines = []
+    for name, col in (
+        ("beforehand (headline)", "error_pct"),
+        ("in-replay check", "error_in_replay_pct"),
+    ):
+        errs = [abs(r[col]) for r in per_config]
+        inside = sum(e <= 5.0 for e in errs)
+        lines.append(
+            f"- {name}: mean |error| {statistics.fmean(errs):.2f} %, max {max(errs):.2f} %, "
+            f"{inside} of {len(errs)} configurations within 5 %"
+        )
+    moved = [r for r in per_config if abs(r["inputs_moved_pct"]) > 2.0]
+    for r in moved:
+        lines.append(
+            f"- {r['trace']} {r['config']}: the inputs moved {r['inputs_moved_pct']:+.1f} % "
+            f"between calibration and replay (step {r['iteration_calibrated_ms']:.1f} -> "
+            f"{r['iteration_ms']:.1f} ms, restart {r['restart_calibrated_s']:.2f} -> "
+            f"{r['restart_s']:.2f} s, load {r['load_calibrated']:.2f} -> {r['load']:.2f}, "
+            f"CPU share {r['cpu_share_calibrated']:.2f} -> {r['cpu_share']:.2f}, CPU pressure "
+            f"{r['cpu_pressure_calibrated']:.2f} -> {r['cpu_pressure']:.2f})"
+        )
+    return "\n".join(lines) + "\n\n"
+
+
+def _ms(stats: dict[str, float]) -> str:
+    return f"{1e3 * stats['median']:.1f} ms (spread {1e3 * stats['spread']:.1f})"
+
+
+def write_outputs(
+    args: argparse.Namespace, rows: list[dict], cal: dict, seconds: float, planned: int
+) -> None:
     out = Path(args.out)
     write_csv(rows, out.with_suffix(".csv"), header=csv_header())
-    gap = statistics.fmean(
-        np.diff([0.0, *trace_times(resolve_trace(args.trace), None, args.compression)])
+    traces = ", ".join(
+        f"{k} `{TRACES[k].path}` (mean gap {TRACES[k].gap:g} s, {TRACES[k].steps} steps x "
+        f"{args.steps_scale:g})"
+        for k in args.traces
+    )
+    r, n = cal["restart_stats"], cal["costs"]
+    costs = "; ".join(
+        f"N={k}: stall {_ms(v['stall'])}, durable {_ms(v['durable'])} ({v['durable']['n']} saves)"
+        for k, v in n.items()
     )
     text = header(
-        "Validation: simulator vs a real replay with SIGKILLs",
-        f"Trace `{args.trace}` compressed {args.compression:g}x: its preemptions become "
-        f"SIGKILLs every {gap:.0f} s of wall time on average, each followed by an immediate "
-        f"restart. Training child: the real engine and a real MLP (10 MB of state) whose "
-        f"steps also sleep {args.accelerator_ms:g} ms for the accelerator (see "
-        f"`replay_child.py`), `FixedSteps(every)`, N in flight, {args.steps} steps. "
-        "`goodput_predicted` (the check of the simulator's model): the mean over "
-        f"{args.draws} seeds of the simulator with each start's restart time and each "
-        "process's step time drawn around the means measured in this replay, with their "
-        "spread there (`restart_s`, `iteration_ms`, `restart_jitter_s`, "
-        "`iteration_jitter_pct`; p10-p90 of the draws beside it), stall and time to durable "
-        "from the calibration. `goodput_calibrated`: the same from inputs measured only "
-        "before the replay (its error adds how far this shared machine's load moved between "
-        "the calibration and the replay). `goodput_one_phase`: the old prediction, "
-        "calibrated inputs and exactly one restart and step time (one phase of kills vs "
-        "checkpoints). With several "
-        f"offsets ({', '.join(f'{o:g}' for o in args.offsets)} s) the kill schedule is "
-        "replayed shifted earlier by each, and the `mean` row compares the mean measured "
-        "goodput with the mean prediction: with long intervals a single replay's lost work "
-        "depends on where a handful of kills fall between two checkpoints.",
+        "Validation: simulator vs real replays with SIGKILLs, predicted beforehand",
+        f"Size `{args.size}`, {sum(r['offset_gaps'] != 'mean' for r in rows)} of {planned} "
+        f"replays, {seconds / 60:.1f} min. Traces: {traces}; "
+        f"offsets {', '.join(f'{o:g}' for o in args.offsets)} mean gaps (each policy once per "
+        "offset, each fixed interval at one). Training child: the real engine asking the real "
+        f"interval policy at every step, a real MLP (10 MB of state) whose steps also sleep "
+        f"{args.accelerator_ms:g} ms for the accelerator (`replay_child.py`); `notice:N` gets a "
+        f"notice file {args.notice_lead:g} s before each kill (the traces' 30-120 s notices "
+        "compressed with the rest would be under 0.2 s). Policies "
+        + (
+            "seeded with the calibrated costs as priors. "
+            if args.seeded
+            else "with default priors. "
+        )
+        + "\n\n**Calibration, before every replay** (medians; spread = 1.4826 x MAD): step "
+        f"{1e3 * cal['iteration_time']:.1f} ms (bare loop {1e3 * cal['iteration_bare']:.1f} ms), "
+        f"restart {r['median']:.2f} s (spread {r['spread']:.2f} s, min {r['min']:.2f}, max "
+        f"{r['max']:.2f}, {r['n']} kills: {' '.join(f'{s:.2f}' for s in cal['restart_samples'])}); "
+        f"{costs}. Load average {cal['load_before']:.2f} before, {cal['load_after']:.2f} after; "
+        f"CPU share {cal['cpu_share']:.2f}; CPU pressure {cal['cpu_pressure']:.2f} (the share "
+        "of the time some task waited for a CPU, `/proc/pressure/cpu`).\n\n"
+        "`goodput_predicted` (the headline): the simulator from the calibration only, the mean "
+        f"over {args.draws} seeds of restart and step times drawn with the calibrated spread "
+        "(p10-p90 beside it), the policy asked at every step. `goodput_in_replay`: the check of "
+        "the event model, the same from this replay's own restart and step times. "
+        "`inputs_moved_pct` = predicted / in-replay - 1: what the move of the inputs between "
+        "calibration and replay did, to be read with `load` vs `load_calibrated` (1-minute load "
+        "average, the replay's own child adds ~1), `cpu_share` and `cpu_pressure`. `mean` rows "
+        "compare the mean measured goodput over the shifted replays with the mean prediction.\n\n"
+        + verdict(rows),
     )
     cols = [
-        "every",
-        "in_flight",
-        "offset_s",
+        "trace",
+        "config",
+        "offset_gaps",
         "goodput_measured",
         "goodput_predicted",
         "error_pct",
         "predicted_p10",
         "predicted_p90",
-        "goodput_calibrated",
-        "error_calibrated_pct",
-        "goodput_one_phase",
-        "error_one_phase_pct",
+        "goodput_in_replay",
+        "error_in_replay_pct",
+        "inputs_moved_pct",
         "wall_measured_s",
         "wall_predicted_s",
         "kills_measured",
         "kills_predicted",
         "lost_steps_measured",
         "lost_steps_predicted",
+        "commits_measured",
+        "commits_predicted",
+        "notices",
     ]
     text += markdown_table(rows, cols, digits=2)
-    text += "\nInputs of the simulator (calibrated before the replay):\n\n"
-    cal = [
-        "every",
-        "in_flight",
-        "offset_s",
-        "iteration_ms",
+    text += "\nInputs (calibrated before vs measured in the replay) and the machine's load:\n\n"
+    inputs_cols = [
+        "trace",
+        "config",
+        "offset_gaps",
+        "compression",
         "iteration_calibrated_ms",
-        "iteration_bare_ms",
+        "iteration_ms",
+        "restart_calibrated_s",
+        "restart_s",
+        "restart_jitter_calibrated_s",
+        "restart_jitter_s",
         "stall_ms",
         "durable_ms",
-        "restart_s",
-        "restart_calibrated_s",
-        "restart_jitter_s",
-        "iteration_jitter_pct",
-        "restart_samples_s",
-        "restart_in_replay_s",
+        "load_calibrated",
+        "load",
+        "cpu_share_calibrated",
+        "cpu_share",
+        "cpu_pressure_calibrated",
+        "cpu_pressure",
     ]
-    text += markdown_table(rows, cal, digits=2)
+    text += markdown_table(rows, inputs_cols, digits=2)
     write_results(out.with_suffix(".md"), text)
-    _plot(timelines, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.md')}")
-
-
-def _plot(timelines: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4.8))
-    for i, (name, (timeline, predicted_end, kills)) in enumerate(timelines.items()):
-        if not timeline:
-            continue
-        xs, ys = zip(*timeline, strict=True)
-        line = ax.plot(xs, ys, lw=1, label=f"{name}: measured progress")[0]
-        ax.axvline(
-            predicted_end, color=line.get_color(), ls="--", lw=1, label=f"{name}: predicted end"
-        )
-        if i == 0:
-            for k in kills:
-                if k <= max(xs):
-                    ax.axvline(k, color="grey", alpha=0.25, lw=0.8)
-    ax.set_xlabel("wall seconds (grey: SIGKILLs)")
-    ax.set_ylabel("training step reached")
-    ax.set_title("Replay with real kills vs simulator prediction")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

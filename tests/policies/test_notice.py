@@ -240,6 +240,29 @@ def test_emergency_save_when_it_fits() -> None:
     assert p.decide(PolicyContext(step=1000, now=40.0)).save
 
 
+def test_one_emergency_save_per_notice_whose_deadline_jitters(tmp_path: Path) -> None:
+    """A real source recomputes the deadline from two clocks at every poll; compared
+    exactly, each step looked like a new notice and saved again until the kill (the replay
+    validation: 36 commits where the simulator, whose notice is one object, made 19)."""
+    notice = tmp_path / "notice"
+    notice.write_text("2.0")
+    src = P.FileNoticeSource(str(notice), window=2.0, poll_interval=0.0)
+    p = P.NoticeDriven(P.FixedSteps(1000), src, margin=0.25, save_time_prior=0.05, z=0.0)
+    saves = []
+    for step in range(1, 40):
+        time.sleep(0.001)
+        d = p.decide(PolicyContext(step=step, now=time.monotonic()))
+        saves += [step] if d.save else []
+    assert saves == [1]
+    # A notice with a clearly later deadline (the termination time moved) is a new one.
+    src2 = P.ManualNoticeSource()
+    q = P.NoticeDriven(None, src2, margin=1.0, save_time_prior=1.0, z=0.0)
+    src2.trigger(now=0.0, window=30.0)
+    assert q.decide(PolicyContext(step=1, now=0.0)).save
+    src2.trigger(now=1.0, window=30.0)
+    assert q.decide(PolicyContext(step=2, now=1.0)).save
+
+
 def test_no_emergency_save_when_it_cannot_finish() -> None:
     src = P.ManualNoticeSource()
     p = P.NoticeDriven(None, src, margin=5.0, save_time_prior=30.0)

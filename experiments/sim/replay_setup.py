@@ -1,0 +1,205 @@
+"""What the validation replays and predicts: configurations, traces, the policy objects.
+
+One home for what ``validate_replay.py`` (the supervisor side and the simulator side) and
+``replay_child.py`` (the training process) must agree on: a configuration names the
+interval policy and the checkpoints in flight, and :func:`make_policy` builds the same
+policy object for the engine in the child and for the simulator's prediction.
+
+Configurations (``--fixed``, ``--policies``): ``fixed:EVERY:N`` (``FixedSteps(EVERY)``), ``pa:N``
+(``PreemptionAware``, its default ``cycle`` schedule, the trace's compressed MTBF as its
+prior), ``notice:N`` (``NoticeDriven(Daly)``, notices delivered before each kill),
+``checkfreq:N`` (CheckFreq-style adaptive). Policies built from a calibration are seeded with
+its stall, time to durable and step time as their cost priors (``seeded_priors``): without
+it a process restored from a version written before any save had completed plans with the
+library's defaults (stall 1 s, durable 10 s), which on this compressed clock is 10-250x the
+real costs (docs/simulator.md, "Calibrating from the engine").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import pcframe.policies as P
+
+POLICIES = ("fixed", "pa", "notice", "checkfreq")
+# Seconds the notice-driven policy keeps free before the deadline: the compressed notice is
+# seconds, not minutes, and the emergency save here is durable in ~50 ms.
+NOTICE_MARGIN = 0.25
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One replayed configuration: an interval policy and the checkpoints in flight."""
+
+    policy: str
+    in_flight: int
+    every: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Config:
+        """``fixed:EVERY:N``, ``pa:N``, ``notice:N`` or ``checkfreq:N``."""
+        parts = text.split(":")
+        kind = parts[0]
+        try:
+            if kind == "fixed" and len(parts) == 3:
+                return cls(kind, int(parts[2]), int(parts[1]))
+            if kind in POLICIES[1:] and len(parts) == 2:
+                return cls(kind, int(parts[1]))
+        except ValueError:
+            pass
+        raise ValueError(
+            f"configuration {text!r}: use fixed:EVERY:N, pa:N, notice:N or checkfreq:N "
+            "(N: checkpoints in flight, 1 or 2)"
+        )
+
+    @property
+    def label(self) -> str:
+        return (
+            f"fixed:{self.every}:{self.in_flight}"
+            if self.every
+            else f"{self.policy}:{self.in_flight}"
+        )
+
+    @property
+    def notices(self) -> bool:
+        """Whether notices are delivered before the kills (the policy acts on them)."""
+        return self.policy == "notice"
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceSetup:
+    """A shipped trace and how it is compressed: its mean gap between kills becomes ``gap``
+    wall seconds (harsher traces get shorter gaps, so the order of harshness is kept)."""
+
+    path: str
+    harshness: str
+    gap: float
+    steps: int
+
+
+# Three shipped traces of different harshness (bamboo p3: bursts of kills, gaps' CV 1.15;
+# pccheck: the previous validation's trace; bamboo g4dn: the calmest and most regular). The
+# steps make a replay 50-100 s of wall time at ~105 ms per step and ~2.5 s per restart, 67 s
+# on average (simulated over the campaign's plan; harsh: ~55 % of the wall time trains).
+TRACES = {
+    "harsh": TraceSetup("bamboo/p3-trace.csv", "harsh", 6.0, 330),
+    "medium": TraceSetup("pccheck/gpus_trace.csv", "medium", 12.0, 440),
+    "mild": TraceSetup("bamboo/g4dn-trace.csv", "mild", 24.0, 520),
+}
+
+
+def compression(kills: Sequence[float], gap: float) -> float:
+    """Trace seconds per wall second that make the mean gap between ``kills`` (trace
+    seconds) ``gap`` wall seconds."""
+    if not kills:
+        raise ValueError("the trace has no preemption to replay")
+    return (max(kills) / len(kills)) / gap
+
+
+def seeded_priors(cal: dict[str, Any] | None) -> dict[str, float]:
+    """Cost priors from a calibration (``stall``, ``durable``, ``iteration_time`` in
+    seconds): what a user who measured the job gives the policy instead of the defaults."""
+    if not cal:
+        return {}
+    stall = float(cal["stall"])
+    return {
+        "stall_prior": stall,
+        "duration_prior": max(float(cal["durable"]), stall),
+        "iteration_prior": float(cal["iteration_time"]),
+    }
+
+
+def make_policy(
+    config: Config,
+    mtbf: float,
+    priors: dict[str, float] | None = None,
+    source: P.NoticeSource | None = None,
+) -> P.IntervalPolicy:
+    """The interval policy of ``config``, the same object type for the engine (``source``:
+    where the child reads notices) and the simulator (``source=None``: ``ctx.notice``).
+
+    ``mtbf``: the compressed trace's mean gap between kills (wall seconds), PA's prior and
+    Daly's MTBF; ``priors``: :func:`seeded_priors` (``None``: the library's defaults).
+    """
+    kw = dict(priors or {})
+    if config.policy == "fixed":
+        return P.FixedSteps(config.every)
+    if config.policy == "pa":
+        return P.PreemptionAware(mtbf_prior=mtbf, **kw)
+    if config.policy == "notice":
+        return P.NoticeDriven(
+            P.Daly(mtbf=mtbf, **kw),
+            source,
+            margin=NOTICE_MARGIN,
+            save_time_prior=kw.get("duration_prior", 30.0),
+        )
+    if config.policy == "checkfreq":
+        return P.CheckFreq(**kw)
+    raise ValueError(f"unknown policy {config.policy!r}: use one of {', '.join(POLICIES)}")
+
+
+# --- the calibration's robust summary -------------------------------------------------------
+
+
+def robust(samples: Sequence[float]) -> dict[str, float]:
+    """Median, spread (1.4826 x the median absolute deviation: a standard deviation that a
+    sample or two taken under a load spike cannot inflate), min, max and count."""
+    xs = [float(x) for x in samples if x == x]
+    if not xs:
+        return {"median": math.nan, "spread": math.nan, "min": math.nan, "max": math.nan, "n": 0}
+    med = statistics.median(xs)
+    mad = statistics.median(abs(x - med) for x in xs)
+    return {"median": med, "spread": 1.4826 * mad, "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def cpu_pressure_total() -> float:
+    """Microseconds some runnable task of this machine waited for a CPU since boot (Linux
+    pressure stall information, ``/proc/pressure/cpu``); NaN where the kernel has none."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            first = f.readline().split()
+        return float(dict(x.split("=") for x in first[1:])["total"])
+    except (OSError, KeyError, ValueError, IndexError):
+        return math.nan
+
+
+class LoadProbe:
+    """The machine's load around a measurement: the 1-minute load average before and after,
+    the share of the wall time in which some task waited for a CPU (``cpu_pressure``, from
+    ``/proc/pressure/cpu`` over exactly this interval: unlike the load average, not an
+    average over the last minute), and the CPU seconds per wall second this process and its
+    reaped children (the supervised training processes) got over it (``cpu_share``)."""
+
+    def __init__(self) -> None:
+        self.before = os.getloadavg()[0]
+        t = os.times()
+        self._cpu0 = t.children_user + t.children_system + t.user + t.system
+        self._wall0 = t.elapsed
+        self._psi0 = cpu_pressure_total()
+        self.after = math.nan
+        self.cpu_share = math.nan
+        self.cpu_pressure = math.nan
+
+    def stop(self) -> dict[str, float]:
+        self.after = os.getloadavg()[0]
+        t = os.times()
+        cpu = t.children_user + t.children_system + t.user + t.system - self._cpu0
+        wall = t.elapsed - self._wall0
+        self.cpu_share = cpu / wall if wall > 0 else math.nan
+        if wall > 0:
+            self.cpu_pressure = (cpu_pressure_total() - self._psi0) / 1e6 / wall
+        return self.summary()
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "load_before": self.before,
+            "load_after": self.after,
+            "load": (self.before + self.after) / 2.0,
+            "cpu_share": self.cpu_share,
+            "cpu_pressure": self.cpu_pressure,
+        }

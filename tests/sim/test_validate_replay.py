@@ -1,0 +1,287 @@
+"""The validation replay's pieces (experiments/sim/validate_replay.py, issue 43 item 1).
+
+The replay itself takes minutes; these check what decides whether its report can be trusted:
+the calibration summary is robust (medians, spread from the median absolute deviation, the
+load recorded), the child builds each policy the prediction builds, notices reach the child's
+notice source before the kill, and the prediction runs the policy at every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import pcframe.policies as P
+from pcframe.policies import FileNoticeSource
+
+SIM = Path(__file__).resolve().parents[2] / "experiments" / "sim"
+sys.path.insert(0, str(SIM))
+
+import replay_child  # noqa: E402
+import replay_setup as S  # noqa: E402
+import validate_replay as V  # noqa: E402
+
+CAL = {"stall": 0.004, "durable": 0.04, "iteration_time": 0.1}
+
+
+def test_robust_takes_the_median_and_ignores_one_spike() -> None:
+    # The previous calibration's four samples, one of them taken under a load spike.
+    stats = S.robust([2.35, 2.40, 2.31, 4.77, 2.38])
+    assert stats["median"] == 2.38
+    assert stats["n"] == 5 and stats["max"] == 4.77
+    assert stats["spread"] < 0.1  # the mean and the standard deviation would be 2.84 and 1.07
+    assert math.isnan(S.robust([])["median"])
+
+
+def test_load_probe_records_load_and_cpu_share() -> None:
+    probe = S.LoadProbe()
+    end = time.process_time() + 0.05
+    while time.process_time() < end:
+        pass
+    load = probe.stop()
+    assert set(load) == {"load_before", "load_after", "load", "cpu_share", "cpu_pressure"}
+    assert load["load_before"] >= 0 and load["load_after"] >= 0
+    assert 0 < load["cpu_share"] <= 2.5
+    pressure = load["cpu_pressure"]  # NaN only where the kernel has no /proc/pressure
+    assert math.isnan(pressure) or 0 <= pressure <= 1.5
+
+
+@pytest.mark.parametrize(
+    ("text", "kind"),
+    [
+        ("fixed:50:2", P.FixedSteps),
+        ("pa:2", P.PreemptionAware),
+        ("notice:1", P.NoticeDriven),
+        ("checkfreq:2", P.CheckFreq),
+    ],
+)
+def test_child_and_prediction_build_the_same_policy(text: str, kind: type, tmp_path) -> None:
+    config = S.Config.parse(text)
+    assert config.label == text
+    args = replay_child_args(text, tmp_path / "notice")
+    child = replay_child.policy_for(args)
+    sim = S.make_policy(config, 12.0, S.seeded_priors(CAL))
+    assert type(child) is type(sim) is kind
+    assert child.state_dict() == sim.state_dict()
+    if config.policy == "notice":
+        assert isinstance(child.source, FileNoticeSource) and sim.source is None
+        assert isinstance(child.inner, P.Daly) and child.inner.mtbf == 12.0
+    if config.policy in ("pa", "checkfreq"):
+        # Seeded: a restarted process plans with the calibrated costs, not 1 s / 10 s.
+        assert child.costs.stall.prior == 0.004 and child.costs.duration.prior == 0.04
+
+
+def replay_child_args(config: str, notice: Path) -> argparse.Namespace:
+    return argparse.Namespace(
+        config=config,
+        every=50,
+        in_flight=2,
+        mtbf=12.0,
+        priors='{"stall_prior": 0.004, "duration_prior": 0.04, "iteration_prior": 0.1}',
+        notice_file=str(notice),
+        notice_lead=2.0,
+    )
+
+
+@pytest.mark.parametrize("bad", ["fixed:50", "pa", "notice:x", "daly:1", "fixed:a:1"])
+def test_config_parse_names_the_forms(bad: str) -> None:
+    with pytest.raises(ValueError, match="fixed:EVERY:N"):
+        S.Config.parse(bad)
+
+
+def test_notice_writer_delivers_before_the_kill_and_clears_at_it(tmp_path) -> None:
+    path = tmp_path / "notice"
+    writer = V.NoticeWriter(path, [0.3, 0.6], lead=0.2)
+    writer.start()
+    source = FileNoticeSource(str(path), window=5.0, poll_interval=0.0)
+    seen = []
+    end = time.monotonic() + 0.9
+    while time.monotonic() < end:
+        notice = source.poll(time.monotonic())
+        seen.append((time.monotonic() - writer.start_time, notice))
+        time.sleep(0.01)
+    writer.stop()
+    assert writer.delivered == 2 and not path.exists()
+    noticed = [t for t, n in seen if n is not None]
+    # Never before the lead (a loaded machine can only make the writer late, not early).
+    assert noticed and min(noticed) >= 0.09
+    deadlines = [n.deadline - n.received_at for _, n in seen if n is not None]
+    assert all(abs(d - 0.2) < 1e-6 for d in deadlines)  # the file holds the seconds left
+
+
+def test_campaign_covers_the_issue_matrix() -> None:
+    args = argparse.Namespace(**V.SIZES["campaign"])
+    replays = V.plan(args)
+    assert len({key for key, _, _ in replays}) >= 3
+    assert len({c.every for _, c, _ in replays if c.policy == "fixed"}) >= 4
+    assert {c.in_flight for _, c, _ in replays} == {1, 2}
+    for policy in ("pa", "notice", "checkfreq"):
+        for key in args.traces:
+            offsets = {o for k, c, o in replays if c.policy == policy and k == key}
+            assert len(offsets) >= 3, (policy, key)
+    assert 30 <= len(replays) <= 45  # ~55 min at 60-90 s a replay
+
+
+def test_prediction_runs_each_policy_at_every_step() -> None:
+    x = {
+        "iteration_time": 0.1,
+        "iteration_jitter": 0.01,
+        "restart": 2.2,
+        "restart_jitter": 0.1,
+        "stall": 0.004,
+        "durable": 0.04,
+    }
+    kills = [6.0, 14.0, 19.0, 31.0]
+    for text in ("fixed:25:1", "pa:2", "notice:1", "checkfreq:2"):
+        config = S.Config.parse(text)
+        runs = V.predict(x, config, kills, 300, 2, 8.0, 2.0, S.seeded_priors(CAL))
+        assert len(runs) == 2
+        for r in runs:
+            assert r.finished and r.useful_steps == 300 and r.preemptions == 4
+            assert r.decisions >= 300  # asked at every step, as the engine asks
+        if config.notices:
+            assert all(r.emergency_saves >= 3 for r in runs)
+
+
+def test_mean_row_and_verdict_report_errors_of_the_means() -> None:
+    rows = [
+        fake_row(10.0, 10.4, 9.8, load=1.2),
+        fake_row(8.0, 7.8, 7.8, load=3.5),
+    ]
+    mean = V.mean_row(rows)
+    assert mean["offset_gaps"] == "mean"
+    assert mean["error_pct"] == pytest.approx(100 * (9.1 / 9.0 - 1))
+    text = V.verdict([*rows, mean])
+    assert "1 of 1 configurations within 5 %" in text
+    assert "CPU pressure 0.10 -> 0.60" in text  # where the inputs moved, the load says why
+
+
+def test_report_has_the_headline_and_every_column(tmp_path) -> None:
+    """A report from made-up measurements: the beforehand prediction is the headline, the
+    in-replay one the check, and the calibration's medians and load are stated."""
+    stats = S.robust([2.4, 2.5, 2.45, 2.6, 2.4])
+    cal = {
+        "iteration_time": 0.105,
+        "iteration_bare": 0.102,
+        "iteration_jitter": 0.01,
+        "restart": 2.35,
+        "restart_jitter": 0.25,
+        "restart_stats": stats,
+        "restart_samples": [2.4, 2.5, 2.45, 2.6, 2.4],
+        "compute": 0.1,
+        "costs": {1: {"stall": S.robust([0.001] * 3), "durable": S.robust([0.03] * 3)}},
+        "load_before": 1.0,
+        "load_after": 1.2,
+        "load": 1.1,
+        "cpu_share": 0.2,
+        "cpu_pressure": 0.05,
+    }
+    config = S.Config.parse("pa:1")
+    x = V.inputs(cal, 1)
+    sims = V.predict(x, config, [6.0, 14.0], 100, 2, 8.0, 1.0, S.seeded_priors(x))
+    run = SimpleNamespace(wall=sims[0].wall_seconds * 1.02, kills=2, lost_steps=5, commits=9)
+    load = {"load": 1.5, "cpu_share": 0.4, "cpu_pressure": 0.3}
+    rows = [
+        V.row("medium", config, o, 42.0, 100, run, 0, x, x, sims, sims, load, cal)
+        for o in (0.0, 1.5)
+    ]
+    args = argparse.Namespace(
+        out=str(tmp_path / "report"),
+        size="quick",
+        traces=["medium"],
+        steps_scale=0.3,
+        offsets=[0.0, 1.5],
+        accelerator_ms=90.0,
+        notice_lead=1.0,
+        seeded=True,
+        draws=2,
+    )
+    V.write_outputs(args, V.with_means({("medium", "pa:1"): rows}), cal, 60.0, 2)
+    text = (tmp_path / "report.md").read_text()
+    assert text.startswith("# Validation") and "Command: `" in text
+    assert "restart 2.45 s (spread" in text and "CPU pressure 0.05" in text
+    head = next(line for line in text.splitlines() if line.startswith("| trace | config"))
+    for column in ("goodput_measured", "goodput_predicted", "error_pct", "goodput_in_replay"):
+        assert f"| {column} |" in head
+    assert head.index("goodput_predicted") < head.index("goodput_in_replay")
+    assert "| medium | pa:1 | mean |" in text
+    csv = (tmp_path / "report.csv").read_text()
+    assert csv.startswith("#") and "cpu_pressure_calibrated" in csv
+
+
+def fake_row(measured: float, predicted: float, check: float, load: float) -> dict:
+    return {
+        "trace": "medium",
+        "config": "pa:2",
+        "every": "",
+        "in_flight": 2,
+        "steps": 100,
+        "offset_gaps": "0",
+        "goodput_measured": measured,
+        "goodput_predicted": predicted,
+        "goodput_in_replay": check,
+        "error_pct": 100 * (predicted / measured - 1),
+        "error_in_replay_pct": 100 * (check / measured - 1),
+        "inputs_moved_pct": 100 * (predicted / check - 1),
+        "iteration_ms": 100.0,
+        "iteration_calibrated_ms": 101.0,
+        "restart_s": 2.3,
+        "restart_calibrated_s": 2.4,
+        "load": load,
+        "load_calibrated": 1.0,
+        "cpu_share": 1.0,
+        "cpu_share_calibrated": 1.0,
+        "cpu_pressure": 0.6,
+        "cpu_pressure_calibrated": 0.1,
+    }
+
+
+def test_a_restart_from_a_version_without_measured_costs_plans_with_the_priors() -> None:
+    """Issue 43 item 6. The policy state a version holds is captured when its save starts,
+    before any SaveCompleted, and the feed starts empty after a restore: a process restored
+    from the first version plans with the priors (durable 10 s: a 10 s / N floor) until its
+    own first save completes. The engine does this and so does the simulator. Where lives
+    are shorter than that floor no later version is written and every life restarts from
+    the first one (or from nothing): seeded with the calibrated costs, CheckFreq keeps its
+    work."""
+    x = {
+        "iteration_time": 0.1,
+        "iteration_jitter": 0.0,
+        "restart": 2.4,
+        "restart_jitter": 0.0,
+        "stall": 0.0013,
+        "durable": 0.025,
+    }
+    kills = [8.0 * (i + 1) for i in range(40)]  # lives of 8 s - 2.5 s of restart: 55 steps
+    config = S.Config.parse("checkfreq:2")
+    default = V.predict(x, config, kills, 200, 1, 8.0, 1.0, None)[0]
+    seeded = V.predict(x, config, kills, 200, 1, 8.0, 1.0, S.seeded_priors(x))[0]
+    # Default priors: k = (10 s - 1 s) / 0.1 s = 90 steps, longer than any life (55 steps):
+    # no save ever completes, so no life learns the real costs (1 save in 40 lives here;
+    # seeded: 199 saves, nothing lost, done after 3 kills).
+    assert seeded.goodput > 1.5 * default.goodput
+    assert seeded.lost_steps < default.lost_steps / 3
+
+
+def test_a_kill_during_a_restart_is_not_one_long_restart() -> None:
+    """The in-replay restart samples: from each kill to the next process's first step, only
+    where that process trained one. A process killed before its first step (the harsh trace
+    kills every 6 s) would otherwise give a sample spanning two restarts (and one more for
+    itself), which doubled the replay's "restart" on that trace."""
+    from pcframe.apps.preemption.supervisor import Life, SupervisedRun
+
+    lives = [
+        Life(0, 0.0, first_step_at=1.0, ended=10.0, killed=True),  # restart begins at 10
+        Life(1, 10.0, first_step_at=None, ended=11.5, killed=True),  # killed while restoring
+        Life(2, 11.5, first_step_at=14.0, ended=30.0, killed=True),  # 2.5 s after that kill
+        Life(3, 30.0, first_step_at=32.0, ended=40.0, killed=False),
+    ]
+    run = SupervisedRun(steps=100, lives=lives, wall=40.0, scheduled_kills=3)
+    assert run.restart_seconds == [4.0, 2.5, 2.0]  # the first spans both restarts
+    assert V.whole_restarts(run) == [2.5, 2.0]
