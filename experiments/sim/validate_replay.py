@@ -276,7 +276,7 @@ def calibrate(args: argparse.Namespace, in_flights: list[int], root: Path) -> di
     shutil.rmtree(root / "restart", ignore_errors=True)
     lives = life_step_times(timeline)
     step = robust(lives or bare_steps)
-    restart = robust(whole_restarts(run))
+    restart = robust(run.whole_restarts)
     load = probe.stop()
     it = step["median"]
     return {
@@ -288,7 +288,7 @@ def calibrate(args: argparse.Namespace, in_flights: list[int], root: Path) -> di
         "restart": max(restart["median"] - it, 0.0),
         "restart_jitter": max(restart["spread"], MIN_RESTART_JITTER, 0.1 * restart["median"]),
         "restart_stats": restart,
-        "restart_samples": whole_restarts(run),
+        "restart_samples": run.whole_restarts,
         "compute": statistics.median(paces) if paces else math.nan,
         "costs": costs,
         **load,
@@ -325,21 +325,6 @@ def inputs(cal: dict[str, Any], n: int) -> dict[str, float]:
     }
 
 
-def whole_restarts(run: Any) -> list[float]:
-    """Per kill whose next process trained a step: from the kill to that first step.
-
-    Not ``run.restart_seconds``: a kill during a restart makes that a sample from the first
-    kill to the step after the second restart (and the interrupted process's own too), which
-    on a harsh trace doubled the "restart" measured in the replay; the simulator replays
-    that second kill itself."""
-    lives = run.lives
-    return [
-        lives[i + 1].first_step_at - life.ended
-        for i, life in enumerate(lives[:-1])
-        if life.killed and lives[i + 1].first_step_at is not None
-    ]
-
-
 def measured_inputs(cal: dict[str, Any], run: Any, paces: list[float]) -> dict[str, Any]:
     """The calibration with restart (mean, deviation) as measured in ``run`` and the step
     time scaled by how the compute per step moved (``paces``: each life's, stalls left out;
@@ -350,7 +335,7 @@ def measured_inputs(cal: dict[str, Any], run: Any, paces: list[float]) -> dict[s
         # the convexity of goodput in the step time turns into a bias.
         it *= statistics.median(paces) / cal["compute"]
     # This replay's own restarts: all of them count (its mean), none is an estimate.
-    samples = whole_restarts(run) or cal["restart_samples"]
+    samples = run.whole_restarts or cal["restart_samples"]
     spread = statistics.stdev(samples) if len(samples) > 1 else 0.0
     return dict(
         cal,

@@ -47,7 +47,6 @@ class RemoteShards:
         """``options``: the tier's own (``storage_options``, ``create``, ``timeout``, ...)."""
         self.url = url.rstrip("/")
         self.options = dict(options or {})
-        self.storage_options = dict(self.options.get("storage_options") or {})
         self._tiers: dict[int, RemoteTier] = {}
         self._records = RemoteTier(f"{self.url}/global", **self.options)
 

@@ -10,6 +10,8 @@ import pytest
 from pcframe.apps.preemption import (
     ChildSpec,
     KillClock,
+    Life,
+    SupervisedRun,
     Supervisor,
     SupervisorError,
     compare_finals,
@@ -100,3 +102,19 @@ def test_a_child_that_fails_by_itself_is_an_error_with_its_stderr(tmp_path, chil
 def test_timeout_kills_the_child_and_says_which_key(tmp_path, child_env):
     with pytest.raises(SupervisorError, match=r"failure\.timeout=0\.5"):
         Supervisor(spec(tmp_path, "slow"), env=child_env, timeout=0.5).run()
+
+
+def test_a_kill_during_a_restart_is_not_one_long_restart() -> None:
+    """``whole_restarts`` (the replay validation's restart samples): from each kill to the
+    next process's first step, only where that process trained one. A process killed before
+    its first step (the harsh trace kills every 6 s) would otherwise give a sample spanning
+    two restarts (and one more for itself), which doubled the replay's "restart" there."""
+    lives = [
+        Life(0, 0.0, first_step_at=1.0, ended=10.0, killed=True),  # restart begins at 10
+        Life(1, 10.0, first_step_at=None, ended=11.5, killed=True),  # killed while restoring
+        Life(2, 11.5, first_step_at=14.0, ended=30.0, killed=True),  # 2.5 s after that kill
+        Life(3, 30.0, first_step_at=32.0, ended=40.0, killed=False),
+    ]
+    run = SupervisedRun(steps=100, lives=lives, wall=40.0, scheduled_kills=3)
+    assert run.restart_seconds == [4.0, 2.5, 2.0]  # the first spans both restarts
+    assert run.whole_restarts == [2.5, 2.0]

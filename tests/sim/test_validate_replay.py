@@ -267,21 +267,3 @@ def test_a_restart_from_a_version_without_measured_costs_plans_with_the_priors()
     # seeded: 199 saves, nothing lost, done after 3 kills).
     assert seeded.goodput > 1.5 * default.goodput
     assert seeded.lost_steps < default.lost_steps / 3
-
-
-def test_a_kill_during_a_restart_is_not_one_long_restart() -> None:
-    """The in-replay restart samples: from each kill to the next process's first step, only
-    where that process trained one. A process killed before its first step (the harsh trace
-    kills every 6 s) would otherwise give a sample spanning two restarts (and one more for
-    itself), which doubled the replay's "restart" on that trace."""
-    from pcframe.apps.preemption.supervisor import Life, SupervisedRun
-
-    lives = [
-        Life(0, 0.0, first_step_at=1.0, ended=10.0, killed=True),  # restart begins at 10
-        Life(1, 10.0, first_step_at=None, ended=11.5, killed=True),  # killed while restoring
-        Life(2, 11.5, first_step_at=14.0, ended=30.0, killed=True),  # 2.5 s after that kill
-        Life(3, 30.0, first_step_at=32.0, ended=40.0, killed=False),
-    ]
-    run = SupervisedRun(steps=100, lives=lives, wall=40.0, scheduled_kills=3)
-    assert run.restart_seconds == [4.0, 2.5, 2.0]  # the first spans both restarts
-    assert V.whole_restarts(run) == [2.5, 2.0]

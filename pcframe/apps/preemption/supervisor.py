@@ -10,6 +10,7 @@ so what it reports is what an outside observer sees.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import queue
@@ -167,6 +168,18 @@ class SupervisedRun:
             if resumed is not None:
                 out.append(resumed - life.ended)
         return out
+
+    @property
+    def whole_restarts(self) -> list[float]:
+        """Per kill whose next process trained a step: from the kill to that first step
+        (what one restart costs). Unlike :attr:`restart_seconds`, a kill during a restart
+        does not make one sample spanning both restarts (and one more for the interrupted
+        process)."""
+        return [
+            after.first_step_at - life.ended
+            for life, after in itertools.pairwise(self.lives)
+            if life.killed and after.first_step_at is not None
+        ]
 
     @property
     def goodput(self) -> float:

@@ -111,20 +111,24 @@ class RemoteTier(Tier):
 
     # --- listing -------------------------------------------------------------------------
 
-    def _scan(self) -> tuple[set[int], set[int]]:
-        """(committed versions, versions with objects but no marker) from one recursive list."""
+    def _find(self, folder: str) -> list[str]:
+        """Every object under ``folder``, from one recursive listing past any cache; ``[]``
+        when nothing is there yet (the bucket checked: see :meth:`_check_bucket`)."""
         with contextlib.suppress(AttributeError):
-            self.fs.invalidate_cache(self.root)
+            self.fs.invalidate_cache(folder)
         try:
-            paths = self._calls("find", self.root, timeout=self._deadline())
+            return list(self._calls("find", folder, timeout=self._deadline()))
         except FileNotFoundError:
             self._check_bucket()
-            return set(), set()
+            return []
         except Exception as exc:
             raise self._fail("cannot list", exc) from exc
+
+    def _scan(self) -> tuple[set[int], set[int]]:
+        """(committed versions, versions with objects but no marker) from one recursive list."""
         prefixes: set[int] = set()
         marked: set[int] = set()
-        for path in paths:
+        for path in self._find(self.root):
             match = _ENTRY.match(path[len(self.root) :].lstrip("/"))
             if match:
                 version = version_from_digits(match.group(1), f"{self.url}: {path}")
@@ -164,16 +168,7 @@ class RemoteTier(Tier):
             TierError: the listing failed or timed out, or the bucket does not exist while
                 ``create`` is False.
         """
-        parent = self.root.rsplit("/", 1)[0]
-        with contextlib.suppress(AttributeError):
-            self.fs.invalidate_cache(parent)
-        try:
-            return list(self._calls("find", parent, timeout=self._deadline()))
-        except FileNotFoundError:
-            self._check_bucket()
-            return []
-        except Exception as exc:
-            raise self._fail("cannot list", exc) from exc
+        return self._find(self.root.rsplit("/", 1)[0])
 
     # --- writing -------------------------------------------------------------------------
 
