@@ -9,6 +9,10 @@ other users' load; this keeps the step time, which the simulator takes as a cons
 enough to judge the simulator's event model. It prints what ``python -m pcframe.apps.training``
 prints (``step N``, ``pcframe-event`` lines), so ``pcframe.apps.preemption.Supervisor`` runs it.
 
+``--paced``, ``--vms``, ``--scaling`` and ``--stop-file`` serve the real-kills replay
+(``real_kills.py``): a paced step that shrinks with the VMs the process stands for, and a
+planned stop (a change of VMs) that saves, drains and exits with a ``done`` line.
+
 ``--config`` names the interval policy (``replay_setup.Config``: ``fixed:EVERY:N``, ``pa:N``,
 ``notice:N``, ``checkfreq:N``), built by ``replay_setup.make_policy`` as the simulator's
 prediction builds it; the engine asks it at every step. ``--notice-file``: the notice-driven
@@ -22,6 +26,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,15 +37,26 @@ from pcframe.apps.workloads import Workload, build
 from pcframe.config import EngineConfig
 from pcframe.feed import process_age
 from pcframe.policies import FileNoticeSource
+from pcframe.sim import JobSpec
 
 
-def accelerated(workload: Workload, sleep_ms: float) -> Workload:
-    """``workload`` whose every step first waits ``sleep_ms`` (the accelerator's share)."""
+def accelerated(workload: Workload, sleep_ms: float, paced: bool = False) -> Workload:
+    """``workload`` whose every step first waits ``sleep_ms`` (the accelerator's share).
+
+    ``paced``: each step instead takes ``sleep_ms`` in all, the real compute included (it
+    sleeps what the compute left): the step time is then the same whatever the machine's
+    load, as long as the compute fits, and can be made to shrink as a data-parallel job's
+    does on more VMs (the real-kills replay runs a job of several VMs as one process)."""
     real_step = workload.train_step
 
     def step(batch: Any) -> float:
-        time.sleep(sleep_ms / 1e3)
-        return real_step(batch)
+        if not paced:
+            time.sleep(sleep_ms / 1e3)
+            return real_step(batch)
+        end = time.perf_counter() + sleep_ms / 1e3
+        loss = real_step(batch)
+        time.sleep(max(0.0, end - time.perf_counter()))
+        return loss
 
     workload.train_step = step  # type: ignore[method-assign]
     return workload
@@ -95,9 +111,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--priors", default="{}", help="cost priors of the policy (JSON)")
     parser.add_argument("--notice-file", default=None)
     parser.add_argument("--notice-lead", type=float, default=1.0)
+    parser.add_argument(
+        "--paced", action="store_true", help="--accelerator-ms is the whole step, compute included"
+    )
+    parser.add_argument("--vms", type=int, default=1, help="VMs this process stands for")
+    parser.add_argument("--scaling", type=float, default=1.0, help="data-parallel efficiency")
+    parser.add_argument(
+        "--stop-file", default=None, help="a planned stop: save, drain and exit when it exists"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    workload = accelerated(build("mlp", **json.loads(args.workload_args)), args.accelerator_ms)
+    # A job of several VMs steps faster, as the simulator's JobSpec.step_time says.
+    step_ms = args.accelerator_ms / JobSpec(scaling_efficiency=args.scaling).speedup(args.vms)
+    workload = accelerated(build("mlp", **json.loads(args.workload_args)), step_ms, args.paced)
+    stop_file = Path(args.stop_file) if args.stop_file else None
     pace = paced(workload)
     first = True
 
@@ -124,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         # When each version became durable: the validation compares these instants with the
         # simulator's (a kill loses everything after the newest commit, not the newest save).
         on_commit=lambda count, step: emit("committed", step=step, age=process_age()),
+        stop=(lambda step: stop_file.exists()) if stop_file else None,
     )
     records = [r for r in ckpt.records.values() if r.status == "committed"]
     emit(
@@ -133,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds=result.seconds,
         checkpoints=len(records),
         stall=sum(r.stall for r in records),
+        stopped=result.stopped_at,
     )
     return 0
 

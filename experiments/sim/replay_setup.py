@@ -39,10 +39,15 @@ class Config:
     policy: str
     in_flight: int
     every: int | None = None
+    on_notice: bool = False  # wrapped in NoticeDriven ("+notice"): saves on a notice too
 
     @classmethod
     def parse(cls, text: str) -> Config:
-        """``fixed:EVERY:N``, ``pa:N``, ``notice:N`` or ``checkfreq:N``."""
+        """``fixed:EVERY:N``, ``pa:N``, ``notice:N`` or ``checkfreq:N``; ``fixed`` and ``pa``
+        may end with ``+notice`` (the policy inside ``NoticeDriven``)."""
+        base, plus, rest = text.partition("+")
+        if plus and rest == "notice" and base.split(":")[0] in ("fixed", "pa"):
+            return dataclasses.replace(cls.parse(base), on_notice=True)
         parts = text.split(":")
         kind = parts[0]
         try:
@@ -54,21 +59,22 @@ class Config:
             pass
         raise ValueError(
             f"configuration {text!r}: use fixed:EVERY:N, pa:N, notice:N or checkfreq:N "
-            "(N: checkpoints in flight, 1 or 2)"
+            "(N: checkpoints in flight, 1 or 2; fixed and pa may end with +notice)"
         )
 
     @property
     def label(self) -> str:
-        return (
+        text = (
             f"fixed:{self.every}:{self.in_flight}"
             if self.every
             else f"{self.policy}:{self.in_flight}"
         )
+        return text + ("+notice" if self.on_notice else "")
 
     @property
     def notices(self) -> bool:
         """Whether notices are delivered before the kills (the policy acts on them)."""
-        return self.policy == "notice"
+        return self.policy == "notice" or self.on_notice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +133,11 @@ def make_policy(
     Daly's MTBF; ``priors``: :func:`seeded_priors` (``None``: the library's defaults).
     """
     kw = dict(priors or {})
+    if config.on_notice:  # the plain policy inside NoticeDriven, as notice:N wraps Daly
+        inner = make_policy(dataclasses.replace(config, on_notice=False), mtbf, priors)
+        return P.NoticeDriven(
+            inner, source, margin=NOTICE_MARGIN, save_time_prior=kw.get("duration_prior", 30.0)
+        )
     if config.policy == "fixed":
         return P.FixedSteps(config.every)
     if config.policy == "pa":

@@ -116,6 +116,10 @@ class ReplayChild(ChildSpec):
     priors: dict[str, float] = dataclasses.field(default_factory=dict)
     notice_file: str | None = None
     notice_lead: float = 2.0
+    paced: bool = False  # accelerator_ms is the whole step (replay_child --paced)
+    vms: int = 1
+    scaling: float = 1.0
+    stop_file: str | None = None  # a planned stop (replay_child --stop-file)
 
     def command(self, python: str = sys.executable) -> list[str]:
         cmd = [
@@ -142,6 +146,10 @@ class ReplayChild(ChildSpec):
         ]
         if self.notice_file:
             cmd += ["--notice-file", self.notice_file]
+        if self.paced:
+            cmd += ["--paced", "--vms", str(self.vms), "--scaling", repr(self.scaling)]
+        if self.stop_file:
+            cmd += ["--stop-file", self.stop_file]
         return cmd
 
 
@@ -205,6 +213,7 @@ def supervised(
         priors=priors or {},
         notice_file=str(notice) if notice else None,
         notice_lead=args.notice_lead,
+        paced=getattr(args, "paced", False),
     )
     # The children's stderr is kept next to their checkpoints: a child that fails says why.
     logs = directory.with_name(directory.name + "-logs")
@@ -245,15 +254,17 @@ def calibrate(args: argparse.Namespace, in_flights: list[int], root: Path) -> di
     """What the simulator needs, measured on this workload before the replays: medians,
     spreads and the load they were measured under."""
     probe = LoadProbe()
+    paced = getattr(args, "paced", False)
     bare = [
-        train(accelerated(build("mlp", **WORKLOAD), args.accelerator_ms), 100)[0] for _ in range(3)
+        train(accelerated(build("mlp", **WORKLOAD), args.accelerator_ms, paced), 100)[0]
+        for _ in range(3)
     ]
     bare_steps = [r.seconds / r.steps for r in bare]
     costs: dict[int, dict[str, Any]] = {}
     for n in sorted(set(in_flights)):
         directory = root / f"calibrate-{n}"
         _, ckpt = train(
-            accelerated(build("mlp", **WORKLOAD), args.accelerator_ms),
+            accelerated(build("mlp", **WORKLOAD), args.accelerator_ms, paced),
             240,
             directory,
             P.FixedSteps(20),

@@ -33,6 +33,7 @@ class TrainResult:
     seconds: float
     losses: list[float] = field(default_factory=list)
     restored_from: int | None = None
+    stopped_at: int | None = None  # the step of a planned stop (``stop`` said so)
 
     @property
     def steps_per_second(self) -> float:
@@ -85,12 +86,16 @@ def train(
     progress: Any = None,
     on_restored: Any = None,
     on_commit: Callable[[int, int], None] | None = None,
+    stop: Callable[[int], bool] | None = None,
 ) -> tuple[TrainResult, Checkpointer | None]:
     """Train to ``steps`` total, resuming from ``directory`` when it holds a checkpoint.
 
     ``progress(step)`` is called after every step, ``on_restored(step, seconds)`` once after
     the restore attempt (step ``None`` when there was nothing to resume from), and
     ``on_commit(count, step)`` each time a version commits (``count`` committed so far).
+    ``stop(step)``, asked after every step, ends training early when it returns true (a
+    planned stop: the job moves to other VMs): that step is saved unless a version already
+    holds it, and everything in flight is durable before ``train`` returns.
     Returns the result and the (closed) checkpointer, whose ``records`` hold per-save costs.
     """
     checkpointer = None
@@ -123,6 +128,11 @@ def train(
                     watch.poll()
             if progress is not None:
                 progress(step)
+            if stop is not None and stop(step):
+                result.stopped_at = step
+                if checkpointer is not None and not _holds(checkpointer, step):
+                    checkpointer.save(step, reason="planned stop")
+                break
         if checkpointer is not None:
             checkpointer.wait()
             if watch is not None:
@@ -132,6 +142,15 @@ def train(
         if checkpointer is not None:
             checkpointer.close()
     return result, checkpointer
+
+
+def _holds(checkpointer: Checkpointer, step: int) -> bool:
+    """Whether a version of ``step`` is committed or still on its way."""
+    return any(
+        record.step == step
+        and record.status in (SaveStatus.IN_FLIGHT, SaveStatus.COMMITTED)
+        for record in checkpointer.records.values()
+    )
 
 
 EVENT_PREFIX = "pcframe-event "

@@ -28,7 +28,7 @@ from typing import Any, TextIO
 from pcframe.apps.training import EVENT_PREFIX
 from pcframe.errors import SupervisorError
 
-_EOF = object()
+EOF = object()  # the end of a child's stdout on its line queue
 
 
 class KillClock(Enum):
@@ -218,7 +218,7 @@ class Supervisor:
         self.clock = clock
         self.timeout = timeout
         self.log_dir = Path(log_dir) if log_dir is not None else None
-        self.env = _child_env(env, spec.threads)
+        self.env = child_env(env, spec.threads)
         self.on_line = on_line
 
     def run(self) -> SupervisedRun:
@@ -257,12 +257,12 @@ class Supervisor:
                 start_new_session=True,  # its own process group: the kill takes everything
             )
             lines: queue.Queue[Any] = queue.Queue()
-            reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
+            reader = threading.Thread(target=pump_lines, args=(proc.stdout, lines), daemon=True)
             reader.start()
             try:
                 self._watch(proc, life, lines, clock, pending, start, trained)
             except BaseException:
-                _kill(proc)
+                kill_group(proc)
                 raise
             finally:
                 reader.join()
@@ -303,12 +303,12 @@ class Supervisor:
                 # The kill's time, before the reap (a process holding much memory takes a
                 # while to go): on the training clock the reap is no training time.
                 life.killed, life.ended = True, clock()
-                _kill(proc)
+                kill_group(proc)
                 # Lines the child wrote before it died are still in the pipe: count them.
-                while (item := lines.get()) is not _EOF:
+                while (item := lines.get()) is not EOF:
                     self._parse(item[1], life, item[0] - start)
                 return
-            if item is _EOF:
+            if item is EOF:
                 proc.wait()
                 return
             self._parse(item[1], life, item[0] - start)
@@ -327,20 +327,7 @@ class Supervisor:
     def _parse(self, line: str, life: Life, at: float) -> None:
         if self.on_line is not None:
             self.on_line(life.index, line)
-        if line.startswith("step "):
-            life.last_step = int(line.split()[1])
-        elif line.startswith(EVENT_PREFIX):
-            event = json.loads(line[len(EVENT_PREFIX) :])
-            if event["event"] == "restored":
-                life.start_step = life.last_step = int(event["step"])
-                life.restore_seconds = float(event["seconds"])
-            elif event["event"] == "first_step":
-                life.first_step_at = at
-            elif event["event"] == "committed":
-                life.commits += 1
-                life.commit_steps.append(int(event["step"]))
-            elif event["event"] == "done":
-                life.done = event
+        record_line(line, life, at)
 
     def _log_path(self, index: int) -> Path | None:
         if self.log_dir is None:
@@ -348,19 +335,42 @@ class Supervisor:
         return self.log_dir / f"child-{index}.stderr"
 
 
-def _pump(stream: TextIO, lines: queue.Queue[Any]) -> None:
+def record_line(line: str, life: Life, at: float) -> None:
+    """What one stdout line of a training child (``at``: its time on the job clock) tells
+    about its life: its steps, restore, first step, commits and end."""
+    if line.startswith("step "):
+        life.last_step = int(line.split()[1])
+    elif line.startswith(EVENT_PREFIX):
+        event = json.loads(line[len(EVENT_PREFIX) :])
+        if event["event"] == "restored":
+            life.start_step = life.last_step = int(event["step"])
+            life.restore_seconds = float(event["seconds"])
+        elif event["event"] == "first_step":
+            life.first_step_at = at
+        elif event["event"] == "committed":
+            life.commits += 1
+            life.commit_steps.append(int(event["step"]))
+        elif event["event"] == "done":
+            life.done = event
+
+
+def pump_lines(stream: TextIO, lines: queue.Queue[Any]) -> None:
+    """Puts each line of ``stream`` on ``lines`` as (monotonic time, line), then ``EOF``."""
     for line in stream:
         lines.put((time.monotonic(), line.rstrip("\n")))
-    lines.put(_EOF)
+    lines.put(EOF)
 
 
-def _kill(proc: subprocess.Popen[str]) -> None:
+def kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL the child's whole process group (a VM gone) and reap it."""
     with contextlib.suppress(ProcessLookupError):  # already gone
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
 
-def _child_env(env: dict[str, str] | None, threads: int) -> dict[str, str]:
+def child_env(env: dict[str, str] | None, threads: int) -> dict[str, str]:
+    """The environment of a training child: unbuffered, ``threads`` BLAS threads, the
+    engine's own crash points off."""
     merged = dict(os.environ if env is None else env)
     merged.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     merged.pop("PCFRAME_CRASH_AT", None)  # the engine's own crash points stay off here
