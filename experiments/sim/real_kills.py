@@ -30,8 +30,11 @@ Configurations per trace (the simulator's experiment 3, ``exp3_resources.py``):
   > 0.7: spot, scaled out to 4 VMs at availability 1; 30 min dwell) fed by ``EwmaRate`` (6 h
   half-life), decisions every 30 min of trace time.
 
-Notices: the GCP zones give 30 s of warning, which compressed is ~0.1 s here, less than a
-save takes to be durable; none is delivered (said in the report).
+Notices: where the zone warns before a preemption (the GCP zones: 30 s, ~0.1 s compressed,
+more than a save here takes to be durable) a notice file is written that long before each
+drop of the spot capacity and read by the child of a spot VM; both spot configurations then
+run their interval policy inside ``NoticeDriven`` (``+notice``), as the simulator does with
+``JobSpec.notice_window``.
 
     python experiments/sim/real_kills.py                 # ~50 min here
     python experiments/sim/real_kills.py --size quick    # smoke, ~4 min
@@ -71,12 +74,14 @@ from pcframe.apps.preemption.supervisor import (
     record_line,
 )
 from pcframe.errors import SupervisorError
+from pcframe.format.manifest import MANIFEST_NAME, read_manifest
 from pcframe.policies.base import Preempted
 from pcframe.policies.resource import ResourceContext, ResourceDecision
 from pcframe.policies.traces import Trace, load_traces, shared_traces_dir
 from pcframe.sim import JobSpec, SimOptions, simulate
 from pcframe.sim.capacity import Capacity
 from pcframe.sim.report import markdown_table, write_csv
+from pcframe.store.directory import CheckpointDir
 
 HOUR = 3600.0
 WARM_UP = 48 * HOUR  # trace seconds the predictor sees before the replayed window
@@ -261,8 +266,10 @@ class Child:
             record_line(item[1], self.life, item[0] - self.begin)
 
     def stop(self) -> float:
-        """A planned stop: the child saves this step, drains and says ``done``; returns when
-        (the interpreter's teardown after that costs the job nothing: the VMs are free)."""
+        """A planned stop: the child saves this step and drains; returns when its newest step
+        is durable (its ``committed`` line), as the simulator's stop ends when the save has
+        drained: the engine's close and the interpreter's teardown after that cost the job
+        nothing (the VMs are given back)."""
         self.run_until(0.0)  # the lines written so far: has it trained a step?
         if self.life.first_step_at is None:
             # Still starting (imports, restore): nothing of its own to save, as in the
@@ -271,8 +278,8 @@ class Child:
             return self.life.ended
         Path(self.spec.stop_file).write_text("stop")
         now = time.monotonic() - self.begin
-        self.run_until(now + STOP_TIMEOUT, lambda life: life.done is not None)
-        if self.life.done is None:
+        self.run_until(now + STOP_TIMEOUT, drained)
+        if not drained(self.life):
             raise SupervisorError(f"process {self.life.index} did not stop in {STOP_TIMEOUT} s")
         self.life.ended = time.monotonic() - self.begin
         self._end()
@@ -289,6 +296,24 @@ class Child:
         kill_group(self.proc)
         self.reader.join()
         self.proc.stdout.close()
+
+
+def drained(life: Life) -> bool:
+    """Whether a stopping child's newest step is durable (or it has said ``done``)."""
+    return life.done is not None or bool(
+        life.commit_steps and life.commit_steps[-1] >= life.last_step
+    )
+
+
+def durable_step(directory: Path) -> int:
+    """The step of the newest committed version in ``directory`` (0: none): what the next
+    process restores. Read from the directory, not from the children's ``committed`` lines,
+    which a child prints only after its next step (a version made durable during the step a
+    SIGKILL cut short is restored all the same)."""
+    versions = CheckpointDir(directory).committed_versions()
+    if not versions:
+        return 0
+    return read_manifest(str(CheckpointDir(directory).path(versions[-1]) / MANIFEST_NAME)).step
 
 
 @dataclasses.dataclass
@@ -322,7 +347,6 @@ def replay(setup: Setup, choice: Choice, cal: dict[str, Any], root: Path) -> Out
     fed = cap.tick(setup.start) - 1
     directory = root / "ckpt"
     lives: list[Life] = []
-    committed = 0  # newest committed step (every durable version survives: no placements)
     cost = vm_seconds = 0.0
     preemptions = changeovers = lost = 0
     child: Child | None = None
@@ -353,9 +377,6 @@ def replay(setup: Setup, choice: Choice, cal: dict[str, Any], root: Path) -> Out
         )
         vm_seconds += (spot + od) * (until - c.life.spawned)
 
-    def newest_commit() -> int:
-        return max([committed] + [s for life in lives for s in life.commit_steps])
-
     while (t := now()) < setup.end:
         if predictor is not None:
             for k in range(fed + 1, cap.tick(t) + 1):
@@ -366,7 +387,7 @@ def replay(setup: Setup, choice: Choice, cal: dict[str, Any], root: Path) -> Out
             want = resource.decide(
                 ResourceContext(
                     now=t - setup.start,
-                    work_done=newest_commit() * cal["iteration_time"],
+                    work_done=durable_step(directory) * cal["iteration_time"],
                     availability=None if prediction is None else prediction.availability,
                     preemption_rate=None if prediction is None else prediction.rate,
                     spot_available=cap.spot_available(t, 1) > 0,
@@ -397,14 +418,17 @@ def replay(setup: Setup, choice: Choice, cal: dict[str, Any], root: Path) -> Out
                     workload="mlp",
                     workload_args=WORKLOAD,
                     config=choice.config.label,
-                    accelerator_ms=1e3 * cal["iteration_time"],
+                    # The pace asked for (the calibration measured what it gives: the
+                    # simulator's step time).
+                    accelerator_ms=cal.get("paced_ms", 1e3 * cal["iteration_time"]),
                     mtbf=setup.trace.mtbf() / setup.factor,
                     priors=seeded_priors(inputs(cal, choice.config.in_flight)),
                     paced=True,
                     vms=spot + want.on_demand,
                     scaling=SCALING,
                     stop_file=str(root / f"stop-{life.index}"),
-                    notice_file=str(root / "notice") if notices else None,
+                    # Only a spot VM is warned (the simulator's notice comes with a kill).
+                    notice_file=str(root / "notice") if notices and spot else None,
                     notice_lead=setup.notice,
                 )
                 log = root / f"child-{life.index}.log"
@@ -417,28 +441,32 @@ def replay(setup: Setup, choice: Choice, cal: dict[str, Any], root: Path) -> Out
             decide_now = True
             continue
         child.run_until(t_next)
-        if child.vms[0] and predictor is not None:
-            predictor.advance(t_next)
         if t_next == kill_at and t_next < setup.end:
-            child.kill()
-            committed = newest_commit()
+            child.kill()  # first: the trace's kill time is now
+            committed = durable_step(directory)
             lost += max(0, child.life.last_step - committed)
-            bill(child, child.life.ended)
+            bill(child, t_next)
+            if child.vms[0] and predictor is not None:
+                predictor.advance(t_next)
             preemptions += 1
             resource.observe(Preempted(t_next, child.life.last_step - committed))
             if predictor is not None:
                 predictor.observe(Preempted(t_next, child.life.last_step - committed))
             child, kill_at = None, math.inf
             decide_now = True
-        elif t_next == cap.next_change(t):
+            continue
+        if child.vms[0] and predictor is not None:
+            predictor.advance(t_next)
+        if t_next == cap.next_change(t):
             decide_now = True
-    if notices is not None:
-        notices.stop()
-    useful = newest_commit()
+    useful = 0
     if child is not None:  # the window ends: the steps done count (the job is not preempted)
         child.kill()
-        useful = max(useful, child.life.last_step)
+        useful = child.life.last_step
         bill(child, setup.end)
+    if notices is not None:
+        notices.stop()
+    useful = max(useful, durable_step(directory))
     shutil.rmtree(directory, ignore_errors=True)
     return Outcome(
         useful, setup.window, cost * setup.factor, preemptions, changeovers, lost, vm_seconds, lives
@@ -673,6 +701,7 @@ def main() -> None:
     began = time.monotonic()
     try:
         cal = calibrate(args, [2], root)
+        cal["paced_ms"] = args.accelerator_ms
         print(
             f"calibrated in {time.monotonic() - began:.0f} s: restart "
             f"{cal['restart_stats']['median']:.2f} s, step {1e3 * cal['iteration_time']:.1f} ms"

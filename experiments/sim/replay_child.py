@@ -43,20 +43,22 @@ from pcframe.sim import JobSpec
 def accelerated(workload: Workload, sleep_ms: float, paced: bool = False) -> Workload:
     """``workload`` whose every step first waits ``sleep_ms`` (the accelerator's share).
 
-    ``paced``: each step instead takes ``sleep_ms`` in all, the real compute included (it
-    sleeps what the compute left): the step time is then the same whatever the machine's
-    load, as long as the compute fits, and can be made to shrink as a data-parallel job's
-    does on more VMs (the real-kills replay runs a job of several VMs as one process)."""
+    ``paced``: each step instead starts ``sleep_ms`` after the one before it (at once if
+    that one took longer), so the whole step (compute, the engine's per-step work, the
+    progress line) takes ``sleep_ms`` whatever the machine's load, as long as it fits, and
+    can be made to shrink as a data-parallel job's step does on more VMs (the real-kills
+    replay runs a job of several VMs as one process)."""
     real_step = workload.train_step
+    last_start: list[float] = []
 
     def step(batch: Any) -> float:
         if not paced:
             time.sleep(sleep_ms / 1e3)
             return real_step(batch)
-        end = time.perf_counter() + sleep_ms / 1e3
-        loss = real_step(batch)
-        time.sleep(max(0.0, end - time.perf_counter()))
-        return loss
+        if last_start:
+            time.sleep(max(0.0, last_start[0] + sleep_ms / 1e3 - time.perf_counter()))
+        last_start[:] = [time.perf_counter()]
+        return real_step(batch)
 
     workload.train_step = step  # type: ignore[method-assign]
     return workload

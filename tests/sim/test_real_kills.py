@@ -118,12 +118,13 @@ def test_a_real_replay_stops_on_a_change_of_vms_and_is_killed_by_the_trace(
     lives = out.lives
     assert out.changeovers == 1 and out.preemptions == 1
     first, second = lives[0], lives[1]
-    assert first.done is not None and first.done["stopped"] == first.last_step
-    assert not first.killed and second.start_step == first.last_step  # nothing lost
-    assert second.killed and second.ended == pytest.approx(11.0, abs=0.5)  # the drop
-    assert out.lost_steps == second.last_step - max([*second.commit_steps, first.last_step])
+    # Stopped once its newest step was durable, and the next process went on from there.
+    assert not first.killed and first.commit_steps[-1] == first.last_step
+    assert second.start_step == first.last_step  # nothing lost
+    assert second.killed and second.ended == pytest.approx(10.5, abs=0.2)  # the drop
+    assert out.lost_steps == second.last_step - (lives[2].start_step if len(lives) > 2 else 0)
     # Billed while held: one VM for the first life, two for the second, none while down.
-    held = (first.ended - first.spawned) + 2 * (second.ended - second.spawned)
+    held = (first.ended - first.spawned) + 2 * (10.5 - second.spawned)
     if len(lives) > 2:
         held += 2 * (setup.end - lives[2].spawned)
         assert lives[2].spawned >= 12.0 - 1e-6  # not before the spot VMs came back
@@ -147,3 +148,29 @@ def test_where_the_zone_warns_both_spot_configurations_act_on_notices() -> None:
     assert job.notice_window == setup.notice
     v100 = R.setup_for(priced([1] * 1000 + [0] + [1] * 999, dt=600.0), restart=2.0, window=50.0)
     assert v100.notice == 0 and not R.choices(v100, CAL)["spot fixed"].config.notices
+
+
+def test_a_paced_step_takes_the_pace_whatever_it_computes() -> None:
+    import time
+
+    from replay_child import accelerated
+
+    from pcframe.apps.training import train
+    from pcframe.apps.workloads import build
+
+    workload = accelerated(build("mlp", hidden=16, layers=1, samples=64), 30.0, paced=True)
+    began = time.perf_counter()
+    result, _ = train(workload, 11)
+    seconds = time.perf_counter() - began
+    assert len(result.losses) == 11
+    assert seconds >= 10 * 0.030  # ten gaps between eleven step starts, the loop included
+    assert seconds < 10 * 0.030 + 0.5  # and no sleep on top of the pace
+
+
+def test_the_durable_step_is_read_from_the_directory(tmp_path: Path) -> None:
+    from pcframe.apps.training import train
+    from pcframe.apps.workloads import build
+
+    assert R.durable_step(tmp_path / "none") == 0
+    train(build("mlp", hidden=16, layers=1, samples=64), 12, tmp_path, P.FixedSteps(5))
+    assert R.durable_step(tmp_path) == 10  # the newest of the saves at 5 and 10
