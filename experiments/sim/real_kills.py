@@ -90,6 +90,7 @@ HALF_LIFE = 6 * HOUR  # the availability predictor's half-life, trace seconds
 FIXED_INTERVAL = 1800.0  # trace seconds between two checkpoints of "spot fixed"
 SCALING = 0.9  # data-parallel efficiency per doubling of VMs (the job presets')
 MAX_SPOT = 4
+NOTICE_MARGIN_TRACE = 5.0  # NoticeDriven's default margin, trace seconds
 OPEN_ENDED = 10**7  # the child's --steps: the window ends the job, not a step count
 STOP_TIMEOUT = 120.0  # seconds a planned stop may take before the replay gives up
 
@@ -124,6 +125,13 @@ class Setup:
     def end(self) -> float:
         return self.start + self.window
 
+    @property
+    def notice_margin(self) -> float:
+        """``NoticeDriven``'s default margin (5 s of trace time), compressed as every trace
+        time is: the validation's 0.25 s would exceed the ~0.13 s notices and no notice
+        would ever be acted on."""
+        return NOTICE_MARGIN_TRACE / self.factor
+
     def options(self, seed: int = 0) -> SimOptions:
         return SimOptions(
             start=self.start,
@@ -134,14 +142,15 @@ class Setup:
         )
 
 
-def setup_for(trace: Trace, restart: float, window: float) -> Setup:
-    """``trace`` compressed so that ``restart`` wall seconds stand for its preset's restart."""
+def setup_for(trace: Trace, restart: float, window: float, warm_up: float = WARM_UP) -> Setup:
+    """``trace`` compressed so that ``restart`` wall seconds stand for its preset's restart,
+    the window starting after ``warm_up`` trace seconds of history."""
     job = preset_job(trace)
     factor = job.restart_cost / restart
     compressed = dataclasses.replace(
         trace, step_seconds=trace.step_seconds / factor, start_time=None, path=None
     )
-    start = WARM_UP / factor
+    start = warm_up / factor
     horizon = trace.n_ticks * compressed.step_seconds
     if start + window > horizon:
         raise ValueError(f"trace {trace.name}: a window of {window} s does not fit after warm-up")
@@ -171,6 +180,7 @@ class Choice:
 def choices(setup: Setup, cal: dict[str, Any]) -> dict[str, Choice]:
     priors = seeded_priors(inputs(cal, 2))
     mtbf = setup.trace.mtbf() / setup.factor
+    margin = setup.notice_margin
     pa = Config("pa", 2)
     every = max(1, round(FIXED_INTERVAL / setup.factor / cal["iteration_time"]))
     # Where the zone warns before a preemption, both spot configurations act on it.
@@ -194,14 +204,14 @@ def choices(setup: Setup, cal: dict[str, Any]) -> dict[str, Choice]:
         ),
         "spot fixed": Choice(
             "spot fixed",
-            lambda: make_policy(fixed, mtbf, priors),
+            lambda: make_policy(fixed, mtbf, priors, margin=margin),
             lambda: P.SpotOnly(1),
             lambda: None,
             fixed,
         ),
         "PA + hybrid": Choice(
             "PA + hybrid",
-            lambda: make_policy(spot_pa, mtbf, priors),
+            lambda: make_policy(spot_pa, mtbf, priors, margin=margin),
             hybrid,
             lambda: warmed_predictor(setup),
             spot_pa,
@@ -430,6 +440,7 @@ def replay(setup: Setup, choice: Choice, cal: dict[str, Any], root: Path) -> Out
                     # Only a spot VM is warned (the simulator's notice comes with a kill).
                     notice_file=str(root / "notice") if notices and spot else None,
                     notice_lead=setup.notice,
+                    notice_margin=setup.notice_margin,
                 )
                 log = root / f"child-{life.index}.log"
                 vms, wanted = (spot, want.on_demand), (want.spot, want.on_demand)
@@ -522,14 +533,16 @@ def predict(setup: Setup, choice: Choice, cal: dict[str, Any], draws: int) -> li
 # --- the campaign -------------------------------------------------------------------------------
 
 
-def row(setup: Setup, label: str, real: Outcome, sims: list[Outcome]) -> dict[str, Any]:
+def row(case: str, setup: Setup, label: str, real: Outcome, sims: list[Outcome]) -> dict[str, Any]:
+    """``case``: the trace as ``--traces`` named it (``NAME@HOURS`` for another window)."""
+
     def mean(key: str) -> float:
         return statistics.fmean(getattr(s, key) for s in sims)
 
     goodput = statistics.fmean(s.goodput for s in sims)
     kcost = statistics.fmean(s.cost_per_kstep for s in sims)
     return {
-        "trace": setup.trace.name,
+        "trace": case,
         "config": label,
         "compression": setup.factor,
         "window_trace_h": setup.window * setup.factor / HOUR,
@@ -575,6 +588,22 @@ def versus_on_demand(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def claims_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The "against on-demand only" table, formatted."""
+    return [
+        {
+            "trace": e["trace"],
+            "config": e["config"],
+            "throughput x on-demand measured": f"{e['throughput_x_measured']:.2f}",
+            "predicted": f"{e['throughput_x_predicted']:.2f}",
+            "cost/step vs on-demand % measured": f"{e['cost_pct_measured']:+.1f}",
+            "predicted ": f"{e['cost_pct_predicted']:+.1f}",
+            "claim holds measured / predicted": f"{e['claim_measured']} / {e['claim_predicted']}",
+        }
+        for e in versus_on_demand(rows)
+    ]
+
+
 def write_outputs(
     args: argparse.Namespace,
     rows: list[dict[str, Any]],
@@ -601,21 +630,10 @@ def write_outputs(
         }
         for r in rows
     ]
-    claims = [
-        {
-            "trace": e["trace"],
-            "config": e["config"],
-            "throughput x on-demand measured": f"{e['throughput_x_measured']:.2f}",
-            "predicted": f"{e['throughput_x_predicted']:.2f}",
-            "cost/step vs on-demand % measured": f"{e['cost_pct_measured']:+.1f}",
-            "predicted ": f"{e['cost_pct_predicted']:+.1f}",
-            "claim holds measured / predicted": f"{e['claim_measured']} / {e['claim_predicted']}",
-        }
-        for e in versus_on_demand(rows)
-    ]
+    claims = claims_rows(rows)
     traces = [
         {
-            "trace": s.trace.name,
+            "trace": case,
             "source": s.trace.source,
             "availability (whole trace)": f"{float(np.mean(s.trace.up > 0)):.2f}",
             "MTBF h": f"{s.trace.mtbf() / HOUR:.1f}",
@@ -625,7 +643,7 @@ def write_outputs(
             "restart stands for s": f"{s.job.restart_cost:.0f}",
             "1-VM step stands for s": f"{cal['iteration_time'] * s.factor:.1f}",
         }
-        for s in setups.values()
+        for case, s in setups.items()
     ]
     restart = cal["restart_stats"]
     body = header(
@@ -673,7 +691,12 @@ def window_availability(setup: Setup) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="campaign")
-    parser.add_argument("--traces", nargs="+", help="trace names (priced availability traces)")
+    parser.add_argument(
+        "--traces",
+        nargs="+",
+        help="priced availability traces, NAME or NAME@HOURS (the window starts after HOURS "
+        f"of the trace; default {WARM_UP / HOUR:g})",
+    )
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=CONFIGS)
     parser.add_argument("--window", type=float, help="wall seconds replayed per configuration")
     parser.add_argument("--restarts", type=int, help="kills of the restart calibration")
@@ -694,7 +717,8 @@ def main() -> None:
             print("could not raise the priority: measuring at normal priority")
     torch.set_num_threads(1)
     by_name = {t.name: t for t in load_traces(shared_traces_dir())}
-    unknown = [n for n in args.traces if n not in by_name]
+    cases = {text: text.partition("@") for text in args.traces}
+    unknown = [text for text, (name, _, _) in cases.items() if name not in by_name]
     if unknown:
         parser.error(f"--traces: unknown {unknown}; priced availability traces: {TRACES}")
     root = Path(tempfile.mkdtemp(prefix="pcframe-real-kills-"))  # the system temp dir
@@ -707,7 +731,12 @@ def main() -> None:
             f"{cal['restart_stats']['median']:.2f} s, step {1e3 * cal['iteration_time']:.1f} ms"
         )
         restart = cal["restart"] + cal["iteration_time"]
-        setups = {n: setup_for(by_name[n], restart, args.window) for n in args.traces}
+        setups = {
+            text: setup_for(
+                by_name[name], restart, args.window, float(hours) * HOUR if hours else WARM_UP
+            )
+            for text, (name, _, hours) in cases.items()
+        }
         rows: list[dict[str, Any]] = []
         total = len(setups) * len(args.configs)
         probe = LoadProbe()
@@ -717,7 +746,7 @@ def main() -> None:
                 choice = options[label]
                 real = replay(setup, choice, cal, root)
                 sims = predict(setup, choice, cal, args.draws)
-                rows.append(row(setup, label, real, sims))
+                rows.append(row(name, setup, label, real, sims))
                 r = rows[-1]
                 print(
                     f"[{len(rows)}/{total} {time.monotonic() - began:.0f} s] {name} {label}: "

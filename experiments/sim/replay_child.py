@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from replay_setup import Config, make_policy
+from replay_setup import NOTICE_MARGIN, Config, make_policy
 
 from pcframe.apps.training import emit, train
 from pcframe.apps.workloads import Workload, build
@@ -97,7 +97,7 @@ def policy_for(args: argparse.Namespace) -> Any:
     source = None
     if config.notices and args.notice_file:
         source = FileNoticeSource(args.notice_file, window=args.notice_lead, poll_interval=0.0)
-    return make_policy(config, args.mtbf, json.loads(args.priors), source)
+    return make_policy(config, args.mtbf, json.loads(args.priors), source, args.notice_margin)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--priors", default="{}", help="cost priors of the policy (JSON)")
     parser.add_argument("--notice-file", default=None)
     parser.add_argument("--notice-lead", type=float, default=1.0)
+    parser.add_argument(
+        "--notice-margin", type=float, default=NOTICE_MARGIN, help="NoticeDriven's margin (s)"
+    )
     parser.add_argument(
         "--paced", action="store_true", help="--accelerator-ms is the whole step, compute included"
     )

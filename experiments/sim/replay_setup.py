@@ -125,18 +125,20 @@ def make_policy(
     mtbf: float,
     priors: dict[str, float] | None = None,
     source: P.NoticeSource | None = None,
+    margin: float = NOTICE_MARGIN,
 ) -> P.IntervalPolicy:
     """The interval policy of ``config``, the same object type for the engine (``source``:
     where the child reads notices) and the simulator (``source=None``: ``ctx.notice``).
 
     ``mtbf``: the compressed trace's mean gap between kills (wall seconds), PA's prior and
-    Daly's MTBF; ``priors``: :func:`seeded_priors` (``None``: the library's defaults).
+    Daly's MTBF; ``priors``: :func:`seeded_priors` (``None``: the library's defaults);
+    ``margin``: the seconds ``NoticeDriven`` keeps free before a notice's deadline.
     """
     kw = dict(priors or {})
     if config.on_notice:  # the plain policy inside NoticeDriven, as notice:N wraps Daly
         inner = make_policy(dataclasses.replace(config, on_notice=False), mtbf, priors)
         return P.NoticeDriven(
-            inner, source, margin=NOTICE_MARGIN, save_time_prior=kw.get("duration_prior", 30.0)
+            inner, source, margin=margin, save_time_prior=kw.get("duration_prior", 30.0)
         )
     if config.policy == "fixed":
         return P.FixedSteps(config.every)
@@ -146,7 +148,7 @@ def make_policy(
         return P.NoticeDriven(
             P.Daly(mtbf=mtbf, **kw),
             source,
-            margin=NOTICE_MARGIN,
+            margin=margin,
             save_time_prior=kw.get("duration_prior", 30.0),
         )
     if config.policy == "checkfreq":

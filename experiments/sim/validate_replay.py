@@ -53,7 +53,16 @@ import numpy as np
 import torch
 from common import RESULTS, csv_header, header, write_results
 from replay_child import accelerated
-from replay_setup import TRACES, Config, LoadProbe, compression, make_policy, robust, seeded_priors
+from replay_setup import (
+    NOTICE_MARGIN,
+    TRACES,
+    Config,
+    LoadProbe,
+    compression,
+    make_policy,
+    robust,
+    seeded_priors,
+)
 
 import pcframe.policies as P
 from pcframe.apps.preemption import ChildSpec, Supervisor, resolve_trace, trace_times
@@ -120,6 +129,7 @@ class ReplayChild(ChildSpec):
     vms: int = 1
     scaling: float = 1.0
     stop_file: str | None = None  # a planned stop (replay_child --stop-file)
+    notice_margin: float = NOTICE_MARGIN
 
     def command(self, python: str = sys.executable) -> list[str]:
         cmd = [
@@ -143,6 +153,8 @@ class ReplayChild(ChildSpec):
             json.dumps(self.priors),
             "--notice-lead",
             repr(self.notice_lead),
+            "--notice-margin",
+            repr(self.notice_margin),
         ]
         if self.notice_file:
             cmd += ["--notice-file", self.notice_file]

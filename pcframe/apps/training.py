@@ -147,8 +147,7 @@ def train(
 def _holds(checkpointer: Checkpointer, step: int) -> bool:
     """Whether a version of ``step`` is committed or still on its way."""
     return any(
-        record.step == step
-        and record.status in (SaveStatus.IN_FLIGHT, SaveStatus.COMMITTED)
+        record.step == step and record.status in (SaveStatus.IN_FLIGHT, SaveStatus.COMMITTED)
         for record in checkpointer.records.values()
     )
 

@@ -121,7 +121,7 @@ def test_a_real_replay_stops_on_a_change_of_vms_and_is_killed_by_the_trace(
     # Stopped once its newest step was durable, and the next process went on from there.
     assert not first.killed and first.commit_steps[-1] == first.last_step
     assert second.start_step == first.last_step  # nothing lost
-    assert second.killed and second.ended == pytest.approx(10.5, abs=0.2)  # the drop
+    assert second.killed and second.ended >= 10.5 - 1e-6  # at the drop (never before it)
     assert out.lost_steps == second.last_step - (lives[2].start_step if len(lives) > 2 else 0)
     # Billed while held: one VM for the first life, two for the second, none while down.
     held = (first.ended - first.spawned) + 2 * (10.5 - second.spawned)
@@ -143,7 +143,11 @@ def test_where_the_zone_warns_both_spot_configurations_act_on_notices() -> None:
     options = R.choices(setup, CAL)
     assert options["spot fixed"].config.notices and options["PA + hybrid"].config.notices
     assert not options["on-demand"].config.notices  # never preempted
-    assert isinstance(options["PA + hybrid"].interval(), P.NoticeDriven)
+    policy = options["PA + hybrid"].interval()
+    assert isinstance(policy, P.NoticeDriven)
+    # Its margin is a trace time too: 5 s compressed, so the ~0.13 s notices can be acted on.
+    assert policy.margin == pytest.approx(5.0 / setup.factor)
+    assert policy.margin < setup.notice
     job = R.job_spec(setup, CAL, options["PA + hybrid"].config)
     assert job.notice_window == setup.notice
     v100 = R.setup_for(priced([1] * 1000 + [0] + [1] * 999, dt=600.0), restart=2.0, window=50.0)
@@ -158,13 +162,14 @@ def test_a_paced_step_takes_the_pace_whatever_it_computes() -> None:
     from pcframe.apps.training import train
     from pcframe.apps.workloads import build
 
-    workload = accelerated(build("mlp", hidden=16, layers=1, samples=64), 30.0, paced=True)
+    workload = accelerated(build("mlp", hidden=16, layers=1, samples=64), 50.0, paced=True)
     began = time.perf_counter()
     result, _ = train(workload, 11)
     seconds = time.perf_counter() - began
     assert len(result.losses) == 11
-    assert seconds >= 10 * 0.030  # ten gaps between eleven step starts, the loop included
-    assert seconds < 10 * 0.030 + 0.5  # and no sleep on top of the pace
+    assert seconds >= 10 * 0.050  # ten gaps between eleven step starts, the loop included
+    # No sleep on top of the pace (that would take >= 1.0 s); room for a loaded machine.
+    assert seconds < 10 * 0.050 + 0.3
 
 
 def test_the_durable_step_is_read_from_the_directory(tmp_path: Path) -> None:

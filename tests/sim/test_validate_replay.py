@@ -59,6 +59,8 @@ def test_load_probe_records_load_and_cpu_share() -> None:
         ("pa:2", P.PreemptionAware),
         ("notice:1", P.NoticeDriven),
         ("checkfreq:2", P.CheckFreq),
+        ("pa:2+notice", P.NoticeDriven),  # the real-kills replay's spot configurations
+        ("fixed:40:2+notice", P.NoticeDriven),
     ],
 )
 def test_child_and_prediction_build_the_same_policy(text: str, kind: type, tmp_path) -> None:
@@ -72,7 +74,10 @@ def test_child_and_prediction_build_the_same_policy(text: str, kind: type, tmp_p
     if config.policy == "notice":
         assert isinstance(child.source, FileNoticeSource) and sim.source is None
         assert isinstance(child.inner, P.Daly) and child.inner.mtbf == 12.0
-    if config.policy in ("pa", "checkfreq"):
+    if config.on_notice:
+        assert isinstance(child.source, FileNoticeSource) and sim.source is None
+        assert type(child.inner) is type(sim.inner) is not P.NoticeDriven
+    if config.policy in ("pa", "checkfreq") and not config.on_notice:
         # Seeded: a restarted process plans with the calibrated costs, not 1 s / 10 s.
         assert child.costs.stall.prior == 0.004 and child.costs.duration.prior == 0.04
 
@@ -86,6 +91,7 @@ def replay_child_args(config: str, notice: Path) -> argparse.Namespace:
         priors='{"stall_prior": 0.004, "duration_prior": 0.04, "iteration_prior": 0.1}',
         notice_file=str(notice),
         notice_lead=2.0,
+        notice_margin=S.NOTICE_MARGIN,
     )
 
 
