@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import queue
 import shutil
 import statistics
@@ -61,7 +60,7 @@ import numpy as np
 import torch
 from common import RESULTS, csv_header, header, write_results
 from profiles import job_for as preset_job
-from replay_setup import Config, LoadProbe, make_policy, seeded_priors
+from replay_setup import Config, LoadProbe, make_policy, seeded_priors, settle_args
 from validate_replay import WORKLOAD, NoticeWriter, ReplayChild, calibrate, inputs
 
 import pcframe.policies as P
@@ -76,7 +75,7 @@ from pcframe.apps.preemption.supervisor import (
 from pcframe.errors import SupervisorError
 from pcframe.format.manifest import MANIFEST_NAME, read_manifest
 from pcframe.policies.base import Preempted
-from pcframe.policies.resource import ResourceContext, ResourceDecision
+from pcframe.policies.resource import ResourceDecision
 from pcframe.policies.traces import Trace, load_traces, shared_traces_dir
 from pcframe.sim import JobSpec, SimOptions, simulate
 from pcframe.sim.capacity import Capacity
@@ -320,10 +319,11 @@ def durable_step(directory: Path) -> int:
     process restores. Read from the directory, not from the children's ``committed`` lines,
     which a child prints only after its next step (a version made durable during the step a
     SIGKILL cut short is restored all the same)."""
-    versions = CheckpointDir(directory).committed_versions()
+    checkpoints = CheckpointDir(directory)
+    versions = checkpoints.committed_versions()
     if not versions:
         return 0
-    return read_manifest(str(CheckpointDir(directory).path(versions[-1]) / MANIFEST_NAME)).step
+    return read_manifest(str(checkpoints.path(versions[-1]) / MANIFEST_NAME)).step
 
 
 @dataclasses.dataclass
@@ -395,15 +395,12 @@ def replay(setup: Setup, choice: Choice, cal: dict[str, Any], root: Path) -> Out
         if decide_now or t >= next_decision:
             prediction = predictor.predict(t) if predictor is not None else None
             want = resource.decide(
-                ResourceContext(
-                    now=t - setup.start,
+                cap.resource_context(
+                    t,
+                    setup.start,
+                    prediction,
+                    want,
                     work_done=durable_step(directory) * cal["iteration_time"],
-                    availability=None if prediction is None else prediction.availability,
-                    preemption_rate=None if prediction is None else prediction.rate,
-                    spot_available=cap.spot_available(t, 1) > 0,
-                    spot_price=cap.spot_price_at(t),
-                    on_demand_price=cap.on_demand_price,
-                    current=want,
                     changeover=cal["restart"],
                 )
             )
@@ -706,15 +703,8 @@ def main() -> None:
     parser.add_argument("--nice", type=int, default=-10)
     parser.add_argument("--out", default=str(RESULTS / "sim_real_kills"))
     args = parser.parse_args()
-    for key, value in SIZES[args.size].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    settle_args(args, SIZES)
     args.paced, args.notice_lead = True, 1.0  # what calibrate() reads
-    if args.nice:
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, args.nice)  # the children inherit it
-        except PermissionError:
-            print("could not raise the priority: measuring at normal priority")
     torch.set_num_threads(1)
     by_name = {t.name: t for t in load_traces(shared_traces_dir())}
     cases = {text: text.partition("@") for text in args.traces}

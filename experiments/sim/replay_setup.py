@@ -156,6 +156,22 @@ def make_policy(
     raise ValueError(f"unknown policy {config.policy!r}: use one of {', '.join(POLICIES)}")
 
 
+# --- the command line shared by the replays ------------------------------------------------
+
+
+def settle_args(args: Any, sizes: dict[str, dict[str, Any]]) -> None:
+    """Fill what ``--size`` presets and the command line left unset, then raise this
+    process's priority to ``args.nice`` (the training children inherit it)."""
+    for key, value in sizes[args.size].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.nice:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, args.nice)
+        except PermissionError:
+            print("could not raise the priority: measuring at normal priority")
+
+
 # --- the calibration's robust summary -------------------------------------------------------
 
 

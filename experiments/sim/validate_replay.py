@@ -62,6 +62,7 @@ from replay_setup import (
     make_policy,
     robust,
     seeded_priors,
+    settle_args,
 )
 
 import pcframe.policies as P
@@ -467,16 +468,9 @@ def main() -> None:
     parser.add_argument("--nice", type=int, default=-10)
     parser.add_argument("--out", default=str(RESULTS / "sim_validation"))
     args = parser.parse_args()
-    for key, value in SIZES[args.size].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    settle_args(args, SIZES)
     if args.restarts < 3:
         parser.error("--restarts: at least 3 kills (5 or more for a robust median)")
-    if args.nice:
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, args.nice)  # the children inherit it
-        except PermissionError:
-            print("could not raise the priority: measuring at normal priority")
     torch.set_num_threads(1)
     replays = plan(args)
     root = Path(tempfile.mkdtemp(prefix="pcframe-validate-"))  # the system temp dir

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pcframe.errors import SimConfigError
+from pcframe.policies.predictors.base import Prediction
+from pcframe.policies.resource import ResourceContext, ResourceDecision
 from pcframe.policies.traces import Trace
 from pcframe.sim.spec import SimOptions
 
@@ -155,6 +157,35 @@ class Capacity:
             if self.hits(int(k), vms):
                 return float(k * self.dt)
         return math.inf
+
+    def resource_context(
+        self,
+        t: float,
+        start: float,
+        prediction: Prediction | None,
+        current: ResourceDecision | None,
+        *,
+        work_done: float,
+        changeover: float,
+        work_total: float | None = None,
+        deadline: float | None = None,
+    ) -> ResourceContext:
+        """What a resource policy is shown at trace second ``t`` of a job that started at
+        ``start``: this trace's capacity and prices, the predictor's ``prediction``, the VMs
+        it runs on (``current``). The simulator and the real-kills replay both ask this."""
+        return ResourceContext(
+            now=t - start,
+            work_done=work_done,
+            work_total=work_total,
+            deadline=deadline,
+            availability=None if prediction is None else prediction.availability,
+            preemption_rate=None if prediction is None else prediction.rate,
+            spot_available=self.spot_available(t, 1) > 0,
+            spot_price=self.spot_price_at(t),
+            on_demand_price=self.on_demand_price,
+            current=current,
+            changeover=changeover,
+        )
 
     def capacity_fraction(self, k: int) -> float:
         return float(self.up[k]) / self.capacity

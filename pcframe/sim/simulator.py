@@ -19,7 +19,7 @@ import numpy as np
 from pcframe.policies.base import IntervalPolicy, Notice, Preempted, Restarted
 from pcframe.policies.placement import PlacementPolicy
 from pcframe.policies.predictors.base import Prediction, Predictor
-from pcframe.policies.resource import ResourceContext, ResourceDecision, ResourcePolicy, SpotOnly
+from pcframe.policies.resource import ResourceDecision, ResourcePolicy, SpotOnly
 from pcframe.policies.traces import Trace
 from pcframe.sim.capacity import Capacity
 from pcframe.sim.process import Commit, Ledger, Process, Versions
@@ -284,20 +284,16 @@ class _Simulation:
             self.predictor.observe(Preempted(self._pclock(t), lost))
 
     def _decide_resources(self, t: float, current: ResourceDecision | None) -> ResourceDecision:
-        job, cap = self.job, self.cap
-        pred = self._predict(t)
-        ctx = ResourceContext(
-            now=t - self.start,
+        job = self.job
+        ctx = self.cap.resource_context(
+            t,
+            self.start,
+            self._predict(t),
+            current,
             work_done=self.commit.step * job.iteration_time,
+            changeover=job.restart_cost,
             work_total=job.work_seconds,
             deadline=job.deadline,
-            availability=None if pred is None else pred.availability,
-            preemption_rate=None if pred is None else pred.rate,
-            spot_available=cap.spot_available(t, 1) > 0,
-            spot_price=cap.spot_price_at(t),
-            on_demand_price=cap.on_demand_price,
-            current=current,
-            changeover=job.restart_cost,
         )
         return self.resource.decide(ctx)
 
