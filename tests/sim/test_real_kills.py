@@ -5,6 +5,7 @@ and the trace's drop SIGKILLs it (work since the newest commit lost), billed as 
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -154,22 +155,42 @@ def test_where_the_zone_warns_both_spot_configurations_act_on_notices() -> None:
     assert v100.notice == 0 and not R.choices(v100, CAL)["spot fixed"].config.notices
 
 
-def test_a_paced_step_takes_the_pace_whatever_it_computes() -> None:
-    import time
+class VirtualClock:
+    """``time`` for replay_child: sleeping and computing only move a number."""
 
-    from replay_child import accelerated
+    def __init__(self) -> None:
+        self.now = 0.0
 
-    from pcframe.apps.training import train
-    from pcframe.apps.workloads import build
+    def perf_counter(self) -> float:
+        return self.now
 
-    workload = accelerated(build("mlp", hidden=16, layers=1, samples=64), 50.0, paced=True)
-    began = time.perf_counter()
-    result, _ = train(workload, 11)
-    seconds = time.perf_counter() - began
-    assert len(result.losses) == 11
-    assert seconds >= 10 * 0.050  # ten gaps between eleven step starts, the loop included
-    # No sleep on top of the pace (that would take >= 1.0 s); room for a loaded machine.
-    assert seconds < 10 * 0.050 + 0.3
+    def sleep(self, seconds: float) -> None:
+        self.now += max(0.0, seconds)
+
+
+@pytest.mark.parametrize(("compute_ms", "gap_ms"), [(10.0, 50.0), (70.0, 70.0)])
+def test_a_paced_step_takes_the_pace_whatever_it_computes(
+    monkeypatch: pytest.MonkeyPatch, compute_ms: float, gap_ms: float
+) -> None:
+    import replay_child
+
+    clock = VirtualClock()
+    monkeypatch.setattr(replay_child, "time", clock)
+    starts: list[float] = []
+
+    class Job:
+        def train_step(self, batch: object) -> float:
+            starts.append(clock.now)
+            clock.now += compute_ms / 1e3  # the step's compute and the loop's own work
+            return 0.0
+
+    job = replay_child.accelerated(Job(), 50.0, paced=True)
+    for _ in range(5):
+        job.train_step(None)
+    gaps = [round(1e3 * (b - a), 6) for a, b in itertools.pairwise(starts)]
+    # A step starts 50 ms after the one before, its compute included; one that took
+    # longer is followed at once (no sleep on top of either).
+    assert gaps == [gap_ms] * 4
 
 
 def test_the_durable_step_is_read_from_the_directory(tmp_path: Path) -> None:
