@@ -123,7 +123,15 @@ def test_a_real_replay_stops_on_a_change_of_vms_and_is_killed_by_the_trace(
     assert not first.killed and first.commit_steps[-1] == first.last_step
     assert second.start_step == first.last_step  # nothing lost
     assert second.killed and second.ended >= 10.5 - 1e-6  # at the drop (never before it)
-    assert out.lost_steps == second.last_step - (lives[2].start_step if len(lives) > 2 else 0)
+    # Lost: the steps after the newest version durable at the kill. The next process resumes
+    # from exactly that version; on a loaded machine it may not have restored before the
+    # window ends, and then the versions both processes reported committed bound it.
+    resumed_from = second.last_step - out.lost_steps
+    if len(lives) > 2 and lives[2].start_step is not None:
+        assert resumed_from == lives[2].start_step
+    else:
+        reported = first.commit_steps + second.commit_steps
+        assert max(reported) <= resumed_from <= second.last_step
     # Billed while held: one VM for the first life, two for the second, none while down.
     held = (first.ended - first.spawned) + 2 * (10.5 - second.spawned)
     if len(lives) > 2:
