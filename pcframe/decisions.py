@@ -10,6 +10,8 @@ drives the same policies through the same feed.
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -26,9 +28,11 @@ from pcframe.policies.base import (
 )
 from pcframe.policies.notices.base import NoticeSource
 from pcframe.save.handle import SaveRecord
-from pcframe.save.progress import SaveProgress
+from pcframe.save.progress import COST_KEY, SaveProgress
 from pcframe.store.starts import Starts
 from pcframe.store.tiers import Tiers
+
+log = logging.getLogger("pcframe")
 
 
 class Decisions:
@@ -104,6 +108,9 @@ class Decisions:
         section, naming its writer; ``None``: nothing was loaded)."""
         if written is not None:
             self.feed.resumed(step, process_age())
+            completion = recorded_completion(written, step, time.monotonic())
+            if completion is not None:
+                self.policy.observe(completion)
         unseen = starts.unseen(written)
         self.policy.observe(Restarted(time.monotonic(), process_age(), step, clean, unseen))
 
@@ -119,3 +126,26 @@ class Decisions:
             close_policy()
         for source in self.notices:
             source.close()
+
+
+def recorded_completion(written: Mapping[str, Any], step: int, at: float) -> SaveCompleted | None:
+    """The completion of the save that wrote the restored version, from the costs its
+    manifest records (:meth:`SaveProgress.cost_record`): the policy state it holds was taken
+    when that save started, so the policy never saw it finish. ``None`` where the version
+    records none (an older writer) or records values no save has."""
+    record = written.get(COST_KEY)
+    if record is None:
+        return None
+    try:
+        version, nbytes = int(record["version"]), int(record["nbytes"])
+        stall, durable = float(record["stall"]), float(record["durable"])
+    except (TypeError, KeyError, ValueError):
+        version, stall = -1, math.nan
+    if version < 1 or nbytes < 0 or not all(math.isfinite(x) and x >= 0 for x in (stall, durable)):
+        log.warning(
+            "the restored version's manifest records its save's cost as %.120r; ignored (the "
+            "policy learns the costs from this process's saves instead)",
+            record,
+        )
+        return None
+    return SaveCompleted(version, step, at, stall, durable, nbytes)

@@ -20,6 +20,7 @@ from pcframe.errors import CheckpointError
 from pcframe.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, ChunkRecord, Manifest
 from pcframe.runtime.faults import crash_point
 from pcframe.save.delta import DeltaTracker
+from pcframe.save.progress import COST_KEY
 from pcframe.save.status import SaveStatus
 from pcframe.save.write import VersionWrite
 from pcframe.store.directory import WritableCheckpointDir
@@ -116,6 +117,10 @@ class Committer:
                 "o_direct": write.o_direct,
                 "persist": self.persist,
                 "stored_bytes": write.stored_bytes,
+                # What this save cost: a policy restored from it learns it (its state was
+                # taken at save(), before it knew). The time to durable is up to the data's
+                # sync; the manifest's own write is a small part of it.
+                COST_KEY: write.progress.cost_record(),
                 # Which writer of the directory made it (Starts.unseen on restore).
                 **self.storage.starts.manifest_fields(),
             },

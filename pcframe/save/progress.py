@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from pcframe.save.status import SaveStatus, Stage
 
+COST_KEY = "save"  # the key of SaveProgress.cost_record in a manifest's engine section
+
 
 @dataclass(eq=False)
 class SaveProgress:
@@ -51,6 +53,16 @@ class SaveProgress:
         with self._lock:
             if self.error is None:
                 self.error, self.stage = exc, stage
+
+    def cost_record(self) -> dict[str, float | int]:
+        """What this save cost so far, as its version's manifest records it (``engine``
+        section, key :data:`COST_KEY`): read back by a restore (``Decisions.resumed``)."""
+        return {
+            "version": self.version,
+            "stall": self.stall,
+            "durable": time.perf_counter() - self.started,
+            "nbytes": self.nbytes,
+        }
 
     def add_cpu(self, since: float) -> None:
         """Charge this thread's CPU time since ``since`` (a ``time.thread_time()``) to it."""

@@ -27,7 +27,7 @@ import numpy as np
 
 from pcframe.policies.base import SaveHint, checked_hint
 from pcframe.sim.kernel import periodic_saves
-from pcframe.sim.state import Flight, by_durable, saved_state
+from pcframe.sim.state import Flight, by_durable, measured, save_cost, saved_state
 
 NO_LIMIT = np.iinfo(np.int64).max
 _EXACT_BITS = 20  # times that are multiples of 2**-20 s add and subtract exactly (< 2**32 s)
@@ -99,7 +99,7 @@ class FastPaths:
         """Ask the placement about each of a run's saves (rows: step, start, durable,
         stall; versions from ``v0``), as the engine asks at every commit. The run stops
         at ``limit``, before any kill: no kill precedes ``min(start, limit)``."""
-        for i, (s, start, durable, _stall) in enumerate(rows):
+        for i, (s, start, durable, stall) in enumerate(rows):
             self.placements.place(
                 v0 + i,
                 int(s),
@@ -108,6 +108,7 @@ class FastPaths:
                 now=min(start, limit),
                 notice=None,
                 policy_state=state,
+                cost=save_cost(stall, start, durable),
                 life=self.life,
             )
 
@@ -144,9 +145,13 @@ class FastPaths:
         def version(s: int) -> int:
             return live[s].version if s in live else v0 + (s - first) // every
 
-        if c_step >= 0 and c_step > self.commit.step:
-            self._set_commit(int(c_step), version(int(c_step)), float(c_at), state)
         duration, stall_one = self.job.save_duration, self.job.save_stall
+        if c_step >= 0 and c_step > self.commit.step:
+            s = int(c_step)
+            # What the engine would record: a save from before the run as measured, one of
+            # the run as its in-flight entries below are measured.
+            cost = measured(live[s]) if s in live else save_cost(stall_one, 0.0, duration)
+            self._set_commit(s, version(s), float(c_at), state, cost)
         self.inflight = [
             live.get(int(s)) or Flight(version(int(s)), int(s), d - duration, d, stall_one, state)
             for s, d in zip(steps[:n_fl].tolist(), durable[:n_fl].tolist(), strict=True)
@@ -321,7 +326,7 @@ class FastPaths:
             policy_state=saved_state(self.policy),
             inflight=list(self.inflight),
             saves=list(self._saves),
-            commit=(commit.step, commit.version, commit.time, commit.policy_state),
+            commit=(commit.step, commit.version, commit.time, commit.policy_state, commit.cost),
             counts=(led.saves, led.decisions, led.emergency_saves),
             next_version=self.versions.next,
             placements=None if self.placements is None else self.placements.snapshot(),

@@ -43,6 +43,7 @@ from pcframe.sim.state import (
     Commit,
     Flight,
     Ledger,
+    SaveCost,
     Versions,
     by_durable,
     measured,
@@ -279,7 +280,8 @@ class Process(FastPaths):
             self.ledger.emergency_saves += 1
         state = saved_state(self.policy)
         version = self.versions.take()
-        self.inflight.append(Flight(version, self.step, start, durable, end - t, state))
+        flight = Flight(version, self.step, start, durable, end - t, state)
+        self.inflight.append(flight)
         if self.placements is not None:
             notice = None
             if emergency:  # the engine asks again with the notice (Tiers.secure)
@@ -292,6 +294,7 @@ class Process(FastPaths):
                 now=t,
                 notice=notice,
                 policy_state=state,
+                cost=measured(flight),
                 life=self.life,
             )
         self.stall += end - t
@@ -307,10 +310,11 @@ class Process(FastPaths):
         done = sorted((f for f in self.inflight if f.durable_at <= now), key=by_durable)
         self.inflight = [f for f in self.inflight if f.durable_at > now]
         for f in done:
+            cost = measured(f)
             if f.step > self.commit.step:
-                self._set_commit(f.step, f.version, f.durable_at, f.policy_state)
+                self._set_commit(f.step, f.version, f.durable_at, f.policy_state, cost)
             if report:
-                stall, duration = measured(f)
+                stall, duration = cost
                 self.feed.committed(stall, duration)
                 self.policy.observe(
                     SaveCompleted(
@@ -318,17 +322,25 @@ class Process(FastPaths):
                     )
                 )
 
-    def _set_commit(self, step: int, version: int, at: float, state: dict | None) -> None:
+    def _set_commit(
+        self, step: int, version: int, at: float, state: dict | None, cost: SaveCost | None
+    ) -> None:
         c = self.commit
-        c.step, c.version, c.time, c.policy_state = step, version, at, state
+        c.step, c.version, c.time, c.policy_state, c.cost = step, version, at, state, cost
         c.life = self.life
+
+    def _advance_commit(self, at: float) -> None:
+        """The steps done up to here count as kept, in the newest version's place (the job
+        ended without saving them: no version holds them)."""
+        c = self.commit
+        self._set_commit(self.step, c.version, at, c.policy_state, c.cost)
 
     # --- endings ------------------------------------------------------------------------------
     def _finish(self) -> None:
         """The last step is done: make it durable (blocking) and end the process."""
         end = self._save_and_drain(self.t, save=self.job.final_save)
         if not self.job.final_save:
-            self._set_commit(self.step, self.commit.version, end, self.commit.policy_state)
+            self._advance_commit(end)
         self.finished = True
         self._close(end, kept=self.step)
 
@@ -361,7 +373,8 @@ class Process(FastPaths):
             end = t + self.job.save_duration
             state = saved_state(self.policy)
             version = self.versions.take()
-            self.inflight.append(Flight(version, self.step, t, end, end - t, state))
+            flight = Flight(version, self.step, t, end, end - t, state)
+            self.inflight.append(flight)
             self.ledger.saved((self.step,))
             if self.placements is not None:
                 self.placements.place(
@@ -372,6 +385,7 @@ class Process(FastPaths):
                     now=t,
                     notice=None,
                     policy_state=state,
+                    cost=measured(flight),
                     life=self.life,
                 )
         if secure and self.placements is not None:
@@ -383,6 +397,7 @@ class Process(FastPaths):
                     newest.durable_at,
                     at=t,
                     policy_state=newest.policy_state,
+                    cost=measured(newest),
                     life=self.life,
                 )
         end = max([end] + [f.durable_at for f in self.inflight])
@@ -421,7 +436,7 @@ class Process(FastPaths):
         self._commit_durable(at, report=False)
         self._close(at, kept=self.step)
         if self.step > self.commit.step:
-            self._set_commit(self.step, self.commit.version, at, self.commit.policy_state)
+            self._advance_commit(at)
 
     def _lose_vms(self, at: float) -> bool:
         """With placements: the job's VMs are gone at ``at``, with every version only they
@@ -434,9 +449,10 @@ class Process(FastPaths):
         c = self.commit
         if found is None:
             c.step, c.version, c.time, c.policy_state, c.life = 0, 0, -math.inf, None, -1
+            c.cost = None
         else:
             c.step, c.version, c.time = found.step, found.version, found.durable_at
-            c.policy_state, c.life = found.policy_state, found.life
+            c.policy_state, c.life, c.cost = found.policy_state, found.life, found.cost
         self.versions.next = c.version + 1
         return True
 

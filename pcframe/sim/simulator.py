@@ -25,7 +25,7 @@ from pcframe.sim.capacity import Capacity
 from pcframe.sim.process import Commit, Ledger, Process, Versions
 from pcframe.sim.result import SimResult
 from pcframe.sim.spec import JobSpec, SimOptions
-from pcframe.sim.state import saved_state
+from pcframe.sim.state import restored_completion, saved_state
 from pcframe.sim.tiers import Placements, check_restart_inputs, placement_name
 
 
@@ -239,6 +239,9 @@ class _Simulation:
             unseen = 0
             if opts.policy_state == "checkpoint":
                 unseen = sum(1 for life in self._trained if life > self.commit.life)
+                proc.pending_events.extend(
+                    restored_completion(self.commit, proc.ready, job.checkpoint_bytes)
+                )
             proc.pending_events.append(
                 Restarted(proc.ready, restart, self.commit.step, unseen_starts=unseen)
             )

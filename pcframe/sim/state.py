@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pcframe.errors import PolicyError
+from pcframe.policies.base import SaveCompleted
+
+SaveCost = tuple[float, float]  # one save's (stall, time to durable) as the engine measures it
 
 
 @dataclass
@@ -20,6 +23,9 @@ class Commit:
     time: float = -math.inf
     policy_state: dict[str, Any] | None = None
     life: int = -1  # index of the process that wrote it (-1: none yet)
+    # What its save cost, (stall, time to durable), as the engine records it in the version:
+    # the restored policy learns it, since its state was taken before the save completed.
+    cost: SaveCost | None = None
 
 
 @dataclass
@@ -85,12 +91,27 @@ def by_durable(f: Flight) -> float:
     return f.durable_at
 
 
-def measured(f: Flight) -> tuple[float, float]:
+def measured(f: Flight) -> SaveCost:
     """The stall and time to durable the engine reports for ``f``, to the nanosecond as a
     clock would: the last bits of ``durable_at - start`` follow the absolute time, and a
     policy whose learned cost sits on a threshold (CheckFreq's ceil((duration - stall) /
     t_iter)) would follow them, skipping saves a steady run never skips."""
-    return round(f.stall, 9), round(f.durable_at - f.start, 9)
+    return save_cost(f.stall, f.start, f.durable_at)
+
+
+def save_cost(stall: float, start: float, durable_at: float) -> SaveCost:
+    """A save's (stall, time to durable), rounded as :func:`measured` says."""
+    return round(stall, 9), round(durable_at - start, 9)
+
+
+def restored_completion(commit: Commit, at: float, nbytes: int) -> list[SaveCompleted]:
+    """What the engine tells a policy restored from ``commit`` before ``Restarted``: the
+    completion of the save that wrote it (its state was taken when that save started, so
+    it never saw it finish), with the costs the version records; none without a version."""
+    if commit.version <= 0 or commit.cost is None:
+        return []
+    stall, duration = commit.cost
+    return [SaveCompleted(commit.version, commit.step, at, stall, duration, nbytes)]
 
 
 def saved_state(policy: Any) -> Any:

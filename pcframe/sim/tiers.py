@@ -37,7 +37,7 @@ from pcframe.policies.placement import (
     TieredPlacement,
 )
 from pcframe.sim.spec import JobSpec
-from pcframe.sim.state import saved_state
+from pcframe.sim.state import SaveCost, saved_state
 
 # Tiers of a placement that is not a TieredPlacement that survive a preemption, by name.
 SURVIVING_BY_NAME = frozenset({PEERS_TIER, "remote"})
@@ -74,6 +74,7 @@ class Placed:
     policy_state: Any  # the interval policy's state the version holds
     placement_state: Any  # the placement policy's state right after placing it
     life: int  # index of the process that wrote it
+    cost: SaveCost  # what its save cost, as the version records it (Commit.cost)
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,7 @@ class Placements:
         now: float,
         notice: Notice | None,
         policy_state: Any,
+        cost: SaveCost,
         life: int,
     ) -> None:
         """Ask the placement where ``version`` goes (saved at ``start``, durable at
@@ -152,13 +154,21 @@ class Placements:
         kept = frozenset(tiers) & self.surviving
         if kept:
             state = saved_state(self.placement)
-            entry = Placed(version, step, durable_at, kept, policy_state, state, life)
+            entry = Placed(version, step, durable_at, kept, policy_state, state, life, cost)
             self._add(entry)
         if len(self.entries) > 2 * _COMMITTED_SHOWN:
             self._forget_before(now)
 
     def secure(
-        self, version: int, step: int, durable_at: float, *, at: float, life: int, policy_state: Any
+        self,
+        version: int,
+        step: int,
+        durable_at: float,
+        *,
+        at: float,
+        life: int,
+        policy_state: Any,
+        cost: SaveCost,
     ) -> None:
         """A planned stop: ask again about ``version`` with an unbounded notice (the stop
         waits for the version), as the engine's notice path would."""
@@ -170,6 +180,7 @@ class Placements:
             now=at,
             notice=Notice(at, math.inf, "planned stop"),
             policy_state=policy_state,
+            cost=cost,
             life=life,
         )
 

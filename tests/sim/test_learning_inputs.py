@@ -143,3 +143,68 @@ def test_policies_are_told_the_jobs_checkpoints_in_flight() -> None:
     job = JobSpec(iteration_time=1.0, save_stall=1.0, save_duration=5.0, max_in_flight=3)
     simulate(trace, Looking(600), job)
     assert seen == {3}
+
+
+class Told(P.Daly):
+    """Daly (a hinted policy, the process's own path) that keeps every event it is told."""
+
+    def __init__(self, log: list, mtbf: float = 3600.0) -> None:
+        super().__init__(mtbf=mtbf)
+        self.log = log
+        self.known: list[int] = []  # save costs it has learnt, after each event
+
+    def observe(self, event) -> None:
+        self.log.append(event)
+        super().observe(event)
+        self.known.append(self.costs.duration.count)
+
+
+class ToldPeriodic(P.FixedSteps):
+    """FixedSteps (the periodic fast path) that keeps every event it is told."""
+
+    def __init__(self, every: int, log: list) -> None:
+        super().__init__(every)
+        self.log = log
+
+    def observe(self, event) -> None:
+        self.log.append(event)
+
+
+@pytest.mark.parametrize("make", [lambda log: Told(log), lambda log: ToldPeriodic(600, log)])
+def test_a_restored_policy_is_told_what_the_save_of_its_version_cost(make) -> None:
+    # As the engine does (tests/checkpointer/test_restored_completion.py): the state was
+    # taken when the save started, so the save's completion comes before Restarted.
+    trace = _kills_at([2000, 2401, 2802, 4500], 6000)
+    job = JobSpec(iteration_time=1.0, save_stall=1.0, save_duration=5.0, restart_cost=120.0)
+    log: list = []
+    simulate(trace, make(log), job)
+    restarts = [i for i, e in enumerate(log) if isinstance(e, Restarted)]
+    assert len(restarts) == 4
+    for i in restarts:
+        done, restart = log[i - 1], log[i]
+        assert isinstance(done, P.SaveCompleted) and done.time == restart.time
+        assert done.step == restart.step > 0 and (done.stall, done.duration) == (1.0, 5.0)
+    # Versions only count forward: each restore reports the version it loaded.
+    versions = [log[i - 1].version for i in restarts]
+    assert versions == sorted(versions)
+
+
+class OneSavePerLife(Told):
+    """Saves 4000 s after the last (or after the start): one save in a life of 4570 s."""
+
+    def target_interval(self, ctx) -> float:
+        return 4000.0
+
+
+def test_lives_of_one_save_still_learn_the_save_cost() -> None:
+    # Every version is written by a process that saw no save finish before it, so its state
+    # holds no cost: what the restore reports is all a new process knows of the saves.
+    job = JobSpec(iteration_time=1.0, save_stall=1.0, save_duration=40.0, restart_cost=30.0)
+    log: list = []
+    policy = OneSavePerLife(log)
+    simulate(_kills_at(list(range(4600, 40000, 4600)), 40000), policy, job)
+    saves = [e.version for e in log if isinstance(e, P.SaveCompleted)]
+    assert len(saves) == 2 * len(set(saves))  # each: seen by its writer, reported on restore
+    known = [n for e, n in zip(log, policy.known, strict=True) if isinstance(e, Restarted)]
+    assert len(known) >= 5 and all(n >= 1 for n in known)
+    assert policy.costs.duration.mean == 40.0
