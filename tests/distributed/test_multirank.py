@@ -555,11 +555,13 @@ def test_maybe_save_follows_rank_0_and_any_ranks_emergency(tmp_path):
     assert first["saved_steps"] == second["saved_steps"] == [3, 6, 7, 9, 12]
     assert first["emergency_global_on_return"] and second["emergency_global_on_return"]
     assert first["global_steps"] == second["global_steps"] == [9, 12]  # keep_global=2
-    # A restart restores each rank's policy state and tells the policy about the restart.
+    # A restart restores each rank's policy state, tells the policy what the restored
+    # version's save cost (its state was taken before it knew), then about the restart.
     for result in (first, second):
         assert result["restored_step"] == 12
         seen = result["restored_policy_seen"]
-        assert seen[-2:] == ["loaded", "Restarted"] and "SaveCompleted" in seen
+        assert seen[-3:] == ["loaded", "SaveCompleted", "Restarted"]
+        assert "SaveCompleted" in seen[:-3]  # learnt before the version, kept in its state
 
 
 def test_cli_lists_and_verifies_a_multi_rank_root(saved, tmp_path, capsys):

@@ -163,8 +163,9 @@ def test_mean_row_and_verdict_report_errors_of_the_means() -> None:
     mean = V.mean_row(rows)
     assert mean["offset_gaps"] == "mean"
     assert mean["error_pct"] == pytest.approx(100 * (9.1 / 9.0 - 1))
+    assert mean["error_window_pct"] == pytest.approx(100 * (9.1 / 9.0 - 1))
     text = V.verdict([*rows, mean])
-    assert "1 of 1 configurations within 5 %" in text
+    assert "headline): mean |error| 1.11 %, max 1.11 %, 1 of 1 configurations within 5 %" in text
     assert "CPU pressure 0.10 -> 0.60" in text  # where the inputs moved, the load says why
 
 
@@ -193,8 +194,11 @@ def test_report_has_the_headline_and_every_column(tmp_path) -> None:
     sims = V.predict(x, config, [6.0, 14.0], 100, 2, 8.0, 1.0, S.seeded_priors(x))
     run = SimpleNamespace(wall=sims[0].wall_seconds * 1.02, kills=2, lost_steps=5, commits=9)
     load = {"load": 1.5, "cpu_share": 0.4, "cpu_pressure": 0.3}
+    window = V.WINDOW * min(d.wall_seconds for d in sims)
+    inside = V.predict(x, config, [6.0, 14.0], 100, 2, 8.0, 1.0, S.seeded_priors(x), window)
+    scored = V.Windowed(window, 60, 2, inside, inside)
     rows = [
-        V.row("medium", config, o, 42.0, 100, run, 0, x, x, sims, sims, load, cal)
+        V.row("medium", config, o, 42.0, 100, run, 0, x, x, sims, sims, load, cal, scored)
         for o in (0.0, 1.5)
     ]
     args = argparse.Namespace(
@@ -216,6 +220,10 @@ def test_report_has_the_headline_and_every_column(tmp_path) -> None:
     for column in ("goodput_measured", "goodput_predicted", "error_pct", "goodput_in_replay"):
         assert f"| {column} |" in head
     assert head.index("goodput_predicted") < head.index("goodput_in_replay")
+    # The headline is scored over the window, first in the table and in the verdict.
+    assert head.index("error_window_pct") < head.index("error_pct")
+    assert "- beforehand, over the window (headline): mean |error|" in text
+    assert rows[0]["goodput_window_measured"] == pytest.approx(60 / window)
     assert "| medium | pa:1 | mean |" in text
     csv = (tmp_path / "report.csv").read_text()
     assert csv.startswith("#") and "cpu_pressure_calibrated" in csv
@@ -234,6 +242,11 @@ def fake_row(measured: float, predicted: float, check: float, load: float) -> di
         "goodput_in_replay": check,
         "error_pct": 100 * (predicted / measured - 1),
         "error_in_replay_pct": 100 * (check / measured - 1),
+        "goodput_window_measured": measured,
+        "goodput_window_predicted": predicted,
+        "goodput_window_in_replay": check,
+        "error_window_pct": 100 * (predicted / measured - 1),
+        "error_window_in_replay_pct": 100 * (check / measured - 1),
         "inputs_moved_pct": 100 * (predicted / check - 1),
         "iteration_ms": 100.0,
         "iteration_calibrated_ms": 101.0,
@@ -249,13 +262,11 @@ def fake_row(measured: float, predicted: float, check: float, load: float) -> di
 
 
 def test_a_restart_from_a_version_without_measured_costs_plans_with_the_priors() -> None:
-    """Issue 43 item 6. The policy state a version holds is captured when its save starts,
-    before any SaveCompleted, and the feed starts empty after a restore: a process restored
-    from the first version plans with the priors (durable 10 s: a 10 s / N floor) until its
-    own first save completes. The engine does this and so does the simulator. Where lives
-    are shorter than that floor no later version is written and every life restarts from
-    the first one (or from nothing): seeded with the calibrated costs, CheckFreq keeps its
-    work."""
+    """Issue 43 item 6. A process that restores nothing plans with the priors (durable 10 s:
+    a 10 s / N floor) until its own first save completes; one restored from a version is
+    told what that version's save cost (the engine and the simulator alike). Where lives are
+    shorter than the prior's floor no save ever completes, so nothing is learnt and every
+    life starts from nothing: seeded with the calibrated costs, CheckFreq keeps its work."""
     x = {
         "iteration_time": 0.1,
         "iteration_jitter": 0.0,
@@ -273,3 +284,42 @@ def test_a_restart_from_a_version_without_measured_costs_plans_with_the_priors()
     # seeded: 199 saves, nothing lost, done after 3 kills).
     assert seeded.goodput > 1.5 * default.goodput
     assert seeded.lost_steps < default.lost_steps / 3
+
+
+def life(index: int, spawned: float, ended: float, start: int | None, killed: bool = True):
+    return SimpleNamespace(index=index, spawned=spawned, ended=ended, start_step=start, killed=killed)
+
+
+def test_the_window_holds_the_newest_step_or_the_one_a_kill_sent_the_job_back_to() -> None:
+    # Life 0 trains steps 1-40 (0.1 s each from 2.5 s) and is killed at 6.55 s; life 1 is
+    # killed while it starts; life 2 restores step 30 and trains on.
+    lives = [life(0, 0.0, 6.55, 0), life(1, 6.6, 7.5, None), life(2, 7.55, 20.0, 30, False)]
+    timeline = [(2.5 + 0.1 * i, i + 1) for i in range(40)] + [
+        (10.1 + 0.1 * i, 31 + i) for i in range(50)
+    ]
+    run = SimpleNamespace(lives=lives)
+    assert V.held_at(run, timeline, 1.0) == 0  # nothing trained yet
+    assert V.held_at(run, timeline, 4.0) == 16  # the newest step, the job goes on
+    assert V.held_at(run, timeline, 6.5) == 40  # killed 50 ms later: that is after the window
+    assert V.held_at(run, timeline, 6.6) == 30  # killed inside it: back to the version
+    assert V.held_at(run, timeline, 9.0) == 30  # still restarting
+    assert V.held_at(run, timeline, 11.05) == 40  # step 31 at 10.1 s: 40 at 11.0 s
+
+
+def test_the_window_s_prediction_counts_the_steps_done_when_its_trace_ends() -> None:
+    x = {
+        "iteration_time": 0.1,
+        "iteration_jitter": 0.0,
+        "restart": 2.0,
+        "restart_jitter": 0.0,
+        "stall": 0.001,
+        "durable": 0.01,
+    }
+    config = S.Config.parse("fixed:1000:1")  # never saves: a kill loses everything
+    (whole,) = V.predict(x, config, [], 400, 1, 8.0, 1.0, None)
+    (window,) = V.predict(x, config, [], 400, 1, 8.0, 1.0, None, 20.0)
+    assert whole.useful_steps == 400
+    # 20 s: the 2 s start, then 0.1 s steps (the last one may end on the window's edge).
+    assert window.useful_steps in (179, 180)
+    (killed,) = V.predict(x, config, [15.0], 400, 1, 8.0, 1.0, None, 20.0)
+    assert killed.useful_steps == pytest.approx(30, abs=1)  # restarted at 15 s: 3 s of steps
