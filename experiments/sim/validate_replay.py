@@ -35,7 +35,8 @@ simulator's prediction made from a calibration measured **before** the replays.
    job holds ``WINDOW`` x the shortest predicted wall into the run (the newest step reached
    by then, or the step it resumed from if a kill came after that step), in the replay and
    in the simulator alike (its trace ends there and the steps done count). Every kill in
-   the window falls on both; none after it counts on either.
+   the window falls on both; none after it counts on either (the end is moved before any
+   kill within 0.1 s of it, the simulator's trace being in 50 ms ticks).
 
     python experiments/sim/validate_replay.py --size campaign   # ~50 min here
     python experiments/sim/validate_replay.py --size quick      # smoke, ~4 min
@@ -506,7 +507,7 @@ def main() -> None:
             sims = predict(
                 before, config, kills, steps, args.draws, setup.gap, args.notice_lead, priors
             )
-            window = WINDOW * min(d.wall_seconds for d in sims)
+            window = clear_of_kills(WINDOW * min(d.wall_seconds for d in sims), kills)
             probe = LoadProbe()
             directory = root / f"replay-{i}"
             run, timeline, paces, notices = supervised(
@@ -622,6 +623,16 @@ class Windowed:
             "kills_window_measured": self.kills,
             "kills_window_predicted": statistics.fmean(d.preemptions for d in self.sims),
         }
+
+
+def clear_of_kills(at: float, kills: list[float], margin: float = 2 * TICK) -> float:
+    """``at``, moved earlier while a kill falls within ``margin`` before it: the simulator's
+    trace holds a kill from the tick after it, so a kill in the window's last tick would
+    count in the replay and not in the prediction (and the steps held jump back there)."""
+    for kill in sorted(kills, reverse=True):
+        if at - margin < kill <= at:
+            at = kill - margin
+    return at
 
 
 def held_at(run: Any, timeline: list[tuple[float, int]], at: float) -> int:

@@ -287,7 +287,9 @@ def test_a_restart_from_a_version_without_measured_costs_plans_with_the_priors()
 
 
 def life(index: int, spawned: float, ended: float, start: int | None, killed: bool = True):
-    return SimpleNamespace(index=index, spawned=spawned, ended=ended, start_step=start, killed=killed)
+    return SimpleNamespace(
+        index=index, spawned=spawned, ended=ended, start_step=start, killed=killed
+    )
 
 
 def test_the_window_holds_the_newest_step_or_the_one_a_kill_sent_the_job_back_to() -> None:
@@ -323,3 +325,15 @@ def test_the_window_s_prediction_counts_the_steps_done_when_its_trace_ends() -> 
     assert window.useful_steps in (179, 180)
     (killed,) = V.predict(x, config, [15.0], 400, 1, 8.0, 1.0, None, 20.0)
     assert killed.useful_steps == pytest.approx(30, abs=1)  # restarted at 15 s: 3 s of steps
+
+
+def test_the_window_ends_clear_of_the_kills_the_prediction_holds() -> None:
+    assert V.clear_of_kills(50.0, [10.0, 49.0, 51.0]) == 50.0
+    assert V.clear_of_kills(50.0, [49.97]) == pytest.approx(49.87)  # inside the last 0.1 s
+    assert V.clear_of_kills(50.0, [49.8, 49.95]) == pytest.approx(49.7)  # a burst: all of it
+    assert V.clear_of_kills(50.0, [50.0]) == pytest.approx(49.9)
+    # Every kill before the moved end is in the simulator's trace, none after it.
+    kills = [12.34, 49.97]
+    end = V.clear_of_kills(50.0, kills)
+    up = V.kill_trace(kills, end).up
+    assert list(up).count(0) == 1 and up[math.ceil(12.34 / V.TICK)] == 0
