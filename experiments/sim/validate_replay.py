@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -503,10 +504,20 @@ def main() -> None:
             steps = max(40, round(setup.steps * args.steps_scale))
             priors = seeded_priors(inputs(cal, config.in_flight)) if args.seeded else None
             before = inputs(cal, config.in_flight)
-            # Predicted before the replay: its window is fixed by the prediction alone.
-            sims = predict(
-                before, config, kills, steps, args.draws, setup.gap, args.notice_lead, priors
+
+            # The simulator's runs of this replay, from inputs x (and over a window).
+            forecast = functools.partial(
+                predict,
+                config=config,
+                kills=kills,
+                steps=steps,
+                draws=args.draws,
+                mtbf=setup.gap,
+                lead=args.notice_lead,
+                priors=priors,
             )
+            # Predicted before the replay: its window is fixed by the prediction alone.
+            sims = forecast(before)
             window = clear_of_kills(WINDOW * min(d.wall_seconds for d in sims), kills)
             probe = LoadProbe()
             directory = root / f"replay-{i}"
@@ -516,35 +527,13 @@ def main() -> None:
             load = probe.stop()
             shutil.rmtree(directory, ignore_errors=True)
             own = inputs(measured_inputs(cal, run, paces), config.in_flight)
-            checks = predict(
-                own, config, kills, steps, args.draws, setup.gap, args.notice_lead, priors
-            )
+            checks = forecast(own)
             scored = Windowed(
                 window,
                 held_at(run, timeline, window),
                 sum(1 for life in run.lives if life.killed and life.ended <= window),
-                predict(
-                    before,
-                    config,
-                    kills,
-                    steps,
-                    args.draws,
-                    setup.gap,
-                    args.notice_lead,
-                    priors,
-                    window,
-                ),
-                predict(
-                    own,
-                    config,
-                    kills,
-                    steps,
-                    args.draws,
-                    setup.gap,
-                    args.notice_lead,
-                    priors,
-                    window,
-                ),
+                forecast(before, window=window),
+                forecast(own, window=window),
             )
             r = row(
                 key,
