@@ -435,6 +435,11 @@ def overhead_job(args: argparse.Namespace, base: Path, shm_base: Path) -> dict[s
         result["phases"] = ranks[0]["phases"]
         for i, phase in enumerate(result["phases"]):  # the job's CPU time: every rank's
             phase["job_cpu_seconds"] = sum(r["phases"][i].get("cpu_seconds", 0.0) for r in ranks)
+            threads: dict[str, float] = {}
+            for r in ranks:
+                for name, seconds in r["phases"][i].get("cpu_by_thread", {}).items():
+                    threads[name] = threads.get(name, 0.0) + seconds
+            phase["job_cpu_by_thread"] = threads
         result["rss_peak"] = [r["rss_peak"] for r in ranks]
         result["shm_peak"] = [r["shm_peak"] for r in ranks]
         result["peer_budget"] = ranks[0]["peer_budget"]
@@ -980,6 +985,36 @@ def overhead_ratios(overhead: dict[str, Any], a: str, b: str, key: str = "second
     return [v[a] / v[b] for v in by.values() if a in v and b in v and v[b]]
 
 
+def thread_lines(overhead: dict[str, Any], variants: list[str]) -> list[str]:
+    """Where the job's CPU time went, by thread, per variant (median over the phases)."""
+    phases = {v: [p for p in overhead["phases"] if p["variant"] == v] for v in variants}
+    names = sorted(
+        {n for ph in phases.values() for p in ph for n in p.get("job_cpu_by_thread", {})},
+        key=lambda n: (
+            -max(
+                statistics.median([p.get("job_cpu_by_thread", {}).get(n, 0.0) for p in ph] or [0])
+                for ph in phases.values()
+            )
+        ),
+    )
+    if not names:
+        return []
+    rows = [
+        [f"`{name}`"]
+        + [
+            spread([p.get("job_cpu_by_thread", {}).get(name, 0.0) for p in phases[v]], "{:.2f}")
+            for v in variants
+        ]
+        for name in names
+    ]
+    return [
+        "",
+        "CPU time of the 4 ranks' threads in a phase (without its close), by thread name (s):",
+        "",
+        *table_lines(["thread", *variants], rows, "l" + "r" * len(variants)),
+    ]
+
+
 def overhead_lines(args: argparse.Namespace, overhead: dict[str, Any]) -> list[str]:
     variants = [v for v in args.variants.split(",") if v]
     rows = []
@@ -1023,6 +1058,7 @@ def overhead_lines(args: argparse.Namespace, overhead: dict[str, Any]) -> list[s
                     "(where the training keeps every core busy, the wall-clock ratio tends to "
                     "this; other load on the machine moves it less)"
                 )
+    lines += thread_lines(overhead, variants)
     lines += [
         "",
         f"One job (no kill), the variants alternating in each of {args.overhead_reps} rounds "

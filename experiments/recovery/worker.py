@@ -659,6 +659,21 @@ def killed_run(args: argparse.Namespace, job: Job, log: Log) -> None:
     log.stamp("closed")
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads so far, summed by thread name (Linux)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    python_names = {t.native_id: t.name for t in threading.enumerate()}
+    by_name: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+            name = python_names.get(int(tid)) or stat[stat.index("(") + 1 : stat.rindex(")")]
+            name = name.rstrip("0123456789_-")  # pools: one name per kind of thread
+            fields = stat[stat.rindex(")") + 2 :].split()
+            by_name[name] = by_name.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return by_name
+
+
 def overhead_run(args: argparse.Namespace, job: Job, log: Log) -> None:
     """Alternating timed phases with local-only and with peer-replicated checkpoints."""
     from pcframe.distributed import DistributedCheckpointer
@@ -691,7 +706,7 @@ def overhead_run(args: argparse.Namespace, job: Job, log: Log) -> None:
                     **extra,
                 )
             dist.barrier()
-            t0, cpu0 = time.perf_counter(), os.times()
+            t0, cpu0, threads0 = time.perf_counter(), os.times(), thread_cpu()
             steps = []
             for i in range(1, args.phase_steps + 1):
                 s0 = time.perf_counter()
@@ -702,7 +717,7 @@ def overhead_run(args: argparse.Namespace, job: Job, log: Log) -> None:
                     ckpt.save(job.data.step)
                 steps.append(time.perf_counter() - s0)
             dist.barrier()
-            t1 = time.perf_counter()
+            t1, threads1 = time.perf_counter(), thread_cpu()
             copied = 0
             if ckpt is not None:
                 ckpt.close()
@@ -717,6 +732,13 @@ def overhead_run(args: argparse.Namespace, job: Job, log: Log) -> None:
                     # This process's CPU time over the phase and its close (all threads):
                     # what the copies cost, whatever else runs on the machine.
                     "cpu_seconds": (cpu2.user - cpu0.user) + (cpu2.system - cpu0.system),
+                    # ... by thread name, the phase without its close (the engine's threads end
+                    # in the close)
+                    "cpu_by_thread": {
+                        name: round(seconds - threads0.get(name, 0.0), 3)
+                        for name, seconds in threads1.items()
+                        if seconds - threads0.get(name, 0.0) > 0.005
+                    },
                     "steps": steps,
                     "copied": copied,
                 }

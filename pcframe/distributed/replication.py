@@ -272,7 +272,7 @@ class PeerReplication:
     def _receive(self, src: int, version: int, pin: str | None) -> bool:
         staging = self.store.staging(src, version)
         try:
-            manifest = receive_version(src, staging, self._group, pin)
+            manifest = receive_version(src, staging, self._group, pin, self.store.spare)
         except (CorruptCheckpoint, ManifestError, OSError) as exc:
             self.store.discard(staging)
             self.status.failed.append(f"rank {src} v{version}: {exc}")

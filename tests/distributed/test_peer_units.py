@@ -291,3 +291,98 @@ def test_a_copy_that_cannot_be_written_is_refused_and_the_stream_stays_in_step(t
     _, (first, second) = _two_ranks(_full_memory, str(sent), str(tmp_path / "in"))
     assert "cannot write the copy" in first and "No space left on device" in first, first
     assert second == 1  # every piece of the refused copy was drained: the next one arrives
+
+
+# --- copies written over the files of dropped ones -----------------------------------------
+
+
+def _into_spares(rank, group, sent: list[str], into: str, spares: list[str]):
+    """Rank 0 sends each version; rank 1 receives each into ``into/<i>`` over the files of
+    ``spares[i]``."""
+    from pcframe.distributed.shard_stream import receive_version, send_version
+
+    if rank == 0:
+        for directory in sent:
+            send_version(Path(directory), 1, group)
+        return None
+    return [
+        receive_version(0, Path(into) / str(i), group, spare=Path(spare)).version
+        for i, spare in enumerate(spares)
+    ]
+
+
+def test_a_copy_received_over_spare_files_is_the_senders_files_exactly(tmp_path):
+    """Spare files larger and smaller than the copy's, full of other bytes, become the copy's
+    files (the same inodes: their pages are reused) and read back as the sender's files byte
+    for byte; a link among the spares is never written through."""
+    plain = _save(tmp_path / "plain")
+    coded = _save(tmp_path / "coded", stripes=2, codecs={"optimizer": "zstd"}, chunk_bytes=4096)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"not yours" * 1000)
+    spares = []
+    for i, source in enumerate((plain, coded)):
+        spare = tmp_path / f"spare-{i}"
+        spare.mkdir()
+        largest = max(os.path.getsize(source / n) for n in os.listdir(source))
+        (spare / "old-big").write_bytes(b"\xff" * (2 * largest))
+        (spare / "old-small").write_bytes(b"\xee" * 100)
+        (spare / "zz-link").symlink_to(outside)
+        spares.append(spare)
+    inodes = [os.stat(spare / "old-big").st_ino for spare in spares]
+    into = tmp_path / "in"
+    _, got = _two_ranks(_into_spares, [str(plain), str(coded)], str(into), list(map(str, spares)))
+    assert got == [1, 1], got
+    for i, source in enumerate((plain, coded)):
+        copy = into / str(i)
+        assert sorted(os.listdir(copy)) == sorted(os.listdir(source))
+        for name in os.listdir(source):
+            assert filecmp.cmp(source / name, copy / name, shallow=False), (i, name)
+        assert os.stat(copy / "data.bin").st_ino == inodes[i]  # the largest spare, reused
+        load_version(copy, version=1)
+    assert outside.read_bytes() == b"not yours" * 1000
+
+
+def _copies_through_a_store(rank, group, sent: str, directory: str, budget: int, keep: int):
+    """Rank 0 sends its version 6 times; rank 1 takes each as replication does (room, staging,
+    receive over the spare, commit) and reports, after each, the bytes of every file under
+    the store and whether the copy's data file is one the store held before."""
+    from pcframe.distributed.shard_stream import receive_version, send_version
+    from pcframe.store.tiers.peer import PeerStore
+
+    rounds = 6
+    if rank == 0:
+        for _ in range(rounds):
+            send_version(Path(sent), 1, group)
+        return None
+    store = PeerStore(Path(directory), budget=budget, keep=keep)
+    size = sum(os.path.getsize(Path(sent) / n) for n in os.listdir(sent) if n.endswith(".bin"))
+    seen, out = set(), []
+    for version in range(1, rounds + 1):
+        assert store.make_room(0, version, size)
+        staging = store.staging(0, version)
+        receive_version(0, staging, group, spare=store.spare)
+        store.commit(0, version, staging)
+        inode = os.stat(store.path(0, version) / "data.bin").st_ino
+        total = sum(p.stat().st_size for p in Path(directory).rglob("*") if p.is_file())
+        out.append((inode in seen, total, store.held()[0]))
+        seen |= {p.stat().st_ino for p in Path(directory).rglob("*.bin")}
+    return out
+
+
+@pytest.mark.parametrize("budget_copies, keep", [(2.5, 2), (10, 1)])
+def test_a_store_receives_into_the_pages_of_the_copies_it_drops(tmp_path, budget_copies, keep):
+    """Whether copies are dropped for room (a budget of 2.5 copies) or beyond ``keep``, each
+    copy after the first ones is written over a dropped copy's files, and every file under
+    the store (the spare included) stays within the budget after each copy."""
+    sent = _save(tmp_path / "sent")
+    size = sum(os.path.getsize(sent / n) for n in os.listdir(sent) if n.endswith(".bin"))
+    manifest = os.path.getsize(sent / "manifest.json")
+    budget = int(budget_copies * size)
+    _, got = _two_ranks(_copies_through_a_store, str(sent), str(tmp_path / "peers"), budget, keep)
+    assert isinstance(got, list), got
+    # The store first drops a copy for the third (room) or on committing the second (keep):
+    # from the third on, every copy is written over the files of one dropped.
+    assert [reused for reused, _, _ in got] == [False, False, True, True, True, True], got
+    for i, (_, total, held) in enumerate(got):
+        assert total <= budget + (keep + 1) * manifest, (total, budget)  # manifests not counted
+        assert held == list(range(max(1, i + 2 - keep), i + 2)), (i, held)

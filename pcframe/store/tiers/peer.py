@@ -8,13 +8,20 @@ finds it), verified copies of the shards of the ranks it backs up
 
     <directory>/rank-<src>/vNNNNNNNN/    an exact copy of rank src's shard directory
     <directory>/rank-<src>/vNNNNNNNN.tmp  a copy on its way (never listed; swept at start)
+    <directory>/.spare/                  the files of the last copy dropped (never listed)
 
 A copy is written into ``.tmp`` by :func:`~pcframe.distributed.shard_stream.receive_version`
 (every piece checked) and renamed into place, so a listed copy is complete. The store holds
-at most ``budget`` bytes: before a copy is received the oldest copies beyond ``keep`` per
-rank go, then the oldest others, but never the base of a delta copy it keeps; a copy that
-does not fit even then is declined (the sender is told, nothing waits). :class:`PeerStore`
-is this bookkeeping; the transfers are :mod:`pcframe.distributed.replication`'s.
+at most ``budget`` bytes, the spare included: before a copy is received the oldest copies
+beyond ``keep`` per rank go, then the oldest others, but never the base of a delta copy it
+keeps; a copy that does not fit even then is declined (the sender is told, nothing waits).
+
+A copy dropped to make room or beyond ``keep`` is not deleted but becomes the spare: the
+next copy received is written over its files, so it lands in memory the node already holds
+(allocating and zeroing fresh ``/dev/shm`` pages, and freeing the old ones, was half the
+receiver's CPU). What the next copy does not reuse is deleted when it is committed.
+:class:`PeerStore` is this bookkeeping; the transfers are
+:mod:`pcframe.distributed.replication`'s.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from pcframe.format.stripes import stored_data_bytes
 from pcframe.store.tiers.memory import SHM
 
 log = logging.getLogger("pcframe.store.tiers")
+
+SPARE_DIR = ".spare"
 
 DEFAULT_BUDGET_SHARE = 0.5  # of the memory file system's free space when no budget is given
 
@@ -100,6 +109,17 @@ class PeerStore:
     def held_bytes(self) -> int:
         return sum(self._size(src, v) for src, versions in self.held().items() for v in versions)
 
+    @property
+    def spare(self) -> Path:
+        """The files of the last copy dropped, for the next one received to reuse."""
+        return self.directory / SPARE_DIR
+
+    def spare_bytes(self) -> int:
+        try:
+            return sum(entry.stat().st_size for entry in os.scandir(self.spare))
+        except OSError:
+            return 0
+
     # --- receiving -------------------------------------------------------------------------
 
     def make_room(self, src: int, version: int, nbytes: int) -> bool:
@@ -108,20 +128,27 @@ class PeerStore:
 
         The newest copy of every rank stays until a newer one is in place (a failed transfer
         never costs the last good copy), and so does every base a kept delta copy reads.
+        While the copy is received the store holds the copies kept and the larger of the
+        spare and the copy (written over the spare's files): that is what must fit.
         """
         with self._lock:
             if nbytes > self.budget:
                 return False
             held = self.held()
             used = sum(self._size(s, v) for s, vs in held.items() for v in vs)
+            spare = self.spare_bytes()
             kept = {(s, vs[-1]) for s, vs in held.items()} | self._bases_needed(held)
             for v, s in sorted((v, s) for s, vs in held.items() for v in vs):  # oldest first
-                if used + nbytes <= self.budget:
+                if used + max(spare, nbytes) <= self.budget:
                     break
                 if (s, v) not in kept:
-                    used -= self._size(s, v)
-                    self._remove(s, v)
-            return used + nbytes <= self.budget
+                    spare = self._size(s, v)
+                    used -= spare
+                    self._retire(s, v)
+            if used + max(spare, nbytes) > self.budget and spare:  # a spare larger than the copy
+                self._drop_spare()
+                spare = 0
+            return used + max(spare, nbytes) <= self.budget
 
     def staging(self, src: int, version: int) -> Path:
         """A fresh ``.tmp`` folder path for a copy (any leftover there removed)."""
@@ -131,11 +158,13 @@ class PeerStore:
         return staging
 
     def commit(self, src: int, version: int, staging: Path) -> None:
-        """The verified copy in ``staging`` becomes listed (replacing an older copy of it)."""
+        """The verified copy in ``staging`` becomes listed (replacing an older copy of it);
+        what it left of the spare is deleted, and a copy beyond ``keep`` becomes the spare."""
         final = self.path(src, version)
         with self._lock:
             shutil.rmtree(final, ignore_errors=True)
             os.rename(staging, final)
+            self._drop_spare()
             self._prune_beyond_keep(src)
 
     def discard(self, staging: Path) -> None:
@@ -159,13 +188,24 @@ class PeerStore:
     def _remove(self, src: int, version: int) -> None:
         shutil.rmtree(self.path(src, version), ignore_errors=True)
 
+    def _retire(self, src: int, version: int) -> None:
+        """Unlist a copy and keep its files as the spare (replacing the spare before)."""
+        self._drop_spare()
+        try:
+            os.rename(self.path(src, version), self.spare)
+        except OSError:
+            self._remove(src, version)
+
+    def _drop_spare(self) -> None:
+        shutil.rmtree(self.spare, ignore_errors=True)
+
     def _prune_beyond_keep(self, src: int) -> None:
         versions = self.held().get(src, [])
         keep = set(versions[-self.keep :])
         keep |= {b for s, b in self._bases_needed({src: sorted(keep)}) if s == src}
         for version in versions:
             if version not in keep:
-                self._remove(src, version)
+                self._retire(src, version)
 
     def _bases_needed(self, held: dict[int, list[int]]) -> set[tuple[int, int]]:
         """``(src, version)`` of every base a held delta copy reads (its whole chain)."""
@@ -184,7 +224,9 @@ class PeerStore:
         return needed
 
     def _sweep(self) -> list[str]:
-        """Remove copies left half-received by a process that died (``*.tmp``)."""
+        """Remove copies left half-received by a process that died (``*.tmp``), and its
+        spare."""
+        self._drop_spare()
         removed = []
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(self.directory):
