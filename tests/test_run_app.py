@@ -9,6 +9,7 @@ import pytest
 from pcframe.store.directory import CheckpointDir
 
 
+@pytest.mark.slow
 def test_pcframe_run_trains_checkpoints_and_summarises(tmp_path, python, child_env):
     ckpt_dir = tmp_path / "ckpts"
     result = subprocess.run(

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -48,6 +49,7 @@ def make(tmp_path):
     return model
 
 
+@pytest.mark.slow
 def test_list_verify_inspect_export(tmp_path, python):
     model = make(tmp_path)
     listing = cli_process(python, "list", tmp_path)

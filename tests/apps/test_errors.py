@@ -46,6 +46,7 @@ def run_script(name: str, *args: str, cwd: Path, env: dict, timeout: float = 120
     ],
     ids=str,
 )
+@pytest.mark.slow
 def test_a_bad_override_is_one_line_and_exit_code_2(tmp_path, app_env, override, key, fix):
     result = run_script(
         "pcframe-run", override, f"hydra.run.dir={tmp_path / 'out'}", cwd=tmp_path, env=app_env
@@ -88,6 +89,7 @@ def test_a_missing_tuned_engine_says_where_tuned_configs_are_looked_for(tmp_path
     assert "engine_schema" not in line
 
 
+@pytest.mark.slow
 def test_help_lists_only_this_apps_groups(tmp_path, app_env):
     result = run_script("pcframe-run", "--help", cwd=tmp_path, env=app_env)
     assert result.returncode == 0, result.stderr

@@ -13,6 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from pcframe.format.manifest import MANIFEST_NAME, read_manifest
 from pcframe.store.directory import CheckpointDir
 
@@ -30,6 +32,7 @@ def recipe(directory: Path) -> Path:
     return script
 
 
+@pytest.mark.slow
 def test_the_notice_recipe_saves_the_step_in_progress_on_a_real_sigterm(
     tmp_path, python, child_env
 ):

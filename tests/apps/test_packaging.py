@@ -67,6 +67,7 @@ def test_wheel_ships_every_config_and_the_apps_compose_from_it(tmp_path, child_e
     assert str(target) in probe.stdout
 
 
+@pytest.mark.slow
 def test_the_kernels_folder_is_no_top_level_kernels_from_the_repository_root(child_env):
     """A script run from the repository's root finds Hugging Face's ``kernels`` (which
     transformers imports when it is installed), not this repository's ``kernels/``

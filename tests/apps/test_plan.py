@@ -106,6 +106,7 @@ def test_the_estimate_follows_restarts_and_checkpoints():
     assert estimate([0.5], m, 0.0, 10).commits_before_kills == 0  # killed while starting
 
 
+@pytest.mark.slow
 def test_the_app_refuses_a_schedule_that_cannot_land_with_exit_code_2(tmp_path, app_env):
     result = run_module(
         "pcframe.apps.run",

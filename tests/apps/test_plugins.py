@@ -108,6 +108,7 @@ def _run(*args: str, site: Path, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_a_required_plugin_argument_and_a_broken_plugin(plugin_path: Path, tmp_path: Path):
     # A broken plugin does not break the app for anyone not asking for it.
     shown = _run("policy/interval=needs_every", "--cfg", "job", site=plugin_path, cwd=tmp_path)

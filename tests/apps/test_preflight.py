@@ -120,6 +120,7 @@ def test_a_supervised_run_refuses_it_before_the_reference_run(tmp_path):
     assert not (tmp_path / "out" / "reference-checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_pcframe_run_says_it_in_one_line_with_exit_2_before_training(tmp_path, app_env):
     directory = another_model(tmp_path)
     result = run_module(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from pcframe.store.directory import CheckpointDir
 from tests.apps.conftest import run_module
 
@@ -14,6 +16,7 @@ def value(stdout: str, label: str) -> str:
     return match.group(1)
 
 
+@pytest.mark.slow
 def test_failure_trace_kills_restarts_and_reports(tmp_path, app_env):
     ckpt = tmp_path / "ckpt"
     result = run_module(
@@ -40,6 +43,7 @@ def test_failure_trace_kills_restarts_and_reports(tmp_path, app_env):
     assert sorted(p.name for p in logs.iterdir()) == ["child-0.stderr", "child-1.stderr"]
 
 
+@pytest.mark.slow
 def test_multirun_sweep_with_the_basic_launcher(tmp_path, app_env):
     sweep = tmp_path / "sweep"
     result = run_module(
@@ -62,6 +66,7 @@ def test_multirun_sweep_with_the_basic_launcher(tmp_path, app_env):
     assert "max_in_flight: 3" in (sweep / "1" / ".hydra" / "config.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_a_sweep_whose_jobs_share_one_directory_stops_before_the_second_trains(tmp_path, app_env):
     """Before: job 1 resumed job 0's final checkpoint, trained 0 steps, exit 0, its row in
     the sweep table as if it were a result."""

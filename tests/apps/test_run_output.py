@@ -93,6 +93,7 @@ def test_summary_prints_the_whole_path_and_the_next_command(tmp_path, capsys):
     assert "WARNING" in out
 
 
+@pytest.mark.slow
 def test_a_multirun_warns_writes_summaries_and_one_merged_table(tmp_path, app_env):
     sweep = tmp_path / "sweep"
     result = run_module(

@@ -92,6 +92,7 @@ def test_the_training_clock_stands_still_while_a_process_starts(tmp_path, child_
         assert kill - 1e-6 <= trained < kill + 1.0, (life, trained)
 
 
+@pytest.mark.slow
 def test_a_child_that_fails_by_itself_is_an_error_with_its_stderr(tmp_path, child_env):
     broken = dataclasses.replace(spec(tmp_path, "broken"), workload_args={"no_such_arg": 1})
     with pytest.raises(SupervisorError, match="exited with code 1 without being killed") as info:

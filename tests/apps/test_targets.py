@@ -119,6 +119,7 @@ def test_throttle_refuses_a_folder_in_ram():
         pass
 
 
+@pytest.mark.slow
 def test_the_throttle_caps_direct_and_synced_io_but_not_the_page_cache(disk_dir):
     """The cgroup is real: O_DIRECT, fsync'd and read I/O run at the cap; the page cache not."""
     _can_throttle()
@@ -189,6 +190,7 @@ def test_target_differences_name_throttle_file_system_and_remote(disk_dir):
     assert target_differences(same, disk_dir) == []
 
 
+@pytest.mark.slow
 def test_tuning_on_a_throttled_target_records_it_and_pcframe_run_warns(tmp_path, app_env, disk_dir):
     """The user's flow: pcframe-tune tune/target=throttled, then pcframe-run engine=tuned."""
     _can_throttle()

@@ -48,6 +48,7 @@ def load(url: str, name: str = "pcframe-quick") -> optuna.Study:
     return optuna.load_study(study_name=name, storage=open_storage(url))
 
 
+@pytest.mark.slow
 def test_cli_tunes_writes_a_config_that_pcframe_run_uses(tmp_path, app_env, monkeypatch):
     db = f"sqlite:///{tmp_path / 'study.db'}"
     result = run_module(
@@ -114,6 +115,7 @@ def test_study_resumes_in_the_same_storage(tmp_path):
     assert len(tuner(tmp_path, f"tune.storage={url}", "tune.n_trials=3").run().trials) == 3
 
 
+@pytest.mark.slow
 def test_killed_worker_trial_is_failed_and_retried(tmp_path, app_env):
     db = f"sqlite:///{tmp_path / 'study.db'}"
     args = quick(tmp_path, f"tune.storage={db}", "tune.heartbeat=1", "tune.n_trials=2")
@@ -217,6 +219,7 @@ def test_hopeless_trial_is_pruned_once_the_warmup_reports_are_in(tmp_path):
     assert big.intermediate_values[2] > small.value
 
 
+@pytest.mark.slow
 def test_several_workers_share_a_postgresql_study(tmp_path, app_env, postgres_url):
     workers = []
     for index in range(2):

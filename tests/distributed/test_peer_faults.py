@@ -3,6 +3,7 @@ restart on fewer nodes, a node killed at a random moment (4 real gloo ranks as 2
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -10,6 +11,7 @@ from pcframe.distributed import global_versions as rec
 from tests.distributed.nodes_kit import NODES, final, job, lose_node
 
 
+@pytest.mark.slow
 def test_a_notice_on_one_node_secures_its_newest_state_on_a_peer_first(tmp_path):
     """Rank 2's VM gets a notice at step 5 (between periodic saves): every rank saves, and
     rank 2 learns its shard of that version is in a peer's memory before it goes on."""
@@ -22,6 +24,7 @@ def test_a_notice_on_one_node_secures_its_newest_state_on_a_peer_first(tmp_path)
     assert (copy / "manifest.json").is_file()
 
 
+@pytest.mark.slow
 def test_a_slow_peer_costs_copies_not_training_time(tmp_path):
     """Rank 3 takes 1 s to keep each copy it receives; saves every step: the training loop
     is not held up by it (each save call returns at once), versions queued meanwhile are
@@ -32,6 +35,7 @@ def test_a_slow_peer_costs_copies_not_training_time(tmp_path):
     assert all(12 in r["copied"] for r in runs)  # the newest version is on its peers
 
 
+@pytest.mark.slow
 def test_a_restart_on_fewer_nodes_reshards_reading_the_copies_in_its_memory(tmp_path, reference):
     """Node b is gone for good: the job goes on with node a's 2 ranks, reading b's shards
     from the copies in a's memory, and the state is laid out for 2 ranks (resharded)."""
@@ -54,6 +58,7 @@ def test_a_restart_on_fewer_nodes_reshards_reading_the_copies_in_its_memory(tmp_
                 assert torch.equal(expected[key], got[key]), (rank, key)
 
 
+@pytest.mark.slow
 def test_a_node_killed_at_a_random_moment_comes_back_from_what_was_secured(tmp_path, reference):
     """SIGKILL node b's ranks at a random moment (in a save, a copy, between them), then
     the VM is gone; the job restarts and restores the newest version every shard of which

@@ -106,6 +106,7 @@ def _streams(rank, group, cases: list[tuple[str, str, str | None]]):
     return outcomes
 
 
+@pytest.mark.slow
 def test_the_shard_stream_copies_verified_files_and_refuses_anything_else(tmp_path):
     """One pair of real gloo ranks, several transfers in a row (each must end on both sides,
     or the next one would read the rest of it):
@@ -243,6 +244,7 @@ def _fetch_places(rank, group, root: str, memory: str):
     return out
 
 
+@pytest.mark.slow
 def test_a_restore_fetches_into_memory_only_where_the_version_fits(tmp_path):
     """Ranks that share a root and a node fetch each shard once, into the node's memory; a
     rank whose memory cannot hold the newest version fetches into the root instead, and so
@@ -286,6 +288,7 @@ def _full_memory(rank, group, sent: str, into: str):
     return first, second
 
 
+@pytest.mark.slow
 def test_a_copy_that_cannot_be_written_is_refused_and_the_stream_stays_in_step(tmp_path):
     sent = _save(tmp_path / "sent", chunk_bytes=4096)  # several pieces after the failing one
     _, (first, second) = _two_ranks(_full_memory, str(sent), str(tmp_path / "in"))

@@ -58,6 +58,7 @@ RANK = textwrap.dedent(
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_a_collective_from_a_handler_in_the_middle_of_another_is_refused(tmp_path, child_env):
     args = [str(tmp_path / "ckpt"), str(tmp_path / "rendezvous")]
     ranks = [

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 LIFE = textwrap.dedent(
     """
     import json, os, signal, sys, torch
@@ -53,6 +55,7 @@ def life(tmp_path, n: int, action: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_multi_rank_restore_counts_writers_that_died_unseen(tmp_path):
     life(tmp_path, 1, "save")  # commits global version 1, then is killed
     life(tmp_path, 2, "die")  # killed before committing
@@ -62,6 +65,7 @@ def test_multi_rank_restore_counts_writers_that_died_unseen(tmp_path):
     assert step == 7 and events == [[False, 2]]
 
 
+@pytest.mark.slow
 def test_nothing_restored_still_reports_the_dead_writers(tmp_path):
     life(tmp_path, 1, "die")
     life(tmp_path, 2, "die")

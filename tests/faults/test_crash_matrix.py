@@ -95,6 +95,7 @@ def check_replica(config: dict[str, Any], tmp_path: Path, primary: dict[int, int
 
 
 @pytest.mark.parametrize(("mode", "point", "nth"), _cases())
+@pytest.mark.slow
 def test_sigkill_at_crash_point(mode, point, nth, tmp_path, request):
     config = config_for(mode, tmp_path, request)
     rank = crash_rank(point) if MODES[mode].ranks > 1 else 0

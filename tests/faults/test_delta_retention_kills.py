@@ -79,6 +79,7 @@ def run(python, env, root, seconds: float | None) -> int:
         pytest.param(5, marks=pytest.mark.campaign),
     ],
 )
+@pytest.mark.slow
 def test_kill_between_retention_deletes(tmp_path, python, child_env, nth):
     for point in ("trash_renamed", "retention"):
         env = dict(child_env, PCFRAME_CRASH_AT=f"{point}:{nth}")
@@ -89,6 +90,7 @@ def test_kill_between_retention_deletes(tmp_path, python, child_env, nth):
 @pytest.mark.parametrize(
     "seed, kills", [(7, 3), *[pytest.param(s, 8, marks=pytest.mark.campaign) for s in range(4)]]
 )
+@pytest.mark.slow
 def test_random_kills_during_delta_saves(tmp_path, python, child_env, seed, kills):
     rng = random.Random(seed)
     for _ in range(kills):

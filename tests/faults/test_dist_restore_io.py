@@ -41,6 +41,7 @@ def _resume_with_eio(base, tmp_path, times: int):
     return resumed
 
 
+@pytest.mark.slow
 def test_one_transient_eio_on_one_rank_still_restores_the_newest(base, tmp_path):
     resumed = _resume_with_eio(base, tmp_path, times=1)
     assert resumed.returncodes == [0, 0], resumed.tail()
@@ -53,6 +54,7 @@ def test_one_transient_eio_on_one_rank_still_restores_the_newest(base, tmp_path)
         assert got["stamped"] and got["status"] == "committed", got
 
 
+@pytest.mark.slow
 def test_a_persistent_eio_is_reported_as_an_io_error(base, tmp_path):
     resumed = _resume_with_eio(base, tmp_path, times=-1)
     error = resumed.result(1).get("error", "")

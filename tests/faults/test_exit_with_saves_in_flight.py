@@ -36,6 +36,7 @@ if os.environ.get("RAISE"):
 
 
 @pytest.mark.parametrize("how", ["end_of_script", "uncaught_exception"])
+@pytest.mark.slow
 def test_exit_with_saves_in_flight_does_not_hang(tmp_path, python, child_env, how):
     env = dict(child_env, RAISE="1" if how == "uncaught_exception" else "")
     try:

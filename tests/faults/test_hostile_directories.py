@@ -44,6 +44,7 @@ def cli(*args, timeout=60) -> subprocess.CompletedProcess:
     [b"v0000\xff0002\n", b"\x00" * 64, b"v99999999999999999999\n", b"garbage", b""],
     ids=["flipped-bit", "zeros", "huge", "garbage", "empty"],
 )
+@pytest.mark.slow
 def test_garbage_latest_is_ignored(tmp_path, caplog, latest):
     committed(tmp_path)
     (tmp_path / "LATEST").write_bytes(latest)
@@ -88,6 +89,7 @@ def test_huge_version_directories_never_number_new_versions(tmp_path, caplog):
     assert "above the limit" in caplog.text
 
 
+@pytest.mark.slow
 def test_fifo_manifest_is_corruption_not_a_hang(tmp_path):
     committed(tmp_path)
     manifest = tmp_path / "v00000002" / "manifest.json"

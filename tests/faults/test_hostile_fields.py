@@ -254,6 +254,7 @@ def test_hostile_names_are_escaped_on_one_line(plain, where):
     assert code == 2 and len(err.splitlines()) == 1 and "\x1b" not in err, err
 
 
+@pytest.mark.slow
 def test_cli_is_one_line_in_a_real_process(plain, python):
     """The same through a real ``pcframe`` process: exit codes and no traceback."""
     import subprocess

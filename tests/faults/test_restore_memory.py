@@ -73,6 +73,7 @@ def versions(root: Path) -> list[str]:
         ("raw tensor read into a fresh buffer", {}, True),
     ],
 )
+@pytest.mark.slow
 def test_refused_allocation_renames_nothing_and_names_the_memory(tmp_path, case, codecs, strided):
     save_versions(tmp_path, BIG, codecs)
     before = versions(tmp_path)
@@ -95,6 +96,7 @@ def test_refused_allocation_renames_nothing_and_names_the_memory(tmp_path, case,
     }
 
 
+@pytest.mark.slow
 def test_refused_undo_copy_rolls_back_and_is_not_a_mismatch(tmp_path):
     """The read fits, the rollback copy of a live tensor loaded out of place does not: the
     restore is rolled back and says memory, not that the version does not fit."""

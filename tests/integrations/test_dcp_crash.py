@@ -63,6 +63,7 @@ def _crash_at(tmp_path: Path, point: str) -> None:
 
 # chunk_written:8 falls inside the second version's data (about 6 chunks of 4 KiB each).
 @pytest.mark.parametrize("point", ["chunk_written:8", "manifest_written:2", "published:2"])
+@pytest.mark.slow
 def test_crash_point_mid_save(tmp_path: Path, point: str) -> None:
     _crash_at(tmp_path, point)
 
@@ -100,6 +101,7 @@ def _kill_at_random(tmp_path: Path, seed: int) -> None:
     _check_survivor(root, _committed("".join(lines)))
 
 
+@pytest.mark.slow
 def test_outside_sigkill_at_a_random_moment(tmp_path: Path) -> None:
     _kill_at_random(tmp_path, seed=int(time.time()))
 

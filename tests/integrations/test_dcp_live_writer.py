@@ -135,6 +135,7 @@ def _writer(root: Path, world_size: int) -> list[subprocess.Popen]:
     ]
 
 
+@pytest.mark.slow
 def test_loads_beside_a_two_rank_save_loop_never_fail(tmp_path: Path) -> None:
     """A 2-rank writer commits and prunes (records, then each rank's shards) as fast as it
     can while this process loads again and again, pausing for a random while once the plan

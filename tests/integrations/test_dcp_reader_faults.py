@@ -196,6 +196,7 @@ def _flip_every_chunk(version_dir: Path) -> None:
 # --- issue 40, item 6: the writer saves what Checkpointer saves ---------------------------------
 
 
+@pytest.mark.slow
 def test_the_gloo_ranks_agree_on_one_version_and_a_damaged_shard_changes_nothing(
     sharded_root: Path,
 ) -> None:

@@ -180,6 +180,7 @@ def test_bad_setup_is_one_line_error(tmp_path: Path) -> None:
         StorageWriter(tmp_path, writer_thread=3)
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_then_reshard_to_one(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     results = run_ranks(2, "two_ranks", root)
@@ -208,6 +209,7 @@ def test_two_gloo_ranks_then_reshard_to_one(tmp_path: Path) -> None:
     assert torch.equal(loaded["sharded"], sharded_value(5))
 
 
+@pytest.mark.slow
 def test_example_runs(tmp_path: Path, child_env: dict[str, str], python: str) -> None:
     import subprocess
 

@@ -126,6 +126,7 @@ def test_import_error_names_the_extra(python, child_env):
     )
 
 
+@pytest.mark.slow
 def test_example_runs_and_resumes(tmp_path, python, child_env):
     example = Path(__file__).parents[2] / "examples" / "integrations" / "lightning_example.py"
     proc = subprocess.run(

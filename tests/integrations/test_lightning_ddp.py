@@ -222,6 +222,7 @@ def last_line(log: str) -> str:
 # --- SIGKILL and restart: the resumed job ends bit-identical to the uninterrupted one ---------
 
 
+@pytest.mark.slow
 def test_sigkill_of_one_rank_resumes_every_rank_exactly(launcher, reference, tmp_path):
     root = tmp_path / "ckpt"
     # Rank 1 holds before batch 11 (steps 3, 6, 9 saved); it is killed once step 9 is global.

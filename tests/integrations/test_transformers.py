@@ -59,6 +59,7 @@ def finish(proc: subprocess.Popen) -> str:
     return out
 
 
+@pytest.mark.slow
 def test_sigkilled_trainer_resumes_bit_identical(tmp_path, python, child_env):
     sigkill_campaign(tmp_path, python, child_env, kills=2, seed=16)
 
@@ -98,6 +99,7 @@ def test_import_error_names_the_extra(python, child_env):
     )
 
 
+@pytest.mark.slow
 def test_example_runs(tmp_path, python, child_env):
     example = Path(__file__).parents[2] / "examples" / "integrations" / "hf_example.py"
     proc = subprocess.run(

@@ -29,6 +29,8 @@ from pcframe.distributed import global_versions
 from pcframe.format.names import version_name
 from tests.integrations.killing import tree_differences
 
+pytestmark = pytest.mark.slow  # end to end, several seconds each
+
 pytest.importorskip("transformers")
 
 CHILD = Path(__file__).with_name("train_child_hf_ranks.py")

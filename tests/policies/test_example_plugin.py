@@ -80,6 +80,7 @@ def test_found_by_name_through_the_entry_point(installed: Path) -> None:
     assert saves == [3, 6, 9]
 
 
+@pytest.mark.slow
 def test_the_plugins_own_suite_passes_with_the_conformance_kit(installed: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(installed), *sys.path])}
     done = subprocess.run(
@@ -118,6 +119,7 @@ def _app(name: str, *args: str, target: Path, cwd: Path) -> subprocess.Completed
     )
 
 
+@pytest.mark.slow
 def test_pcframe_run_selects_the_plugin_by_name_with_its_arguments(installed: Path, tmp_path):
     """No YAML anywhere: the entry-point name is a ``policy/interval`` option of the apps."""
     out = tmp_path / "out"
@@ -172,6 +174,7 @@ def test_a_wrong_plugin_argument_is_one_line_and_exit_code_2(
     assert done.stdout == ""
 
 
+@pytest.mark.slow
 def test_pcframe_sim_and_help_know_the_plugin(installed: Path, tmp_path: Path) -> None:
     from pcframe.policies.traces import shared_traces_dir
 

@@ -581,6 +581,7 @@ CHILDREN = [(m, o, w) for w in ("plain", "notice") for m in (1, 2) for o in (Tru
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_sigterm_at_random_moments_of_real_training_children(tmp_path, child_env):
     """Real children train and save at every step; the parent sends SIGTERM at a random
     moment (seeded). Each exits 0 within seconds, its emergency version committed holding

@@ -129,6 +129,7 @@ def _transformers(directory: str) -> None:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("framework", ["lightning", "transformers"])
+@pytest.mark.slow
 def test_sigterm_in_a_framework_loop_the_docs_way(tmp_path, child_env, framework):
     pytest.importorskip("lightning" if framework == "lightning" else "transformers")
     from tests.warm import WarmProcess

@@ -177,6 +177,7 @@ print("ok")
 
 
 @pytest.mark.parametrize("algo", ["crc32c", "pcf64"])
+@pytest.mark.slow
 def test_triton_backend_on_cpu_through_its_interpreter(tmp_path, python, child_env, algo):
     """CPU twin of the GPU test: the Triton copy kernels run in Triton's interpreter."""
     pytest.importorskip("triton")

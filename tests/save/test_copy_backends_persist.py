@@ -121,6 +121,7 @@ def check_recovers(root: Path) -> int:
 
 @needs_shm
 @pytest.mark.parametrize("point", ["chunk_written:7", "segment_written:9", "data_synced:3"])
+@pytest.mark.slow
 def test_sigkill_with_mmap_codecs_and_deltas_recovers(shm_dir, python, child_env, point):
     first = subprocess.Popen(
         [python, "-c", SAVER, str(shm_dir)], env=child_env, text=True, stdout=subprocess.PIPE

@@ -75,6 +75,7 @@ def start(python, env, root):
 
 
 @pytest.mark.parametrize("trials", [4, pytest.param(16, marks=pytest.mark.campaign)])
+@pytest.mark.slow
 def test_random_sigkills_always_recover(tmp_path, python, child_env, trials):
     rng = random.Random()
     latest, last_step = 0, 0

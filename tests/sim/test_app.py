@@ -28,6 +28,7 @@ def _rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(line for line in f if not line.startswith("#")))
 
 
+@pytest.mark.slow
 def test_one_run_writes_csv_markdown_and_plots(tmp_path: Path, child_env: dict) -> None:
     out = tmp_path / "run"
     proc = subprocess.run(
@@ -49,6 +50,7 @@ def test_one_run_writes_csv_markdown_and_plots(tmp_path: Path, child_env: dict) 
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_a_multirun_sweep_is_merged_into_one_table(tmp_path: Path, child_env: dict) -> None:
     sweep = tmp_path / "sweep"
     proc = subprocess.run(
@@ -111,6 +113,7 @@ def test_an_unknown_baseline_is_rejected_with_the_choices() -> None:
         cases_from_config(cfg, [])
 
 
+@pytest.mark.slow
 def test_terminal_table_fits_and_csv_is_plain(tmp_path: Path, child_env: dict) -> None:
     out = tmp_path / "run"
     proc = subprocess.run(

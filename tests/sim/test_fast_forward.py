@@ -52,6 +52,7 @@ def _case(rng: random.Random) -> tuple:
 
 
 @pytest.mark.parametrize("seed", range(4))
+@pytest.mark.slow
 def test_the_fast_forward_changes_nothing_on_random_jobs(seed: int) -> None:
     rng = random.Random(seed)
     stretches = 0

@@ -108,6 +108,7 @@ def test_results_are_deterministic_for_a_seed() -> None:
     assert run(3) != run(4)  # the seed matters on count traces (2 of 4 VMs can be spared)
 
 
+@pytest.mark.slow
 def test_fast_paths_agree_with_asking_at_every_step() -> None:
     """The hints, the periodic kernel and the steady-state fast-forward against the slow
     reference that asks the policy at every single step, on two days of a real trace."""

@@ -109,6 +109,7 @@ def test_new_job_keys_are_validated(key: str, value: float) -> None:
         JobSpec(**{key: value})
 
 
+@pytest.mark.slow
 def test_age_aware_pa_fast_paths_agree_with_asking_every_step() -> None:
     from pcframe.policies.traces import load_traces, shared_traces_dir
 

@@ -99,6 +99,7 @@ class MoreVmsLater(ResourcePolicy):
         return {}
 
 
+@pytest.mark.slow
 def test_a_real_replay_stops_on_a_change_of_vms_and_is_killed_by_the_trace(
     tmp_path: Path,
 ) -> None:

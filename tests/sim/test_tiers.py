@@ -278,6 +278,7 @@ def _remote_by_time(seconds: float) -> P.PeersThenRemote:
 
 
 @pytest.mark.parametrize("seed", range(2))
+@pytest.mark.slow
 def test_the_fast_forward_changes_nothing_with_placements_on_random_jobs(seed: int) -> None:
     """As tests/sim/test_fast_forward.py, with a placement deciding what survives: stretches
     place their saves, roll the placement back with the policy, and a kill whose restore

@@ -6,6 +6,7 @@ import random
 import signal
 import subprocess
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -47,6 +48,7 @@ def run_child(python, env, directory, final=None, kill_after=None):
     return last
 
 
+@pytest.mark.slow
 def test_sigkill_and_resume_is_bit_identical(tmp_path, python, child_env):
     run_child(python, child_env, tmp_path / "straight", final=tmp_path / "straight.st")
     rng = random.Random()

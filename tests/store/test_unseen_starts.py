@@ -64,6 +64,7 @@ def restarted(root) -> list[Restarted]:
     return [e for e in policy.events if isinstance(e, Restarted)]
 
 
+@pytest.mark.slow
 def test_writers_killed_after_the_restored_version_are_counted(tmp_path):
     run_writer(tmp_path, save=True, ending=KILLED)  # writer 1 commits, then dies
     run_writer(tmp_path, save=False, ending=KILLED)  # 2 and 3 die before committing
@@ -73,6 +74,7 @@ def test_writers_killed_after_the_restored_version_are_counted(tmp_path):
     assert (event.step, event.clean, event.unseen_starts) == (7, False, 2)
 
 
+@pytest.mark.slow
 def test_a_clean_close_after_the_version_is_not_a_death(tmp_path):
     run_writer(tmp_path, save=True, ending=CLOSED)  # writer 1 commits and closes cleanly
     run_writer(tmp_path, save=False, ending=KILLED)  # writer 2 dies: the one Restarted

@@ -13,6 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import pcframe.policies as P
@@ -74,6 +75,7 @@ def start_upload_and_wait_for_first_part(ckpt, model, opt, server, bucket, versi
     wait_until(lambda: server.parts_in_flight(bucket).get(key, 0) >= 1, 60, f"a part of {key}")
 
 
+@pytest.mark.slow
 def test_server_sigkilled_mid_upload(own_moto_server: MotoServer, bucket: str, tmp_path: Path):
     server = own_moto_server
     model, opt = big_model()
@@ -120,6 +122,7 @@ def test_server_sigkilled_mid_upload(own_moto_server: MotoServer, bucket: str, t
         assert same(snapshot(model2), expected)
 
 
+@pytest.mark.slow
 def test_stalled_server_times_out_skips_to_the_newest_and_recovers(
     own_moto_server: MotoServer, bucket: str, tmp_path: Path
 ):
@@ -202,6 +205,7 @@ def run_uploader(python, env, server, bucket, local, crash_at=None, steps=4):
     return proc
 
 
+@pytest.mark.slow
 def test_uploader_sigkilled_before_its_marker_and_while_deleting(
     moto_server: MotoServer, bucket: str, tmp_path: Path, python: str, child_env: dict
 ):
@@ -237,6 +241,7 @@ def test_uploader_sigkilled_before_its_marker_and_while_deleting(
         assert torch.equal(weight, torch.full_like(weight, 7.0))
 
 
+@pytest.mark.slow
 def test_notice_aborts_an_older_stuck_upload_and_secures_the_emergency_version(
     own_moto_server: MotoServer, bucket: str, tmp_path: Path
 ):

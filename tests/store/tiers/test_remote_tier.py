@@ -173,6 +173,7 @@ def test_a_missing_bucket_without_create_is_an_error_not_an_empty_tier(
     assert fresh.committed_versions() == []
 
 
+@pytest.mark.slow
 def test_bad_remote_configuration_and_an_unreachable_server(tmp_path: Path) -> None:
     with pytest.raises(TierError, match=r"nosuch://b/run.*scheme"):
         RemoteTier("nosuch://b/run")
