@@ -162,12 +162,17 @@ def peak_rss() -> int:
 
 
 def folder_bytes(path: Path) -> int:
-    """Bytes a folder takes in its file system (allocated blocks)."""
-    total = 0
+    """Bytes a folder takes in its file system (allocated blocks), each file counted once:
+    a file renamed from one subfolder to another while the walk runs (the peer store moves
+    the files of a dropped copy into the next one) would otherwise be seen in both."""
+    total, seen = 0, set()
     for dirpath, _, names in os.walk(path):
         for name in names:
             with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+                info = os.lstat(os.path.join(dirpath, name))
+                if (info.st_dev, info.st_ino) not in seen:
+                    seen.add((info.st_dev, info.st_ino))
+                    total += info.st_blocks * 512
     return total
 
 

@@ -94,51 +94,68 @@ def send_version(directory: Path, dst: int, group: Any) -> int:
     _send_int(len(raw), dst, group)
     dist.send(torch.frombuffer(bytearray(raw), dtype=torch.uint8), dst, group=group)
     sent, failed = len(raw), 0
-    files: dict[str, torch.Tensor | None] = {}
+    descriptors: dict[str, int | None] = {}
     zeros = None
-    for piece in pieces(manifest):
-        if piece.file not in files:
-            files[piece.file] = _mapped(directory / piece.file)
-        data = files[piece.file]
-        if data is None or piece.offset + piece.length > data.numel():
+    try:
+        for piece in pieces(manifest):
+            if piece.file not in descriptors:
+                descriptors[piece.file] = _open(directory / piece.file)
+            if not failed and _send_mapped(descriptors[piece.file], piece, dst, group):
+                sent += piece.length
+                continue
             failed = 1  # unreadable, or shorter than its manifest
-        if failed:  # zeros keep the stream in step; the flag at the end refuses the copy
-            if zeros is None:
+            if zeros is None:  # zeros keep the stream in step; the flag refuses the copy
                 zeros = torch.zeros(max(p.length for p in pieces(manifest)), dtype=torch.uint8)
-            view = zeros[: piece.length]
-        else:
-            assert data is not None
-            view = data[piece.offset : piece.offset + piece.length]
-        dist.send(view, dst, group=group)
-        sent += piece.length
+            dist.send(zeros[: piece.length], dst, group=group)
+            sent += piece.length
+    finally:
+        for fd in descriptors.values():
+            if fd is not None:
+                os.close(fd)
     _send_int(failed, dst, group)
     return sent
 
 
-def _mapped(path: Path) -> torch.Tensor | None:
-    """The bytes of the file ``path``, mapped read-only (sent from the page cache with no copy
-    into a buffer first: a tenth of the sender's CPU), or None where it cannot be read.
-
-    The map is never written (the tensor only goes to ``dist.send``), and a committed
-    version's files are never truncated (a version is removed by unlinking its folder, which
-    leaves a map readable), so no read of it can fault."""
+def _open(path: Path) -> int | None:
+    """A descriptor of the regular file ``path``, or None where it cannot be opened."""
     try:
-        fd = open_regular(path)
+        return open_regular(path)
     except OSError:
         return None
+
+
+def _send_mapped(fd: int | None, piece: Piece, dst: int, group: Any) -> bool:
+    """Send ``piece`` of the file ``fd`` from a read-only map of it: from the page cache, with
+    no copy into a buffer first (a third of the sender's CPU). False, with nothing sent, where
+    it cannot be read. One piece mapped at a time: a whole file mapped would count in the
+    process's resident memory, which the peer tier's budget bounds.
+
+    Nothing writes the map (the tensor only goes to ``dist.send``), and a committed version's
+    files are never truncated (a version is removed by unlinking its folder, which leaves a
+    map readable), so no read of it can fault.
+    """
     try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return torch.empty(0, dtype=torch.uint8)
+        if fd is None or piece.offset + piece.length > os.fstat(fd).st_size:
+            return False
+        if piece.length == 0:
+            dist.send(torch.empty(0, dtype=torch.uint8), dst, group=group)
+            return True
+        start = piece.offset - piece.offset % mmap.ALLOCATIONGRANULARITY
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        memory = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+        length = piece.offset + piece.length - start
+        memory = mmap.mmap(fd, length, flags=flags, prot=mmap.PROT_READ, offset=start)
     except (OSError, ValueError):
-        return None
+        return False
+    try:
+        with warnings.catch_warnings():  # "not writable": nothing writes it
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(memory, dtype=torch.uint8)
+        dist.send(data[piece.offset - start :], dst, group=group)
+        del data
     finally:
-        os.close(fd)
-    with warnings.catch_warnings():  # "not writable": nothing writes it
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(memory, dtype=torch.uint8)
+        with contextlib.suppress(BufferError):  # a tensor still held: unmapped when freed
+            memory.close()
+    return True
 
 
 def receive_version(

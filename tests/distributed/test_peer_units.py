@@ -106,7 +106,6 @@ def _streams(rank, group, cases: list[tuple[str, str, str | None]]):
     return outcomes
 
 
-@pytest.mark.slow
 def test_the_shard_stream_copies_verified_files_and_refuses_anything_else(tmp_path):
     """One pair of real gloo ranks, several transfers in a row (each must end on both sides,
     or the next one would read the rest of it):
@@ -288,7 +287,6 @@ def _full_memory(rank, group, sent: str, into: str):
     return first, second
 
 
-@pytest.mark.slow
 def test_a_copy_that_cannot_be_written_is_refused_and_the_stream_stays_in_step(tmp_path):
     sent = _save(tmp_path / "sent", chunk_bytes=4096)  # several pieces after the failing one
     _, (first, second) = _two_ranks(_full_memory, str(sent), str(tmp_path / "in"))
