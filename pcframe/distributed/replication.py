@@ -253,8 +253,9 @@ class PeerReplication:
             if not missing:
                 wanted[src] = []
                 continue
-            room = all(self.store.make_room(src, v, n) for v, n in missing)
-            if not room or sum(n for _, n in missing) > self.store.budget:
+            # Room for the whole chain at once, keeping the bases it reads that are held here.
+            reads = [v for v, _ in chain if v in held.get(src, [])]
+            if not self.store.make_room(src, chain[-1][0], sum(n for _, n in missing), reads):
                 self.status.declined += 1
                 log.warning(
                     "peer tier: rank %d has no room for rank %d's version %d (%d bytes, budget "

@@ -180,6 +180,22 @@ def test_the_store_keeps_the_newest_per_rank_and_stays_within_its_budget(tmp_pat
     assert store.held() == {0: [3], 1: [1]}  # declining costs nothing
 
 
+def test_room_for_a_delta_chain_is_made_at_once_and_keeps_the_bases_it_reads(tmp_path):
+    """Room for two missing copies at once (a delta version and its missing base) prunes for
+    both; a held version the incoming chain reads stays even when it is the oldest."""
+    sent = _save(tmp_path / "sender")
+    size = sum(os.path.getsize(sent / n) for n in os.listdir(sent) if n.endswith(".bin"))
+    store = PeerStore(tmp_path / "peers", budget=4 * size, keep=3)
+    for version in (1, 2, 3):
+        assert store.make_room(0, version, size)
+        _copy_in(store, 0, version, sent)
+    # 3 held + 2 incoming > 4: two copies' room needed; v1 is read by the incoming chain.
+    assert store.make_room(0, 5, 2 * size, reads=[1])
+    assert store.held() == {0: [1, 3]}  # v2 went (to the spare), not v1
+    assert store.held_bytes() + max(store.spare_bytes(), 2 * size) <= store.budget
+    assert not store.make_room(0, 6, 3 * size, reads=[1])  # v1 and v3 (newest) both stay
+
+
 def test_half_received_copies_are_swept_at_start(tmp_path):
     store = PeerStore(tmp_path / "peers", budget=1 << 20)
     staging = store.staging(2, 5)

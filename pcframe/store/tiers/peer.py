@@ -32,6 +32,7 @@ import logging
 import os
 import shutil
 import threading
+from collections.abc import Collection
 from pathlib import Path
 
 from pcframe.errors import TierError
@@ -122,12 +123,14 @@ class PeerStore:
 
     # --- receiving -------------------------------------------------------------------------
 
-    def make_room(self, src: int, version: int, nbytes: int) -> bool:
-        """Prune so that a copy of ``nbytes`` for ``(src, version)`` fits; False if it does
-        not fit even with every prunable copy gone (the copy is then declined).
+    def make_room(self, src: int, version: int, nbytes: int, reads: Collection[int] = ()) -> bool:
+        """Prune so that ``nbytes`` of copies for ``(src, version)`` fit (a delta version's
+        missing bases and itself, together); False if they do not fit even with every
+        prunable copy gone (they are then declined).
 
         The newest copy of every rank stays until a newer one is in place (a failed transfer
-        never costs the last good copy), and so does every base a kept delta copy reads.
+        never costs the last good copy), and so does every base a kept delta copy reads, and
+        ``reads``: the versions of ``src`` held here that the incoming copy reads.
         While the copy is received the store holds the copies kept and the larger of the
         spare and the copy (written over the spare's files): that is what must fit.
         """
@@ -138,6 +141,7 @@ class PeerStore:
             used = sum(self._size(s, v) for s, vs in held.items() for v in vs)
             spare = self.spare_bytes()
             kept = {(s, vs[-1]) for s, vs in held.items()} | self._bases_needed(held)
+            kept |= {(src, base) for base in reads}
             for v, s in sorted((v, s) for s, vs in held.items() for v in vs):  # oldest first
                 if used + max(spare, nbytes) <= self.budget:
                     break
