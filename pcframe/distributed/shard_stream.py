@@ -18,7 +18,8 @@ A receiver may hand over the files of a copy it was going to delete anyway (``sp
 are renamed into the new copy and overwritten, so the copy lands in memory pages the node
 already holds. On ``/dev/shm`` that halves the receiver's CPU (measured: a fresh file costs
 the kernel a page to allocate and zero for every 4 KiB written, and the old copy's pages to
-free); bytes no piece covers are zeroed, so the copy is still the sender's files exactly.
+free). The pieces tile each file exactly (``read_manifest`` refuses a manifest whose chunks or
+segments leave a gap), so no old byte is left: the copy is still the sender's files exactly.
 """
 
 from __future__ import annotations
@@ -196,14 +197,10 @@ def receive_version(
     path.write_bytes(manifest_bytes)
     manifest = read_manifest(str(path))  # validated before anything is allocated from it
     digest = checksum_function(manifest.checksum)
-    sizes = file_sizes(manifest)
     spares = _spare_files(spare)
-    descriptors, recycled = {}, set()
-    for name, size in sizes.items():
-        descriptors[name], reused = _reserve(into / name, size, spares)
-        if reused:
-            recycled.add(name)
-    written = dict.fromkeys(sizes, 0)  # per file, the end of the pieces written so far
+    descriptors = {
+        name: _reserve(into / name, size, spares) for name, size in file_sizes(manifest).items()
+    }
     buffer = torch.empty(max((p.length for p in pieces(manifest)), default=0), dtype=torch.uint8)
     try:
         for piece in pieces(manifest):
@@ -211,13 +208,6 @@ def receive_version(
             dist.recv(view, src, group=group)
             if problem:
                 continue  # drained, never written: the stream stays in step with the sender
-            if piece.file in recycled and piece.offset > written[piece.file]:
-                # a gap: a new file reads zeros there, a recycled one its old bytes
-                start, file = written[piece.file], into / piece.file
-                problem = _zero(descriptors[piece.file], start, piece.offset, file)
-                if problem:
-                    continue
-            written[piece.file] = max(written[piece.file], piece.offset + piece.length)
             memory = memoryview(view.numpy())
             if piece.checksum and digest([memory]) != piece.checksum:
                 problem = (
@@ -229,9 +219,6 @@ def receive_version(
                 os.pwrite(descriptors[piece.file], memory, piece.offset)
             except OSError as exc:  # no room (a full /dev/shm): refused, the stream drained
                 problem = f"{into / piece.file}: cannot write the copy ({exc.strerror})"
-        for name in recycled:
-            if not problem and written[name] < sizes[name]:
-                problem = _zero(descriptors[name], written[name], sizes[name], into / name)
         if not problem:
             for fd in descriptors.values():
                 os.fdatasync(fd)
@@ -256,9 +243,9 @@ def _spare_files(spare: Path | None) -> list[Path]:
     return [path for _, path in sorted(found, key=lambda item: item[0], reverse=True)]
 
 
-def _reserve(path: Path, size: int, spares: list[Path]) -> tuple[int, bool]:
-    """A descriptor of the new file ``path`` of ``size`` bytes, and whether it is a spare
-    file renamed to it (its pages reused) rather than a new one."""
+def _reserve(path: Path, size: int, spares: list[Path]) -> int:
+    """A descriptor of the new file ``path`` of ``size`` bytes: a spare file renamed to it
+    where one is left (its pages reused), else a new one."""
     while spares:
         old = spares.pop(0)
         try:
@@ -270,24 +257,12 @@ def _reserve(path: Path, size: int, spares: list[Path]) -> tuple[int, bool]:
             continue
         if stat.S_ISREG(os.fstat(fd).st_mode):
             os.ftruncate(fd, size)
-            return fd, True
+            return fd
         os.close(fd)
         os.unlink(path)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     os.ftruncate(fd, size)
-    return fd, False
-
-
-def _zero(fd: int, start: int, end: int, path: Path) -> str:
-    """Write zeros over ``[start, end)`` of ``fd`` (the file ``path``: a recycled file's old
-    bytes there); returns a problem line, or ""."""
-    zeros = bytes(min(end - start, 1 << 20))
-    try:
-        while start < end:
-            start += os.pwrite(fd, zeros[: end - start], start)
-    except OSError as exc:
-        return f"{path}: cannot write the copy ({exc.strerror})"
-    return ""
+    return fd
 
 
 def _send_int(value: int, dst: int, group: Any) -> None:

@@ -15,6 +15,7 @@ import torch
 from pcframe import Checkpointer
 from pcframe.distributed.nodes import NodeMap, backed_up_by, check_replicas, replica_ranks
 from pcframe.errors import CorruptCheckpoint
+from pcframe.format.stripes import stored_data_bytes
 from pcframe.restore.reader import load_version
 from pcframe.store.tiers.peer import PeerStore
 from tests.distributed.launch import free_port
@@ -162,13 +163,20 @@ def _copy_in(store: PeerStore, src: int, version: int, source: Path) -> None:
     store.commit(src, version, staging)
 
 
-def test_the_store_keeps_the_newest_per_rank_and_stays_within_its_budget(tmp_path):
+def _store_of_three(tmp_path: Path, budget_copies: int, keep: int) -> tuple[PeerStore, int, Path]:
+    """A store given copies of versions 1, 2, 3 of rank 0, the size of one copy, and the
+    version directory copied."""
     sent = _save(tmp_path / "sender")
-    size = sum(os.path.getsize(sent / n) for n in os.listdir(sent) if n.endswith(".bin"))
-    store = PeerStore(tmp_path / "peers", budget=3 * size, keep=2)
+    size = stored_data_bytes(sent)
+    store = PeerStore(tmp_path / "peers", budget=budget_copies * size, keep=keep)
     for version in (1, 2, 3):
         assert store.make_room(0, version, size)
         _copy_in(store, 0, version, sent)
+    return store, size, sent
+
+
+def test_the_store_keeps_the_newest_per_rank_and_stays_within_its_budget(tmp_path):
+    store, size, sent = _store_of_three(tmp_path, budget_copies=3, keep=2)
     assert store.held() == {0: [2, 3]}  # keep=2
     assert store.make_room(1, 1, size)
     _copy_in(store, 1, 1, sent)
@@ -183,12 +191,7 @@ def test_the_store_keeps_the_newest_per_rank_and_stays_within_its_budget(tmp_pat
 def test_room_for_a_delta_chain_is_made_at_once_and_keeps_the_bases_it_reads(tmp_path):
     """Room for two missing copies at once (a delta version and its missing base) prunes for
     both; a held version the incoming chain reads stays even when it is the oldest."""
-    sent = _save(tmp_path / "sender")
-    size = sum(os.path.getsize(sent / n) for n in os.listdir(sent) if n.endswith(".bin"))
-    store = PeerStore(tmp_path / "peers", budget=4 * size, keep=3)
-    for version in (1, 2, 3):
-        assert store.make_room(0, version, size)
-        _copy_in(store, 0, version, sent)
+    store, size, _ = _store_of_three(tmp_path, budget_copies=4, keep=3)
     # 3 held + 2 incoming > 4: two copies' room needed; v1 is read by the incoming chain.
     assert store.make_room(0, 5, 2 * size, reads=[1])
     assert store.held() == {0: [1, 3]}  # v2 went (to the spare), not v1
@@ -372,7 +375,7 @@ def _copies_through_a_store(rank, group, sent: str, directory: str, budget: int,
             send_version(Path(sent), 1, group)
         return None
     store = PeerStore(Path(directory), budget=budget, keep=keep)
-    size = sum(os.path.getsize(Path(sent) / n) for n in os.listdir(sent) if n.endswith(".bin"))
+    size = stored_data_bytes(Path(sent))
     seen, out = set(), []
     for version in range(1, rounds + 1):
         assert store.make_room(0, version, size)
@@ -392,7 +395,7 @@ def test_a_store_receives_into_the_pages_of_the_copies_it_drops(tmp_path, budget
     copy after the first ones is written over a dropped copy's files, and every file under
     the store (the spare included) stays within the budget after each copy."""
     sent = _save(tmp_path / "sent")
-    size = sum(os.path.getsize(sent / n) for n in os.listdir(sent) if n.endswith(".bin"))
+    size = stored_data_bytes(sent)
     manifest = os.path.getsize(sent / "manifest.json")
     budget = int(budget_copies * size)
     _, got = _two_ranks(_copies_through_a_store, str(sent), str(tmp_path / "peers"), budget, keep)
