@@ -84,7 +84,7 @@ def _rank(rank: int, port: int, shard: str, store_dir: str, rounds: int, out: An
         else:
             assert store is not None
             version = i + 1
-            assert store.make_room(0, version, size)
+            assert store.make_room(size)
             staging = store.staging(0, version)
             receive_version(0, staging, None, spare=store.spare if way == "spare" else None)
             store.commit(0, version, staging)

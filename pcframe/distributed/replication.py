@@ -14,7 +14,8 @@ never interleave with the job's):
 2. ``all_gather`` of what each rank offers: the version and, for a delta version, the base
    versions it reads, with their sizes (a shard it cannot read offers nothing);
 3. ``all_gather`` of what each rank takes: per rank it backs up, the versions it lacks and
-   has room for (:meth:`PeerStore.make_room`); a copy that does not fit is declined;
+   has room for, made for all of them together (:meth:`PeerStore.admit`); a copy that does
+   not fit is declined;
 4. the transfers, in one order every rank follows (sender ascending, then receiver, bases
    first), each a :func:`~pcframe.distributed.shard_stream.send_version` /
    :func:`~pcframe.distributed.shard_stream.receive_version` pair, every piece verified;
@@ -244,30 +245,22 @@ class PeerReplication:
 
     def _want(self, offers: list[Any]) -> dict[int, list[int]]:
         """Per backed-up rank, the offered versions this rank lacks and has room for."""
-        held, wanted = self.store.held(), {}
-        for src in self.sources:
-            chain = offers[src]
-            if chain is None:
+        chains = {src: offers[src] for src in self.sources if offers[src] is not None}
+        wanted: dict[int, list[int]] = {}
+        for src, versions in self.store.admit(chains).items():
+            if versions is not None:
+                wanted[src] = versions
                 continue
-            missing = [(v, n) for v, n in chain if v not in held.get(src, [])]
-            if not missing:
-                wanted[src] = []
-                continue
-            # Room for the whole chain at once, keeping the bases it reads that are held here.
-            reads = [v for v, _ in chain if v in held.get(src, [])]
-            if not self.store.make_room(src, chain[-1][0], sum(n for _, n in missing), reads):
-                self.status.declined += 1
-                log.warning(
-                    "peer tier: rank %d has no room for rank %d's version %d (%d bytes, budget "
-                    "%d): declined",
-                    self.rank,
-                    src,
-                    chain[-1][0],
-                    sum(n for _, n in missing),
-                    self.store.budget,
-                )
-                continue
-            wanted[src] = [v for v, _ in missing]
+            self.status.declined += 1
+            log.warning(
+                "peer tier: rank %d has no room for rank %d's version %d (%d bytes with its "
+                "bases, budget %d): declined",
+                self.rank,
+                src,
+                chains[src][-1][0],
+                sum(n for _, n in chains[src]),
+                self.store.budget,
+            )
         return wanted
 
     def _receive(self, src: int, version: int, pin: str | None) -> bool:

@@ -107,3 +107,33 @@ def test_a_node_killed_at_a_random_moment_comes_back_from_what_was_secured(tmp_p
         got = final(tmp_path, "after", rank, restored)
         for key in expected:
             assert torch.equal(expected[key], got[key]), (rank, key)
+
+
+@pytest.mark.slow
+def test_with_two_replicas_two_nodes_lost_come_back_from_the_third_nodes_memory(tmp_path):
+    """3 nodes of one rank, ``replicas=2``: every rank keeps copies of both others' shards
+    (room made for both in each round). Nodes b and c are lost: node a alone brings the
+    job back from its disk and its memory, bit for bit, with no object store."""
+    three = {0: "a", 1: "b", 2: "c"}
+    root = tmp_path / "ckpt"
+    first = job(tmp_path, root, "first", 9, "--replicas", "2", nodes=three)
+    # The newest version reached both peers of every rank (an older one may have been
+    # superseded while a round ran: rounds copy the newest version every rank has).
+    assert all(3 in r["copied"] for r in first), [(r["copied"], r["skipped"]) for r in first]
+    kept = {p.relative_to(root / "a-shm").parts[1:] for p in root.glob("a-shm/*/rank-*/v*")}
+    assert {("rank-1", "v00000003"), ("rank-2", "v00000003")} <= kept  # both others' shards
+    assert {src for src, _ in kept} == {"rank-1", "rank-2"}
+    lose_node(root, "b")
+    lose_node(root, "c")
+    resumed = job(tmp_path, root, "resumed", 12, "--replicas", "2", nodes=three)
+    assert [r["restored_step"] for r in resumed] == [9] * 3
+    assert all(r["remote_bytes"] == 0 for r in resumed)
+    assert resumed[0]["shard_sources"] == {
+        "0": "local disk",
+        "1": "peer memory",
+        "2": "peer memory",
+    }
+    for rank in range(3):
+        expected, got = final(tmp_path, "first", rank, 9), final(tmp_path, "resumed", rank, 9)
+        assert expected.keys() == got.keys()
+        assert all(torch.equal(expected[k], got[k]) for k in expected), rank

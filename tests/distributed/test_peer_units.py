@@ -170,7 +170,7 @@ def _store_of_three(tmp_path: Path, budget_copies: int, keep: int) -> tuple[Peer
     size = stored_data_bytes(sent)
     store = PeerStore(tmp_path / "peers", budget=budget_copies * size, keep=keep)
     for version in (1, 2, 3):
-        assert store.make_room(0, version, size)
+        assert store.make_room(size)
         _copy_in(store, 0, version, sent)
     return store, size, sent
 
@@ -178,13 +178,13 @@ def _store_of_three(tmp_path: Path, budget_copies: int, keep: int) -> tuple[Peer
 def test_the_store_keeps_the_newest_per_rank_and_stays_within_its_budget(tmp_path):
     store, size, sent = _store_of_three(tmp_path, budget_copies=3, keep=2)
     assert store.held() == {0: [2, 3]}  # keep=2
-    assert store.make_room(1, 1, size)
+    assert store.make_room(size)
     _copy_in(store, 1, 1, sent)
     assert store.held_bytes() <= store.budget
     # A fourth copy fits only by dropping an old one; the newest of each rank stays.
-    assert store.make_room(1, 2, size)
+    assert store.make_room(size)
     assert store.held() == {0: [3], 1: [1]}
-    assert not store.make_room(1, 3, 4 * size)  # larger than the whole budget: declined
+    assert not store.make_room(4 * size)  # larger than the whole budget: declined
     assert store.held() == {0: [3], 1: [1]}  # declining costs nothing
 
 
@@ -193,10 +193,41 @@ def test_room_for_a_delta_chain_is_made_at_once_and_keeps_the_bases_it_reads(tmp
     both; a held version the incoming chain reads stays even when it is the oldest."""
     store, size, _ = _store_of_three(tmp_path, budget_copies=4, keep=3)
     # 3 held + 2 incoming > 4: two copies' room needed; v1 is read by the incoming chain.
-    assert store.make_room(0, 5, 2 * size, reads=[1])
+    assert store.make_room(2 * size, reads=[(0, 1)])
     assert store.held() == {0: [1, 3]}  # v2 went (to the spare), not v1
     assert store.held_bytes() + max(store.spare_bytes(), 2 * size) <= store.budget
-    assert not store.make_room(0, 6, 3 * size, reads=[1])  # v1 and v3 (newest) both stay
+    assert not store.make_room(3 * size, reads=[(0, 1)])  # v1 and v3 (newest) both stay
+
+
+def _store_backing_up_two(tmp_path: Path, budget_copies: int) -> tuple[PeerStore, int]:
+    """Versions 1-3 of rank 0 (keep 3) and version 1 of rank 1 held; the size of a copy."""
+    store, size, sent = _store_of_three(tmp_path, budget_copies=budget_copies, keep=3)
+    assert store.make_room(size)
+    _copy_in(store, 1, 1, sent)
+    assert store.held() == {0: [1, 2, 3], 1: [1]}
+    return store, size
+
+
+def test_room_for_two_ranks_chains_is_made_together(tmp_path):
+    """Two backed-up ranks offer at once: room is made for both chains together, so the
+    copies fit in the budget while both arrive (each chain alone fits)."""
+    store, size = _store_backing_up_two(tmp_path, budget_copies=5)
+    # Rank 0: a delta version 5 on its held version 1; rank 1: a full version 6.
+    answer = store.admit({0: [(1, size), (5, size)], 1: [(6, size)]})
+    assert answer == {0: [5], 1: [6]}
+    assert store.held_bytes() + max(store.spare_bytes(), 2 * size) <= store.budget
+    assert 1 in store.held()[0]  # the base rank 0's delta reads
+
+
+def test_room_made_for_one_rank_never_prunes_a_base_another_ranks_chain_reads(tmp_path):
+    """Rank 1's chain does not fit beside rank 0's without pruning the version 1 that rank
+    0's incoming delta reads: rank 1's is declined, and that base stays."""
+    store, size = _store_backing_up_two(tmp_path, budget_copies=4)
+    answer = store.admit({0: [(1, size), (5, size)], 1: [(5, size), (6, size)]})
+    assert answer == {0: [5], 1: None}
+    assert store.held() == {0: [1, 3], 1: [1]}  # version 2 made the room; 1 stays
+    assert store.held_bytes() + max(store.spare_bytes(), size) <= store.budget
+    assert store.admit({0: [(1, size), (3, size)]}) == {0: []}  # held: nothing to receive
 
 
 def test_half_received_copies_are_swept_at_start(tmp_path):
@@ -378,7 +409,7 @@ def _copies_through_a_store(rank, group, sent: str, directory: str, budget: int,
     size = stored_data_bytes(Path(sent))
     seen, out = set(), []
     for version in range(1, rounds + 1):
-        assert store.make_room(0, version, size)
+        assert store.make_room(size)
         staging = store.staging(0, version)
         receive_version(0, staging, group, spare=store.spare)
         store.commit(0, version, staging)

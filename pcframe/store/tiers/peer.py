@@ -32,7 +32,7 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 from pcframe.errors import TierError
@@ -123,16 +123,43 @@ class PeerStore:
 
     # --- receiving -------------------------------------------------------------------------
 
-    def make_room(self, src: int, version: int, nbytes: int, reads: Collection[int] = ()) -> bool:
-        """Prune so that ``nbytes`` of copies for ``(src, version)`` fit (a delta version's
-        missing bases and itself, together); False if they do not fit even with every
-        prunable copy gone (they are then declined).
+    def admit(self, offers: Mapping[int, Sequence[tuple[int, int]]]) -> dict[int, list[int] | None]:
+        """What to receive of what the backed-up ranks offer: ``offers`` maps a rank to its
+        chain ``[(version, bytes)]`` (a delta version's bases first); the answer maps it to
+        the versions of that chain not held here (``[]``: nothing to receive), or ``None``
+        where they do not fit (declined).
+
+        Room is made for every admitted chain together, in the order given: a later rank's
+        copies never prune a base an earlier rank's chain reads, and the copies of all of
+        them fit in the budget while they arrive one after another.
+        """
+        answer: dict[int, list[int] | None] = {}
+        admitted, reads = 0, set[tuple[int, int]]()
+        for src, chain in offers.items():
+            held = set(self.held().get(src, []))  # again: room made for a rank before may prune
+            missing = [(v, n) for v, n in chain if v not in held]
+            if not missing:
+                answer[src] = []
+                continue
+            these = {(src, v) for v, _ in chain if v in held}
+            need = sum(n for _, n in missing)
+            if not self.make_room(admitted + need, reads | these):
+                answer[src] = None
+                continue
+            admitted, reads = admitted + need, reads | these
+            answer[src] = [v for v, _ in missing]
+        return answer
+
+    def make_room(self, nbytes: int, reads: Collection[tuple[int, int]] = ()) -> bool:
+        """Prune so that ``nbytes`` of incoming copies fit (a delta version's missing bases
+        and itself, together; several ranks' at once); False if they do not fit even with
+        every prunable copy gone (they are then declined).
 
         The newest copy of every rank stays until a newer one is in place (a failed transfer
         never costs the last good copy), and so does every base a kept delta copy reads, and
-        ``reads``: the versions of ``src`` held here that the incoming copy reads.
-        While the copy is received the store holds the copies kept and the larger of the
-        spare and the copy (written over the spare's files): that is what must fit.
+        ``reads``: the held copies ``(src, version)`` the incoming copies read.
+        While a copy is received the store holds the copies kept and the larger of the spare
+        and the copies (written over the spare's files): that is what must fit.
         """
         with self._lock:
             if nbytes > self.budget:
@@ -141,7 +168,7 @@ class PeerStore:
             used = sum(self._size(s, v) for s, vs in held.items() for v in vs)
             spare = self.spare_bytes()
             kept = {(s, vs[-1]) for s, vs in held.items()} | self._bases_needed(held)
-            kept |= {(src, base) for base in reads}
+            kept |= set(reads)
             for v, s in sorted((v, s) for s, vs in held.items() for v in vs):  # oldest first
                 if used + max(spare, nbytes) <= self.budget:
                     break
