@@ -40,6 +40,9 @@ simulator's prediction made from a calibration measured **before** the replays.
 
     python experiments/sim/validate_replay.py --size campaign   # ~50 min here
     python experiments/sim/validate_replay.py --size quick      # smoke, ~4 min
+    # every fixed interval at every shift, calibrated again before each trace (~55 min):
+    python experiments/sim/validate_replay.py --size campaign --policies --fixed-offsets all \
+        --calibrate per-trace --out experiments/results/sim_validation_fixed
 """
 
 from __future__ import annotations
@@ -113,6 +116,8 @@ SIZES: dict[str, dict[str, Any]] = {
         fixed=CAMPAIGN_FIXED,
         policies=CAMPAIGN_POLICIES,
         offsets=[0.0, 1.5, 3.0],
+        fixed_offsets="one",
+        calibrate="once",
         restarts=6,
         draws=24,
         steps_scale=1.0,
@@ -123,6 +128,8 @@ SIZES: dict[str, dict[str, Any]] = {
         fixed=["fixed:25:1"],
         policies=["pa:2", "notice:1", "checkfreq:2"],
         offsets=[0.0],
+        fixed_offsets="one",
+        calibrate="once",
         restarts=3,
         draws=6,
         steps_scale=0.3,
@@ -448,6 +455,9 @@ def plan(args: argparse.Namespace) -> list[tuple[str, Config, float]]:
     out = []
     for i, key in enumerate(args.traces):
         for text in args.fixed:
+            if args.fixed_offsets == "all":  # shifted like the policies: a mean per interval
+                out += [(key, Config.parse(text), o) for o in args.offsets]
+                continue
             # One offset per fixed interval, rotated over the traces and intervals.
             j = (i + len(out)) % len(args.offsets)
             out.append((key, Config.parse(text), args.offsets[j]))
@@ -468,6 +478,18 @@ def main() -> None:
         type=float,
         help="shift the kill schedule earlier by these multiples of the trace's mean gap; "
         "each policy is replayed once per shift, each fixed interval at one of them",
+    )
+    parser.add_argument(
+        "--fixed-offsets",
+        choices=["one", "all"],
+        help="replay each fixed interval at one of the offsets (rotated; the presets) or at "
+        "all of them",
+    )
+    parser.add_argument(
+        "--calibrate",
+        choices=["once", "per-trace"],
+        help="calibrate once before every replay (the presets) or again before each trace's "
+        "replays (inputs measured closer to the runs they predict, still before them)",
     )
     parser.add_argument("--restarts", type=int, help="kills of the restart calibration")
     parser.add_argument("--draws", type=int, help="seeds of each jittered prediction")
@@ -493,10 +515,14 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="pcframe-validate-"))  # the system temp dir
     began = time.monotonic()
     try:
-        cal = calibrate(args, sorted({c.in_flight for _, c, _ in replays}), root)
-        print(f"calibrated in {time.monotonic() - began:.0f} s: {summary_line(cal)}")
+        in_flight = sorted({c.in_flight for _, c, _ in replays})
+        cals: dict[str, dict[str, Any]] = {}  # by the trace it was made before ("" : all)
         groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for i, (key, config, offset) in enumerate(replays):
+            due = key if args.calibrate == "per-trace" else ""
+            if due not in cals:
+                cals[due] = cal = calibrate(args, in_flight, root)
+                print(f"calibrated at {time.monotonic() - began:.0f} s: {summary_line(cal)}")
             setup = TRACES[key]
             trace_kills = trace_times(resolve_trace(setup.path))
             c = compression(trace_kills, setup.gap)
@@ -560,7 +586,7 @@ def main() -> None:
                 f"run {r['error_pct']:+.1f} %, in-replay check {r['error_in_replay_pct']:+.1f} %"
             )
             # Rewritten after every replay: a campaign cut short keeps what it measured.
-            write_outputs(args, with_means(groups), cal, done, len(replays))
+            write_outputs(args, with_means(groups), cals, done, len(replays))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -749,8 +775,33 @@ def _ms(stats: dict[str, float]) -> str:
     return f"{1e3 * stats['median']:.1f} ms (spread {1e3 * stats['spread']:.1f})"
 
 
+def calibration_paragraph(key: str, cal: dict) -> str:
+    """One calibration as the results file states it (``key``: the trace it was made
+    before, or "" when one calibration served every replay)."""
+    r, n = cal["restart_stats"], cal["costs"]
+    costs = "; ".join(
+        f"N={k}: stall {_ms(v['stall'])}, durable {_ms(v['durable'])} ({v['durable']['n']} saves)"
+        for k, v in n.items()
+    )
+    when = f"before the {key} replays" if key else "before every replay"
+    samples = " ".join(f"{s:.2f}" for s in cal["restart_samples"])
+    return (
+        f"**Calibration, {when}** (medians; spread = 1.4826 x MAD): step "
+        f"{1e3 * cal['iteration_time']:.1f} ms (bare loop {1e3 * cal['iteration_bare']:.1f} ms), "
+        f"restart {r['median']:.2f} s (spread {r['spread']:.2f} s, min {r['min']:.2f}, max "
+        f"{r['max']:.2f}, {r['n']} kills: {samples}); "
+        f"{costs}. Load average {cal['load_before']:.2f} before, {cal['load_after']:.2f} after; "
+        f"CPU share {cal['cpu_share']:.2f}; CPU pressure {cal['cpu_pressure']:.2f} (the share "
+        "of the time some task waited for a CPU, `/proc/pressure/cpu`).\n\n"
+    )
+
+
 def write_outputs(
-    args: argparse.Namespace, rows: list[dict], cal: dict, seconds: float, planned: int
+    args: argparse.Namespace,
+    rows: list[dict],
+    cals: dict[str, dict],
+    seconds: float,
+    planned: int,
 ) -> None:
     out = Path(args.out)
     write_csv(rows, out.with_suffix(".csv"), header=csv_header())
@@ -759,17 +810,13 @@ def write_outputs(
         f"{args.steps_scale:g})"
         for k in args.traces
     )
-    r, n = cal["restart_stats"], cal["costs"]
-    costs = "; ".join(
-        f"N={k}: stall {_ms(v['stall'])}, durable {_ms(v['durable'])} ({v['durable']['n']} saves)"
-        for k, v in n.items()
-    )
     text = header(
         "Validation: simulator vs real replays with SIGKILLs, predicted beforehand",
         f"Size `{args.size}`, {sum(r['offset_gaps'] != 'mean' for r in rows)} of {planned} "
         f"replays, {seconds / 60:.1f} min. Traces: {traces}; "
         f"offsets {', '.join(f'{o:g}' for o in args.offsets)} mean gaps (each policy once per "
-        "offset, each fixed interval at one). Training child: the real engine asking the real "
+        f"offset, each fixed interval at {'every one' if args.fixed_offsets == 'all' else 'one'}). "
+        "Training child: the real engine asking the real "
         f"interval policy at every step, a real MLP (10 MB of state) whose steps also sleep "
         f"{args.accelerator_ms:g} ms for the accelerator (`replay_child.py`); `notice:N` gets a "
         f"notice file {args.notice_lead:g} s before each kill (the traces' 30-120 s notices "
@@ -779,14 +826,9 @@ def write_outputs(
             if args.seeded
             else "with default priors. "
         )
-        + "\n\n**Calibration, before every replay** (medians; spread = 1.4826 x MAD): step "
-        f"{1e3 * cal['iteration_time']:.1f} ms (bare loop {1e3 * cal['iteration_bare']:.1f} ms), "
-        f"restart {r['median']:.2f} s (spread {r['spread']:.2f} s, min {r['min']:.2f}, max "
-        f"{r['max']:.2f}, {r['n']} kills: {' '.join(f'{s:.2f}' for s in cal['restart_samples'])}); "
-        f"{costs}. Load average {cal['load_before']:.2f} before, {cal['load_after']:.2f} after; "
-        f"CPU share {cal['cpu_share']:.2f}; CPU pressure {cal['cpu_pressure']:.2f} (the share "
-        "of the time some task waited for a CPU, `/proc/pressure/cpu`).\n\n"
-        "`goodput_window_predicted` (the headline): the simulator from the calibration only, "
+        + "\n\n"
+        + "".join(calibration_paragraph(key, cal) for key, cal in cals.items())
+        + "`goodput_window_predicted` (the headline): the simulator from the calibration only, "
         f"the mean over {args.draws} seeds of restart and step times drawn with the calibrated "
         "spread (p10-p90 beside it), the policy asked at every step, scored over the replay's "
         f"window (`window_s`: {WINDOW:g} x the shortest predicted wall, fixed before the "

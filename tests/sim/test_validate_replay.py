@@ -134,6 +134,18 @@ def test_campaign_covers_the_issue_matrix() -> None:
     assert 30 <= len(replays) <= 45  # ~55 min at 60-90 s a replay
 
 
+def test_every_fixed_interval_can_be_replayed_at_every_shift() -> None:
+    """``--fixed-offsets all``: each fixed interval of each trace at every offset (a mean per
+    interval, as for the policies); the preset replays each at one of them."""
+    args = argparse.Namespace(**dict(V.SIZES["campaign"], fixed_offsets="all", policies=[]))
+    replays = V.plan(args)
+    assert len(replays) == len(args.traces) * len(args.fixed) * len(args.offsets)
+    for key in args.traces:
+        for text in args.fixed:
+            offsets = [o for k, c, o in replays if k == key and c.label == text]
+            assert sorted(offsets) == sorted(args.offsets), (key, text)
+
+
 def test_prediction_runs_each_policy_at_every_step() -> None:
     x = {
         "iteration_time": 0.1,
@@ -211,11 +223,17 @@ def test_report_has_the_headline_and_every_column(tmp_path) -> None:
         notice_lead=1.0,
         seeded=True,
         draws=2,
+        fixed_offsets="all",
     )
-    V.write_outputs(args, V.with_means({("medium", "pa:1"): rows}), cal, 60.0, 2)
+    later = dict(cal, restart_stats=dict(cal["restart_stats"], median=3.1))
+    cals = {"medium": cal, "mild": later}  # --calibrate per-trace: one paragraph each
+    V.write_outputs(args, V.with_means({("medium", "pa:1"): rows}), cals, 60.0, 2)
     text = (tmp_path / "report.md").read_text()
     assert text.startswith("# Validation") and "Command: `" in text
     assert "restart 2.45 s (spread" in text and "CPU pressure 0.05" in text
+    assert "**Calibration, before the medium replays**" in text
+    assert "**Calibration, before the mild replays**" in text and "restart 3.10 s" in text
+    assert "each fixed interval at every one" in text
     head = next(line for line in text.splitlines() if line.startswith("| trace | config"))
     for column in ("goodput_measured", "goodput_predicted", "error_pct", "goodput_in_replay"):
         assert f"| {column} |" in head
