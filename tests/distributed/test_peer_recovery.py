@@ -21,7 +21,7 @@ from tests.helpers import flip_byte
 def test_a_lost_node_comes_back_from_its_peers_memory_bit_identical(tmp_path, reference):
     shutil.copytree(reference / "out", tmp_path / "out")
     root = tmp_path / "ckpt"
-    first = job(tmp_path, root, "first", 9)
+    first = job(tmp_path, root, "first", 9, "--wait-peers")
     assert all(r["copied"] == [1, 2, 3] for r in first), first  # every version on a peer
     lose_node(root, "b")
     resumed = job(tmp_path, root, "resumed", 12)
@@ -52,7 +52,7 @@ def test_a_damaged_peer_copy_is_dropped_and_the_version_before_it_is_taken(tmp_p
     elsewhere, so v3 is passed over (not set aside: it is not damaged), and v2 loads."""
     shutil.copytree(reference / "out", tmp_path / "out")
     root = tmp_path / "ckpt"
-    job(tmp_path, root, "first", 9)
+    job(tmp_path, root, "first", 9, "--wait-peers")  # v2's copy is there to fall back on
     lose_node(root, "b")
     copy = next((root / "a-shm").glob("kept-by-rank-*/rank-2/v00000003"))
     flip_byte(copy / "data.bin", 100)

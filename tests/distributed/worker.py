@@ -446,6 +446,8 @@ def nodes(args: argparse.Namespace, out: dict[str, Any]) -> None:
                 if args.sync:
                     handle.wait()
                     print(f"step {step} version {handle.version} global", flush=True)
+                if args.wait_peers and ckpt.peers is not None:  # its peer round ended here
+                    assert ckpt.peers.wait(handle.version, timeout=120), handle.version
             if ckpt.last_secured is not None and "secured" not in out:
                 secured = ckpt.last_secured
                 out["secured"] = [secured.version, list(secured.tiers), secured.durable]
@@ -723,6 +725,12 @@ def main() -> None:
     parser.add_argument("--emergency-at", type=int, help="a notice at this step (nodes)")
     parser.add_argument("--emergency-rank", type=int, default=-1, help="on this rank (nodes)")
     parser.add_argument("--slow-peer", type=int, default=-1, help="a slow receiver (nodes)")
+    parser.add_argument(
+        "--wait-peers",
+        action="store_true",
+        help="train on only once each version's peer round ended (nodes): every version is "
+        "copied, none superseded, however slow the machine",
+    )
     parser.add_argument("--remote", help="an S3 URL every rank also uploads to (nodes)")
     parser.add_argument("--remote-endpoint", help="the S3 server's URL (nodes)")
     args = parser.parse_args()
