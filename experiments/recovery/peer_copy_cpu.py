@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import resource
 import shutil
 import socket
-import statistics
+import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +35,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # results_file
+from results_file import command_line, header, table_lines, write_results
+from run_recovery import spread
+
 from pcframe import Checkpointer
 from pcframe.distributed.shard_stream import receive_version, send_version
+from pcframe.format.stripes import stored_data_bytes
 from pcframe.store.tiers.peer import PeerStore
 
 WARM = 2  # rounds of each way not counted: the store holds fewer than `keep` copies
@@ -72,7 +75,7 @@ def _rank(rank: int, port: int, shard: str, store_dir: str, rounds: int, out: An
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    size = sum(p.stat().st_size for p in Path(shard).glob("*.bin"))
+    size = stored_data_bytes(Path(shard))  # what the store counts a copy as
     store = PeerStore(Path(store_dir), budget=int(2.5 * size), keep=2) if rank == 1 else None
     samples: list[tuple[str, float, float]] = []
     for i in range(2 * rounds):
@@ -92,11 +95,6 @@ def _rank(rank: int, port: int, shard: str, store_dir: str, rounds: int, out: An
     dist.barrier()
     out.put((rank, samples[2 * WARM :]))
     dist.destroy_process_group()
-
-
-def _spread(values: list[float], fmt: str = "{:.3f}") -> str:
-    low, mid, high = (fmt.format(x) for x in (min(values), statistics.median(values), max(values)))
-    return f"{mid} ({low}..{high})"
 
 
 def main() -> None:
@@ -136,30 +134,21 @@ def main() -> None:
         receive = [c for w, c, _ in got[1] if w == way]
         wall = [t for w, _, t in got[1] if w == way]
         per_way[way] = (send, receive)
-        rows.append(
-            f"| {way} | {len(receive)} | {_spread(send)} | {_spread(receive)} | {_spread(wall)} |"
-        )
+        rows.append([way, len(receive), *(spread(v, "{:.3f}") for v in (send, receive, wall))])
     ratios = [s / f for s, f in zip(per_way["spare"][1], per_way["fresh"][1], strict=False)]
+    note = f"{os.cpu_count()} CPU cores, load average before {os.getloadavg()[0]:.2f}"
     lines = [
-        "# One peer copy's CPU time (two gloo ranks on loopback)",
-        "",
-        f"Command: `python experiments/recovery/peer_copy_cpu.py --mib {args.mib} --rounds "
-        f"{args.rounds}`",
-        "",
-        f"_generated {datetime.now():%Y-%m-%d %H:%M} on {platform.node()}: {os.cpu_count()} CPU "
-        f"cores, torch {torch.__version__}; load average before "
-        f"{os.getloadavg()[0]:.2f}_",
-        "",
+        *header("One peer copy's CPU time (two gloo ranks on loopback)", command_line(), note),
         f"A {args.mib} MiB shard sent by rank 0 and received by rank 1 into a `PeerStore` on "
         f"{args.shm} (2.5 copies of budget, `keep=2`), the two ways alternating round by round; "
         f"the first {WARM} rounds of each way not counted. Cells: median (min..max) over the "
         "copies, in seconds.",
         "",
-        "| way | copies | sender CPU | receiver CPU | receiver wall |",
-        "|---|---:|---:|---:|---:|",
-        *rows,
+        *table_lines(
+            ["way", "copies", "sender CPU", "receiver CPU", "receiver wall"], rows, "lrrrr"
+        ),
         "",
-        f"* receiver CPU, spare ÷ fresh, paired per round: {_spread(ratios)}x",
+        f"* receiver CPU, spare ÷ fresh, paired per round: {spread(ratios, '{:.3f}')}x",
         "",
         "spare: the shipped path (the copy written over the files of the copy the store drops); "
         "fresh: new files, the dropped copy deleted at the commit (the store before). The sender "
@@ -168,7 +157,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        args.out.write_text(text)
+        write_results(args.out, text)
 
 
 if __name__ == "__main__":

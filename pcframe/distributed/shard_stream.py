@@ -95,13 +95,13 @@ def send_version(directory: Path, dst: int, group: Any) -> int:
     _send_int(len(raw), dst, group)
     dist.send(torch.frombuffer(bytearray(raw), dtype=torch.uint8), dst, group=group)
     sent, failed = len(raw), 0
-    descriptors: dict[str, int | None] = {}
+    opened: dict[str, tuple[int, int] | None] = {}  # per file: (descriptor, size)
     zeros = None
     try:
         for piece in pieces(manifest):
-            if piece.file not in descriptors:
-                descriptors[piece.file] = _open(directory / piece.file)
-            if not failed and _send_mapped(descriptors[piece.file], piece, dst, group):
+            if piece.file not in opened:
+                opened[piece.file] = _open(directory / piece.file)
+            if not failed and _send_mapped(opened[piece.file], piece, dst, group):
                 sent += piece.length
                 continue
             failed = 1  # unreadable, or shorter than its manifest
@@ -110,34 +110,42 @@ def send_version(directory: Path, dst: int, group: Any) -> int:
             dist.send(zeros[: piece.length], dst, group=group)
             sent += piece.length
     finally:
-        for fd in descriptors.values():
-            if fd is not None:
-                os.close(fd)
+        for handle in opened.values():
+            if handle is not None:
+                os.close(handle[0])
     _send_int(failed, dst, group)
     return sent
 
 
-def _open(path: Path) -> int | None:
-    """A descriptor of the regular file ``path``, or None where it cannot be opened."""
+def _open(path: Path) -> tuple[int, int] | None:
+    """A descriptor of the regular file ``path`` and its size (a committed version's files
+    do not change), or None where it cannot be opened."""
     try:
-        return open_regular(path)
+        fd = open_regular(path)
     except OSError:
+        return None
+    try:
+        return fd, os.fstat(fd).st_size
+    except OSError:
+        os.close(fd)
         return None
 
 
-def _send_mapped(fd: int | None, piece: Piece, dst: int, group: Any) -> bool:
-    """Send ``piece`` of the file ``fd`` from a read-only map of it: from the page cache, with
-    no copy into a buffer first (a fifth of the sender's CPU). False, with nothing sent, where
-    it cannot be read. One piece mapped at a time: a whole file mapped would count in the
-    process's resident memory, which the peer tier's budget bounds.
+def _send_mapped(opened: tuple[int, int] | None, piece: Piece, dst: int, group: Any) -> bool:
+    """Send ``piece`` of the file ``opened`` (descriptor, size) from a read-only map of it:
+    from the page cache, with no copy into a buffer first (a fifth of the sender's CPU).
+    False, with nothing sent, where it cannot be read. One piece mapped at a time: a whole
+    file mapped would count in the process's resident memory, which the peer tier's budget
+    bounds.
 
     The tensor only goes to ``dist.send``, and a committed version's files are never
     truncated (a version is removed by unlinking its folder, which leaves a map readable), so
     no read of it can fault.
     """
+    if opened is None or piece.offset + piece.length > opened[1]:
+        return False  # unreadable, or shorter than its manifest
+    fd = opened[0]
     try:
-        if fd is None or piece.offset + piece.length > os.fstat(fd).st_size:
-            return False
         if piece.length == 0:
             dist.send(torch.empty(0, dtype=torch.uint8), dst, group=group)
             return True
