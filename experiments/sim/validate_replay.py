@@ -227,10 +227,10 @@ def supervised(
     steps: int,
     mtbf: float = 3600.0,
     priors: dict[str, float] | None = None,
-) -> tuple[Any, list[tuple[float, int]], list[float], int]:
-    """A supervised child killed at ``kills``: the run, its (time, step) lines, each life's
-    compute seconds per step (``pace`` events, checkpoint stalls left out) and the notices
-    delivered."""
+) -> tuple[Any, list[tuple[float, int]], dict[int, float], int]:
+    """A supervised child killed at ``kills``: the run, its (time, step) lines, the compute
+    seconds per step of each life that trained long enough, by its index in ``run.lives``
+    (``pace`` events, checkpoint stalls left out) and the notices delivered."""
     timeline: list[tuple[float, int]] = []
     paces: dict[int, tuple[int, float]] = {}
     done_at: list[float] = []
@@ -272,7 +272,9 @@ def supervised(
     finally:
         if writer is not None:
             writer.stop()
-    per_life = [seconds / steps for steps, seconds in paces.values() if steps >= MIN_PACE_STEPS]
+    per_life = {
+        life: seconds / steps for life, (steps, seconds) in paces.items() if steps >= MIN_PACE_STEPS
+    }
     if done_at:
         # The job ends when its last step is durable and the engine closed (the ``done``
         # line), as in the simulator, not when the interpreter has torn torch down (~0.5-1 s
@@ -334,7 +336,7 @@ def calibrate(args: argparse.Namespace, in_flights: list[int], root: Path) -> di
         "restart_jitter": max(restart["spread"], MIN_RESTART_JITTER, 0.1 * restart["median"]),
         "restart_stats": restart,
         "restart_samples": run.whole_restarts,
-        "compute": statistics.median(paces) if paces else math.nan,
+        "compute": statistics.median(paces.values()) if paces else math.nan,
         "costs": costs,
         **load,
     }
@@ -403,6 +405,33 @@ def kill_trace(kills: list[float], horizon: float) -> Trace:
     return Trace("replayed-kills", "replay", TICK, 1, up)
 
 
+def exact_starts(
+    run: Any, kills: list[float], paces: dict[int, float], step_time: float
+) -> tuple[tuple[float, float], ...]:
+    """Each life of ``run`` as the simulator's start of the same index: ``(restart, step
+    factor)`` such that the simulated process, started when :func:`kill_trace` lets it
+    (the tick after its kill's tick), ends its first step when the real one did, and then
+    steps at the life's own pace (``paces``, relative to their median; 1 for a life too
+    short to have one). A life killed before its first step gets a restart that outlasts
+    its kill. Fed to the simulator, nothing is drawn: what is left of the error is the
+    event model's (and the kill ticks' 50 ms grid).
+    """
+    typical = statistics.median(paces.values()) if paces else 0.0
+    out = []
+    begin = 0.0  # the job clock starts with the first process
+    for i, life in enumerate(run.lives):
+        factor = paces[i] / typical if typical and i in paces else 1.0
+        if life.first_step_at is not None:
+            restart = life.first_step_at - begin - step_time * factor
+        else:  # never trained: up past its kill
+            restart = life.ended - begin + 1.0
+        out.append((max(restart, 0.0), factor))
+        if life.killed:
+            kill = min(kills, key=lambda k: abs(k - life.ended)) if kills else life.ended
+            begin = (math.ceil(kill / TICK) + 1) * TICK  # kill_trace: down for that tick
+    return tuple(out)
+
+
 def job_for(x: dict[str, float], config: Config, steps: int, lead: float) -> JobSpec:
     # The outage tick is part of the measured restart time: take it out of the cost.
     return JobSpec(
@@ -429,11 +458,13 @@ def predict(
     lead: float,
     priors: dict[str, float] | None,
     window: float | None = None,
+    starts: tuple[tuple[float, float], ...] | None = None,
 ) -> list[Any]:
     """The simulator's runs over ``draws`` seeds: ``config``'s policy (a fresh object per
     run, built as the child builds it) asked at every step, as the engine asks it.
-    ``window``: the trace ends there (the job's steps done by then count as useful)."""
-    job = job_for(x, config, steps, lead)
+    ``window``: the trace ends there (the job's steps done by then count as useful).
+    ``starts``: each start's measured costs (``JobSpec.measured_starts``)."""
+    job = dataclasses.replace(job_for(x, config, steps, lead), measured_starts=starts)
     horizon = window if window is not None else 4.0 * steps * job.iteration_time + 600.0
     trace = kill_trace(kills, horizon)
     return [
@@ -552,14 +583,18 @@ def main() -> None:
             )
             load = probe.stop()
             shutil.rmtree(directory, ignore_errors=True)
-            own = inputs(measured_inputs(cal, run, paces), config.in_flight)
+            own = inputs(measured_inputs(cal, run, list(paces.values())), config.in_flight)
             checks = forecast(own)
+            # The event model alone: this replay's own restarts and paces, start by start.
+            starts = exact_starts(run, kills, paces, own["iteration_time"])
+            exact = functools.partial(forecast, own, draws=1, starts=starts)
             scored = Windowed(
                 window,
                 held_at(run, timeline, window),
                 sum(1 for life in run.lives if life.killed and life.ended <= window),
                 forecast(before, window=window),
                 forecast(own, window=window),
+                exact(window=window),
             )
             r = row(
                 key,
@@ -573,6 +608,7 @@ def main() -> None:
                 own,
                 sims,
                 checks,
+                exact(),
                 load,
                 cal,
                 scored,
@@ -583,7 +619,8 @@ def main() -> None:
                 f"[{i + 1}/{len(replays)} {done:.0f} s] {key} {config.label} offset {offset:g}: "
                 f"window {window:.1f} s: measured {r['goodput_window_measured']:.3f}, predicted "
                 f"{r['goodput_window_predicted']:.3f} ({r['error_window_pct']:+.1f} %); whole "
-                f"run {r['error_pct']:+.1f} %, in-replay check {r['error_in_replay_pct']:+.1f} %"
+                f"run {r['error_pct']:+.1f} %, in-replay check {r['error_in_replay_pct']:+.1f} %, "
+                f"exact {r['error_window_exact_pct']:+.1f} % (window) {r['error_exact_pct']:+.1f} %"
             )
             # Rewritten after every replay: a campaign cut short keeps what it measured.
             write_outputs(args, with_means(groups), cals, done, len(replays))
@@ -620,12 +657,14 @@ class Windowed:
     kills: int  # the replay's kills inside the window
     sims: list[Any]
     checks: list[Any]
+    exact: list[Any]
 
     def columns(self) -> dict[str, float]:
         measured = self.held / self.window
         goodputs = [d.useful_steps / self.window for d in self.sims]
         predicted = statistics.fmean(goodputs)
         check = statistics.fmean(d.useful_steps / self.window for d in self.checks)
+        exact = statistics.fmean(d.useful_steps / self.window for d in self.exact)
         return {
             "window_s": self.window,
             "goodput_window_measured": measured,
@@ -635,6 +674,8 @@ class Windowed:
             "window_p90": float(np.percentile(goodputs, 90)),
             "goodput_window_in_replay": check,
             "error_window_in_replay_pct": 100.0 * (check / measured - 1.0),
+            "goodput_window_exact": exact,
+            "error_window_exact_pct": 100.0 * (exact / measured - 1.0),
             "kills_window_measured": self.kills,
             "kills_window_predicted": statistics.fmean(d.preemptions for d in self.sims),
         }
@@ -671,11 +712,14 @@ def held_at(run: Any, timeline: list[tuple[float, int]], at: float) -> int:
     return next(resumed, step)
 
 
-def row(key, config, offset, c, steps, run, notices, before, own, sims, checks, load, cal, scored):
+def row(
+    key, config, offset, c, steps, run, notices, before, own, sims, checks, exact, load, cal, scored
+):
     measured = steps / run.wall
     goodputs = [d.goodput for d in sims]
     predicted = statistics.fmean(goodputs)
     check = statistics.fmean(d.goodput for d in checks)
+    replayed = statistics.fmean(d.goodput for d in exact)
     return {
         **scored.columns(),
         "trace": key,
@@ -693,6 +737,8 @@ def row(key, config, offset, c, steps, run, notices, before, own, sims, checks, 
         "predicted_p90": float(np.percentile(goodputs, 90)),
         "goodput_in_replay": check,
         "error_in_replay_pct": 100.0 * (check / measured - 1.0),
+        "goodput_exact": replayed,
+        "error_exact_pct": 100.0 * (replayed / measured - 1.0),
         "inputs_moved_pct": 100.0 * (predicted / check - 1.0),
         "wall_measured_s": run.wall,
         "wall_predicted_s": statistics.fmean(d.wall_seconds for d in sims),
@@ -733,6 +779,8 @@ def mean_row(rows: list[dict]) -> dict[str, Any]:
         ("goodput_measured", "goodput_in_replay", "error_in_replay_pct"),
         ("goodput_window_measured", "goodput_window_predicted", "error_window_pct"),
         ("goodput_window_measured", "goodput_window_in_replay", "error_window_in_replay_pct"),
+        ("goodput_measured", "goodput_exact", "error_exact_pct"),
+        ("goodput_window_measured", "goodput_window_exact", "error_window_exact_pct"),
     ):
         out[error] = 100.0 * (out[predicted] / out[measured] - 1.0)
     out["inputs_moved_pct"] = 100.0 * (out["goodput_predicted"] / out["goodput_in_replay"] - 1.0)
@@ -751,6 +799,8 @@ def verdict(rows: list[dict]) -> str:
         ("beforehand, over the whole run", "error_pct"),
         ("in-replay check, over the window", "error_window_in_replay_pct"),
         ("in-replay check, over the whole run", "error_in_replay_pct"),
+        ("exact replay (the event model alone), over the window", "error_window_exact_pct"),
+        ("exact replay (the event model alone), over the whole run", "error_exact_pct"),
     ):
         errs = [abs(r[col]) for r in per_config]
         inside = sum(e <= 5.0 for e in errs)
@@ -836,7 +886,9 @@ def write_outputs(
         "ends there). `goodput_predicted` vs `goodput_measured`: the same over the whole run "
         "(steps / wall), where the end of a short replay races its last kills. "
         "`goodput_in_replay`: the check of the event model, the same from this replay's own "
-        "restart and step times. "
+        "restart and step times (their means and spread, drawn). `goodput_exact`: the event model "
+        "alone, the simulator fed this replay's restarts and paces start by start "
+        "(`JobSpec.measured_starts`; nothing drawn, only the kill ticks' 50 ms grid differs). "
         "`inputs_moved_pct` = predicted / in-replay - 1: what the move of the inputs between "
         "calibration and replay did, to be read with `load` vs `load_calibrated` (1-minute load "
         "average, the replay's own child adds ~1), `cpu_share` and `cpu_pressure`. `mean` rows "
@@ -854,6 +906,7 @@ def write_outputs(
         "window_p10",
         "window_p90",
         "error_window_in_replay_pct",
+        "error_window_exact_pct",
         "kills_window_measured",
         "kills_window_predicted",
         "goodput_measured",
@@ -863,6 +916,7 @@ def write_outputs(
         "predicted_p90",
         "goodput_in_replay",
         "error_in_replay_pct",
+        "error_exact_pct",
         "inputs_moved_pct",
         "wall_measured_s",
         "wall_predicted_s",

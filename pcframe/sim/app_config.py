@@ -68,21 +68,22 @@ def _schema_of(cls: type, name: str) -> type:
         hint = hints[f.name]
         if typing.get_origin(hint) is typing.Literal:
             hint = str
-        if _optional_mapping(hint):
+        if _optional_container(hint):
             # OmegaConf cannot merge a mapping into a typed None node, nor add keys to an
             # empty typed one under Hydra's struct flag: `sim.job.restart_by_tier={peers:
-            # 420}` raised. Untyped, the value is set whole; JobSpec validates it.
+            # 420}` raised (nor type a tuple of pairs). Untyped, the value is set whole;
+            # JobSpec validates it.
             hint = Any
         fields.append((f.name, hint, field(default=f.default)))
     return dataclasses.make_dataclass(name, fields)
 
 
-def _optional_mapping(hint: Any) -> bool:
-    """Whether ``hint`` is ``dict[K, V] | None``."""
+def _optional_container(hint: Any) -> bool:
+    """Whether ``hint`` is ``dict[K, V] | None`` or ``tuple[...] | None``."""
     if typing.get_origin(hint) not in (typing.Union, types.UnionType):
         return False
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return len(args) == 1 and typing.get_origin(args[0]) is dict
+    return len(args) == 1 and typing.get_origin(args[0]) in (dict, tuple)
 
 
 JobSchema = _schema_of(JobSpec, "JobSchema")
@@ -180,6 +181,8 @@ def cases_from_config(cfg: DictConfig, traces: Sequence[Trace]) -> list[Case]:
     params = {**job.to_dict(), "seed": options.seed}
     if job.restart_by_tier is not None:  # one CSV cell, readable: {"peers": 420.0, ...}
         params["restart_by_tier"] = json.dumps(job.restart_by_tier, sort_keys=True)
+    if job.measured_starts is not None:  # one CSV cell: [[2.5, 1.0], ...]
+        params["measured_starts"] = json.dumps(job.measured_starts)
     cases = []
     for trace in traces:
         common = dict(

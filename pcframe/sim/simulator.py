@@ -268,9 +268,13 @@ class _Simulation:
         Real restarts and step times vary (start-up on a loaded machine, noisy neighbours);
         with long intervals whether a kill lands just before or just after a checkpoint
         depends on that variation, so a prediction is the mean over seeds of jittered runs.
-        The draws use their own seeded stream, apart from the VM-drop draws.
+        The draws use their own seeded stream, apart from the VM-drop draws. A replay of a
+        measured run (``job.measured_starts``) takes each start's measured costs instead.
         """
         job = self.job
+        if job.measured_starts is not None and self.starts < len(job.measured_starts):
+            restart, factor = job.measured_starts[self.starts]  # a measured run replayed
+            return restart, step_time * factor
         if not (job.restart_jitter or job.iteration_jitter):
             return restart_cost, step_time
         z_restart, z_step = self._jitter.standard_normal(2)

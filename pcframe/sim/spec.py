@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, Literal
 
@@ -75,6 +75,12 @@ class JobSpec:
             placement policy (``simulate(..., placement=...)``), which also decides which
             versions survive a preemption (:mod:`pcframe.sim.tiers`). ``None`` (or empty):
             one restart cost for every restart.
+        measured_starts: ``(restart seconds, step-time factor)`` of each start in order, as
+            measured in a real run that the simulation replays (start ``i`` takes the ``i``-th
+            pair in place of ``restart_cost``, ``restart_by_tier`` and the jitter draws; its
+            steps take ``iteration_time`` x the factor; later starts are drawn as usual).
+            What ``experiments/sim/validate_replay.py`` feeds its exact check of the event
+            model. ``None``: every start drawn.
     """
 
     # Where error messages say the keys live; from_dict can name another place.
@@ -97,6 +103,7 @@ class JobSpec:
     restart_jitter: float = 0.0
     iteration_jitter: float = 0.0
     restart_by_tier: dict[str, float] | None = None
+    measured_starts: tuple[tuple[float, float], ...] | None = None
 
     def __post_init__(self) -> None:
         p = self.KEY_PREFIX
@@ -153,6 +160,27 @@ class JobSpec:
         if not (_finite(self.scaling_efficiency) and 0 < self.scaling_efficiency <= 1):
             raise _bad(p, "scaling_efficiency", self.scaling_efficiency, "use (0, 1]")
         self._check_restart_by_tier()
+        self._check_measured_starts()
+
+    def _check_measured_starts(self) -> None:
+        p, starts = self.KEY_PREFIX, self.measured_starts
+        if starts is None:
+            return
+        pairs = []
+        for i, pair in enumerate(starts if isinstance(starts, Sequence) else [starts]):
+            if not (isinstance(pair, Sequence) and len(pair) == 2):
+                raise _bad(p, "measured_starts", starts, "give [[restart s, step factor], ...]")
+            restart, factor = pair
+            if not (_finite(restart) and restart >= 0 and _finite(factor) and factor > 0):
+                raise _bad(
+                    p,
+                    f"measured_starts[{i}]",
+                    list(pair),
+                    "give [restart seconds >= 0, step-time factor > 0]",
+                )
+            pairs.append((float(restart), float(factor)))
+        # Tuples of floats whatever sequence came in (a Hydra ListConfig, lists, ints).
+        object.__setattr__(self, "measured_starts", tuple(pairs))
 
     def _check_restart_by_tier(self) -> None:
         p, tiers = self.KEY_PREFIX, self.restart_by_tier

@@ -208,9 +208,9 @@ def test_report_has_the_headline_and_every_column(tmp_path) -> None:
     load = {"load": 1.5, "cpu_share": 0.4, "cpu_pressure": 0.3}
     window = V.WINDOW * min(d.wall_seconds for d in sims)
     inside = V.predict(x, config, [6.0, 14.0], 100, 2, 8.0, 1.0, S.seeded_priors(x), window)
-    scored = V.Windowed(window, 60, 2, inside, inside)
+    scored = V.Windowed(window, 60, 2, inside, inside, inside)
     rows = [
-        V.row("medium", config, o, 42.0, 100, run, 0, x, x, sims, sims, load, cal, scored)
+        V.row("medium", config, o, 42.0, 100, run, 0, x, x, sims, sims, sims, load, cal, scored)
         for o in (0.0, 1.5)
     ]
     args = argparse.Namespace(
@@ -235,12 +235,13 @@ def test_report_has_the_headline_and_every_column(tmp_path) -> None:
     assert "**Calibration, before the mild replays**" in text and "restart 3.10 s" in text
     assert "each fixed interval at every one" in text
     head = next(line for line in text.splitlines() if line.startswith("| trace | config"))
-    for column in ("goodput_measured", "goodput_predicted", "error_pct", "goodput_in_replay"):
+    for column in ("goodput_measured", "goodput_predicted", "error_pct", "error_exact_pct"):
         assert f"| {column} |" in head
     assert head.index("goodput_predicted") < head.index("goodput_in_replay")
     # The headline is scored over the window, first in the table and in the verdict.
     assert head.index("error_window_pct") < head.index("error_pct")
     assert "- beforehand, over the window (headline): mean |error|" in text
+    assert "- exact replay (the event model alone), over the window: mean |error|" in text
     assert rows[0]["goodput_window_measured"] == pytest.approx(60 / window)
     assert "| medium | pa:1 | mean |" in text
     csv = (tmp_path / "report.csv").read_text()
@@ -265,6 +266,10 @@ def fake_row(measured: float, predicted: float, check: float, load: float) -> di
         "goodput_window_in_replay": check,
         "error_window_pct": 100 * (predicted / measured - 1),
         "error_window_in_replay_pct": 100 * (check / measured - 1),
+        "goodput_exact": check,
+        "error_exact_pct": 100 * (check / measured - 1),
+        "goodput_window_exact": check,
+        "error_window_exact_pct": 100 * (check / measured - 1),
         "inputs_moved_pct": 100 * (predicted / check - 1),
         "iteration_ms": 100.0,
         "iteration_calibrated_ms": 101.0,
@@ -355,3 +360,59 @@ def test_the_window_ends_clear_of_the_kills_the_prediction_holds() -> None:
     end = V.clear_of_kills(50.0, kills)
     up = V.kill_trace(kills, end).up
     assert list(up).count(0) == 1 and up[math.ceil(12.34 / V.TICK)] == 0
+
+
+def replay_life(spawned, first_step_at, ended, killed):
+    return SimpleNamespace(
+        spawned=spawned,
+        first_step_at=first_step_at,
+        ended=ended,
+        killed=killed,
+        start_step=0,
+    )
+
+
+def test_the_exact_check_replays_each_lifes_own_restart_and_pace() -> None:
+    """The exact check feeds the simulator each life's restart and pace as the replay ran
+    them: the simulated first steps end when the real ones did (the kill ticks' 50 ms grid
+    aside), a life killed while starting stays down past its kill, and each life steps at its
+    own pace."""
+    kills = [6.0, 14.0, 15.0]
+    run = SimpleNamespace(
+        lives=[
+            replay_life(0.0, 2.6, 6.0, True),
+            replay_life(6.0, 8.7, 14.0, True),
+            replay_life(14.0, None, 15.0, True),  # killed before its first step
+            replay_life(15.0, 17.9, 40.0, False),
+        ]
+    )
+    paces = {0: 0.1, 1: 0.12, 3: 0.11}  # life 2 has none
+    starts = V.exact_starts(run, kills, paces, 0.1)
+    assert len(starts) == 4
+    # Each simulated start begins the tick after its kill's tick (kill_trace) and ends its
+    # first step (restart + one step at its pace) when the real one did.
+    begins = [0.0, 6.05, 14.05, 15.05]
+    for (restart, factor), begin, real in zip(starts, begins, [2.6, 8.7, None, 17.9], strict=True):
+        if real is not None:
+            assert begin + restart + 0.1 * factor == pytest.approx(real)
+    assert [f for _, f in starts] == pytest.approx([0.1 / 0.11, 0.12 / 0.11, 1.0, 1.0])
+    assert starts[2][0] > 15.0 - 14.05  # still starting when the next kill comes
+
+    # The simulator takes them: one life, no kills, a measured 3 s restart at half speed.
+    from pcframe.sim import JobSpec, simulate
+    from pcframe.sim.spec import SimConfigError
+
+    job = JobSpec(
+        iteration_time=0.1,
+        save_stall=0.0,
+        save_duration=0.01,
+        restart_cost=1.0,
+        max_in_flight=1,
+        total_steps=100,
+        measured_starts=((3.0, 2.0),),
+    )
+    result = simulate(V.kill_trace([], 60.0), P.FixedSteps(50), job)
+    assert result.time["restart"] == pytest.approx(3.0)
+    assert result.wall_seconds == pytest.approx(3.0 + 100 * 0.2 + 0.01, abs=0.06)
+    with pytest.raises(SimConfigError, match=r"job.measured_starts\[0\]"):
+        JobSpec(measured_starts=((-1.0, 1.0),))
