@@ -41,8 +41,7 @@ from run_recovery import spread
 
 from pcframe import Checkpointer
 from pcframe.distributed.shard_stream import receive_version, send_version
-from pcframe.format.stripes import stored_data_bytes
-from pcframe.store.tiers.peer import PeerStore
+from pcframe.store.tiers.peer import PeerStore, copy_bytes
 
 WARM = 2  # rounds of each way not counted: the store holds fewer than `keep` copies
 
@@ -75,7 +74,7 @@ def _rank(rank: int, port: int, shard: str, store_dir: str, rounds: int, out: An
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    size = stored_data_bytes(Path(shard))  # what the store counts a copy as
+    size = copy_bytes(Path(shard))  # what the store counts a copy as
     store = PeerStore(Path(store_dir), budget=int(2.5 * size), keep=2) if rank == 1 else None
     samples: list[tuple[str, float, float]] = []
     for i in range(2 * rounds):

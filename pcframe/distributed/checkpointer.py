@@ -99,7 +99,7 @@ class DistributedCheckpointer:
         peer_dir: this node's folder for those copies (default: under ``/dev/shm``, named
             after ``root``, so a job restarted on this node finds them).
         peer_budget: bytes of copies one rank holds at most (default: half of the free
-            memory of ``peer_dir``'s file system).
+            memory of ``peer_dir``'s file system, split between the ranks of this node).
         node: this rank's node, when neither the launcher (``GROUP_RANK``) nor the host name
             tells (``PCFRAME_NODE`` does the same).
         config, overrides: the local engine's :class:`~pcframe.EngineConfig`.
@@ -207,7 +207,11 @@ class DistributedCheckpointer:
         self.local.retention.add(KeepWhere("global versions", self.protocol.keep))
         self.peers: PeerReplication | None = None
         if self._has_peers():
-            store = PeerStore(self.peer_base / f"kept-by-rank-{self.rank}", peer_budget)
+            store = PeerStore(
+                self.peer_base / f"kept-by-rank-{self.rank}",
+                peer_budget,
+                sharers=len(self.nodes.ranks_on(self.nodes.node_of(self.rank))),
+            )
             self.peers = PeerReplication(
                 self.nodes,
                 self.rank,

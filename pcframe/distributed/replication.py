@@ -12,18 +12,25 @@ never interleave with the job's):
    of those (every rank has it), and versions older than it that are still queued are
    skipped (a newer copy supersedes them: a slow peer costs versions, never memory);
 2. ``all_gather`` of what each rank offers: the version and, for a delta version, the base
-   versions it reads, with their sizes (a shard it cannot read offers nothing);
+   versions it reads, with their sizes (every file) and manifest checksums (a shard it
+   cannot read offers nothing);
 3. ``all_gather`` of what each rank takes: per rank it backs up, the versions it lacks and
    has room for, made for all of them together (:meth:`PeerStore.admit`); a copy that does
    not fit is declined;
 4. the transfers, in one order every rank follows (sender ascending, then receiver, bases
    first), each a :func:`~pcframe.distributed.shard_stream.send_version` /
-   :func:`~pcframe.distributed.shard_stream.receive_version` pair, every piece verified;
+   :func:`~pcframe.distributed.shard_stream.receive_version` pair, every piece verified,
+   each copy no larger than offered (the room made for it); a delta whose base was refused
+   in this round is received (the stream stays in step) but not kept;
 5. ``all_gather`` of the copies each rank now holds, so a sender knows its shard is safe
-   (:meth:`PeerReplication.copied`: what a preemption notice waits for).
+   (:meth:`PeerReplication.copied`: what a preemption notice waits for). A version every
+   shard of which reached its peers is *secured*, and each store pins it
+   (:meth:`PeerStore.pin`): its copies stay until a newer one is secured.
 
-A peer that dies or stops answering breaks a transfer after the group's timeout: from then
-on this process replicates nothing (logged once; the status says so) and training goes on.
+A peer that dies or stops answering breaks a transfer after the group's timeout, and so
+does anything else that goes wrong in a round (a store that cannot be listed): from then on
+this process replicates nothing (logged once; the status says so; waiters are released)
+and training goes on.
 """
 
 from __future__ import annotations
@@ -44,9 +51,8 @@ from pcframe.distributed.nodes import NodeMap, backed_up_by, replica_ranks
 from pcframe.distributed.shard_stream import receive_version, send_version
 from pcframe.errors import CheckpointError, CorruptCheckpoint, ManifestError
 from pcframe.format.manifest import delta_base
-from pcframe.format.stripes import stored_data_bytes
 from pcframe.runtime.threads import single_threaded_torch
-from pcframe.store.tiers.peer import PeerStore
+from pcframe.store.tiers.peer import PeerStore, copy_bytes, manifest_crc
 
 log = logging.getLogger("pcframe")
 
@@ -185,8 +191,10 @@ class PeerReplication:
             self.status.skipped += len(older)
             self._finish(older, copied=False)
             self._copy(record)
-        except RuntimeError as exc:  # a peer died or stopped answering: stop replicating
-            self.status.broken = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        except Exception as exc:  # a peer died or stopped answering, or this rank's store
+            # failed: either way the rounds cannot go on in step with the other ranks.
+            lines = str(exc).splitlines()
+            self.status.broken = f"{type(exc).__name__}: {(lines[0] if lines else '')[:300]}"
             log.error(
                 "peer tier: replication stopped on rank %d (%s); versions stay on local disk "
                 "and in the other tiers; restart the job to resume it",
@@ -205,14 +213,22 @@ class PeerReplication:
         wants: list[Any] = [None] * self.nodes.world_size
         dist.all_gather_object(wants, self._want(offers), group=self._group)
         pinned = {s.rank: s.manifest_crc32c for s in record.shards}
+        offered = {  # (src, version): (bytes, manifest crc) as the sender offered it
+            (src, v): (n, crc) for src, chain in enumerate(offers) for v, n, crc in chain or ()
+        }
         kept: list[tuple[int, int]] = []  # (src, version) this rank now holds
+        refused: set[int] = set()  # ranks a copy of which failed here this round
         for src, dst, version in _transfers(wants):
             if src == self.rank:
                 self.status.sent_bytes += send_version(self.shard_dir(version), dst, self._group)
             elif dst == self.rank:
-                pin = pinned.get(src) if version == record.version else None
-                if self._receive(src, version, pin):
+                size, crc = offered[(src, version)]
+                pin = pinned.get(src) if version == record.version else crc or None
+                # A later version of a chain whose base failed reads nothing: not kept.
+                if self._receive(src, version, pin, size, keep=src not in refused):
                     kept.append((src, version))
+                else:
+                    refused.add(src)
         for src, wanted in (wants[self.rank] or {}).items():  # held already: nothing was sent
             if not wanted:
                 kept.append((src, record.version))
@@ -225,17 +241,19 @@ class PeerReplication:
             for src in range(self.nodes.world_size)
             for dst in replica_ranks(self.nodes, src, self.replicas)
         )
-        if everywhere:
-            self.secured = max(self.secured, record.version)
+        if everywhere and record.version > self.secured:
+            self.secured = record.version
+            self.store.pin(record.version)  # its copies stay until a newer one is secured
         self._finish([record.version], copied=safe)
 
-    def _offer(self, version: int) -> list[tuple[int, int]] | None:
-        """``[(version, bytes)]`` this rank can send for ``version``, bases first."""
+    def _offer(self, version: int) -> list[tuple[int, int, str]] | None:
+        """``[(version, bytes, manifest crc)]`` this rank can send for ``version``, bases
+        first (bytes: every file of it, what a copy takes of the peer's budget)."""
         chain, current = [], version
         try:
             while True:
                 directory = self.shard_dir(current)
-                chain.append((current, stored_data_bytes(directory)))
+                chain.append((current, copy_bytes(directory), manifest_crc(directory)))
                 current = delta_base(directory)
                 if not current:
                     return chain[::-1]
@@ -258,19 +276,32 @@ class PeerReplication:
                 self.rank,
                 src,
                 chains[src][-1][0],
-                sum(n for _, n in chains[src]),
+                sum(n for _, n, _ in chains[src]),
                 self.store.budget,
             )
         return wanted
 
-    def _receive(self, src: int, version: int, pin: str | None) -> bool:
+    def _receive(self, src: int, version: int, pin: str | None, size: int, keep: bool) -> bool:
+        """Receive one copy (no larger than ``size``, the room made for it); kept, and True,
+        only if it is verified and ``keep`` (else received and dropped: the stream stays in
+        step with the sender)."""
         staging = self.store.staging(src, version)
         try:
-            manifest = receive_version(src, staging, self._group, pin, self.store.spare)
+            manifest = receive_version(src, staging, self._group, pin, self.store.spare, size)
         except (CorruptCheckpoint, ManifestError, OSError) as exc:
             self.store.discard(staging)
             self.status.failed.append(f"rank {src} v{version}: {exc}")
             log.warning("peer tier: copy of rank %d's version %d refused: %s", src, version, exc)
+            return False
+        if not keep:
+            self.store.discard(staging)
+            self.status.failed.append(f"rank {src} v{version}: its base was refused")
+            log.warning(
+                "peer tier: copy of rank %d's version %d dropped: a version it reads was "
+                "refused in the same round",
+                src,
+                version,
+            )
             return False
         self.store.commit(src, version, staging)
         self.status.received_bytes += manifest.stored_bytes

@@ -8,11 +8,16 @@ folder of its own. The receiver checks the manifest against the checksum the glo
 pins, then each chunk and segment against the manifest's checksum before writing it, so a
 copy is exactly the sender's committed files or it is refused: nothing unverified is kept.
 
-The two sides agree on every message from the manifest alone. A sender that cannot read its
-files sends a manifest length of -1 (nothing follows) or, after a failed read, zeros for the
-rest and a failure flag at the end, so the receiver is never left waiting in a receive and
-refuses the copy. Only a rank that dies or stops answering breaks a stream (the group's
-timeout, then an error on the other side).
+The two sides agree on every message from the manifest alone. The receiver checks the
+manifest (its envelope, the pinned checksum, the size it made room for) and prepares the
+copy's files, then answers *go* or *refuse*: the pieces follow only after a go, so a copy
+refused before its stream (a damaged or unexpected manifest, no room left to write it)
+leaves nothing in flight. A refusal later (a piece fails its checksum, a write fails) drains
+the rest of the stream. A sender that cannot read its files sends a manifest length of -1
+(nothing follows) or, after a failed read, zeros for the rest and a failure flag at the end,
+so neither side is ever left waiting in a receive, nor gets a message of a size it did not
+post (which gloo cannot recover from: it aborts the process). Only a rank that dies or stops
+answering breaks a stream (the group's timeout, then an error on the other side).
 
 A receiver may hand over the files of a copy it was going to delete anyway (``spare``): they
 are renamed into the new copy and overwritten, so the copy lands in memory pages the node
@@ -36,15 +41,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pcframe.errors import CorruptCheckpoint
+from pcframe.errors import CheckpointError, CorruptCheckpoint
 from pcframe.format.checksum import checksum_function
 from pcframe.format.envelope import header_crc
 from pcframe.format.files import open_regular
-from pcframe.format.manifest import Manifest, read_manifest
+from pcframe.format.manifest import MAX_MANIFEST_BYTES, Manifest, manifest_from_bytes
 from pcframe.format.names import CODEC_NAME, MANIFEST_NAME
 from pcframe.format.stripes import stripe_location, stripe_name, stripe_sizes
 
 _NOTHING = -1  # a manifest length: the sender has no readable version to send
+_GO, _REFUSE = 1, 0  # the receiver's answer to a manifest: stream the pieces, or nothing
 _MADV_POPULATE_READ = 22  # linux/mman.h (not among Python 3.11's mmap constants)
 
 
@@ -88,12 +94,14 @@ def send_version(directory: Path, dst: int, group: Any) -> int:
     """
     try:
         raw = (directory / MANIFEST_NAME).read_bytes()
-        manifest = read_manifest(str(directory / MANIFEST_NAME))
+        manifest = manifest_from_bytes(raw, str(directory / MANIFEST_NAME))
     except Exception:  # unreadable or damaged (OSError, ManifestError): the receiver is told
         _send_int(_NOTHING, dst, group)
         return 0
     _send_int(len(raw), dst, group)
     dist.send(torch.frombuffer(bytearray(raw), dtype=torch.uint8), dst, group=group)
+    if _receive_int(dst, group) != _GO:  # refused on its manifest: nothing more to send
+        return len(raw)
     sent, failed = len(raw), 0
     opened: dict[str, tuple[int, int] | None] = {}  # per file: (descriptor, size)
     zeros = None
@@ -175,6 +183,7 @@ def receive_version(
     group: Any,
     expect_crc: str | None = None,
     spare: Path | None = None,
+    limit: int | None = None,
 ) -> Manifest:
     """Receive a version streamed by rank ``src`` into the new folder ``into`` and return
     its manifest; every piece is checked before it is written, the files synced.
@@ -182,34 +191,40 @@ def receive_version(
     ``expect_crc``: the manifest checksum a global record pins (the copy must be that shard).
     ``spare``: a folder of files the caller no longer needs; the copy's files are made of
     them where there are any (renamed into ``into``: taken even if the copy is refused).
+    ``limit``: bytes of files (the manifest included) the caller made room for; a larger
+    copy is refused before its pieces are sent.
 
     Raises:
-        CorruptCheckpoint: the sender had nothing readable, the manifest is not the one
-            pinned, a piece failed its checksum, or the sender failed to read its files; the
-            folder is left for the caller to remove (nothing in it is to be trusted).
-        RuntimeError: the stream broke (``src`` gone or not answering).
+        CorruptCheckpoint: the sender had nothing readable, the manifest is damaged, is not
+            the one pinned or is larger than ``limit``, a piece failed its checksum, or the
+            sender failed to read its files; the folder is left for the caller to remove
+            (nothing in it is to be trusted).
+        OSError: the copy's files could not be made or written here (it is refused; the
+            stream was drained or never started).
+        RuntimeError: the stream broke (``src`` gone or not answering, or out of step).
     """
     length = _receive_int(src, group)
     if length == _NOTHING:
         raise CorruptCheckpoint(f"rank {src} has no readable copy of this version to send")
+    if not 0 < length <= MAX_MANIFEST_BYTES:  # no receive can match what follows: stop
+        raise RuntimeError(f"rank {src} announced a manifest of {length} bytes: stream out of step")
     raw = torch.empty(length, dtype=torch.uint8)
     dist.recv(raw, src, group=group)
-    manifest_bytes = raw.numpy().tobytes()
-    into.mkdir(parents=True, exist_ok=False)
     path = into / MANIFEST_NAME
-    problem = ""
-    if expect_crc is not None:
-        got = header_crc(manifest_bytes.partition(b"\n")[0], path)
-        if got != expect_crc:
-            problem = f"{path}: rank {src} sent a manifest other than the one the record pins"
-    path.write_bytes(manifest_bytes)
-    manifest = read_manifest(str(path))  # validated before anything is allocated from it
+    descriptors: dict[str, int] = {}
+    try:
+        manifest, buffer = _prepare(raw.numpy().tobytes(), path, src, expect_crc, limit)
+        spares = _spare_files(spare)
+        for name, size in file_sizes(manifest).items():
+            descriptors[name] = _reserve(into / name, size, spares)
+    except (CheckpointError, OSError):  # refused before a piece is sent: none will be
+        for fd in descriptors.values():
+            os.close(fd)
+        _send_int(_REFUSE, src, group)
+        raise
+    _send_int(_GO, src, group)
     digest = checksum_function(manifest.checksum)
-    spares = _spare_files(spare)
-    descriptors = {
-        name: _reserve(into / name, size, spares) for name, size in file_sizes(manifest).items()
-    }
-    buffer = torch.empty(max((p.length for p in pieces(manifest)), default=0), dtype=torch.uint8)
+    problem = ""
     try:
         for piece in pieces(manifest):
             view = buffer[: piece.length]
@@ -228,8 +243,11 @@ def receive_version(
             except OSError as exc:  # no room (a full /dev/shm): refused, the stream drained
                 problem = f"{into / piece.file}: cannot write the copy ({exc.strerror})"
         if not problem:
-            for fd in descriptors.values():
-                os.fdatasync(fd)
+            try:
+                for fd in descriptors.values():
+                    os.fdatasync(fd)
+            except OSError as exc:
+                problem = f"{into}: cannot sync the copy ({exc.strerror})"
     finally:
         for fd in descriptors.values():
             os.close(fd)
@@ -238,6 +256,38 @@ def receive_version(
     if problem:
         raise CorruptCheckpoint(problem)
     return manifest
+
+
+def _prepare(
+    manifest_bytes: bytes, path: Path, src: int, expect_crc: str | None, limit: int | None
+) -> tuple[Manifest, torch.Tensor]:
+    """The received manifest checked (before anything is written or allocated from it) and
+    written into the new folder, and a buffer for its largest piece.
+
+    Raises:
+        CorruptCheckpoint / ManifestError: damaged, not the one pinned, or over ``limit``.
+        OSError: the folder or the manifest cannot be written here.
+    """
+    if expect_crc is not None:
+        got = header_crc(manifest_bytes.partition(b"\n")[0], path)
+        if got != expect_crc:
+            raise CorruptCheckpoint(
+                f"{path}: rank {src} sent a manifest other than the one the record pins"
+            )
+    manifest = manifest_from_bytes(manifest_bytes, str(path))
+    size = manifest.stored_bytes + len(manifest_bytes)
+    if limit is not None and size > limit:
+        raise CorruptCheckpoint(
+            f"{path}: rank {src} sent a copy of {size} bytes, more than the {limit} it offered"
+        )
+    try:
+        largest = max((p.length for p in pieces(manifest)), default=0)
+        buffer = torch.empty(largest, dtype=torch.uint8)
+    except RuntimeError as exc:  # torch's out of memory: this rank's, not the stream's
+        raise OSError(f"no memory for a piece of the copy ({exc})") from exc
+    path.parent.mkdir(parents=True, exist_ok=False)
+    path.write_bytes(manifest_bytes)
+    return manifest, buffer
 
 
 def _spare_files(spare: Path | None) -> list[Path]:

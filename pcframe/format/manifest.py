@@ -230,6 +230,20 @@ def read_manifest(path: str) -> Manifest:
                 f"{path}: manifest is {size} bytes, over the {MAX_MANIFEST_BYTES} limit"
             )
         raw = f.read(size + 1)  # its own size: a buffer of the limit is 256 MiB up front
+    return manifest_from_bytes(raw, path)
+
+
+def manifest_from_bytes(raw: bytes, path: str) -> Manifest:
+    """Integrity-check and validate a manifest's bytes (read from a file, or received from
+    another rank before anything is written); ``path`` names it in errors.
+
+    Raises:
+        ManifestError / CorruptCheckpoint: with ``path`` and the reason.
+    """
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ManifestError(
+            f"{path}: manifest is {len(raw)} bytes, over the {MAX_MANIFEST_BYTES} limit"
+        )
     format_version, parsed = Envelope(FORMAT, READABLE_VERSIONS, "manifest").open(raw, path)
     return parse_body(parsed, path, format_version)
 

@@ -15,9 +15,8 @@ import torch
 from pcframe import Checkpointer
 from pcframe.distributed.nodes import NodeMap, backed_up_by, check_replicas, replica_ranks
 from pcframe.errors import CorruptCheckpoint
-from pcframe.format.stripes import stored_data_bytes
 from pcframe.restore.reader import load_version
-from pcframe.store.tiers.peer import PeerStore
+from pcframe.store.tiers.peer import PeerStore, copy_bytes, manifest_crc
 from tests.distributed.launch import free_port
 from tests.helpers import flip_byte
 
@@ -89,20 +88,20 @@ def _save(directory: Path, **engine) -> Path:
     return directory / "v00000001"
 
 
-def _streams(rank, group, cases: list[tuple[str, str, str | None]]):
-    """Each case (sent folder, receiving folder, pinned manifest checksum) in turn: rank 0
-    sends, rank 1 receives; what rank 1 got of each."""
+def _streams(rank, group, cases: list[tuple[str, str, str | None, int | None]]):
+    """Each case (sent folder, receiving folder, pinned manifest checksum, size limit) in
+    turn: rank 0 sends, rank 1 receives; what rank 1 got of each."""
     from pcframe.distributed.shard_stream import receive_version, send_version
 
     outcomes = []
-    for sent, received, pin in cases:
+    for sent, received, pin, limit in cases:
         if rank == 0:
             send_version(Path(sent), 1, group)
             continue
         try:
-            manifest = receive_version(0, Path(received), group, pin)
+            manifest = receive_version(0, Path(received), group, pin, limit=limit)
             outcomes.append(("ok", manifest.version))
-        except CorruptCheckpoint as exc:
+        except (CorruptCheckpoint, OSError) as exc:
             outcomes.append(("refused", str(exc)))
     return outcomes
 
@@ -117,7 +116,11 @@ def test_the_shard_stream_copies_verified_files_and_refuses_anything_else(tmp_pa
     5. a sender without the version says so;
     6. a sender whose data file is shorter than its manifest says sends zeros and says so
        at the end (the receiver refuses the copy);
-    7. the stream is still in step: a good version after all that arrives.
+    7. a receiver that cannot make the copy's folder refuses it before its pieces come
+       (before the go/refuse answer, such a refusal left the sender streaming into a
+       receiver posting nothing, and gloo aborted the process);
+    8. a copy larger than the room made for it is refused on its manifest;
+    9. the stream is still in step: a good version after all that arrives.
     """
     plain = _save(tmp_path / "plain")
     coded = _save(tmp_path / "coded", stripes=2, codecs={"optimizer": "zstd"}, chunk_bytes=4096)
@@ -126,14 +129,18 @@ def test_the_shard_stream_copies_verified_files_and_refuses_anything_else(tmp_pa
     short = _save(tmp_path / "short", chunk_bytes=4096)
     os.truncate(short / "data.bin", 4096)  # the first chunk only
     into = tmp_path / "in"
+    blocked = tmp_path / "a-file"
+    blocked.write_bytes(b"not a folder")
     cases = [
-        (str(plain), str(into / "plain"), None),
-        (str(coded), str(into / "coded"), None),
-        (str(damaged), str(into / "damaged"), None),
-        (str(plain), str(into / "pinned"), "0badc0de"),
-        (str(tmp_path / "nothing"), str(into / "nothing"), None),
-        (str(short), str(into / "short"), None),
-        (str(coded), str(into / "again"), None),
+        (str(plain), str(into / "plain"), None, None),
+        (str(coded), str(into / "coded"), None, None),
+        (str(damaged), str(into / "damaged"), None, None),
+        (str(plain), str(into / "pinned"), "0badc0de", None),
+        (str(tmp_path / "nothing"), str(into / "nothing"), None, None),
+        (str(short), str(into / "short"), None, None),
+        (str(plain), str(blocked / "copy"), None, None),
+        (str(plain), str(into / "too-big"), None, 1000),
+        (str(coded), str(into / "again"), None, None),
     ]
     _, received = _two_ranks(_streams, cases)
     assert received[0] == ("ok", 1) and received[1] == ("ok", 1), received
@@ -149,7 +156,10 @@ def test_the_shard_stream_copies_verified_files_and_refuses_anything_else(tmp_pa
     assert received[4][0] == "refused" and "no readable copy" in received[4][1], received[4]
     assert received[5][0] == "refused", received[5]
     assert "could not read its files" in received[5][1] or "checksum" in received[5][1]
-    assert received[6] == ("ok", 1), received[6]
+    assert received[6][0] == "refused" and "a-file" in received[6][1], received[6]
+    assert received[7][0] == "refused" and "more than the 1000" in received[7][1], received[7]
+    assert not (into / "too-big" / "data.bin").exists()  # nothing reserved for it
+    assert received[8] == ("ok", 1), received[8]
 
 
 # --- the store ---------------------------------------------------------------------------------
@@ -167,7 +177,7 @@ def _store_of_three(tmp_path: Path, budget_copies: int, keep: int) -> tuple[Peer
     """A store given copies of versions 1, 2, 3 of rank 0, the size of one copy, and the
     version directory copied."""
     sent = _save(tmp_path / "sender")
-    size = stored_data_bytes(sent)
+    size = copy_bytes(sent)
     store = PeerStore(tmp_path / "peers", budget=budget_copies * size, keep=keep)
     for version in (1, 2, 3):
         assert store.make_room(size)
@@ -213,7 +223,7 @@ def test_room_for_two_ranks_chains_is_made_together(tmp_path):
     copies fit in the budget while both arrive (each chain alone fits)."""
     store, size = _store_backing_up_two(tmp_path, budget_copies=5)
     # Rank 0: a delta version 5 on its held version 1; rank 1: a full version 6.
-    answer = store.admit({0: [(1, size), (5, size)], 1: [(6, size)]})
+    answer = store.admit({0: [(1, size, ""), (5, size, "")], 1: [(6, size, "")]})
     assert answer == {0: [5], 1: [6]}
     assert store.held_bytes() + max(store.spare_bytes(), 2 * size) <= store.budget
     assert 1 in store.held()[0]  # the base rank 0's delta reads
@@ -223,11 +233,79 @@ def test_room_made_for_one_rank_never_prunes_a_base_another_ranks_chain_reads(tm
     """Rank 1's chain does not fit beside rank 0's without pruning the version 1 that rank
     0's incoming delta reads: rank 1's is declined, and that base stays."""
     store, size = _store_backing_up_two(tmp_path, budget_copies=4)
-    answer = store.admit({0: [(1, size), (5, size)], 1: [(5, size), (6, size)]})
+    answer = store.admit({0: [(1, size, ""), (5, size, "")], 1: [(5, size, ""), (6, size, "")]})
     assert answer == {0: [5], 1: None}
     assert store.held() == {0: [1, 3], 1: [1]}  # version 2 made the room; 1 stays
     assert store.held_bytes() + max(store.spare_bytes(), size) <= store.budget
-    assert store.admit({0: [(1, size), (3, size)]}) == {0: []}  # held: nothing to receive
+    assert store.admit({0: [(1, size, ""), (3, size, "")]}) == {0: []}  # held: nothing to receive
+
+
+def test_every_file_of_a_copy_counts_against_the_budget(tmp_path):
+    """A coded version keeps its tensors in codec.bin, not data.bin: the budget counts every
+    file of a copy (codec segments and manifest too), so a store never holds more than it
+    (counting the data stripes alone, a fully coded shard took 0 bytes of the budget)."""
+    coded = _save(tmp_path / "coded", codecs={"*": "zstd"})
+    on_disk = sum(p.stat().st_size for p in coded.iterdir())
+    assert copy_bytes(coded) == on_disk
+    assert os.path.getsize(coded / "data.bin") < on_disk / 2  # mostly codec.bin
+    store = PeerStore(tmp_path / "peers", budget=int(2.5 * on_disk), keep=5)
+    for version in (1, 2, 3):
+        answer = store.admit({0: [(version, copy_bytes(coded), manifest_crc(coded))]})
+        assert answer == {0: [version]}
+        _copy_in(store, 0, version, coded)
+        assert store.held_bytes() + store.spare_bytes() <= store.budget
+    assert store.held() == {0: [2, 3]}  # keep=5, but room for two and the one arriving
+    assert store.admit({0: [(4, 3 * on_disk, "")]}) == {0: None}  # over the budget: declined
+
+
+def test_the_default_budget_is_shared_by_the_ranks_of_a_node(tmp_path):
+    """Without peer_budget each rank takes a share of half the free memory, so the ranks of
+    one node together stay within it (each taking half would over-commit /dev/shm)."""
+    one = PeerStore(tmp_path / "one")
+    four = PeerStore(tmp_path / "four", sharers=4)
+    assert four.budget == pytest.approx(one.budget / 4, rel=0.02)
+    assert 4 * four.budget <= one.budget * 1.02
+
+
+def test_the_pinned_versions_copies_stay_beyond_keep_and_when_room_is_made(tmp_path):
+    """The replication pins the newest version secured on every peer: its copy stays while
+    newer copies come and go (beyond keep, and when room is made), until another is pinned,
+    so a node lost while newer rounds are incomplete still has a version to come back to."""
+    sent = _save(tmp_path / "sender")
+    size = copy_bytes(sent)
+    store = PeerStore(tmp_path / "peers", budget=3 * size, keep=1)
+    assert store.make_room(size)
+    _copy_in(store, 0, 1, sent)
+    store.pin(1)
+    for version in (2, 3, 4):
+        assert store.make_room(size)
+        _copy_in(store, 0, version, sent)
+        assert store.held() == {0: [1, version]}  # keep=1, and the pinned one
+    # Room for two copies: only unpinned, not-newest copies can go; none is left to go.
+    assert not store.make_room(2 * size)
+    assert store.held() == {0: [1, 4]}
+    store.pin(4)  # a newer version secured: the old pin's copy may go
+    assert store.make_room(2 * size)
+    assert store.held() == {0: [4]}
+
+
+def test_a_held_copy_of_another_shard_with_the_offered_number_is_dropped(tmp_path):
+    """A job started again at the same root numbers its versions from 1 again; a copy of
+    the earlier job's version 1 left in /dev/shm is not the offered version 1: admit drops
+    it and asks for the offered one (before, it answered 'held', and the version counted as
+    safe on its peer while no copy of it existed)."""
+    earlier = _save(tmp_path / "earlier")
+    torch.manual_seed(1)
+    model = torch.nn.Linear(64, 8)
+    with Checkpointer(tmp_path / "later", model=model) as ckpt:
+        ckpt.save(1).wait()
+    later = tmp_path / "later" / "v00000001"
+    assert manifest_crc(earlier) != manifest_crc(later)
+    store = PeerStore(tmp_path / "peers", budget=1 << 24)
+    _copy_in(store, 0, 1, earlier)
+    assert store.admit({0: [(1, copy_bytes(later), manifest_crc(earlier))]}) == {0: []}
+    assert store.admit({0: [(1, copy_bytes(later), manifest_crc(later))]}) == {0: [1]}
+    assert store.held() == {}  # the earlier job's copy is gone
 
 
 def test_half_received_copies_are_swept_at_start(tmp_path):
@@ -398,7 +476,7 @@ def _copies_through_a_store(rank, group, sent: str, directory: str, budget: int,
     receive over the spare, commit) and reports, after each, the bytes of every file under
     the store and whether the copy's data file is one the store held before."""
     from pcframe.distributed.shard_stream import receive_version, send_version
-    from pcframe.store.tiers.peer import PeerStore
+    from pcframe.store.tiers.peer import PeerStore, copy_bytes
 
     rounds = 6
     if rank == 0:
@@ -406,7 +484,7 @@ def _copies_through_a_store(rank, group, sent: str, directory: str, budget: int,
             send_version(Path(sent), 1, group)
         return None
     store = PeerStore(Path(directory), budget=budget, keep=keep)
-    size = stored_data_bytes(Path(sent))
+    size = copy_bytes(Path(sent))
     seen, out = set(), []
     for version in range(1, rounds + 1):
         assert store.make_room(size)
@@ -426,8 +504,7 @@ def test_a_store_receives_into_the_pages_of_the_copies_it_drops(tmp_path, budget
     copy after the first ones is written over a dropped copy's files, and every file under
     the store (the spare included) stays within the budget after each copy."""
     sent = _save(tmp_path / "sent")
-    size = stored_data_bytes(sent)
-    manifest = os.path.getsize(sent / "manifest.json")
+    size = copy_bytes(sent)
     budget = int(budget_copies * size)
     _, got = _two_ranks(_copies_through_a_store, str(sent), str(tmp_path / "peers"), budget, keep)
     assert isinstance(got, list), got
@@ -435,5 +512,101 @@ def test_a_store_receives_into_the_pages_of_the_copies_it_drops(tmp_path, budget
     # from the third on, every copy is written over the files of one dropped.
     assert [reused for reused, _, _ in got] == [False, False, True, True, True, True], got
     for i, (_, total, held) in enumerate(got):
-        assert total <= budget + (keep + 1) * manifest, (total, budget)  # manifests not counted
+        assert total <= budget, (total, budget)  # every file counts, manifests included
         assert held == list(range(max(1, i + 2 - keep), i + 2)), (i, held)
+
+
+# --- the rounds ------------------------------------------------------------------------------
+
+
+def _round_that_fails(rank, group, directory: str):
+    """Both ranks replicate a version whose folder lookup fails with an error that is not
+    the stream's (a ValueError here): what ``wait`` and the status say afterwards."""
+    import time
+
+    from pcframe.distributed.global_versions import GlobalRecord, ShardRef
+    from pcframe.distributed.replication import PeerReplication
+
+    def shard_dir(version: int) -> Path:
+        raise ValueError(f"no folder for version {version}")
+
+    store = PeerStore(Path(directory) / f"rank-{rank}", budget=1 << 20)
+    shards = tuple(ShardRef(r, f"rank-{r}", 1, 1, f"{r:08x}", 1) for r in range(2))
+    peers = PeerReplication(NodeMap(("a", "b")), rank, 1, store, shard_dir, group)
+    peers.submit(GlobalRecord(1, 1, 0.0, 2, shards))
+    began = time.monotonic()
+    decided = peers.wait(1, timeout=60)
+    took = time.monotonic() - began
+    peers.close()
+    return decided, took, peers.status.broken, sorted(peers.protected()), peers.copied(1)
+
+
+def test_any_error_in_a_round_stops_replication_and_releases_its_waiters(tmp_path):
+    """An error in a round other than a broken stream (here a ValueError) used to end the
+    round thread silently: ``wait`` then blocked (a preemption notice waits on it), the
+    version stayed protected from retention forever, and the other ranks waited in the next
+    collective. It now stops replication as a broken stream does: said in the status, the
+    round decided (not copied), nothing left protected."""
+    got = _two_ranks(_round_that_fails, str(tmp_path))
+    for result in got:
+        assert isinstance(result, tuple), result
+        decided, took, broken, protected, copied = result
+        assert decided and took < 30, result
+        assert broken.startswith("ValueError: no folder for version 1"), broken
+        assert 1 not in protected and not copied, result
+
+
+def _chain(directory: Path) -> Path:
+    """Versions 1 (full) and 2 (a delta on 1) of one model in ``directory``."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 64)
+    engine = {"codecs": {"*": "xor_delta_zstd"}, "full_every": 4}
+    with Checkpointer(directory, model=model, **engine) as ckpt:
+        ckpt.save(1).wait()
+        with torch.no_grad():
+            model.weight[0, :8] += 1.0
+        ckpt.save(2).wait()
+    return directory
+
+
+def _round_with_a_damaged_base(rank, group, roots: list[str], stores: str):
+    from pcframe.distributed.global_versions import GlobalRecord, ShardRef
+    from pcframe.distributed.replication import PeerReplication
+    from pcframe.format.names import version_name
+
+    def shard_dir(version: int, r: int = rank) -> Path:
+        return Path(roots[r]) / version_name(version)
+
+    store = PeerStore(Path(stores) / f"rank-{rank}", budget=1 << 24)
+    shards = tuple(
+        ShardRef(r, f"rank-{r}", 2, 2, manifest_crc(shard_dir(2, r)), 1) for r in range(2)
+    )
+    peers = PeerReplication(NodeMap(("a", "b")), rank, 1, store, shard_dir, group)
+    peers.submit(GlobalRecord(2, 2, 0.0, 2, shards))
+    peers.close()
+    return store.held(), peers.copied(2), peers.status.failed, peers.secured
+
+
+def test_a_delta_whose_base_was_refused_in_its_round_is_not_kept(tmp_path):
+    """Rank 0's version 2 is a delta on its version 1, whose file is damaged: rank 1 refuses
+    the base, and the delta that reads it arrives in the same round. It is received (the
+    stream stays in step) but dropped, not counted as a copy: rank 0's shard is not safe on
+    its peer, and the version is not secured (before, the delta was kept and counted, so a
+    notice was told 'peers' for a copy that could not be read)."""
+    damaged = _chain(tmp_path / "rank-0")
+    _chain(tmp_path / "rank-1")  # the same chain, undamaged
+    from pcframe.format.manifest import read_manifest
+
+    assert read_manifest(str(damaged / "v00000002" / "manifest.json")).delta is not None
+    flip_byte(damaged / "v00000001" / "codec.bin", 40)
+    got = _two_ranks(
+        _round_with_a_damaged_base,
+        [str(tmp_path / "rank-0"), str(tmp_path / "rank-1")],
+        str(tmp_path / "stores"),
+    )
+    (held0, copied0, _, secured0), (held1, copied1, failed1, secured1) = got
+    assert held1 == {}, held1  # neither the damaged base nor the delta that reads it
+    assert any("v1" in f and "checksum" in f for f in failed1), failed1
+    assert any("v2" in f and "its base was refused" in f for f in failed1), failed1
+    assert not copied0 and secured0 == secured1 == 0
+    assert held0 == {1: [1, 2]} and copied1  # the other direction arrived whole

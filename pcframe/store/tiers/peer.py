@@ -12,9 +12,14 @@ finds it), verified copies of the shards of the ranks it backs up
 
 A copy is written into ``.tmp`` by :func:`~pcframe.distributed.shard_stream.receive_version`
 (every piece checked) and renamed into place, so a listed copy is complete. The store holds
-at most ``budget`` bytes, the spare included: before a copy is received the oldest copies
-beyond ``keep`` per rank go, then the oldest others, but never the base of a delta copy it
-keeps; a copy that does not fit even then is declined (the sender is told, nothing waits).
+at most ``budget`` bytes (every file of a copy counts: data, codec segments, manifest), the
+spare included: before a copy is received the oldest copies beyond ``keep`` per rank go,
+then the oldest others, but never the base of a delta copy it keeps, nor the copies of the
+version the replication *pinned* (the newest one every shard of which reached its peers: what
+a restore after losing a node falls back to while newer rounds are incomplete); a copy that
+does not fit even then is declined (the sender is told, nothing waits). A held copy whose
+manifest is not the one offered (left by an earlier job at the same root that numbered its
+versions from 1 again) is dropped, not taken for the offered version.
 
 A copy dropped to make room or beyond ``keep`` is not deleted but becomes the spare: the
 next copy received is written over its files, so it lands in memory the node already holds
@@ -36,9 +41,9 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 from pcframe.errors import TierError
+from pcframe.format.envelope import header_crc
 from pcframe.format.manifest import delta_base
-from pcframe.format.names import RANK_DIR, VERSION_DIR, version_name
-from pcframe.format.stripes import stored_data_bytes
+from pcframe.format.names import MANIFEST_NAME, RANK_DIR, VERSION_DIR, version_name
 from pcframe.store.tiers.memory import SHM
 
 log = logging.getLogger("pcframe.store.tiers")
@@ -46,6 +51,33 @@ log = logging.getLogger("pcframe.store.tiers")
 SPARE_DIR = ".spare"
 
 DEFAULT_BUDGET_SHARE = 0.5  # of the memory file system's free space when no budget is given
+
+
+def copy_bytes(directory: Path) -> int:
+    """Bytes of every file of a version directory (manifest, data stripes, codec segments):
+    what a copy of it takes of a node's memory.
+
+    Raises:
+        OSError: the folder cannot be listed.
+    """
+    total = 0
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                if entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
+def manifest_crc(directory: Path) -> str:
+    """The checksum of a version directory's manifest header (what a global record pins).
+
+    Raises:
+        OSError, ManifestError: unreadable, or not a manifest.
+    """
+    with open(directory / MANIFEST_NAME, "rb") as f:
+        line = f.readline(4096)
+    return header_crc(line.rstrip(b"\n"), directory / MANIFEST_NAME)
 
 
 def default_peer_directory(root: Path, base: Path = SHM) -> Path:
@@ -61,11 +93,16 @@ class PeerStore:
     Args:
         directory: this rank's folder of copies (created; ``rank-<src>/`` inside).
         budget: bytes of copies held at most (``None``: half the free space of the file
-            system the folder is on, measured at start).
+            system the folder is on, measured at start, shared by ``sharers``).
         keep: copies kept per backed-up rank (the newest; the bases of delta copies too).
+        sharers: the stores on this node's memory file system (one per rank on the node):
+            the default budget is split between them, so that together they never take
+            more than half of it.
     """
 
-    def __init__(self, directory: Path, budget: int | None = None, keep: int = 2) -> None:
+    def __init__(
+        self, directory: Path, budget: int | None = None, keep: int = 2, sharers: int = 1
+    ) -> None:
         if keep < 1:
             raise TierError(f"peer tier: keep={keep} must be >= 1")
         self.directory = Path(directory)
@@ -78,10 +115,11 @@ class PeerStore:
             ) from exc
         if budget is None:
             free = shutil.disk_usage(self.directory).free
-            budget = int(free * DEFAULT_BUDGET_SHARE)
+            budget = int(free * DEFAULT_BUDGET_SHARE / max(sharers, 1))
         if budget < 0:
             raise TierError(f"peer tier: budget={budget} bytes must be >= 0")
         self.budget, self.keep = int(budget), keep
+        self.pinned = 0  # a version whose copies stay (0: none; see pin)
         self._lock = threading.Lock()
         self.swept = self._sweep()
 
@@ -123,11 +161,14 @@ class PeerStore:
 
     # --- receiving -------------------------------------------------------------------------
 
-    def admit(self, offers: Mapping[int, Sequence[tuple[int, int]]]) -> dict[int, list[int] | None]:
+    def admit(
+        self, offers: Mapping[int, Sequence[tuple[int, int, str]]]
+    ) -> dict[int, list[int] | None]:
         """What to receive of what the backed-up ranks offer: ``offers`` maps a rank to its
-        chain ``[(version, bytes)]`` (a delta version's bases first); the answer maps it to
-        the versions of that chain not held here (``[]``: nothing to receive), or ``None``
-        where they do not fit (declined).
+        chain ``[(version, bytes, manifest crc)]`` (a delta version's bases first); the
+        answer maps it to the versions of that chain not held here (``[]``: nothing to
+        receive), or ``None`` where they do not fit (declined). A held copy whose manifest
+        checksum is not the one offered is dropped first (another shard of that number).
 
         Room is made for every admitted chain together, in the order given: a later rank's
         copies never prune a base an earlier rank's chain reads, and the copies of all of
@@ -136,12 +177,13 @@ class PeerStore:
         answer: dict[int, list[int] | None] = {}
         admitted, reads = 0, set[tuple[int, int]]()
         for src, chain in offers.items():
+            self._drop_stale(src, chain)
             held = set(self.held().get(src, []))  # again: room made for a rank before may prune
-            missing = [(v, n) for v, n in chain if v not in held]
+            missing = [(v, n) for v, n, _ in chain if v not in held]
             if not missing:
                 answer[src] = []
                 continue
-            these = {(src, v) for v, _ in chain if v in held}
+            these = {(src, v) for v, _, _ in chain if v in held}
             need = sum(n for _, n in missing)
             if not self.make_room(admitted + need, reads | these):
                 answer[src] = None
@@ -150,14 +192,23 @@ class PeerStore:
             answer[src] = [v for v, _ in missing]
         return answer
 
+    def pin(self, version: int) -> None:
+        """Keep the copies of ``version`` (and their bases) whatever room is needed, until
+        another version is pinned: the replication pins the newest version every shard of
+        which reached its peers, so a node lost while newer rounds are incomplete (a peer
+        that declined or failed them) still comes back from that version."""
+        with self._lock:
+            self.pinned = version
+
     def make_room(self, nbytes: int, reads: Collection[tuple[int, int]] = ()) -> bool:
         """Prune so that ``nbytes`` of incoming copies fit (a delta version's missing bases
         and itself, together; several ranks' at once); False if they do not fit even with
         every prunable copy gone (they are then declined).
 
         The newest copy of every rank stays until a newer one is in place (a failed transfer
-        never costs the last good copy), and so does every base a kept delta copy reads, and
-        ``reads``: the held copies ``(src, version)`` the incoming copies read.
+        never costs the last good copy), and so do the pinned version's copies, every base a
+        kept delta copy reads, and ``reads``: the held copies ``(src, version)`` the incoming
+        copies read.
         While a copy is received the store holds the copies kept and the larger of the spare
         and the copies (written over the spare's files): that is what must fit.
         """
@@ -167,8 +218,8 @@ class PeerStore:
             held = self.held()
             used = sum(self._size(s, v) for s, vs in held.items() for v in vs)
             spare = self.spare_bytes()
-            kept = {(s, vs[-1]) for s, vs in held.items()} | self._bases_needed(held)
-            kept |= set(reads)
+            kept = {(s, vs[-1]) for s, vs in held.items()} | self._pinned_copies(held)
+            kept |= self._bases_needed(held) | set(reads)
             for v, s in sorted((v, s) for s, vs in held.items() for v in vs):  # oldest first
                 if used + max(spare, nbytes) <= self.budget:
                     break
@@ -212,9 +263,32 @@ class PeerStore:
 
     def _size(self, src: int, version: int) -> int:
         try:
-            return stored_data_bytes(self.path(src, version))
+            return copy_bytes(self.path(src, version))
         except OSError:
             return 0
+
+    def _pinned_copies(self, held: Mapping[int, Sequence[int]]) -> set[tuple[int, int]]:
+        return {(s, self.pinned) for s, vs in held.items() if self.pinned in vs}
+
+    def _drop_stale(self, src: int, chain: Sequence[tuple[int, int, str]]) -> None:
+        """Drop held copies of ``src`` whose manifest is not the offered one (``crc``)."""
+        held = set(self.held().get(src, []))
+        for version, _, crc in chain:
+            if version not in held or not crc:
+                continue
+            try:
+                same = manifest_crc(self.path(src, version)) == crc
+            except Exception:  # unreadable: not the offered copy either
+                same = False
+            if not same:
+                log.warning(
+                    "peer tier: the copy of rank %d's version %d held here is not the one it "
+                    "offers (left by an earlier job?): dropped",
+                    src,
+                    version,
+                )
+                with self._lock:
+                    self._remove(src, version)
 
     def _remove(self, src: int, version: int) -> None:
         shutil.rmtree(self.path(src, version), ignore_errors=True)
@@ -232,7 +306,7 @@ class PeerStore:
 
     def _prune_beyond_keep(self, src: int) -> None:
         versions = self.held().get(src, [])
-        keep = set(versions[-self.keep :])
+        keep = set(versions[-self.keep :]) | ({self.pinned} & set(versions))
         keep |= {b for s, b in self._bases_needed({src: sorted(keep)}) if s == src}
         for version in versions:
             if version not in keep:
