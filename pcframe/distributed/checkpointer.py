@@ -455,39 +455,43 @@ class DistributedCheckpointer:
             # An earlier save's failure, moot once rolled back; raised before the meeting it
             # left the others waiting in it, and after it in the restore's collectives.
             log.error("before the restore: %s", exc)
-        start = time.perf_counter()
-        place = Place(self.root, self.peer_base)  # copies kept here by any earlier job
-        recovery = Recovery(place, self._groups, self.rank, self._control, self.remote)
-        records, invalid = recovery.records()
-        if self.peers is not None:  # fetch into the node's memory (recovery.Place says why)
-            need = sum(s.nbytes for s in records[0].shards) if records else 0
-            folder = fetched_in_memory(self.peer_base, self.root)
-            recovery.fetch_in_memory(folder, self.nodes.keys[self.rank], need)
-        report = self.last_restore = DistributedRestoreReport(skipped=list(invalid))
+        # Copies in this node's stores are read, sent and dropped: no store may write over
+        # a copy it lets go meanwhile (PeerStore.reading).
+        held = self.peers.store.reading() if self.peers is not None else contextlib.nullcontext()
+        with held:
+            start = time.perf_counter()
+            place = Place(self.root, self.peer_base)  # copies kept here by any earlier job
+            recovery = Recovery(place, self._groups, self.rank, self._control, self.remote)
+            records, invalid = recovery.records()
+            if self.peers is not None:  # fetch into the node's memory (recovery.Place says why)
+                need = sum(s.nbytes for s in records[0].shards) if records else 0
+                folder = fetched_in_memory(self.peer_base, self.root)
+                recovery.fetch_in_memory(folder, self.nodes.keys[self.rank], need)
+            report = self.last_restore = DistributedRestoreReport(skipped=list(invalid))
 
-        def applied(record: global_versions.GlobalRecord, written: Any) -> None:
-            self.local.resumed(record.step, written)
-            report.seconds = time.perf_counter() - start
+            def applied(record: global_versions.GlobalRecord, written: Any) -> None:
+                self.local.resumed(record.step, written)
+                report.seconds = time.perf_counter() - start
 
-        record = load_newest(
-            applied,
-            self.root,
-            records,
-            self.objects,
-            report,
-            self.protocol,
-            recovery,
-            rank=self.rank,
-            world_size=self.world_size,
-            reshard=reshard,
-            threads=threads,
-            group=self._control,
-        )
-        if record is None:
-            self.local.restarted_empty()  # e.g. this rank's earlier writers all died
-            return None
-        recovery.restored(record)
-        return record.step
+            record = load_newest(
+                applied,
+                self.root,
+                records,
+                self.objects,
+                report,
+                self.protocol,
+                recovery,
+                rank=self.rank,
+                world_size=self.world_size,
+                reshard=reshard,
+                threads=threads,
+                group=self._control,
+            )
+            if record is None:
+                self.local.restarted_empty()  # e.g. this rank's earlier writers all died
+                return None
+            recovery.restored(record)
+            return record.step
 
     # --- lifecycle ---------------------------------------------------------------------------
 

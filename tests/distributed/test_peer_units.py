@@ -308,6 +308,29 @@ def test_a_held_copy_of_another_shard_with_the_offered_number_is_dropped(tmp_pat
     assert store.held() == {}  # the earlier job's copy is gone
 
 
+def test_while_a_restore_reads_the_nodes_copies_none_is_overwritten_in_place(tmp_path):
+    """A copy let go becomes the spare, whose files the next copy truncates and overwrites in
+    place: a restore of any rank of the node reading (or sending from a map of) that copy
+    would read other bytes or fault. While a restore reads (another rank's store holds the
+    marker: the stores of a node share a folder), a copy let go is deleted instead, which
+    leaves every open descriptor and map of it readable."""
+    sent = _save(tmp_path / "sender")
+    size = copy_bytes(sent)
+    mine = PeerStore(tmp_path / "peers" / "kept-by-rank-0", budget=2 * size, keep=1)
+    other = PeerStore(tmp_path / "peers" / "kept-by-rank-1", budget=1 << 24)
+    _copy_in(mine, 0, 1, sent)
+    copy = mine.path(0, 1) / "data.bin"
+    with open(copy, "rb") as reader, other.reading():
+        before = reader.read()
+        reader.seek(0)
+        _copy_in(mine, 0, 2, sent)  # keep=1: version 1 goes, deleted, not the spare
+        assert mine.held() == {0: [2]} and not mine.spare.exists()
+        assert reader.read() == before  # the reader's file is untouched
+    assert not any(p.name.startswith(".reading-") for p in (tmp_path / "peers").iterdir())
+    _copy_in(mine, 0, 3, sent)  # no restore now: version 2 becomes the spare
+    assert mine.held() == {0: [3]} and mine.spare.exists()
+
+
 def test_half_received_copies_are_swept_at_start(tmp_path):
     store = PeerStore(tmp_path / "peers", budget=1 << 20)
     staging = store.staging(2, 5)

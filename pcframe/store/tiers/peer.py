@@ -24,7 +24,11 @@ versions from 1 again) is dropped, not taken for the offered version.
 A copy dropped to make room or beyond ``keep`` is not deleted but becomes the spare: the
 next copy received is written over its files, so it lands in memory the node already holds
 (allocating and zeroing fresh ``/dev/shm`` pages, and freeing the old ones, was half the
-receiver's CPU). What the next copy does not reuse is deleted when it is committed.
+receiver's CPU). What the next copy does not reuse is deleted when it is committed. While a
+restore of any rank of the node reads the copies (:meth:`PeerStore.reading`: a marker
+beside the stores), a copy that goes is deleted instead: a file made the spare is
+truncated and overwritten in place, under any map a reader holds of it, while a deleted
+file stays readable through the descriptors and maps already open.
 :class:`PeerStore` is this bookkeeping; the transfers are
 :mod:`pcframe.distributed.replication`'s.
 """
@@ -37,7 +41,7 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from pcframe.errors import TierError
@@ -49,6 +53,7 @@ from pcframe.store.tiers.memory import SHM
 log = logging.getLogger("pcframe.store.tiers")
 
 SPARE_DIR = ".spare"
+READING_PREFIX = ".reading-"  # beside the stores of a node: a restore reads their copies
 
 DEFAULT_BUDGET_SHARE = 0.5  # of the memory file system's free space when no budget is given
 
@@ -254,6 +259,20 @@ class PeerStore:
 
     # --- the restore's side ---------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """While a restore reads this node's copies: no store of the node (they share the
+        parent folder) makes a copy it lets go the spare; they delete it. A marker left by
+        a process killed meanwhile only costs that saving until its next restore ends."""
+        marker = self.directory.parent / f"{READING_PREFIX}{self.directory.name}"
+        with contextlib.suppress(OSError):
+            marker.touch()
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                marker.unlink()
+
     def forget(self, src: int, version: int) -> None:
         """Drop a copy found damaged (a restore reads it and it fails its checksums)."""
         with self._lock:
@@ -294,12 +313,24 @@ class PeerStore:
         shutil.rmtree(self.path(src, version), ignore_errors=True)
 
     def _retire(self, src: int, version: int) -> None:
-        """Unlist a copy and keep its files as the spare (replacing the spare before)."""
+        """Unlist a copy and keep its files as the spare (replacing the spare before), or
+        delete it while a restore reads the node's copies (:meth:`reading`)."""
         self._drop_spare()
+        if self._being_read():
+            self._remove(src, version)
+            return
         try:
             os.rename(self.path(src, version), self.spare)
         except OSError:
             self._remove(src, version)
+
+    def _being_read(self) -> bool:
+        try:
+            return any(
+                name.startswith(READING_PREFIX) for name in os.listdir(self.directory.parent)
+            )
+        except OSError:
+            return True  # cannot tell: deleting is always safe
 
     def _drop_spare(self) -> None:
         shutil.rmtree(self.spare, ignore_errors=True)
