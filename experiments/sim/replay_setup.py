@@ -186,11 +186,12 @@ def robust(samples: Sequence[float]) -> dict[str, float]:
     return {"median": med, "spread": 1.4826 * mad, "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def cpu_pressure_total() -> float:
-    """Microseconds some runnable task of this machine waited for a CPU since boot (Linux
-    pressure stall information, ``/proc/pressure/cpu``); NaN where the kernel has none."""
+def cpu_pressure_total(resource: str = "cpu") -> float:
+    """Microseconds some task of this machine waited for ``resource`` (``cpu``, or ``io``:
+    blocked on I/O) since boot (Linux pressure stall information, ``/proc/pressure/``); NaN
+    where the kernel has none."""
     try:
-        with open("/proc/pressure/cpu") as f:
+        with open(f"/proc/pressure/{resource}") as f:
             first = f.readline().split()
         return float(dict(x.split("=") for x in first[1:])["total"])
     except (OSError, KeyError, ValueError, IndexError):
@@ -201,8 +202,10 @@ class LoadProbe:
     """The machine's load around a measurement: the 1-minute load average before and after,
     the share of the wall time in which some task waited for a CPU (``cpu_pressure``, from
     ``/proc/pressure/cpu`` over exactly this interval: unlike the load average, not an
-    average over the last minute), and the CPU seconds per wall second this process and its
-    reaped children (the supervised training processes) got over it (``cpu_share``)."""
+    average over the last minute), the same for I/O (``io_pressure``: some task blocked on
+    the disk; a restart reads code and a checkpoint, a save syncs), and the CPU seconds per
+    wall second this process and its reaped children (the supervised training processes)
+    got over it (``cpu_share``)."""
 
     def __init__(self) -> None:
         self.before = os.getloadavg()[0]
@@ -210,9 +213,11 @@ class LoadProbe:
         self._cpu0 = t.children_user + t.children_system + t.user + t.system
         self._wall0 = t.elapsed
         self._psi0 = cpu_pressure_total()
+        self._io0 = cpu_pressure_total("io")
         self.after = math.nan
         self.cpu_share = math.nan
         self.cpu_pressure = math.nan
+        self.io_pressure = math.nan
 
     def stop(self) -> dict[str, float]:
         self.after = os.getloadavg()[0]
@@ -222,6 +227,7 @@ class LoadProbe:
         self.cpu_share = cpu / wall if wall > 0 else math.nan
         if wall > 0:
             self.cpu_pressure = (cpu_pressure_total() - self._psi0) / 1e6 / wall
+            self.io_pressure = (cpu_pressure_total("io") - self._io0) / 1e6 / wall
         return self.summary()
 
     def summary(self) -> dict[str, float]:
@@ -231,4 +237,5 @@ class LoadProbe:
             "load": (self.before + self.after) / 2.0,
             "cpu_share": self.cpu_share,
             "cpu_pressure": self.cpu_pressure,
+            "io_pressure": self.io_pressure,
         }

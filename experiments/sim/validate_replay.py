@@ -3,8 +3,10 @@ engine and the real interval policies, and compare the measured goodput with the
 simulator's prediction made from a calibration measured **before** the replays.
 
 1. Calibrate once, before any replay, on the same workload (``calibrate``): the bare step
-   time (in-process runs), the engine's stall and time to durable per save at each number
-   in flight (in-process runs), and the restart cost and the step time of the loop as the
+   time (in-process runs), what each save costs the training loop (its steps' extra time,
+   the save and the steps after it: the engine's own stall figure leaves out the calls
+   around it) and the time to durable per save at each number in flight (in-process runs),
+   and the restart cost and the step time of the loop as the
    replay runs it from a supervised child SIGKILLed ``--restarts`` times (from each kill to
    its successor's first step: process start, imports, restore, that step). Each input is
    the **median** of its samples, its spread 1.4826 x their median absolute deviation
@@ -50,6 +52,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -96,6 +99,11 @@ MIN_RESTART_JITTER = 0.05
 MIN_ITERATION_JITTER = 0.005
 WORKLOAD = {"hidden": 512, "layers": 4, "samples": 8192}  # 10 MB of state with AdamW
 RESTART_GAP = 6.0
+# The in-process calibration of a save's costs: steps, a save every this many, and the steps
+# after a save that may still pay for it (the optimizer step waits for the snapshot copy).
+CALIBRATION_STEPS = 240
+CALIBRATION_EVERY = 5
+SPILL_STEPS = 2
 # A life's compute per step counts from this many steps on: a shorter one is mostly its
 # first step after the restore (warm-up), whose cost the restart samples already hold.
 MIN_PACE_STEPS = 20  # wall seconds between the calibration's kills
@@ -227,10 +235,12 @@ def supervised(
     steps: int,
     mtbf: float = 3600.0,
     priors: dict[str, float] | None = None,
+    commits: list[tuple[float, int]] | None = None,
 ) -> tuple[Any, list[tuple[float, int]], dict[int, float], int]:
     """A supervised child killed at ``kills``: the run, its (time, step) lines, the compute
     seconds per step of each life that trained long enough, by its index in ``run.lives``
-    (``pace`` events, checkpoint stalls left out) and the notices delivered."""
+    (``pace`` events, checkpoint stalls left out) and the notices delivered; ``commits``
+    gets the (time, step) of each version committed."""
     timeline: list[tuple[float, int]] = []
     paces: dict[int, tuple[int, float]] = {}
     done_at: list[float] = []
@@ -261,6 +271,8 @@ def supervised(
             event = json.loads(line[len(EVENT_PREFIX) :])  # well-formed, or fail loudly
             if event["event"] == "pace":
                 paces[index] = (int(event["steps"]), float(event["seconds"]))
+            elif event["event"] == "committed" and commits is not None:
+                commits.append((time.monotonic() - start, int(event["step"])))
             elif event["event"] == "done":
                 done_at.append(time.monotonic() - start)
 
@@ -299,17 +311,20 @@ def calibrate(args: argparse.Namespace, in_flights: list[int], root: Path) -> di
     costs: dict[int, dict[str, Any]] = {}
     for n in sorted(set(in_flights)):
         directory = root / f"calibrate-{n}"
+        ends: list[float] = []
         _, ckpt = train(
             accelerated(build("mlp", **WORKLOAD), args.accelerator_ms, paced),
-            240,
+            CALIBRATION_STEPS,
             directory,
-            P.FixedSteps(20),
+            P.FixedSteps(CALIBRATION_EVERY),
             EngineConfig(max_in_flight=n),
+            lambda step, ends=ends: ends.append(time.perf_counter()),
         )
         done = [r for r in ckpt.records.values() if r.status == "committed"]
         shutil.rmtree(directory, ignore_errors=True)
         costs[n] = {
-            "stall": robust([r.stall for r in done]),
+            "stall": robust(loop_costs(ends, CALIBRATION_EVERY)),
+            "engine_stall": robust([r.stall for r in done]),
             "durable": robust([r.durable for r in done]),
         }
     # The restart cost and the step time of the loop as the replay runs it: a supervised
@@ -340,6 +355,24 @@ def calibrate(args: argparse.Namespace, in_flights: list[int], root: Path) -> di
         "costs": costs,
         **load,
     }
+
+
+def loop_costs(ends: list[float], every: int, after: int = SPILL_STEPS) -> list[float]:
+    """What each save cost the training loop: ``ends[i]`` is when step ``i + 1`` ended, a
+    save is taken at the end of every ``every``-th step; its cost is the extra time of its
+    step and the ``after`` steps that follow (the optimizer step waits for the snapshot copy
+    there) over the median step of those no save touches."""
+    steps = [b - a for a, b in itertools.pairwise(ends)]  # steps[i]: step i + 2
+    touched = {s + j for s in range(every, len(ends) + 1, every) for j in range(after + 1)}
+    quiet = [d for i, d in enumerate(steps) if i + 2 not in touched]
+    if not quiet:
+        return []
+    typical = statistics.median(quiet)
+    return [
+        sum(steps[s + j - 2] - typical for j in range(after + 1))
+        for s in range(every, len(ends) - after + 1, every)
+        if s >= 2
+    ]
 
 
 def life_step_times(timeline: list[tuple[float, int]], min_steps: int = 20) -> list[float]:
@@ -549,6 +582,7 @@ def main() -> None:
         in_flight = sorted({c.in_flight for _, c, _ in replays})
         cals: dict[str, dict[str, Any]] = {}  # by the trace it was made before ("" : all)
         groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        raws: list[dict[str, Any]] = []  # each replay as it ran, to predict it again later
         for i, (key, config, offset) in enumerate(replays):
             due = key if args.calibrate == "per-trace" else ""
             if due not in cals:
@@ -578,8 +612,9 @@ def main() -> None:
             window = clear_of_kills(WINDOW * min(d.wall_seconds for d in sims), kills)
             probe = LoadProbe()
             directory = root / f"replay-{i}"
+            committed: list[tuple[float, int]] = []
             run, timeline, paces, notices = supervised(
-                args, config, kills, directory, steps, setup.gap, priors
+                args, config, kills, directory, steps, setup.gap, priors, committed
             )
             load = probe.stop()
             shutil.rmtree(directory, ignore_errors=True)
@@ -622,10 +657,58 @@ def main() -> None:
                 f"run {r['error_pct']:+.1f} %, in-replay check {r['error_in_replay_pct']:+.1f} %, "
                 f"exact {r['error_window_exact_pct']:+.1f} % (window) {r['error_exact_pct']:+.1f} %"
             )
+            raws.append(raw_replay(key, config, offset, kills, run, timeline, paces, committed))
             # Rewritten after every replay: a campaign cut short keeps what it measured.
             write_outputs(args, with_means(groups), cals, done, len(replays))
+            write_raw(Path(args.out), raws, cals)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def raw_replay(
+    key: str,
+    config: Config,
+    offset: float,
+    kills: list[float],
+    run: Any,
+    timeline: list[tuple[float, int]],
+    paces: dict[int, float],
+    commits: list[tuple[float, int]],
+) -> dict[str, Any]:
+    """One replay as it ran (times in ms on the job clock): enough to predict it again with
+    another model or other inputs without running it again."""
+
+    def ms(t: float | None) -> int | None:
+        return None if t is None else round(1e3 * t)
+
+    return {
+        "trace": key,
+        "config": config.label,
+        "offset_gaps": offset,
+        "wall_ms": ms(run.wall),
+        "kills_ms": [ms(k) for k in kills if k <= run.wall + 1.0],
+        "lives": [
+            {
+                "spawned_ms": ms(life.spawned),
+                "first_step_ms": ms(life.first_step_at),
+                "ended_ms": ms(life.ended),
+                "killed": life.killed,
+                "start_step": life.start_step,
+                "last_step": life.last_step,
+            }
+            for life in run.lives
+        ],
+        "pace_us": {str(i): round(1e6 * p) for i, p in paces.items()},
+        "steps_ms": [[ms(t), step] for t, step in timeline],
+        "commits_ms": [[ms(t), step] for t, step in commits],
+    }
+
+
+def write_raw(out: Path, raws: list[dict[str, Any]], cals: dict[str, dict]) -> None:
+    """``<out>.raw.json``: every replay as it ran and the calibrations they were predicted
+    from."""
+    data = {"calibrations": cals, "replays": raws}
+    out.with_suffix(".raw.json").write_text(json.dumps(data, separators=(",", ":"), default=str))
 
 
 def with_means(groups: dict[tuple[str, str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -764,6 +847,8 @@ def row(
         "cpu_share_calibrated": cal["cpu_share"],
         "cpu_pressure": load["cpu_pressure"],
         "cpu_pressure_calibrated": cal["cpu_pressure"],
+        "io_pressure": load.get("io_pressure", math.nan),
+        "io_pressure_calibrated": cal.get("io_pressure", math.nan),
     }
 
 
@@ -816,7 +901,9 @@ def verdict(rows: list[dict]) -> str:
             f"{r['iteration_ms']:.1f} ms, restart {r['restart_calibrated_s']:.2f} -> "
             f"{r['restart_s']:.2f} s, load {r['load_calibrated']:.2f} -> {r['load']:.2f}, "
             f"CPU share {r['cpu_share_calibrated']:.2f} -> {r['cpu_share']:.2f}, CPU pressure "
-            f"{r['cpu_pressure_calibrated']:.2f} -> {r['cpu_pressure']:.2f})"
+            f"{r['cpu_pressure_calibrated']:.2f} -> {r['cpu_pressure']:.2f}, I/O pressure "
+            f"{r.get('io_pressure_calibrated', math.nan):.2f} -> "
+            f"{r.get('io_pressure', math.nan):.2f})"
         )
     return "\n".join(lines) + "\n\n"
 
@@ -830,7 +917,9 @@ def calibration_paragraph(key: str, cal: dict) -> str:
     before, or "" when one calibration served every replay)."""
     r, n = cal["restart_stats"], cal["costs"]
     costs = "; ".join(
-        f"N={k}: stall {_ms(v['stall'])}, durable {_ms(v['durable'])} ({v['durable']['n']} saves)"
+        f"N={k}: stall {_ms(v['stall'])} (the loop's cost per save; the engine's own figure "
+        f"{_ms(v['engine_stall']) if 'engine_stall' in v else 'n/a'}), durable "
+        f"{_ms(v['durable'])} ({v['durable']['n']} saves)"
         for k, v in n.items()
     )
     when = f"before the {key} replays" if key else "before every replay"
@@ -842,7 +931,8 @@ def calibration_paragraph(key: str, cal: dict) -> str:
         f"{r['max']:.2f}, {r['n']} kills: {samples}); "
         f"{costs}. Load average {cal['load_before']:.2f} before, {cal['load_after']:.2f} after; "
         f"CPU share {cal['cpu_share']:.2f}; CPU pressure {cal['cpu_pressure']:.2f} (the share "
-        "of the time some task waited for a CPU, `/proc/pressure/cpu`).\n\n"
+        "of the time some task waited for a CPU, `/proc/pressure/cpu`); I/O pressure "
+        f"{cal.get('io_pressure', math.nan):.2f} (the same for the disk).\n\n"
     )
 
 
@@ -949,6 +1039,8 @@ def write_outputs(
         "cpu_share",
         "cpu_pressure_calibrated",
         "cpu_pressure",
+        "io_pressure_calibrated",
+        "io_pressure",
     ]
     text += markdown_table(rows, inputs_cols, digits=2)
     write_results(out.with_suffix(".md"), text)

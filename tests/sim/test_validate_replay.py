@@ -9,7 +9,9 @@ notice source before the kill, and the prediction runs the policy at every step.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -45,11 +47,39 @@ def test_load_probe_records_load_and_cpu_share() -> None:
     while time.process_time() < end:
         pass
     load = probe.stop()
-    assert set(load) == {"load_before", "load_after", "load", "cpu_share", "cpu_pressure"}
+    assert set(load) == {
+        "load_before",
+        "load_after",
+        "load",
+        "cpu_share",
+        "cpu_pressure",
+        "io_pressure",
+    }
     assert load["load_before"] >= 0 and load["load_after"] >= 0
     assert 0 < load["cpu_share"] <= 2.5
-    pressure = load["cpu_pressure"]  # NaN only where the kernel has no /proc/pressure
-    assert math.isnan(pressure) or 0 <= pressure <= 1.5
+    for key in ("cpu_pressure", "io_pressure"):  # NaN only without /proc/pressure
+        pressure = load[key]
+        assert math.isnan(pressure) or 0 <= pressure <= 1.5, (key, pressure)
+
+
+def test_a_saves_cost_is_what_the_training_loop_lost_to_it() -> None:
+    """The loop's cost of a save: the extra time of its step and the steps after it (the
+    optimizer step waits for the snapshot copy) over a step no save touches. The engine's
+    own stall figure leaves out the calls around it; a simulator fed that figure for a
+    policy saving every few steps ran ahead of the real loop."""
+    every, typical = 5, 0.100
+    ends, t = [], 0.0
+    for step in range(1, 101):
+        t += typical + 0.0004 * (step % 3)  # jitter that the median sees through
+        if step % every == 0:
+            t += 0.0020  # the save in its own step
+        elif step % every == 1 and step > 1:
+            t += 0.0010  # the optimizer step after it waits for the copy
+        ends.append(t)
+    costs = V.loop_costs(ends, every)
+    assert len(costs) == 19  # every save whose following steps are measured
+    assert statistics.median(costs) == pytest.approx(0.0030, abs=0.0006)
+    assert V.loop_costs(ends[:3], every) == []  # no save measured
 
 
 @pytest.mark.parametrize(
@@ -369,6 +399,7 @@ def replay_life(spawned, first_step_at, ended, killed):
         ended=ended,
         killed=killed,
         start_step=0,
+        last_step=0,
     )
 
 
@@ -416,3 +447,34 @@ def test_the_exact_check_replays_each_lifes_own_restart_and_pace() -> None:
     assert result.wall_seconds == pytest.approx(3.0 + 100 * 0.2 + 0.01, abs=0.06)
     with pytest.raises(SimConfigError, match=r"job.measured_starts\[0\]"):
         JobSpec(measured_starts=((-1.0, 1.0),))
+
+
+def test_each_replay_is_kept_as_it_ran_to_be_predicted_again(tmp_path) -> None:
+    """The raw file holds what the exact check needs to predict a replay again (lives,
+    kills, step lines, commits, paces) and the calibration, in milliseconds."""
+    run = SimpleNamespace(
+        wall=20.0,
+        lives=[
+            replay_life(0.0, 2.6, 6.0, True),
+            replay_life(6.0, 8.7, 20.0, False),
+        ],
+    )
+    config = S.Config.parse("fixed:25:1")
+    raw = V.raw_replay(
+        "harsh", config, 1.5, [6.0, 30.0], run, [(2.6, 1), (2.7, 2)], {1: 0.1}, [(5.0, 25)]
+    )
+    V.write_raw(tmp_path / "report", [raw], {"": {"restart": 2.4}})
+    back = json.loads((tmp_path / "report.raw.json").read_text())
+    (got,) = back["replays"]
+    assert back["calibrations"] == {"": {"restart": 2.4}}
+    assert got["config"] == "fixed:25:1" and got["kills_ms"] == [6000]  # none past the end
+    assert got["lives"][0] == {
+        "spawned_ms": 0,
+        "first_step_ms": 2600,
+        "ended_ms": 6000,
+        "killed": True,
+        "start_step": 0,
+        "last_step": 0,
+    }
+    assert got["steps_ms"] == [[2600, 1], [2700, 2]] and got["commits_ms"] == [[5000, 25]]
+    assert got["pace_us"] == {"1": 100000}
