@@ -194,14 +194,15 @@ class PeerReplication:
         except Exception as exc:  # a peer died or stopped answering, or this rank's store
             # failed: either way the rounds cannot go on in step with the other ranks.
             lines = str(exc).splitlines()
-            self.status.broken = f"{type(exc).__name__}: {(lines[0] if lines else '')[:300]}"
+            with self._done:  # at once: a waiter woken by `broken` finds its round ended
+                self.status.broken = f"{type(exc).__name__}: {(lines[0] if lines else '')[:300]}"
+                self._finish([r.version for r in pending], copied=False)
             log.error(
                 "peer tier: replication stopped on rank %d (%s); versions stay on local disk "
                 "and in the other tiers; restart the job to resume it",
                 self.rank,
                 self.status.broken,
             )
-            self._finish([r.version for r in pending], copied=False)
             return []
         self.status.seconds += time.perf_counter() - start
         return [r for r in pending if r.version > record.version]

@@ -281,12 +281,34 @@ def test_the_pinned_versions_copies_stay_beyond_keep_and_when_room_is_made(tmp_p
         assert store.make_room(size)
         _copy_in(store, 0, version, sent)
         assert store.held() == {0: [1, version]}  # keep=1, and the pinned one
-    # Room for two copies: only unpinned, not-newest copies can go; none is left to go.
-    assert not store.make_room(2 * size)
-    assert store.held() == {0: [1, 4]}
-    store.pin(4)  # a newer version secured: the old pin's copy may go
+    # Room for two copies: the newest copy is not known to be part of a whole version and
+    # gives way; the pinned one stays (and nothing else can go for more).
     assert store.make_room(2 * size)
-    assert store.held() == {0: [4]}
+    assert store.held() == {0: [1]}
+    assert not store.make_room(3 * size)
+    _copy_in(store, 0, 5, sent)
+    store.pin(5)  # a newer version secured: the old pin's copy may go
+    assert store.make_room(2 * size)
+    assert store.held() == {0: [5]}
+
+
+def test_one_failed_round_does_not_stop_a_tight_store_for_good(tmp_path):
+    """A round that failed somewhere leaves the pin on an older version while a newer copy
+    arrived here. With room for two and a half copies (the recovery benchmark's budget), the
+    next copy must still fit: the unsecured newer copy gives way, not the pinned one. Had
+    both stayed, every later copy would be declined, no round could be whole again, and the
+    pin would never move."""
+    sent = _save(tmp_path / "sender")
+    size = copy_bytes(sent)
+    store = PeerStore(tmp_path / "peers", budget=int(2.5 * size), keep=2)
+    for version in (4, 5):
+        assert store.make_room(size)
+        _copy_in(store, 0, version, sent)
+    store.pin(4)  # round 5 failed on another rank: 4 is the newest secured
+    assert store.admit({0: [(6, size, "")]}) == {0: [6]}
+    _copy_in(store, 0, 6, sent)
+    assert store.held() == {0: [4, 6]}
+    assert store.held_bytes() + store.spare_bytes() <= store.budget
 
 
 def test_a_held_copy_of_another_shard_with_the_offered_number_is_dropped(tmp_path):

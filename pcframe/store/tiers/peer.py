@@ -210,10 +210,13 @@ class PeerStore:
         and itself, together; several ranks' at once); False if they do not fit even with
         every prunable copy gone (they are then declined).
 
-        The newest copy of every rank stays until a newer one is in place (a failed transfer
-        never costs the last good copy), and so do the pinned version's copies, every base a
-        kept delta copy reads, and ``reads``: the held copies ``(src, version)`` the incoming
-        copies read.
+        The pinned version's copy of a rank stays, and where there is none, its newest copy
+        stays until a newer one is in place (a failed transfer never costs the last good
+        copy); a newer copy than the pinned one may go, as it is not known to be part of a
+        whole version: kept instead, it would take the room of the copies that could make
+        the next one whole, and one failed round would stop the replication for good where
+        the budget holds three copies or fewer. Every base a kept delta copy reads stays too,
+        and ``reads``: the held copies ``(src, version)`` the incoming copies read.
         While a copy is received the store holds the copies kept and the larger of the spare
         and the copies (written over the spare's files): that is what must fit.
         """
@@ -223,8 +226,9 @@ class PeerStore:
             held = self.held()
             used = sum(self._size(s, v) for s, vs in held.items() for v in vs)
             spare = self.spare_bytes()
-            kept = {(s, vs[-1]) for s, vs in held.items()} | self._pinned_copies(held)
-            kept |= self._bases_needed(held) | set(reads)
+            pinned = self._pinned_copies(held)
+            kept = {(s, vs[-1]) for s, vs in held.items() if (s, self.pinned) not in pinned}
+            kept |= pinned | self._bases_needed(held) | set(reads)
             for v, s in sorted((v, s) for s, vs in held.items() for v in vs):  # oldest first
                 if used + max(spare, nbytes) <= self.budget:
                     break
