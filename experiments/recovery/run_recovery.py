@@ -1185,6 +1185,8 @@ def main() -> None:
     )
 
     compile_bytecode()
+    if args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     base = Path(tempfile.mkdtemp(prefix="recovery-", dir=args.dir))
     shm_base = Path(tempfile.mkdtemp(prefix="pcframe-recovery-", dir=args.shm))
     load_before = os.getloadavg()
