@@ -186,7 +186,7 @@ def robust(samples: Sequence[float]) -> dict[str, float]:
     return {"median": med, "spread": 1.4826 * mad, "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def cpu_pressure_total(resource: str = "cpu") -> float:
+def pressure_total(resource: str = "cpu") -> float:
     """Microseconds some task of this machine waited for ``resource`` (``cpu``, or ``io``:
     blocked on I/O) since boot (Linux pressure stall information, ``/proc/pressure/``); NaN
     where the kernel has none."""
@@ -212,8 +212,8 @@ class LoadProbe:
         t = os.times()
         self._cpu0 = t.children_user + t.children_system + t.user + t.system
         self._wall0 = t.elapsed
-        self._psi0 = cpu_pressure_total()
-        self._io0 = cpu_pressure_total("io")
+        self._psi0 = pressure_total()
+        self._io0 = pressure_total("io")
         self.after = math.nan
         self.cpu_share = math.nan
         self.cpu_pressure = math.nan
@@ -226,8 +226,8 @@ class LoadProbe:
         wall = t.elapsed - self._wall0
         self.cpu_share = cpu / wall if wall > 0 else math.nan
         if wall > 0:
-            self.cpu_pressure = (cpu_pressure_total() - self._psi0) / 1e6 / wall
-            self.io_pressure = (cpu_pressure_total("io") - self._io0) / 1e6 / wall
+            self.cpu_pressure = (pressure_total() - self._psi0) / 1e6 / wall
+            self.io_pressure = (pressure_total("io") - self._io0) / 1e6 / wall
         return self.summary()
 
     def summary(self) -> dict[str, float]:

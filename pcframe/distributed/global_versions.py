@@ -42,9 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from pcframe.errors import CorruptCheckpoint, ManifestError, NotRegularFile, UnsupportedCheckpoint
-from pcframe.format.envelope import BodyFields, Envelope, header_crc, is_crc, seal
+from pcframe.format.envelope import BodyFields, Envelope, is_crc, seal
 from pcframe.format.files import read_small
-from pcframe.format.manifest import MANIFEST_NAME
+from pcframe.format.manifest import MANIFEST_NAME, manifest_crc
 from pcframe.format.names import RANK_DIR, version_from_digits, version_name, version_number
 from pcframe.format.stripes import stored_data_bytes
 from pcframe.runtime.faults import crash_point
@@ -295,11 +295,6 @@ def valid_records(
         except (ManifestError, OSError) as exc:
             bad.append((version, str(exc)))
     return good, bad
-
-
-def manifest_crc(manifest_path: Path) -> str:
-    """The body checksum from a shard manifest's header line (what the record pins)."""
-    return header_crc(read_small(manifest_path, 4096).partition(b"\n")[0], manifest_path)
 
 
 def shard_ref(root: Path, rank: int, version: int, step: int) -> ShardRef:

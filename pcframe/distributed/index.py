@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pcframe.distributed.global_versions import GlobalRecord, manifest_crc
+from pcframe.distributed.global_versions import GlobalRecord
 from pcframe.distributed.placement import Box
 from pcframe.errors import CorruptCheckpoint, ManifestError
-from pcframe.format.manifest import MANIFEST_NAME, Manifest, read_manifest
+from pcframe.format.manifest import MANIFEST_NAME, Manifest, manifest_crc, read_manifest
 from pcframe.format.names import version_name
 
 

@@ -50,9 +50,10 @@ from pcframe.distributed.global_versions import GlobalRecord
 from pcframe.distributed.nodes import NodeMap, backed_up_by, replica_ranks
 from pcframe.distributed.shard_stream import receive_version, send_version
 from pcframe.errors import CheckpointError, CorruptCheckpoint, ManifestError
-from pcframe.format.manifest import delta_base
+from pcframe.format.manifest import delta_base, manifest_crc
+from pcframe.format.names import MANIFEST_NAME
 from pcframe.runtime.threads import single_threaded_torch
-from pcframe.store.tiers.peer import PeerStore, copy_bytes, manifest_crc
+from pcframe.store.tiers.peer import PeerStore, copy_bytes
 
 log = logging.getLogger("pcframe")
 
@@ -254,7 +255,8 @@ class PeerReplication:
         try:
             while True:
                 directory = self.shard_dir(current)
-                chain.append((current, copy_bytes(directory), manifest_crc(directory)))
+                crc = manifest_crc(directory / MANIFEST_NAME)
+                chain.append((current, copy_bytes(directory), crc))
                 current = delta_base(directory)
                 if not current:
                     return chain[::-1]

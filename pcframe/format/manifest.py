@@ -30,8 +30,8 @@ from typing import Any
 
 from pcframe.errors import CorruptCheckpoint, ManifestError
 from pcframe.format.checksum import CHECKSUMS
-from pcframe.format.envelope import BodyFields, Envelope, seal
-from pcframe.format.files import open_regular
+from pcframe.format.envelope import BodyFields, Envelope, header_crc, seal
+from pcframe.format.files import open_regular, read_small
 from pcframe.format.layout import Entry, Layout
 from pcframe.format.names import CODEC_NAME, DATA_NAME, MANIFEST_NAME, MAX_VERSION, SAFE_FILE
 from pcframe.format.segments import CodedSegments, SegmentRecord
@@ -246,6 +246,16 @@ def manifest_from_bytes(raw: bytes, path: str) -> Manifest:
         )
     format_version, parsed = Envelope(FORMAT, READABLE_VERSIONS, "manifest").open(raw, path)
     return parse_body(parsed, path, format_version)
+
+
+def manifest_crc(manifest_path: str | os.PathLike[str]) -> str:
+    """The body checksum from a manifest's header line (what a global record pins a shard
+    by, and a peer copy is matched against).
+
+    Raises:
+        CorruptCheckpoint / OSError: no header with a valid checksum, or unreadable.
+    """
+    return header_crc(read_small(manifest_path, 4096).partition(b"\n")[0], manifest_path)
 
 
 def delta_base(directory: str | os.PathLike[str]) -> int:

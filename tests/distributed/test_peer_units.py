@@ -15,10 +15,17 @@ import torch
 from pcframe import Checkpointer
 from pcframe.distributed.nodes import NodeMap, backed_up_by, check_replicas, replica_ranks
 from pcframe.errors import CorruptCheckpoint
+from pcframe.format.manifest import manifest_crc
 from pcframe.restore.reader import load_version
-from pcframe.store.tiers.peer import PeerStore, copy_bytes, manifest_crc
+from pcframe.store.tiers.peer import PeerStore, copy_bytes
 from tests.distributed.launch import free_port
 from tests.helpers import flip_byte
+
+
+def _crc(version_dir: Path) -> str:
+    """What a global record pins a shard by (and a peer copy is matched against)."""
+    return manifest_crc(version_dir / "manifest.json")
+
 
 # --- where copies go ------------------------------------------------------------------------
 
@@ -250,7 +257,7 @@ def test_every_file_of_a_copy_counts_against_the_budget(tmp_path):
     assert os.path.getsize(coded / "data.bin") < on_disk / 2  # mostly codec.bin
     store = PeerStore(tmp_path / "peers", budget=int(2.5 * on_disk), keep=5)
     for version in (1, 2, 3):
-        answer = store.admit({0: [(version, copy_bytes(coded), manifest_crc(coded))]})
+        answer = store.admit({0: [(version, copy_bytes(coded), _crc(coded))]})
         assert answer == {0: [version]}
         _copy_in(store, 0, version, coded)
         assert store.held_bytes() + store.spare_bytes() <= store.budget
@@ -322,11 +329,11 @@ def test_a_held_copy_of_another_shard_with_the_offered_number_is_dropped(tmp_pat
     with Checkpointer(tmp_path / "later", model=model) as ckpt:
         ckpt.save(1).wait()
     later = tmp_path / "later" / "v00000001"
-    assert manifest_crc(earlier) != manifest_crc(later)
+    assert _crc(earlier) != _crc(later)
     store = PeerStore(tmp_path / "peers", budget=1 << 24)
     _copy_in(store, 0, 1, earlier)
-    assert store.admit({0: [(1, copy_bytes(later), manifest_crc(earlier))]}) == {0: []}
-    assert store.admit({0: [(1, copy_bytes(later), manifest_crc(later))]}) == {0: [1]}
+    assert store.admit({0: [(1, copy_bytes(later), _crc(earlier))]}) == {0: []}
+    assert store.admit({0: [(1, copy_bytes(later), _crc(later))]}) == {0: [1]}
     assert store.held() == {}  # the earlier job's copy is gone
 
 
@@ -623,9 +630,7 @@ def _round_with_a_damaged_base(rank, group, roots: list[str], stores: str):
         return Path(roots[r]) / version_name(version)
 
     store = PeerStore(Path(stores) / f"rank-{rank}", budget=1 << 24)
-    shards = tuple(
-        ShardRef(r, f"rank-{r}", 2, 2, manifest_crc(shard_dir(2, r)), 1) for r in range(2)
-    )
+    shards = tuple(ShardRef(r, f"rank-{r}", 2, 2, _crc(shard_dir(2, r)), 1) for r in range(2))
     peers = PeerReplication(NodeMap(("a", "b")), rank, 1, store, shard_dir, group)
     peers.submit(GlobalRecord(2, 2, 0.0, 2, shards))
     peers.close()

@@ -21,6 +21,7 @@ import pytest
 
 import pcframe.policies as P
 from pcframe.policies import FileNoticeSource
+from pcframe.sim import JobSpec, SimConfigError, simulate
 
 SIM = Path(__file__).resolve().parents[2] / "experiments" / "sim"
 sys.path.insert(0, str(SIM))
@@ -430,9 +431,6 @@ def test_the_exact_check_replays_each_lifes_own_restart_and_pace() -> None:
     assert starts[2][0] > 15.0 - 14.05  # still starting when the next kill comes
 
     # The simulator takes them: one life, no kills, a measured 3 s restart at half speed.
-    from pcframe.sim import JobSpec, simulate
-    from pcframe.sim.spec import SimConfigError
-
     job = JobSpec(
         iteration_time=0.1,
         save_stall=0.0,

@@ -45,8 +45,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from pcframe.errors import TierError
-from pcframe.format.envelope import header_crc
-from pcframe.format.manifest import delta_base
+from pcframe.format.manifest import delta_base, manifest_crc
 from pcframe.format.names import MANIFEST_NAME, RANK_DIR, VERSION_DIR, version_name
 from pcframe.store.tiers.memory import SHM
 
@@ -72,17 +71,6 @@ def copy_bytes(directory: Path) -> int:
                 if entry.is_file(follow_symlinks=False):
                     total += entry.stat(follow_symlinks=False).st_size
     return total
-
-
-def manifest_crc(directory: Path) -> str:
-    """The checksum of a version directory's manifest header (what a global record pins).
-
-    Raises:
-        OSError, ManifestError: unreadable, or not a manifest.
-    """
-    with open(directory / MANIFEST_NAME, "rb") as f:
-        line = f.readline(4096)
-    return header_crc(line.rstrip(b"\n"), directory / MANIFEST_NAME)
 
 
 def default_peer_directory(root: Path, base: Path = SHM) -> Path:
@@ -160,7 +148,7 @@ class PeerStore:
 
     def spare_bytes(self) -> int:
         try:
-            return sum(entry.stat().st_size for entry in os.scandir(self.spare))
+            return copy_bytes(self.spare)
         except OSError:
             return 0
 
@@ -226,9 +214,9 @@ class PeerStore:
             held = self.held()
             used = sum(self._size(s, v) for s, vs in held.items() for v in vs)
             spare = self.spare_bytes()
-            pinned = self._pinned_copies(held)
-            kept = {(s, vs[-1]) for s, vs in held.items() if (s, self.pinned) not in pinned}
-            kept |= pinned | self._bases_needed(held) | set(reads)
+            # Per rank its pinned copy where it holds one, else its newest.
+            kept = {(s, self.pinned if self.pinned in vs else vs[-1]) for s, vs in held.items()}
+            kept |= self._bases_needed(held) | set(reads)
             for v, s in sorted((v, s) for s, vs in held.items() for v in vs):  # oldest first
                 if used + max(spare, nbytes) <= self.budget:
                     break
@@ -277,11 +265,6 @@ class PeerStore:
             with contextlib.suppress(OSError):
                 marker.unlink()
 
-    def forget(self, src: int, version: int) -> None:
-        """Drop a copy found damaged (a restore reads it and it fails its checksums)."""
-        with self._lock:
-            self._remove(src, version)
-
     # --- internals ---------------------------------------------------------------------------
 
     def _size(self, src: int, version: int) -> int:
@@ -290,9 +273,6 @@ class PeerStore:
         except OSError:
             return 0
 
-    def _pinned_copies(self, held: Mapping[int, Sequence[int]]) -> set[tuple[int, int]]:
-        return {(s, self.pinned) for s, vs in held.items() if self.pinned in vs}
-
     def _drop_stale(self, src: int, chain: Sequence[tuple[int, int, str]]) -> None:
         """Drop held copies of ``src`` whose manifest is not the offered one (``crc``)."""
         held = set(self.held().get(src, []))
@@ -300,7 +280,7 @@ class PeerStore:
             if version not in held or not crc:
                 continue
             try:
-                same = manifest_crc(self.path(src, version)) == crc
+                same = manifest_crc(self.path(src, version) / MANIFEST_NAME) == crc
             except Exception:  # unreadable: not the offered copy either
                 same = False
             if not same:
