@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import itertools
 import json
 import math
 import os
@@ -87,7 +86,7 @@ from pcframe.apps.training import EVENT_PREFIX, train
 from pcframe.apps.workloads import build
 from pcframe.config import EngineConfig
 from pcframe.policies.traces import Trace
-from pcframe.sim import JobSpec, SimOptions, simulate
+from pcframe.sim import JobSpec, SimOptions, loop_save_costs, simulate
 from pcframe.sim.report import markdown_table, write_csv
 
 TICK = 0.05  # seconds per tick of the replayed trace given to the simulator
@@ -323,7 +322,11 @@ def calibrate(args: argparse.Namespace, in_flights: list[int], root: Path) -> di
         done = [r for r in ckpt.records.values() if r.status == "committed"]
         shutil.rmtree(directory, ignore_errors=True)
         costs[n] = {
-            "stall": robust(loop_costs(ends, CALIBRATION_EVERY)),
+            "stall": robust(
+                loop_save_costs(
+                    ends, range(CALIBRATION_EVERY, len(ends) + 1, CALIBRATION_EVERY), SPILL_STEPS
+                )
+            ),
             "engine_stall": robust([r.stall for r in done]),
             "durable": robust([r.durable for r in done]),
         }
@@ -355,24 +358,6 @@ def calibrate(args: argparse.Namespace, in_flights: list[int], root: Path) -> di
         "costs": costs,
         **load,
     }
-
-
-def loop_costs(ends: list[float], every: int, after: int = SPILL_STEPS) -> list[float]:
-    """What each save cost the training loop: ``ends[i]`` is when step ``i + 1`` ended, a
-    save is taken at the end of every ``every``-th step; its cost is the extra time of its
-    step and the ``after`` steps that follow (the optimizer step waits for the snapshot copy
-    there) over the median step of those no save touches."""
-    steps = [b - a for a, b in itertools.pairwise(ends)]  # steps[i]: step i + 2
-    touched = {s + j for s in range(every, len(ends) + 1, every) for j in range(after + 1)}
-    quiet = [d for i, d in enumerate(steps) if i + 2 not in touched]
-    if not quiet:
-        return []
-    typical = statistics.median(quiet)
-    return [
-        sum(steps[s + j - 2] - typical for j in range(after + 1))
-        for s in range(every, len(ends) - after + 1, every)
-        if s >= 2
-    ]
 
 
 def life_step_times(timeline: list[tuple[float, int]], min_steps: int = 20) -> list[float]:

@@ -182,12 +182,18 @@ class PeerReplication:
         """One round; returns the records still queued for a later one."""
         start = time.perf_counter()
         try:
-            newest: list[Any] = [None] * self.nodes.world_size
-            dist.all_gather_object(newest, pending[-1].version, group=self._group)
-            version = min(newest)
-            record = next((r for r in pending if r.version == version), None)
-            if record is None:  # another rank is ahead of what this rank has been told
-                raise CheckpointError(f"peer round for version {version}: not published here")
+            # Every rank's queued versions: the round copies the newest every rank was
+            # told of, and every rank sees whether one lacks it, so all stop together
+            # rather than the others waiting in the round's collectives until the timeout.
+            queued: list[Any] = [None] * self.nodes.world_size
+            dist.all_gather_object(queued, [r.version for r in pending], group=self._group)
+            version = min(versions[-1] for versions in queued)
+            lacking = [rank for rank, versions in enumerate(queued) if version not in versions]
+            if lacking:  # a rank was not told of a version the others were
+                raise CheckpointError(
+                    f"peer round for version {version}: not published on rank(s) {lacking}"
+                )
+            record = next(r for r in pending if r.version == version)
             older = [r.version for r in pending if r.version < version]
             self.status.skipped += len(older)
             self._finish(older, copied=False)

@@ -8,7 +8,7 @@ deadline). See docs/simulator.md for the event model and its assumptions.
 
 from pcframe.errors import SimConfigError
 from pcframe.sim.baselines import Oracle, best_fixed_interval, fixed_interval_grid
-from pcframe.sim.calibrate import job_from_records
+from pcframe.sim.calibrate import job_from_records, loop_save_costs
 from pcframe.sim.capacity import Capacity
 from pcframe.sim.result import BREAKDOWN, SimResult
 from pcframe.sim.simulator import simulate
@@ -26,6 +26,7 @@ __all__ = [
     "best_fixed_interval",
     "fixed_interval_grid",
     "job_from_records",
+    "loop_save_costs",
     "poisson_trace",
     "simulate",
     "steady_trace",

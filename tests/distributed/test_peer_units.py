@@ -608,6 +608,42 @@ def test_any_error_in_a_round_stops_replication_and_releases_its_waiters(tmp_pat
         assert 1 not in protected and not copied, result
 
 
+def _ranks_out_of_step(rank, group, directory: str):
+    """Rank 0 is told of version 2 only, rank 1 of version 1 only (published out of
+    step): what each rank's round says, and how long ``wait`` took."""
+    import time
+
+    from pcframe.distributed.global_versions import GlobalRecord, ShardRef
+    from pcframe.distributed.replication import PeerReplication
+
+    def shard_dir(version: int) -> Path:
+        return Path(directory) / f"rank-{rank}" / f"v{version}"  # never read: no round runs
+
+    store = PeerStore(Path(directory) / f"store-{rank}", budget=1 << 20)
+    version = 2 - rank
+    shards = tuple(ShardRef(r, f"rank-{r}", version, 1, f"{r:08x}", 1) for r in range(2))
+    peers = PeerReplication(NodeMap(("a", "b")), rank, 1, store, shard_dir, group)
+    peers.submit(GlobalRecord(version, version, 0.0, 2, shards))
+    began = time.monotonic()
+    decided = peers.wait(version, timeout=60)
+    took = time.monotonic() - began
+    peers.close()
+    return decided, took, peers.status.broken
+
+
+def test_ranks_told_of_different_versions_stop_replication_together(tmp_path):
+    """A round copies the newest version every rank was told of. When a rank lacks it, every
+    rank now sees that in the round's first exchange and stops at once, naming the rank;
+    before, only the rank that lacked it raised, and the other waited in the round's next
+    collective until the group's timeout (30 min by default)."""
+    got = _two_ranks(_ranks_out_of_step, str(tmp_path))
+    for result in got:
+        assert isinstance(result, tuple), result
+        decided, took, broken = result
+        assert decided and took < 30, result
+        assert "version 1: not published on rank(s) [0]" in broken, broken
+
+
 def _chain(directory: Path) -> Path:
     """Versions 1 (full) and 2 (a delta on 1) of one model in ``directory``."""
     torch.manual_seed(0)

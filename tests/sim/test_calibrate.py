@@ -12,7 +12,7 @@ import pcframe.policies as P
 from pcframe.apps.training import train
 from pcframe.apps.workloads import build
 from pcframe.config import EngineConfig
-from pcframe.sim import SimConfigError, job_from_records, simulate, steady_trace
+from pcframe.sim import SimConfigError, job_from_records, loop_save_costs, simulate, steady_trace
 
 
 def test_calibration_takes_the_engines_own_numbers(tmp_path: Path) -> None:
@@ -37,3 +37,48 @@ def test_calibration_takes_the_engines_own_numbers(tmp_path: Path) -> None:
 def test_calibration_without_a_committed_save_says_what_to_do() -> None:
     with pytest.raises(SimConfigError, match="at least one committed save"):
         job_from_records([], 0.1, 1.0)
+
+
+def test_a_saves_cost_is_what_the_training_loop_lost_to_it() -> None:
+    """The loop's cost of a save: the extra time of its step and the steps after it (the
+    optimizer step waits for the snapshot copy) over a step no save touches. The engine's
+    own stall figure leaves out the calls around it; a simulator fed that figure for a
+    policy saving every few steps ran ahead of the real loop."""
+    every, typical = 5, 0.100
+    ends, t = [], 0.0
+    for step in range(1, 101):
+        t += typical + 0.0004 * (step % 3)  # jitter that the median sees through
+        if step % every == 0:
+            t += 0.0020  # the save in its own step
+        elif step % every == 1 and step > 1:
+            t += 0.0010  # the optimizer step after it waits for the copy
+        ends.append(t)
+    costs = loop_save_costs(ends, range(every, len(ends) + 1, every))
+    assert len(costs) == 19  # every save whose following steps are measured
+    assert statistics.median(costs) == pytest.approx(0.0030, abs=0.0006)
+    assert loop_save_costs(ends[:3], [every]) == []  # no save measured
+
+
+def test_calibration_with_the_loops_step_times_takes_the_cost_the_loop_paid(tmp_path) -> None:
+    """Given when each step ended, the stall is what a save cost the loop (its step and
+    the two after it over a quiet step), which holds the engine's own figure: a save whose
+    loop around it is slower (here a 20 ms pause the loop takes at every save) is
+    calibrated with that pause, the engine's figure without it."""
+    import time
+
+    torch.set_num_threads(1)
+    workload = build("mlp", hidden=64, layers=2, samples=512, batch_size=32)
+    ends: list[float] = []
+
+    def on_step(step: int) -> None:
+        if step % 10 == 0:
+            time.sleep(0.020)  # the loop's own work around a save, outside save()
+        ends.append(time.perf_counter())
+
+    result, ckpt = train(workload, 80, tmp_path / "ckpt", P.FixedSteps(10), EngineConfig(), on_step)
+    step = result.seconds / result.steps
+    engine = job_from_records(ckpt.records.values(), step, restart_cost=1.0)
+    loop = job_from_records(ckpt.records.values(), step, restart_cost=1.0, step_ends=ends)
+    assert engine.save_stall < 0.015  # the engine does not see the loop's pause
+    assert loop.save_stall >= 0.018 and loop.save_stall >= engine.save_stall
+    assert loop.save_duration >= loop.save_stall

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -61,26 +60,6 @@ def test_load_probe_records_load_and_cpu_share() -> None:
     for key in ("cpu_pressure", "io_pressure"):  # NaN only without /proc/pressure
         pressure = load[key]
         assert math.isnan(pressure) or 0 <= pressure <= 1.5, (key, pressure)
-
-
-def test_a_saves_cost_is_what_the_training_loop_lost_to_it() -> None:
-    """The loop's cost of a save: the extra time of its step and the steps after it (the
-    optimizer step waits for the snapshot copy) over a step no save touches. The engine's
-    own stall figure leaves out the calls around it; a simulator fed that figure for a
-    policy saving every few steps ran ahead of the real loop."""
-    every, typical = 5, 0.100
-    ends, t = [], 0.0
-    for step in range(1, 101):
-        t += typical + 0.0004 * (step % 3)  # jitter that the median sees through
-        if step % every == 0:
-            t += 0.0020  # the save in its own step
-        elif step % every == 1 and step > 1:
-            t += 0.0010  # the optimizer step after it waits for the copy
-        ends.append(t)
-    costs = V.loop_costs(ends, every)
-    assert len(costs) == 19  # every save whose following steps are measured
-    assert statistics.median(costs) == pytest.approx(0.0030, abs=0.0006)
-    assert V.loop_costs(ends[:3], every) == []  # no save measured
 
 
 @pytest.mark.parametrize(
