@@ -27,6 +27,7 @@ def job_from_records(
     restart_cost: float,
     *,
     step_ends: Sequence[float] | None = None,
+    first_step: int = 1,
     **overrides: Any,
 ) -> JobSpec:
     """Mean stall and time to durable of the committed saves in ``records``.
@@ -39,8 +40,9 @@ def job_from_records(
         step_ends: when each step of the same run ended (``step_ends[i]``: step ``i + 1``,
             any clock in seconds, e.g. ``time.perf_counter()`` in ``train``'s ``on_step``).
             Given, the stall is the median cost per save as the loop paid it
-            (:func:`loop_save_costs`), never below the engine's own figure; else the
-            engine's mean stall.
+            (:func:`loop_save_costs`), never below the engine's own figure; else, or where
+            no step of the run is free of a save's cost, the engine's mean stall.
+        first_step: the step ``step_ends[0]`` belongs to (a resumed run's first).
         **overrides: any other ``JobSpec`` field (``max_in_flight``, ``total_steps``, ...).
     """
     committed = [r for r in records if getattr(r, "status", "") == "committed"]
@@ -51,7 +53,7 @@ def job_from_records(
         )
     stall = statistics.fmean(r.stall for r in committed)
     if step_ends is not None:
-        paid = loop_save_costs(step_ends, [r.step for r in committed])
+        paid = loop_save_costs(step_ends, [r.step for r in committed], first_step=first_step)
         if paid:  # the loop pays at least the stall: a lower median is the steps' noise
             stall = max(stall, statistics.median(paid))
     values = {
@@ -70,25 +72,32 @@ def job_from_records(
 
 
 def loop_save_costs(
-    step_ends: Sequence[float], save_steps: Iterable[int], after: int = 2
+    step_ends: Sequence[float], save_steps: Iterable[int], after: int = 2, first_step: int = 1
 ) -> list[float]:
     """What each save cost the training loop, in seconds.
 
-    ``step_ends[i]`` is when step ``i + 1`` ended; a save of step ``s`` is taken at the end
-    of step ``s``. Its cost is the time its step and the ``after`` steps that follow took
-    beyond the median step of those no save touches (the optimizer step after a save waits
-    for the snapshot's copy, so the cost spills over). Saves whose steps are not all
-    measured are left out; empty when no step is untouched.
+    ``step_ends[i]`` is when step ``first_step + i`` ended (``first_step``: the first step
+    a resumed run trained); a save of step ``s`` is taken at the end of step ``s``. Its cost
+    is the time its step and the ``after`` steps that follow took beyond the median step of
+    those no save touches (the optimizer step after a save waits for the snapshot's copy,
+    so the cost spills over). A save's steps end before the next save's, so saves closer
+    than that share their steps out and the costs still add up to what the loop lost.
+    Saves whose steps are not all measured are left out; empty when no step is untouched.
     """
     saves = sorted(set(save_steps))
-    took = {k: step_ends[k - 1] - step_ends[k - 2] for k in range(2, len(step_ends) + 1)}
+    last = first_step + len(step_ends) - 1
+    took = {
+        k: step_ends[k - first_step] - step_ends[k - first_step - 1]
+        for k in range(first_step + 1, last + 1)
+    }
     touched = {s + j for s in saves for j in range(after + 1)}
     quiet = [d for k, d in took.items() if k not in touched]
     if not quiet:
         return []
     typical = statistics.median(quiet)
-    return [
-        sum(took[s + j] - typical for j in range(after + 1))
-        for s in saves
-        if all(s + j in took for j in range(after + 1))
-    ]
+    out = []
+    for i, s in enumerate(saves):
+        end = s + after if i + 1 == len(saves) else min(s + after, saves[i + 1] - 1)
+        if all(k in took for k in range(s, end + 1)):
+            out.append(sum(took[k] - typical for k in range(s, end + 1)))
+    return out

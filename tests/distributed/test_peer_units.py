@@ -608,9 +608,10 @@ def test_any_error_in_a_round_stops_replication_and_releases_its_waiters(tmp_pat
         assert 1 not in protected and not copied, result
 
 
-def _ranks_out_of_step(rank, group, directory: str):
+def _ranks_out_of_step(rank, group, directory: str, released):
     """Rank 0 is told of version 2 only, rank 1 of version 1 only (published out of
-    step): what each rank's round says, and how long ``wait`` took."""
+    step): what each rank's round says, and how long ``wait`` took. Rank 0 stays (its
+    group alive, as in a job that trains on) until rank 1's wait has ended."""
     import time
 
     from pcframe.distributed.global_versions import GlobalRecord, ShardRef
@@ -627,6 +628,10 @@ def _ranks_out_of_step(rank, group, directory: str):
     began = time.monotonic()
     decided = peers.wait(version, timeout=60)
     took = time.monotonic() - began
+    if rank == 1:
+        released.set()
+    else:
+        released.wait(timeout=90)
     peers.close()
     return decided, took, peers.status.broken
 
@@ -636,11 +641,12 @@ def test_ranks_told_of_different_versions_stop_replication_together(tmp_path):
     rank now sees that in the round's first exchange and stops at once, naming the rank;
     before, only the rank that lacked it raised, and the other waited in the round's next
     collective until the group's timeout (30 min by default)."""
-    got = _two_ranks(_ranks_out_of_step, str(tmp_path))
-    for result in got:
-        assert isinstance(result, tuple), result
-        decided, took, broken = result
-        assert decided and took < 30, result
+    released = multiprocessing.get_context("spawn").Event()
+    got = _two_ranks(_ranks_out_of_step, str(tmp_path), released)
+    assert all(isinstance(result, tuple) for result in got), got
+    # Both rounds ended at once (the old code left rank 1 in its wait for the full 60 s).
+    assert [decided and took < 30 for decided, took, _ in got] == [True, True], got
+    for _, _, broken in got:
         assert "version 1: not published on rank(s) [0]" in broken, broken
 
 

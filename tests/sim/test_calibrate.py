@@ -49,20 +49,39 @@ def test_a_saves_cost_is_what_the_training_loop_lost_to_it() -> None:
     for step in range(1, 101):
         t += typical + 0.0004 * (step % 3)  # jitter that the median sees through
         if step % every == 0:
-            t += 0.0020  # the save in its own step
+            t += 0.0040  # the save in its own step
         elif step % every == 1 and step > 1:
-            t += 0.0010  # the optimizer step after it waits for the copy
+            t += 0.0020  # the optimizer step after it waits for the copy
+        elif step % every == 2 and step > 2:
+            t += 0.0010  # and the one after that, a little
         ends.append(t)
     costs = loop_save_costs(ends, range(every, len(ends) + 1, every))
     assert len(costs) == 19  # every save whose following steps are measured
-    assert statistics.median(costs) == pytest.approx(0.0030, abs=0.0006)
+    assert statistics.median(costs) == pytest.approx(0.0070, abs=0.0004)
     assert loop_save_costs(ends[:3], [every]) == []  # no save measured
+    # A resumed run: the same steps numbered from 101 on.
+    resumed = loop_save_costs(ends, range(100 + every, 201, every), first_step=101)
+    assert resumed == pytest.approx(costs)
+
+
+def test_saves_closer_than_their_spill_share_their_steps_out() -> None:
+    """Saves every step or two: each save's steps end before the next save's, so the costs
+    add up to what the loop lost (before, overlapping windows counted each spill twice)."""
+    typical, cost = 0.100, 0.003
+    ends, t = [], 0.0
+    saves = list(range(21, 61, 2))  # 20 quiet steps first, then a save every 2 steps
+    for step in range(1, 81):
+        t += typical + (cost if step in saves else 0.0)
+        ends.append(t)
+    got = loop_save_costs(ends, saves)
+    assert statistics.median(got) == pytest.approx(cost, abs=1e-9)
+    assert sum(got) == pytest.approx(cost * len(got), abs=1e-9)
 
 
 def test_calibration_with_the_loops_step_times_takes_the_cost_the_loop_paid(tmp_path) -> None:
     """Given when each step ended, the stall is what a save cost the loop (its step and
     the two after it over a quiet step), which holds the engine's own figure: a save whose
-    loop around it is slower (here a 20 ms pause the loop takes at every save) is
+    loop around it is slower (here a 50 ms pause the loop takes at every save) is
     calibrated with that pause, the engine's figure without it."""
     import time
 
@@ -72,13 +91,15 @@ def test_calibration_with_the_loops_step_times_takes_the_cost_the_loop_paid(tmp_
 
     def on_step(step: int) -> None:
         if step % 10 == 0:
-            time.sleep(0.020)  # the loop's own work around a save, outside save()
+            time.sleep(0.050)  # the loop's own work around a save, outside save()
         ends.append(time.perf_counter())
 
     result, ckpt = train(workload, 80, tmp_path / "ckpt", P.FixedSteps(10), EngineConfig(), on_step)
     step = result.seconds / result.steps
     engine = job_from_records(ckpt.records.values(), step, restart_cost=1.0)
     loop = job_from_records(ckpt.records.values(), step, restart_cost=1.0, step_ends=ends)
-    assert engine.save_stall < 0.015  # the engine does not see the loop's pause
-    assert loop.save_stall >= 0.018 and loop.save_stall >= engine.save_stall
+    # The engine does not see the loop's pause (its mean stall stays well under it even
+    # on a busy machine: 5-13 ms measured beside 2-3 busy loops); the loop's figure has it.
+    assert engine.save_stall < 0.040
+    assert loop.save_stall >= 0.045 and loop.save_stall >= engine.save_stall
     assert loop.save_duration >= loop.save_stall
