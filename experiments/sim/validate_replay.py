@@ -98,11 +98,10 @@ MIN_RESTART_JITTER = 0.05
 MIN_ITERATION_JITTER = 0.005
 WORKLOAD = {"hidden": 512, "layers": 4, "samples": 8192}  # 10 MB of state with AdamW
 RESTART_GAP = 6.0
-# The in-process calibration of a save's costs: steps, a save every this many, and the steps
-# after a save that may still pay for it (the optimizer step waits for the snapshot copy).
+# The in-process calibration of a save's costs: steps and a save every this many (each
+# save's cost is its step and the two after it: pcframe.sim.loop_save_costs).
 CALIBRATION_STEPS = 240
 CALIBRATION_EVERY = 5
-SPILL_STEPS = 2
 # A life's compute per step counts from this many steps on: a shorter one is mostly its
 # first step after the restore (warm-up), whose cost the restart samples already hold.
 MIN_PACE_STEPS = 20  # wall seconds between the calibration's kills
@@ -323,9 +322,7 @@ def calibrate(args: argparse.Namespace, in_flights: list[int], root: Path) -> di
         shutil.rmtree(directory, ignore_errors=True)
         costs[n] = {
             "stall": robust(
-                loop_save_costs(
-                    ends, range(CALIBRATION_EVERY, len(ends) + 1, CALIBRATION_EVERY), SPILL_STEPS
-                )
+                loop_save_costs(ends, range(CALIBRATION_EVERY, len(ends) + 1, CALIBRATION_EVERY))
             ),
             "engine_stall": robust([r.stall for r in done]),
             "durable": robust([r.durable for r in done]),
