@@ -22,6 +22,7 @@ import math
 import os
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pcframe.policies as P
@@ -79,8 +80,9 @@ class Config:
 
 @dataclasses.dataclass(frozen=True)
 class TraceSetup:
-    """A shipped trace and how it is compressed: its mean gap between kills becomes ``gap``
-    wall seconds (harsher traces get shorter gaps, so the order of harshness is kept)."""
+    """A trace and how it is compressed: its mean gap between kills becomes ``gap`` wall
+    seconds (the presets: harsher traces get shorter gaps, so the order of harshness is
+    kept)."""
 
     path: str
     harshness: str
@@ -97,6 +99,32 @@ TRACES = {
     "medium": TraceSetup("pccheck/gpus_trace.csv", "medium", 12.0, 440),
     "mild": TraceSetup("bamboo/g4dn-trace.csv", "mild", 24.0, 520),
 }
+
+
+def trace_setup(text: str) -> tuple[str, TraceSetup]:
+    """``(key, setup)`` for ``--traces``: a preset's name, or ``PATH:GAP:STEPS`` for any
+    trace file (a held-out trace: its mean gap becomes ``GAP`` wall seconds, the job trains
+    ``STEPS`` steps; the presets' pairs keep a replay at 50-100 s). The key is the file's
+    name without its suffix.
+
+    Raises:
+        ValueError: one line naming the argument and the fix.
+    """
+    if text in TRACES:
+        return text, TRACES[text]
+    path, sep, rest = text.partition(":")
+    gap, _, steps = rest.partition(":")
+    try:
+        setup = TraceSetup(path, "given", float(gap), int(steps)) if sep else None
+    except ValueError:
+        setup = None
+    if setup is None or not (setup.gap > 0 and setup.steps > 0 and math.isfinite(setup.gap)):
+        raise ValueError(
+            f"--traces {text!r}: name a preset ({', '.join(sorted(TRACES))}) or give "
+            "PATH:GAP:STEPS (a trace file, its mean gap in wall seconds > 0, steps > 0; "
+            "e.g. my-trace.csv:12:440)"
+        )
+    return Path(path).stem, setup
 
 
 def compression(kills: Sequence[float], gap: float) -> float:

@@ -42,6 +42,8 @@ simulator's prediction made from a calibration measured **before** the replays.
 
     python experiments/sim/validate_replay.py --size campaign   # ~50 min here
     python experiments/sim/validate_replay.py --size quick      # smoke, ~4 min
+    # any trace file: PATH:GAP:STEPS (its mean gap becomes GAP wall seconds, STEPS steps)
+    python experiments/sim/validate_replay.py --traces harsh my-trace.csv:12:440
     # every fixed interval at every shift, calibrated again before each trace (~55 min):
     python experiments/sim/validate_replay.py --size campaign --policies --fixed-offsets all \
         --calibrate per-trace --out experiments/results/sim_validation_fixed
@@ -78,6 +80,7 @@ from replay_setup import (
     robust,
     seeded_priors,
     settle_args,
+    trace_setup,
 )
 
 import pcframe.policies as P
@@ -515,7 +518,11 @@ def plan(args: argparse.Namespace) -> list[tuple[str, Config, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="campaign")
-    parser.add_argument("--traces", nargs="+", choices=sorted(TRACES), help="trace presets")
+    parser.add_argument(
+        "--traces",
+        nargs="+",
+        help=f"trace presets ({', '.join(sorted(TRACES))}) or PATH:GAP:STEPS for any trace file",
+    )
     parser.add_argument("--fixed", nargs="*", help="fixed:EVERY:N configurations")
     parser.add_argument("--policies", nargs="*", help="pa:N, notice:N, checkfreq:N")
     parser.add_argument(
@@ -556,6 +563,13 @@ def main() -> None:
     settle_args(args, SIZES)
     if args.restarts < 3:
         parser.error("--restarts: at least 3 kills (5 or more for a robust median)")
+    try:  # every trace read before the calibration: a wrong one fails in a second
+        args.setups = dict(trace_setup(text) for text in args.traces)
+        for setup in args.setups.values():
+            compression(trace_times(resolve_trace(setup.path)), setup.gap)
+    except ValueError as exc:  # a preset's name or PATH:GAP:STEPS; a readable trace
+        parser.error(str(exc))
+    args.traces = list(args.setups)
     torch.set_num_threads(1)
     replays = plan(args)
     root = Path(tempfile.mkdtemp(prefix="pcframe-validate-"))  # the system temp dir
@@ -570,7 +584,7 @@ def main() -> None:
             if due not in cals:
                 cals[due] = cal = calibrate(args, in_flight, root)
                 print(f"calibrated at {time.monotonic() - began:.0f} s: {summary_line(cal)}")
-            setup = TRACES[key]
+            setup = args.setups[key]
             trace_kills = trace_times(resolve_trace(setup.path))
             c = compression(trace_kills, setup.gap)
             kills = [k / c - offset * setup.gap for k in trace_kills if k / c > offset * setup.gap]
@@ -928,9 +942,8 @@ def write_outputs(
     out = Path(args.out)
     write_csv(rows, out.with_suffix(".csv"), header=csv_header())
     traces = ", ".join(
-        f"{k} `{TRACES[k].path}` (mean gap {TRACES[k].gap:g} s, {TRACES[k].steps} steps x "
-        f"{args.steps_scale:g})"
-        for k in args.traces
+        f"{k} `{t.path}` (mean gap {t.gap:g} s, {t.steps} steps x {args.steps_scale:g})"
+        for k, t in args.setups.items()
     )
     text = header(
         "Validation: simulator vs real replays with SIGKILLs, predicted beforehand",

@@ -111,6 +111,17 @@ def test_config_parse_names_the_forms(bad: str) -> None:
         S.Config.parse(bad)
 
 
+def test_traces_are_presets_or_any_file_with_its_gap_and_steps() -> None:
+    """A held-out trace is validated with the same command: ``PATH:GAP:STEPS``."""
+    assert S.trace_setup("harsh") == ("harsh", S.TRACES["harsh"])
+    key, setup = S.trace_setup("/data/aws/zone-b.csv:7.5:300")
+    assert key == "zone-b" and setup.path == "/data/aws/zone-b.csv"
+    assert (setup.gap, setup.steps) == (7.5, 300)
+    for bad in ("hars", "x.csv", "x.csv:12", "x.csv:0:300", "x.csv:nan:300", "x.csv:12:-1"):
+        with pytest.raises(ValueError, match=r"--traces .*PATH:GAP:STEPS"):
+            S.trace_setup(bad)
+
+
 def test_notice_writer_delivers_before_the_kill_and_clears_at_it(tmp_path) -> None:
     path = tmp_path / "notice"
     writer = V.NoticeWriter(path, [0.3, 0.6], lead=0.2)
@@ -227,6 +238,7 @@ def test_report_has_the_headline_and_every_column(tmp_path) -> None:
         out=str(tmp_path / "report"),
         size="quick",
         traces=["medium"],
+        setups={"medium": S.TRACES["medium"]},
         steps_scale=0.3,
         offsets=[0.0, 1.5],
         accelerator_ms=90.0,
