@@ -30,6 +30,7 @@ takes the previous one (said at WARNING, never quarantined).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -300,18 +301,23 @@ class Recovery:
             return self.place.root / rank_dirname(src) / version_name(version)
         return found[1]
 
-    def drop_copy(self, record: GlobalRecord, message: str) -> bool:
-        """Forget the copies (a peer's, or fetched) of ``record``'s shards that ``message``
-        (a read's error) names: the next gather brings them from another holder. False
-        when it names none (the damage is in a shard's own folder: the version's)."""
-        dropped = False
+    def damaged_copies(self, record: GlobalRecord, message: str) -> list[Path]:
+        """The copies (a peer's, or fetched) of ``record``'s shards that ``message`` (a
+        read's error) names; none when the damage is in a shard's own folder (the
+        version's)."""
+        named = []
         for shard in record.shards:
             found = self.place.find(shard.rank, shard.version)
             if found is not None and found[0] is not Kind.LOCAL and str(found[1]) in message:
-                shutil.rmtree(found[1], ignore_errors=True)
-                log.warning("restore: dropped the damaged copy %s", found[1])
-                dropped = True
-        return dropped
+                named.append(found[1])
+        return named
+
+    def drop_copies(self, copies: list[Path]) -> None:
+        """Forget damaged copies (:meth:`damaged_copies`, once every rank has read): the
+        next gather brings them from another holder."""
+        for folder in copies:
+            shutil.rmtree(folder, ignore_errors=True)
+            log.warning("restore: dropped the damaged copy %s", folder)
 
     def fetch_in_memory(self, folder: Path, node: str, need: int) -> None:
         """Fetch into ``folder`` in this node's memory when its file system has ``need``
@@ -391,9 +397,9 @@ class Recovery:
     def _download(self, download: Download) -> None:
         assert self.remote is not None
         final = self.place.fetch_path(download.src, download.version)
-        shutil.rmtree(final, ignore_errors=True)
-        final.parent.mkdir(parents=True, exist_ok=True)
         try:
+            shutil.rmtree(final, ignore_errors=True)
+            final.parent.mkdir(parents=True, exist_ok=True)
             self.remote.fetch(download.src, download.version, final)
         except (CheckpointError, TierError, OSError) as exc:
             shutil.rmtree(final, ignore_errors=True)
@@ -412,10 +418,15 @@ class Recovery:
         final = self.place.fetch_path(t.src, t.version)
         staging = final.with_name(final.name + ".tmp")
         shutil.rmtree(staging, ignore_errors=True)
-        staging.parent.mkdir(parents=True, exist_ok=True)
+        # A folder that cannot be made fails the receive, which refuses the copy in step
+        # with its sender (raised here, the sender would wait for an answer).
+        with contextlib.suppress(OSError):
+            staging.parent.mkdir(parents=True, exist_ok=True)
         try:
             with peers("restore: receiving a shard"):
                 manifest = receive_version(t.sender, staging, self._group, pin)
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(staging, final)
         except (CheckpointError, ManifestError, OSError) as exc:
             if not isinstance(exc, ManifestError) and "another rank" in str(exc):
                 raise  # the job is broken (a rank gone): no round can follow
@@ -429,8 +440,6 @@ class Recovery:
                 exc,
             )
             return
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(staging, final)
         self.report.peer_bytes += manifest.stored_bytes
 
 

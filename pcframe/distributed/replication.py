@@ -51,7 +51,7 @@ from pcframe.distributed.nodes import NodeMap, backed_up_by, replica_ranks
 from pcframe.distributed.shard_stream import receive_version, send_version
 from pcframe.errors import CheckpointError, CorruptCheckpoint, ManifestError
 from pcframe.format.manifest import delta_base, manifest_crc
-from pcframe.format.names import MANIFEST_NAME
+from pcframe.format.names import MANIFEST_NAME, version_name
 from pcframe.runtime.threads import single_threaded_torch
 from pcframe.store.tiers.peer import PeerStore, copy_bytes
 
@@ -274,7 +274,15 @@ class PeerReplication:
         """Per backed-up rank, the offered versions this rank lacks and has room for."""
         chains = {src: offers[src] for src in self.sources if offers[src] is not None}
         wanted: dict[int, list[int]] = {}
-        for src, versions in self.store.admit(chains).items():
+        try:
+            admitted = self.store.admit(chains)
+        except OSError as exc:  # this rank's store is broken: it takes nothing this round,
+            # in step with the others (raising here would leave them in the collective).
+            self.status.declined += len(chains)
+            self.status.failed.append(f"this rank's store: {exc}")
+            log.warning("peer tier: rank %d cannot use its store: %s", self.rank, exc)
+            return {}
+        for src, versions in admitted.items():
             if versions is not None:
                 wanted[src] = versions
                 continue
@@ -294,9 +302,15 @@ class PeerReplication:
         """Receive one copy (no larger than ``size``, the room made for it); kept, and True,
         only if it is verified and ``keep`` (else received and dropped: the stream stays in
         step with the sender)."""
-        staging = self.store.staging(src, version)
+        try:
+            staging = self.store.staging(src, version)
+        except OSError:  # the copy is received anyway and refused (a folder it cannot
+            # make): the sender streams it whatever happens here
+            staging = self.store.path(src, version).with_name(f"{version_name(version)}.tmp")
         try:
             manifest = receive_version(src, staging, self._group, pin, self.store.spare, size)
+            if keep:
+                self.store.commit(src, version, staging)
         except (CorruptCheckpoint, ManifestError, OSError) as exc:
             self.store.discard(staging)
             self.status.failed.append(f"rank {src} v{version}: {exc}")
@@ -312,7 +326,6 @@ class PeerReplication:
                 version,
             )
             return False
-        self.store.commit(src, version, staging)
         self.status.received_bytes += manifest.stored_bytes
         return True
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pcframe.errors import CheckpointError, CorruptCheckpoint
+from pcframe.errors import CheckpointError, CorruptCheckpoint, NotRegularFile
 from pcframe.format.checksum import checksum_function
 from pcframe.format.envelope import header_crc
 from pcframe.format.files import open_regular
@@ -127,10 +127,11 @@ def send_version(directory: Path, dst: int, group: Any) -> int:
 
 def _open(path: Path) -> tuple[int, int] | None:
     """A descriptor of the regular file ``path`` and its size (a committed version's files
-    do not change), or None where it cannot be opened."""
+    do not change), or None where it cannot be opened (a link, a folder or a FIFO in its
+    place included: refused like a missing file, the stream kept in step)."""
     try:
         fd = open_regular(path)
-    except OSError:
+    except (OSError, NotRegularFile):
         return None
     try:
         return fd, os.fstat(fd).st_size

@@ -20,6 +20,7 @@ fell back to, not the bad one above it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from enum import Enum
@@ -77,13 +78,20 @@ def try_global_version(
     threads: int,
     group: Any,
     locate: Callable[[int, int], Path] | None = None,
-    drop_copy: Callable[[str], bool] | None = None,
+    damaged_copies: Callable[[str], list[Path]] | None = None,
+    drop_copies: Callable[[list[Path]], None] | None = None,
 ) -> tuple[Prepared, SavedIndex] | str:
     """Read and verify ``record`` on every rank (collective).
 
+    A read that fails in a copy (a peer's, or fetched: ``damaged_copies`` names those a
+    read's error points at) makes the copy damaged, not the version: ``drop_copies``
+    removes it once every rank has given its verdict (the ranks of a node read the same
+    copies: removed earlier, it would fail another rank's read of it) and :data:`RETRY` is
+    returned, so the version is gathered again from another holder.
+
     Returns:
-        ``(prepared, index)`` when every rank verified its part (nothing is loaded yet), or
-        the reason to skip the version when it is corrupt on some rank.
+        ``(prepared, index)`` when every rank verified its part (nothing is loaded yet),
+        the reason to skip the version when it is corrupt on some rank, or :data:`RETRY`.
 
     Raises:
         RestoreIOError: some rank could not read its part; nothing was renamed or deleted.
@@ -92,6 +100,7 @@ def try_global_version(
         ReshardError, CheckpointError: the state cannot be laid out for these objects.
     """
     error: BaseException | None = None
+    copies: list[Path] = []  # damaged copies this rank read: dropped after the verdicts
     mine: tuple[Verdict, str, str] = (Verdict.OK, "", "")
     prepared: Prepared | None = None
     try:
@@ -101,12 +110,15 @@ def try_global_version(
         )
     except UnsupportedCheckpoint as exc:
         mine = (Verdict.UNSUPPORTED, str(exc), type(exc).__name__)
-    except ManifestError as exc:
-        # A damaged copy (in a peer's memory, or fetched) says nothing of the version.
-        copy = drop_copy is not None and drop_copy(str(exc))
-        mine = (Verdict.COPY_DAMAGED if copy else Verdict.CORRUPT, str(exc), type(exc).__name__)
-    except OSError as exc:  # retried already
-        mine = (Verdict.UNREADABLE, str(exc), type(exc).__name__)
+    except (ManifestError, OSError) as exc:  # OSError: retried already
+        # A damaged copy (in a peer's memory, or fetched) says nothing of the version; one
+        # that cannot be read is as good as damaged (fetched again, not the storage fixed).
+        copies = damaged_copies(str(exc)) if damaged_copies is not None else []
+        if copies:
+            verdict = Verdict.COPY_DAMAGED
+        else:
+            verdict = Verdict.CORRUPT if isinstance(exc, ManifestError) else Verdict.UNREADABLE
+        mine = (verdict, str(exc), type(exc).__name__)
     except Exception as exc:  # every rank must still reach the collective below
         error, mine = exc, (Verdict.INCOMPATIBLE, str(exc), type(exc).__name__)
     verdicts: list[Any] = [None] * world_size
@@ -121,6 +133,8 @@ def try_global_version(
     if outcome is not None:
         if prepared is not None:
             prepared.release()  # another rank's part failed: the version is not applied
+        if copies and drop_copies is not None:  # every rank of this node has read them
+            drop_copies(copies)
         return outcome
     assert prepared is not None
     return prepared, index
@@ -219,7 +233,8 @@ def load_newest(
                     threads=threads,
                     group=group,
                     locate=recovery.locate,
-                    drop_copy=lambda message, record=record: recovery.drop_copy(record, message),
+                    damaged_copies=functools.partial(recovery.damaged_copies, record),
+                    drop_copies=recovery.drop_copies,
                 )
                 if outcome is not RETRY:
                     break

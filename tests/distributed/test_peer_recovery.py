@@ -63,6 +63,46 @@ def test_a_damaged_peer_copy_is_dropped_and_the_version_before_it_is_taken(tmp_p
     assert_same_as_reference(tmp_path, "resumed", 6)
 
 
+def test_a_damaged_copy_both_ranks_of_a_node_read_is_passed_over_never_set_aside(tmp_path):
+    """Node b is gone for good and the job goes on with node a's 2 ranks, both of which read
+    rank 2's shard of v3 from the same copy in a's memory, one byte of it damaged. The copy
+    is dropped only once both ranks have given their verdict: dropped by the first rank
+    that found the damage, the other rank's read of it failed as "missing" in the root and
+    v3 was set aside as corrupt, or as an I/O error that ended the restore."""
+    root = tmp_path / "ckpt"
+    job(tmp_path, root, "first", 9, "--wait-peers")
+    lose_node(root, "b")
+    copy = next((root / "a-shm").glob("kept-by-rank-*/rank-2/v00000003"))
+    flip_byte(copy / "data.bin", 100)
+    runs = job(tmp_path, root, "two", 9, nodes={0: "a", 1: "a"})
+    assert [r["restored_step"] for r in runs] == [6, 6], runs
+    assert all(r["lost"] and r["lost"][0][0] == 3 for r in runs), runs
+    assert not list((root / "a" / "global").glob(".corrupt-*"))  # nothing set aside
+    assert 3 in rec.record_versions(root / "a")
+    assert not copy.exists()  # the damaged copy itself is gone
+
+
+def test_a_copy_whose_file_grew_is_fetched_again_from_the_node_it_reached_whole(
+    tmp_path, reference
+):
+    """Node a's copy of rank 2's v3 has bytes appended: its read fails, but what node a sent
+    the new node b was read by the manifest's ranges, so b's fetched copy is whole; the
+    damaged copy is dropped and a's ranks take b's, and v3 is restored (it was set aside as
+    corrupt, the job going back to v2)."""
+    shutil.copytree(reference / "out", tmp_path / "out")
+    root = tmp_path / "ckpt"
+    job(tmp_path, root, "first", 9, "--wait-peers")
+    lose_node(root, "b")
+    copy = next((root / "a-shm").glob("kept-by-rank-*/rank-2/v00000003"))
+    with open(copy / "data.bin", "ab") as file:
+        file.write(b"x" * 4096)
+    resumed = job(tmp_path, root, "resumed", 12)
+    assert [r["restored_step"] for r in resumed] == [9] * 4, resumed
+    assert resumed[0]["shard_sources"]["2"] == "fetched"
+    assert not list((root / "a" / "global").glob(".corrupt-*"))
+    assert_same_as_reference(tmp_path, "resumed", 9)
+
+
 def test_with_both_copies_lost_the_object_store_serves_each_byte_once(
     tmp_path, reference, moto_server, bucket
 ):

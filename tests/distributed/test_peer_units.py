@@ -127,7 +127,9 @@ def test_the_shard_stream_copies_verified_files_and_refuses_anything_else(tmp_pa
        (before the go/refuse answer, such a refusal left the sender streaming into a
        receiver posting nothing, and gloo aborted the process);
     8. a copy larger than the room made for it is refused on its manifest;
-    9. the stream is still in step: a good version after all that arrives.
+    9-10. a sender whose data file is a folder, or a link, sends zeros and says so (it
+       raised ``NotRegularFile`` out of the stream, its receiver waiting on the rest);
+    11. the stream is still in step: a good version after all that arrives.
     """
     plain = _save(tmp_path / "plain")
     coded = _save(tmp_path / "coded", stripes=2, codecs={"optimizer": "zstd"}, chunk_bytes=4096)
@@ -138,6 +140,12 @@ def test_the_shard_stream_copies_verified_files_and_refuses_anything_else(tmp_pa
     into = tmp_path / "in"
     blocked = tmp_path / "a-file"
     blocked.write_bytes(b"not a folder")
+    folder = _save(tmp_path / "folder")
+    os.remove(folder / "data.bin")
+    os.mkdir(folder / "data.bin")
+    link = _save(tmp_path / "link")
+    os.remove(link / "data.bin")
+    os.symlink(plain / "data.bin", link / "data.bin")  # the right bytes, behind a link
     cases = [
         (str(plain), str(into / "plain"), None, None),
         (str(coded), str(into / "coded"), None, None),
@@ -147,6 +155,8 @@ def test_the_shard_stream_copies_verified_files_and_refuses_anything_else(tmp_pa
         (str(short), str(into / "short"), None, None),
         (str(plain), str(blocked / "copy"), None, None),
         (str(plain), str(into / "too-big"), None, 1000),
+        (str(folder), str(into / "folder"), None, None),
+        (str(link), str(into / "link"), None, None),
         (str(coded), str(into / "again"), None, None),
     ]
     _, received = _two_ranks(_streams, cases)
@@ -166,7 +176,10 @@ def test_the_shard_stream_copies_verified_files_and_refuses_anything_else(tmp_pa
     assert received[6][0] == "refused" and "a-file" in received[6][1], received[6]
     assert received[7][0] == "refused" and "more than the 1000" in received[7][1], received[7]
     assert not (into / "too-big" / "data.bin").exists()  # nothing reserved for it
-    assert received[8] == ("ok", 1), received[8]
+    for outcome in received[8:10]:  # the zeros fail their checksums first
+        assert outcome[0] == "refused", outcome
+        assert "could not read its files" in outcome[1] or "checksum" in outcome[1], outcome
+    assert received[10] == ("ok", 1), received[10]
 
 
 # --- the store ---------------------------------------------------------------------------------
@@ -648,6 +661,94 @@ def test_ranks_told_of_different_versions_stop_replication_together(tmp_path):
     assert [decided and took < 30 for decided, took, _ in got] == [True, True], got
     for _, _, broken in got:
         assert "version 1: not published on rank(s) [0]" in broken, broken
+
+
+def _two_versions(directory: Path) -> Path:
+    """Versions 1 and 2 (both whole) of a small model in ``directory``."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 16)
+    with Checkpointer(directory, model=model) as ckpt:
+        ckpt.save(1).wait()
+        with torch.no_grad():
+            model.weight += 1.0
+        ckpt.save(2).wait()
+    return directory
+
+
+def _rounds_with_a_store_broken_between(rank, group, roots: list[str], stores: str, released):
+    """Two rounds; between them rank 1's store folder is replaced by a file (behind its
+    back): how each rank's second round ended, and in how long. Rank 1 stays (its group
+    alive, as in a job that trains on) until rank 0's wait has ended."""
+    import shutil
+    import time
+
+    from pcframe.distributed.global_versions import GlobalRecord, ShardRef
+    from pcframe.distributed.replication import PeerReplication
+    from pcframe.format.names import version_name
+
+    def shard_dir(version: int, r: int = rank) -> Path:
+        return Path(roots[r]) / version_name(version)
+
+    def record(version: int) -> GlobalRecord:
+        shards = tuple(
+            ShardRef(r, f"rank-{r}", version, version, _crc(shard_dir(version, r)), 1)
+            for r in range(2)
+        )
+        return GlobalRecord(version, version, 0.0, 2, shards)
+
+    store = PeerStore(Path(stores) / f"rank-{rank}", budget=1 << 24)
+    peers = PeerReplication(NodeMap(("a", "b")), rank, 1, store, shard_dir, group)
+    peers.submit(record(1))
+    first = peers.wait(1, timeout=60) and peers.copied(1)
+    if rank == 1:
+        shutil.rmtree(store.directory)
+        store.directory.write_text("not a folder any more")
+    peers.submit(record(2))
+    began = time.monotonic()
+    decided = peers.wait(2, timeout=60)
+    took = time.monotonic() - began
+    if rank == 0:
+        released.set()
+    else:
+        released.wait(timeout=90)
+    peers.close()
+    return first, decided, took, peers.copied(2), peers.status.broken, peers.status.declined
+
+
+def test_a_store_broken_on_one_rank_costs_its_copies_not_the_other_ranks_rounds(tmp_path):
+    """A rank whose store cannot be listed any more takes nothing in a round, in step with
+    the others. Before, it stopped replicating alone (the error raised before the round's
+    exchange of what each rank takes), and the other rank waited in that exchange until the
+    group's timeout (30 min by default): its ``close()`` and any notice waited as long."""
+    roots = [str(_two_versions(tmp_path / f"root-{r}")) for r in range(2)]
+    released = multiprocessing.get_context("spawn").Event()
+    stores = str(tmp_path / "stores")
+    got = _two_ranks(_rounds_with_a_store_broken_between, roots, stores, released)
+    assert all(isinstance(result, tuple) for result in got), got
+    (
+        (first0, decided0, took0, copied0, broken0, _),
+        (first1, decided1, took1, copied1, broken1, declined1),
+    ) = got
+    assert first0 and first1  # the first round copied both ways
+    assert decided0 and decided1 and max(took0, took1) < 30, got
+    assert not copied0  # rank 0's shard had nowhere to go: not safe, and said so
+    assert copied1  # rank 1 still sends its own shard to rank 0's store
+    assert broken0 == broken1 == "" and declined1 >= 1, got
+
+
+def test_a_stray_file_named_like_a_rank_folder_is_passed_over(tmp_path):
+    """A file (or a link) where a ``rank-N`` folder would be holds no copy: the store opens,
+    lists and sweeps around it (it raised ``NotADirectoryError`` from the constructor, and
+    in a round stopped the replication)."""
+    sent = _save(tmp_path / "sender")
+    store = PeerStore(tmp_path / "peers", budget=1 << 24)
+    _copy_in(store, 0, 1, sent)
+    (tmp_path / "peers" / "rank-7").write_text("junk")
+    os.symlink(tmp_path / "sender", tmp_path / "peers" / "rank-8")
+    reopened = PeerStore(tmp_path / "peers", budget=1 << 24)
+    assert reopened.held() == {0: [1]}
+    assert reopened.make_room(copy_bytes(sent))
+    assert (tmp_path / "peers" / "rank-7").read_text() == "junk"  # left as it was
 
 
 def _chain(directory: Path) -> Path:

@@ -124,19 +124,29 @@ class PeerStore:
     def held(self) -> dict[int, list[int]]:
         """Complete copies by backed-up rank: ``{src: [versions, oldest first]}``."""
         found: dict[int, list[int]] = {}
-        with contextlib.suppress(FileNotFoundError):
-            for name in os.listdir(self.directory):
-                match = RANK_DIR.match(name)
-                if not match:
-                    continue
-                versions = [
-                    int(v.group(1))
-                    for v in map(VERSION_DIR.match, os.listdir(self.directory / name))
-                    if v
-                ]
-                if versions:
-                    found[int(match.group(1))] = sorted(versions)
+        for src, _, names in self._rank_folders():
+            versions = [int(v.group(1)) for v in map(VERSION_DIR.match, names) if v]
+            if versions:
+                found[src] = sorted(versions)
         return found
+
+    def _rank_folders(self) -> Iterator[tuple[int, Path, list[str]]]:
+        """``(src, folder, names in it)`` of every ``rank-N`` folder of the store. Anything
+        else of that name (a file, a link, a folder removed meanwhile) is not a copy of
+        anything and is passed over: one stray file must not stop the replication."""
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return
+        for name in names:
+            match = RANK_DIR.match(name)
+            folder = self.directory / name
+            if not match or folder.is_symlink():
+                continue
+            try:
+                yield int(match.group(1)), folder, os.listdir(folder)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
 
     def held_bytes(self) -> int:
         return sum(self._size(src, v) for src, versions in self.held().items() for v in versions)
@@ -244,7 +254,10 @@ class PeerStore:
             shutil.rmtree(final, ignore_errors=True)
             os.rename(staging, final)
             self._drop_spare()
-            self._prune_beyond_keep(src)
+            try:  # the copy is in place: a store that cannot be listed keeps one too many
+                self._prune_beyond_keep(src)
+            except OSError as exc:
+                log.warning("peer tier: could not prune the copies of rank %d: %s", src, exc)
 
     def discard(self, staging: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
@@ -348,12 +361,9 @@ class PeerStore:
         spare."""
         self._drop_spare()
         removed = []
-        with contextlib.suppress(FileNotFoundError):
-            for name in os.listdir(self.directory):
-                if not RANK_DIR.match(name):
-                    continue
-                for leftover in os.listdir(self.directory / name):
-                    if leftover.endswith(".tmp"):
-                        shutil.rmtree(self.directory / name / leftover, ignore_errors=True)
-                        removed.append(f"{name}/{leftover}")
+        for _, folder, names in self._rank_folders():
+            for leftover in names:
+                if leftover.endswith(".tmp"):
+                    shutil.rmtree(folder / leftover, ignore_errors=True)
+                    removed.append(f"{folder.name}/{leftover}")
         return removed
