@@ -94,6 +94,12 @@ def verify_global(root: Path, version: int | None, threads: int, one_line) -> in
         problems, newer, tensors = [], [], 0
         for shard in record.shards:
             where = root / shard.directory / version_name(shard.version)
+            if not (root / shard.directory).is_dir():  # not "damaged": kept elsewhere
+                problems.append(
+                    f"rank {shard.rank}: no {shard.directory} folder in this root (a root per "
+                    "node keeps only its own ranks' shards: verify where that rank ran)"
+                )
+                continue
             try:
                 if global_versions.manifest_crc(where / MANIFEST_NAME) != shard.manifest_crc32c:
                     raise ManifestError(f"{where}: not the shard the global record pins")

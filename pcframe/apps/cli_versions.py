@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from pcframe.apps.cli_ranks import is_multi_rank_root
+from pcframe.distributed.global_versions import RECORDS
 from pcframe.errors import CheckpointError, UnsupportedCheckpoint
 from pcframe.format.manifest import MANIFEST_NAME
 from pcframe.format.names import version_number
@@ -162,7 +163,19 @@ def check_directory(path: str) -> None:
         version = version_number(root.name)
         pick = f" and pick the version with --version {version}" if version is not None else ""
         raise CheckpointError(
-            f"{root} is the folder of one version; give its parent, the checkpoint directory,{pick}"
+            f"{root} is the folder of one version; give its parent, the checkpoint "
+            f"directory{pick}"
+        )
+    if root.name == RECORDS and is_multi_rank_root(root.parent):
+        raise CheckpointError(
+            f"{root} is the folder of a multi-rank root's global records; give its parent, "
+            f"the root: {root.parent}"
+        )
+    records = root / RECORDS
+    if is_multi_rank_root(root) and records.exists() and not records.is_dir():
+        raise CheckpointError(
+            f"{records}: not a folder (it holds the root's global records, vNNNNNNNN.json); "
+            "move it aside and run again"
         )
     # A folder pcframe never wrote to is a mistake (a wrong path), not an empty listing.
     if not is_multi_rank_root(root) and not is_checkpoint_dir(root):

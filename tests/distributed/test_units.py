@@ -146,6 +146,44 @@ def test_a_fifo_named_global_is_ignored_not_waited_on(tmp_path):
     assert rec.read_pointer(tmp_path) is None  # a hint only: the records still list v3
 
 
+def _cli(*args) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "pcframe.apps.cli", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+
+def test_the_cli_names_a_roots_record_folder_and_a_shard_kept_on_another_node(tmp_path):
+    """A root per node (the peer tier's layout) holds only its own ranks' shards: ``verify``
+    there said "No such file or directory" for every other rank's shard, as if the version
+    were damaged. ``list ROOT/global`` listed nothing with exit code 0, and a ``global``
+    that is a file was a raw ``[Errno 20]``. Each is now one line that says what to do."""
+    written = tmp_path / "rank-0"
+    torch.manual_seed(0)
+    with Checkpointer(written, model=torch.nn.Linear(8, 4)) as ckpt:
+        ckpt.save(1).wait()
+    crc = rec.manifest_crc(written / "v00000001" / MANIFEST_NAME)
+    shards = (
+        rec.ShardRef(0, "rank-0", 1, 1, crc, 100),
+        rec.ShardRef(1, "rank-1", 1, 1, "0badc0de", 100),  # on another node's root
+    )
+    rec.write_record(tmp_path, rec.GlobalRecord(1, 1, 0.0, 2, shards))
+    rec.write_pointer(tmp_path, 1)
+    verify = _cli("verify", tmp_path)
+    assert verify.returncode == 1 and "Traceback" not in verify.stderr
+    assert "rank 1: no rank-1 folder in this root (a root per node" in verify.stdout
+    assert "rank 0" not in verify.stdout  # the shard that is here verifies
+    inner = _cli("list", tmp_path / rec.RECORDS)
+    assert inner.returncode == 2 and f"give its parent, the root: {tmp_path}" in inner.stderr
+    for path in (tmp_path / rec.RECORDS).iterdir():
+        path.unlink()
+    (tmp_path / rec.RECORDS).rmdir()
+    (tmp_path / rec.RECORDS).write_text("not a folder")
+    listing = _cli("list", tmp_path)
+    assert (
+        listing.returncode == 2 and "not a folder" in listing.stderr and "move it" in listing.stderr
+    )
+    assert len(listing.stderr.strip().splitlines()) == 1
+
+
 def test_record_round_trip_and_pointer(tmp_path):
     rec.write_record(tmp_path, record(3))
     rec.write_pointer(tmp_path, 3)
