@@ -50,6 +50,9 @@ class OverheadBudget(SecondsIntervalPolicy):
         self._prev_now = ctx.now
         if self.stalled > self.budget * self.wall:
             self.costs.track(ctx)  # keep measuring the iteration time while we hold back
+            # ... and the interval: the hint is built from it, and a cost learned meanwhile
+            # (a restored save's completion) moves it, as the next full decide would.
+            self.last_interval = self.interval(ctx)
             return Decision(False)
         return super().decide(ctx)
 

@@ -163,8 +163,7 @@ def check_directory(path: str) -> None:
         version = version_number(root.name)
         pick = f" and pick the version with --version {version}" if version is not None else ""
         raise CheckpointError(
-            f"{root} is the folder of one version; give its parent, the checkpoint "
-            f"directory{pick}"
+            f"{root} is the folder of one version; give its parent, the checkpoint directory{pick}"
         )
     if root.name == RECORDS and is_multi_rank_root(root.parent):
         raise CheckpointError(

@@ -231,7 +231,10 @@ class Process(FastPaths):
             if self.inflight:
                 best = min(best, self._first_step_at(min(f.durable_at for f in self.inflight)))
             best = min(best, self._first_step_at(self.last_decide + self.probe_gap))
-        if self.t < self.notice_at < math.inf:
+        if self.last_decide < self.notice_at < math.inf:
+            # Arrived since the policy was last asked, stalls included: a notice that came
+            # during a save's stall is asked about at the first step after it, as the
+            # engine asks at every step (only a notice still ahead was a point before).
             best = min(best, self._first_step_at(self.notice_at))
         best = min(best, self.total)
         return None if best == NO_LIMIT else best

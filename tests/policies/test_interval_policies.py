@@ -139,6 +139,23 @@ def test_overhead_budget_holds_back_when_over_budget() -> None:
     assert not any(p.decide(ctx(s, 11.0 + s)).save for s in range(3, 500))
 
 
+def test_overhead_budget_hints_the_interval_of_what_it_learned_while_held_back() -> None:
+    """A cost learned while over budget (a restored save's completion) moves the interval;
+    the hint was built from the interval of the last full decide, so the simulator's fast
+    path asked later than the engine, which asks at every step."""
+    p = P.OverheadBudget(budget=0.1, stall_prior=10.0, min_interval=0.0, concurrency=None)
+    assert not p.decide(ctx(1, 10.0)).save
+    assert p.last_interval == pytest.approx(100.0)
+    p.observe(SaveCompleted(1, 1, 10.0, stall=30.0, duration=30.0, nbytes=1))  # over budget
+    assert not p.decide(ctx(2, 11.0)).save
+    learned = p.last_interval
+    assert learned != pytest.approx(100.0)  # the interval of the cost learned meanwhile
+    hint = p.save_hint(ctx(2, 11.0))
+    assert hint is not None and hint.time is not None
+    behind = p.stalled / p.budget - p.wall
+    assert hint.time == pytest.approx(max(10.0 + learned, 11.0 + behind))
+
+
 def test_checkfreq_k_rule() -> None:
     assert P.checkfreq_k(0.1, stall=0.05, duration=1.0, budget=0.05) == 10
     # (3.0 - 0.3) / 0.1 = 27, overhead 0.3 / 2.7 = 11 % > 5 %: +2 until <= 5 % -> 61

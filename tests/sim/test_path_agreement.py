@@ -108,3 +108,32 @@ def test_fast_path_saves_at_the_steps_of_the_every_step_path(
             slow.preemptions,
         ), f"{name}: {path}"
         assert r.goodput == pytest.approx(slow.goodput, rel=1e-9), f"{name}: {path}"
+
+
+@pytest.mark.parametrize("inner", ["fixed_time", "daly"])
+def test_a_notice_that_arrives_during_a_stall_is_asked_about_on_every_path(inner: str) -> None:
+    """Saves that stall 15 s, notices 30 s before each kill, a tier that secures the state
+    in 8 s: a notice often arrives while a save stalls the loop. The engine asks at the
+    first step after the stall and saves; the fast path took a notice as a point only while
+    it was ahead, so one passed during a stall was missed (-1 % of goodput on a 2-day
+    trace, 91 emergency saves for 99 notices)."""
+    trace = poisson_trace(mtbf=1500.0, hours=24.0, outage=20.0, seed=5)
+    job = JobSpec(
+        iteration_time=1.0,
+        save_stall=15.0,
+        save_duration=200.0,
+        restart_cost=60.0,
+        notice_window=30.0,
+        survivor_tier_duration=8.0,
+    )
+
+    def make() -> P.IntervalPolicy:
+        periodic = P.FixedTime(200.0) if inner == "fixed_time" else P.Daly(mtbf=trace.mtbf())
+        return P.NoticeDriven(periodic)
+
+    slow = simulate(trace, make(), job, options=SimOptions(use_hints=False, record_saves=True))
+    fast = simulate(trace, make(), job, options=SimOptions(record_saves=True))
+    assert slow.preemptions >= 20 and slow.emergency_saves >= 0.8 * slow.preemptions
+    assert fast.save_steps == slow.save_steps
+    assert fast.emergency_saves == slow.emergency_saves
+    assert fast.goodput == pytest.approx(slow.goodput, rel=1e-9)
