@@ -11,6 +11,7 @@ terminal table shows the columns that fit the terminal, never cut, with a legend
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -22,6 +23,7 @@ from rich.table import Table
 from pcframe.apps.errors import register_resolvers, reported, run_app
 from pcframe.apps.instantiate import check_targets
 from pcframe.apps.plugins import register_policy_configs
+from pcframe.errors import SimConfigError
 from pcframe.sim.app_config import (
     SHORT,
     legend,
@@ -45,6 +47,7 @@ def run(
     check_targets(cfg.policy, "policy")
     if cfg.sim.predictor is not None:
         check_targets(cfg.sim.predictor, "sim.predictor")
+    check_outputs(out_dir, cfg.output)  # before the simulations, not after them
     rows = results_rows(run_config(cfg, cwd))
     overrides = " ".join(HydraConfig.get().overrides.task) if HydraConfig.initialized() else ""
     command = f"pcframe-sim {overrides}".strip()
@@ -52,6 +55,20 @@ def run(
     console = console or Console()
     print_table(rows, console)
     return written
+
+
+def check_outputs(out_dir: str | Path, output: Any) -> None:
+    """Every output's folder exists or can be made (a path under /proc, or a file where a
+    folder should be, was a raw ``FileNotFoundError`` once the simulations had run)."""
+    for key in ("csv", "markdown"):
+        target = Path(out_dir) / str(getattr(output, key))
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SimConfigError(
+                f"output.{key}={getattr(output, key)!r}: cannot make {target.parent} "
+                f"({exc.strerror}); give a path in a writable folder"
+            ) from None
 
 
 def print_table(rows: list[dict], console: Console) -> None:

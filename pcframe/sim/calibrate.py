@@ -13,6 +13,10 @@ the save's cost as the loop paid it (:func:`loop_save_costs`).
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import math
+import numbers
 import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -45,30 +49,87 @@ def job_from_records(
         first_step: the step ``step_ends[0]`` belongs to (a resumed run's first).
         **overrides: any other ``JobSpec`` field (``max_in_flight``, ``total_steps``, ...).
     """
+    records = list(records)
+    for i, r in enumerate(records):
+        if not hasattr(r, "status"):
+            raise SimConfigError(
+                f"records[{i}] is a {type(r).__name__}, not a save record: give the engine's "
+                "records (Checkpointer.records.values())"
+            )
     committed = [r for r in records if getattr(r, "status", "") == "committed"]
     if not committed:
         raise SimConfigError(
             "calibration needs at least one committed save; run the workload longer or "
             "checkpoint more often"
         )
-    stall = statistics.fmean(r.stall for r in committed)
+    stall = statistics.fmean(_seconds(committed, "stall"))
     if step_ends is not None:
-        paid = loop_save_costs(step_ends, [r.step for r in committed], first_step=first_step)
+        steps = [_step(r.step, "records[].step") for r in committed]
+        paid = loop_save_costs(step_ends, steps, first_step=first_step)
+        _check_step_ends_fit(step_ends, steps, first_step, iteration_time)
         if paid:  # the loop pays at least the stall: a lower median is the steps' noise
             stall = max(stall, statistics.median(paid))
     values = {
         "iteration_time": iteration_time,
         "save_stall": stall,
-        "save_duration": statistics.fmean(r.durable for r in committed),
+        "save_duration": statistics.fmean(_seconds(committed, "durable")),
         "restart_cost": restart_cost,
-        "checkpoint_bytes": int(statistics.fmean(r.nbytes for r in committed)),
+        "checkpoint_bytes": int(statistics.fmean(_seconds(committed, "nbytes"))),
         **overrides,
     }
     if "save_duration" not in overrides:
         # Measured separately, the mean time to durable can fall under the mean stall only
         # by noise: a save is durable after its stall ends.
         values["save_duration"] = max(values["save_duration"], values["save_stall"])
+    known = {f.name for f in dataclasses.fields(JobSpec)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise SimConfigError(f"unknown JobSpec key(s) {unknown}; known: {', '.join(sorted(known))}")
     return JobSpec(**values)
+
+
+def _seconds(records: list[Any], key: str) -> list[float]:
+    """Each record's ``key`` as a finite number >= 0 (else one line naming it)."""
+    out = []
+    for r in records:
+        value = getattr(r, key, None)
+        if not (isinstance(value, int | float) and not isinstance(value, bool)) or not (
+            math.isfinite(value) and value >= 0
+        ):
+            raise SimConfigError(
+                f"record of step {getattr(r, 'step', '?')}: {key}={value!r} is invalid: a "
+                "committed save's figure is a finite number >= 0 (the engine's records are)"
+            )
+        out.append(float(value))
+    return out
+
+
+def _step(value: Any, what: str) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise SimConfigError(f"{what}={value!r} is invalid: steps are integers")
+    return int(value)
+
+
+def _check_step_ends_fit(
+    step_ends: Sequence[float], saves: list[int], first_step: int, iteration_time: float
+) -> None:
+    """``step_ends`` must be of the same run as the saves, in seconds: a save among its
+    steps, and steps about ``iteration_time`` apart (else the calibration would silently
+    fall back to the engine's figure, or take milliseconds for seconds)."""
+    last = first_step + len(step_ends) - 1
+    if not any(first_step <= s <= last for s in saves):
+        raise SimConfigError(
+            f"step_ends covers steps {first_step}..{last} but the committed saves are at "
+            f"steps {min(saves)}..{max(saves)}: give first_step= the step step_ends[0] "
+            "ended (a resumed run's first) and the times of the same run"
+        )
+    if len(step_ends) >= 2:
+        typical = statistics.median(b - a for a, b in itertools.pairwise(step_ends))
+        if not iteration_time / 20 <= typical <= 20 * iteration_time:
+            raise SimConfigError(
+                f"step_ends: steps end {typical:.3g} apart but iteration_time="
+                f"{iteration_time:.3g} s: give both in seconds, of the same run"
+            )
 
 
 def loop_save_costs(
@@ -84,7 +145,18 @@ def loop_save_costs(
     than that share their steps out and the costs still add up to what the loop lost.
     Saves whose steps are not all measured are left out; empty when no step is untouched.
     """
-    saves = sorted(set(save_steps))
+    step_ends = _checked_ends(step_ends)
+    if (
+        not isinstance(after, numbers.Integral)
+        or isinstance(after, bool)
+        or not (0 <= after <= max(len(step_ends), 1))
+    ):
+        raise SimConfigError(
+            f"after={after!r} is invalid: give the steps a save's cost spills into, "
+            f"0..{len(step_ends)} (2: the optimizer step after it waits for the snapshot)"
+        )
+    first_step = _step(first_step, "first_step")
+    saves = sorted({_step(s, "save_steps[]") for s in save_steps})
     last = first_step + len(step_ends) - 1
     took = {
         k: step_ends[k - first_step] - step_ends[k - first_step - 1]
@@ -100,4 +172,21 @@ def loop_save_costs(
         end = s + after if i + 1 == len(saves) else min(s + after, saves[i + 1] - 1)
         if all(k in took for k in range(s, end + 1)):
             out.append(sum(took[k] - typical for k in range(s, end + 1)))
+    return out
+
+
+def _checked_ends(step_ends: Sequence[float]) -> list[float]:
+    """The step end times as floats, finite and in order (else one line naming the first
+    that is not: reversed or shuffled times gave negative costs, silently)."""
+    out: list[float] = []
+    for i, value in enumerate(step_ends):
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            raise SimConfigError(f"step_ends[{i}]={value!r} is invalid: give seconds")
+        t = float(value)
+        if not math.isfinite(t) or (out and t < out[-1]):
+            raise SimConfigError(
+                f"step_ends[{i}]={value!r} is invalid: give the times each step ended, "
+                "finite and in order (e.g. time.perf_counter() after each step)"
+            )
+        out.append(t)
     return out

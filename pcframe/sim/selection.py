@@ -22,6 +22,10 @@ def select_traces(spec: str, cwd: str | Path | None = None) -> list[Trace]:
 
     Relative paths are tried against ``cwd`` first, then the shipped traces folder.
     """
+    if not str(spec).strip():  # "" would name the working directory itself
+        raise SimConfigError(
+            "traces='' names no trace; give traces=all, a file, a folder or a glob"
+        )
     shipped = shared_traces_dir()
     if spec == "all":
         if shipped is None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from pcframe.errors import SimConfigError
 from pcframe.policies.base import IntervalPolicy, Notice, Preempted, Restarted
 from pcframe.policies.placement import PlacementPolicy
 from pcframe.policies.predictors.base import Prediction, Predictor
@@ -104,6 +105,7 @@ class _Simulation:
         self.versions = Versions()
         self.initial_state = saved_state(interval)
         self.start, self.end = self.cap.window.start, self.cap.window.end
+        _check_decision_count(options, self.end - self.start)
         self.unix0 = trace.start_time.timestamp() if trace.start_time is not None else None
         rate = None
         if options.context_rate == "trace":
@@ -369,3 +371,21 @@ def _vms(decision: ResourceDecision | None) -> tuple[int, int]:
 
 def _name(policy: Any) -> str:
     return getattr(policy, "name", "") or type(policy).__name__
+
+
+# More decisions than this in one window is a setting's slip (seconds typed as hours, or
+# a value meant for a compressed trace), not a simulation: each costs microseconds.
+MAX_DECISIONS = 10_000_000
+
+
+def _check_decision_count(options: SimOptions, span: float) -> None:
+    """Refuse a ``probe_gap`` or ``resource_interval`` that would ask a policy more than
+    :data:`MAX_DECISIONS` times over the window (a tiny one did not end at all)."""
+    for key in ("probe_gap", "resource_interval"):
+        every = getattr(options, key)
+        if span / every > MAX_DECISIONS:
+            raise SimConfigError(
+                f"sim.{key}={every!r} is invalid: it would ask the policy "
+                f"{span / every:.1e} times over this {span:.0f} s window; give at least "
+                f"{span / MAX_DECISIONS:.3g} s"
+            )

@@ -10,6 +10,7 @@ the key and the fix in the message.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -26,8 +27,32 @@ def _bad(prefix: str, key: str, value: Any, fix: str) -> SimConfigError:
     return SimConfigError(f"{prefix}.{key}={value!r} is invalid: {fix}")
 
 
+# The shortest step the simulator takes (a microsecond): shorter, a trace's steps overflow
+# the int64 step counters and step times fall below the float resolution of the clock.
+MIN_STEP_SECONDS = 1e-6
+
+
 def _finite(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite real number (numpy's scalars included), not a bool."""
+    return isinstance(x, numbers.Real) and not _is_bool(x) and math.isfinite(x)
+
+
+def _integer(x: Any) -> bool:
+    """An integer (numpy's included), not a bool."""
+    return isinstance(x, numbers.Integral) and not _is_bool(x)
+
+
+def _is_bool(x: Any) -> bool:
+    return isinstance(x, bool) or type(x).__name__ == "bool_"  # numpy's, without importing it
+
+
+def _plain_numbers(spec: Any) -> None:
+    """Numpy's scalars (a value read from an array) as Python's, before they are checked:
+    the checks and everything downstream (JSON, the kernels) then see one kind of number."""
+    for f in fields(spec):
+        value = getattr(spec, f.name)
+        if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+            object.__setattr__(spec, f.name, value.item())
 
 
 @dataclass(frozen=True)
@@ -106,9 +131,15 @@ class JobSpec:
     measured_starts: tuple[tuple[float, float], ...] | None = None
 
     def __post_init__(self) -> None:
+        _plain_numbers(self)
         p = self.KEY_PREFIX
-        if not (_finite(self.iteration_time) and self.iteration_time > 0):
-            raise _bad(p, "iteration_time", self.iteration_time, "give seconds per step > 0")
+        if not (_finite(self.iteration_time) and self.iteration_time >= MIN_STEP_SECONDS):
+            raise _bad(
+                p,
+                "iteration_time",
+                self.iteration_time,
+                f"give seconds per step >= {MIN_STEP_SECONDS:g}",
+            )
         for key in (
             "save_stall",
             "save_duration",
@@ -127,14 +158,14 @@ class JobSpec:
                 f"the time to durable includes the stall, so it must be >= job.save_stall="
                 f"{self.save_stall}",
             )
-        if not (isinstance(self.max_in_flight, int) and 1 <= self.max_in_flight <= 64):
+        if not (_integer(self.max_in_flight) and 1 <= self.max_in_flight <= 64):
             raise _bad(p, "max_in_flight", self.max_in_flight, "use 1..64 (2-4 is typical)")
         if self.persist not in ("parallel", "serial"):
             raise _bad(p, "persist", self.persist, "use 'parallel' or 'serial'")
-        if not (isinstance(self.checkpoint_bytes, int) and self.checkpoint_bytes >= 0):
+        if not (_integer(self.checkpoint_bytes) and self.checkpoint_bytes >= 0):
             raise _bad(p, "checkpoint_bytes", self.checkpoint_bytes, "give bytes >= 0")
         if self.total_steps is not None and not (
-            isinstance(self.total_steps, int) and self.total_steps >= 1
+            _integer(self.total_steps) and self.total_steps >= 1
         ):
             raise _bad(p, "total_steps", self.total_steps, "give steps >= 1, or null")
         if self.deadline is not None:
@@ -142,10 +173,16 @@ class JobSpec:
                 raise _bad(p, "deadline", self.deadline, "give seconds > 0, or null")
             if self.total_steps is None:
                 raise _bad(p, "deadline", self.deadline, "a deadline needs job.total_steps")
-        if self.vms is not None and not (isinstance(self.vms, int) and self.vms >= 1):
+        if self.vms is not None and not (_integer(self.vms) and self.vms >= 1):
             raise _bad(p, "vms", self.vms, "ask for at least 1 VM, or null for the trace's")
-        if not (isinstance(self.min_vms, int) and self.min_vms >= 1):
+        if not (_integer(self.min_vms) and self.min_vms >= 1):
             raise _bad(p, "min_vms", self.min_vms, "use at least 1")
+        if self.vms is not None and self.min_vms > self.vms:
+            raise _bad(
+                p, "min_vms", self.min_vms, f"the job never runs: use at most job.vms={self.vms}"
+            )
+        if not isinstance(self.final_save, bool):
+            raise _bad(p, "final_save", self.final_save, "give true or false")
         if self.survivor_tier_duration is not None and not (
             _finite(self.survivor_tier_duration) and self.survivor_tier_duration > 0
         ):
@@ -166,17 +203,25 @@ class JobSpec:
         p, starts = self.KEY_PREFIX, self.measured_starts
         if starts is None:
             return
+        if type(starts).__module__ == "numpy" and hasattr(starts, "tolist"):
+            starts = starts.tolist()  # an array of [restart, factor] rows
         pairs = []
         for i, pair in enumerate(starts if isinstance(starts, Sequence) else [starts]):
             if not (isinstance(pair, Sequence) and len(pair) == 2):
                 raise _bad(p, "measured_starts", starts, "give [[restart s, step factor], ...]")
             restart, factor = pair
-            if not (_finite(restart) and restart >= 0 and _finite(factor) and factor > 0):
+            if not (
+                _finite(restart)
+                and restart >= 0
+                and _finite(factor)
+                and factor * self.iteration_time >= MIN_STEP_SECONDS
+            ):
                 raise _bad(
                     p,
                     f"measured_starts[{i}]",
                     list(pair),
-                    "give [restart seconds >= 0, step-time factor > 0]",
+                    "give [restart seconds >= 0, step-time factor > 0] (steps of "
+                    f">= {MIN_STEP_SECONDS:g} s)",
                 )
             pairs.append((float(restart), float(factor)))
         # Tuples of floats whatever sequence came in (a Hydra ListConfig, lists, ints).
@@ -274,6 +319,7 @@ class SimOptions:
     override_prices: bool = False
 
     def __post_init__(self) -> None:
+        _plain_numbers(self)
         p = self.KEY_PREFIX
         if not (_finite(self.start) and self.start >= 0):
             raise _bad(p, "start", self.start, "give trace seconds >= 0")
@@ -281,8 +327,8 @@ class SimOptions:
             raise _bad(p, "duration", self.duration, "give seconds > 0, or null for all")
         if not isinstance(self.record_saves, bool):
             raise _bad(p, "record_saves", self.record_saves, "give true or false")
-        if not isinstance(self.seed, int):
-            raise _bad(p, "seed", self.seed, "give an integer")
+        if not (_integer(self.seed) and self.seed >= 0):
+            raise _bad(p, "seed", self.seed, "give an integer >= 0")
         for key in ("probe_gap", "resource_interval"):
             value = getattr(self, key)
             if not (_finite(value) and value > 0):

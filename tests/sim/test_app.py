@@ -93,6 +93,23 @@ def test_a_bad_key_fails_with_the_key_in_the_message(tmp_path: Path, child_env: 
     assert "stal" in proc.stderr
 
 
+def test_an_output_that_cannot_be_written_fails_before_the_simulations(
+    tmp_path: Path, child_env: dict
+) -> None:
+    """A raw ``FileNotFoundError`` ("unexpected error (a bug)") once the runs were done."""
+    proc = subprocess.run(
+        [*_script(), f"traces={SMALL}", "output.csv=/proc/x/r.csv", f"hydra.run.dir={tmp_path}"],
+        cwd=tmp_path,
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "output.csv='/proc/x/r.csv': cannot make /proc/x" in proc.stderr
+    assert "Traceback" not in proc.stderr and "a bug" not in proc.stderr
+
+
 def _compose(*overrides: str):
     register_schemas()
     with initialize_config_module("pcframe.conf", version_base="1.3"):

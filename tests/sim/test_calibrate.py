@@ -39,6 +39,68 @@ def test_calibration_without_a_committed_save_says_what_to_do() -> None:
         job_from_records([], 0.1, 1.0)
 
 
+class _Record:
+    def __init__(self, step: int, stall: float = 0.01, durable: float = 0.05, **kw) -> None:
+        self.status, self.step, self.stall, self.durable, self.nbytes = (
+            "committed",
+            step,
+            stall,
+            durable,
+            1000,
+        )
+        self.__dict__.update(kw)
+
+
+@pytest.mark.parametrize(
+    ("step_ends", "kwargs", "words"),
+    [
+        # Reversed times gave negative costs, and the engine's figure was used silently.
+        ([0.3, 0.2, 0.1], {}, ["step_ends[1]=0.2", "in order"]),
+        ([0.1, float("nan"), 0.3], {}, ["step_ends[1]=nan", "finite"]),
+        ([0.1, 0.2, 0.3], {"after": -1}, ["after=-1", "0..3"]),
+        ([0.1, 0.2, 0.3], {"after": 10**9}, ["after=1000000000"]),  # it hung
+        ([0.1, 0.2, 0.3], {"first_step": 1.5}, ["first_step=1.5", "integers"]),
+    ],
+)
+def test_the_loops_step_times_are_checked(step_ends: list, kwargs: dict, words: list) -> None:
+    with pytest.raises(SimConfigError) as err:
+        loop_save_costs(step_ends, [2], **kwargs)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_step_times_of_another_run_or_unit_are_refused_not_ignored() -> None:
+    """A resumed run's times given without ``first_step`` cover none of its saves, and times
+    in milliseconds make a step 1000x the iteration time: both fell back (or scaled the
+    stall 1000x) silently."""
+    ends = [0.1 * (i + 1) for i in range(100)]
+    resumed = [_Record(step) for step in range(1010, 1060, 10)]
+    with pytest.raises(SimConfigError, match=r"covers steps 1\.\.100 .* steps 1010\.\.1050"):
+        job_from_records(resumed, 0.1, 1.0, step_ends=ends)
+    assert job_from_records(resumed, 0.1, 1.0, step_ends=ends, first_step=1001).save_stall > 0
+    in_ms = [1000 * t for t in ends]
+    saves = [_Record(step) for step in range(10, 100, 10)]
+    with pytest.raises(SimConfigError, match="give both in seconds"):
+        job_from_records(saves, 0.1, 1.0, step_ends=in_ms)
+
+
+@pytest.mark.parametrize(
+    ("record", "words"),
+    [
+        (_Record(5, nbytes=float("nan")), ["nbytes=nan", "step 5"]),
+        (_Record(5, stall=None), ["stall=None"]),
+        ({"status": "committed", "step": 5}, ["records[0] is a dict", "Checkpointer.records"]),
+    ],
+)
+def test_bad_records_are_named(record, words: list) -> None:
+    with pytest.raises(SimConfigError) as err:
+        job_from_records([record], 0.1, 1.0)
+    for word in words:
+        assert word in str(err.value)
+    with pytest.raises(SimConfigError, match=r"unknown JobSpec key\(s\) \['stal'\]"):
+        job_from_records([_Record(5)], 0.1, 1.0, stal=3)
+
+
 def test_a_saves_cost_is_what_the_training_loop_lost_to_it() -> None:
     """The loop's cost of a save: the extra time of its step and the steps after it (the
     optimizer step waits for the snapshot copy) over a step no save touches. The engine's

@@ -18,7 +18,7 @@ from pcframe.sim.app_config import select_traces
 @pytest.mark.parametrize(
     ("kwargs", "words"),
     [
-        ({"iteration_time": 0.0}, ["job.iteration_time=0.0", "seconds per step > 0"]),
+        ({"iteration_time": 0.0}, ["job.iteration_time=0.0", "seconds per step >= 1e-06"]),
         ({"save_stall": -1.0}, ["job.save_stall=-1.0", ">= 0"]),
         ({"save_stall": 5.0, "save_duration": 2.0}, ["job.save_duration=2.0", "job.save_stall"]),
         ({"max_in_flight": 0}, ["job.max_in_flight=0", "1..64"]),
@@ -28,6 +28,14 @@ from pcframe.sim.app_config import select_traces
         ({"restart_cost": float("nan")}, ["job.restart_cost=nan", "finite"]),
         ({"scaling_efficiency": 1.5}, ["job.scaling_efficiency=1.5", "(0, 1]"]),
         ({"vms": 0}, ["job.vms=0", "at least 1 VM"]),
+        # A step of 1e-300 s looped for ever; 1e-14 s overflowed the step counter.
+        ({"iteration_time": 1e-300}, ["job.iteration_time=1e-300", ">= 1e-06"]),
+        ({"iteration_time": 1e-9, "measured_starts": ((1.0, 1.0),)}, ["iteration_time"]),
+        ({"measured_starts": ((0.0, 1e-15),)}, ["job.measured_starts[0]", ">= 1e-06 s"]),
+        ({"min_vms": 5, "vms": 1}, ["job.min_vms=5", "never runs", "job.vms=1"]),
+        ({"vms": True}, ["job.vms=True"]),  # a bool is not a count
+        ({"max_in_flight": True}, ["job.max_in_flight=True"]),
+        ({"final_save": "no"}, ["job.final_save='no'", "true or false"]),
     ],
 )
 def test_impossible_job_parameters_name_the_key_and_the_fix(kwargs: dict, words: list) -> None:
@@ -35,6 +43,39 @@ def test_impossible_job_parameters_name_the_key_and_the_fix(kwargs: dict, words:
         JobSpec(**kwargs)
     for word in words:
         assert word in str(err.value)
+
+
+def test_numpy_numbers_are_numbers() -> None:
+    """A value read from an array was refused with a fix that did not apply ("give seconds
+    per step > 0" for ``np.float32(1.0)``); they are taken as Python's numbers."""
+    job = JobSpec(
+        iteration_time=np.float32(0.5),
+        max_in_flight=np.int64(2),
+        restart_by_tier={"peers": np.float32(3.0)},
+        measured_starts=np.array([[2.0, 1.0], [3.0, 1.5]]),
+    )
+    assert job.iteration_time == 0.5 and type(job.iteration_time) is float
+    assert job.max_in_flight == 2 and type(job.max_in_flight) is int
+    assert job.measured_starts == ((2.0, 1.0), (3.0, 1.5))
+    assert SimOptions(seed=np.int64(3)).seed == 3
+    with pytest.raises(SimConfigError, match=r"sim\.seed=-1 is invalid: give an integer >= 0"):
+        SimOptions(seed=-1)  # numpy's generator raised a ValueError naming nothing
+
+
+def test_an_interval_too_small_to_end_is_refused_naming_the_key() -> None:
+    """``resource_interval=1e-12`` never ended (the clock no longer moved); a value that
+    would ask a policy more than 1e7 times over the window is a slip, named with the least
+    value that is not."""
+    trace = steady_trace(hours=24.0)
+    for key in ("resource_interval", "probe_gap"):
+        with pytest.raises(SimConfigError, match=rf"sim\.{key}=1e-12 is invalid: .*at least"):
+            simulate(trace, P.FixedSteps(10), JobSpec(), options=SimOptions(**{key: 1e-12}))
+
+
+def test_an_empty_traces_setting_names_no_trace(tmp_path) -> None:
+    (tmp_path / "notes.txt").write_text("not a trace")
+    with pytest.raises(SimConfigError, match="traces='' names no trace"):
+        select_traces("", cwd=tmp_path)  # it loaded every file of the working directory
 
 
 def test_unknown_keys_are_listed_with_the_known_ones() -> None:
