@@ -736,6 +736,28 @@ def test_a_store_broken_on_one_rank_costs_its_copies_not_the_other_ranks_rounds(
     assert broken0 == broken1 == "" and declined1 >= 1, got
 
 
+def test_the_default_peer_folder_is_the_users_own(tmp_path):
+    """``/dev/shm`` is every user's: the copies live in a folder of this user's own, and one
+    made there by someone else first (here: open to all, or a link to elsewhere) is refused
+    by name, not written into (a planted copy could make a restore set a version aside)."""
+    from pcframe.errors import TierError
+    from pcframe.store.tiers.peer import default_peer_directory
+
+    where = default_peer_directory(tmp_path / "root", base=tmp_path)
+    own = where.parent
+    assert own.name == f"pcframe-peers-{os.getuid()}" and (own.stat().st_mode & 0o777) == 0o700
+    assert default_peer_directory(tmp_path / "root", base=tmp_path) == where  # stable
+    os.chmod(own, 0o777)
+    with pytest.raises(TierError, match=r"pcframe-peers-\d+ is not this user's private folder"):
+        default_peer_directory(tmp_path / "root", base=tmp_path)
+    os.rmdir(own)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    os.symlink(elsewhere, own)
+    with pytest.raises(TierError, match="remove it, or give peer_dir="):
+        default_peer_directory(tmp_path / "root", base=tmp_path)
+
+
 def test_a_stray_file_named_like_a_rank_folder_is_passed_over(tmp_path):
     """A file (or a link) where a ``rank-N`` folder would be holds no copy: the store opens,
     lists and sweeps around it (it raised ``NotADirectoryError`` from the constructor, and

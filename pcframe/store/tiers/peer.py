@@ -40,6 +40,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import threading
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -75,9 +76,36 @@ def copy_bytes(directory: Path) -> int:
 
 def default_peer_directory(root: Path, base: Path = SHM) -> Path:
     """Where a job writing ``root`` keeps peer copies on this node: the same folder for every
-    restart of the job (named after the root), a different one for another job."""
+    restart of the job (named after the root), a different one for another job, inside a
+    folder of this user's own (``pcframe-peers-<uid>``, mode 0700): ``/dev/shm`` is shared
+    by every user of the node, and a folder another user made there first would let them
+    read the copies, or plant files that a restore reads and sets the version aside for.
+
+    Raises:
+        TierError: that folder exists but is not this user's private folder (made by
+            someone else, a link, or open to others).
+    """
     key = hashlib.sha1(str(Path(root).resolve()).encode()).hexdigest()[:12]
-    return base / "pcframe-peers" / key
+    own = Path(base) / f"pcframe-peers-{os.getuid()}"
+    if Path(base).is_dir():
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(own, 0o700)
+        _check_private(own)
+    return own / key
+
+
+def _check_private(folder: Path) -> None:
+    try:
+        info = os.lstat(folder)
+    except OSError as exc:
+        raise TierError(f"peer tier: cannot read {folder} ({exc.strerror})") from None
+    mine = stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
+    if not mine or info.st_mode & 0o077:
+        raise TierError(
+            f"peer tier: {folder} is not this user's private folder (owner uid "
+            f"{info.st_uid}, mode {stat.filemode(info.st_mode)}): another user may have "
+            "made it; remove it, or give peer_dir= a folder of your own"
+        )
 
 
 class PeerStore:
