@@ -112,11 +112,10 @@ def trace_setup(text: str) -> tuple[str, TraceSetup]:
     """
     if text in TRACES:
         return text, TRACES[text]
-    path, sep, rest = text.partition(":")
-    gap, _, steps = rest.partition(":")
+    parts = text.rsplit(":", 2)  # a path may hold a colon itself
     try:
-        setup = TraceSetup(path, "given", float(gap), int(steps)) if sep else None
-    except ValueError:
+        setup = TraceSetup(parts[0], "given", float(parts[1]), int(parts[2]))
+    except (ValueError, IndexError):
         setup = None
     if setup is None or not (setup.gap > 0 and setup.steps > 0 and math.isfinite(setup.gap)):
         raise ValueError(
@@ -124,7 +123,10 @@ def trace_setup(text: str) -> tuple[str, TraceSetup]:
             "PATH:GAP:STEPS (a trace file, its mean gap in wall seconds > 0, steps > 0; "
             "e.g. my-trace.csv:12:440)"
         )
-    return Path(path).stem, setup
+    key = Path(setup.path).stem
+    if key in TRACES:
+        raise ValueError(f"--traces {text!r}: its key {key!r} is a preset's name; rename the file")
+    return key, setup
 
 
 def compression(kills: Sequence[float], gap: float) -> float:

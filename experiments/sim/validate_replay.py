@@ -565,6 +565,8 @@ def main() -> None:
         parser.error("--restarts: at least 3 kills (5 or more for a robust median)")
     try:  # every trace read before the calibration: a wrong one fails in a second
         args.setups = dict(trace_setup(text) for text in args.traces)
+        if len(args.setups) < len(args.traces):
+            raise ValueError("--traces: two traces with one key (a file's name); rename one")
         for setup in args.setups.values():
             compression(trace_times(resolve_trace(setup.path)), setup.gap)
     except ValueError as exc:  # a preset's name or PATH:GAP:STEPS; a readable trace

@@ -10,6 +10,7 @@ terminal table shows the columns that fit the terminal, never cut, with a legend
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -61,14 +62,20 @@ def check_outputs(out_dir: str | Path, output: Any) -> None:
     """Every output's folder exists or can be made (a path under /proc, or a file where a
     folder should be, was a raw ``FileNotFoundError`` once the simulations had run)."""
     for key in ("csv", "markdown"):
-        target = Path(out_dir) / str(getattr(output, key))
+        given = getattr(output, key)
+        target = Path(out_dir) / str(given)
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise SimConfigError(
-                f"output.{key}={getattr(output, key)!r}: cannot make {target.parent} "
-                f"({exc.strerror}); give a path in a writable folder"
+                f"output.{key}={given!r}: cannot make {target.parent} ({exc.strerror}); "
+                "give a path in a writable folder"
             ) from None
+        if target.is_dir() or not os.access(target.parent, os.W_OK):
+            what = "is a folder" if target.is_dir() else f"{target.parent} is not writable"
+            raise SimConfigError(
+                f"output.{key}={given!r}: {what}; give a file path in a writable folder"
+            )
 
 
 def print_table(rows: list[dict], console: Console) -> None:

@@ -16,7 +16,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,7 @@ from pcframe.save.status import SaveStatus
 from pcframe.state.objects import TrainingObjects
 from pcframe.store.retention import KeepWhere
 from pcframe.store.tiers import Secured, Tiers
-from pcframe.store.tiers.peer import PeerStore, default_peer_directory
+from pcframe.store.tiers.peer import PeerStore, default_peer_directory, private_folder
 
 log = logging.getLogger("pcframe")
 
@@ -164,9 +164,15 @@ class DistributedCheckpointer:
         self._stash = Stash()
         model_view = ModelView(model, self._stash) if model is not None else None
         optim_view = OptimizerView(optimizer, self._stash) if optimizer is not None else None
+        self.peer_base = Path(peer_dir) if peer_dir else default_peer_directory(self.root)
+        # The default folder of peer copies (under /dev/shm) is this user's own, checked
+        # while the ranks open: a rank whose check fails makes every rank's open fail.
+        check_peer_folder = self.replicas > 0 and not peer_dir
         opened = open_shards(
             self.root,
             functools.partial(
+                _opened_after,
+                (lambda: private_folder(self.peer_base.parent)) if check_peer_folder else None,
                 Checkpointer,
                 self.root / global_versions.rank_dirname(self.rank),
                 model=model_view,
@@ -188,7 +194,6 @@ class DistributedCheckpointer:
         )
         self.local, self._next = opened.local, opened.next_version
         self.nodes, self._groups = opened.nodes, opened.groups
-        self.peer_base = Path(peer_dir) if peer_dir else default_peer_directory(self.root)
         self.objects.policy = self.local.policy
         self.protocol = CommitProtocol(
             self.root,
@@ -568,3 +573,10 @@ class DistributedCheckpointer:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.close(clean=exc_type is None)
+
+
+def _opened_after(check: Callable[[], object] | None, opener: Callable[..., Any], *a, **kw) -> Any:
+    """``opener(*a, **kw)`` once ``check`` (if any) passed: both fail as one open."""
+    if check is not None:
+        check()
+    return opener(*a, **kw)

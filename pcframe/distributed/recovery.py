@@ -305,7 +305,7 @@ class Recovery:
         """The copies (a peer's, or fetched) of ``record``'s shards that ``message`` (a
         read's error) names; none when the damage is in a shard's own folder (the
         version's)."""
-        named = []
+        named: list[Path] = []
         for shard in record.shards:
             found = self.place.find(shard.rank, shard.version)
             if found is not None and found[0] is not Kind.LOCAL and str(found[1]) in message:

@@ -35,6 +35,7 @@ and training goes on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -51,7 +52,7 @@ from pcframe.distributed.nodes import NodeMap, backed_up_by, replica_ranks
 from pcframe.distributed.shard_stream import receive_version, send_version
 from pcframe.errors import CheckpointError, CorruptCheckpoint, ManifestError
 from pcframe.format.manifest import delta_base, manifest_crc
-from pcframe.format.names import MANIFEST_NAME, version_name
+from pcframe.format.names import MANIFEST_NAME
 from pcframe.runtime.threads import single_threaded_torch
 from pcframe.store.tiers.peer import PeerStore, copy_bytes
 
@@ -304,9 +305,13 @@ class PeerReplication:
         step with the sender)."""
         try:
             staging = self.store.staging(src, version)
-        except OSError:  # the copy is received anyway and refused (a folder it cannot
-            # make): the sender streams it whatever happens here
-            staging = self.store.path(src, version).with_name(f"{version_name(version)}.tmp")
+        except OSError as exc:  # refused on its manifest (room for nothing: nothing is
+            # written), in step with the sender, which streams it whatever happens here
+            with contextlib.suppress(CorruptCheckpoint, ManifestError):
+                receive_version(src, self.store.directory, self._group, limit=0)
+            self.status.failed.append(f"rank {src} v{version}: {exc}")
+            log.warning("peer tier: copy of rank %d's version %d refused: %s", src, version, exc)
+            return False
         try:
             manifest = receive_version(src, staging, self._group, pin, self.store.spare, size)
             if keep:

@@ -20,6 +20,7 @@ fell back to, not the bad one above it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -65,6 +66,8 @@ class Verdict(Enum):
 
 
 RETRY = "retry"  # try_global_version: a damaged copy was dropped; gather the version again
+# A read of a copy failing with these says the copy's files are gone or are not files.
+COPY_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ELOOP})
 
 
 def try_global_version(
@@ -111,9 +114,11 @@ def try_global_version(
     except UnsupportedCheckpoint as exc:
         mine = (Verdict.UNSUPPORTED, str(exc), type(exc).__name__)
     except (ManifestError, OSError) as exc:  # OSError: retried already
-        # A damaged copy (in a peer's memory, or fetched) says nothing of the version; one
-        # that cannot be read is as good as damaged (fetched again, not the storage fixed).
-        copies = damaged_copies(str(exc)) if damaged_copies is not None else []
+        # A damaged copy (in a peer's memory, or fetched) says nothing of the version, nor
+        # does a copy whose files are gone or not files (fetched again); any other I/O
+        # error is the storage's (EIO, EMFILE): the restore stops, as for a shard's own.
+        of_the_copy = isinstance(exc, ManifestError) or exc.errno in COPY_ERRNOS
+        copies = _named_copies(damaged_copies, exc) if of_the_copy else []
         if copies:
             verdict = Verdict.COPY_DAMAGED
         else:
@@ -133,11 +138,29 @@ def try_global_version(
     if outcome is not None:
         if prepared is not None:
             prepared.release()  # another rank's part failed: the version is not applied
-        if copies and drop_copies is not None:  # every rank of this node has read them
-            drop_copies(copies)
+        if any(v[0] is Verdict.COPY_DAMAGED for v in verdicts):
+            if copies and drop_copies is not None:  # every rank of this node has read them
+                drop_copies(copies)
+            # ... and none lists what it holds for the next gather until every damaged copy
+            # is gone: a rank that read no damage would list the copy still being deleted.
+            with peers("restore: dropping damaged copies"):
+                dist.barrier(group=group)
         return outcome
     assert prepared is not None
     return prepared, index
+
+
+def _named_copies(
+    damaged_copies: Callable[[str], list[Path]] | None, exc: BaseException
+) -> list[Path]:
+    """The copies a read's error names; none where they cannot be listed (this rank must
+    still reach the verdict exchange)."""
+    if damaged_copies is None:
+        return []
+    try:
+        return damaged_copies(str(exc))
+    except OSError:
+        return []
 
 
 def _outcome(

@@ -48,6 +48,12 @@ def job_from_records(
             no step of the run is free of a save's cost, the engine's mean stall.
         first_step: the step ``step_ends[0]`` belongs to (a resumed run's first).
         **overrides: any other ``JobSpec`` field (``max_in_flight``, ``total_steps``, ...).
+
+    Raises:
+        SimConfigError: no committed save; a record that is not a save record or whose
+            figures are not finite numbers >= 0; ``step_ends`` out of order, not finite, of
+            another run (no committed save among its steps) or in another unit than
+            ``iteration_time``; an unknown override.
     """
     records = list(records)
     for i, r in enumerate(records):
@@ -62,7 +68,7 @@ def job_from_records(
             "calibration needs at least one committed save; run the workload longer or "
             "checkpoint more often"
         )
-    stall = statistics.fmean(_seconds(committed, "stall"))
+    stall = statistics.fmean(_figures(committed, "stall"))
     if step_ends is not None:
         steps = [_step(r.step, "records[].step") for r in committed]
         paid = loop_save_costs(step_ends, steps, first_step=first_step)
@@ -72,9 +78,9 @@ def job_from_records(
     values = {
         "iteration_time": iteration_time,
         "save_stall": stall,
-        "save_duration": statistics.fmean(_seconds(committed, "durable")),
+        "save_duration": statistics.fmean(_figures(committed, "durable")),
         "restart_cost": restart_cost,
-        "checkpoint_bytes": int(statistics.fmean(_seconds(committed, "nbytes"))),
+        "checkpoint_bytes": int(statistics.fmean(_figures(committed, "nbytes"))),
         **overrides,
     }
     if "save_duration" not in overrides:
@@ -88,12 +94,13 @@ def job_from_records(
     return JobSpec(**values)
 
 
-def _seconds(records: list[Any], key: str) -> list[float]:
-    """Each record's ``key`` as a finite number >= 0 (else one line naming it)."""
+def _figures(records: list[Any], key: str) -> list[float]:
+    """Each record's ``key`` (seconds, or bytes) as a finite number >= 0 (else one line
+    naming it)."""
     out = []
     for r in records:
         value = getattr(r, key, None)
-        if not (isinstance(value, int | float) and not isinstance(value, bool)) or not (
+        if not (isinstance(value, numbers.Real) and not isinstance(value, bool)) or not (
             math.isfinite(value) and value >= 0
         ):
             raise SimConfigError(
@@ -146,15 +153,12 @@ def loop_save_costs(
     Saves whose steps are not all measured are left out; empty when no step is untouched.
     """
     step_ends = _checked_ends(step_ends)
-    if (
-        not isinstance(after, numbers.Integral)
-        or isinstance(after, bool)
-        or not (0 <= after <= max(len(step_ends), 1))
-    ):
+    if not isinstance(after, numbers.Integral) or isinstance(after, bool) or after < 0:
         raise SimConfigError(
-            f"after={after!r} is invalid: give the steps a save's cost spills into, "
-            f"0..{len(step_ends)} (2: the optimizer step after it waits for the snapshot)"
+            f"after={after!r} is invalid: give the steps a save's cost spills into, >= 0 "
+            "(2: the optimizer step after it waits for the snapshot)"
         )
+    after = min(int(after), len(step_ends))  # no window is longer than the run
     first_step = _step(first_step, "first_step")
     saves = sorted({_step(s, "save_steps[]") for s in save_steps})
     last = first_step + len(step_ends) - 1

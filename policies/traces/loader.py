@@ -145,15 +145,8 @@ def load_trace(
             path, "", f"not UTF-8 text ({exc.reason} at byte {exc.start})",
             "give a CSV or JSON trace file",
         ) from None  # fmt: skip
-    except (ValueError, OverflowError, TypeError, AttributeError, KeyError) as exc:
-        # A value the Trace refuses, or a field of the wrong kind (a list where the format
-        # has an object: AttributeError, KeyError from the reader of that format).
-        why = (
-            str(exc)
-            if not isinstance(exc, AttributeError | KeyError)
-            else f"a field of the wrong type or missing ({exc})"
-        )
-        raise TraceFormatError(path, "", why, "correct the file's times or values") from exc
+    except (ValueError, OverflowError, TypeError) as exc:  # a value the Trace refuses
+        raise TraceFormatError(path, "", str(exc), "correct the file's times or values") from exc
 
 
 def _read(

@@ -152,8 +152,15 @@ def read_node_json(
                 "write one integer count per tick",
             )
     values = np.asarray(data, dtype=np.int64)
-    inverted = is_inverted(path, meta) if convention == "auto" else convention == "inverted"
     price_info = meta.get("price_info") or {}
+    if not isinstance(price_info, dict):
+        raise TraceFormatError(
+            path,
+            "key 'metadata.price_info'",
+            f"{type(price_info).__name__} where an object is expected",
+            'write "price_info": {"price": <$/h>, "machine_type": ...} or leave it out',
+        )
+    inverted = is_inverted(path, meta) if convention == "auto" else convention == "inverted"
     if inverted:
         if values.max() > 1:
             raise TraceFormatError(

@@ -741,36 +741,45 @@ def test_the_default_peer_folder_is_the_users_own(tmp_path):
     made there by someone else first (here: open to all, or a link to elsewhere) is refused
     by name, not written into (a planted copy could make a restore set a version aside)."""
     from pcframe.errors import TierError
-    from pcframe.store.tiers.peer import default_peer_directory
+    from pcframe.store.tiers.peer import default_peer_directory, private_folder
 
     where = default_peer_directory(tmp_path / "root", base=tmp_path)
     own = where.parent
-    assert own.name == f"pcframe-peers-{os.getuid()}" and (own.stat().st_mode & 0o777) == 0o700
-    assert default_peer_directory(tmp_path / "root", base=tmp_path) == where  # stable
+    assert own.name == f"pcframe-peers-{os.getuid()}" and not own.exists()  # a path only
+    assert private_folder(own) == own and (own.stat().st_mode & 0o777) == 0o700
+    assert private_folder(own) == own  # again: it is this user's
     os.chmod(own, 0o777)
     with pytest.raises(TierError, match=r"pcframe-peers-\d+ is not this user's private folder"):
-        default_peer_directory(tmp_path / "root", base=tmp_path)
+        private_folder(own)
     os.rmdir(own)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir(mode=0o700)
     os.symlink(elsewhere, own)
     with pytest.raises(TierError, match="remove it, or give peer_dir="):
-        default_peer_directory(tmp_path / "root", base=tmp_path)
+        private_folder(own)
 
 
 def test_a_stray_file_named_like_a_rank_folder_is_passed_over(tmp_path):
-    """A file (or a link) where a ``rank-N`` folder would be holds no copy: the store opens,
-    lists and sweeps around it (it raised ``NotADirectoryError`` from the constructor, and
-    in a round stopped the replication)."""
+    """A file (or a link) where a ``rank-N`` folder would be holds no copy: the store lists
+    around it, removes it when it opens (it raised ``NotADirectoryError`` from the
+    constructor, and in a round stopped the replication), and never writes a copy through
+    a link (such copies were neither listed nor pruned: memory without bound)."""
     sent = _save(tmp_path / "sender")
     store = PeerStore(tmp_path / "peers", budget=1 << 24)
     _copy_in(store, 0, 1, sent)
     (tmp_path / "peers" / "rank-7").write_text("junk")
-    os.symlink(tmp_path / "sender", tmp_path / "peers" / "rank-8")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.symlink(elsewhere, tmp_path / "peers" / "rank-8")
+    assert store.held() == {0: [1]}  # listed around them while running
+    with pytest.raises(OSError, match="a link, not a folder of copies"):
+        store.staging(8, 2)
     reopened = PeerStore(tmp_path / "peers", budget=1 << 24)
     assert reopened.held() == {0: [1]}
+    assert sorted(reopened.swept) == ["rank-7", "rank-8"]
+    assert not (tmp_path / "peers" / "rank-7").exists()
+    assert not (tmp_path / "peers" / "rank-8").exists() and elsewhere.is_dir()
     assert reopened.make_room(copy_bytes(sent))
-    assert (tmp_path / "peers" / "rank-7").read_text() == "junk"  # left as it was
 
 
 def _chain(directory: Path) -> Path:

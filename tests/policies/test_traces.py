@@ -283,10 +283,10 @@ def test_malformed_inputs(tmp_path: Path) -> None:
         ("huge.json", b'{"metadata": {"gap_seconds": 60}, "data": [1, 99999999999999999999]}',
          "too large"),
         ("gap_null.json", b'{"metadata": {"gap_seconds": null}, "data": [1, 0]}', "NoneType"),
-        # an AttributeError, reported as "unexpected error (a bug)"
+        # an AttributeError, reported as "unexpected error (a bug)"; now named
         ("h100_pi.json",
          b'{"metadata": {"gap_seconds": 600, "price_info": [1, 2]}, "data": [0, 1]}',
-         "a field of the wrong type"),
+         "metadata.price_info"),
         # 1e20 ms: one tick per minute of it would be petabytes; refused before allocating
         ("events.csv", b"0,add,node1\n100000000000000000000,remove,node1\n", "100 years"),
     ],

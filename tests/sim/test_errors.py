@@ -32,7 +32,6 @@ from pcframe.sim.app_config import select_traces
         ({"iteration_time": 1e-300}, ["job.iteration_time=1e-300", ">= 1e-06"]),
         ({"iteration_time": 1e-9, "measured_starts": ((1.0, 1.0),)}, ["iteration_time"]),
         ({"measured_starts": ((0.0, 1e-15),)}, ["job.measured_starts[0]", ">= 1e-06 s"]),
-        ({"min_vms": 5, "vms": 1}, ["job.min_vms=5", "never runs", "job.vms=1"]),
         ({"vms": True}, ["job.vms=True"]),  # a bool is not a count
         ({"max_in_flight": True}, ["job.max_in_flight=True"]),
         ({"final_save": "no"}, ["job.final_save='no'", "true or false"]),

@@ -36,6 +36,7 @@ file stays readable through the descriptors and maps already open.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -77,28 +78,30 @@ def copy_bytes(directory: Path) -> int:
 def default_peer_directory(root: Path, base: Path = SHM) -> Path:
     """Where a job writing ``root`` keeps peer copies on this node: the same folder for every
     restart of the job (named after the root), a different one for another job, inside a
-    folder of this user's own (``pcframe-peers-<uid>``, mode 0700): ``/dev/shm`` is shared
-    by every user of the node, and a folder another user made there first would let them
-    read the copies, or plant files that a restore reads and sets the version aside for.
+    folder of this user's own (``pcframe-peers-<uid>``, made and checked by
+    :func:`private_folder` where the peer tier is used)."""
+    key = hashlib.sha1(str(Path(root).resolve()).encode()).hexdigest()[:12]
+    return Path(base) / f"pcframe-peers-{os.getuid()}" / key
+
+
+def private_folder(folder: Path) -> Path:
+    """Make ``folder`` (mode 0700) or check that it is this user's own: ``/dev/shm`` is
+    shared by every user of the node, and a folder another user made there first would let
+    them read the copies, or plant files that a restore reads and sets a version aside for.
 
     Raises:
-        TierError: that folder exists but is not this user's private folder (made by
+        TierError: it cannot be made, or it is not this user's private folder (made by
             someone else, a link, or open to others).
     """
-    key = hashlib.sha1(str(Path(root).resolve()).encode()).hexdigest()[:12]
-    own = Path(base) / f"pcframe-peers-{os.getuid()}"
-    if Path(base).is_dir():
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(own, 0o700)
-        _check_private(own)
-    return own / key
-
-
-def _check_private(folder: Path) -> None:
     try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, 0o700)
         info = os.lstat(folder)
     except OSError as exc:
-        raise TierError(f"peer tier: cannot read {folder} ({exc.strerror})") from None
+        raise TierError(
+            f"peer tier: cannot make {folder} ({exc.strerror}); give peer_dir= a writable "
+            "folder in this node's memory"
+        ) from None
     mine = stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
     if not mine or info.st_mode & 0o077:
         raise TierError(
@@ -106,6 +109,7 @@ def _check_private(folder: Path) -> None:
             f"{info.st_uid}, mode {stat.filemode(info.st_mode)}): another user may have "
             "made it; remove it, or give peer_dir= a folder of your own"
         )
+    return folder
 
 
 class PeerStore:
@@ -172,9 +176,10 @@ class PeerStore:
             if not match or folder.is_symlink():
                 continue
             try:
-                yield int(match.group(1)), folder, os.listdir(folder)
+                inside = os.listdir(folder)
             except (FileNotFoundError, NotADirectoryError):
                 continue
+            yield int(match.group(1)), folder, inside
 
     def held_bytes(self) -> int:
         return sum(self._size(src, v) for src, versions in self.held().items() for v in versions)
@@ -268,8 +273,15 @@ class PeerStore:
             return used + max(spare, nbytes) <= self.budget
 
     def staging(self, src: int, version: int) -> Path:
-        """A fresh ``.tmp`` folder path for a copy (any leftover there removed)."""
+        """A fresh ``.tmp`` folder path for a copy (any leftover there removed).
+
+        Raises:
+            OSError: the rank's folder cannot be made, or is a link (copies written through
+                it would be neither listed nor pruned: memory without bound).
+        """
         staging = self.path(src, version).with_name(f"{version_name(version)}.tmp")
+        if staging.parent.is_symlink():
+            raise OSError(errno.ELOOP, "a link, not a folder of copies", str(staging.parent))
         shutil.rmtree(staging, ignore_errors=True)
         staging.parent.mkdir(parents=True, exist_ok=True)
         return staging
@@ -389,6 +401,13 @@ class PeerStore:
         spare."""
         self._drop_spare()
         removed = []
+        with contextlib.suppress(OSError):  # a file or link named like a rank's folder: no
+            # copy, and in its place no copy of that rank could be made (every round refused)
+            for entry in os.scandir(self.directory):
+                if RANK_DIR.match(entry.name) and not entry.is_dir(follow_symlinks=False):
+                    os.unlink(entry.path)
+                    log.warning("peer tier: removed %s (not a folder of copies)", entry.path)
+                    removed.append(entry.name)
         for _, folder, names in self._rank_folders():
             for leftover in names:
                 if leftover.endswith(".tmp"):
