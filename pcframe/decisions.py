@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pcframe.errors import ConfigError
 from pcframe.feed import PolicyFeed, earliest_notice, policy_notice, process_age
 from pcframe.policies.base import (
     Decision,
@@ -35,6 +36,28 @@ from pcframe.store.tiers import Tiers
 log = logging.getLogger("pcframe")
 
 
+def checked_notices(notices: Any) -> list[NoticeSource]:
+    """``notices`` as a list of notice sources (one source, or a sequence of them).
+
+    Raises:
+        ConfigError: anything else (``notices="SIGTERM"`` failed at the first poll, in a
+            callback once the fit had started), naming the fix.
+    """
+    if notices is None:
+        return []
+    sources = [notices] if isinstance(notices, NoticeSource) else notices
+    if (
+        isinstance(sources, str | bytes)
+        or not isinstance(sources, Sequence)
+        or not all(isinstance(source, NoticeSource) for source in sources)
+    ):
+        raise ConfigError(
+            f"notices={notices!r}: give notice sources, e.g. "
+            "notices=[SignalNoticeSource(signals=['SIGTERM'])] (pcframe.policies)"
+        )
+    return list(sources)
+
+
 class Decisions:
     """One engine's interval policy, its notice sources and its feed.
 
@@ -46,7 +69,7 @@ class Decisions:
 
     def __init__(self, policy: IntervalPolicy, notices: Sequence[NoticeSource]) -> None:
         self.policy = policy
-        self.notices = list(notices)
+        self.notices = checked_notices(notices)
         self.feed = PolicyFeed()
         self.notice: Notice | None = None
         self.last: Decision | None = None

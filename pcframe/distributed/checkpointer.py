@@ -33,6 +33,7 @@ from pcframe.distributed.job_tiers import PEERS, peers_due, rank_tiers, start_jo
 from pcframe.distributed.meeting import Call, Doing, Meetings
 from pcframe.distributed.nodes import check_replicas
 from pcframe.distributed.opening import open_shards
+from pcframe.distributed.options import check_job_options
 from pcframe.distributed.peers import peers
 from pcframe.distributed.protocol import CommitProtocol, Round
 from pcframe.distributed.recovery import Place, Recovery, fetched_in_memory
@@ -129,11 +130,7 @@ class DistributedCheckpointer:
         config: EngineConfig | None = None,
         **overrides: Any,
     ) -> None:
-        if keep_global < 2:
-            raise ValueError(
-                f"keep_global={keep_global}: keep at least 2 global versions, so the previous "
-                "one survives while the next is being published"
-            )
+        check_job_options(keep_global, protocol_timeout, replicas, peer_budget, peer_dir, node)
         if not dist.is_available() or not dist.is_initialized():
             raise CheckpointError(
                 "DistributedCheckpointer needs torch.distributed: call "

@@ -203,6 +203,14 @@ MAX_NAME = 4096  # characters in a tensor's name (its path in the state tree)
 MAX_CHUNK_BYTES = 1 << 30
 MAX_CHAIN = 100  # deepest delta chain a reader follows (EngineConfig.full_every <= 100)
 MAX_STEP = 1 << 62  # |step| at most this
+
+
+def is_valid_step(step: object) -> bool:
+    """Whether a reader takes ``step`` (an integer within ±:data:`MAX_STEP`): a writer that
+    stored another would commit a version every restore then refuses."""
+    return isinstance(step, int) and not isinstance(step, bool) and abs(step) <= MAX_STEP
+
+
 MAX_WALL_TIME = 253402300799.0  # 9999-12-31 23:59:59 UTC: what time.strftime can show
 # Elements of one tensor, counting zero-sized dimensions as 1 (torch.empty([0, 10**30])
 # overflows; a non-empty tensor is bounded by its nbytes anyway).

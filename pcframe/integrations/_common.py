@@ -10,16 +10,20 @@ import difflib
 import importlib
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
 from pcframe.checkpointer import Checkpointer
 from pcframe.config import EngineConfig
-from pcframe.errors import INTACT, CheckpointError, SaveError, StateMismatch
+from pcframe.decisions import checked_notices
+from pcframe.distributed.options import check_job_options
+from pcframe.errors import INTACT, CheckpointError, ConfigError, SaveError, StateMismatch
 from pcframe.policies.base import IntervalPolicy
 from pcframe.policies.fixed import FixedSteps
+from pcframe.policies.placement.base import PlacementPolicy
 from pcframe.policies.registry import create
+from pcframe.store.tiers import Tiers
 
 log = logging.getLogger("pcframe")
 
@@ -275,6 +279,18 @@ DISTRIBUTED_ARGUMENTS = (
 )
 
 
+def check_flag(owner: str, name: str, value: Any) -> bool:
+    """``value`` if it is a bool (``save_last="false"`` was truthy, and
+    ``trainer_checkpoints="no"`` kept the Trainer's checkpoints).
+
+    Raises:
+        ConfigError: naming the option and the fix.
+    """
+    if not isinstance(value, bool):
+        raise ConfigError(f"{owner}: {name}={value!r}: use True or False")
+    return value
+
+
 def check_engine_options(
     owner: str, options: dict[str, Any], own: list[str], refused: dict[str, str]
 ) -> None:
@@ -302,6 +318,24 @@ def check_engine_options(
         raise TypeError(f"{owner}: config= must be a pcframe.config.EngineConfig")
     # The values too (a ConfigError, one line naming the option), before any fit runs.
     (config or EngineConfig()).with_overrides(**{k: v for k, v in options.items() if k in fields})
+    try:  # the options the engine takes as objects, and a multi-rank job's own
+        checked_notices(options.get("notices"))
+        given = {k: v for k, v in options.items() if k in DISTRIBUTED_ARGUMENTS}
+        if given:
+            defaults = {"keep_global": 2, "protocol_timeout": 1800.0, "replicas": 1}
+            check_job_options(**{**defaults, **given})
+    except ConfigError as exc:
+        raise ConfigError(f"{owner}: {exc}") from None
+    tiers, placement = options.get("tiers"), options.get("placement")
+    if tiers is not None and not isinstance(tiers, Mapping | Tiers):  # Tiers: built already
+        raise ConfigError(
+            f"{owner}: tiers={tiers!r}: give {{name: tier}}, e.g. tiers={{'remote': 's3://bucket/run'}}"
+        )
+    if placement is not None and not isinstance(placement, PlacementPolicy):
+        raise ConfigError(
+            f"{owner}: placement={placement!r}: give a placement policy, e.g. "
+            "pcframe.policies.LocalPlusRemote()"
+        )
 
 
 def another_model(

@@ -33,6 +33,7 @@ from typing import Any
 
 from pcframe.integrations._common import (
     check_engine_options,
+    check_flag,
     check_resume,
     close_quietly,
     require_library,
@@ -144,9 +145,9 @@ class PcframeCallback(transformers.TrainerCallback):
         check_engine_options(NAME, engine_options, OWN, REFUSED)
         self.output_dir = Path(output_dir)
         self.policy = resolve_policy(policy, save_steps, "save_steps", policy_options)
-        self.save_last = save_last
+        self.save_last = check_flag(NAME, "save_last", save_last)
         self.resume = check_resume(resume)
-        self.trainer_checkpoints = bool(trainer_checkpoints)
+        self.trainer_checkpoints = check_flag(NAME, "trainer_checkpoints", trainer_checkpoints)
         self.engine_options = engine_options
         self.checkpointer: Engine | None = None
         self.resumed_step: int | None = None  # the step the last train() resumed from

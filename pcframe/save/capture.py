@@ -16,7 +16,7 @@ import torch
 
 from pcframe.config import EngineConfig
 from pcframe.format.layout import Layout
-from pcframe.format.manifest import MAX_DIMS, MAX_NAME, MAX_NUMEL, MAX_STEP, MAX_TENSORS
+from pcframe.format.manifest import MAX_DIMS, MAX_NAME, MAX_NUMEL, MAX_TENSORS, is_valid_step
 from pcframe.format.tree import TensorRef, encode_tree
 from pcframe.kernels.dtypes import DTYPE_NAMES
 from pcframe.save.request import SaveRequest, in_place_version, same_sample, value_sample
@@ -62,7 +62,7 @@ class Capture:
             TypeError, ValueError: the state (or ``step``) is one a reader would refuse, so
                 the version would be committed and then quarantined on restore.
         """
-        if isinstance(step, bool) or not isinstance(step, int) or abs(step) > MAX_STEP:
+        if not is_valid_step(step):
             raise ValueError(f"step={step!r}: a checkpoint's step is an integer in ±2**62")
         encoded, refs, live = self._encoded()
         signature = Layout.signature(live)

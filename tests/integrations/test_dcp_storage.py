@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from pcframe.apps import cli
-from pcframe.errors import CorruptCheckpoint
+from pcframe.errors import ConfigError, CorruptCheckpoint
 from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME, read_manifest
 from pcframe.integrations.dcp import StorageReader, StorageWriter
 from tests.integrations.dcp_ranks import (
@@ -178,6 +178,26 @@ def test_bad_setup_is_one_line_error(tmp_path: Path) -> None:
     assert "no committed pcframe version" in str(_failure(info.value))
     with pytest.raises(TypeError, match="unknown engine option"):
         StorageWriter(tmp_path, writer_thread=3)
+
+
+def test_a_step_no_reader_takes_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """A step outside ±2**62 or not an integer (from ``step=`` or the id's trailing number)
+    committed a version every restore refused, after ``keep_last`` had pruned the good one
+    before it (the engine's own ``save()`` refuses such a step; the writer skipped it)."""
+    root = tmp_path / "ckpt"
+    dcp.save(training_state(1), storage_writer=StorageWriter(root, keep_last=1, step=100))
+    for bad in (True, "5", 1.5, 2**63):
+        with pytest.raises(ConfigError, match=r"StorageWriter\(step=.*±2\*\*62"):
+            StorageWriter(root, keep_last=1, step=bad)
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(
+            training_state(2),
+            checkpoint_id=root / "step-99999999999999999999",
+            storage_writer=StorageWriter(root, keep_last=1),
+        )
+    assert "its step 99999999999999999999 is beyond ±2**62" in str(_failure(info.value))
+    assert sorted(p.name for p in root.glob("v*")) == ["v00000001"]  # the good one stays
+    _load(root, 1)
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ import torch
 pytest.importorskip("lightning")
 
 from pcframe.distributed.global_versions import valid_records
+from pcframe.errors import ConfigError
 from pcframe.format.manifest import MANIFEST_NAME, read_manifest
 from pcframe.integrations.lightning import PcframeCheckpoint
 from tests.distributed.launch import base_env, free_port
@@ -416,6 +417,29 @@ def test_unknown_options_are_refused_with_a_near_match(tmp_path):
         PcframeCheckpoint(tmp_path, filename="{epoch}")
     with pytest.raises(ValueError, match="mutually exclusive"):
         PcframeCheckpoint(tmp_path, every_n_epochs=1, every_n_train_steps=5)
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        # each was taken, then failed at fit start (a raw TypeError, gloo's "Invalid
+        # timeout", an AttributeError) or, keep_global=2.5, stopped the commit protocol
+        ({"keep_global": 2.5}, "keep_global=2.5: keep at least 2 global versions"),
+        ({"keep_global": "x"}, "keep_global='x'"),
+        ({"protocol_timeout": -5}, "protocol_timeout=-5: give the seconds"),
+        ({"protocol_timeout": "30"}, "protocol_timeout='30'"),
+        ({"replicas": -1}, "replicas=-1: give 0"),
+        ({"notices": "SIGTERM"}, "notices='SIGTERM': give notice sources"),
+        ({"tiers": 5}, "tiers=5: give {name: tier}"),
+        ({"placement": "x"}, "placement='x': give a placement policy"),
+        ({"verbose": "x"}, "verbose='x': use True or False"),
+    ],
+)
+def test_bad_values_of_the_engines_options_are_refused_when_made(tmp_path, options, words):
+    with pytest.raises(ConfigError) as info:
+        PcframeCheckpoint(tmp_path, **options)
+    assert str(info.value).startswith("PcframeCheckpoint: ") and words in str(info.value)
+    assert len(str(info.value).splitlines()) == 1
 
 
 def test_lightning_spellings_are_taken(tmp_path):

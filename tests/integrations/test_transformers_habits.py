@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 import transformers
 
-from pcframe.errors import StateMismatch
+from pcframe.errors import ConfigError, StateMismatch
 from pcframe.integrations.transformers import PcframeCallback
 from pcframe.store.directory import CheckpointDir
 from tests.integrations.test_transformers_restore import trainer_for
@@ -57,6 +57,23 @@ def said() -> Iterator[Lines]:
 
 def trainer(directory: Path, steps: int, **kwargs: object) -> tuple:
     return trainer_for(directory, steps, quiet=False, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        # save_last="false" was truthy, and trainer_checkpoints="no" kept the pickles
+        ({"save_last": "false"}, "save_last='false': use True or False"),
+        ({"trainer_checkpoints": "no"}, "trainer_checkpoints='no': use True or False"),
+        ({"keep_global": 2.5}, "keep_global=2.5"),
+        ({"protocol_timeout": 0}, "protocol_timeout=0"),
+        ({"notices": "SIGTERM"}, "notices='SIGTERM'"),
+    ],
+)
+def test_bad_values_are_refused_when_made(tmp_path: Path, options: dict, words: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        PcframeCallback(tmp_path, **options)
+    assert str(info.value).startswith("PcframeCallback: ") and words in str(info.value)
 
 
 def test_unknown_and_trainer_options_are_refused_when_made(tmp_path: Path) -> None:

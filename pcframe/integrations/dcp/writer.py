@@ -34,9 +34,10 @@ from torch.futures import Future
 
 from pcframe.config import EngineConfig
 from pcframe.distributed import global_versions
-from pcframe.errors import CheckpointError, DirectoryLocked
+from pcframe.errors import CheckpointError, ConfigError, DirectoryLocked
 from pcframe.format.files import read_small
 from pcframe.format.layout import Layout
+from pcframe.format.manifest import is_valid_step
 from pcframe.integrations.dcp import root as roots
 from pcframe.integrations.dcp.schema import SCHEMA, SECTION, json_path, plain_value, tensor_record
 from pcframe.save.capture import json_only
@@ -92,6 +93,11 @@ class StorageWriter(_DcpStorageWriter):
         **overrides: Any,
     ) -> None:
         super().__init__()
+        if step is not None and not is_valid_step(step):
+            raise ConfigError(
+                f"StorageWriter(step={step!r}): a checkpoint's step is an integer in ±2**62 "
+                "(another would commit a version every reader refuses)"
+            )
         self.config = (config or EngineConfig()).with_overrides(keep_last=keep_last, **overrides)
         self.root = Path(path) if path is not None else None
         self.step = step
@@ -216,8 +222,21 @@ def _open_directory(directory: Path, version: int) -> WritableCheckpointDir:
 
 
 def _step_of(checkpoint_id: str | None, version: int) -> int:
+    """The step a ``checkpoint_id`` ends in (``.../step-1200``), else the version number.
+
+    Raises:
+        ConfigError: the number is larger than a reader takes (the version would commit,
+            every restore would refuse it, and retention would already have pruned the
+            good one before it).
+    """
     match = _TRAILING_STEP.search(Path(checkpoint_id).name) if checkpoint_id else None
-    return int(match.group(1)) if match else version
+    step = int(match.group(1)) if match else version
+    if not is_valid_step(step):
+        raise ConfigError(
+            f"checkpoint_id={checkpoint_id!r}: its step {step} is beyond ±2**62; give "
+            "StorageWriter(step=...) or an id ending in a smaller number"
+        )
+    return step
 
 
 def _collect(

@@ -36,6 +36,7 @@ from pcframe.integrations._common import (
     DISTRIBUTED_ARGUMENTS,
     another_model,
     check_engine_options,
+    check_flag,
     check_resume,
     close_quietly,
     fits_another_model,
@@ -131,7 +132,7 @@ class PcframeCheckpoint(pl.callbacks.Checkpoint):
         )
         self.save_last = bool(save_last)
         self.resume = check_resume(resume)
-        self.verbose = bool(verbose)
+        self.verbose = check_flag(OWNER, "verbose", verbose)
         self.engine_options = engine_options
         self.checkpointer: Any = None  # a Checkpointer, or a DistributedCheckpointer
         self.resumed_step: int | None = None  # the step the last fit resumed from (None: fresh)
