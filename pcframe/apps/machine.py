@@ -20,6 +20,7 @@ from typing import Any
 from pcframe.errors import ConfigError
 
 ENGINE_RESERVE = 1  # cores left to the engine's threads by threads=auto
+OVERSUBSCRIBE = 4  # a threads setting above this many per CPU is a slip, not a plan
 
 
 def usable_cpus() -> int:
@@ -63,6 +64,12 @@ def resolve_threads(value: Any, key: str = "threads") -> int:
         raise ConfigError(f"{key}={value!r} is invalid: give a whole number >= 1 or auto") from None
     if threads < 1:
         raise ConfigError(f"{key}={value!r} is invalid: give a whole number >= 1 or auto")
+    cpus = os.cpu_count() or 1
+    if threads > OVERSUBSCRIBE * cpus:  # threads=5000 started 10000 threads: others starved
+        raise ConfigError(
+            f"{key}={value!r} is invalid: at most {OVERSUBSCRIBE * cpus} on this machine "
+            f"({cpus} CPUs; more torch threads than cores only contend), or auto"
+        )
     return threads
 
 

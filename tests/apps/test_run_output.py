@@ -25,6 +25,10 @@ def test_threads_auto_leaves_a_core_to_the_engine():
     for bad in (0, -1, "many", 1.5, True):
         with pytest.raises(ConfigError, match="threads="):
             resolve_threads(bad)
+    # threads=5000 started 10000 threads and starved every other process of new ones.
+    with pytest.raises(ConfigError, match=r"threads=5000 is invalid: at most \d+ on this"):
+        resolve_threads(5000)
+    assert resolve_threads(4 * (os.cpu_count() or 1)) == 4 * (os.cpu_count() or 1)
 
 
 def test_the_shipped_configs_default_to_threads_auto(tmp_path):
