@@ -20,7 +20,13 @@ from pcframe.apps.cli_ranks import (
     refuse_multi_rank_root,
     verify_global,
 )
-from pcframe.apps.cli_versions import check_directory, deleted_while_read, explicit_version, pick
+from pcframe.apps.cli_versions import (
+    check_directory,
+    deleted_while_read,
+    explicit_version,
+    is_engine_name,
+    pick,
+)
 from pcframe.errors import CheckpointError, ManifestError, UnsupportedCheckpoint
 from pcframe.format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from pcframe.restore.reader import LoadedVersion, load_version
@@ -239,7 +245,9 @@ def _check_export_target(output: Path, root: Path, force: bool) -> None:
         raise CheckpointError(f"--output {output}: the folder {parent} does not exist")
     target, base = parent.resolve() / output.name, root.resolve()
     inside = target.is_relative_to(base)
-    if inside and (target.parent != base or os.path.lexists(target)):
+    # A new file at the top is allowed, but not under a name the engine uses: an export
+    # named v00000004 made the save of version 4 fail (its folder could not be renamed in).
+    if inside and (target.parent != base or os.path.lexists(target) or is_engine_name(target.name)):
         raise CheckpointError(
             f"--output {output} is inside the checkpoint folder {root}: writing there could "
             "damage a checkpoint; choose a path outside it"

@@ -48,6 +48,12 @@ _SET_ASIDE = "|".join(map(re.escape, (TRASH_PREFIX, QUARANTINE_PREFIX)))
 _VERSION_LIKE = re.compile(rf"^({_SET_ASIDE})?v\d{{8,}}")
 
 
+def is_engine_name(name: str) -> bool:
+    """Whether a Checkpointer uses ``name`` at the top of its folder (a version, one set
+    aside or being written, a marker, any dot-file): nothing else may be written there."""
+    return name in _MARKERS or name.startswith(".") or bool(_VERSION_LIKE.match(name))
+
+
 def is_checkpoint_dir(root: Path) -> bool:
     """Whether ``root`` holds anything pcframe writes (a folder it never wrote to does not).
 

@@ -71,8 +71,9 @@ def check_outputs(out_dir: str | Path, output: Any) -> None:
                 f"output.{key}={given!r}: cannot make {target.parent} ({exc.strerror}); "
                 "give a path in a writable folder"
             ) from None
-        if target.is_dir() or not os.access(target.parent, os.W_OK):
-            what = "is a folder" if target.is_dir() else f"{target.parent} is not writable"
+        odd = os.path.lexists(target) and (target.is_symlink() or not target.is_file())
+        if odd or not os.access(target.parent, os.W_OK):  # a FIFO blocked after the runs
+            what = "exists and is not a regular file" if odd else f"{target.parent} is not writable"
             raise SimConfigError(
                 f"output.{key}={given!r}: {what}; give a file path in a writable folder"
             )

@@ -190,11 +190,18 @@ def test_export_never_writes_over_a_checkpoint_or_an_unnamed_file(tmp_path, pyth
     newest = max(CheckpointDir(root).committed_versions())
     data = root / f"v{newest:08d}" / "data.bin"
     before = data.read_bytes()
-    for target in (data, root / "LATEST", root / f"v{newest:08d}" / "new.st"):
+    named_like_the_engine = (root / f"v{newest + 1:08d}", root / f"v{newest + 1:08d}.tmp")
+    for target in (
+        data,
+        root / "LATEST",
+        root / f"v{newest:08d}" / "new.st",
+        *named_like_the_engine,
+    ):
         result = cli(python, "export", root, "-o", target)
         assert result.returncode == 2 and "inside the checkpoint folder" in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
     assert data.read_bytes() == before
+    assert not any(path.exists() for path in named_like_the_engine)  # next save's names
     assert cli(python, "verify", root).returncode == 0
     precious = tmp_path / "precious.st"
     precious.write_text("precious")

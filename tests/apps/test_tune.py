@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import signal
 import subprocess
@@ -286,6 +287,14 @@ def test_a_storage_that_cannot_be_opened_is_one_line_naming_the_key(url, text):
     with pytest.raises(ConfigError, match=rf"^tune\.storage='{re.escape(url)}': {text}") as err:
         open_storage(url)
     assert "\n" not in str(err.value)
+
+
+def test_a_journal_that_is_not_a_regular_file_is_refused_not_opened(tmp_path):
+    """A FIFO as the journal blocked the open for ever."""
+    fifo = tmp_path / "journal.log"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="exists and is not a regular file"):
+        open_storage(f"journal:///{fifo}")
 
 
 def test_best_trial_prefers_the_best_mean_of_remeasured_configurations():

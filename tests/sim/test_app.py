@@ -108,6 +108,18 @@ def test_an_output_that_cannot_be_written_fails_before_the_simulations(
     assert proc.returncode == 2, proc.stderr
     assert "output.csv='/proc/x/r.csv': cannot make /proc/x" in proc.stderr
     assert "Traceback" not in proc.stderr and "a bug" not in proc.stderr
+    import os
+
+    os.mkfifo(tmp_path / "pipe")  # it blocked once every simulation had run
+    proc = subprocess.run(
+        [*_script(), f"traces={SMALL}", f"output.csv={tmp_path}/pipe", f"hydra.run.dir={tmp_path}"],
+        cwd=tmp_path,
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "exists and is not a regular file" in proc.stderr
 
 
 def _compose(*overrides: str):

@@ -8,6 +8,7 @@ one study through PostgreSQL (or a journal file on a shared file system).
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 import warnings
 from pathlib import Path
@@ -36,6 +37,12 @@ def open_storage(url: str | None, heartbeat: int | None = None) -> BaseStorage |
     if url.startswith(JOURNAL):
         path = Path(url.removeprefix(JOURNAL))
         _make_folder(url, path.parent)
+        if (os.path.lexists(path) and not path.is_file()) or path.is_symlink():
+            # A FIFO blocked the open for ever; a folder or device is no journal either.
+            raise ConfigError(
+                f"tune.storage={url!r}: {str(path)!r} exists and is not a regular file; give "
+                "the path of a journal file (new or one a study wrote)"
+            )
         try:
             return JournalStorage(JournalFileBackend(str(path)))
         except OSError as exc:
