@@ -30,14 +30,26 @@ from pcframe.store.directory import CheckpointDir
 FRESH = "give a new directory=... (or none: each run's own output folder)"
 
 
-def check_run_directory(directory: str | os.PathLike[str], workload: Workload) -> None:
+def check_run_directory(
+    directory: str | os.PathLike[str], workload: Workload, steps: int | None = None
+) -> None:
     """Refuse a checkpoint directory the run could not use, before any step is trained.
 
     ``workload``: a fresh copy of the run's workload (its state is loaded over and dropped).
+    ``steps``: the run's steps; a folder that already holds that step or a later one has
+    nothing left to train (the rerun reported negative steps per second).
 
     Raises:
         ConfigError: one line naming ``directory=``, what is wrong and the fix.
     """
+    text = str(directory)
+    if not text.strip():  # "" is the working directory itself
+        raise ConfigError(f"directory={text!r} names no folder; {FRESH}")
+    if "://" in text:  # it was made as a local folder named "s3:"
+        raise ConfigError(
+            f"directory={text!r} is a URL: the run's directory is a local folder; put the "
+            "object store in a tier (engine tiers, see docs/tiers.md), or " + FRESH
+        )
     path = Path(directory).expanduser()
     _check_writable(path)
     try:
@@ -48,7 +60,12 @@ def check_run_directory(directory: str | os.PathLike[str], workload: Workload) -
             f"or mount, or {FRESH}"
         ) from None
     if versions:
-        _check_resumable(path, workload)
+        step = _check_resumable(path, workload)
+        if steps is not None and step is not None and step >= steps:
+            raise ConfigError(
+                f"directory={path} already holds step {step}, at or past steps={steps}: "
+                f"nothing is left to train; give steps= above {step}, or {FRESH}"
+            )
 
 
 def _check_writable(path: Path) -> None:
@@ -77,17 +94,18 @@ def _check_writable(path: Path) -> None:
         ) from None
 
 
-def _check_resumable(path: Path, workload: Workload) -> None:
-    """The newest valid version loads into the workload, as the run's restore will load it."""
+def _check_resumable(path: Path, workload: Workload) -> int | None:
+    """The newest valid version loads into the workload, as the run's restore will load it;
+    its step."""
     rng = capture_rng()  # load() restores the saved RNG states: this process keeps its own
     try:
-        load(
+        return load(
             path,
             model=workload.model,
             optimizer=workload.optimizer,
             scheduler=workload.scheduler,
             data=workload.loader,
-        )
+        ).step
     except UnsupportedCheckpoint as exc:
         raise ConfigError(
             f"directory={path} holds checkpoints of a newer pcframe ({error_text(exc)}); "

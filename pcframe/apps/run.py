@@ -87,7 +87,9 @@ def run_in_process(cfg: DictConfig) -> Summary:
     def fresh() -> Any:
         return build(cfg.workload.name, **workload_args)
 
-    check_run_directory(cfg.directory, fresh())  # a folder it cannot use: before any step
+    check_run_directory(
+        cfg.directory, fresh(), cfg.steps
+    )  # a folder it cannot use: before any step
 
     with StepProgress(enabled=cfg.progress) as bar:
         # Warm up allocator, kernels and caches so the first timed run is not penalised.
@@ -215,7 +217,7 @@ def run_supervised(cfg: DictConfig, out: Path, progress: bool = True) -> Summary
     build_target(cfg.policy.interval, "policy.interval")
     kill_times(failure)  # and a bad failure.* (a missing trace file) before it, too
     workload_args = OmegaConf.to_container(cfg.workload.args, resolve=True)
-    check_run_directory(cfg.directory, build(cfg.workload.name, **workload_args))
+    check_run_directory(cfg.directory, build(cfg.workload.name, **workload_args), cfg.steps)
     threads = resolve_threads(cfg.threads)
     out.mkdir(parents=True, exist_ok=True)
     final = out / "final.safetensors"

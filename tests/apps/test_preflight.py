@@ -131,3 +131,21 @@ def test_pcframe_run_says_it_in_one_line_with_exit_2_before_training(tmp_path, a
     (line,) = result.stderr.strip().splitlines()  # not even the warm-up's progress line
     assert line.startswith(f"pcframe-run: error: directory={directory} holds checkpoints")
     assert "Traceback" not in result.stderr
+
+
+def test_an_empty_or_url_directory_and_one_past_the_steps_are_refused(tmp_path):
+    """``directory=`` made the working directory the checkpoint folder, ``s3://b/x`` made a
+    local folder named ``s3:``, and a rerun on a folder already past ``steps`` reported
+    negative steps per second with exit code 0."""
+    for given, words in (
+        ("", "names no folder"),
+        ("  ", "names no folder"),
+        ("s3://b/x", "is a URL"),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            check_run_directory(given, build("mlp", **TINY))
+    assert not (Path.cwd() / "s3:").exists()
+    folder = saved(tmp_path / "ckpt")  # step 1
+    with pytest.raises(ConfigError, match=r"already holds step 1, at or past steps=1: "):
+        check_run_directory(folder, build("mlp", **TINY), steps=1)
+    check_run_directory(folder, build("mlp", **TINY), steps=2)  # one step left: resumed
