@@ -120,6 +120,7 @@ def run_in_process(cfg: DictConfig) -> Summary:
             progress=bar.step,
             on_restored=lambda step, seconds: bar.resume(step or 0),
             on_commit=lambda count, step: bar.set_commits(count),
+            stop_on_notice=True,
         )
         bar.finish(f"{bar.commits} checkpoints committed")
         rates += [
@@ -166,6 +167,13 @@ def run_in_process(cfg: DictConfig) -> Summary:
             f"checkpointed run resumed there and trained {cfg.steps - result.start_step} of "
             f"{cfg.steps} steps, so its numbers are not comparable with the baselines; give "
             "a new directory=... (or none: each run's own output folder) to measure afresh"
+        )
+    if result.noticed:
+        summary["stopped_on_notice"] = result.stopped_at
+        warnings.append(
+            f"stopped at step {result.stopped_at} of {cfg.steps} on a preemption notice "
+            f"({checkpointer.notice.source if checkpointer.notice else 'notice'}); rerun with "
+            f"directory={cfg.directory} to resume from the newest version"
         )
     if not committed:
         warnings.append(no_commit_reason(policy, cfg, result.seconds, result.start_step, failed))

@@ -33,11 +33,13 @@ class TrainResult:
     seconds: float
     losses: list[float] = field(default_factory=list)
     restored_from: int | None = None
-    stopped_at: int | None = None  # the step of a planned stop (``stop`` said so)
+    stopped_at: int | None = None  # the step of a planned stop, or of a notice
+    noticed: bool = False  # stopped on a preemption notice (its emergency version durable)
 
     @property
     def steps_per_second(self) -> float:
-        return (self.steps - self.start_step) / self.seconds if self.seconds else 0.0
+        last = self.stopped_at if self.stopped_at is not None else self.steps
+        return (last - self.start_step) / self.seconds if self.seconds else 0.0
 
 
 def batches(workload: Workload) -> Iterator[Any]:
@@ -87,6 +89,7 @@ def train(
     on_restored: Any = None,
     on_commit: Callable[[int, int], None] | None = None,
     stop: Callable[[int], bool] | None = None,
+    stop_on_notice: bool = False,
 ) -> tuple[TrainResult, Checkpointer | None]:
     """Train to ``steps`` total, resuming from ``directory`` when it holds a checkpoint.
 
@@ -96,6 +99,9 @@ def train(
     ``stop(step)``, asked after every step, ends training early when it returns true (a
     planned stop: the job moves to other VMs): that step is saved unless a version already
     holds it, and everything in flight is durable before ``train`` returns.
+    ``stop_on_notice``: end training at the step a preemption notice arrived (its emergency
+    version saved by the policy), as a job that is about to lose its VM does; a supervised
+    replay's child trains on until its kill instead (the supervisor restarts it then).
     Returns the result and the (closed) checkpointer, whose ``records`` hold per-save costs.
     """
     checkpointer = None
@@ -126,6 +132,12 @@ def train(
                 checkpointer.maybe_save(step)
                 if watch is not None:
                     watch.poll()
+                if stop_on_notice and checkpointer.notice is not None:
+                    # The VM goes soon and this step's emergency version is durable (the
+                    # policy saved it, or it could not in time): leave, as the README's
+                    # loop does, rather than train on into the kill.
+                    result.stopped_at, result.noticed = step, True
+                    break
             if progress is not None:
                 progress(step)
             if stop is not None and stop(step):
