@@ -48,10 +48,14 @@ _SET_ASIDE = "|".join(map(re.escape, (TRASH_PREFIX, QUARANTINE_PREFIX)))
 _VERSION_LIKE = re.compile(rf"^({_SET_ASIDE})?v\d{{8,}}")
 
 
+_ENGINE_VERSION = re.compile(r"^v\d{8,}(\.tmp)?$")  # a version's folder, or one being written
+
+
 def is_engine_name(name: str) -> bool:
-    """Whether a Checkpointer uses ``name`` at the top of its folder (a version, one set
-    aside or being written, a marker, any dot-file): nothing else may be written there."""
-    return name in _MARKERS or name.startswith(".") or bool(_VERSION_LIKE.match(name))
+    """Whether a Checkpointer uses ``name`` at the top of its folder (a version's folder or
+    one being written, a marker, any dot-file: set-aside versions among them), so nothing
+    else may be written there (``v00000001.safetensors`` may: no engine name)."""
+    return name in _MARKERS or name.startswith(".") or bool(_ENGINE_VERSION.match(name))
 
 
 def is_checkpoint_dir(root: Path) -> bool:
