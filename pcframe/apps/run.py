@@ -87,9 +87,8 @@ def run_in_process(cfg: DictConfig) -> Summary:
     def fresh() -> Any:
         return build(cfg.workload.name, **workload_args)
 
-    check_run_directory(
-        cfg.directory, fresh(), cfg.steps
-    )  # a folder it cannot use: before any step
+    # A folder it cannot use, or one already past the steps: refused before any step.
+    check_run_directory(cfg.directory, fresh(), cfg.steps)
 
     with StepProgress(enabled=cfg.progress) as bar:
         # Warm up allocator, kernels and caches so the first timed run is not penalised.

@@ -12,11 +12,10 @@ version that verifies on every rank, with the same or a different world size.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -162,15 +161,13 @@ class DistributedCheckpointer:
         model_view = ModelView(model, self._stash) if model is not None else None
         optim_view = OptimizerView(optimizer, self._stash) if optimizer is not None else None
         self.peer_base = Path(peer_dir) if peer_dir else default_peer_directory(self.root)
-        # The default folder of peer copies (under /dev/shm) is this user's own, checked
-        # while the ranks open: a rank whose check fails makes every rank's open fail.
-        check_peer_folder = self.replicas > 0 and not peer_dir
-        opened = open_shards(
-            self.root,
-            functools.partial(
-                _opened_after,
-                (lambda: private_folder(self.peer_base.parent)) if check_peer_folder else None,
-                Checkpointer,
+
+        def open_local() -> Checkpointer:
+            # The default folder of peer copies (under /dev/shm) is this user's own, checked
+            # while the ranks open: a rank whose check fails makes every rank's open fail.
+            if self.replicas > 0 and not peer_dir:
+                private_folder(self.peer_base.parent)
+            return Checkpointer(
                 self.root / global_versions.rank_dirname(self.rank),
                 model=model_view,
                 optimizer=optim_view,
@@ -183,7 +180,11 @@ class DistributedCheckpointer:
                 tiers=local_tiers,
                 config=config,
                 **overrides,
-            ),
+            )
+
+        opened = open_shards(
+            self.root,
+            open_local,
             self._control,
             self._report,
             node,
@@ -570,10 +571,3 @@ class DistributedCheckpointer:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.close(clean=exc_type is None)
-
-
-def _opened_after(check: Callable[[], object] | None, opener: Callable[..., Any], *a, **kw) -> Any:
-    """``opener(*a, **kw)`` once ``check`` (if any) passed: both fail as one open."""
-    if check is not None:
-        check()
-    return opener(*a, **kw)

@@ -304,12 +304,16 @@ class Recovery:
     def damaged_copies(self, record: GlobalRecord, message: str) -> list[Path]:
         """The copies (a peer's, or fetched) of ``record``'s shards that ``message`` (a
         read's error) names; none when the damage is in a shard's own folder (the
-        version's)."""
+        version's), or when the copies cannot be listed (the caller must still reach the
+        verdict exchange)."""
         named: list[Path] = []
-        for shard in record.shards:
-            found = self.place.find(shard.rank, shard.version)
-            if found is not None and found[0] is not Kind.LOCAL and str(found[1]) in message:
-                named.append(found[1])
+        try:
+            for shard in record.shards:
+                found = self.place.find(shard.rank, shard.version)
+                if found is not None and found[0] is not Kind.LOCAL and str(found[1]) in message:
+                    named.append(found[1])
+        except OSError:
+            return []
         return named
 
     def drop_copies(self, copies: list[Path]) -> None:

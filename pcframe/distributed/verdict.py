@@ -118,7 +118,7 @@ def try_global_version(
         # does a copy whose files are gone or not files (fetched again); any other I/O
         # error is the storage's (EIO, EMFILE): the restore stops, as for a shard's own.
         of_the_copy = isinstance(exc, ManifestError) or exc.errno in COPY_ERRNOS
-        copies = _named_copies(damaged_copies, exc) if of_the_copy else []
+        copies = damaged_copies(str(exc)) if of_the_copy and damaged_copies else []
         if copies:
             verdict = Verdict.COPY_DAMAGED
         else:
@@ -148,19 +148,6 @@ def try_global_version(
         return outcome
     assert prepared is not None
     return prepared, index
-
-
-def _named_copies(
-    damaged_copies: Callable[[str], list[Path]] | None, exc: BaseException
-) -> list[Path]:
-    """The copies a read's error names; none where they cannot be listed (this rank must
-    still reach the verdict exchange)."""
-    if damaged_copies is None:
-        return []
-    try:
-        return damaged_copies(str(exc))
-    except OSError:
-        return []
 
 
 def _outcome(

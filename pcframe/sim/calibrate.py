@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
-import numbers
 import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pcframe.errors import SimConfigError
-from pcframe.sim.spec import JobSpec
+from pcframe.sim.spec import JobSpec, finite_number, whole_number
 
 
 def job_from_records(
@@ -100,9 +98,7 @@ def _figures(records: list[Any], key: str) -> list[float]:
     out = []
     for r in records:
         value = getattr(r, key, None)
-        if not (isinstance(value, numbers.Real) and not isinstance(value, bool)) or not (
-            math.isfinite(value) and value >= 0
-        ):
+        if not (finite_number(value) and value >= 0):
             raise SimConfigError(
                 f"record of step {getattr(r, 'step', '?')}: {key}={value!r} is invalid: a "
                 "committed save's figure is a finite number >= 0 (the engine's records are)"
@@ -112,7 +108,7 @@ def _figures(records: list[Any], key: str) -> list[float]:
 
 
 def _step(value: Any, what: str) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+    if not whole_number(value):
         raise SimConfigError(f"{what}={value!r} is invalid: steps are integers")
     return int(value)
 
@@ -153,7 +149,7 @@ def loop_save_costs(
     Saves whose steps are not all measured are left out; empty when no step is untouched.
     """
     step_ends = _checked_ends(step_ends)
-    if not isinstance(after, numbers.Integral) or isinstance(after, bool) or after < 0:
+    if not whole_number(after) or after < 0:
         raise SimConfigError(
             f"after={after!r} is invalid: give the steps a save's cost spills into, >= 0 "
             "(2: the optimizer step after it waits for the snapshot)"
@@ -184,13 +180,10 @@ def _checked_ends(step_ends: Sequence[float]) -> list[float]:
     that is not: reversed or shuffled times gave negative costs, silently)."""
     out: list[float] = []
     for i, value in enumerate(step_ends):
-        if not isinstance(value, numbers.Real) or isinstance(value, bool):
-            raise SimConfigError(f"step_ends[{i}]={value!r} is invalid: give seconds")
-        t = float(value)
-        if not math.isfinite(t) or (out and t < out[-1]):
+        if not finite_number(value) or (out and value < out[-1]):
             raise SimConfigError(
                 f"step_ends[{i}]={value!r} is invalid: give the times each step ended, "
                 "finite and in order (e.g. time.perf_counter() after each step)"
             )
-        out.append(t)
+        out.append(float(value))
     return out

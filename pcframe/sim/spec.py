@@ -32,22 +32,15 @@ def _bad(prefix: str, key: str, value: Any, fix: str) -> SimConfigError:
 MIN_STEP_SECONDS = 1e-6
 
 
-def _finite(x: Any) -> bool:
-    """A finite real number (numpy's scalars included), not a bool."""
-    return isinstance(x, numbers.Real) and not _is_bool(x) and math.isfinite(x)
+def finite_number(x: Any) -> bool:
+    """A finite real number (numpy's scalars included), not a bool (numpy's bool is not a
+    ``numbers.Real``)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _integer(x: Any) -> bool:
+def whole_number(x: Any) -> bool:
     """An integer (numpy's included), not a bool."""
-    return isinstance(x, numbers.Integral) and not _is_bool(x)
-
-
-def _is_bool(x: Any) -> bool:
-    """Python's bool or numpy's (named ``bool`` or ``bool_`` by version), not imported."""
-    kind = type(x)
-    return isinstance(x, bool) or (
-        kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")
-    )
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _plain_numbers(spec: Any) -> None:
@@ -137,7 +130,7 @@ class JobSpec:
     def __post_init__(self) -> None:
         _plain_numbers(self)
         p = self.KEY_PREFIX
-        if not (_finite(self.iteration_time) and self.iteration_time >= MIN_STEP_SECONDS):
+        if not (finite_number(self.iteration_time) and self.iteration_time >= MIN_STEP_SECONDS):
             raise _bad(
                 p,
                 "iteration_time",
@@ -152,7 +145,7 @@ class JobSpec:
             "restart_jitter",
         ):
             value = getattr(self, key)
-            if not (_finite(value) and value >= 0):
+            if not (finite_number(value) and value >= 0):
                 raise _bad(p, key, value, "give a finite number of seconds >= 0")
         if self.save_duration < self.save_stall:
             raise _bad(
@@ -162,29 +155,29 @@ class JobSpec:
                 f"the time to durable includes the stall, so it must be >= job.save_stall="
                 f"{self.save_stall}",
             )
-        if not (_integer(self.max_in_flight) and 1 <= self.max_in_flight <= 64):
+        if not (whole_number(self.max_in_flight) and 1 <= self.max_in_flight <= 64):
             raise _bad(p, "max_in_flight", self.max_in_flight, "use 1..64 (2-4 is typical)")
         if self.persist not in ("parallel", "serial"):
             raise _bad(p, "persist", self.persist, "use 'parallel' or 'serial'")
-        if not (_integer(self.checkpoint_bytes) and self.checkpoint_bytes >= 0):
+        if not (whole_number(self.checkpoint_bytes) and self.checkpoint_bytes >= 0):
             raise _bad(p, "checkpoint_bytes", self.checkpoint_bytes, "give bytes >= 0")
         if self.total_steps is not None and not (
-            _integer(self.total_steps) and self.total_steps >= 1
+            whole_number(self.total_steps) and self.total_steps >= 1
         ):
             raise _bad(p, "total_steps", self.total_steps, "give steps >= 1, or null")
         if self.deadline is not None:
-            if not (_finite(self.deadline) and self.deadline > 0):
+            if not (finite_number(self.deadline) and self.deadline > 0):
                 raise _bad(p, "deadline", self.deadline, "give seconds > 0, or null")
             if self.total_steps is None:
                 raise _bad(p, "deadline", self.deadline, "a deadline needs job.total_steps")
-        if self.vms is not None and not (_integer(self.vms) and self.vms >= 1):
+        if self.vms is not None and not (whole_number(self.vms) and self.vms >= 1):
             raise _bad(p, "vms", self.vms, "ask for at least 1 VM, or null for the trace's")
-        if not (_integer(self.min_vms) and self.min_vms >= 1):
+        if not (whole_number(self.min_vms) and self.min_vms >= 1):
             raise _bad(p, "min_vms", self.min_vms, "use at least 1")
         if not isinstance(self.final_save, bool):
             raise _bad(p, "final_save", self.final_save, "give true or false")
         if self.survivor_tier_duration is not None and not (
-            _finite(self.survivor_tier_duration) and self.survivor_tier_duration > 0
+            finite_number(self.survivor_tier_duration) and self.survivor_tier_duration > 0
         ):
             raise _bad(
                 p,
@@ -192,9 +185,9 @@ class JobSpec:
                 self.survivor_tier_duration,
                 "give seconds > 0 to durable on the tier that survives the VM, or null",
             )
-        if not (_finite(self.iteration_jitter) and 0 <= self.iteration_jitter < 1):
+        if not (finite_number(self.iteration_jitter) and 0 <= self.iteration_jitter < 1):
             raise _bad(p, "iteration_jitter", self.iteration_jitter, "use [0, 1), e.g. 0.01")
-        if not (_finite(self.scaling_efficiency) and 0 < self.scaling_efficiency <= 1):
+        if not (finite_number(self.scaling_efficiency) and 0 < self.scaling_efficiency <= 1):
             raise _bad(p, "scaling_efficiency", self.scaling_efficiency, "use (0, 1]")
         self._check_restart_by_tier()
         self._check_measured_starts()
@@ -211,9 +204,9 @@ class JobSpec:
                 raise _bad(p, "measured_starts", starts, "give [[restart s, step factor], ...]")
             restart, factor = pair
             if not (
-                _finite(restart)
+                finite_number(restart)
                 and restart >= 0
-                and _finite(factor)
+                and finite_number(factor)
                 and factor * self.iteration_time >= MIN_STEP_SECONDS
             ):
                 raise _bad(
@@ -241,7 +234,7 @@ class JobSpec:
         for name, seconds in tiers.items():
             if not (isinstance(name, str) and name):
                 raise _bad(p, "restart_by_tier", dict(tiers), "tier names are non-empty strings")
-            if not (_finite(seconds) and seconds >= 0):
+            if not (finite_number(seconds) and seconds >= 0):
                 raise _bad(
                     p, f"restart_by_tier.{name}", seconds, "give a finite number of seconds >= 0"
                 )
@@ -321,17 +314,17 @@ class SimOptions:
     def __post_init__(self) -> None:
         _plain_numbers(self)
         p = self.KEY_PREFIX
-        if not (_finite(self.start) and self.start >= 0):
+        if not (finite_number(self.start) and self.start >= 0):
             raise _bad(p, "start", self.start, "give trace seconds >= 0")
-        if self.duration is not None and not (_finite(self.duration) and self.duration > 0):
+        if self.duration is not None and not (finite_number(self.duration) and self.duration > 0):
             raise _bad(p, "duration", self.duration, "give seconds > 0, or null for all")
         if not isinstance(self.record_saves, bool):
             raise _bad(p, "record_saves", self.record_saves, "give true or false")
-        if not (_integer(self.seed) and self.seed >= 0):
+        if not (whole_number(self.seed) and self.seed >= 0):
             raise _bad(p, "seed", self.seed, "give an integer >= 0")
         for key in ("probe_gap", "resource_interval"):
             value = getattr(self, key)
-            if not (_finite(value) and value > 0):
+            if not (finite_number(value) and value > 0):
                 raise _bad(p, key, value, "give seconds > 0")
         if self.policy_state not in ("checkpoint", "process"):
             raise _bad(p, "policy_state", self.policy_state, "use 'checkpoint' or 'process'")
@@ -339,7 +332,7 @@ class SimOptions:
             raise _bad(p, "context_rate", self.context_rate, "use 'none' or 'trace'")
         for key in ("spot_price", "on_demand_price"):
             value = getattr(self, key)
-            if value is not None and not (_finite(value) and value >= 0):
+            if value is not None and not (finite_number(value) and value >= 0):
                 raise _bad(p, key, value, "give $/h per VM >= 0, or null")
 
     def to_dict(self) -> dict[str, Any]:

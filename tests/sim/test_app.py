@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -80,15 +81,20 @@ def test_a_multirun_sweep_is_merged_into_one_table(tmp_path: Path, child_env: di
     assert (sweep / "sweep_results.md").exists() and (sweep / "goodput.png").exists()
 
 
-def test_a_bad_key_fails_with_the_key_in_the_message(tmp_path: Path, child_env: dict) -> None:
-    proc = subprocess.run(
-        [*_script(), f"traces={SMALL}", "+sim.job.stal=3", f"hydra.run.dir={tmp_path}"],
+def _sim_small(tmp_path: Path, child_env: dict, *overrides: str) -> subprocess.CompletedProcess:
+    """``pcframe-sim`` on the small trace with ``overrides``, run in ``tmp_path``."""
+    return subprocess.run(
+        [*_script(), f"traces={SMALL}", *overrides, f"hydra.run.dir={tmp_path}"],
         cwd=tmp_path,
         env=child_env,
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_a_bad_key_fails_with_the_key_in_the_message(tmp_path: Path, child_env: dict) -> None:
+    proc = _sim_small(tmp_path, child_env, "+sim.job.stal=3")
     assert proc.returncode != 0
     assert "stal" in proc.stderr
 
@@ -97,28 +103,12 @@ def test_an_output_that_cannot_be_written_fails_before_the_simulations(
     tmp_path: Path, child_env: dict
 ) -> None:
     """A raw ``FileNotFoundError`` ("unexpected error (a bug)") once the runs were done."""
-    proc = subprocess.run(
-        [*_script(), f"traces={SMALL}", "output.csv=/proc/x/r.csv", f"hydra.run.dir={tmp_path}"],
-        cwd=tmp_path,
-        env=child_env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _sim_small(tmp_path, child_env, "output.csv=/proc/x/r.csv")
     assert proc.returncode == 2, proc.stderr
     assert "output.csv='/proc/x/r.csv': cannot make /proc/x" in proc.stderr
     assert "Traceback" not in proc.stderr and "a bug" not in proc.stderr
-    import os
-
     os.mkfifo(tmp_path / "pipe")  # it blocked once every simulation had run
-    proc = subprocess.run(
-        [*_script(), f"traces={SMALL}", f"output.csv={tmp_path}/pipe", f"hydra.run.dir={tmp_path}"],
-        cwd=tmp_path,
-        env=child_env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _sim_small(tmp_path, child_env, f"output.csv={tmp_path}/pipe")
     assert proc.returncode == 2 and "exists and is not a regular file" in proc.stderr
 
 
