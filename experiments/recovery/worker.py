@@ -726,7 +726,7 @@ def overhead_run(args: argparse.Namespace, job: Job, log: Log) -> None:
             copied = 0
             if ckpt is not None:
                 ckpt.close()
-                copied = len(ckpt.peers.status.copied) if ckpt.peers is not None else 0
+                copied = ckpt.peers.status.copied_count if ckpt.peers is not None else 0
             t2, cpu2 = time.perf_counter(), os.times()
             log.data["phases"].append(
                 {

@@ -165,7 +165,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("delta", f"of version {manifest.delta.base} (depth {manifest.delta.depth})"
          if manifest.delta is not None else "no (a full version)"),
         ("engine", ", ".join(f"{k}={config[k]}" for k in _ENGINE_KEYS if k in config) or "?"),
-        ("metadata", json.dumps(manifest.metadata) if manifest.metadata else "none"),
+        ("metadata", _shortened(json.dumps(manifest.metadata)) if manifest.metadata else "none"),
     ]  # fmt: skip
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
@@ -188,6 +188,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     else:
         print("(--tensors lists every tensor; --json prints the manifest summary as JSON)")
     return 0
+
+
+METADATA_SHOWN = 500  # characters of a version's metadata `inspect` prints (--json: all)
+
+
+def _shortened(text: str) -> str:
+    if len(text) <= METADATA_SHOWN:
+        return text
+    return f"{text[:METADATA_SHOWN]}... ({len(text):,} characters; --json prints all of it)"
 
 
 _ENGINE_KEYS = ("max_in_flight", "chunk_bytes", "o_direct", "persist", "copy_backend", "keep_last")

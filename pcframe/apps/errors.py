@@ -80,10 +80,36 @@ def run_app(app: Callable[[], Any], prog: str) -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         raise SystemExit(1) from None
+    except OSError as exc:
+        if not _raised_by_hydra(exc):
+            _exit(exc, prog)
+        # Hydra makes its output folder (hydra.run.dir, hydra.sweep.dir) before the task
+        # runs: a folder it cannot make is the user's setting, not a bug.
+        where = f" {exc.filename}" if exc.filename else ""
+        sys.stderr.write(
+            f"{prog}: error: cannot make Hydra's output folder{where}: {exc.strerror or exc}; "
+            "set hydra.run.dir=PATH (hydra.sweep.dir=PATH with --multirun) to a folder "
+            "you can write\n"
+        )
+        raise SystemExit(USAGE_ERROR) from None
     except Exception as exc:
         _exit(exc, prog)
     finally:
         os.environ.pop(FULL_ERROR, None)
+
+
+def _raised_by_hydra(exc: BaseException) -> bool:
+    """Whether the innermost frame of ``exc`` outside the standard library is Hydra's."""
+    import hydra
+
+    hydra_dir = os.path.dirname(hydra.__file__)
+    stdlib_dir = os.path.dirname(os.__file__)
+    innermost = None
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        filename = frame.f_code.co_filename
+        if not filename.startswith(stdlib_dir) or "site-packages" in filename:
+            innermost = filename
+    return innermost is not None and innermost.startswith(hydra_dir)
 
 
 def version_lines(prog: str) -> str:

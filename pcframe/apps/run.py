@@ -79,6 +79,7 @@ def run_in_process(cfg: DictConfig) -> Summary:
     threads = resolve_threads(cfg.threads)
     torch.set_num_threads(threads)
     engine = engine_config(cfg)
+    engine.check_runtime()  # kernels=triton without a GPU: refused before the warm-up
     workload_args = OmegaConf.to_container(cfg.workload.args, resolve=True)
     summary = _common(cfg, threads)
     # Built before the warm-up: an argument the policy refuses is reported before any step.
@@ -223,6 +224,7 @@ def run_supervised(cfg: DictConfig, out: Path, progress: bool = True) -> Summary
     # the reference run instead of in every child.
     build_target(cfg.policy.interval, "policy.interval")
     kill_times(failure)  # and a bad failure.* (a missing trace file) before it, too
+    engine_config(cfg).check_runtime()  # and kernels the machine cannot run
     workload_args = OmegaConf.to_container(cfg.workload.args, resolve=True)
     check_run_directory(cfg.directory, build(cfg.workload.name, **workload_args), cfg.steps)
     threads = resolve_threads(cfg.threads)

@@ -40,6 +40,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,17 +59,25 @@ from pcframe.store.tiers.peer import PeerStore, copy_bytes
 
 log = logging.getLogger("pcframe")
 
+# A job runs for weeks with a save every few seconds: the status keeps the newest of what it
+# lists, so a peer that declines or refuses every round cannot grow a rank's memory for ever.
+STATUS_KEPT = 256
+
 
 @dataclass
 class PeerStatus:
     """What the peer tier has done on this rank (read from any thread)."""
 
-    copied: list[int] = field(default_factory=list)  # versions whose round completed
+    # versions whose round completed, the newest STATUS_KEPT (`copied_count`: all of them)
+    copied: deque[int] = field(default_factory=lambda: deque(maxlen=STATUS_KEPT))
+    copied_count: int = 0
     skipped: int = 0  # queued versions superseded by a newer one before their round
     sent_bytes: int = 0
     received_bytes: int = 0
     declined: int = 0  # copies this rank had no room for
-    failed: list[str] = field(default_factory=list)  # copies refused (one line each)
+    # copies refused, one line each, the newest STATUS_KEPT (`failures`: all of them)
+    failed: deque[str] = field(default_factory=lambda: deque(maxlen=STATUS_KEPT))
+    failures: int = 0
     seconds: float = 0.0  # in rounds, all told
     broken: str = ""  # why replication stopped for this process ("" while it runs)
 
@@ -106,7 +115,10 @@ class PeerReplication:
         self._undecided: set[int] = set()  # submitted, round not ended yet
         self._records: queue.Queue[GlobalRecord | None] = queue.Queue()
         self._done = threading.Condition()
-        self._decided: set[int] = set()  # versions whose round ended here (copied or not)
+        # The newest version whose round ended here (copied or not): rounds end in version
+        # order, and a round ends every older version still queued, so every version
+        # submitted up to it has ended (a watermark: a set would grow with every save).
+        self._decided_through = 0
         self._thread = threading.Thread(target=self._loop, name="pcframe-peers", daemon=True)
         self._thread.start()
 
@@ -122,12 +134,12 @@ class PeerReplication:
         """Whether ``version``'s round ended here (copied, skipped or failed) in time."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._done:
-            while version not in self._decided and not self.status.broken:
+            while version > self._decided_through and not self.status.broken:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self._done.wait(left)
-            return version in self._decided
+            return version <= self._decided_through
 
     def protected(self) -> frozenset[int]:
         """The global versions whose records (and so shards) must stay: the newest secured
@@ -280,7 +292,7 @@ class PeerReplication:
         except OSError as exc:  # this rank's store is broken: it takes nothing this round,
             # in step with the others (raising here would leave them in the collective).
             self.status.declined += len(chains)
-            self.status.failed.append(f"this rank's store: {exc}")
+            self._failed(f"this rank's store: {exc}")
             log.warning("peer tier: rank %d cannot use its store: %s", self.rank, exc)
             return {}
         for src, versions in admitted.items():
@@ -309,7 +321,7 @@ class PeerReplication:
             # written), in step with the sender, which streams it whatever happens here
             with contextlib.suppress(CorruptCheckpoint, ManifestError):
                 receive_version(src, self.store.directory, self._group, limit=0)
-            self.status.failed.append(f"rank {src} v{version}: {exc}")
+            self._failed(f"rank {src} v{version}: {exc}")
             log.warning("peer tier: copy of rank %d's version %d refused: %s", src, version, exc)
             return False
         try:
@@ -318,12 +330,12 @@ class PeerReplication:
                 self.store.commit(src, version, staging)
         except (CorruptCheckpoint, ManifestError, OSError) as exc:
             self.store.discard(staging)
-            self.status.failed.append(f"rank {src} v{version}: {exc}")
+            self._failed(f"rank {src} v{version}: {exc}")
             log.warning("peer tier: copy of rank %d's version %d refused: %s", src, version, exc)
             return False
         if not keep:
             self.store.discard(staging)
-            self.status.failed.append(f"rank {src} v{version}: its base was refused")
+            self._failed(f"rank {src} v{version}: its base was refused")
             log.warning(
                 "peer tier: copy of rank %d's version %d dropped: a version it reads was "
                 "refused in the same round",
@@ -334,12 +346,17 @@ class PeerReplication:
         self.status.received_bytes += manifest.stored_bytes
         return True
 
+    def _failed(self, line: str) -> None:
+        self.status.failed.append(line)
+        self.status.failures += 1
+
     def _finish(self, versions: list[int], copied: bool) -> None:
         with self._done:
-            self._decided.update(versions)
+            self._decided_through = max([self._decided_through, *versions])
             self._undecided.difference_update(versions)
             if copied:
                 self.status.copied.extend(versions)
+                self.status.copied_count += len(versions)
             self._done.notify_all()
 
 

@@ -12,6 +12,10 @@ from pcframe.policies.errors import TraceFormatError
 from pcframe.policies.traces.schema import MAX_DURATION, Trace
 from pcframe.policies.traces.timeutil import median_step
 
+# An event trace is resampled to one tick per step: a stray huge time would allocate
+# gigabytes (3e12 ms: 50 million ticks). 10 million is 19 years at the default minute.
+MAX_RESAMPLED_TICKS = 10_000_000
+
 
 def read_bamboo_events(
     path: Path, step_seconds: float = 60.0, capacity: int | None = None
@@ -87,6 +91,15 @@ def read_bamboo_events(
             "give event times in milliseconds from the start",
         )
     n = int(times[-1] // step_ms) + 1
+    if n > MAX_RESAMPLED_TICKS:  # each tick costs ~40 bytes while resampling: refuse first
+        raise TraceFormatError(
+            path,
+            "",
+            f"the last event, at {times[-1]:g} ms, makes {n:,} ticks of {step_seconds:g} s "
+            f"(at most {MAX_RESAMPLED_TICKS:,})",
+            "check that times are milliseconds from the trace's start, or resample with a "
+            "longer step (step_seconds)",
+        )
     # Count after the last event at or before each tick: searchsorted over event times.
     idx = np.searchsorted(np.asarray(times), np.arange(n) * step_ms, side="right") - 1
     up = np.where(idx >= 0, np.asarray(counts)[np.maximum(idx, 0)], 0)

@@ -366,3 +366,16 @@ def test_help_is_plain_text(python):
 
 
 COMMANDS = ("list", "verify", "inspect", "export")
+
+
+def test_inspect_shortens_large_metadata_and_json_keeps_all_of_it(tmp_path, python):
+    """200 KB of a version's metadata was printed on one line of the table."""
+    model = torch.nn.Linear(2, 2)
+    metadata = {"notes": "x" * 200_000, "limit": 1e308}
+    with Checkpointer(tmp_path, model=model) as ckpt:
+        ckpt.save(step=1, metadata=metadata).wait()
+    table = cli(python, "inspect", tmp_path)
+    assert table.returncode == 0 and len(table.stdout) < 5_000
+    (line,) = [row for row in table.stdout.splitlines() if row.strip().startswith("metadata")]
+    assert line.endswith("characters; --json prints all of it)")
+    assert json.loads(cli(python, "inspect", tmp_path, "--json").stdout)["metadata"] == metadata

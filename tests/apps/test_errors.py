@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra.errors import ConfigCompositionException, OverrideParseException
 
 from pcframe.apps.compose import engine_config
@@ -237,3 +238,33 @@ def test_version_of_the_installed_script(tmp_path, app_env):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"pcframe-run (pcframe) {__version__}\n")
     assert not (tmp_path / "outputs").exists()  # nothing run
+
+
+@pytest.mark.parametrize("app", ["pcframe-run", "pcframe-sim"])
+def test_an_output_folder_hydra_cannot_make_is_one_line(tmp_path, app_env, app):
+    """Hydra makes hydra.run.dir before the app runs: a path through a file was a raw
+    NotADirectoryError traceback, reported as a bug in pcframe."""
+    (tmp_path / "afile").write_text("")
+    result = run_script(
+        app, f"hydra.run.dir={tmp_path / 'afile' / 'out'}", cwd=tmp_path, env=app_env
+    )
+    assert result.returncode == USAGE_ERROR, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"{app}: error: cannot make Hydra's output folder")
+    assert str(tmp_path / "afile" / "out") in line and "hydra.run.dir=PATH" in line
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton runs here: nothing to refuse")
+def test_kernels_the_machine_cannot_run_are_refused_before_any_step(tmp_path, app_env):
+    """kernels=triton without a GPU (nor Triton's interpreter) was refused only after the
+    warm-up and the run without checkpoints had trained."""
+    env = {k: v for k, v in app_env.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "out"
+    result = run_script(
+        "pcframe-run", "kernels=triton", "steps=3", f"hydra.run.dir={out}", cwd=tmp_path, env=env
+    )
+    assert result.returncode == USAGE_ERROR, result.stderr[-2000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert "copy_backend='triton' cannot run on this machine" in line
+    assert result.stdout == "" and not (out / "checkpoints").exists()

@@ -260,6 +260,11 @@ def test_several_workers_share_a_postgresql_study(tmp_path, app_env, postgres_ur
         ("tune.n_trials=0", "tune.n_trials"),
         ("+tune.space.turbo={type:categorical,choices:[yes]}", "tune.space.turbo"),
         ("+tune.space.max_in_flight.lo=1", "tune.space.max_in_flight.lo"),
+        # trials the sampler sent past 64 failed one by one, each after its composition
+        ("+tune.space.max_in_flight={type:int,low:1,high:100}", "the value 100 in its range"),
+        ("+tune.space.checksum={type:categorical,choices:[crc32c,md4]}", "the value 'md4'"),
+        # an empty name found no stored study again; sqlite:/// stored nothing
+        ("tune.study_name=''", "tune.study_name=''"),
     ],
     ids=str,
 )
@@ -271,6 +276,14 @@ def test_bad_tune_settings_name_the_key(tmp_path, override, text):
 def test_bad_storage_url_names_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"tune\.storage='study\.db'"):
         tuner(tmp_path, "tune.storage=study.db").create_study()
+    for memory in ("sqlite:///", "sqlite:///:memory:"):  # Optuna stored the study nowhere
+        with pytest.raises(ConfigError, match="names no database file"):
+            open_storage(memory)
+
+
+@pytest.mark.parametrize("preset", ["quick", "default", "matrix", "multi"])
+def test_the_shipped_search_spaces_stay_within_what_the_engine_takes(tmp_path, preset):
+    assert tuner(tmp_path, f"tune={preset}").knobs
 
 
 @pytest.mark.parametrize(

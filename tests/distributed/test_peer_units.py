@@ -834,3 +834,28 @@ def test_a_delta_whose_base_was_refused_in_its_round_is_not_kept(tmp_path):
     assert any("v2" in f and "its base was refused" in f for f in failed1), failed1
     assert not copied0 and secured0 == secured1 == 0
     assert held0 == {1: [1, 2]} and copied1  # the other direction arrived whole
+
+
+def test_a_long_jobs_peer_status_keeps_the_newest_lines_and_counts_them_all():
+    """A job saving every few seconds for weeks, with a peer that refuses every copy: the
+    status lists the newest lines only (it grew by one line per round, for ever), counts
+    every one, and a waiter still sees every version up to the newest ended."""
+    import threading
+
+    from pcframe.distributed.replication import STATUS_KEPT, PeerReplication, PeerStatus
+
+    peers = PeerReplication.__new__(PeerReplication)  # its bookkeeping only: no thread
+    peers.status, peers._done = PeerStatus(), threading.Condition()
+    peers._undecided, peers._decided_through = set(), 0
+    rounds = 20 * STATUS_KEPT
+    for version in range(1, rounds + 1):
+        peers._undecided.add(version)
+        peers._failed(f"rank 1 v{version}: refused")
+        peers._finish([version], copied=version % 2 == 0)
+    status = peers.status
+    assert len(status.failed) == STATUS_KEPT and status.failures == rounds
+    assert status.failed[-1] == f"rank 1 v{rounds}: refused"
+    assert len(status.copied) == STATUS_KEPT and status.copied_count == rounds // 2
+    assert peers.copied(rounds) and not peers.copied(rounds - 1)
+    assert peers.wait(1, timeout=0) and peers.wait(rounds, timeout=0)
+    assert not peers.wait(rounds + 1, timeout=0) and not peers._undecided

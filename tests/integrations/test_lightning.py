@@ -111,6 +111,9 @@ def test_policy_arguments(tmp_path):
         PcframeCheckpoint(tmp_path, monitor="val_loss", save_top_k=3)
     with pytest.raises(ValueError, match="resume="):
         PcframeCheckpoint(tmp_path, resume="newest")
+    for bad in (-1, 1.5, True):  # the message named FixedSteps' `every`, not this argument
+        with pytest.raises(ValueError, match=rf"every_n_train_steps={bad!r}: a whole number"):
+            PcframeCheckpoint(tmp_path, every_n_train_steps=bad)
 
 
 def test_import_error_names_the_extra(python, child_env):

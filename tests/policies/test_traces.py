@@ -289,6 +289,8 @@ def test_malformed_inputs(tmp_path: Path) -> None:
          "metadata.price_info"),
         # 1e20 ms: one tick per minute of it would be petabytes; refused before allocating
         ("events.csv", b"0,add,node1\n100000000000000000000,remove,node1\n", "100 years"),
+        # 3e12 ms (95 years) is under that, but 50 million minutes took 2.6 GB to resample
+        ("events_95y.csv", b"0,add,node1\n3000000000000,remove,node1\n", "at most 10,000,000"),
     ],
     ids=lambda v: v if isinstance(v, str) and "." in v else None,
 )  # fmt: skip

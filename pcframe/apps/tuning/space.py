@@ -104,6 +104,26 @@ def parse_space(space: Mapping[str, Any], fixed: set[str] = frozenset()) -> list
     return knobs
 
 
+def check_space(knobs: list[Knob], engine: EngineConfig) -> None:
+    """Refuse a knob whose range reaches values the engine refuses (each bound, each choice),
+    before the first trial rather than in whichever trial the sampler sends there."""
+    for k in knobs:
+        if k.values is not None:
+            candidates = list(k.values.values())
+        elif k.type == "categorical":
+            candidates = list(k.choices)
+        else:
+            candidates = [int(k.low), int(k.high)] if k.type == "int" else [k.low, k.high]
+        for value in candidates:
+            try:
+                engine.with_overrides(**{k.name: value})
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"tune.space.{k.name}: the value {value!r} in its range is one the engine "
+                    f"refuses ({exc}); narrow the range"
+                ) from None
+
+
 def suggest(trial: optuna.Trial, knobs: list[Knob]) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for k in knobs:

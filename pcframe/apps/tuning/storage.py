@@ -57,7 +57,13 @@ def open_storage(url: str | None, heartbeat: int | None = None) -> BaseStorage |
         )
     url = _with_installed_driver(url)
     if url.startswith("sqlite:///"):
-        _make_folder(url, Path(url.removeprefix("sqlite:///")).expanduser().parent)
+        database = url.removeprefix("sqlite:///").split("?", 1)[0]
+        if database in ("", ":memory:"):  # SQLite's in-memory database: nothing is stored
+            raise ConfigError(
+                f"tune.storage={url!r} names no database file, so the study would not "
+                "outlive the process; give one (sqlite:///study.db) or null (in memory)"
+            )
+        _make_folder(url, Path(database).expanduser().parent)
     kwargs = {}
     if heartbeat:
         kwargs = dict(heartbeat_interval=heartbeat, grace_period=2 * heartbeat)

@@ -23,6 +23,7 @@ from pcframe.apps.tuning.report import UNITS, groups, mean_value
 from pcframe.apps.tuning.space import (
     Knob,
     base_params,
+    check_space,
     engine_values,
     overrides,
     parse_space,
@@ -77,10 +78,18 @@ class Tuner:
             raise ConfigError(f"tune.sampler={self.tune.sampler!r}: use one of {SAMPLERS}")
         if self.tune.pruner not in PRUNERS:
             raise ConfigError(f"tune.pruner={self.tune.pruner!r}: use one of {PRUNERS}")
+        name = self.tune.study_name
+        if not str(name).strip():
+            raise ConfigError(
+                f"tune.study_name={name!r}: give the study a name (it is how a stored study "
+                "is found again; the default is pcframe-engine)"
+            )
         if self.tune.n_trials < 1:
             raise ConfigError(f"tune.n_trials={self.tune.n_trials}: run at least 1 trial")
         self.knobs: list[Knob] = parse_space(self.tune.space, set(fixed))
         self.base_engine = engine_config(cfg)
+        self.base_engine.check_runtime()  # the first trial measures it: refused up front
+        check_space(self.knobs, self.base_engine)
         self._progress: Progress | None = None
         self._task: Any = None
 

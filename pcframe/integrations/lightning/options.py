@@ -78,16 +78,19 @@ def interval_policy(
             "every_n_train_steps=, every_n_epochs=, train_time_interval= (as in "
             "ModelCheckpoint, they are mutually exclusive)"
         )
-    if every_n_epochs is not None:
-        if (
-            isinstance(every_n_epochs, bool)
-            or not isinstance(every_n_epochs, int)
-            or (every_n_epochs < 0)
+    for name, count in (
+        ("every_n_train_steps", every_n_train_steps),
+        ("every_n_epochs", every_n_epochs),
+    ):
+        if count is not None and (
+            isinstance(count, bool) or not isinstance(count, int) or count < 0
         ):
+            unit = "steps" if name == "every_n_train_steps" else "epochs"
             raise ValueError(
-                f"PcframeCheckpoint: every_n_epochs={every_n_epochs!r}: a whole number of "
-                "epochs >= 1 (0: no periodic saves)"
+                f"PcframeCheckpoint: {name}={count!r}: a whole number of {unit} >= 1 "
+                "(0: no periodic saves)"
             )
+    if every_n_epochs is not None:
         return EveryNEpochs(every_n_epochs)
     if train_time_interval is not None:
         if not isinstance(train_time_interval, datetime.timedelta) or (
