@@ -81,7 +81,9 @@ def run_app(app: Callable[[], Any], prog: str) -> None:
         os.dup2(devnull, sys.stdout.fileno())
         raise SystemExit(1) from None
     except OSError as exc:
-        if not _raised_by_hydra(exc):
+        # Hydra's MissingConfigException is an OSError too (`engine=nosuch`): described
+        # with the other configuration mistakes.
+        if isinstance(exc, HydraException) or not _raised_by_hydra(exc):
             _exit(exc, prog)
         # Hydra makes its output folder (hydra.run.dir, hydra.sweep.dir) before the task
         # runs: a folder it cannot make is the user's setting, not a bug.

@@ -52,6 +52,7 @@ from pcframe.apps.sweep import claim_directory
 from pcframe.apps.training import train
 from pcframe.apps.tuning.report import tuned_config_warnings
 from pcframe.apps.workloads import build
+from pcframe.errors import ConfigError
 from pcframe.policies.fixed import FixedSteps
 
 register_app_schemas()
@@ -348,6 +349,12 @@ def _app(cfg: DictConfig) -> None:
 
 
 def _task(cfg: DictConfig) -> None:
+    unused = [g for g in ("placement", "resource") if g in (cfg.get("policy") or {})]
+    if unused:  # composed with +policy/placement=...: it would be silently ignored
+        raise ConfigError(
+            f"policy/{unused[0]} is used by pcframe-sim only: pcframe-run trains one process "
+            "saving to storage.directory (no tiers to place in, no VMs to choose); remove it"
+        )
     check_targets(cfg)
     check_bounds(cfg, "run")
     hydra_cfg = HydraConfig.get()

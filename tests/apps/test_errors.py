@@ -44,6 +44,8 @@ def run_script(name: str, *args: str, cwd: Path, env: dict, timeout: float = 120
         ("policy.interval.every=0", "policy.interval.every=0", "whole number of steps >= 1"),
         # Hydra advised "+policy=young", which fails again (policy is a folder of groups)
         ("policy=young", "policy is not a config group", "give policy/interval=young"),
+        # composed, then silently ignored: pcframe-run has no tiers and no VMs to choose
+        ("+policy/placement=single_tier", "policy/placement is used by pcframe-sim", "remove"),
     ],
     ids=str,
 )

@@ -27,6 +27,12 @@ run = compose_config("run", ["experiment=smoke", "engine=serial", "storage.direc
 assert run.failure.kind == "trace" and run.engine.max_in_flight == 1
 tune = compose_config("tune", ["tune=multi", "storage.directory=x"])
 assert list(tune.tune.objectives) == ["stall", "memory"]
+import importlib, pkgutil
+for module in pkgutil.walk_packages(pcframe.__path__, "pcframe."):  # every module imports
+    if not module.name.startswith(("pcframe.integrations", "pcframe.kernels.triton")):
+        importlib.import_module(module.name)
+import pcframe.runtime.threads, pcframe.state.apply
+assert pcframe.state.apply.__file__.startswith(sys.argv[1]), pcframe.state.apply.__file__
 print("composed from", pcframe.conf.__file__)
 """
 
@@ -88,3 +94,17 @@ def test_the_kernels_folder_is_no_top_level_kernels_from_the_repository_root(chi
         [sys.executable, "-S", "-c", probe], cwd=REPO, env=child_env, capture_output=True, text=True
     )
     assert alone.returncode == 1 and "No module named 'kernels'" in alone.stderr, alone.stderr
+
+
+def test_every_source_folder_is_a_package_the_wheel_ships():
+    """setup.py finds packages by their __init__.py: pcframe/runtime and pcframe/state had
+    none, so a non-editable install lacked them and `import pcframe` failed there (the
+    editable install in development hid it)."""
+    folders = {
+        path.parent
+        for root in ("pcframe", "policies", "kernels")
+        for path in (REPO / root).rglob("*.py")
+        if "__pycache__" not in path.parts
+    }
+    missing = sorted(str(f.relative_to(REPO)) for f in folders if not (f / "__init__.py").exists())
+    assert not missing, f"add an __init__.py to: {missing}"
