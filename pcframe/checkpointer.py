@@ -33,7 +33,13 @@ from pcframe.policies.placement.base import PlacementPolicy
 from pcframe.restore.report import RestoreReport
 from pcframe.restore.restorer import RestoreJob, restore_from_tiers
 from pcframe.runtime.interrupts import interrupts_held
-from pcframe.runtime.threads import EngineCalls, Reentry, engine_call, one_caller_at_a_time
+from pcframe.runtime.threads import (
+    EngineCalls,
+    Reentry,
+    check_timeout,
+    engine_call,
+    one_caller_at_a_time,
+)
 from pcframe.save.capture import Capture
 from pcframe.save.flight import DeferredSave, EngineSaveHandle, InFlight
 from pcframe.save.handle import SaveHandle, SaveRecord, VersionHandle
@@ -333,6 +339,7 @@ class Checkpointer:
             SaveError: for the first failed version not yet reported.
             CheckpointError: ``timeout`` seconds passed first (the versions go on).
         """
+        check_timeout(timeout, "wait")
         self._wait(timeout)
 
     def _wait(self, timeout: float | None = None) -> None:
@@ -449,6 +456,7 @@ class Checkpointer:
             CheckpointError: in-flight versions did not finish within ``timeout`` seconds;
                 the engine stays open (call ``close()`` again to keep waiting).
         """
+        check_timeout(timeout, "close")
         if self._closed:
             return
         if clean and self.save_last and self.notice is None:

@@ -91,9 +91,9 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def _set_aside_lines(directory: CheckpointDir) -> list[str]:
     """One line per version a restore set aside as damaged: the folder and why."""
-    return [
-        f"set aside by a restore as damaged, kept for inspection: {name}: "
-        f"{set_aside_reason(directory.root / name)}"
+    return [  # both escaped: a folder's name and its reason file are anyone's to write
+        f"set aside by a restore as damaged, kept for inspection: {_one_line(name)}: "
+        f"{_one_line(set_aside_reason(directory.root / name))}"
         for name in quarantined_versions(directory.root)
     ]
 
@@ -267,6 +267,28 @@ def _check_export_target(output: Path, root: Path, force: bool) -> None:
         raise CheckpointError(f"--output {output} exists; pass --force to replace it")
 
 
+def _check_safetensors_dtypes(tensors: dict, only: str | None) -> None:
+    """Refuse, naming the tensor, a dtype safetensors cannot store (complex128, complex32):
+    its error named only the dtype and came out as a failure to write --output."""
+    from safetensors.torch import save
+
+    storable: dict = {}
+    for name, tensor in tensors.items():
+        if tensor.dtype not in storable:
+            try:
+                save({"probe": tensor.new_empty(0)})
+                storable[tensor.dtype] = True
+            except Exception:  # safetensors raises its own error types for a dtype
+                storable[tensor.dtype] = False
+        if not storable[tensor.dtype]:
+            where = f"under --only {only}" if only else "in this version"
+            raise CheckpointError(
+                f"the tensor {_one_line(name)!s} {where} is {tensor.dtype}, which safetensors "
+                "cannot store; export the other groups with --only GROUP (pcframe inspect "
+                "lists them), or read the version with pcframe.load"
+            )
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
     from safetensors.torch import save_file
@@ -307,6 +329,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     }
     if not args.only:  # the whole state: keep its structure so it can be rebuilt
         metadata["pcframe_tree"] = json.dumps(loaded.manifest.tree)
+    _check_safetensors_dtypes(tensors, args.only)
     try:
         save_file(tensors, str(output), metadata=metadata)
     except Exception as exc:  # safetensors' own error type for a path it cannot write
@@ -408,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _one_line(exc: BaseException) -> str:
+def _one_line(exc: BaseException | str) -> str:
     """The message on one line, control characters and lone surrogates escaped (a hostile
     name must not break the terminal or the output encoding)."""
     text = " ".join(str(exc).split()) or type(exc).__name__

@@ -60,7 +60,10 @@ def list_global(root: Path, when, one_line) -> int:
     if not rows and not unreadable:
         print(f"(no committed global versions in {root})")
     for name, why in global_versions.set_aside_records(root):
-        print(f"(set aside by a restore as damaged, kept for inspection: {name}: {one_line(why)})")
+        print(
+            "(set aside by a restore as damaged, kept for inspection: "
+            f"{one_line(name)}: {one_line(why)})"
+        )
     return 1 if unreadable else 0
 
 
@@ -128,7 +131,8 @@ def verify_global(root: Path, version: int | None, threads: int, one_line) -> in
     set_aside = global_versions.set_aside_records(root) if version is None else []
     for name, why in set_aside:  # damage found by an earlier restore: named until moved away
         print(
-            f"set aside by a restore as damaged, kept for inspection: {name}: {one_line(why)}; "
+            "set aside by a restore as damaged, kept for inspection: "
+            f"{one_line(name)}: {one_line(why)}; "
             f"move it out of {root} once inspected"
         )
     if not found:

@@ -33,6 +33,7 @@ from pcframe.store.directory import (
     QUARANTINE_PREFIX,
     TRASH_PREFIX,
     CheckpointDir,
+    is_leftover_name,
 )
 from pcframe.store.starts import STARTS
 
@@ -55,7 +56,12 @@ def is_engine_name(name: str) -> bool:
     """Whether a Checkpointer uses ``name`` at the top of its folder (a version's folder or
     one being written, a marker, any dot-file: set-aside versions among them), so nothing
     else may be written there (``v00000001.safetensors`` may: no engine name)."""
-    return name in _MARKERS or name.startswith(".") or bool(_ENGINE_VERSION.match(name))
+    return (
+        name in _MARKERS
+        or name.startswith(".")
+        or bool(_ENGINE_VERSION.match(name))
+        or is_leftover_name(name)  # LATEST.tmp: the next writer removes it
+    )
 
 
 def is_checkpoint_dir(root: Path) -> bool:

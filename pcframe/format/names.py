@@ -86,10 +86,14 @@ def version_name(version: int) -> str:
 
 
 def version_from_digits(digits: str, where: str) -> int | None:
-    """``digits`` (a regex group of :data:`VERSION_DIGITS`) as a version, or None if too big.
+    """``digits`` (a regex group of :data:`VERSION_DIGITS`) as a version; None if too big or
+    not spelled as pcframe spells it (zero-padded to eight digits, no further zeros).
 
     ``where`` names the file or key for the warning.
     """
+    if digits != f"{int(digits):08d}":  # v000000012: not a name pcframe writes for 12, and
+        # taking it for 12 would read, prune and delete through another name (v00000012)
+        return None
     if len(digits) > len(str(MAX_VERSION)) or int(digits) > MAX_VERSION:
         if where not in _warned:  # once per name: listings run at every commit
             _warned.add(where)

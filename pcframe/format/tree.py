@@ -22,6 +22,22 @@ from pcframe.kernels.dtypes import DTYPES, dtype_name
 
 MAX_DEPTH = 64
 _PLAIN = frozenset({int, str, bool, type(None)})  # stored as they are, no tensor inside
+# Python's JSON reader refuses integers of more than 4300 digits by default
+# (sys.int_max_str_digits): a writer whose user lifted that limit could commit a version
+# no default reader can open. Integers are kept below 10**4299 in magnitude.
+INT_LIMIT = 10**4299
+
+
+def is_storable_int(value: int) -> bool:
+    """Whether ``value`` (an int) reads back from JSON under Python's default limits."""
+    return -INT_LIMIT < value < INT_LIMIT
+
+
+def huge_int_message(path: str, value: int) -> str:
+    return (
+        f"cannot checkpoint the integer at '{path}': it has {value.bit_length()} bits, more "
+        "digits than Python's JSON reader accepts (4300); store it as a str or a tensor"
+    )
 
 
 @dataclass
@@ -51,6 +67,8 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef], depth: int = 0) -> A
     # Exact built-in types first: a save encodes ~1000 nodes on the training thread, and
     # these checks are most of them (the isinstance chain below cost twice as much).
     kind = type(obj)
+    if kind is int and not -INT_LIMIT < obj < INT_LIMIT:
+        raise TypeError(huge_int_message(path, obj))
     if kind is str or kind is int or kind is bool or obj is None:
         return obj
     if kind is torch.Tensor:
@@ -68,7 +86,9 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef], depth: int = 0) -> A
     if (
         (kind is list or kind is tuple)
         and inner <= MAX_DEPTH
-        and all(type(v) in _PLAIN for v in obj)
+        and all(
+            type(v) in _PLAIN and (type(v) is not int or -INT_LIMIT < v < INT_LIMIT) for v in obj
+        )
     ):
         # Flat sequences of plain values (an RNG state is a tuple of 625 ints): one node,
         # not one call and one path string per element (half of save() before this).
@@ -88,6 +108,8 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef], depth: int = 0) -> A
     if obj is None or isinstance(obj, bool | str):
         return obj
     if isinstance(obj, int | np.integer):
+        if not is_storable_int(int(obj)):
+            raise TypeError(huge_int_message(path, int(obj)))
         return int(obj)
     if isinstance(obj, float | np.floating):
         value = float(obj)

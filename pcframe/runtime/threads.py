@@ -51,6 +51,7 @@ import contextlib
 import ctypes
 import functools
 import logging
+import math
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -437,3 +438,17 @@ def one_openmp_thread() -> Iterator[None]:
         yield
     finally:
         runtime.omp_set_num_threads(before)
+
+
+def check_timeout(timeout: object, call: str) -> None:
+    """Refuse a ``timeout=`` that is not ``None`` or a number of seconds, naming the call (a string
+    reached the wait as a raw TypeError from a comparison inside threading)."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(
+            f"{call}(timeout={timeout!r}): give seconds (an int or float) or None to wait "
+            "as long as it takes"
+        )
+    if math.isnan(timeout):  # a negative one is a deadline already passed: as 0
+        raise ValueError(f"{call}(timeout=nan): give seconds, or None")

@@ -17,7 +17,13 @@ import torch
 from pcframe.config import EngineConfig
 from pcframe.format.layout import Layout
 from pcframe.format.manifest import MAX_DIMS, MAX_NAME, MAX_NUMEL, MAX_TENSORS, is_valid_step
-from pcframe.format.tree import TensorRef, encode_tree
+from pcframe.format.tree import (
+    MAX_DEPTH,
+    TensorRef,
+    encode_tree,
+    huge_int_message,
+    is_storable_int,
+)
 from pcframe.kernels.dtypes import DTYPE_NAMES
 from pcframe.save.request import SaveRequest, in_place_version, same_sample, value_sample
 from pcframe.state.migrations import versions_to_save
@@ -329,7 +335,15 @@ def json_only(value: dict[str, Any], what: str) -> dict[str, Any]:
         raise TypeError(f"{what} must be JSON-able (no tensors or objects): {exc}") from None
 
 
-def _check_round_trip(value: Any, path: str) -> None:
+def _check_round_trip(value: Any, path: str, depth: int = 0) -> None:
+    if depth > MAX_DEPTH:  # JSON's reader recurses: nested ~1000 deep, no reader opens it
+        shown = path if len(path) <= 200 else f"{path[:200]}..."
+        raise TypeError(
+            f"{shown}: nested deeper than {MAX_DEPTH} levels, which pcframe does not store; "
+            "flatten it"
+        )
+    if isinstance(value, int) and not isinstance(value, bool) and not is_storable_int(value):
+        raise TypeError(huge_int_message(path, value))
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
@@ -337,9 +351,9 @@ def _check_round_trip(value: Any, path: str) -> None:
                     f"{path}: key {key!r} ({type(key).__name__}) would not be restored as it is "
                     "(JSON keys are strings); use str keys"
                 )
-            _check_round_trip(item, f"{path}[{key!r}]")
+            _check_round_trip(item, f"{path}[{key!r}]", depth + 1)
     elif isinstance(value, tuple):
         raise TypeError(f"{path}: a tuple would be restored as a list; store a list")
     elif isinstance(value, list):
         for index, item in enumerate(value):
-            _check_round_trip(item, f"{path}[{index}]")
+            _check_round_trip(item, f"{path}[{index}]", depth + 1)

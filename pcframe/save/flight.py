@@ -33,6 +33,7 @@ from pcframe.runtime.threads import (
     DeferredCall,
     EngineCalls,
     Reentry,
+    check_timeout,
     engine_call,
 )
 from pcframe.save.handle import SaveHandle, SaveRecord, VersionHandle
@@ -272,6 +273,7 @@ class EngineSaveHandle(SaveHandle):
 
     @engine_call(reentry=Reentry.DEFERRED, owner="SaveHandle", name="wait", later="_wait_later")
     def outcome(self, timeout: float | None = None) -> tuple[SaveStatus, SaveError | None]:
+        check_timeout(timeout, "SaveHandle.wait")
         return self._outcome(timeout)
 
     def wait_here(self) -> SaveStatus:
@@ -352,6 +354,7 @@ class DeferredSave(VersionHandle):
                 ``CheckpointError``: the engine was closed first).
             TimeoutError: ``timeout`` passed first.
         """
+        check_timeout(timeout, "SaveHandle.wait")
         # Entering this call ran what this thread deferred (this save among it); a save
         # deferred on another thread is started by that thread.
         if self._call.thread == threading.get_ident() and not self._call.done.is_set():

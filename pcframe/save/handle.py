@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pcframe.errors import SaveError
+from pcframe.runtime.threads import check_timeout
 from pcframe.save.progress import SaveProgress
 from pcframe.save.status import SaveStatus
 
@@ -90,6 +91,7 @@ class SaveHandle(VersionHandle):
         Raises:
             TimeoutError: if ``timeout`` passed first.
         """
+        check_timeout(timeout, "SaveHandle.wait")
         progress = self._progress
         if not progress.finished.wait(timeout):
             raise TimeoutError(f"checkpoint version {self.version} not durable after {timeout}s")

@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import shutil
 import weakref
 from pathlib import Path
@@ -43,6 +44,13 @@ CLEAN_EXIT = ".clean-exit"
 TRASH_PREFIX = ".trash-"
 QUARANTINE_PREFIX = ".corrupt-"
 SET_ASIDE_NAME = "set-aside.txt"  # in a quarantined version: why a restore set it aside
+# What a writer that died may leave at the top of its folder, and the next one removes: a
+# version being written or deleted, a tier's fetch scratch, a marker being replaced. Only
+# these: anything else in the folder is the user's (notes.tmp, .trash-me) and stays.
+_LEFTOVER = re.compile(
+    rf"^(v\d{{8,}}\.tmp|{re.escape(TRASH_PREFIX)}v\d{{8,}}|\.fetch-v\d{{8,}}-.+\.tmp"
+    r"|(LATEST|\.clean-exit|\.starts)\.tmp)$"
+)
 
 # Every writer holding its lock in this process. A child forked without exec (a DataLoader
 # worker, a multiprocessing helper) would inherit the lock's open file and with it the
@@ -88,6 +96,24 @@ def write_file_durably(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def is_leftover_name(name: str) -> bool:
+    """Whether a writer removes ``name`` at the top of its folder when it opens."""
+    return bool(_LEFTOVER.match(name))
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """Write ``data`` into a new file at ``path``: whatever has the name (a link, a hard
+    link, a FIFO planted in a damaged version) is unlinked first, never written through."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
 class CheckpointDir:
     """Read-side view of a checkpoint directory (no lock needed, never modifies)."""
 
@@ -97,7 +123,20 @@ class CheckpointDir:
                 f"the checkpoint directory is a {type(root).__name__} ({root!r}): give a path, "
                 "a str or a pathlib.Path"
             )
+        if not os.fspath(root):  # Path("") is the working directory: never meant
+            raise CheckpointError(
+                "the checkpoint directory is an empty path: give a folder ('.' for the "
+                "working directory)"
+            )
         self.root = Path(root)
+        # Linux's limits: a name of 255 bytes, a path of 4096 (with room for a version's
+        # files below it). Beyond them every call fails with a raw ENAMETOOLONG.
+        encoded = os.fsencode(self.root)
+        if len(encoded) > 4000 or any(len(part) > 255 for part in encoded.split(b"/")):
+            raise CheckpointError(
+                f"the checkpoint directory {str(self.root)[:80]}... is too long a path (a "
+                "name is at most 255 bytes, a path about 4000): give a shorter one"
+            )
 
     def path(self, version: int) -> Path:
         return self.root / version_name(version)
@@ -295,7 +334,7 @@ class WritableCheckpointDir(CheckpointDir):
         removed = []
         for name in os.listdir(self.root):
             path = self.root / name
-            if name.endswith(".tmp") or name.startswith(TRASH_PREFIX):
+            if is_leftover_name(name):
                 if is_real_directory(path):
                     shutil.rmtree(path, ignore_errors=True)
                 else:
@@ -309,7 +348,10 @@ class WritableCheckpointDir(CheckpointDir):
     def next_version(self) -> int:
         versions = self.committed_versions()
         hint = self.latest_hint() or 0
-        return max([hint, *versions], default=0) + 1
+        # A stray file or link with a version's name is not a version, but its name is
+        # taken: the rename that publishes a version must not land on it.
+        taken = [version_number(name, str(self.root / name)) for name in os.listdir(self.root)]
+        return max([hint, *versions, *(v for v in taken if v is not None)], default=0) + 1
 
     def staging_path(self, version: int) -> Path:
         return self.root / f"{version_name(version)}.tmp"
@@ -348,7 +390,7 @@ class WritableCheckpointDir(CheckpointDir):
             return  # already gone, or read-only: it stays listed and is skipped again next time
         if reason:  # best effort: the version is out of the listing whether or not this lands
             with contextlib.suppress(OSError):
-                (target / SET_ASIDE_NAME).write_text(f"{reason}\n")
+                _write_new(target / SET_ASIDE_NAME, f"{reason}\n".encode())
 
     def delete(self, version: int) -> None:
         """Delete a committed version so that no crash leaves it half-deleted but listed."""

@@ -190,7 +190,11 @@ def test_export_never_writes_over_a_checkpoint_or_an_unnamed_file(tmp_path, pyth
     newest = max(CheckpointDir(root).committed_versions())
     data = root / f"v{newest:08d}" / "data.bin"
     before = data.read_bytes()
-    named_like_the_engine = (root / f"v{newest + 1:08d}", root / f"v{newest + 1:08d}.tmp")
+    named_like_the_engine = (  # LATEST.tmp: the next writer removes it as its own leftover
+        root / f"v{newest + 1:08d}",
+        root / f"v{newest + 1:08d}.tmp",
+        root / "LATEST.tmp",
+    )
     for target in (
         data,
         root / "LATEST",
@@ -379,3 +383,38 @@ def test_inspect_shortens_large_metadata_and_json_keeps_all_of_it(tmp_path, pyth
     (line,) = [row for row in table.stdout.splitlines() if row.strip().startswith("metadata")]
     assert line.endswith("characters; --json prints all of it)")
     assert json.loads(cli(python, "inspect", tmp_path, "--json").stdout)["metadata"] == metadata
+
+
+def test_a_set_aside_versions_name_and_reason_cannot_drive_the_terminal(tmp_path, python):
+    """Both were printed raw: a reason file (or a folder name) holding escape sequences set
+    the window title, cleared the screen and overwrote lines."""
+    make(tmp_path)
+    hostile = "\x1b]0;pwned\x07\x1b[2J\rOVERWRITE"
+    aside = tmp_path / f".corrupt-v00000001-{hostile}"
+    aside.mkdir()
+    (aside / "set-aside.txt").write_text(f"checksum mismatch {hostile}\n")
+    for command in ("list", "verify"):
+        result = cli(python, command, tmp_path)
+        assert "\x1b" not in result.stdout + result.stderr and "\r" not in result.stdout
+        assert "\\x1b]0;pwned\\x07" in result.stdout + result.stderr
+
+
+def test_export_names_the_tensor_safetensors_cannot_store(tmp_path, python):
+    """A complex128 tensor failed as "cannot write --output PATH: torch.complex128"."""
+
+    class Spectrum:
+        def state_dict(self) -> dict:
+            return {"z": torch.zeros(3, dtype=torch.complex128)}
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    root = tmp_path / "ckpt"
+    with Checkpointer(root, model=torch.nn.Linear(2, 2), stateful={"fft": Spectrum()}) as ckpt:
+        ckpt.save(step=1).wait()
+    out = tmp_path / "all.st"
+    refused = cli(python, "export", root, "-o", out)
+    assert refused.returncode == 2 and not out.exists()
+    assert "stateful/fft/z in this version is torch.complex128" in refused.stderr
+    assert "--only GROUP" in refused.stderr
+    assert cli(python, "export", root, "--only", "model", "-o", out).returncode == 0

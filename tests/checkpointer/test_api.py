@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -687,3 +688,71 @@ def test_a_rollback_that_fails_too_still_names_the_first_failure(tmp_path):
     assert "a restore failed (loading stateful" in message
     assert message.count("this object cannot load anything") == 2
     assert "rolling it back failed too" in message
+
+
+def _nested(levels: int) -> dict:
+    top = node = {}
+    for _ in range(levels):
+        node["a"] = node = {}
+    return top
+
+
+class _HugeCounter:
+    def state_dict(self) -> dict:
+        return {"seen": 10**5000}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def test_values_a_default_reader_cannot_parse_are_refused_before_the_version(tmp_path):
+    """With the user's raised limits (sys.set_int_max_str_digits(0), a large recursion
+    limit: both common in ML code) such a version committed, and the next process, with the
+    default limits, set it aside as corrupt; with the default limits the save failed late
+    (a raw RecursionError, or a commit-stage error whose advice led to the first case)."""
+    model = torch.nn.Linear(2, 2)
+    digits, recursion = sys.get_int_max_str_digits(), sys.getrecursionlimit()
+    sys.set_int_max_str_digits(0)
+    sys.setrecursionlimit(10_000)
+    try:
+        counter = {"counter": _HugeCounter()}
+        seen = r"'/stateful/counter/seen': it has 16610 bits"
+        with (
+            Checkpointer(tmp_path, model=model, stateful=counter) as ckpt,
+            pytest.raises(TypeError, match=seen),
+        ):
+            ckpt.save(step=1)
+        with Checkpointer(tmp_path, model=model) as ckpt:
+            with pytest.raises(TypeError, match=r"nested deeper than 64 levels"):
+                ckpt.save(step=1, metadata={"cfg": _nested(1200)})
+            with pytest.raises(TypeError, match=r"metadata\['n'\]': it has"):
+                ckpt.save(step=1, metadata={"n": -(10**5000)})
+            ckpt.save(step=2, metadata={"cfg": _nested(10), "n": 10**4000}).wait()
+    finally:
+        sys.set_int_max_str_digits(digits)
+        sys.setrecursionlimit(recursion)
+    with Checkpointer(tmp_path, model=model) as ckpt:  # the default limits: it reads back
+        assert ckpt.restore() == 2 and ckpt.last_restore.version == 1
+
+
+def test_paths_and_timeouts_no_call_can_use_are_refused_by_name(tmp_path, monkeypatch):
+    """Checkpointer('') and pcframe.load('') used the working directory (and removed
+    leftovers there); a 5000-character path was a raw ENAMETOOLONG; close(timeout='a') a
+    raw TypeError from a comparison inside the wait."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "v00000001.tmp").mkdir()  # would be swept as a leftover of the cwd
+    for path in ("", "x" * 5000, f"{tmp_path}/{'y' * 300}"):
+        with pytest.raises(CheckpointError, match=r"empty path|too long a path"):
+            Checkpointer(path, model=torch.nn.Linear(2, 2))
+        with pytest.raises(CheckpointError, match=r"empty path|too long a path"):
+            pcframe.load(path)
+    assert (tmp_path / "v00000001.tmp").is_dir()
+    with Checkpointer(tmp_path / "ckpt", model=torch.nn.Linear(2, 2)) as ckpt:
+        handle = ckpt.save(step=1)
+        with pytest.raises(TypeError, match=r"close\(timeout='a'\): give seconds"):
+            ckpt.close(timeout="a")
+        with pytest.raises(TypeError, match=r"SaveHandle.wait\(timeout='1'\)"):
+            handle.wait(timeout="1")
+        with pytest.raises(ValueError, match=r"wait\(timeout=nan\)"):
+            ckpt.wait(timeout=float("nan"))
+        assert handle.wait(timeout=30).value == "committed"

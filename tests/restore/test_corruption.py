@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 
 import pytest
@@ -127,3 +128,57 @@ def test_empty_directory_restores_nothing(tmp_path):
         assert ckpt.restore() is None
         assert ckpt.last_restore.skipped == []
     assert torch.is_tensor(next(model.parameters()))
+
+
+@pytest.mark.parametrize("planted", ["symlink", "hardlink", "fifo"])
+def test_setting_a_damaged_version_aside_writes_through_nothing_planted_in_it(tmp_path, planted):
+    """The reason was written with write_text(): through a link planted as set-aside.txt in
+    the damaged version (a file outside the folder overwritten), and into a FIFO for ever."""
+    root, outside = tmp_path / "ckpt", tmp_path / "victim.txt"
+    first = two_versions(root)
+    outside.write_text("the user's file")
+    damaged = root / "v00000002"
+    flip_byte(damaged / "data.bin", 100)
+    name = damaged / "set-aside.txt"
+    if planted == "symlink":
+        name.symlink_to(outside)
+    elif planted == "hardlink":
+        os.link(outside, name)
+    else:
+        os.mkfifo(name)
+    model, optimizer, _ = small_training(seed=3)
+    with Checkpointer(root, model=model, optimizer=optimizer) as ckpt:
+        assert ckpt.restore() == 2  # returns: the FIFO hung it here
+    assert state_equal(model.state_dict(), first)
+    assert outside.read_text() == "the user's file"
+    (aside,) = root.glob(".corrupt-v00000002-*")
+    assert "checksum" in (aside / "set-aside.txt").read_text()
+
+
+def test_a_writer_removes_only_its_own_leftovers_and_a_stray_name_takes_no_version(tmp_path):
+    """Opening a Checkpointer deleted every *.tmp and .trash-* entry of the folder (the
+    user's notes.tmp, a cache.tmp folder); a stray file named like the next version made
+    its save fail with a raw NotADirectoryError; a non-canonical v000000001 was listed as
+    version 1 and read and deleted through v00000001."""
+    (tmp_path / "cache.tmp").mkdir()
+    for name in ("notes.tmp", "cache.tmp/x", ".trash-me", "v00000002"):
+        (tmp_path / name).write_text("user")
+    for name in ("v00000007.tmp", ".trash-v00000005", ".fetch-v00000003-remote.tmp"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "LATEST.tmp").write_text("v00000004\n")
+    (tmp_path / "v000000001").mkdir()
+    model = torch.nn.Linear(3, 3)
+    with Checkpointer(tmp_path, model=model) as ckpt:
+        handle = ckpt.save(step=1)
+        handle.wait()
+        assert handle.version == 3  # v00000002 is a file: 2 is taken
+    kept = {p.name for p in tmp_path.iterdir()}
+    assert {"notes.tmp", "cache.tmp", ".trash-me", "v00000002", "v000000001"} <= kept
+    assert (tmp_path / "cache.tmp" / "x").read_text() == "user"
+    assert not kept & {
+        "v00000007.tmp",
+        ".trash-v00000005",
+        ".fetch-v00000003-remote.tmp",
+        "LATEST.tmp",
+    }
+    assert CheckpointDir(tmp_path).committed_versions() == [3]
