@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import weakref
 from pathlib import Path
 
@@ -221,13 +222,26 @@ def set_aside_reason(folder: Path) -> str:
         return "reason not recorded"
 
 
+def _caller_outside_pcframe() -> str:
+    """``file:line`` of the innermost frame outside pcframe (who opened a writer)."""
+    package = str(Path(__file__).resolve().parents[1])
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame = frame.f_back
+    return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
 def _locked_message(root: Path, holder: str) -> str:
     """Why ``root``'s lock is taken, in words: who holds it and what to do."""
     pid = int(holder) if holder.isdigit() else None
     if pid == os.getpid():
+        opened = [h.opened_at for h in list(_HOLDERS) if _same_folder(h.root, root)]
+        where = f" (opened at {opened[0]})" if opened else ""
         return (
-            f"{root} already has a Checkpointer open in this process; only one writer per "
-            "directory: close it first or use another directory"
+            f"{root} already has a Checkpointer open in this process{where}; only one "
+            "writer per directory: call close() on that one first (in a notebook, the "
+            "variable of the cell that opened it still holds it; `with Checkpointer(...)` "
+            "closes by itself), or use another directory"
         )
     if pid is not None and not _alive(pid):
         return (
@@ -239,6 +253,13 @@ def _locked_message(root: Path, holder: str) -> str:
         f"{root} is being written by another live process (pid {holder or '?'}); only one "
         "writer per directory: close the other Checkpointer or use another directory"
     )
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _alive(pid: int) -> bool:
@@ -275,6 +296,7 @@ class WritableCheckpointDir(CheckpointDir):
             os.close(self._lock_fd)
             raise DirectoryLocked(_locked_message(self.root, holder)) from None
         _HOLDERS.add(self)
+        self.opened_at = _caller_outside_pcframe()
         try:
             os.ftruncate(self._lock_fd, 0)
             os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)

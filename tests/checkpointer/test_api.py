@@ -103,11 +103,18 @@ def test_a_child_forked_by_a_dead_writer_does_not_keep_its_lock(tmp_path, python
 
 
 def test_a_second_writer_in_the_same_process_is_named_as_such(tmp_path):
-    with (
-        Checkpointer(tmp_path, model=torch.nn.Linear(2, 2)),
-        pytest.raises(DirectoryLocked, match="already has a Checkpointer open in this"),
-    ):
-        Checkpointer(tmp_path, model=torch.nn.Linear(2, 2))
+    """The message says where the open one was made: a notebook cell run again left the
+    first open, and the user had no way to tell which object to close."""
+    first = Checkpointer(tmp_path, model=torch.nn.Linear(2, 2))
+    line = sys._getframe().f_lineno - 1
+    try:
+        with pytest.raises(DirectoryLocked, match="already has a Checkpointer open in this") as err:
+            Checkpointer(tmp_path / ".", model=torch.nn.Linear(2, 2))
+        assert f"(opened at {__file__}:{line})" in str(err.value)
+        assert "call close() on that one first" in str(err.value)
+    finally:
+        first.close()
+    Checkpointer(tmp_path, model=torch.nn.Linear(2, 2)).close()  # closed: the folder is free
 
 
 class EveryThird(IntervalPolicy):
