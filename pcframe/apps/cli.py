@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -147,7 +148,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         directory, args.version, lambda v: _manifest(directory, v), "inspect", _one_line
     )
     if args.json:
-        print(json.dumps(_summary(manifest, args.tensors), indent=2))
+        print(json.dumps(_strict_json(_summary(manifest, args.tensors)), indent=2))
         return 0
     engine = manifest.engine if isinstance(manifest.engine, dict) else {}
     config = engine.get("config", {}) if isinstance(engine.get("config"), dict) else {}
@@ -188,6 +189,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     else:
         print("(--tensors lists every tensor; --json prints the manifest summary as JSON)")
     return 0
+
+
+def _strict_json(value: typing.Any) -> typing.Any:
+    """``value`` with NaN and the infinities as strings: Python writes them as bare tokens,
+    which jq and other JSON readers refuse (metadata may hold them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "nan", "inf", "-inf"
+    if isinstance(value, dict):
+        return {key: _strict_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict_json(item) for item in value]
+    return value
 
 
 METADATA_SHOWN = 500  # characters of a version's metadata `inspect` prints (--json: all)

@@ -385,6 +385,19 @@ def test_inspect_shortens_large_metadata_and_json_keeps_all_of_it(tmp_path, pyth
     assert json.loads(cli(python, "inspect", tmp_path, "--json").stdout)["metadata"] == metadata
 
 
+def test_inspect_json_is_strict_json_when_metadata_holds_nan(tmp_path, python):
+    """NaN was printed as a bare token, which jq and strict readers refuse."""
+    with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2)) as ckpt:
+        ckpt.save(step=1, metadata={"loss": float("nan"), "best": float("-inf")}).wait()
+    text = cli(python, "inspect", tmp_path, "--json").stdout
+
+    def refuse(token: str) -> None:
+        raise ValueError(token)
+
+    info = json.loads(text, parse_constant=refuse)
+    assert info["metadata"] == {"loss": "nan", "best": "-inf"}
+
+
 def test_a_set_aside_versions_name_and_reason_cannot_drive_the_terminal(tmp_path, python):
     """Both were printed raw: a reason file (or a folder name) holding escape sequences set
     the window title, cleared the screen and overwrote lines."""
