@@ -9,6 +9,8 @@ at any moment a version is either fully listed or not listed at all.
 
 from __future__ import annotations
 
+import math
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -17,6 +19,34 @@ from pathlib import Path
 from pcframe.errors import TierError
 from pcframe.format.manifest import MANIFEST_NAME
 from pcframe.format.names import SAFE_FILE
+
+# A tier's name is a config key and part of a restore's scratch folder name
+# (``.fetch-vN-<name>.tmp``): no path separators, no leading dot.
+TIER_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,63}$")
+
+
+def check_tier_name(name: object) -> str:
+    if not isinstance(name, str) or not TIER_NAME.match(name):
+        raise TierError(
+            f"tiers: {name!r} is not a tier name; use letters, digits, '_' and '-' (at most "
+            "64), e.g. 'remote' or 'disk2'"
+        )
+    return name
+
+
+def number_option(value: object, key: str, *, low: float, low_ok: bool) -> float:
+    """``value`` as a float if it is a finite number above ``low`` (or at it, ``low_ok``);
+    else a :class:`TierError` naming ``key`` (NaN passed every comparison before)."""
+    fits = (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+        and (value >= low if low_ok else value > low)
+    )
+    if not fits:
+        bound = f">= {low:g}" if low_ok else f"> {low:g}"
+        raise TierError(f"{key}={value!r}: give a finite number {bound}")
+    return float(value)
 
 
 class Tier(ABC):

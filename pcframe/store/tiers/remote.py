@@ -30,9 +30,10 @@ from typing import Any
 from pcframe.errors import CorruptCheckpoint, TierError
 from pcframe.format.names import SAFE_FILE, VERSION_DIGITS, version_from_digits, version_name
 from pcframe.runtime.faults import crash_point
-from pcframe.store.tiers.base import Tier, version_files
+from pcframe.store.tiers.base import Tier, number_option, version_files
 from pcframe.store.tiers.fsops import FsCalls
 
+_GLOB = ("*", "?", "[")  # what fsspec expands as patterns
 MARKER = "COMMITTED"
 MARKER_FORMAT = "pcframe-remote-commit"
 _ENTRY = re.compile(rf"^{VERSION_DIGITS}/([^/]+)$")  # a file of a version
@@ -68,10 +69,23 @@ class RemoteTier(Tier):
         create: bool = True,
         upload_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if timeout <= 0 or min_throughput <= 0:
+        if not isinstance(url, str) or "://" not in url:
             raise TierError(
-                f"remote tier {url}: timeout={timeout} and min_throughput={min_throughput} "
-                "must be > 0"
+                f"remote tier: url={url!r} is not a URL; give one such as 's3://bucket/run'"
+            )
+        timeout = number_option(timeout, f"remote tier {url}: timeout", low=0, low_ok=False)
+        min_throughput = number_option(
+            min_throughput, f"remote tier {url}: min_throughput", low=0, low_ok=False
+        )
+        path = url.split("://", 1)[1].rstrip("/")
+        if "//" in path or any(c in path for c in _GLOB):
+            # fsspec lists "bkt//run" as nothing (every upload written, none ever listed or
+            # restored) and expands *, ? and [ as patterns when it deletes (retention
+            # removed another run's objects under "run*").
+            raise TierError(
+                f"remote tier {url}: an empty path segment ('//') or a glob character "
+                f"({' '.join(_GLOB)}) in the URL; write the prefix without them, e.g. "
+                "s3://bucket/runs/run1"
             )
         try:
             from fsspec.core import url_to_fs
@@ -144,7 +158,13 @@ class RemoteTier(Tier):
         misspelt bucket with ``create=False`` would otherwise read as "no checkpoint yet"
         and training would start from step 0."""
         bucket = self.root.split("/", 1)[0]
-        if self._create or not bucket:
+        if not bucket:
+            return
+        if self._create:
+            # The bucket is made now rather than at the first upload: an endpoint that is
+            # not an object store (another HTTP service answering 404) lists as "nothing"
+            # too, and a restore must not take that for "no checkpoint yet".
+            self._ensure_root()
             return
         try:
             exists = self._calls("exists", bucket, timeout=self._deadline())
@@ -234,8 +254,13 @@ class RemoteTier(Tier):
             found = self._calls("find", self._key(version), timeout=self._deadline())
         except FileNotFoundError:
             return
-        if found:
-            self._calls("rm", list(found), timeout=self._deadline())
+        # Keys the backend would take for patterns (another writer's junk) go one by one.
+        patterns = [key for key in found if any(c in key for c in _GLOB)]
+        plain = [key for key in found if key not in patterns]
+        if plain:
+            self._calls("rm", plain, timeout=self._deadline())
+        for key in patterns:
+            self._calls("rm_file", key, timeout=self._deadline())
 
     def delete(self, version: int) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -268,6 +293,10 @@ class RemoteTier(Tier):
             raise TierError(
                 f"tier {self.name!r}: version {version} is not committed ({key})"
             ) from None
+        except OSError as exc:
+            raise _naming(exc, key) from exc
+        except Exception as exc:  # the backend's own errors (botocore: a dead endpoint)
+            raise self._fail(f"cannot read {key}", exc) from exc
         try:
             marker = json.loads(raw)
             files = marker["files"]
@@ -309,6 +338,8 @@ class RemoteTier(Tier):
                     ) from None
                 except OSError as exc:  # name the object; keep the type and errno for retries
                     raise _naming(exc, self._key(version, name)) from exc
+                except Exception as exc:  # the backend's own errors (botocore's are not OSError)
+                    raise self._fail(f"cannot read {self._key(version, name)}", exc) from exc
                 got = os.path.getsize(target)
                 if got != size:
                     raise CorruptCheckpoint(

@@ -7,8 +7,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from pcframe.errors import TierError
-from pcframe.store.tiers.base import Tier
+from pcframe.store.tiers.base import Tier, check_tier_name
 from pcframe.store.tiers.local import LocalTier
+
+REMOTE_OPTIONS = ("url", "storage_options", "timeout", "min_throughput", "create", "upload_options")
 
 TierSpec = str | os.PathLike[str] | Tier | Mapping[str, Any]
 
@@ -19,6 +21,7 @@ def make_tier(name: str, spec: TierSpec) -> Tier:
     Mappings are the config form: ``{"path": "/data/ckpt"}`` or ``{"url": "s3://b/run",
     "storage_options": {...}, "timeout": 30}``.
     """
+    check_tier_name(name)
     if isinstance(spec, Tier):
         tier = spec
     elif isinstance(spec, str | os.PathLike):
@@ -33,6 +36,14 @@ def make_tier(name: str, spec: TierSpec) -> Tier:
             tier = LocalTier(text)
     elif isinstance(spec, Mapping):
         options = dict(spec)
+        unknown = [k for k in options if k not in REMOTE_OPTIONS and k != "path"]
+        if "url" in options and "path" in options:
+            unknown.insert(0, "path")
+        if "url" in options and unknown:
+            raise TierError(
+                f"tiers.{name}.{unknown[0]} is not a remote tier option; it takes "
+                f"{', '.join(REMOTE_OPTIONS)}"
+            )
         if "url" in options:
             from pcframe.store.tiers.remote import RemoteTier
 

@@ -32,7 +32,7 @@ from pcframe.policies.placement import (
 )
 from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.retention import KeepWhere
-from pcframe.store.tiers.base import Tier
+from pcframe.store.tiers.base import Tier, number_option
 from pcframe.store.tiers.local import LocalTier
 from pcframe.store.tiers.replicator import Job, Replicator, TierStatus
 from pcframe.store.tiers.sources import Source, tier_sources
@@ -95,10 +95,16 @@ class Tiers:
         secure_timeout: float = 120.0,
         external: Collection[str] = (),
     ) -> None:
-        if retries < 0 or backoff <= 0 or backoff_max < backoff or drain_timeout < 0:
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise TierError(f"tiers: retries={retries!r}: give a whole number >= 0")
+        backoff = number_option(backoff, "tiers: backoff", low=0, low_ok=False)
+        backoff_max = number_option(backoff_max, "tiers: backoff_max", low=backoff, low_ok=True)
+        drain_timeout = number_option(drain_timeout, "tiers: drain_timeout", low=0, low_ok=True)
+        secure_timeout = number_option(secure_timeout, "tiers: secure_timeout", low=0, low_ok=True)
+        if not isinstance(replicas, Mapping):
             raise TierError(
-                f"tiers: retries={retries} must be >= 0, 0 < backoff={backoff} <= "
-                f"backoff_max={backoff_max}, drain_timeout={drain_timeout} >= 0"
+                f"tiers: {type(replicas).__name__} given; give a mapping of tier name to where, "
+                "e.g. {'remote': 's3://bucket/run'}"
             )
         self.replicas: dict[str, Tier] = {}
         try:

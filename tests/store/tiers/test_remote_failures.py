@@ -19,7 +19,7 @@ import torch
 import pcframe.policies as P
 from pcframe import Checkpointer
 from pcframe.restore.reader import load_version
-from pcframe.store.tiers import RemoteTier, Tiers
+from pcframe.store.tiers import RemoteTier, TierError, Tiers
 from tests.store.tiers.conftest import MotoServer
 from tests.store.tiers.helpers import same, snapshot
 
@@ -171,7 +171,7 @@ UPLOADER = """
 import sys, torch
 import pcframe.policies as P
 from pcframe import Checkpointer
-from pcframe.store.tiers import RemoteTier, Tiers
+from pcframe.store.tiers import RemoteTier, TierError, Tiers
 
 endpoint, bucket, local = sys.argv[1:4]
 options = {{"key": "testing", "secret": "testing", "client_kwargs": {{"endpoint_url": endpoint}}}}
@@ -277,3 +277,28 @@ def test_notice_aborts_an_older_stuck_upload_and_secures_the_emergency_version(
         status = ckpt.tiers.status()["remote"]
         assert status.skipped >= 1 and status.last_written == 2
     assert assert_only_complete_versions_listed(server, bucket, tmp_path) == [2]
+
+
+@pytest.mark.slow
+def test_a_server_gone_between_listing_and_download_is_a_tier_error(
+    own_moto_server: MotoServer, bucket: str, tmp_path: Path
+):
+    """botocore's connection errors are not OSError: one raised by the marker's or a file's
+    download escaped the restore as a raw EndpointConnectionError."""
+    server = own_moto_server
+    model, opt = big_model()
+    tiers = Tiers({"remote": remote(server, bucket, timeout=5)}, backoff=0.05, backoff_max=0.2)
+    placement = P.LocalPlusRemote(remote_every=1)
+    with Checkpointer(
+        tmp_path / "local", model=model, optimizer=opt, tiers=tiers, placement=placement
+    ) as ckpt:
+        train(model, opt)
+        ckpt.save(1).wait()
+        assert ckpt.tiers.wait_idle(60)
+    tier = remote(server, bucket, timeout=3)
+    assert tier.committed_versions() == [1]
+    server.kill()
+    with pytest.raises(TierError, match=r"tier 'remote' .*cannot read .*v00000001/COMMITTED"):
+        tier.read_marker(1)
+    with pytest.raises(TierError, match=r"cannot read"), tier.fetch(1, tmp_path / "scratch"):
+        pass

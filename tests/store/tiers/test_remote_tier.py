@@ -220,3 +220,85 @@ def test_a_failed_download_names_the_object_and_keeps_type_and_errno() -> None:
     late = _naming(TimeoutError("get_file did not finish within 1.4 s"), "b/run/x")
     assert type(late) is TimeoutError
     assert str(late) == "b/run/x: get_file did not finish within 1.4 s"
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"url": "s3://b/run", "storage_option": {}}, r"tiers\.remote\.storage_option is not"),
+        ({"url": "s3://b/run", "path": "/x"}, r"tiers\.remote\.path is not a remote tier"),
+        ({"url": None}, r"url=None is not a URL"),
+        ({"url": "s3://b/run", "timeout": "30"}, r"timeout='30': give a finite number > 0"),
+        ({"url": "s3://b/run", "timeout": float("nan")}, r"timeout=nan: give a finite"),
+        ({"url": "s3://b//run"}, r"an empty path segment"),
+        ({"url": "s3://b/run*"}, r"a glob character"),
+        ({"url": "s3://b/a[1]"}, r"a glob character"),
+    ],
+    ids=str,
+)
+def test_remote_tier_settings_are_refused_in_one_line_naming_the_key(options, words):
+    """Typos were raw TypeErrors; NaN passed every check (close() then dropped every queued
+    upload); s3://b//run wrote versions no listing ever found (restored as "no checkpoint");
+    a glob character made retention delete another run's objects (run* matched runA)."""
+    with pytest.raises(TierError, match=words) as err:
+        Tiers({"remote": options})
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("tiers", "kwargs", "words"),
+    [
+        (["s3://b/run"], {}, r"tiers: list given; give a mapping"),
+        ({"../../precious": "s3://b/run"}, {}, r"'\.\./\.\./precious' is not a tier name"),
+        ({}, {"retries": "5"}, r"retries='5': give a whole number"),
+        ({}, {"drain_timeout": float("nan")}, r"drain_timeout=nan"),
+        ({}, {"backoff": 0}, r"backoff=0: give a finite number > 0"),
+    ],
+    ids=str,
+)
+def test_tier_sets_and_names_are_checked(tiers, kwargs, words):
+    """A tier named with '/' or '..' reached the restore's scratch path (primary/.fetch-vN-
+    <name>.tmp): a restore deleted a folder outside the checkpoint directory."""
+    with pytest.raises(TierError, match=words):
+        Tiers(tiers, **kwargs)
+
+
+def test_an_endpoint_that_is_not_an_object_store_is_not_no_checkpoint(tmp_path: Path) -> None:
+    """A service answering 404 to everything listed as an empty tier with create=True: a new
+    machine restored nothing and trained from step 0, though the bucket held versions."""
+    import http.server
+    import threading
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _answer
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        options = {
+            "key": "k",
+            "secret": "s",
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{server.server_port}"},
+        }
+        tier = RemoteTier("s3://bucket/run", options, timeout=5)
+        tier.name = "remote"
+        with pytest.raises(TierError, match=r"tier 'remote' .*cannot create the root"):
+            tier.committed_versions()
+        model, opt = model_and_optimizer()
+        tiers = Tiers({"remote": tier}, retries=0, backoff=0.05, drain_timeout=1.0)
+        unknown = "cannot tell whether a checkpoint exists"
+        with (
+            Checkpointer(tmp_path, model=model, optimizer=opt, tiers=tiers) as ckpt,
+            pytest.raises(RestoreIOError, match=unknown),
+        ):
+            ckpt.restore()
+    finally:
+        server.shutdown()
