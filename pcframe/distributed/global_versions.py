@@ -53,6 +53,7 @@ from pcframe.store.directory import (
     CheckpointDir,
     fsync_dir,
     write_file_durably,
+    write_new_file,
 )
 
 log = logging.getLogger("pcframe")
@@ -157,7 +158,7 @@ def quarantine_record(root: Path, version: int, reason: str = "") -> None:
         return
     if reason:  # best effort: the record is out of the listing whether or not this lands
         with contextlib.suppress(OSError):
-            (root / RECORDS / f"{stem}.why").write_text(f"{reason}\n")
+            write_new_file(root / RECORDS / f"{stem}.why", f"{reason}\n".encode())
 
 
 def set_aside_records(root: Path) -> list[tuple[str, str]]:
@@ -408,6 +409,6 @@ def next_version(root: Path) -> int:
     if root.is_dir():
         directories += [CheckpointDir(root / n) for n in os.listdir(root) if RANK_DIR.match(n)]
     for directory in directories:
-        used += directory.committed_versions()
+        used += directory.taken_versions()  # a stray file named v00000003 takes 3 too
         used.append(directory.latest_hint() or 0)
     return max([pointer or 0, *used], default=0) + 1

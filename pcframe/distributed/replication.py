@@ -148,7 +148,8 @@ class PeerReplication:
             return frozenset(self._undecided | {self.secured})
 
     def copied(self, version: int) -> bool:
-        """Whether every copy of this rank's shard of ``version`` reached its peers."""
+        """Whether every copy of this rank's shard of ``version`` reached its peers (asked of
+        the newest versions: the status keeps the last STATUS_KEPT copied)."""
         return version in self.status.copied
 
     def close(self) -> None:

@@ -24,13 +24,20 @@ MAX_DEPTH = 64
 _PLAIN = frozenset({int, str, bool, type(None)})  # stored as they are, no tensor inside
 # Python's JSON reader refuses integers of more than 4300 digits by default
 # (sys.int_max_str_digits): a writer whose user lifted that limit could commit a version
-# no default reader can open. Integers are kept below 10**4299 in magnitude.
-INT_LIMIT = 10**4299
+# no default reader can open. Integers are kept below 10**4300 in magnitude (4300 digits).
+INT_LIMIT = 10**4300
 
 
 def is_storable_int(value: int) -> bool:
     """Whether ``value`` (an int) reads back from JSON under Python's default limits."""
     return -INT_LIMIT < value < INT_LIMIT
+
+
+def _ints_storable(values: list | tuple) -> bool:
+    """Whether every int of a flat sequence reads back (one min and max, not a test each:
+    an RNG state is 625 of them, encoded at every save on the training thread)."""
+    ints = [v for v in values if type(v) is int]
+    return not ints or (min(ints) > -INT_LIMIT and max(ints) < INT_LIMIT)
 
 
 def huge_int_message(path: str, value: int) -> str:
@@ -86,9 +93,8 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef], depth: int = 0) -> A
     if (
         (kind is list or kind is tuple)
         and inner <= MAX_DEPTH
-        and all(
-            type(v) in _PLAIN and (type(v) is not int or -INT_LIMIT < v < INT_LIMIT) for v in obj
-        )
+        and _PLAIN.issuperset(map(type, obj))
+        and _ints_storable(obj)
     ):
         # Flat sequences of plain values (an RNG state is a tuple of 625 ints): one node,
         # not one call and one path string per element (half of save() before this).

@@ -52,6 +52,7 @@ import ctypes
 import functools
 import logging
 import math
+import numbers
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -445,10 +446,10 @@ def check_timeout(timeout: object, call: str) -> None:
     reached the wait as a raw TypeError from a comparison inside threading)."""
     if timeout is None:
         return
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise TypeError(
             f"{call}(timeout={timeout!r}): give seconds (an int or float) or None to wait "
             "as long as it takes"
         )
-    if math.isnan(timeout):  # a negative one is a deadline already passed: as 0
+    if math.isnan(float(timeout)):  # a negative one is a deadline already passed: as 0
         raise ValueError(f"{call}(timeout=nan): give seconds, or None")

@@ -102,7 +102,7 @@ def is_leftover_name(name: str) -> bool:
     return bool(_LEFTOVER.match(name))
 
 
-def _write_new(path: Path, data: bytes) -> None:
+def write_new_file(path: Path, data: bytes) -> None:
     """Write ``data`` into a new file at ``path``: whatever has the name (a link, a hard
     link, a FIFO planted in a damaged version) is unlinked first, never written through."""
     with contextlib.suppress(FileNotFoundError):
@@ -175,6 +175,17 @@ class CheckpointDir:
                 )
         return sorted(found)
 
+    def taken_versions(self) -> list[int]:
+        """The committed versions and the numbers of anything else named like one (a stray
+        file or link): not versions, but the rename that publishes a version must not land
+        on them, so new numbers go above them too."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        taken = (version_number(name, str(self.root / name)) for name in names)
+        return sorted(v for v in taken if v is not None)
+
     def latest_hint(self) -> int | None:
         """The version LATEST names, or ``None``: it is only a hint, the listing decides.
 
@@ -224,9 +235,9 @@ def set_aside_reason(folder: Path) -> str:
 
 def _caller_outside_pcframe() -> str:
     """``file:line`` of the innermost frame outside pcframe (who opened a writer)."""
-    package = str(Path(__file__).resolve().parents[1])
+    package = str(Path(__file__).resolve().parents[1]) + os.sep
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(package):
+    while frame is not None and os.path.realpath(frame.f_code.co_filename).startswith(package):
         frame = frame.f_back
     return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
@@ -295,8 +306,8 @@ class WritableCheckpointDir(CheckpointDir):
             holder = os.pread(self._lock_fd, 64, 0).decode(errors="replace").strip()
             os.close(self._lock_fd)
             raise DirectoryLocked(_locked_message(self.root, holder)) from None
+        self.opened_at = _caller_outside_pcframe()  # before it is listed: a message reads it
         _HOLDERS.add(self)
-        self.opened_at = _caller_outside_pcframe()
         try:
             os.ftruncate(self._lock_fd, 0)
             os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
@@ -368,12 +379,8 @@ class WritableCheckpointDir(CheckpointDir):
         return removed
 
     def next_version(self) -> int:
-        versions = self.committed_versions()
         hint = self.latest_hint() or 0
-        # A stray file or link with a version's name is not a version, but its name is
-        # taken: the rename that publishes a version must not land on it.
-        taken = [version_number(name, str(self.root / name)) for name in os.listdir(self.root)]
-        return max([hint, *versions, *(v for v in taken if v is not None)], default=0) + 1
+        return max([hint, *self.taken_versions()], default=0) + 1
 
     def staging_path(self, version: int) -> Path:
         return self.root / f"{version_name(version)}.tmp"
@@ -412,7 +419,7 @@ class WritableCheckpointDir(CheckpointDir):
             return  # already gone, or read-only: it stays listed and is skipped again next time
         if reason:  # best effort: the version is out of the listing whether or not this lands
             with contextlib.suppress(OSError):
-                _write_new(target / SET_ASIDE_NAME, f"{reason}\n".encode())
+                write_new_file(target / SET_ASIDE_NAME, f"{reason}\n".encode())
 
     def delete(self, version: int) -> None:
         """Delete a committed version so that no crash leaves it half-deleted but listed."""

@@ -276,9 +276,21 @@ def test_bad_tune_settings_name_the_key(tmp_path, override, text):
 def test_bad_storage_url_names_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"tune\.storage='study\.db'"):
         tuner(tmp_path, "tune.storage=study.db").create_study()
-    for memory in ("sqlite:///", "sqlite:///:memory:"):  # Optuna stored the study nowhere
+    for memory in ("sqlite://", "sqlite:///", "sqlite:///:memory:"):  # stored nowhere
         with pytest.raises(ConfigError, match="names no database file"):
             open_storage(memory)
+
+
+def test_a_range_refused_only_beside_some_values_of_another_knob_is_searched(tmp_path):
+    """A 4 MiB staging budget is below the base engine's 16 MiB chunk, but fine with a
+    1 MiB chunk, which the space also holds: the trials prune the combination; the study
+    must not be refused for it (a check against the base engine alone refused it)."""
+    space = [
+        "+tune.space.chunk_bytes={type:categorical,choices:[1048576,16777216]}",
+        "+tune.space.staging_bytes={type:int,low:4194304,high:1073741824}",
+    ]
+    names = {k.name for k in tuner(tmp_path, *space).knobs}
+    assert {"chunk_bytes", "staging_bytes"} <= names
 
 
 @pytest.mark.parametrize("preset", ["quick", "default", "matrix", "multi"])

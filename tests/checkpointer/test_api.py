@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -763,3 +764,4 @@ def test_paths_and_timeouts_no_call_can_use_are_refused_by_name(tmp_path, monkey
         with pytest.raises(ValueError, match=r"wait\(timeout=nan\)"):
             ckpt.wait(timeout=float("nan"))
         assert handle.wait(timeout=30).value == "committed"
+        ckpt.wait(timeout=np.int64(5))  # any real number of seconds is one

@@ -363,3 +363,27 @@ def test_stored_boxes_that_overlap_but_add_up_are_refused_not_half_loaded():
         _pieces("model/w", placed, whole, overlapping, 0, 2)
     exact = index_with(Box((0, 0), (2, 2)), Box((2, 0), (2, 2)))
     assert len(_pieces("model/w", placed, whole, exact, 0, 2)) == 2
+
+
+def test_a_set_aside_records_reason_is_written_through_nothing_planted(tmp_path):
+    """The reason (``.corrupt-vN-<pid>.why``) was written with write_text(): through a link
+    planted under the name a file outside the root was overwritten."""
+    outside = tmp_path / "victim"
+    outside.write_text("the user's")
+    root = tmp_path / "root"
+    rec.write_record(root, record(3))
+    why = root / rec.RECORDS / f".corrupt-v00000003-{os.getpid()}.why"
+    why.symlink_to(outside)
+    rec.quarantine_record(root, 3, "damaged: checksum")
+    assert outside.read_text() == "the user's"
+    assert why.read_text() == "damaged: checksum\n" and not why.is_symlink()
+
+
+def test_a_stray_file_named_like_a_version_takes_its_number_in_a_multi_rank_root(tmp_path):
+    """The DCP writer and the commit protocol number from the root and its rank folders: a
+    file named v00000003 in a rank's folder made the publish of version 3 fail there with
+    a raw NotADirectoryError."""
+    rec.write_record(tmp_path, record(2))
+    (tmp_path / "rank-1").mkdir()
+    (tmp_path / "rank-1" / "v00000003").write_text("not a version")
+    assert rec.next_version(tmp_path) == 4

@@ -9,6 +9,7 @@ line, so a trial's configuration is exactly what ``pcframe-run`` would build fro
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -105,23 +106,48 @@ def parse_space(space: Mapping[str, Any], fixed: set[str] = frozenset()) -> list
 
 
 def check_space(knobs: list[Knob], engine: EngineConfig) -> None:
-    """Refuse a knob whose range reaches values the engine refuses (each bound, each choice),
-    before the first trial rather than in whichever trial the sampler sends there."""
+    """Refuse a knob whose range reaches a value the engine refuses whatever the other knobs
+    are (each bound, each choice), before the first trial rather than in whichever trial the
+    sampler sends there. A value refused only beside some values of other knobs (a staging
+    budget below the largest chunk) is left to the trials, which prune such combinations."""
+    candidates = {k.name: _candidates(k) for k in knobs}
     for k in knobs:
-        if k.values is not None:
-            candidates = list(k.values.values())
-        elif k.type == "categorical":
-            candidates = list(k.choices)
-        else:
-            candidates = [int(k.low), int(k.high)] if k.type == "int" else [k.low, k.high]
-        for value in candidates:
+        others = [name for name in candidates if name != k.name]
+        for value in candidates[k.name]:
             try:
                 engine.with_overrides(**{k.name: value})
+                continue
             except ConfigError as exc:
-                raise ConfigError(
-                    f"tune.space.{k.name}: the value {value!r} in its range is one the engine "
-                    f"refuses ({exc}); narrow the range"
-                ) from None
+                refusal = exc
+            combinations = itertools.product(*(candidates[name] for name in others))
+            if any(
+                _accepted(engine, {k.name: value, **dict(zip(others, combo, strict=True))})
+                for combo in itertools.islice(combinations, _MAX_COMBINATIONS)
+            ):
+                continue
+            raise ConfigError(
+                f"tune.space.{k.name}: the value {value!r} in its range is one the engine "
+                f"refuses ({refusal}); narrow the range"
+            )
+
+
+_MAX_COMBINATIONS = 4096  # of the other knobs' bounds and choices tried for a refused value
+
+
+def _candidates(knob: Knob) -> list[Any]:
+    if knob.values is not None:
+        return list(knob.values.values())
+    if knob.type == "categorical":
+        return list(knob.choices)
+    return [int(knob.low), int(knob.high)] if knob.type == "int" else [knob.low, knob.high]
+
+
+def _accepted(engine: EngineConfig, values: dict[str, Any]) -> bool:
+    try:
+        engine.with_overrides(**values)
+    except ConfigError:
+        return False
+    return True
 
 
 def suggest(trial: optuna.Trial, knobs: list[Knob]) -> dict[str, Any]:

@@ -56,8 +56,8 @@ def open_storage(url: str | None, heartbeat: int | None = None) -> BaseStorage |
             "postgresql://user@host/db, journal:///path/file.log or null (in memory)"
         )
     url = _with_installed_driver(url)
-    if url.startswith("sqlite:///"):
-        database = url.removeprefix("sqlite:///").split("?", 1)[0]
+    if url.startswith("sqlite://"):
+        database = url.removeprefix("sqlite://").removeprefix("/").split("?", 1)[0]
         if database in ("", ":memory:"):  # SQLite's in-memory database: nothing is stored
             raise ConfigError(
                 f"tune.storage={url!r} names no database file, so the study would not "

@@ -10,6 +10,7 @@ at any moment a version is either fully listed or not listed at all.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -22,14 +23,14 @@ from pcframe.format.names import SAFE_FILE
 
 # A tier's name is a config key and part of a restore's scratch folder name
 # (``.fetch-vN-<name>.tmp``): no path separators, no leading dot.
-TIER_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,63}$")
+TIER_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$")
 
 
 def check_tier_name(name: object) -> str:
     if not isinstance(name, str) or not TIER_NAME.match(name):
         raise TierError(
-            f"tiers: {name!r} is not a tier name; use letters, digits, '_' and '-' (at most "
-            "64), e.g. 'remote' or 'disk2'"
+            f"tiers: {name!r} is not a tier name; use letters, digits, '_', '-' and '.' (at "
+            "most 64, not starting with '.' or '-'), e.g. 'remote' or 'nvme.1'"
         )
     return name
 
@@ -39,8 +40,8 @@ def number_option(value: object, key: str, *, low: float, low_ok: bool) -> float
     else a :class:`TierError` naming ``key`` (NaN passed every comparison before)."""
     fits = (
         not isinstance(value, bool)
-        and isinstance(value, int | float)
-        and math.isfinite(value)
+        and isinstance(value, numbers.Real)
+        and math.isfinite(float(value))
         and (value >= low if low_ok else value > low)
     )
     if not fits:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
@@ -95,7 +96,7 @@ class Tiers:
         secure_timeout: float = 120.0,
         external: Collection[str] = (),
     ) -> None:
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        if isinstance(retries, bool) or not isinstance(retries, numbers.Integral) or retries < 0:
             raise TierError(f"tiers: retries={retries!r}: give a whole number >= 0")
         backoff = number_option(backoff, "tiers: backoff", low=0, low_ok=False)
         backoff_max = number_option(backoff_max, "tiers: backoff_max", low=backoff, low_ok=True)

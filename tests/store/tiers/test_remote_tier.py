@@ -105,6 +105,14 @@ def test_listing_shows_only_marked_versions_and_the_writer_sweeps_the_rest(
     tier.delete(5)
     assert tier.committed_versions() == [2]
     assert not [k for k in moto_server.keys(bucket) if "/v00000005/" in k]
+    # Objects someone else put under a version, named with glob characters: each deleted by
+    # its own name, never expanded into a pattern over the bucket (run/v00000002/* would
+    # also have matched the version's own files and, with a prefix pattern, other runs').
+    s3.put_object(Bucket=bucket, Key="run/v00000002/x[1]", Body=b"junk")
+    s3.put_object(Bucket=bucket, Key="run/v00000002/*", Body=b"junk")
+    s3.put_object(Bucket=bucket, Key="runA/v00000002/data.bin", Body=b"another run")
+    tier.delete(2)
+    assert sorted(moto_server.keys(bucket)) == ["run/v00000009/data.bin", "runA/v00000002/data.bin"]
 
 
 def test_a_corrupt_remote_version_is_skipped_for_an_older_one(
@@ -253,6 +261,7 @@ def test_remote_tier_settings_are_refused_in_one_line_naming_the_key(options, wo
         ({}, {"retries": "5"}, r"retries='5': give a whole number"),
         ({}, {"drain_timeout": float("nan")}, r"drain_timeout=nan"),
         ({}, {"backoff": 0}, r"backoff=0: give a finite number > 0"),
+        ({".hidden": "/x"}, {}, r"'\.hidden' is not a tier name"),
     ],
     ids=str,
 )
@@ -302,3 +311,13 @@ def test_an_endpoint_that_is_not_an_object_store_is_not_no_checkpoint(tmp_path: 
             ckpt.restore()
     finally:
         server.shutdown()
+
+
+def test_tier_names_with_dots_and_numpy_numbers_are_accepted(tmp_path: Path) -> None:
+    """What a config may hold and the checks must not refuse: a dotted name (the scratch
+    folder .fetch-vN-nvme.1.tmp stays inside the checkpoint folder), numpy numbers."""
+    import numpy as np
+
+    tiers = Tiers({"nvme.1": tmp_path / "replica"}, retries=np.int64(2), backoff=np.float32(0.1))
+    assert list(tiers.replicas) == ["nvme.1"] and tiers.retries == 2
+    tiers.close()
