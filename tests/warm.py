@@ -41,6 +41,9 @@ from pathlib import Path
 from unittest import mock
 
 _PRELOAD = ["torch"]
+# Sent by a launcher to a child that outlived its deadline: the child writes every thread's
+# Python stack into its log (faulthandler), so a hang says where it waits.
+STACKS_SIGNAL = signal.SIGUSR1
 _ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 _context = None
 
@@ -83,6 +86,7 @@ def _run_module(
 ) -> None:
     """The child: become ``python -m module args`` and exit as that interpreter would."""
     import atexit
+    import faulthandler
     import runpy
     import threading
     import warnings
@@ -96,6 +100,7 @@ def _run_module(
     unbuffered = bool(env.get("PYTHONUNBUFFERED"))
     sys.stdout = _stdio(1, unbuffered, "strict")
     sys.stderr = _stdio(2, unbuffered, "backslashreplace")
+    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.warm import WarmProcess
+from tests.warm import STACKS_SIGNAL, WarmProcess
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,7 +79,10 @@ def run_job(
         while any(p.poll() is None for p in procs):
             failed = kill_on_failure and any(p.returncode not in (None, 0) for p in procs)
             if failed or time.monotonic() > deadline:
-                time.sleep(0.5 if failed else 0)  # let a dying job flush its logs
+                if not failed:  # a rank that hangs: its threads' stacks into its log first
+                    for p in procs:
+                        p.send_signal(STACKS_SIGNAL)
+                time.sleep(0.5 if failed else 2.0)  # let a dying job flush its logs
                 for p in procs:
                     if p.poll() is None:
                         p.send_signal(signal.SIGKILL)

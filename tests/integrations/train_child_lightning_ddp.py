@@ -10,7 +10,8 @@ a test can SIGKILL one rank and restart the whole job as a launcher would.
 process several seconds of CPU; the launcher imports it once, then forks the ranks of each
 job asked on its stdin (one JSON line: world size, arguments, log folder, port, environment
 and each rank's additions, e.g. ``PCFRAME_CRASH_AT``), answers
-their pids, and, like torchrun, SIGKILLs the others when one rank dies; it answers the
+their pids, and, like torchrun, SIGKILLs the others when one rank dies (unless the job
+says ``kill_on_failure: false``); it answers the
 ranks' exit codes (negative: the signal) when all have ended. A rank is a real process of
 its own (its own pid, process group membership, gloo sockets, files), forked before any
 thread or process group exists.
@@ -243,7 +244,7 @@ def serve() -> None:
         while len(codes) < len(pids):
             pid, status = os.wait()
             codes[pid] = os.waitstatus_to_exitcode(status)
-            if codes[pid] != 0:  # as torchrun: one rank gone, the job is gone
+            if codes[pid] != 0 and job.get("kill_on_failure", True):  # as torchrun
                 for other in pids:
                     if other not in codes:
                         os.kill(other, signal.SIGKILL)
