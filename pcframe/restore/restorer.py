@@ -72,17 +72,32 @@ def restore_from_tiers(
     spare memory. ``seen`` is called with the newest version number any tier holds, valid
     or not, before anything is read, and with the version loaded (new versions are numbered
     above both); ``applied(manifest)`` once the version holds."""
-    sources = restore_sources(tiers, version, job.report)
-    if sources:
-        seen(sources[0].version)
 
     def holds(manifest: Manifest) -> None:
         seen(manifest.version)
         applied(manifest)
 
-    with pool.lend() as buffers:
-        spare = Spare(buffers, staged=pool.holding(buffers), written=pool.forget)
-        return load_and_apply(sources, job, spare, holds)
+    tried: set[int] = set()
+    for attempt in range(LISTINGS):
+        sources = restore_sources(tiers, version, job.report)
+        if sources:
+            seen(sources[0].version)
+        try:
+            with pool.lend() as buffers:
+                spare = Spare(buffers, staged=pool.holding(buffers), written=pool.forget)
+                return load_and_apply(sources, job, spare, holds)
+        except (NoValidCheckpoint, RestoreIOError):
+            # A tier another process writes (an object store whose job keeps uploading and
+            # pruning) can commit a newer version and delete the ones listed here while they
+            # are read: as load() does, list again, and walk again only for a version not
+            # tried yet (never back to an older one).
+            tried |= {s.version for s in sources}
+            if version is not None or attempt == LISTINGS - 1:
+                raise
+            newest = restore_sources(tiers, version, RestoreReport())
+            if not newest or newest[0].version <= max(tried):
+                raise
+    raise AssertionError("unreachable")
 
 
 def load_and_apply(

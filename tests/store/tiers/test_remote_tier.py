@@ -321,3 +321,37 @@ def test_tier_names_with_dots_and_numpy_numbers_are_accepted(tmp_path: Path) -> 
     tiers = Tiers({"nvme.1": tmp_path / "replica"}, retries=np.int64(2), backoff=np.float32(0.1))
     assert list(tiers.replicas) == ["nvme.1"] and tiers.retries == 2
     tiers.close()
+
+
+def test_a_restore_racing_the_writers_retention_lists_again_for_the_newer_version(
+    moto_server: MotoServer, bucket: str, tmp_path: Path
+) -> None:
+    """Another process restoring from an object store the live job uploads to and prunes
+    (remote_keep=1): the version it listed was deleted while it was read, and the restore
+    failed (RestoreIOError, or NoValidCheckpoint) though a newer version was whole."""
+    model, opt = model_and_optimizer()
+    states: dict = {}
+    with Checkpointer(tmp_path / "job", model=model, optimizer=opt) as ckpt:
+        for s in (1, 2):
+            step(model, opt, s)
+            ckpt.save(s).wait()
+            states[s] = snapshot(model)
+    writer = remote(moto_server, bucket)  # the live job's own tier, run by hand
+    writer.name = "remote"
+    writer.write(1, tmp_path / "job" / "v00000001", step=1)
+
+    class Racing(RemoteTier):
+        """The real tier; the job's next upload and its retention land while v1 is read."""
+
+        def fetch(self, version: int, scratch: Path):
+            if version == 1 and writer.committed_versions() != [2]:
+                writer.write(2, tmp_path / "job" / "v00000002", step=2)
+                writer.delete(1)
+            return super().fetch(version, scratch)
+
+    reader = Racing(f"s3://{bucket}/run", moto_server.storage_options(), timeout=10)
+    fresh, fresh_opt = model_and_optimizer(seed=5)
+    tiers = Tiers({"remote": reader}, backoff=0.05, backoff_max=0.2)
+    with Checkpointer(tmp_path / "new", model=fresh, optimizer=fresh_opt, tiers=tiers) as ckpt:
+        assert ckpt.restore() == 2 and ckpt.last_restore.tier == "remote"
+    assert same(snapshot(fresh), states[2])
