@@ -387,9 +387,16 @@ class WritableCheckpointDir(CheckpointDir):
 
     def publish(self, version: int) -> None:
         """Atomically make a fully synced staging directory a committed version."""
-        staging = self.staging_path(version)
+        staging, final = self.staging_path(version), self.path(version)
+        if os.path.lexists(final) and not is_real_directory(final):
+            # A stray file or link named like the version (its number is taken when this
+            # writer opens; a replica's versions are numbered by the primary).
+            raise CheckpointError(
+                f"cannot publish version {version}: {final} exists and is not a version (a "
+                f"stray file or link); move it out of {self.root}"
+            )
         fsync_dir(staging)
-        os.rename(staging, self.path(version))
+        os.rename(staging, final)
         fsync_dir(self.root)
         crash_point("published")  # the version is committed from here on
         try:

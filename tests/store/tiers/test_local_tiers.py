@@ -219,3 +219,17 @@ def test_a_tier_listed_later_is_not_listed_at_open_and_never_written_over(
         tmp_path / "third", model=model, optimizer=opt, tiers=Tiers({"local": disk})
     ) as ckpt:
         assert ckpt.next_version == 4  # listed at open: numbered above the tier
+
+
+def test_a_stray_file_named_like_a_version_in_a_replica_fails_that_write_by_name(tmp_path):
+    """The rename landed on it: a raw NotADirectoryError in the tier's status."""
+    (tmp_path / "replica").mkdir()
+    (tmp_path / "replica" / "v00000001").write_text("the user's")
+    model, _ = model_and_optimizer()
+    tiers = Tiers({"disk": tmp_path / "replica"}, retries=0, backoff=0.05)
+    with Checkpointer(tmp_path / "primary", model=model, tiers=tiers) as ckpt:
+        ckpt.save(1).wait()
+        ckpt.tiers.wait_idle(30)
+        status = ckpt.tiers.status()["disk"]
+    assert status.abandoned == 1 and "exists and is not a version" in status.last_error
+    assert (tmp_path / "replica" / "v00000001").read_text() == "the user's"
