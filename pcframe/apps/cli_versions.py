@@ -25,7 +25,7 @@ from pcframe.apps.cli_ranks import is_multi_rank_root
 from pcframe.distributed.global_versions import RECORDS
 from pcframe.errors import CheckpointError, UnsupportedCheckpoint
 from pcframe.format.manifest import MANIFEST_NAME
-from pcframe.format.names import version_number
+from pcframe.format.names import VERSION_DIR, version_number
 from pcframe.store.directory import (
     CLEAN_EXIT,
     LATEST,
@@ -49,9 +49,6 @@ _SET_ASIDE = "|".join(map(re.escape, (TRASH_PREFIX, QUARANTINE_PREFIX)))
 _VERSION_LIKE = re.compile(rf"^({_SET_ASIDE})?v\d{{8,}}")
 
 
-_ENGINE_VERSION = re.compile(r"^v\d{8,}(\.tmp)?$")  # a version's folder, or one being written
-
-
 def is_engine_name(name: str) -> bool:
     """Whether a Checkpointer uses ``name`` at the top of its folder (a version's folder or
     one being written, a marker, any dot-file: set-aside versions among them), so nothing
@@ -59,8 +56,8 @@ def is_engine_name(name: str) -> bool:
     return (
         name in _MARKERS
         or name.startswith(".")
-        or bool(_ENGINE_VERSION.match(name))
-        or is_leftover_name(name)  # LATEST.tmp: the next writer removes it
+        or bool(VERSION_DIR.match(name))
+        or is_leftover_name(name)  # one being written, LATEST.tmp: the next writer removes it
     )
 
 

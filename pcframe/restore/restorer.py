@@ -78,15 +78,15 @@ def restore_from_tiers(
         applied(manifest)
 
     tried: set[int] = set()
+    sources = restore_sources(tiers, version, job.report)
     for attempt in range(LISTINGS):
-        sources = restore_sources(tiers, version, job.report)
         if sources:
             seen(sources[0].version)
         try:
             with pool.lend() as buffers:
                 spare = Spare(buffers, staged=pool.holding(buffers), written=pool.forget)
                 return load_and_apply(sources, job, spare, holds)
-        except (NoValidCheckpoint, RestoreIOError):
+        except (NoValidCheckpoint, RestoreIOError) as failure:
             # A tier another process writes (an object store whose job keeps uploading and
             # pruning) can commit a newer version and delete the ones listed here while they
             # are read: as load() does, list again, and walk again only for a version not
@@ -94,8 +94,11 @@ def restore_from_tiers(
             tried |= {s.version for s in sources}
             if version is not None or attempt == LISTINGS - 1:
                 raise
-            newest = restore_sources(tiers, version, RestoreReport())
-            if not newest or newest[0].version <= max(tried):
+            try:
+                sources = restore_sources(tiers, version, RestoreReport())
+            except RestoreIOError:  # every tier out of reach now: the failure stands
+                raise failure from None
+            if not sources or sources[0].version <= max(tried):
                 raise
     raise AssertionError("unreachable")
 

@@ -52,7 +52,6 @@ import ctypes
 import functools
 import logging
 import math
-import numbers
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -64,6 +63,7 @@ from typing import Any, TypeVar
 import torch
 
 from pcframe.errors import CheckpointError
+from pcframe.runtime.checks import real_number
 from pcframe.runtime.interrupts import held_to_the_end
 
 log = logging.getLogger("pcframe")
@@ -446,7 +446,7 @@ def check_timeout(timeout: object, call: str) -> None:
     reached the wait as a raw TypeError from a comparison inside threading)."""
     if timeout is None:
         return
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+    if not real_number(timeout):
         raise TypeError(
             f"{call}(timeout={timeout!r}): give seconds (an int or float) or None to wait "
             "as long as it takes"

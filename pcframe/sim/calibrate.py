@@ -20,7 +20,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pcframe.errors import SimConfigError
-from pcframe.sim.spec import JobSpec, finite_number, whole_number
+from pcframe.runtime.checks import finite_number, whole_number
+from pcframe.sim.spec import JobSpec
 
 
 def job_from_records(

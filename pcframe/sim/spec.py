@@ -10,13 +10,13 @@ the key and the fix in the message.
 from __future__ import annotations
 
 import math
-import numbers
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, Literal
 
 from pcframe.errors import SimConfigError
+from pcframe.runtime.checks import finite_number, whole_number
 
 Persist = Literal["parallel", "serial"]
 PolicyState = Literal["checkpoint", "process"]
@@ -30,17 +30,6 @@ def _bad(prefix: str, key: str, value: Any, fix: str) -> SimConfigError:
 # The shortest step the simulator takes (a microsecond): shorter, a trace's steps overflow
 # the int64 step counters and step times fall below the float resolution of the clock.
 MIN_STEP_SECONDS = 1e-6
-
-
-def finite_number(x: Any) -> bool:
-    """A finite real number (numpy's scalars included), not a bool (numpy's bool is not a
-    ``numbers.Real``)."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def whole_number(x: Any) -> bool:
-    """An integer (numpy's included), not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _plain_numbers(spec: Any) -> None:

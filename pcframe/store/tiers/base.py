@@ -9,8 +9,6 @@ at any moment a version is either fully listed or not listed at all.
 
 from __future__ import annotations
 
-import math
-import numbers
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -20,6 +18,7 @@ from pathlib import Path
 from pcframe.errors import TierError
 from pcframe.format.manifest import MANIFEST_NAME
 from pcframe.format.names import SAFE_FILE
+from pcframe.runtime.checks import finite_number
 
 # A tier's name is a config key and part of a restore's scratch folder name
 # (``.fetch-vN-<name>.tmp``): no path separators, no leading dot.
@@ -38,12 +37,7 @@ def check_tier_name(name: object) -> str:
 def number_option(value: object, key: str, *, low: float, low_ok: bool) -> float:
     """``value`` as a float if it is a finite number above ``low`` (or at it, ``low_ok``);
     else a :class:`TierError` naming ``key`` (NaN passed every comparison before)."""
-    fits = (
-        not isinstance(value, bool)
-        and isinstance(value, numbers.Real)
-        and math.isfinite(float(value))
-        and (value >= low if low_ok else value > low)
-    )
+    fits = finite_number(value) and (value >= low if low_ok else value > low)
     if not fits:
         bound = f">= {low:g}" if low_ok else f"> {low:g}"
         raise TierError(f"{key}={value!r}: give a finite number {bound}")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import numbers
 import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
@@ -31,6 +30,7 @@ from pcframe.policies.placement import (
     TieredPlacement,
     TierRule,
 )
+from pcframe.runtime.checks import whole_number
 from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.retention import KeepWhere
 from pcframe.store.tiers.base import Tier, number_option
@@ -96,7 +96,7 @@ class Tiers:
         secure_timeout: float = 120.0,
         external: Collection[str] = (),
     ) -> None:
-        if isinstance(retries, bool) or not isinstance(retries, numbers.Integral) or retries < 0:
+        if not whole_number(retries) or retries < 0:
             raise TierError(f"tiers: retries={retries!r}: give a whole number >= 0")
         backoff = number_option(backoff, "tiers: backoff", low=0, low_ok=False)
         backoff_max = number_option(backoff_max, "tiers: backoff_max", low=backoff, low_ok=True)

@@ -7,10 +7,12 @@ and verifies), local commits never wait for the remote, and the next upload succ
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -68,6 +70,20 @@ def assert_only_complete_versions_listed(server: MotoServer, bucket: str, scratc
     return listed
 
 
+@contextlib.contextmanager
+def uploading_every_version(tmp_path: Path, model, opt, tiers: Tiers, **keep) -> Iterator:
+    """A Checkpointer uploading every version (``keep``: the placement's retention) with
+    version 1 trained, saved and in the object store."""
+    placement = P.LocalPlusRemote(remote_every=1, **keep)
+    with Checkpointer(
+        tmp_path / "local", model=model, optimizer=opt, tiers=tiers, placement=placement
+    ) as ckpt:
+        train(model, opt)
+        ckpt.save(1).wait()
+        assert ckpt.tiers.wait_idle(60)
+        yield ckpt
+
+
 def start_upload_and_wait_for_first_part(ckpt, model, opt, server, bucket, version) -> None:
     train(model, opt)
     ckpt.save(version)
@@ -83,12 +99,7 @@ def test_server_sigkilled_mid_upload(own_moto_server: MotoServer, bucket: str, t
         {"remote": remote(server, bucket, timeout=5)}, retries=1000, backoff=0.1, backoff_max=0.5
     )
     placement = P.LocalPlusRemote(remote_every=1, local_keep=2, remote_keep=2)
-    with Checkpointer(
-        tmp_path / "local", model=model, optimizer=opt, tiers=tiers, placement=placement
-    ) as ckpt:
-        train(model, opt)
-        ckpt.save(1).wait()
-        assert ckpt.tiers.wait_idle(60)
+    with uploading_every_version(tmp_path, model, opt, tiers, local_keep=2, remote_keep=2) as ckpt:
         start_upload_and_wait_for_first_part(ckpt, model, opt, server, bucket, 2)
         server.pause()  # freeze it right there, mid-upload (parts of v2 received, no marker)
         server.kill()
@@ -131,13 +142,7 @@ def test_stalled_server_times_out_skips_to_the_newest_and_recovers(
     # 1 s per small request, 12 MiB at >= 32 MiB/s: a stalled transfer is abandoned in ~1.4 s
     tier = remote(server, bucket, timeout=1.0, min_throughput=32 * 1024 * 1024)
     tiers = Tiers({"remote": tier}, retries=1000, backoff=0.1, backoff_max=0.5)
-    placement = P.LocalPlusRemote(remote_every=1, local_keep=2, remote_keep=2)
-    with Checkpointer(
-        tmp_path / "local", model=model, optimizer=opt, tiers=tiers, placement=placement
-    ) as ckpt:
-        train(model, opt)
-        ckpt.save(1).wait()
-        assert ckpt.tiers.wait_idle(60)
+    with uploading_every_version(tmp_path, model, opt, tiers, local_keep=2, remote_keep=2) as ckpt:
         start_upload_and_wait_for_first_part(ckpt, model, opt, server, bucket, 2)
         server.pause()
         try:
@@ -288,13 +293,8 @@ def test_a_server_gone_between_listing_and_download_is_a_tier_error(
     server = own_moto_server
     model, opt = big_model()
     tiers = Tiers({"remote": remote(server, bucket, timeout=5)}, backoff=0.05, backoff_max=0.2)
-    placement = P.LocalPlusRemote(remote_every=1)
-    with Checkpointer(
-        tmp_path / "local", model=model, optimizer=opt, tiers=tiers, placement=placement
-    ) as ckpt:
-        train(model, opt)
-        ckpt.save(1).wait()
-        assert ckpt.tiers.wait_idle(60)
+    with uploading_every_version(tmp_path, model, opt, tiers):
+        pass
     tier = remote(server, bucket, timeout=3)
     assert tier.committed_versions() == [1]
     server.kill()
