@@ -24,7 +24,9 @@ nothing:
   failure (``unfill``, or the reader's release when the fill never ran:
   :mod:`pcframe.restore.live`). Only a failure of the fill itself (an I/O error
   re-reading verified bytes) cannot be rolled back; the error says so;
-* scheduler, scaler, stateful objects, policy: a deep copy of their ``state_dict()``;
+* scheduler, scaler, stateful objects, policy: a deep copy of their ``state_dict()``
+  (their restored tensors take the kind the live ones have: ``nn.Parameter``,
+  ``requires_grad``; the file holds bytes only);
 * RNG and extra: their current state (they cannot fail once checked).
 """
 
@@ -238,11 +240,36 @@ def _deep_copy(state: Any) -> Any:
 
 def _state_load(obj: Any, state: Any) -> Callable[[_Undo], None]:
     def load(undo: _Undo) -> None:
-        before = _deep_copy(obj.state_dict())
+        live = obj.state_dict()
+        before = _deep_copy(live)
         undo.push(lambda: obj.load_state_dict(before))
-        obj.load_state_dict(state)
+        obj.load_state_dict(_typed_like(state, live))
 
     return load
+
+
+def _typed_like(state: Any, live: Any) -> Any:
+    """``state`` with each tensor given the kind the live object's tensor of that path has:
+    an ``nn.Parameter`` where the live one is a Parameter, ``requires_grad`` where the live
+    one requires it. The file stores bytes only; without this an object whose
+    ``load_state_dict`` keeps what it is given (``self.scale = state["scale"]``) would lose
+    its Parameter (and its gradients) on restore, where ``torch.load`` gives one back."""
+    if isinstance(state, torch.Tensor) and isinstance(live, torch.Tensor):
+        if type(state) is not torch.Tensor or not (
+            state.is_floating_point() or state.is_complex()
+        ):
+            return state  # integers never require grad; subclasses are left as read
+        if type(live) is torch.nn.Parameter:
+            return torch.nn.Parameter(state, requires_grad=live.requires_grad)
+        return state.requires_grad_() if live.requires_grad else state
+    if isinstance(state, dict) and isinstance(live, dict):
+        return {k: _typed_like(v, live[k]) if k in live else v for k, v in state.items()}
+    if isinstance(state, list | tuple) and isinstance(live, list | tuple):
+        if len(state) != len(live):
+            return state
+        typed = [_typed_like(v, w) for v, w in zip(state, live, strict=True)]
+        return typed if isinstance(state, list) else tuple(typed)
+    return state
 
 
 def _optimizer_load(optimizer: Optimizer, state: Any) -> Callable[[_Undo], None]:

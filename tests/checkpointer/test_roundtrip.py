@@ -172,6 +172,37 @@ def test_numpy_scalars_and_0d_arrays_come_back_with_their_type_and_shape(tmp_pat
     assert header["format_version"] == 3  # only such versions: older readers say "upgrade"
 
 
+def test_a_stateful_objects_parameters_come_back_as_parameters_that_train(tmp_path):
+    """An object keeping what its load_state_dict is given got plain tensors back: its
+    Parameter (and requires_grad) was lost, so the restored run stopped training it, where
+    torch.load gives one back. Restored tensors take the kind the live object's have."""
+    def make() -> dict:
+        return {
+            "scale": torch.nn.Parameter(torch.randn(3)),
+            "frozen": torch.nn.Parameter(torch.randn(2), requires_grad=False),
+            "shift": torch.randn(4, requires_grad=True),
+            "plain": torch.randn(2),
+            "count": torch.arange(3),
+            "pairs": [torch.nn.Parameter(torch.ones(2)), 0.5],
+        }
+
+    saved = make()
+    with Checkpointer(tmp_path, stateful={"h": StateBox(saved)}) as ckpt:
+        ckpt.save(step=1).wait()
+    back = StateBox(make())
+    with Checkpointer(tmp_path, stateful={"h": back}) as ckpt:
+        assert ckpt.restore() == 1
+    got = back.state
+    for key in ("scale", "frozen"):
+        assert type(got[key]) is torch.nn.Parameter and torch.equal(got[key], saved[key]), key
+    assert got["scale"].requires_grad and not got["frozen"].requires_grad
+    assert type(got["shift"]) is torch.Tensor and got["shift"].requires_grad
+    assert not got["plain"].requires_grad and not got["count"].requires_grad
+    assert type(got["pairs"][0]) is torch.nn.Parameter and got["pairs"][1] == 0.5
+    (got["scale"].sum() + got["shift"].sum()).backward()  # they train
+    assert torch.equal(got["scale"].grad, torch.ones(3))
+
+
 def test_a_reader_before_numpy_scalars_calls_such_a_version_newer_not_corrupt(
     tmp_path, monkeypatch
 ):
