@@ -20,6 +20,7 @@ import uuid
 from typing import Any
 
 from pcframe.errors import ConfigError
+from pcframe.runtime.processes import ends_with_parent
 
 NEEDS = ("moto", "s3fs", "boto3")
 
@@ -85,6 +86,7 @@ class LoopbackS3:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env={**os.environ, "PYTHONWARNINGS": "ignore"},
+            preexec_fn=ends_with_parent(),  # a SIGKILLed pcframe-tune leaves no server behind
         )
         deadline = time.monotonic() + timeout
         while True:
