@@ -364,3 +364,22 @@ def test_a_tuned_config_path_pcframe_run_cannot_find_is_refused_before_the_study
         check_config_path(str(tmp_path / "engine" / "tuned.json"))
     check_config_path(str(tmp_path / "engine" / "mine.yaml"))  # where engine=mine finds it
     check_config_path(None)
+
+
+def test_a_killed_runs_trial_folder_is_removed_by_the_next_run_and_no_other(tmp_path):
+    """A SIGKILLed pcframe-tune left its trial's checkpoints behind for ever. The next run
+    removes folders of this host's dead processes only: a running process's folder and
+    another host's (a study shared over a network file system) stay."""
+    from pcframe.apps.tuning.trial_dirs import remove_orphaned_trials, trial_directory
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that no longer runs
+    mine = trial_directory(tmp_path, 3)
+    dead = tmp_path / f"{mine.name.rsplit('-', 1)[0]}-{gone.pid}"
+    other_host = tmp_path / f"trial-4-elsewhere.example-{gone.pid}"
+    unrelated = tmp_path / "notes-1-x-2"
+    for folder in (mine, dead, other_host, unrelated):
+        (folder / "v00000001").mkdir(parents=True)
+    assert remove_orphaned_trials(tmp_path) == [dead]
+    assert not dead.exists() and mine.exists() and other_host.exists() and unrelated.exists()
+    assert remove_orphaned_trials(tmp_path / "missing") == []

@@ -31,6 +31,7 @@ from pcframe.apps.tuning.space import (
     suggest,
 )
 from pcframe.apps.tuning.storage import open_storage
+from pcframe.apps.tuning.trial_dirs import remove_orphaned_trials, trial_directory
 from pcframe.apps.workloads import build
 from pcframe.config import EngineConfig
 from pcframe.errors import CheckpointError, ConfigError
@@ -158,6 +159,8 @@ class Tuner:
     def run(self, study: optuna.Study | None = None) -> optuna.Study:
         """Run trials until ``tune.n_trials`` have finished in the study (all workers)."""
         study = study or self.create_study()
+        for folder in remove_orphaned_trials(Path(self.cfg.storage.directory)):
+            self.console.print(f"removed {folder}: its trial's process no longer runs")
         remaining = self.tune.n_trials - self.finished(study)
         if remaining <= 0:
             self.console.print(
@@ -241,7 +244,7 @@ class Tuner:
             raise optuna.TrialPruned(str(exc)) from None
         torch.set_num_threads(resolve_threads(cfg.threads))
         workload = build(cfg.workload.name, **OmegaConf.to_container(cfg.workload.args))
-        directory = Path(cfg.storage.directory) / f"trial-{trial.number}-{os.getpid()}"
+        directory = trial_directory(Path(cfg.storage.directory), trial.number)
         try:
             result = measure(
                 workload,
