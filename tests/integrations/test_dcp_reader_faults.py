@@ -248,6 +248,25 @@ def test_a_conjugate_destination_is_filled_with_the_saved_values(tmp_path: Path)
     assert torch.equal(storage.conj(), saved.conj().resolve_conj())
 
 
+def test_a_destination_that_cannot_take_a_tensor_changes_nothing(tmp_path: Path) -> None:
+    """Values and the tensors before it were placed, then the copy into a broadcast view
+    failed: a failed load had changed the destination. Every destination is now checked
+    before anything is placed."""
+    dcp.save(
+        {"a": torch.arange(4.0), "b": torch.arange(4.0) + 10, "extra": {"step": 7}},
+        storage_writer=StorageWriter(tmp_path),
+    )
+    dest = {"a": torch.zeros(4), "b": torch.zeros(1).expand(4), "extra": {"step": 0}}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(dest, storage_reader=StorageReader(tmp_path))
+    message = str(_failure(info.value))
+    assert "'b'" in message and "broadcast view" in message and "nothing was placed" in message
+    assert torch.equal(dest["a"], torch.zeros(4)) and dest["extra"] == {"step": 0}
+    dest["b"] = torch.zeros(4)
+    dcp.load(dest, storage_reader=StorageReader(tmp_path))
+    assert torch.equal(dest["b"], torch.arange(4.0) + 10) and dest["extra"] == {"step": 7}
+
+
 # --- item 2: a newer format stops every reader --------------------------------------------------
 
 

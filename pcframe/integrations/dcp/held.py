@@ -147,21 +147,33 @@ def place_all(
     planner: LoadPlanner,
     committed: roots.Committed,
 ) -> None:
-    """Hand every verified item to the planner. Pickled values first: DCP's planner
-    unpickles them, the one step here that can fail on the bytes, so before any tensor."""
-    order = {"pickled": 0, "value": 1, "tensor": 2}
-    for read in sorted(reads, key=lambda r: order[r.item.kind]):
-        item = read.item
-        if item.kind == "value":
-            planner.load_bytes(read.read, _saved(item.value))
-        elif item.kind == "pickled":
-            assert item.entry is not None
-            raw = stored[read.rank, item.entry].numpy().tobytes()
-            planner.load_bytes(read.read, io.BytesIO(raw))
-        else:
-            assert item.entry is not None
-            where = committed.directories[read.rank]
-            _place(read.read, stored[read.rank, item.entry], planner, item.fqn, where)
+    """Hand every verified item to the planner, all or nothing: every destination tensor is
+    resolved and checked, and every pickled value unpickled once, before anything is
+    placed, so what can fail fails while the destination is untouched. (A planner of the
+    user's own whose ``commit_tensor`` raises after others were placed is not rolled back.)
+    """
+    tensors = [
+        _placement(read, stored, planner, committed.directories[read.rank])
+        for read in reads
+        if read.item.kind == "tensor"
+    ]
+    values = [read for read in reads if read.item.kind == "value"]
+    pickled = [read for read in reads if read.item.kind == "pickled"]
+    raw = {id(read): _raw(read, stored) for read in pickled}
+    for read in pickled:  # DCP's planner unpickles them the same way: fails here, or not
+        torch.load(io.BytesIO(raw[id(read)]), weights_only=False)
+    for read in values:
+        planner.load_bytes(read.read, _saved(read.item.value))
+    for read in pickled:
+        planner.load_bytes(read.read, io.BytesIO(raw[id(read)]))
+    for read, source, target in tensors:
+        target.copy_(source)
+        planner.commit_tensor(read, target)
+
+
+def _raw(read: Read, stored: dict[tuple[int, int], torch.Tensor]) -> bytes:
+    assert read.item.entry is not None
+    return stored[read.rank, read.item.entry].numpy().tobytes()
 
 
 def _saved(value: Any) -> io.BytesIO:
@@ -172,21 +184,32 @@ def _saved(value: Any) -> io.BytesIO:
     return buffer
 
 
-def _place(
-    read: ReadItem, stored: torch.Tensor, planner: LoadPlanner, fqn: str, where: Path
-) -> None:
-    """Copy the requested part of a stored chunk into the tensor the planner resolves."""
-    source = stored
-    for dim, (start, length) in enumerate(zip(read.storage_offsets, read.lengths, strict=True)):
+def _placement(
+    read: Read, stored: dict[tuple[int, int], torch.Tensor], planner: LoadPlanner, where: Path
+) -> tuple[ReadItem, torch.Tensor, torch.Tensor]:
+    """The requested part of a stored chunk and the tensor the planner resolves for it,
+    checked to take it: the same size, and memory of its own for every element (``copy_``
+    refuses a broadcast view, e.g. a buffer registered as ``torch.zeros(1).expand(n)``)."""
+    assert read.item.entry is not None
+    fqn, source = read.item.fqn, stored[read.rank, read.item.entry]
+    for dim, (start, length) in enumerate(
+        zip(read.read.storage_offsets, read.read.lengths, strict=True)
+    ):
         source = source.narrow(dim, start, length)
-    target = planner.resolve_tensor(read).detach()
+    target = planner.resolve_tensor(read.read).detach()
     if target.size() != source.size():
         raise CheckpointError(
             f"{where}: '{fqn}' part {list(source.size())} does not fit the destination "
-            f"{list(target.size())}"
+            f"{list(target.size())}; nothing was placed"
         )
-    target.copy_(source)
-    planner.commit_tensor(read, target)
+    if any(step == 0 and n > 1 for step, n in zip(target.stride(), target.size(), strict=True)):
+        raise CheckpointError(
+            f"{where}: '{fqn}' cannot be loaded into its destination "
+            f"'{read.read.dest_index.fqn}', a broadcast view (several elements share one "
+            "memory location, as torch.zeros(1).expand(n) does); give it a tensor with memory "
+            "of its own (e.g. .clone()); nothing was placed"
+        )
+    return read.read, source, target
 
 
 def data_files(directory: Path, manifest: Any) -> DataFiles:
