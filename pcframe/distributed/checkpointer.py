@@ -536,6 +536,7 @@ class DistributedCheckpointer:
                     dist.destroy_process_group(self._peer)
                     dist.destroy_process_group(self._report)
                     dist.destroy_process_group(self._control)
+                self._let_go_of_groups(rounds=True, peers=True)
         self.protocol.raise_errors()
 
     def _leave(self) -> None:
@@ -554,12 +555,31 @@ class DistributedCheckpointer:
         for exc in self.protocol.take_errors():
             log.error("closing after an exception: %s", exc)
         peers_stopped = self.peers is None or self.peers.stop(1.0)
+        rounds_stopped = self.protocol.stopped(1.0)  # else its thread is in a collective
         if dist.is_initialized():
-            if self.protocol.stopped(1.0):  # else its thread is inside a collective of it
+            if rounds_stopped:
                 dist.destroy_process_group(self._report)
             if peers_stopped:
                 dist.destroy_process_group(self._peer)
             dist.destroy_process_group(self._control)
+        self._let_go_of_groups(rounds=rounds_stopped, peers=peers_stopped)
+
+    def _let_go_of_groups(self, *, rounds: bool, peers: bool) -> None:
+        """Drop this checkpointer's references to its groups and their pending work, once
+        destroyed (those of a thread still running stay with it). The checkpointer is in
+        reference cycles (its threads' targets, callbacks), so it may live until the
+        interpreter exits, and a gloo group or work freed that late, when torch's C++ state
+        is being torn down, aborted the process ("terminate called without an active
+        exception": 1 job in 5, after a clean close)."""
+        self._meetings.let_go()
+        self._control = None
+        if rounds:
+            self.protocol.let_go()
+            self._report = None
+        if peers:
+            if self.peers is not None:
+                self.peers.let_go()
+            self._peer = None
 
     def _check_open(self) -> None:
         if self._closed:

@@ -121,6 +121,7 @@ class Meeting:
                 try:
                     with peers(self.doing.call.name.lower()):
                         self._work.wait()
+                    self._work = None  # a handle may keep the meeting: not its gloo work
                     everyone = [Doing.of(row.tolist()) for row in self._rows]
                     self._outcome = _check_rows(self.doing, everyone)
                 except CheckpointError as exc:
@@ -178,6 +179,10 @@ class Meetings:
         pending, self.pending = self.pending, None
         if pending is not None:
             self._read(pending)
+
+    def let_go(self) -> None:
+        """Forget the group (destroyed: the checkpointer closed) and any meeting unread."""
+        self.group, self.pending = None, None
 
     def check(self) -> None:
         """Raise the failure of an earlier meeting, if any."""

@@ -164,6 +164,11 @@ class CommitProtocol:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def let_go(self) -> None:
+        """Forget the group (destroyed; the round thread has ended)."""
+        assert not self._thread.is_alive()
+        self._group = None
+
     def defer(self, error: BaseException) -> None:
         """An error the local engine raised to the training thread before a meeting (an
         earlier version's failure, which the engine raises once and the round thread then

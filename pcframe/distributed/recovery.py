@@ -53,8 +53,9 @@ from pcframe.distributed.peers import peers
 from pcframe.distributed.remote_shards import RemoteShards
 from pcframe.distributed.shard_stream import receive_version, send_version
 from pcframe.errors import CheckpointError, ManifestError, TierError, UnsupportedCheckpoint
+from pcframe.format.files import is_real_directory
 from pcframe.format.manifest import delta_base
-from pcframe.format.names import MANIFEST_NAME, RANK_DIR, VERSION_DIR, version_name
+from pcframe.format.names import MANIFEST_NAME, RANK_DIR, version_name, version_number
 from pcframe.format.stripes import stored_data_bytes
 from pcframe.restore.sources import stop_at_unsupported
 
@@ -104,24 +105,37 @@ class Place:
     def fetch_into(self) -> Path:
         return self.fetch_dir if self.fetch_dir is not None else self.root / FETCHED
 
+    def _fetch_chain(self, fetch_dir: Path | None) -> tuple[Path, tuple[str, ...]]:
+        """A fetched folder as the folder its user named (the root, or the node's peer
+        folder: either may be a link) and the names pcframe made below it."""
+        if fetch_dir is None:
+            return self.root, (FETCHED,)
+        assert self.peer_base is not None
+        return self.peer_base, fetch_dir.relative_to(self.peer_base).parts
+
     def folders(self) -> list[tuple[Kind, Path]]:
-        found = [(Kind.LOCAL, self.root), (Kind.FETCHED, self.root / FETCHED)]
-        if self.fetch_dir is not None:
-            found.append((Kind.FETCHED, self.fetch_dir))
+        """Every folder of shards here. Only the root and the peer folder may be links (the
+        user names them); a link anywhere below is passed over, never followed."""
+        found = [(Kind.LOCAL, self.root)]
+        for fetch_dir in [None] + ([self.fetch_dir] if self.fetch_dir is not None else []):
+            top, names = self._fetch_chain(fetch_dir)
+            if _real_below(top, names):
+                found.append((Kind.FETCHED, top.joinpath(*names)))
         if self.peer_base is not None and self.peer_base.is_dir():
             found += [
                 (Kind.PEER, d)
                 for d in sorted(self.peer_base.iterdir())
-                if d.is_dir() and d.name != FETCHED_IN_MEMORY
+                if d.name != FETCHED_IN_MEMORY and is_real_directory(d)
             ]
         return found
 
     def find(self, src: int, version: int) -> tuple[Kind, Path] | None:
         """Where ``src``'s shard of ``version`` is complete here, if anywhere."""
         for kind, folder in self.folders():
-            path = folder / rank_dirname(src) / version_name(version)
-            if (path / MANIFEST_NAME).is_file():
-                return kind, path
+            if _real_below(folder, (rank_dirname(src), version_name(version))):
+                path = folder / rank_dirname(src) / version_name(version)
+                if (path / MANIFEST_NAME).is_file():
+                    return kind, path
         return None
 
     def readable(self) -> dict[int, dict[int, int]]:
@@ -136,6 +150,12 @@ class Place:
     def fetch_path(self, src: int, version: int) -> Path:
         return self.fetch_into / rank_dirname(src) / version_name(version)
 
+    def make_fetch_folder(self, src: int) -> Path:
+        """The folder ``src``'s fetched shards go to, made (each level a directory of its
+        own: a link or file planted in its place is removed, never written through)."""
+        top, names = self._fetch_chain(self.fetch_dir)
+        return _own_folder(top, (*names, rank_dirname(src)))
+
     def keep_fetched(self, record: GlobalRecord) -> None:
         """Remove every fetched copy but ``record``'s shards and the bases they read (the
         fetched folders hold one restored version, not one per restart)."""
@@ -146,10 +166,12 @@ class Place:
                 keep.add((src, version))
                 found = self.find(src, version)
                 version = _base_of(found[1]) if found else 0
-        for folder in {self.root / FETCHED, self.fetch_into}:
+        for kind, folder in self.folders():
+            if kind is not Kind.FETCHED:
+                continue
             for src, version, path in _entries(folder):
-                if (src, version) not in keep:  # leftovers (.tmp, .download) too
-                    shutil.rmtree(path, ignore_errors=True)
+                if (src, version) not in keep:  # leftovers (.tmp, .download, links) too
+                    _remove(path)
 
 
 def fetch_groups(
@@ -327,7 +349,7 @@ class Recovery:
         """Fetch into ``folder`` in this node's memory when its file system has ``need``
         bytes free (the newest version's shards), else into the root (collective)."""
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            _own_folder(self.place.peer_base, folder.relative_to(self.place.peer_base).parts)
             roomy = shutil.disk_usage(folder).free >= need
         except OSError:
             roomy = False
@@ -402,11 +424,11 @@ class Recovery:
         assert self.remote is not None
         final = self.place.fetch_path(download.src, download.version)
         try:
-            shutil.rmtree(final, ignore_errors=True)
-            final.parent.mkdir(parents=True, exist_ok=True)
+            final = self.place.make_fetch_folder(download.src) / final.name
+            _remove(final)
             self.remote.fetch(download.src, download.version, final)
         except (CheckpointError, TierError, OSError) as exc:
-            shutil.rmtree(final, ignore_errors=True)
+            _remove(final)
             self.bad.append((-1, download.src, download.version))
             log.warning(
                 "restore: rank %d's shard of version %d could not be downloaded from the "
@@ -420,21 +442,23 @@ class Recovery:
 
     def _receive(self, t: Transfer, pin: str | None) -> None:
         final = self.place.fetch_path(t.src, t.version)
-        staging = final.with_name(final.name + ".tmp")
-        shutil.rmtree(staging, ignore_errors=True)
         # A folder that cannot be made fails the receive, which refuses the copy in step
         # with its sender (raised here, the sender would wait for an answer).
         with contextlib.suppress(OSError):
-            staging.parent.mkdir(parents=True, exist_ok=True)
+            final = self.place.make_fetch_folder(t.src) / final.name
+        staging = final.with_name(final.name + ".tmp")
+        with contextlib.suppress(OSError):
+            _remove(staging)
         try:
             with peers("restore: receiving a shard"):
                 manifest = receive_version(t.sender, staging, self._group, pin)
-            shutil.rmtree(final, ignore_errors=True)
+            _remove(final)
             os.rename(staging, final)
         except (CheckpointError, ManifestError, OSError) as exc:
             if not isinstance(exc, ManifestError) and "another rank" in str(exc):
                 raise  # the job is broken (a rank gone): no round can follow
-            shutil.rmtree(staging, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                _remove(staging)
             self.bad.append((t.sender, t.src, t.version))
             log.warning(
                 "restore: rank %d's copy of rank %d's shard of version %d was refused: %s",
@@ -509,7 +533,9 @@ def _order(t: Transfer) -> tuple[int, int, int, int]:
 
 def _entries(folder: Path) -> list[tuple[int, int, Path]]:
     """``(src, version, path)`` of every entry of every ``rank-<src>/`` folder under
-    ``folder``; ``version`` is 0 for a name that is not a version's (a leftover)."""
+    ``folder``; ``version`` is 0 for an entry that is not a version's folder (a leftover, a
+    link, a name pcframe does not write such as ``v000000003``). A ``rank-<src>`` that is a
+    link or not spelled as pcframe spells it is passed over, never listed through."""
     found = []
     try:
         names = os.listdir(folder)
@@ -517,15 +543,18 @@ def _entries(folder: Path) -> list[tuple[int, int, Path]]:
         return []
     for name in names:
         match = RANK_DIR.match(name)
-        if not match:
+        if not match or name != rank_dirname(int(match.group(1))):
+            continue
+        if not is_real_directory(folder / name):
             continue
         try:
             entries = os.listdir(folder / name)
         except OSError:
             continue
         for entry in entries:
-            v = VERSION_DIR.match(entry)
-            found.append((int(match.group(1)), int(v.group(1)) if v else 0, folder / name / entry))
+            path = folder / name / entry
+            version = version_number(entry, str(path)) if is_real_directory(path) else None
+            found.append((int(match.group(1)), version or 0, path))
     return found
 
 
@@ -536,6 +565,38 @@ def _shards(folder: Path) -> list[tuple[int, int, Path]]:
         for src, version, path in _entries(folder)
         if version and (path / MANIFEST_NAME).is_file()
     ]
+
+
+def _real_below(top: Path, names: Sequence[str]) -> bool:
+    """Whether each of ``names`` below ``top`` is a directory, none of them a link."""
+    path = top
+    for name in names:
+        path = path / name
+        if not is_real_directory(path):
+            return False
+    return True
+
+
+def _own_folder(top: Path, names: Sequence[str]) -> Path:
+    """``top/names...``, each level made a directory of pcframe's own: a link or a file in
+    its place is unlinked (never followed), so nothing is written or deleted through it."""
+    top.mkdir(parents=True, exist_ok=True)  # the folder the user named: it may be a link
+    path = top
+    for name in names:
+        path = path / name
+        if os.path.lexists(path) and not is_real_directory(path):
+            os.unlink(path)
+        path.mkdir(exist_ok=True)
+    return path
+
+
+def _remove(path: Path) -> None:
+    """Remove a fetched entry: a link or a file is unlinked (what it points to stays), a
+    directory deleted with what it holds."""
+    if is_real_directory(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
 
 
 def _base_of(path: Path) -> int:

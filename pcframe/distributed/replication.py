@@ -165,6 +165,11 @@ class PeerReplication:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def let_go(self) -> None:
+        """Forget the group (destroyed; the thread has ended)."""
+        assert not self._thread.is_alive()
+        self._group = None
+
     # --- the round thread ----------------------------------------------------------------------
 
     def _loop(self) -> None:

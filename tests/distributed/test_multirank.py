@@ -114,6 +114,9 @@ def test_round_trip_restores_exactly_the_saved_state_on_every_rank(saved):
         assert result["padded_published"]
         assert result["padded_restored"]
         assert result["collector_paused_in_restore"]
+        # Open, the checkpointer holds its gloo groups; closed, none (nor any work).
+        assert "ProcessGroup" in result["gloo_held_open"], result["gloo_held_open"]
+        assert result["gloo_held_closed"] == [], result["gloo_held_closed"]
 
 
 def test_a_damaged_shard_makes_every_rank_fall_back_to_the_previous_global_version(saved):

@@ -47,6 +47,35 @@ def test_a_lost_node_comes_back_from_its_peers_memory_bit_identical(tmp_path, re
     assert rec.record_versions(root / "b")[-1] == rec.record_versions(root / "a")[-1] == 4
 
 
+def test_what_is_planted_in_the_fetched_folders_is_passed_over_never_followed(tmp_path):
+    """A link at ``.fetched/rank-0`` of node b's new root had the restore delete everything
+    in the folder it pointed to (the fetched folders are pruned after every restore); a
+    folder ``v000000003`` (a name pcframe does not write) holding rank 2's real v3 manifest
+    in node b's new root was taken for v3's shard there, so none was sent, and it then read
+    as missing: v3 was skipped and its record set aside, though node a's memory held it.
+    Both are passed over now: v3 comes from the peer copy."""
+    root = tmp_path / "ckpt"
+    job(tmp_path, root, "first", 9, "--wait-peers")
+    lose_node(root, "b")
+    victim = tmp_path / "victim"
+    for name in ("v00000001", "notes"):
+        (victim / name).mkdir(parents=True)
+        (victim / name / "keep.txt").write_text("not pcframe's\n")
+    (root / "b" / ".fetched").mkdir(parents=True)
+    (root / "b" / ".fetched" / "rank-0").symlink_to(victim)
+    copy = next((root / "a-shm").glob("kept-by-rank-*/rank-2/v00000003"))
+    stray = root / "b" / ".fetched" / "rank-2" / "v000000003"
+    stray.mkdir(parents=True)
+    shutil.copy(copy / "manifest.json", stray / "manifest.json")
+    resumed = job(tmp_path, root, "resumed", 9)
+    assert [r["restored_step"] for r in resumed] == [9] * 4
+    assert resumed[0]["shard_sources"]["2"] == "peer memory"
+    assert sorted(p.relative_to(victim).as_posix() for p in victim.rglob("*")) == [
+        "notes", "notes/keep.txt", "v00000001", "v00000001/keep.txt"
+    ]  # fmt: skip
+    assert not list(root.glob("*/global/.corrupt-*"))
+
+
 def test_a_damaged_peer_copy_is_dropped_and_the_version_before_it_is_taken(tmp_path, reference):
     """No object store, one copy: the damaged copy of v3's rank-2 shard cannot be had from
     elsewhere, so v3 is passed over (not set aside: it is not damaged), and v2 loads."""

@@ -19,12 +19,14 @@ if (
     os.environ["PCFRAME_CRASH_AT"] = os.environ["TEST_CRASH_AT"]
 
 import argparse
+import collections
 import contextlib
 import gc
 import json
 import shutil
 import threading
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -246,6 +248,45 @@ def roundtrip(args: argparse.Namespace, out: dict[str, Any]) -> None:
         out["padded_restored"] = torch.equal(holder.table.full_tensor(), saved)
         # The multi-rank restore holds the cyclic collector off too, and gives it back.
         out["collector_paused_in_restore"] = probe.seen == [False] and gc.isenabled()
+        out["gloo_held_open"] = gloo_reachable(ckpt)
+    out["gloo_held_closed"] = gloo_reachable(ckpt)
+
+
+def gloo_reachable(root: Any) -> list[str]:
+    """The torch.distributed groups and works reachable from ``root`` through pcframe's
+    objects (their attributes, containers, closures and bound methods; not through modules or
+    functions' globals, which reach every group of the job). A closed checkpointer must hold
+    none: it lives on in reference cycles, and a gloo object freed as late as the
+    interpreter's exit aborted the process."""
+    kinds = (dist.ProcessGroup, torch._C._distributed_c10d.Work)
+    found, seen, todo = [], set(), [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, kinds):
+            found.append(type(obj).__name__)
+            continue
+        if isinstance(obj, dict | list | tuple | set | frozenset | collections.deque):
+            todo.extend(obj.values() if isinstance(obj, dict) else obj)
+        elif type(obj).__module__.startswith("pcframe") and hasattr(obj, "__dict__"):
+            todo.extend(vars(obj).values())
+        elif isinstance(obj, types.MethodType):
+            todo.append(obj.__self__)
+        elif isinstance(obj, types.FunctionType):
+            todo.extend(c.cell_contents for c in obj.__closure__ or () if _filled(c))
+        elif isinstance(obj, threading.Thread):
+            todo.extend([getattr(obj, "_target", None), getattr(obj, "_args", ())])
+    return sorted(found)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 (an empty cell raises)
+    except ValueError:
+        return False
+    return True
 
 
 def hooked_restore(args: argparse.Namespace, out: dict[str, Any]) -> None:
