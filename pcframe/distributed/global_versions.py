@@ -263,16 +263,22 @@ def parse_record(body: Any, where: str = "<global record>") -> GlobalRecord:
         crc = raw.get("manifest_crc32c")
         if not is_crc(crc):
             raise fail(f"shard {rank} has an invalid manifest_crc32c {crc!r}")
-        shards.append(
-            ShardRef(
-                rank=rank,
-                directory=raw["directory"],
-                version=integer(raw.get("version"), f"shard {rank} version", 1),
-                step=integer(raw.get("step"), f"shard {rank} step", -(1 << 62)),
-                manifest_crc32c=crc,
-                nbytes=integer(raw.get("nbytes"), f"shard {rank} nbytes"),
-            )
+        shard = ShardRef(
+            rank=rank,
+            directory=raw["directory"],
+            version=integer(raw.get("version"), f"shard {rank} version", 1),
+            step=integer(raw.get("step"), f"shard {rank} step", -(1 << 62)),
+            manifest_crc32c=crc,
+            nbytes=integer(raw.get("nbytes"), f"shard {rank} nbytes"),
         )
+        # Every rank saves a global version at one step under its number: a record whose
+        # shards name other versions or steps would restore a mix of two saves.
+        if (shard.version, shard.step) != (version, step):
+            raise fail(
+                f"shard {rank} is version {shard.version} at step {shard.step}, not the "
+                f"record's version {version} at step {step}"
+            )
+        shards.append(shard)
     return GlobalRecord(version, step, float(wall_time), world_size, tuple(shards))
 
 

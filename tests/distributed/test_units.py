@@ -229,7 +229,10 @@ def good_body() -> dict:
         (lambda b: b["shards"].reverse(), "rank order"),
         (lambda b: b["shards"].pop(), "one shard per rank"),
         (lambda b: b["shards"][0].update(manifest_crc32c="zz"), "manifest_crc32c"),
-        (lambda b: b.update(version=4), "file name says version 3"),
+        (lambda b: [x.update(version=4) for x in [b, *b["shards"]]], "file name says version 3"),
+        # a mix of two saves (each shard's manifest crc genuine): refused, not restored
+        (lambda b: b["shards"][1].update(version=2), "shard 1 is version 2 at step 30, not"),
+        (lambda b: b.update(step=12345), "not the record's version 3 at step 12345"),
         (lambda b: b.update(world_size=True), "world_size"),
     ],
 )
