@@ -182,14 +182,21 @@ class DistributedCheckpointer:
                 **overrides,
             )
 
-        opened = open_shards(
-            self.root,
-            open_local,
-            self._control,
-            self._report,
-            node,
-            remote_newest,
-        )
+        try:
+            opened = open_shards(
+                self.root,
+                open_local,
+                self._control,
+                self._report,
+                node,
+                remote_newest,
+                # the options that decide which collectives a rank enters (the peer rounds
+                # and the restore's fetch; the object store's listing at close)
+                same=(("replicas", self.replicas), ("object store", self.remote is not None)),
+            )
+        except BaseException:  # the open destroyed the other two groups
+            dist.destroy_process_group(self._peer)
+            raise
         self.local, self._next = opened.local, opened.next_version
         self.nodes, self._groups = opened.nodes, opened.groups
         self.objects.policy = self.local.policy

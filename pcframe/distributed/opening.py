@@ -52,11 +52,14 @@ def open_shards(
     report: Any,
     node: str | None = None,
     remote_newest: Callable[[], int] = lambda: 0,
+    same: tuple[tuple[str, Any], ...] = (),
 ) -> Opened:
     """Open this rank's engine with ``open_local`` and agree with the others (collective).
 
     ``remote_newest``: the newest version the job's object store holds, where the engines
-    did not list it (:func:`~pcframe.distributed.job_tiers.start_job_listing`).
+    did not list it (:func:`~pcframe.distributed.job_tiers.start_job_listing`). ``same``:
+    ``(name, value)`` of the options every rank must be given alike (those that decide which
+    collectives a rank enters: one given otherwise would leave the others waiting in one).
 
     On a failure anywhere the engine is closed again, both process groups are destroyed and
     the error is raised on every rank (this rank's own, or one naming the failing rank).
@@ -72,11 +75,18 @@ def open_shards(
         mine, error = exc, f"{type(exc).__name__}: {exc}"
     try:
         top = max(local.next_version if local else 0, remote_newest() + 1)
-        row = (top, node_key(node), token, error)
+        row = (top, node_key(node), token, same, error)
         first = _agree(row, world_size, control, mine, local, report)
         mine = None
+        differing = _differing(same, [s for _, _, _, s, _ in first])
+        if differing:
+            _give_up(local, report, control)
+            raise CheckpointError(
+                f"the ranks were given different DistributedCheckpointer options: {differing}; "
+                "give every rank the same ones"
+            )
         try:  # who shares this root: the ranks whose markers it holds (its own among them)
-            tokens = [t for _, _, t, _ in first]
+            tokens = [t for _, _, t, _, _ in first]
             group = min(r for r, t in enumerate(tokens) if (root / f"{_MARKER}{t}").exists())
             retained, newest_record, error = [], 0, ""
             if group == rank:  # this root's leader lists its records
@@ -95,9 +105,28 @@ def open_shards(
                 os.unlink(marker)
     assert local is not None
     groups = tuple(g for g, _, _, _ in second)
-    top = max([t for t, _, _, _ in first] + [n + 1 for _, _, n, _ in second])
+    top = max([t for t, _, _, _, _ in first] + [n + 1 for _, _, n, _ in second])
     retained = sorted({v for _, kept, _, _ in second for v in kept})
-    return Opened(local, top, retained, NodeMap(tuple(k for _, k, _, _ in first)), groups)
+    return Opened(local, top, retained, NodeMap(tuple(k for _, k, _, _, _ in first)), groups)
+
+
+def _differing(mine: tuple[tuple[str, Any], ...], everyone: list[Any]) -> str:
+    """The options not alike on every rank, each with what each rank was given ("")."""
+    parts = []
+    for name, _ in mine:
+        values = [dict(theirs).get(name) if theirs else None for theirs in everyone]
+        if len({repr(v) for v in values}) > 1:
+            given = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            parts.append(f"{name} ({given})")
+    return "; ".join(parts)
+
+
+def _give_up(local: Checkpointer | None, report: Any, control: Any) -> None:
+    """Close this rank's engine and destroy both groups: the open failed on every rank."""
+    if local is not None:
+        local.close()
+    dist.destroy_process_group(report)
+    dist.destroy_process_group(control)
 
 
 def _agree(
@@ -118,10 +147,7 @@ def _agree(
         gathered, mine = [(*row[:-1], str(exc))], mine or exc
     failed = [(r, g[-1]) for r, g in enumerate(gathered) if g[-1]]
     if failed:
-        if local is not None:
-            local.close()
-        dist.destroy_process_group(report)
-        dist.destroy_process_group(control)
+        _give_up(local, report, control)
         if mine is not None:
             raise mine
         other, message = failed[0]

@@ -1,7 +1,13 @@
 """The peer tier under faults and habits: a preemption notice on one node, a slow peer, a
-restart on fewer nodes, a node killed at a random moment (4 real gloo ranks as 2 "nodes")."""
+restart on fewer nodes, a node killed at a random moment (4 real gloo ranks as 2 "nodes");
+ranks given different peer options."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -135,3 +141,46 @@ def test_with_two_replicas_two_nodes_lost_come_back_from_the_third_nodes_memory(
         expected, got = final(tmp_path, "first", rank, 9), final(tmp_path, "resumed", rank, 9)
         assert expected.keys() == got.keys()
         assert all(torch.equal(expected[k], got[k]) for k in expected), rank
+
+
+MISMATCHED = textwrap.dedent(
+    """
+    import sys, time, torch
+    import torch.distributed as dist
+    from pcframe.distributed import DistributedCheckpointer
+    from pcframe.errors import CheckpointError
+
+    root, rendezvous, peer_dir, rank = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, world_size=2)
+    start = time.monotonic()
+    try:
+        DistributedCheckpointer(
+            root, model=torch.nn.Linear(2, 2), replicas=1 - rank, peer_dir=peer_dir,
+            protocol_timeout=600,
+        )
+        print("opened")
+    except CheckpointError as exc:
+        print(f"{time.monotonic() - start:.1f} {exc}")
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_ranks_given_different_replicas_are_refused_on_every_rank_at_open(tmp_path):
+    """Rank 0 replicated, rank 1 did not: the save stalled in a peer round rank 1 never
+    entered (until protocol_timeout: 30 min by default), and a restore crossed collectives
+    (a raw AttributeError). Now every rank refuses the open at once, naming the option."""
+    args = [str(tmp_path / "ckpt"), str(tmp_path / "rdv")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", MISMATCHED, *args, str(tmp_path / f"shm-{rank}"), str(rank)],
+            env={**os.environ, "PCFRAME_NODE": "ab"[rank]},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    for out in outputs:
+        assert "different DistributedCheckpointer options: replicas (rank 0: 1, rank 1: 0)" in out
+        assert float(out.split()[0]) < 60  # at once, not after the protocol timeout
