@@ -7,6 +7,7 @@ multi-rank restore checks before it chooses a version.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pcframe.distributed import global_versions
@@ -97,6 +98,10 @@ def verify_global(root: Path, version: int | None, threads: int, one_line) -> in
         problems, newer, tensors = [], [], 0
         for shard in record.shards:
             where = root / shard.directory / version_name(shard.version)
+            link = next((p for p in (where.parent, where) if os.path.islink(p)), None)
+            if link is not None:  # a restore refuses it: so does verify
+                problems.append(f"rank {shard.rank}: {link} is a link (never read through)")
+                continue
             if not (root / shard.directory).is_dir():  # not "damaged": kept elsewhere
                 problems.append(
                     f"rank {shard.rank}: no {shard.directory} folder in this root (a root per "

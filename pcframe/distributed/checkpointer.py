@@ -167,8 +167,15 @@ class DistributedCheckpointer:
             # while the ranks open: a rank whose check fails makes every rank's open fail.
             if self.replicas > 0 and not peer_dir:
                 private_folder(self.peer_base.parent)
+            shard_root = self.root / global_versions.rank_dirname(self.rank)
+            if os.path.islink(shard_root):  # the root may be a link, nothing in it
+                raise CheckpointError(
+                    f"{shard_root} is a link: a rank's folder inside a multi-rank checkpoint "
+                    "is pcframe's own (restores never read through a link); put the folder "
+                    "it points to in its place"
+                )
             return Checkpointer(
-                self.root / global_versions.rank_dirname(self.rank),
+                shard_root,
                 model=model_view,
                 optimizer=optim_view,
                 scheduler=scheduler,

@@ -41,7 +41,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pcframe.errors import CorruptCheckpoint, ManifestError, NotRegularFile, UnsupportedCheckpoint
+from pcframe.errors import (
+    CheckpointError,
+    CorruptCheckpoint,
+    ManifestError,
+    NotRegularFile,
+    UnsupportedCheckpoint,
+)
 from pcframe.format.envelope import BodyFields, Envelope, is_crc, seal
 from pcframe.format.files import read_small
 from pcframe.format.manifest import MANIFEST_NAME, manifest_crc
@@ -108,14 +114,27 @@ class GlobalRecord:
         return seal(FORMAT, FORMAT_VERSION, body)
 
 
+def records_dir(root: Path) -> Path:
+    """The root's folder of global records, refused if it is a link: records are read and
+    written in the root itself (a planted link would have them read from, and written to,
+    anywhere)."""
+    directory = root / RECORDS
+    if os.path.islink(directory):
+        raise CheckpointError(
+            f"{directory} is a link: pcframe never reads or writes a checkpoint's global "
+            "records through one; put the folder it points to in its place"
+        )
+    return directory
+
+
 def record_path(root: Path, version: int) -> Path:
-    return root / RECORDS / f"{version_name(version)}.json"
+    return records_dir(root) / f"{version_name(version)}.json"
 
 
 def record_versions(root: Path) -> list[int]:
     """Versions that have a global record file, oldest first (validity not checked)."""
     try:
-        names = os.listdir(root / RECORDS)
+        names = os.listdir(records_dir(root))
     except FileNotFoundError:
         return []
     found = []
@@ -129,7 +148,7 @@ def record_versions(root: Path) -> list[int]:
 
 def write_record(root: Path, record: GlobalRecord) -> None:
     """Write the record durably: after this returns, the global version survives a crash."""
-    directory = root / RECORDS
+    directory = records_dir(root)
     if not directory.is_dir():
         directory.mkdir(parents=True, exist_ok=True)
         fsync_dir(root)
@@ -139,7 +158,7 @@ def write_record(root: Path, record: GlobalRecord) -> None:
 def delete_record(root: Path, version: int) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(record_path(root, version))
-        fsync_dir(root / RECORDS)
+        fsync_dir(records_dir(root))
 
 
 def quarantine_record(root: Path, version: int, reason: str = "") -> None:
@@ -152,25 +171,25 @@ def quarantine_record(root: Path, version: int, reason: str = "") -> None:
     """
     stem = f"{QUARANTINE_PREFIX}{version_name(version)}-{os.getpid()}"
     try:
-        os.rename(record_path(root, version), root / RECORDS / f"{stem}.json")
-        fsync_dir(root / RECORDS)
+        os.rename(record_path(root, version), records_dir(root) / f"{stem}.json")
+        fsync_dir(records_dir(root))
     except OSError:
         return
     if reason:  # best effort: the record is out of the listing whether or not this lands
         with contextlib.suppress(OSError):
-            write_new_file(root / RECORDS / f"{stem}.why", f"{reason}\n".encode())
+            write_new_file(records_dir(root) / f"{stem}.why", f"{reason}\n".encode())
 
 
 def set_aside_records(root: Path) -> list[tuple[str, str]]:
     """``(file, why)`` of every global record a restore set aside as damaged."""
     try:
-        names = sorted(os.listdir(root / RECORDS))
+        names = sorted(os.listdir(records_dir(root)))
     except OSError:
         return []
     found = []
     for name in names:
         if name.startswith(f"{QUARANTINE_PREFIX}v") and name.endswith(".json"):
-            why = root / RECORDS / f"{name[: -len('.json')]}.why"
+            why = records_dir(root) / f"{name[: -len('.json')]}.why"
             try:
                 reason = read_small(why, 64 * 1024).decode(errors="replace").strip()
             except (OSError, NotRegularFile):
@@ -181,7 +200,7 @@ def set_aside_records(root: Path) -> list[tuple[str, str]]:
 
 def remove_partial_records(root: Path) -> None:
     """Drop ``*.tmp`` files a writer left when it died mid-write (they never counted)."""
-    directory = root / RECORDS
+    directory = records_dir(root)
     if not directory.is_dir():
         return
     for name in os.listdir(directory):

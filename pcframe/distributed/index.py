@@ -9,6 +9,7 @@ a manifest is validated, so a hostile or damaged manifest raises ``ManifestError
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 
 from pcframe.distributed.global_versions import GlobalRecord
 from pcframe.distributed.placement import Box
-from pcframe.errors import CorruptCheckpoint, ManifestError
+from pcframe.errors import CheckpointError, CorruptCheckpoint, ManifestError
 from pcframe.format.manifest import MANIFEST_NAME, Manifest, manifest_crc, read_manifest
 from pcframe.format.names import version_name
 
@@ -81,7 +82,14 @@ class SavedIndex:
         shard = self.record.shards[rank]
         if self._locate is not None:
             return self._locate(rank, shard.version)
-        return self.root / shard.directory / version_name(shard.version)
+        directory = self.root / shard.directory / version_name(shard.version)
+        for folder in (directory.parent, directory):
+            if os.path.islink(folder):  # the root itself may be a link, nothing in it
+                raise CheckpointError(
+                    f"{folder} is a link: pcframe never reads a shard through a link inside "
+                    "a checkpoint; put the folder it points to in its place"
+                )
+        return directory
 
     def value(self, name: str, rank: int) -> tuple[int, Any]:
         """``(rank, encoded node)`` of a non-tensor entry: ``rank``'s own (every rank writes

@@ -390,3 +390,49 @@ def test_a_stray_file_named_like_a_version_takes_its_number_in_a_multi_rank_root
     (tmp_path / "rank-1").mkdir()
     (tmp_path / "rank-1" / "v00000003").write_text("not a version")
     assert rec.next_version(tmp_path) == 4
+
+
+def test_a_records_folder_that_is_a_link_is_neither_written_nor_read_through(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / rec.RECORDS).symlink_to(outside)
+    with pytest.raises(CheckpointError, match="global is a link"):
+        rec.write_record(root, record(3))
+    with pytest.raises(CheckpointError, match="global is a link"):
+        rec.valid_records(root)
+    assert list(outside.iterdir()) == []
+
+
+LINKED_RANK = """
+import sys, torch
+import torch.distributed as dist
+from pcframe.distributed import DistributedCheckpointer
+from pcframe.errors import CheckpointError
+
+root, rendezvous = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=0, world_size=1)
+try:
+    DistributedCheckpointer(root, model=torch.nn.Linear(2, 2))
+    print("opened")
+except CheckpointError as exc:
+    print(exc)
+dist.destroy_process_group()
+"""
+
+
+def test_a_rank_folder_that_is_a_link_is_refused_when_the_job_opens(tmp_path):
+    """Restores refuse to read a shard through a link, so the save must not write one."""
+    root, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
+    root.mkdir()
+    elsewhere.mkdir()
+    (root / "rank-0").symlink_to(elsewhere)
+    done = subprocess.run(
+        [sys.executable, "-c", LINKED_RANK, str(root), str(tmp_path / "rdv")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert f"{root / 'rank-0'} is a link" in done.stdout, done.stdout + done.stderr
+    assert list(elsewhere.iterdir()) == []

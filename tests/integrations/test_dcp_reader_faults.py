@@ -28,6 +28,7 @@ from pcframe.apps import cli
 from pcframe.distributed import global_versions
 from pcframe.distributed.placement import cover_problem
 from pcframe.errors import (
+    CheckpointError,
     CorruptCheckpoint,
     ManifestError,
     NoValidCheckpoint,
@@ -393,6 +394,22 @@ def test_a_damaged_shard_of_a_multi_rank_version_changes_nothing(ranks_root: Pat
     assert str(_shard(ranks_root, 1) / DATA_NAME) in message and "checksum mismatch" in message
     assert "nothing was placed" in message and "version=N" in message, message
     _check(_load(ranks_root, version=2), 2)
+
+
+@pytest.mark.parametrize("inside", ["rank-1", "rank-1/v00000003", "global"])
+def test_a_link_inside_a_multi_rank_root_is_refused_not_followed(
+    ranks_root: Path, tmp_path: Path, inside: str, capsys: pytest.CaptureFixture
+) -> None:
+    """A rank folder, a version folder or the records folder moved out and linked back:
+    the load read through the link, outside the root (``pcframe verify`` said OK). Only
+    the root itself may be a link."""
+    outside = tmp_path / "outside"
+    shutil.move(ranks_root / inside, outside)
+    (ranks_root / inside).symlink_to(outside)
+    message = _refused(ranks_root, CheckpointError)
+    assert f"{ranks_root / inside} is a link" in message, message
+    code, out, err = _cli(capsys, "verify", ranks_root)
+    assert code != 0 and f"{ranks_root / inside} is a link" in out + err, out + err
 
 
 # --- item 5: hostile fields, chunk cover, missing parts ------------------------------------------
