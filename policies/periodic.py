@@ -8,9 +8,11 @@ same way at the edges: first step, restarts, clock jumps, missing measurements.
 from __future__ import annotations
 
 import math
+import numbers
 from abc import abstractmethod
 from typing import Any, Literal
 
+from pcframe.errors import PolicyError
 from pcframe.policies.base import (
     Decision,
     Event,
@@ -74,8 +76,13 @@ class SecondsIntervalPolicy(IntervalPolicy):
     def interval(self, ctx: PolicyContext) -> float:
         """The target interval clamped to the floors and ceiling above."""
         tau = self.target_interval(ctx)
-        if math.isnan(tau):
-            tau = math.inf
+        if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or math.isnan(tau):
+            # NaN said "never save" without a word (a plugin's 0/0): a job never saved
+            raise PolicyError(
+                f"policy {type(self).__module__}.{type(self).__qualname__}.target_interval "
+                f"returned {tau!r:.80}; it must return seconds as a number (math.inf: no "
+                "checkpoint wanted; values below the floors are raised to them)"
+            )
         floor = self.min_interval
         if self.concurrency is not None:
             n = (ctx.max_in_flight or 1) if self.concurrency == "engine" else self.concurrency

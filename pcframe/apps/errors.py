@@ -191,7 +191,45 @@ def describe_error(exc: BaseException, app: str | None = None) -> tuple[int, str
         return 1, _mismatch(exc)
     if isinstance(exc, CheckpointError):
         return 1, _flat(str(exc))
+    called = _user_code_called_by_pcframe(exc)
+    if called is not None:
+        return 1, (
+            f"{called} raised {type(exc).__name__}: {_flat(str(exc))[:300]}; that is the code "
+            "of a plugin (a policy of your own), not pcframe's: fix it there "
+            f"({FULL_ERROR}=1 shows the whole stack)"
+        )
     return 1, None
+
+
+_OURS = ("pcframe", "hydra", "omegaconf")  # the modules whose frames are not a plugin's
+
+
+def _user_code_called_by_pcframe(exc: BaseException) -> str | None:
+    """``module.function (file:line)`` of a policy's method outside pcframe that pcframe
+    called on the way to ``exc`` (a plugin's ``decide``, ``observe``, ``load_state_dict``,
+    ``target_interval``...); None if pcframe raised it itself, or a library it calls (torch,
+    numpy: a bug of ours to report, not a plugin's)."""
+    stdlib = os.path.dirname(os.__file__)
+    caller_is_ours = False
+    for frame, line in traceback.walk_tb(exc.__traceback__):
+        module = str(frame.f_globals.get("__name__", ""))
+        if module.split(".")[0] in _OURS:
+            caller_is_ours = True
+            continue
+        filename = frame.f_code.co_filename
+        if filename.startswith(stdlib) and "site-packages" not in filename:
+            continue  # contextlib, functools: between pcframe and what it called
+        if caller_is_ours and _is_policy(frame.f_locals.get("self")):
+            return f"{module}.{frame.f_code.co_qualname} ({filename}:{line})"
+        caller_is_ours = False
+    return None
+
+
+def _is_policy(obj: Any) -> bool:
+    """Whether ``obj`` answers as an interval, resource or placement policy does."""
+    return obj is not None and any(
+        callable(getattr(obj, name, None)) for name in ("decide", "observe", "target_interval")
+    )
 
 
 def error_text(exc: BaseException, advice: bool = True) -> str:

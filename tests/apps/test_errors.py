@@ -270,3 +270,35 @@ def test_kernels_the_machine_cannot_run_are_refused_before_any_step(tmp_path, ap
     (line,) = result.stderr.strip().splitlines()
     assert "copy_backend='triton' cannot run on this machine" in line
     assert result.stdout == "" and not (out / "checkpoints").exists()
+
+
+class _RaisingPolicy:
+    """A plugin policy whose decide fails (a bug of the plugin's, not pcframe's)."""
+
+    def decide(self, ctx):
+        raise RuntimeError("boom in decide")
+
+
+def test_an_error_raised_in_a_plugins_code_is_one_line_naming_its_method():
+    """It printed a long traceback and "unexpected error (a bug: please report it)",
+    blaming pcframe for a plugin's bug."""
+    from pcframe.policies import FixedSteps
+    from pcframe.sim import JobSpec, simulate, steady_trace
+
+    class Plugin(FixedSteps, _RaisingPolicy):
+        decide = _RaisingPolicy.decide
+
+    with pytest.raises(RuntimeError) as info:
+        simulate(steady_trace(1.0), Plugin(10), JobSpec())
+    code, text = describe_error(info.value, "sim")
+    assert code == 1 and text is not None
+    assert "_RaisingPolicy.decide" in text and "raised RuntimeError: boom in decide" in text
+    assert "plugin" in text and __file__ in text
+
+
+def test_an_error_pcframe_raises_itself_is_still_reported_as_a_bug():
+    from pcframe.format.names import version_name
+
+    with pytest.raises(ValueError) as info:
+        version_name("12")  # raised inside pcframe, no plugin on the way
+    assert describe_error(info.value, "sim") == (1, None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -197,3 +199,18 @@ def test_state_survives_strict_json(policy: P.IntervalPolicy) -> None:
 
     policy.decide(ctx(0, 0.0, preemption_rate=0.0))  # an infinite MTBF must not leak as inf
     json.dumps(policy.state_dict(), allow_nan=False)
+
+
+@pytest.mark.parametrize("returned", [math.nan, None, "60", True])
+def test_an_interval_that_is_not_a_number_is_refused_naming_the_policy(returned):
+    """NaN read as "never save" without a word (a plugin's 0/0: a job that never saved);
+    None raised a nameless TypeError from math.isnan."""
+    from pcframe.errors import PolicyError
+    from pcframe.policies.periodic import SecondsIntervalPolicy
+
+    class Odd(SecondsIntervalPolicy):
+        def target_interval(self, ctx):
+            return returned
+
+    with pytest.raises(PolicyError, match=r"Odd\.target_interval returned .*must return seconds"):
+        Odd().decide(PolicyContext(step=1, now=10.0))
