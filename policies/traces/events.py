@@ -22,14 +22,18 @@ def read_bamboo_events(
 ) -> Trace:
     """``ms_offset,add|remove,nodeN`` rows, resampled to the up-count every ``step_seconds``.
 
-    Tick i holds the count after every event at or before ``i * step_seconds``. The shipped
-    traces put all events on whole minutes, so the default 60 s step loses nothing.
+    Tick i holds the count after every event at or before ``i * step_seconds``, lowered to
+    the count after any ``remove`` before the next tick: a node removed and added back
+    within one tick (or replaced at the same instant) is a preemption, down for that tick,
+    not lost between two samples. The shipped traces put all events on whole minutes, so
+    the default 60 s step loses nothing there.
     """
     if step_seconds <= 0:
         raise ValueError(f"step_seconds={step_seconds} must be > 0")
     up_nodes: set[str] = set()
     times: list[int] = []
     counts: list[int] = []
+    removals: list[tuple[int, int]] = []  # (time, count just after) of each remove
     last = -1
     with path.open(newline="", encoding="utf-8-sig") as f:
         for lineno, row in enumerate(csv.reader(f), start=1):
@@ -77,6 +81,7 @@ def read_bamboo_events(
                         "add the node before removing it",
                     )
                 up_nodes.discard(node)
+                removals.append((ms, len(up_nodes)))
             last = ms
             times.append(ms)
             counts.append(len(up_nodes))
@@ -103,6 +108,9 @@ def read_bamboo_events(
     # Count after the last event at or before each tick: searchsorted over event times.
     idx = np.searchsorted(np.asarray(times), np.arange(n) * step_ms, side="right") - 1
     up = np.where(idx >= 0, np.asarray(counts)[np.maximum(idx, 0)], 0)
+    if removals:  # each tick as low as any remove within it left the count
+        at, after = np.asarray(removals).T
+        np.minimum.at(up, (at // step_ms).astype(np.int64), after)
     cap = capacity or max(counts)
     return Trace(
         name=path.stem,
