@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import types
 import typing
@@ -105,12 +106,22 @@ class OutputConfig:
 
 
 @dataclass
+class TraceOptions:
+    """How the selected traces are read, where a file does not say (``load_trace``'s)."""
+
+    convention: str = "auto"  # {metadata, data} JSON: auto | up | inverted (1 = preempted)
+    capacity: int | None = None  # VMs requested (count and event traces)
+    step_seconds: float | None = None  # resampling step of event traces (default 60 s)
+
+
+@dataclass
 class SimAppConfig:
     """Primary config of ``pcframe-sim`` (``conf/sim.yaml``)."""
 
     sim: SimSection = field(default_factory=SimSection)
     policy: Any = None
     traces: str = "all"
+    trace_options: TraceOptions = field(default_factory=TraceOptions)
     baselines: list[str] = field(default_factory=list)
     label: str | None = None
     output: OutputConfig = field(default_factory=OutputConfig)
@@ -125,6 +136,29 @@ def register_schemas() -> None:
 
 
 # --- building -----------------------------------------------------------------------------
+def trace_options(cfg: DictConfig) -> dict[str, Any]:
+    """``trace_options`` as :func:`~pcframe.policies.traces.load_trace` takes them, checked."""
+    options = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(options, dict)
+    if options["convention"] not in ("auto", "up", "inverted"):
+        raise SimConfigError(
+            f"trace_options.convention={options['convention']!r}: give auto, up (values count "
+            "VMs up) or inverted (1 = preempted)"
+        )
+    if options["capacity"] is not None and options["capacity"] < 1:
+        raise SimConfigError(
+            f"trace_options.capacity={options['capacity']}: give the VMs the job asked for "
+            "(>= 1), or null to read it from each trace"
+        )
+    step = options["step_seconds"]
+    if step is not None and not (0 < step < math.inf):
+        raise SimConfigError(
+            f"trace_options.step_seconds={step}: give the seconds per tick (> 0) an event "
+            "trace is resampled to, or null for 60"
+        )
+    return {k: v for k, v in options.items() if v is not None}
+
+
 def build_job(cfg: DictConfig) -> JobSpec:
     return JobSpec.from_dict(OmegaConf.to_container(cfg, resolve=True), "sim.job")
 
@@ -203,7 +237,7 @@ def cases_from_config(cfg: DictConfig, traces: Sequence[Trace]) -> list[Case]:
 
 
 def run_config(cfg: DictConfig, cwd: str | Path | None = None) -> list[SimResult]:
-    traces = select_traces(cfg.traces, cwd)
+    traces = select_traces(cfg.traces, cwd, **trace_options(cfg.trace_options))
     return run_cases(cases_from_config(cfg, traces), progress=cfg.progress)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 from pathlib import Path
+from typing import Any
 
 from pcframe.errors import SimConfigError
 from pcframe.policies.traces import (
@@ -17,10 +18,12 @@ from pcframe.policies.traces import (
 )
 
 
-def select_traces(spec: str, cwd: str | Path | None = None) -> list[Trace]:
+def select_traces(spec: str, cwd: str | Path | None = None, **options: Any) -> list[Trace]:
     """Traces named by ``spec``: ``all`` (the shipped ones), a file, a folder or a glob.
 
-    Relative paths are tried against ``cwd`` first, then the shipped traces folder.
+    Relative paths are tried against ``cwd`` first, then the shipped traces folder;
+    ``options`` go to :func:`~pcframe.policies.traces.load_trace` (``convention``,
+    ``capacity``, ``step_seconds``).
     """
     if not str(spec).strip():  # "" would name the working directory itself
         raise SimConfigError(
@@ -33,7 +36,7 @@ def select_traces(spec: str, cwd: str | Path | None = None) -> list[Trace]:
                 "traces=all but no shipped traces were found; set $PCFRAME_TRACES to a "
                 "folder of traces or give traces=<file|folder|glob>"
             )
-        return load_traces(shipped)
+        return load_traces(shipped, **options)
     bases = [Path(cwd or Path.cwd())] + ([shipped] if shipped is not None else [])
     for base in bases:
         pattern = str(Path(spec) if Path(spec).is_absolute() else base / spec)
@@ -51,7 +54,8 @@ def select_traces(spec: str, cwd: str | Path | None = None) -> list[Trace]:
             }
         )
         if files:
-            return [load_trace(f) for f in files]  # a malformed file raises TraceFormatError
+            # a malformed file raises TraceFormatError
+            return [load_trace(f, **options) for f in files]
     where = ", ".join(str(b) for b in bases)
     raise SimConfigError(
         f"traces={spec!r} matched no trace file (looked in {where}); give 'all', a trace "

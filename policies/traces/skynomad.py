@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +24,9 @@ from pcframe.policies.traces.timeutil import median_step, parse_time
 # p3.2xlarge (1×V100) on-demand price in us-east/us-west, as given by the traces' README.
 AWS_P3_2XLARGE_ON_DEMAND = 3.06
 
+log = logging.getLogger("pcframe")
+_WARNED: set[str] = set()  # files a guess was said about (once: sweeps load them again)
+
 Convention = Literal["auto", "up", "inverted"]
 
 
@@ -31,11 +35,21 @@ def _zone(stem: str) -> str:
 
 
 def find_price_table(path: Path) -> Path | None:
-    """The ``*price*.json`` next to the CSV's folder that holds a series for this trace."""
-    for folder in (path.parent, path.parent.parent):
-        for candidate in sorted(folder.glob("*price*.json")):
-            return candidate
-    return None
+    """The ``*price*.json`` beside the CSV (or in its parent folder) that holds a series for
+    this trace (its name as a key), else the first one found (no prices for this trace)."""
+    found = [
+        c
+        for folder in (path.parent, path.parent.parent)
+        for c in sorted(folder.glob("*price*.json"))
+    ]
+    key = f'"{path.stem}"'.encode()
+    for candidate in found:
+        try:
+            if key in candidate.read_bytes():
+                return candidate
+        except OSError:
+            continue
+    return found[0] if found else None
 
 
 def _prices(path: Path, table: Path | dict[str, list[float]] | None, n: int) -> np.ndarray | None:
@@ -44,17 +58,38 @@ def _prices(path: Path, table: Path | dict[str, list[float]] | None, n: int) -> 
     where = "price table"
     if isinstance(table, Path):
         where = str(table)
-        table = json.loads(table.read_text())
-    series = table.get(path.stem)  # type: ignore[union-attr]
+        try:
+            table = json.loads(table.read_text(encoding="utf-8-sig"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # the table's, not the CSV's
+            at = f"line {exc.lineno} column {exc.colno}" if hasattr(exc, "lineno") else ""
+            raise TraceFormatError(
+                table, at, f"the price table of {path.name} is not JSON: {exc}",
+                "repair it, or move it away to simulate without spot prices",
+            ) from None  # fmt: skip
+    if not isinstance(table, dict):
+        raise TraceFormatError(
+            path, where, "the price table is not a JSON object",
+            '{"<trace name>": [<$/h per tick>, ...], ...}',
+        )  # fmt: skip
+    series = table.get(path.stem)
     if series is None:
         return None
-    if len(series) != n:
+    if not isinstance(series, list) or len(series) != n:
+        count = len(series) if isinstance(series, list) else "no list of"
         raise TraceFormatError(
             path,
             f"key {path.stem!r} of {where}",
-            f"{len(series)} prices for {n} availability rows",
+            f"{count} prices for {n} availability rows",
             "use the price table that belongs to this trace (one price per tick)",
         )
+    for i, price in enumerate(series):  # null, "1.2", -5: refused here, not at simulate()
+        if isinstance(price, bool) or not isinstance(price, int | float) or not 0 <= price < 1e9:
+            raise TraceFormatError(
+                path,
+                f"key {path.stem!r}[{i}] of {where}",
+                f"price {price!r} is not a number of $/h >= 0",
+                "write one price per tick in $/h",
+            )
     return np.asarray(series, dtype=np.float64)
 
 
@@ -108,16 +143,19 @@ def read_availability_csv(
     )
 
 
-def is_inverted(path: Path, meta: dict[str, Any]) -> bool:
+def is_inverted(path: Path, meta: dict[str, Any], values: np.ndarray) -> bool:
     """The GCP H100 collector writes 1 = preempted. Its files carry ``price_info`` and
-    ``gap_filled`` and name their ``source_dir`` (``.../gcp_h100_16nodes/...``): any one of
-    them marks the file, so one whose price fetch failed (no ``price_info``) is not read
-    with its availability upside down.
+    ``gap_filled`` and name their ``source_dir`` (``.../gcp_h100_16nodes/...``): either of
+    the last two marks the file (one whose price fetch failed, without ``price_info``, is not
+    read with its availability upside down), and ``price_info`` does where the values are
+    0/1 (other collectors give prices too: a GCP fleet of 8 VMs counts VMs up).
 
     Not the file's name: a user's own up-count file named ``my_h100_up.json`` read inverted.
     """
     source = str(meta.get("source_dir", "")).lower()
-    return "price_info" in meta or "gap_filled" in meta or "gcp_h100" in source
+    if "gap_filled" in meta or "gcp_h100" in source:
+        return True
+    return "price_info" in meta and values.max() <= 1
 
 
 def read_node_json(
@@ -160,27 +198,41 @@ def read_node_json(
             f"{type(price_info).__name__} where an object is expected",
             'write "price_info": {"price": <$/h>, "machine_type": ...} or leave it out',
         )
-    inverted = is_inverted(path, meta) if convention == "auto" else convention == "inverted"
+    if convention == "auto":
+        # 1 = preempted is a 0/1 series: a GCP fleet of 8 VMs with prices was refused as
+        # "inverted", where it counts VMs up.
+        inverted = is_inverted(path, meta, values)
+        if values.max() <= 1 and not inverted and path.stem not in _WARNED:
+            _WARNED.add(path.stem)
+            log.warning(
+                "%s: 0/1 values and no mark of the GCP H100 collector (price_info, "
+                "gap_filled, source_dir): read as 1 = up; if 1 means preempted, load it with "
+                "convention='inverted' (pcframe-sim: trace_options.convention=inverted)",
+                path,
+            )
+    else:
+        inverted = convention == "inverted"
     if inverted:
         if values.max() > 1:
             raise TraceFormatError(
                 path,
                 "key 'data'",
                 f"inverted (1 = preempted) trace holds {values.max()}",
-                "pass convention='up' if this file counts VMs that are up",
+                "load it with convention='up' if this file counts VMs that are up "
+                "(pcframe-sim: trace_options.convention=up)",
             )
         up, cap, source = 1 - values, 1, "skynomad-gcp-h100"
     else:
-        cap = capacity or _capacity_from_name(path) or int(meta.get("capacity", 0))
-        cap = cap or max(int(values.max()), 1)
+        cap = capacity or _capacity_of(path, meta, values)
         if values.max() > cap:
             raise TraceFormatError(
                 path,
                 "key 'data'",
                 f"count {values.max()} exceeds capacity {cap}",
-                "pass capacity=<VMs requested> to load_trace",
+                "load it with capacity=<VMs requested> (pcframe-sim: trace_options.capacity=N)",
             )
-        up, source = values, f"skynomad-aws-v100-{cap}node"
+        kind = "aws-v100" if "v100" in path.stem else "count"
+        up, source = values, f"skynomad-{kind}-{cap}node"
     spot = price_info.get("price")
     start = meta.get("start_time")
     extra = {k: v for k, v in meta.items() if k not in ("price_info",)}
@@ -200,6 +252,36 @@ def read_node_json(
         path=str(path),
         metadata=extra,
     )
+
+
+def _capacity_of(path: Path, meta: dict[str, Any], values: np.ndarray) -> int:
+    """VMs asked for: the file's ``metadata.capacity``, else its folder's name (``16node``),
+    else the most ever up, said at WARNING: a job of 4 VMs never all up at once would read
+    as 3 (its availability overstated, its goodput ratio against the wrong ideal)."""
+    given = meta.get("capacity")
+    if given is not None:
+        if isinstance(given, bool) or not isinstance(given, int) or given < 1:
+            raise TraceFormatError(
+                path,
+                "key 'metadata.capacity'",
+                f"{given!r} is not a whole number of VMs >= 1",
+                'write "capacity": <VMs requested> or leave it out',
+            )
+        return given
+    named = _capacity_from_name(path)
+    if named:
+        return named
+    most = max(int(values.max()), 1)
+    if path.stem not in _WARNED:
+        _WARNED.add(path.stem)
+        log.warning(
+            "%s: no capacity given (metadata.capacity, or a folder named like '4node'): "
+            "taken as the most VMs ever up, %d; load it with capacity=N "
+            "(pcframe-sim: trace_options.capacity=N) if the job asked for more",
+            path,
+            most,
+        )
+    return most
 
 
 def _capacity_from_name(path: Path) -> int | None:

@@ -131,6 +131,46 @@ def test_a_bamboo_node_lost_and_back_within_one_tick_is_a_preemption(tmp_path: P
     assert list(t.up[[0, 1, 2, 10, 11, 15, 16, 120]]) == [2, 1, 2, 1, 2, 1, 2, 3]
 
 
+def test_a_count_json_is_read_as_counts_and_every_guess_is_said(tmp_path: Path, caplog) -> None:
+    """A GCP fleet of 8 VMs with prices was refused as an "inverted" trace (with a fix the
+    simulator could not apply); a 4-VM file never all up read as 3 VMs without a word; a
+    0/1 file without the H100 collector's marks is read as 1 = up, and says so."""
+    fleet = tmp_path / "us-west1-a_fleet.json"
+    fleet.write_text(json.dumps({"metadata": {"gap_seconds": 600, "price_info": {"price": 2.0}},
+                                 "data": [8, 8, 6, 8, 3, 8]}))  # fmt: skip
+    with caplog.at_level("WARNING", logger="pcframe"):
+        t = load_trace(fleet)
+    assert t.capacity == 8 and t.preemption_count() == 2 and t.spot_price[0] == 2.0
+    assert "taken as the most VMs ever up, 8" in caplog.text
+    assert load_trace(fleet, capacity=10).capacity == 10
+    given = tmp_path / "four.json"
+    given.write_text(json.dumps({"metadata": {"gap_seconds": 600, "capacity": 4}, "data": [3, 2]}))
+    assert load_trace(given).capacity == 4
+    ambiguous = tmp_path / "me-central2-a_h100_16.json"
+    ambiguous.write_text(json.dumps({"metadata": {"gap_seconds": 600}, "data": [0, 0, 1, 0]}))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pcframe"):
+        assert list(load_trace(ambiguous).up) == [0, 0, 1, 0]
+    assert "convention='inverted'" in caplog.text
+    assert list(load_trace(ambiguous, convention="inverted").up) == [1, 1, 0, 1]
+
+
+def test_a_damaged_price_table_is_named_not_the_trace(tmp_path: Path) -> None:
+    trace = tmp_path / "eu-west-1b_v100_1.csv"
+    trace.write_text("date,availability\n2024-01-01 00:00:00,1\n2024-01-01 00:10:00,1\n")
+    table = tmp_path / "spot-prices.json"
+    table.write_text('{"eu-west-1b_v100_1": [1.0, }')
+    with pytest.raises(TraceFormatError, match=r"spot-prices.json:line 1 column 29: the price"):
+        load_trace(trace)
+    table.write_text('{"eu-west-1b_v100_1": [1.0, null]}')
+    with pytest.raises(TraceFormatError, match=r"\[1\] of .*price None is not a number"):
+        load_trace(trace)
+    other = tmp_path / "b-price.json"  # a second table, the one holding this trace
+    table.write_text('{"elsewhere": [1.0, 2.0]}')
+    other.write_text('{"eu-west-1b_v100_1": [1.5, 2.5]}')
+    assert list(load_trace(trace).spot_price) == [1.5, 2.5]
+
+
 def test_pccheck_gpu_trace(traces_dir: Path) -> None:
     path = traces_dir / "pccheck" / "gpus_trace.csv"
     t = load_trace(path)
@@ -245,7 +285,7 @@ def test_malformed_inputs(tmp_path: Path) -> None:
 
     p = tmp_path / "b_h100_16.json"
     p.write_text(
-        json.dumps({"metadata": {"gap_seconds": 600, "price_info": {}}, "data": [0, 1, 5]})
+        json.dumps({"metadata": {"gap_seconds": 600, "gap_filled": 0}, "data": [0, 1, 5]})
     )
     assert "inverted" in _err(p)
 

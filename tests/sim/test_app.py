@@ -126,6 +126,27 @@ def test_composed_config_builds_one_case_per_trace_and_baseline() -> None:
     assert cases[0].job.notice_window == 30.0 and cases[0].job.iteration_time == 2.0
 
 
+def test_trace_options_reach_the_loader_and_are_checked(tmp_path: Path) -> None:
+    """The loader's fixes (convention=, capacity=) could not be given to pcframe-sim."""
+    from pcframe.sim.app_config import trace_options
+
+    trace = tmp_path / "zone-a_h100_16.json"
+    trace.write_text(json.dumps({"metadata": {"gap_seconds": 600}, "data": [0, 1, 0, 0]}))
+    cfg = _compose(f"traces={trace}", "trace_options.convention=inverted")
+    (loaded,) = select_traces(cfg.traces, **trace_options(cfg.trace_options))
+    assert list(loaded.up) == [1, 0, 1, 1]
+    cfg = _compose(f"traces={trace}", "trace_options.capacity=3")
+    (loaded,) = select_traces(cfg.traces, **trace_options(cfg.trace_options))
+    assert loaded.capacity == 3
+    for override, message in (
+        ("trace_options.convention=sideways", "give auto, up"),
+        ("trace_options.capacity=0", "give the VMs the job asked for"),
+        ("trace_options.step_seconds=-1", "give the seconds per tick"),
+    ):
+        with pytest.raises(SimConfigError, match=message):
+            trace_options(_compose(override).trace_options)
+
+
 def test_an_unknown_baseline_is_rejected_with_the_choices() -> None:
     cfg = _compose("baselines=[oracle,clairvoyant]")
     with pytest.raises(SimConfigError, match=r"unknown \['clairvoyant'\]; choose from"):
