@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from pcframe.policies.errors import TraceFormatError
+from pcframe.policies.traces.native import EPOCH_MILLISECONDS
 from pcframe.policies.traces.schema import MAX_DURATION, Trace
 from pcframe.policies.traces.timeutil import median_step
 
@@ -155,6 +156,13 @@ def read_pccheck_gpus(path: Path, gpus_per_vm: int = 4, capacity: int | None = N
                 raise TraceFormatError(
                     path, f"line {lineno}", f"negative GPU count {gpus[-1]}", "use counts >= 0"
                 )
+            if not 0 <= times[-1] < EPOCH_MILLISECONDS[0]:  # datetime would say "year 55840"
+                raise TraceFormatError(
+                    path, f"line {lineno}",
+                    f"time {times[-1]:.0f} is not unix seconds between 1970 and the year 5000"
+                    + (" (milliseconds?)" if times[-1] >= EPOCH_MILLISECONDS[0] else ""),
+                    "write the Time column in seconds since the epoch",
+                )  # fmt: skip
             lines.append(lineno)
     step = median_step(np.asarray(times), path, lines)
     return Trace(

@@ -61,6 +61,16 @@ def read_pcframe_json(path: Path, doc: dict[str, Any] | None = None) -> Trace:
             "'up' must be a list of non-negative integers",
             "write one integer up-count per tick",
         )
+    if isinstance(doc["step_seconds"], bool) or not _number(doc["step_seconds"]):
+        raise TraceFormatError(
+            path, "key 'step_seconds'", f"{doc['step_seconds']!r} is not a number of seconds",
+            "give the seconds per tick, e.g. 300",
+        )  # fmt: skip
+    if not isinstance(doc.get("metadata") or {}, dict):
+        raise TraceFormatError(
+            path, "key 'metadata'", f"{type(doc['metadata']).__name__} where an object is "
+            "expected", 'write "metadata": {...} or leave it out',
+        )  # fmt: skip
     for key in ("capacity", "units_per_vm"):
         if key in doc and not _whole(doc[key]):
             raise TraceFormatError(
@@ -96,6 +106,24 @@ def read_pcframe_json(path: Path, doc: dict[str, Any] | None = None) -> Trace:
             raise
         raise TraceFormatError(path, "", str(exc), "correct the value named above") from exc
     return trace
+
+
+def _header_number(
+    path: Path, meta: dict[str, str], key: str, kind: type, default: Any = None
+) -> Any:
+    """A ``# key: value`` line's number (``int`` or ``float``), named where it is not one."""
+    if key not in meta:
+        return default
+    try:
+        value = kind(meta[key])
+    except ValueError:
+        what = "a whole number" if kind is int else "a number"
+        raise TraceFormatError(
+            path, f"# {key}", f"{meta[key]!r} is not {what}", f"write '# {key}: <{what}>'"
+        ) from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise TraceFormatError(path, f"# {key}", f"{value} is below 0", f"give '# {key}' >= 0")
+    return value
 
 
 def read_pcframe_csv(path: Path) -> Trace:
@@ -174,7 +202,7 @@ def read_pcframe_csv(path: Path) -> Trace:
             "epoch?", "write times in seconds (divide by 1000)",
         )  # fmt: skip
     step = median_step(np.asarray(times), path, lines=[ln for ln, _ in rows])
-    capacity = int(meta.get("capacity", max(max(up), 1)))
+    capacity = _header_number(path, meta, "capacity", int, max(max(up), 1))
     if max(up) > capacity:
         raise TraceFormatError(
             path,
@@ -190,11 +218,13 @@ def read_pcframe_csv(path: Path) -> Trace:
         capacity=capacity,
         up=np.asarray(up, dtype=np.int64),
         spot_price=np.asarray(price) if has_price else None,
-        on_demand_price=None if od is None else float(od),
+        on_demand_price=None
+        if od is None
+        else _header_number(path, meta, "on_demand_price", float),
         start_time=start,
         zone=meta.get("zone"),
         unit=meta.get("unit", "vm"),
-        units_per_vm=int(meta.get("units_per_vm", 1)),
+        units_per_vm=_header_number(path, meta, "units_per_vm", int, 1),
         path=str(path),
         metadata={"format": FORMAT_TAG + "+csv"},
     )

@@ -112,7 +112,7 @@ def read_availability_csv(
                 "use the SkyNomad availability CSV layout or the pcframe CSV form",
             )
         for lineno, row in enumerate(reader, start=2):
-            if not row:
+            if not "".join(row).strip():  # a blank or whitespace-only line (an editor's end)
                 continue
             if len(row) != 2 or row[1].strip() not in ("0", "1"):
                 raise TraceFormatError(
@@ -166,11 +166,13 @@ def read_node_json(
 ) -> Trace:
     """``{"metadata": {"gap_seconds": ...}, "data": [...]}`` node-count or H100 traces."""
     meta = doc.get("metadata")
-    if not isinstance(meta, dict) or "gap_seconds" not in meta:
+    gap = meta.get("gap_seconds") if isinstance(meta, dict) else None
+    if isinstance(gap, bool) or not isinstance(gap, int | float) or not 0 < gap < 1e9:
+        missing = not isinstance(meta, dict) or "gap_seconds" not in meta
         raise TraceFormatError(
             path,
             "key 'metadata.gap_seconds'",
-            "missing the tick length",
+            "missing the tick length" if missing else f"{gap!r} is not a number of seconds > 0",
             'add "metadata": {"gap_seconds": <seconds per tick>}',
         )
     data = doc.get("data")

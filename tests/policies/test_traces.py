@@ -340,7 +340,8 @@ def test_malformed_inputs(tmp_path: Path) -> None:
         ("binary.json", b"\xff\xfe{\x00", "not UTF-8 text"),
         ("huge.json", b'{"metadata": {"gap_seconds": 60}, "data": [1, 99999999999999999999]}',
          "too large"),
-        ("gap_null.json", b'{"metadata": {"gap_seconds": null}, "data": [1, 0]}', "NoneType"),
+        ("gap_null.json", b'{"metadata": {"gap_seconds": null}, "data": [1, 0]}',
+         "'metadata.gap_seconds': None is not a number"),
         # an AttributeError, reported as "unexpected error (a bug)"; now named
         ("h100_pi.json",
          b'{"metadata": {"gap_seconds": 600, "price_info": [1, 2]}, "data": [0, 1]}',
@@ -490,3 +491,30 @@ def test_json_values_are_not_truncated_or_coerced(tmp_path: Path, change: dict, 
     path.write_text(json.dumps(doc))
     with pytest.raises(TraceFormatError, match=key):
         load_trace(path)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "where"),
+    [
+        ("ms.csv", ",Time,GPUs\n0,1700000000250,8\n1,1700000060250,8\n", ":line 2: time"),
+        ("cap.csv", "# capacity: 8.5\ntime,up\n0,1\n60,1\n", ":# capacity: '8.5' is not"),
+        ("gap.json", '{"metadata": {"gap_seconds": null}, "data": [1]}', "metadata.gap_seconds"),
+        ("meta.json", '{"format": "pcframe-trace/1", "step_seconds": 60, "capacity": 1, '
+         '"up": [1, 1], "metadata": [1]}', "key 'metadata'"),
+        ("step.json", '{"format": "pcframe-trace/1", "step_seconds": true, "capacity": 1, '
+         '"up": [1, 1]}', "key 'step_seconds': True"),
+    ],
+)  # fmt: skip
+def test_a_bad_value_is_named_where_it_is(tmp_path: Path, name: str, text: str, where: str):
+    """Each gave a message naming no line or key ("year 55840 is out of range", "invalid
+    literal for int()", "float() argument must be...") or, for step_seconds: true, was read
+    as 1 s ticks."""
+    path = tmp_path / name
+    path.write_text(text)
+    assert where in _err(path)
+
+
+def test_an_availability_csv_ending_in_a_whitespace_line_loads(tmp_path: Path) -> None:
+    path = tmp_path / "zone_v100_1.csv"
+    path.write_text("date,availability\n2024-01-01 00:00:00,1\n2024-01-01 00:10:00,0\n  \n")
+    assert list(load_trace(path, prices=None).up) == [1, 0]
