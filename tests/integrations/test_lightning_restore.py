@@ -330,3 +330,27 @@ def test_a_failed_version_stops_the_fit_and_says_so(
     disk.full = False
     _, checkpoint = fit(directory, 8)
     assert checkpoint.resumed_step == 3  # the version before the failed one
+
+
+def test_ckpt_path_into_the_callbacks_folder_and_twin_callbacks_are_refused_by_name(
+    ckpts: Path,
+) -> None:
+    """trainer.fit(ckpt_path=<the folder or a version>) failed in Lightning's loader with a
+    bare IsADirectoryError; two callbacks on one folder with advice for a notebook."""
+    for path in (ckpts, ckpts / "v00000001"):
+        checkpoint = PcframeCheckpoint(ckpts, every_n_train_steps=3)
+        trainer = pl.Trainer(max_steps=9, accelerator="cpu", devices=1, logger=False,
+                             enable_progress_bar=False, callbacks=[checkpoint])  # fmt: skip
+        with pytest.raises(
+            ValueError, match=r"names PcframeCheckpoint's own folder.*drop ckpt_path"
+        ):
+            trainer.fit(Tiny(), train_dataloaders=loader(), ckpt_path=str(path))
+    with pytest.raises(ValueError, match="two PcframeCheckpoint callbacks save to"):
+        fit(ckpts, 9, callbacks=[PcframeCheckpoint(ckpts)])
+    trainer, checkpoint = fit(ckpts, 9)  # nothing held: the folder resumes as before
+    assert checkpoint.resumed_step == SAVED_STEP and trainer.global_step == 9
+    for bad in (5, b"ckpts"):
+        with pytest.raises(TypeError, match="dirpath="):
+            PcframeCheckpoint(bad)
+    with pytest.raises(ValueError, match="dirpath= is required"):
+        PcframeCheckpoint("  ")

@@ -121,8 +121,13 @@ class PcframeCheckpoint(pl.callbacks.Checkpoint):
                 "keeps the newest keep_last=N versions; add ModelCheckpoint(monitor=..., "
                 "save_top_k=...) next to it for best-model files"
             )
-        if dirpath is None or str(dirpath) == "":
+        if dirpath is None or (isinstance(dirpath, str) and not dirpath.strip()):
             raise ValueError("PcframeCheckpoint: dirpath= is required (the checkpoint directory)")
+        if isinstance(dirpath, bytes) or not isinstance(dirpath, str | os.PathLike):
+            raise TypeError(
+                f"PcframeCheckpoint: dirpath={dirpath!r} is a {type(dirpath).__name__}: give "
+                "the checkpoint directory as a str or a pathlib.Path"
+            )
         check_engine_options(OWNER, engine_options, OWN, REFUSED)
         if save_last not in (True, False, "link"):
             raise ValueError(f"PcframeCheckpoint: save_last={save_last!r}: use True or False")
@@ -151,6 +156,43 @@ class PcframeCheckpoint(pl.callbacks.Checkpoint):
             refusal = refused_strategy(trainer.strategy)
             if refusal:
                 raise ValueError(refusal)
+            twins = [
+                c
+                for c in trainer.callbacks
+                if isinstance(c, PcframeCheckpoint)
+                and c is not self
+                and _same(c.dirpath, self.dirpath)
+            ]
+            if twins:  # the second one's open failed with advice for a notebook
+                raise ValueError(
+                    f"{OWNER}: two PcframeCheckpoint callbacks save to {self.dirpath}: one "
+                    "writer per folder; give each its own dirpath (or keep one)"
+                )
+            self._refuse_ckpt_path_into(trainer)
+
+    def _refuse_ckpt_path_into(self, trainer: pl.Trainer) -> None:
+        """``trainer.fit(ckpt_path=<this dirpath or a version in it>)``, a Lightning user's
+        first try at resuming, failed in Lightning's loader with a bare ``IsADirectoryError``;
+        it is refused naming the fix (this callback resumes its folder by itself). Lightning
+        loads ``ckpt_path`` after ``setup`` and before ``on_fit_start``: its loader is the only
+        place to see it."""
+        io = trainer.strategy.checkpoint_io
+        load = io.load_checkpoint
+        if getattr(load, "_pcframe_dirpath", None) == self.dirpath:
+            return
+        dirpath = self.dirpath
+
+        def refusing(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(path, str | os.PathLike) and _inside(Path(path), dirpath):
+                raise ValueError(
+                    f"{OWNER}: trainer.fit(ckpt_path={str(path)!r}) names PcframeCheckpoint's "
+                    f"own folder: it resumes {dirpath} by itself; drop ckpt_path (or give "
+                    "PcframeCheckpoint(resume=<version>) for an older version)"
+                )
+            return load(path, *args, **kwargs)
+
+        refusing._pcframe_dirpath = dirpath  # type: ignore[attr-defined]
+        io.load_checkpoint = refusing
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.checkpointer is not None or self._processes.group is not None:
@@ -357,3 +399,13 @@ class Schedulers:
             )
         for i, scheduler in enumerate(self.schedulers):
             scheduler.load_state_dict(state[str(i)])
+
+
+def _same(a: Path, b: Path) -> bool:
+    return a.resolve() == b.resolve()
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether ``path`` is ``folder`` or anything in it (links resolved)."""
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
