@@ -58,6 +58,7 @@ from pcframe.format.manifest import delta_base
 from pcframe.format.names import MANIFEST_NAME, RANK_DIR, version_name, version_number
 from pcframe.format.stripes import stored_data_bytes
 from pcframe.restore.sources import stop_at_unsupported
+from pcframe.store.directory import set_aside
 
 log = logging.getLogger("pcframe")
 
@@ -253,6 +254,7 @@ class Recovery:
         self.bad: list[tuple[int, int, int]] = []
         self.report = FetchReport()
         self._remote_listing: dict[int, list[int]] | None = None
+        self._holdings: list[Holdings] = []  # what every rank held at the last gather
 
     @property
     def leader(self) -> bool:
@@ -338,6 +340,42 @@ class Recovery:
             return []
         return named
 
+    def local_damage(self, record: GlobalRecord, message: str) -> tuple[int, int] | None:
+        """``(src, version)`` of the shard in this rank's root that ``message`` (a read's
+        error) names, if any."""
+        try:
+            for shard in record.shards:
+                found = self.place.find(shard.rank, shard.version)
+                if found is not None and found[0] is Kind.LOCAL and str(found[1]) in message:
+                    return shard.rank, shard.version
+        except OSError:
+            pass
+        return None
+
+    def held_elsewhere(self, src: int, version: int, reader: int) -> bool:
+        """Whether, at the last gather, a rank outside ``reader``'s root could read ``src``'s
+        shard of ``version`` (a peer's copy, one fetched before), or the object store
+        holds it: then a damaged copy in that root can be fetched again, not the version
+        lost."""
+        for h in self._holdings:
+            if h.remote is not None and version in h.remote.get(src, ()):
+                return True
+            if self.groups[h.rank] != self.groups[reader] and version in h.readable.get(src, {}):
+                return True
+        return False
+
+    def set_aside_local(self, src: int, version: int, reason: str) -> None:
+        """Move a damaged shard out of this rank's root (its files kept, as a one-rank
+        restore sets a damaged version aside), so that the next gather fetches it."""
+        set_aside(self.place.root / rank_dirname(src), version, reason)
+        log.warning(
+            "restore: set aside rank %d's damaged shard of version %d in %s; fetching it from "
+            "another holder",
+            src,
+            version,
+            self.place.root,
+        )
+
     def drop_copies(self, copies: list[Path]) -> None:
         """Forget damaged copies (:meth:`damaged_copies`, once every rank has read): the
         next gather brings them from another holder."""
@@ -401,6 +439,7 @@ class Recovery:
         gathered: list[Any] = [None] * len(self.groups)
         with peers("restore: gathering what every rank holds"):
             dist.all_gather_object(gathered, mine, group=self._group)
+        self._holdings = gathered
         return gathered
 
     def _run(

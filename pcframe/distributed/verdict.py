@@ -83,6 +83,7 @@ def try_global_version(
     locate: Callable[[int, int], Path] | None = None,
     damaged_copies: Callable[[str], list[Path]] | None = None,
     drop_copies: Callable[[list[Path]], None] | None = None,
+    recovery: Recovery | None = None,
 ) -> tuple[Prepared, SavedIndex] | str:
     """Read and verify ``record`` on every rank (collective).
 
@@ -90,7 +91,10 @@ def try_global_version(
     read's error points at) makes the copy damaged, not the version: ``drop_copies``
     removes it once every rank has given its verdict (the ranks of a node read the same
     copies: removed earlier, it would fail another rank's read of it) and :data:`RETRY` is
-    returned, so the version is gathered again from another holder.
+    returned, so the version is gathered again from another holder. So does damage in a
+    shard's own folder when ``recovery`` knows a holder outside that root (a peer's copy,
+    the object store): the damaged shard is set aside, its files kept, and fetched again;
+    with no other holder the version is corrupt, as without peers.
 
     Returns:
         ``(prepared, index)`` when every rank verified its part (nothing is loaded yet),
@@ -104,7 +108,8 @@ def try_global_version(
     """
     error: BaseException | None = None
     copies: list[Path] = []  # damaged copies this rank read: dropped after the verdicts
-    mine: tuple[Verdict, str, str] = (Verdict.OK, "", "")
+    # (verdict, message, exception name, (src, version) of a damaged shard in this root)
+    mine: tuple[Verdict, str, str, tuple[int, int] | None] = (Verdict.OK, "", "", None)
     prepared: Prepared | None = None
     try:
         index = SavedIndex(root, record, locate)
@@ -112,25 +117,28 @@ def try_global_version(
             lambda: prepare(index, objects, rank, world_size, reshard, threads)
         )
     except UnsupportedCheckpoint as exc:
-        mine = (Verdict.UNSUPPORTED, str(exc), type(exc).__name__)
+        mine = (Verdict.UNSUPPORTED, str(exc), type(exc).__name__, None)
     except (ManifestError, OSError) as exc:  # OSError: retried already
         # A damaged copy (in a peer's memory, or fetched) says nothing of the version, nor
         # does a copy whose files are gone or not files (fetched again); any other I/O
         # error is the storage's (EIO, EMFILE): the restore stops, as for a shard's own.
         of_the_copy = isinstance(exc, ManifestError) or exc.errno in COPY_ERRNOS
         copies = damaged_copies(str(exc)) if of_the_copy and damaged_copies else []
+        local = None
         if copies:
             verdict = Verdict.COPY_DAMAGED
         else:
             verdict = Verdict.CORRUPT if isinstance(exc, ManifestError) else Verdict.UNREADABLE
-        mine = (verdict, str(exc), type(exc).__name__)
+            if verdict is Verdict.CORRUPT and recovery is not None:
+                local = recovery.local_damage(record, str(exc))
+        mine = (verdict, str(exc), type(exc).__name__, local)
     except Exception as exc:  # every rank must still reach the collective below
-        error, mine = exc, (Verdict.INCOMPATIBLE, str(exc), type(exc).__name__)
+        error, mine = exc, (Verdict.INCOMPATIBLE, str(exc), type(exc).__name__, None)
     verdicts: list[Any] = [None] * world_size
     try:
         with peers("restore"):
             dist.all_gather_object(verdicts, mine, group=group)
-        outcome = _outcome(root, record, verdicts, error)
+        outcome = _outcome(root, record, verdicts, error, recovery)
     except BaseException:
         if prepared is not None:
             prepared.release()
@@ -138,7 +146,9 @@ def try_global_version(
     if outcome is not None:
         if prepared is not None:
             prepared.release()  # another rank's part failed: the version is not applied
-        if any(v[0] is Verdict.COPY_DAMAGED for v in verdicts):
+        if outcome is RETRY and mine[3] is not None and recovery is not None:
+            recovery.set_aside_local(*mine[3], mine[1])  # every rank has read it by now
+        if outcome is RETRY or any(v[0] is Verdict.COPY_DAMAGED for v in verdicts):
             if copies and drop_copies is not None:  # every rank of this node has read them
                 drop_copies(copies)
             # ... and none lists what it holds for the next gather until every damaged copy
@@ -155,10 +165,11 @@ def _outcome(
     record: global_versions.GlobalRecord,
     verdicts: list[Any],
     error: BaseException | None,
+    recovery: Recovery | None = None,
 ) -> str | None:
     """What the ranks' verdicts make of the version: ``None`` when every rank verified its
     part, else the reason to skip it (or ``RETRY``); raises as :func:`try_global_version`."""
-    for other, (verdict, message, name) in enumerate(verdicts):
+    for other, (verdict, message, name, _) in enumerate(verdicts):
         if verdict is Verdict.INCOMPATIBLE:
             if error is not None:
                 raise error
@@ -184,6 +195,15 @@ def _outcome(
             "the storage and restore again"
         )
     corrupt = [f"rank {r}: {v[1]}" for r, v in enumerate(verdicts) if v[0] is Verdict.CORRUPT]
+    # Damage in a root's own shard that a holder outside that root can replace (the same
+    # answer on every rank: the holdings were gathered by all) is fetched again, not lost.
+    fetchable = recovery is not None and all(
+        v[3] is not None and recovery.held_elsewhere(v[3][0], v[3][1], r)
+        for r, v in enumerate(verdicts)
+        if v[0] is Verdict.CORRUPT
+    )
+    if corrupt and fetchable:
+        return RETRY
     if not corrupt and any(v[0] is Verdict.COPY_DAMAGED for v in verdicts):
         return RETRY
     if corrupt:
@@ -245,6 +265,7 @@ def load_newest(
                     locate=recovery.locate,
                     damaged_copies=functools.partial(recovery.damaged_copies, record),
                     drop_copies=recovery.drop_copies,
+                    recovery=recovery,
                 )
                 if outcome is not RETRY:
                     break

@@ -215,6 +215,20 @@ class CheckpointDir:
         return version
 
 
+def set_aside(root: Path, version: int, reason: str = "") -> None:
+    """Move ``root``'s version that failed verification out of the listing, keeping its files
+    and, beside them, why (``set-aside.txt``: read by ``pcframe list`` and ``verify``)."""
+    target = root / f"{QUARANTINE_PREFIX}{version_name(version)}-{os.getpid()}"
+    try:
+        os.rename(root / version_name(version), target)
+        fsync_dir(root)
+    except OSError:
+        return  # already gone, or read-only: it stays listed and is skipped again next time
+    if reason:  # best effort: the version is out of the listing whether or not this lands
+        with contextlib.suppress(OSError):
+            write_new_file(target / SET_ASIDE_NAME, f"{reason}\n".encode())
+
+
 def quarantined_versions(root: Path) -> list[str]:
     """The versions a restore set aside as damaged (``.corrupt-v…``, kept for inspection)."""
     try:
@@ -416,17 +430,8 @@ class WritableCheckpointDir(CheckpointDir):
         shutil.rmtree(self.staging_path(version), ignore_errors=True)
 
     def quarantine(self, version: int, reason: str = "") -> None:
-        """Move a version that failed verification out of the listing, keeping its files
-        and, beside them, why (``set-aside.txt``: read by ``pcframe list`` and ``verify``)."""
-        target = self.root / f"{QUARANTINE_PREFIX}{version_name(version)}-{os.getpid()}"
-        try:
-            os.rename(self.path(version), target)
-            fsync_dir(self.root)
-        except OSError:
-            return  # already gone, or read-only: it stays listed and is skipped again next time
-        if reason:  # best effort: the version is out of the listing whether or not this lands
-            with contextlib.suppress(OSError):
-                write_new_file(target / SET_ASIDE_NAME, f"{reason}\n".encode())
+        """Move a version that failed verification out of the listing (:func:`set_aside`)."""
+        set_aside(self.root, version, reason)
 
     def delete(self, version: int) -> None:
         """Delete a committed version so that no crash leaves it half-deleted but listed."""

@@ -76,6 +76,23 @@ def test_what_is_planted_in_the_fetched_folders_is_passed_over_never_followed(tm
     assert not list(root.glob("*/global/.corrupt-*"))
 
 
+def test_a_damaged_shard_on_its_own_disk_is_fetched_again_from_a_peers_copy(tmp_path, reference):
+    """Rank 2's shard of v3 damaged on node b's own disk, node a's memory holding a good
+    copy: v3 was skipped and its record set aside (the newest checkpoint lost although a
+    copy of it was there). The damaged shard is now set aside, its files kept, and v3
+    restores from the copy."""
+    shutil.copytree(reference / "out", tmp_path / "out")
+    root = tmp_path / "ckpt"
+    job(tmp_path, root, "first", 9, "--wait-peers")
+    flip_byte(root / "b" / "rank-2" / "v00000003" / "data.bin", 100)
+    resumed = job(tmp_path, root, "resumed", 12)
+    assert [r["restored_step"] for r in resumed] == [9] * 4
+    assert resumed[2]["shard_sources"]["2"] == "fetched"
+    assert list((root / "b" / "rank-2").glob(".corrupt-v00000003-*"))  # kept for inspection
+    assert not list(root.glob("*/global/.corrupt-*"))  # the version was not set aside
+    assert_same_as_reference(tmp_path, "resumed", 9)
+
+
 def test_a_damaged_peer_copy_is_dropped_and_the_version_before_it_is_taken(tmp_path, reference):
     """No object store, one copy: the damaged copy of v3's rank-2 shard cannot be had from
     elsewhere, so v3 is passed over (not set aside: it is not damaged), and v2 loads."""
