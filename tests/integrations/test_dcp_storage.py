@@ -178,6 +178,12 @@ def test_bad_setup_is_one_line_error(tmp_path: Path) -> None:
     assert "no committed pcframe version" in str(_failure(info.value))
     with pytest.raises(TypeError, match="unknown engine option"):
         StorageWriter(tmp_path, writer_thread=3)
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    for root in (afile, afile / "below"):  # a raw NotADirectoryError naming root/global
+        with pytest.raises(CheckpointException) as info:
+            dcp.save({"w": torch.ones(2)}, storage_writer=StorageWriter(root))
+        assert f"{afile} is a file, not a folder" in str(_failure(info.value))
 
 
 def test_a_step_no_reader_takes_is_refused_before_anything_is_written(tmp_path: Path) -> None:

@@ -136,6 +136,14 @@ class StorageWriter(_DcpStorageWriter):
                 f"{self.root}: dcp.save(use_collectives=False) is not supported by pcframe's "
                 "StorageWriter (every rank would commit a version of its own); use the default"
             )
+        # The first that exists of the root and its parents must be a folder: a file there
+        # failed the save later with a raw NotADirectoryError naming root/global.
+        existing = next((p for p in (self.root, *self.root.parents) if os.path.lexists(p)), None)
+        if existing is not None and not existing.is_dir():
+            raise CheckpointError(
+                f"StorageWriter({str(self.root)!r}): {existing} is a file, not a folder; give "
+                "the path of a checkpoint folder (made if missing)"
+            )
         self._coordinator, self._rank = is_coordinator, rank
         self._save_id = uuid.uuid4().hex
 
