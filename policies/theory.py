@@ -19,8 +19,11 @@ def _check(cost: float, mtbf: float) -> None:
 
 
 def young_interval(cost: float, mtbf: float) -> float:
-    """Young's first-order optimum τ = √(2·C·M)."""
+    """Young's first-order optimum τ = √(2·C·M); never with no failures (M = inf), even for
+    a free checkpoint (C = 0: 0·inf is NaN)."""
     _check(cost, mtbf)
+    if math.isinf(mtbf):
+        return math.inf
     return math.sqrt(2.0 * cost) * math.sqrt(mtbf)  # not √(2CM): 2CM overflows near 1e308
 
 

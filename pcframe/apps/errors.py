@@ -207,22 +207,25 @@ _OURS = ("pcframe", "hydra", "omegaconf")  # the modules whose frames are not a 
 def _user_code_called_by_pcframe(exc: BaseException) -> str | None:
     """``module.function (file:line)`` of a policy's method outside pcframe that pcframe
     called on the way to ``exc`` (a plugin's ``decide``, ``observe``, ``load_state_dict``,
-    ``target_interval``...); None if pcframe raised it itself, or a library it calls (torch,
-    numpy: a bug of ours to report, not a plugin's)."""
+    ``target_interval``...); None if pcframe raised it itself, a library it calls (torch,
+    numpy), or pcframe code the plugin called (its ``super().decide()``): a bug of ours to
+    report with its traceback, not a plugin's."""
     stdlib = os.path.dirname(os.__file__)
-    caller_is_ours = False
+    caller_is_ours, plugin = False, None
     for frame, line in traceback.walk_tb(exc.__traceback__):
         module = str(frame.f_globals.get("__name__", ""))
         if module.split(".")[0] in _OURS:
+            if plugin is not None:  # pcframe's code again, deeper (a plugin's super().decide())
+                return None
             caller_is_ours = True
             continue
         filename = frame.f_code.co_filename
         if filename.startswith(stdlib) and "site-packages" not in filename:
             continue  # contextlib, functools: between pcframe and what it called
-        if caller_is_ours and _is_policy(frame.f_locals.get("self")):
-            return f"{module}.{frame.f_code.co_qualname} ({filename}:{line})"
+        if plugin is None and caller_is_ours and _is_policy(frame.f_locals.get("self")):
+            plugin = f"{module}.{frame.f_code.co_qualname} ({filename}:{line})"
         caller_is_ours = False
-    return None
+    return plugin
 
 
 def _is_policy(obj: Any) -> bool:

@@ -100,10 +100,11 @@ class Meeting:
 
     def done(self, timeout: float | None = None) -> bool:
         """Whether every rank has met, waiting up to ``timeout`` seconds (None: forever)."""
-        if timeout is None or self._outcome is not None:
+        work = self._work  # None once result() has read it
+        if timeout is None or self._outcome is not None or work is None:
             return True  # result() waits
         deadline = time.monotonic() + timeout
-        while not self._work.is_completed():
+        while not work.is_completed():
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.001)
@@ -121,11 +122,13 @@ class Meeting:
                 try:
                     with peers(self.doing.call.name.lower()):
                         self._work.wait()
-                    self._work = None  # a handle may keep the meeting: not its gloo work
                     everyone = [Doing.of(row.tolist()) for row in self._rows]
                     self._outcome = _check_rows(self.doing, everyone)
                 except CheckpointError as exc:
                     self._outcome = exc
+                finally:
+                    if self._outcome is not None:  # a handle may keep the meeting: not its work
+                        self._work = None
             if isinstance(self._outcome, CheckpointError):
                 raise self._outcome
             return self._outcome

@@ -318,7 +318,7 @@ class CommitProtocol:
             retained = global_versions.publish(
                 self.root, record, self.keep_global, self.retained, protect
             )
-        except OSError as exc:
+        except (OSError, CheckpointError) as exc:  # CheckpointError: global/ made a link
             decision["reason"] = f"could not write the global record: {exc}"
             log.warning("global version %d not published: %s", version, exc)
             return decision
@@ -393,7 +393,7 @@ class CommitProtocol:
             for old in global_versions.record_versions(self.root):
                 if old < record.version and old not in retained:
                     global_versions.delete_record(self.root, old)
-        except OSError as exc:
+        except (OSError, CheckpointError) as exc:  # CheckpointError: global/ made a link
             log.warning(
                 "could not copy global record v%d to %s: %s", record.version, self.root, exc
             )

@@ -63,6 +63,7 @@ from pcframe.store.directory import set_aside
 log = logging.getLogger("pcframe")
 
 FETCHED = ".fetched"  # in a root: shards a restore fetched from a peer or the object store
+_NOWHERE = Path(os.devnull) / "pcframe"  # below a device: no folder can ever be made there
 FETCHED_IN_MEMORY = "fetched"  # the same in a node's peer folder (a job with a peer tier)
 
 
@@ -106,20 +107,12 @@ class Place:
     def fetch_into(self) -> Path:
         return self.fetch_dir if self.fetch_dir is not None else self.root / FETCHED
 
-    def _fetch_chain(self, fetch_dir: Path | None) -> tuple[Path, tuple[str, ...]]:
-        """A fetched folder as the folder its user named (the root, or the node's peer
-        folder: either may be a link) and the names pcframe made below it."""
-        if fetch_dir is None:
-            return self.root, (FETCHED,)
-        assert self.peer_base is not None
-        return self.peer_base, fetch_dir.relative_to(self.peer_base).parts
-
     def folders(self) -> list[tuple[Kind, Path]]:
         """Every folder of shards here. Only the root and the peer folder may be links (the
         user names them); a link anywhere below is passed over, never followed."""
         found = [(Kind.LOCAL, self.root)]
         for fetch_dir in [None] + ([self.fetch_dir] if self.fetch_dir is not None else []):
-            top, names = self._fetch_chain(fetch_dir)
+            top, names = fetch_chain(self.root, self.peer_base, fetch_dir)
             if _real_below(top, names):
                 found.append((Kind.FETCHED, top.joinpath(*names)))
         if self.peer_base is not None and self.peer_base.is_dir():
@@ -154,7 +147,7 @@ class Place:
     def make_fetch_folder(self, src: int) -> Path:
         """The folder ``src``'s fetched shards go to, made (each level a directory of its
         own: a link or file planted in its place is removed, never written through)."""
-        top, names = self._fetch_chain(self.fetch_dir)
+        top, names = fetch_chain(self.root, self.peer_base, self.fetch_dir)
         return _own_folder(top, (*names, rank_dirname(src)))
 
     def keep_fetched(self, record: GlobalRecord) -> None:
@@ -200,6 +193,7 @@ class Holdings:
     unsupported: tuple[int, str] | None = None  # (version, why): a newer-format newest record
     remote: dict[int, list[int]] | None = None  # rank 0: src -> versions in the object store
     bad: list[tuple[int, int, int]] = field(default_factory=list)  # (holder, src, version)
+    error: str = ""  # why this rank's records could not be listed: raised on every rank
 
 
 @dataclass(frozen=True)
@@ -255,6 +249,9 @@ class Recovery:
         self.report = FetchReport()
         self._remote_listing: dict[int, list[int]] | None = None
         self._holdings: list[Holdings] = []  # what every rank held at the last gather
+        # Versions a shard of which was set aside in its root to be fetched again (known on
+        # every rank): one that then cannot be had is damaged, not merely out of reach.
+        self.refetched: set[int] = set()
 
     @property
     def leader(self) -> bool:
@@ -357,10 +354,13 @@ class Recovery:
         shard of ``version`` (a peer's copy, one fetched before), or the object store
         holds it: then a damaged copy in that root can be fetched again, not the version
         lost."""
+        bad = {entry for h in self._holdings for entry in h.bad}  # copies that failed already
         for h in self._holdings:
-            if h.remote is not None and version in h.remote.get(src, ()):
+            remote = h.remote is not None and version in h.remote.get(src, ())
+            if remote and (-1, src, version) not in bad:
                 return True
-            if self.groups[h.rank] != self.groups[reader] and version in h.readable.get(src, {}):
+            held = version in h.readable.get(src, {}) and (h.rank, src, version) not in bad
+            if held and self.groups[h.rank] != self.groups[reader]:
                 return True
         return False
 
@@ -387,7 +387,7 @@ class Recovery:
         """Fetch into ``folder`` in this node's memory when its file system has ``need``
         bytes free (the newest version's shards), else into the root (collective)."""
         try:
-            _own_folder(self.place.peer_base, folder.relative_to(self.place.peer_base).parts)
+            _own_folder(*fetch_chain(self.place.root, self.place.peer_base, folder))
             roomy = shutil.disk_usage(folder).free >= need
         except OSError:
             roomy = False
@@ -429,6 +429,8 @@ class Recovery:
             except UnsupportedCheckpoint as exc:  # the newest record of this root
                 newest = max(global_versions.record_versions(self.place.root))
                 mine.unsupported = (newest, str(exc))
+            except CheckpointError as exc:  # e.g. global/ is a link: every rank stops
+                mine.error = str(exc)
         if self.rank == 0 and self.remote is not None:
             if self._remote_listing is None:  # once per restore: nothing in it changes
                 self._remote_listing = self.remote.listing()
@@ -439,6 +441,9 @@ class Recovery:
         gathered: list[Any] = [None] * len(self.groups)
         with peers("restore: gathering what every rank holds"):
             dist.all_gather_object(gathered, mine, group=self._group)
+        failed = next((h for h in gathered if h.error), None)
+        if failed is not None:
+            raise CheckpointError(f"rank {failed.rank}: {failed.error}")
         self._holdings = gathered
         return gathered
 
@@ -467,7 +472,8 @@ class Recovery:
             _remove(final)
             self.remote.fetch(download.src, download.version, final)
         except (CheckpointError, TierError, OSError) as exc:
-            _remove(final)
+            with contextlib.suppress(OSError):
+                _remove(final)
             self.bad.append((-1, download.src, download.version))
             log.warning(
                 "restore: rank %d's shard of version %d could not be downloaded from the "
@@ -482,9 +488,12 @@ class Recovery:
     def _receive(self, t: Transfer, pin: str | None) -> None:
         final = self.place.fetch_path(t.src, t.version)
         # A folder that cannot be made fails the receive, which refuses the copy in step
-        # with its sender (raised here, the sender would wait for an answer).
-        with contextlib.suppress(OSError):
+        # with its sender (raised here, the sender would wait for an answer): the copy is
+        # staged where no folder can be made, never through what stood in the way.
+        try:
             final = self.place.make_fetch_folder(t.src) / final.name
+        except OSError:
+            final = _NOWHERE / final.name
         staging = final.with_name(final.name + ".tmp")
         with contextlib.suppress(OSError):
             _remove(staging)
@@ -604,6 +613,18 @@ def _shards(folder: Path) -> list[tuple[int, int, Path]]:
         for src, version, path in _entries(folder)
         if version and (path / MANIFEST_NAME).is_file()
     ]
+
+
+def fetch_chain(
+    root: Path, peer_base: Path | None, fetch_dir: Path | None
+) -> tuple[Path, tuple[str, ...]]:
+    """A fetched folder as the folder its user named (the root, or the node's peer folder:
+    either may be a link) and the names pcframe made below it (none may be)."""
+    if fetch_dir is None:
+        return root, (FETCHED,)
+    if peer_base is None or not fetch_dir.is_relative_to(peer_base):
+        return fetch_dir, ()  # a folder given as such (no peer folder above it)
+    return peer_base, fetch_dir.relative_to(peer_base).parts
 
 
 def _real_below(top: Path, names: Sequence[str]) -> bool:

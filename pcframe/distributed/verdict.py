@@ -146,8 +146,11 @@ def try_global_version(
     if outcome is not None:
         if prepared is not None:
             prepared.release()  # another rank's part failed: the version is not applied
-        if outcome is RETRY and mine[3] is not None and recovery is not None:
-            recovery.set_aside_local(*mine[3], mine[1])  # every rank has read it by now
+        if outcome is RETRY and recovery is not None:
+            if any(v[0] is Verdict.CORRUPT for v in verdicts):  # the same on every rank
+                recovery.refetched.add(record.version)
+            if mine[3] is not None:
+                recovery.set_aside_local(*mine[3], mine[1])  # every rank has read it by now
         if outcome is RETRY or any(v[0] is Verdict.COPY_DAMAGED for v in verdicts):
             if copies and drop_copies is not None:  # every rank of this node has read them
                 drop_copies(copies)
@@ -275,6 +278,11 @@ def load_newest(
                 )
             else:
                 lost = "every copy of a shard failed its checksums"
+            if lost and record.version in recovery.refetched:
+                # A shard damaged in its root and set aside, no good copy anywhere after all:
+                # the version is corrupt (set aside once an older one loads), not out of reach.
+                outcome = f"a damaged shard could not be had again: {lost}"
+                lost = ""
             if lost:
                 report.lost.append((record.version, lost))
                 log.warning("passing over global version %d: %s", record.version, lost)

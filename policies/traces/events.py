@@ -23,11 +23,11 @@ def read_bamboo_events(
 ) -> Trace:
     """``ms_offset,add|remove,nodeN`` rows, resampled to the up-count every ``step_seconds``.
 
-    Tick i holds the count after every event at or before ``i * step_seconds``, lowered to
-    the count after any ``remove`` before the next tick: a node removed and added back
-    within one tick (or replaced at the same instant) is a preemption, down for that tick,
-    not lost between two samples. The shipped traces put all events on whole minutes, so
-    the default 60 s step loses nothing there.
+    Tick i holds the count after every event at or before ``i * step_seconds``; where a
+    ``remove`` within the tick left fewer VMs than both that count and the next tick's show
+    (a node removed and added back within one tick, or replaced at the same instant), the
+    tick holds that lower count: a preemption, not lost between two samples. The shipped
+    traces put all events on whole minutes, so the default 60 s step loses nothing there.
     """
     if step_seconds <= 0:
         raise ValueError(f"step_seconds={step_seconds} must be > 0")
@@ -109,9 +109,12 @@ def read_bamboo_events(
     # Count after the last event at or before each tick: searchsorted over event times.
     idx = np.searchsorted(np.asarray(times), np.arange(n) * step_ms, side="right") - 1
     up = np.where(idx >= 0, np.asarray(counts)[np.maximum(idx, 0)], 0)
-    if removals:  # each tick as low as any remove within it left the count
+    if removals:  # a dip neither its tick's sample nor the next one shows: kept
         at, after = np.asarray(removals).T
-        np.minimum.at(up, (at // step_ms).astype(np.int64), after)
+        low = np.full(n, np.iinfo(np.int64).max)
+        np.minimum.at(low, (at // step_ms).astype(np.int64), after)
+        shown = np.minimum(up, np.append(up[1:], up[-1]))  # this tick's and the next sample
+        up = np.where(low < shown, low, up)
     cap = capacity or max(counts)
     return Trace(
         name=path.stem,

@@ -296,6 +296,38 @@ def test_an_error_raised_in_a_plugins_code_is_one_line_naming_its_method():
     assert "plugin" in text and __file__ in text
 
 
+def test_pcframe_code_a_plugin_calls_that_fails_is_still_reported_as_a_bug(monkeypatch):
+    """A plugin calling super().decide() was blamed for a failure deep in pcframe's own
+    code, and pcframe's traceback hidden."""
+    from pcframe.policies import PolicyContext, Young
+    from pcframe.policies.periodic import SecondsIntervalPolicy
+
+    def broken(self, ctx):
+        return {}["a pcframe bug"]
+
+    monkeypatch.setattr(SecondsIntervalPolicy, "interval", broken)
+
+    class Plugin(Young):
+        def decide(self, ctx):
+            return super().decide(ctx)
+
+    with pytest.raises(KeyError) as info:
+        _call_from_pcframe(Plugin(), PolicyContext(step=1, now=1.0))
+    assert describe_error(info.value, "sim") == (1, None)
+
+
+def _call_from_pcframe(policy, ctx):
+    """``policy.decide(ctx)`` from a frame whose module is pcframe's (as the engine calls)."""
+    from pcframe.policies import periodic
+
+    code = compile(
+        "def ask(policy, ctx):\n    return policy.decide(ctx)\n", periodic.__file__, "exec"
+    )
+    space: dict = {}
+    exec(code, vars(periodic), space)
+    return space["ask"](policy, ctx)
+
+
 def test_an_error_pcframe_raises_itself_is_still_reported_as_a_bug():
     from pcframe.format.names import version_name
 

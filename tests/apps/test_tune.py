@@ -370,7 +370,13 @@ def test_a_killed_runs_trial_folder_is_removed_by_the_next_run_and_no_other(tmp_
     """A SIGKILLed pcframe-tune left its trial's checkpoints behind for ever. The next run
     removes folders of this host's dead processes only: a running process's folder and
     another host's (a study shared over a network file system) stay."""
-    from pcframe.apps.tuning.trial_dirs import remove_orphaned_trials, trial_directory
+    from pathlib import Path
+
+    from pcframe.apps.tuning.trial_dirs import (
+        held_trial,
+        remove_orphaned_trials,
+        trial_directory,
+    )
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # a pid that no longer runs
@@ -383,3 +389,12 @@ def test_a_killed_runs_trial_folder_is_removed_by_the_next_run_and_no_other(tmp_
     assert remove_orphaned_trials(tmp_path) == [dead]
     assert not dead.exists() and mine.exists() and other_host.exists() and unrelated.exists()
     assert remove_orphaned_trials(tmp_path / "missing") == []
+    # A running trial holds a lock beside its folder: never removed, even when its pid
+    # means nothing here (another PID namespace with this host name); released, it goes.
+    with held_trial(tmp_path, 5) as running:
+        running.mkdir()
+        alias = tmp_path / f"{running.name.rsplit('-', 1)[0]}-{gone.pid}"
+        running.rename(alias)
+        Path(f"{running}.lock").rename(f"{alias}.lock")  # the lock file keeps its open lock
+        assert remove_orphaned_trials(tmp_path) == [] and alias.exists()
+    assert remove_orphaned_trials(tmp_path) == [alias] and not Path(f"{alias}.lock").exists()

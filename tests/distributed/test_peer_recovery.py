@@ -93,6 +93,22 @@ def test_a_damaged_shard_on_its_own_disk_is_fetched_again_from_a_peers_copy(tmp_
     assert_same_as_reference(tmp_path, "resumed", 9)
 
 
+def test_a_damaged_shard_whose_copy_is_damaged_too_is_set_aside_not_passed_over(tmp_path):
+    """Both the shard on its disk and its peer's copy damaged: the shard was set aside to
+    be fetched again, the copy then refused, and v3 counted as out of reach ("lost"), so
+    it kept its place among the retained versions and the next save pruned v2, the one
+    restored. It is corrupt: its record is set aside and v2 restores."""
+    root = tmp_path / "ckpt"
+    job(tmp_path, root, "first", 9, "--wait-peers")
+    flip_byte(root / "b" / "rank-2" / "v00000003" / "data.bin", 100)
+    flip_byte(next((root / "a-shm").glob("kept-by-rank-*/rank-2/v00000003")) / "data.bin", 100)
+    resumed = job(tmp_path, root, "resumed", 9)
+    assert [r["restored_step"] for r in resumed] == [6] * 4
+    assert all(not r["lost"] for r in resumed), resumed[0]["lost"]
+    assert list((root / "b" / "global").glob(".corrupt-v00000003-*.json"))
+    assert list((root / "b" / "rank-2").glob(".corrupt-v00000003-*"))  # kept for inspection
+
+
 def test_a_damaged_peer_copy_is_dropped_and_the_version_before_it_is_taken(tmp_path, reference):
     """No object store, one copy: the damaged copy of v3's rank-2 shard cannot be had from
     elsewhere, so v3 is passed over (not set aside: it is not damaged), and v2 loads."""

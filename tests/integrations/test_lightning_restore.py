@@ -345,6 +345,8 @@ def test_ckpt_path_into_the_callbacks_folder_and_twin_callbacks_are_refused_by_n
             ValueError, match=r"names PcframeCheckpoint's own folder.*drop ckpt_path"
         ):
             trainer.fit(Tiny(), train_dataloaders=loader(), ckpt_path=str(path))
+        # Lightning's loader is its own again after the fit: a .ckpt file loads as ever.
+        assert "load_checkpoint" not in vars(trainer.strategy.checkpoint_io)
     with pytest.raises(ValueError, match="two PcframeCheckpoint callbacks save to"):
         fit(ckpts, 9, callbacks=[PcframeCheckpoint(ckpts)])
     trainer, checkpoint = fit(ckpts, 9)  # nothing held: the folder resumes as before

@@ -122,3 +122,14 @@ def test_daly_optimum_minimises_simulated_walltime() -> None:
         mean, se = means[factor]
         assert mean - best > 5 * math.hypot(se, best_se), (factor, means)
         assert mean / best > 1.04
+
+
+def test_a_free_checkpoint_with_no_failures_is_never_taken_not_nan():
+    """0 * inf is NaN: Young asked for a NaN interval (a free save, no preemption seen),
+    which the engine refuses as not a number."""
+    from pcframe.policies import PolicyContext, Young
+    from pcframe.policies.theory import young_interval
+
+    assert young_interval(0.0, math.inf) == math.inf
+    assert young_interval(0.0, 3600.0) == 0.0
+    assert not Young(mtbf=math.inf, stall_prior=0.0).decide(PolicyContext(step=1, now=5.0)).save

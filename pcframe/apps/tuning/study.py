@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +30,7 @@ from pcframe.apps.tuning.space import (
     suggest,
 )
 from pcframe.apps.tuning.storage import open_storage
-from pcframe.apps.tuning.trial_dirs import remove_orphaned_trials, trial_directory
+from pcframe.apps.tuning.trial_dirs import held_trial, remove_orphaned_trials
 from pcframe.apps.workloads import build
 from pcframe.config import EngineConfig
 from pcframe.errors import CheckpointError, ConfigError
@@ -244,8 +243,7 @@ class Tuner:
             raise optuna.TrialPruned(str(exc)) from None
         torch.set_num_threads(resolve_threads(cfg.threads))
         workload = build(cfg.workload.name, **OmegaConf.to_container(cfg.workload.args))
-        directory = trial_directory(Path(cfg.storage.directory), trial.number)
-        try:
+        with held_trial(Path(cfg.storage.directory), trial.number) as directory:
             result = measure(
                 workload,
                 engine,
@@ -258,8 +256,6 @@ class Tuner:
                 on_repeat=lambda i, so_far: self._report(trial, i, so_far),
                 tiers=self.tiers(f"trial-{trial.number}") if self.tiers else None,
             )
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
         for key, value in result.summary().items():
             trial.set_user_attr(key, value)
         values = tuple(result.objective(o) for o in self.objectives)

@@ -144,6 +144,7 @@ class PcframeCheckpoint(pl.callbacks.Checkpoint):
         self._section = LightningSection(self)
         self._last_step: int | None = None
         self._processes = Processes(self.dirpath, self._section)  # several processes
+        self._unwrap: Any = _nothing  # puts Lightning's checkpoint loader back
 
     @property
     def state_key(self) -> str:
@@ -183,7 +184,12 @@ class PcframeCheckpoint(pl.callbacks.Checkpoint):
         dirpath = self.dirpath
 
         def refusing(path: Any, *args: Any, **kwargs: Any) -> Any:
-            if isinstance(path, str | os.PathLike) and _inside(Path(path), dirpath):
+            # A folder only: a Lightning .ckpt file kept in dirpath (ModelCheckpoint's) loads.
+            if (
+                isinstance(path, str | os.PathLike)
+                and Path(path).is_dir()
+                and _inside(Path(path), dirpath)
+            ):
                 raise ValueError(
                     f"{OWNER}: trainer.fit(ckpt_path={str(path)!r}) names PcframeCheckpoint's "
                     f"own folder: it resumes {dirpath} by itself; drop ckpt_path (or give "
@@ -193,6 +199,12 @@ class PcframeCheckpoint(pl.callbacks.Checkpoint):
 
         refusing._pcframe_dirpath = dirpath  # type: ignore[attr-defined]
         io.load_checkpoint = refusing
+
+        def unwrap() -> None:  # at the end of the fit: trainer.test(ckpt_path=...) is not ours
+            if io.__dict__.get("load_checkpoint") is refusing:
+                del io.load_checkpoint
+
+        self._unwrap = unwrap
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.checkpointer is not None or self._processes.group is not None:
@@ -346,6 +358,8 @@ class PcframeCheckpoint(pl.callbacks.Checkpoint):
         """Close the engine (``clean=False``: after an exception, never raising over it, and
         taking part in no collective). A close interrupted (a second Ctrl-C) keeps it, for
         the next fit to close."""
+        self._unwrap()
+        self._unwrap = _nothing
         checkpointer = self.checkpointer
         if checkpointer is None:
             self._processes.release()
@@ -409,3 +423,7 @@ def _inside(path: Path, folder: Path) -> bool:
     """Whether ``path`` is ``folder`` or anything in it (links resolved)."""
     path, folder = path.resolve(), folder.resolve()
     return path == folder or folder in path.parents
+
+
+def _nothing() -> None:
+    pass
