@@ -23,6 +23,7 @@ from pcframe.config import EngineConfig
 from pcframe.feed import process_age
 from pcframe.policies.base import IntervalPolicy
 from pcframe.policies.fixed import FixedSteps
+from pcframe.runtime.processes import arm_from_environment
 from pcframe.save.status import SaveStatus
 
 
@@ -192,6 +193,7 @@ def save_final(workload: Workload, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    arm_from_environment()  # a supervisor killed with SIGKILL takes this child with it
     parser = argparse.ArgumentParser(description="pcframe training child process")
     parser.add_argument("--directory", required=True)
     parser.add_argument("--steps", type=int, required=True)

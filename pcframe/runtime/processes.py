@@ -4,36 +4,58 @@ pcframe starts helper processes for a run (the loopback S3 server of ``pcframe-t
 training child of ``pcframe-run``'s supervisor). A parent that exits normally stops them,
 but one killed with SIGKILL (the OOM killer, ``kill -9``, a preempted VM's agent) runs no
 cleanup: the S3 server kept its port and memory for ever, the training child trained on.
-On Linux the kernel can signal a child when its parent dies (``PR_SET_PDEATHSIG``); it is
-armed in the child between ``fork`` and ``exec``.
+On Linux the kernel can signal a child when its parent dies (``PR_SET_PDEATHSIG``).
+
+The child arms it itself, first thing (:func:`arm_from_environment`), told by
+:func:`dying_with_parent`'s environment which process is its parent: arming it between
+``fork`` and ``exec`` (``preexec_fn``) runs Python code in a child forked from a process
+with threads, which may deadlock. A module pcframe does not own is started through this
+module (``python -m pcframe.runtime.processes MODULE ARGS...``), which arms, then runs it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import runpy
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Mapping
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PARENT_ENV = "PCFRAME_DIE_WITH_PARENT"  # the pid of the process whose death ends the child
 
 
-def ends_with_parent(sig: signal.Signals = signal.SIGTERM) -> Callable[[], None] | None:
-    """A ``preexec_fn`` for :class:`subprocess.Popen`: the child gets ``sig`` when the
-    thread that started it ends (with the process, killed or not); None off Linux.
+def dying_with_parent(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) for a child that arms :func:`arm_from_environment`:
+    it gets SIGTERM when the thread that starts it ends (with the process, killed or not).
 
     The signal follows the starting *thread*: start the child from a thread that outlives
     it (the main thread, or the one that waits for it), as every caller in pcframe does.
     """
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: nothing to load after fork
-    parent = os.getpid()
+    return {**(os.environ if env is None else env), PARENT_ENV: str(os.getpid())}
 
-    def arm() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the signal was armed
-            os._exit(1)
 
-    return arm
+def arm_from_environment() -> None:
+    """In a child started with :func:`dying_with_parent`'s environment: end with the parent
+    (SIGTERM when it dies; exit now if it already has). Nothing elsewhere, or off Linux."""
+    parent = os.environ.pop(PARENT_ENV, None)  # not passed on to this process's children
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if str(os.getppid()) != parent:  # it died before the signal was armed
+        raise SystemExit(1)
+
+
+def _run_module() -> None:
+    """``python -m pcframe.runtime.processes MODULE ARGS...``: arm, then run MODULE as
+    ``python -m MODULE ARGS...`` would."""
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: python -m pcframe.runtime.processes MODULE [ARGS...]")
+    arm_from_environment()
+    module, sys.argv = sys.argv[1], sys.argv[1:]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    _run_module()

@@ -255,9 +255,7 @@ def _typed_like(state: Any, live: Any) -> Any:
     ``load_state_dict`` keeps what it is given (``self.scale = state["scale"]``) would lose
     its Parameter (and its gradients) on restore, where ``torch.load`` gives one back."""
     if isinstance(state, torch.Tensor) and isinstance(live, torch.Tensor):
-        if type(state) is not torch.Tensor or not (
-            state.is_floating_point() or state.is_complex()
-        ):
+        if type(state) is not torch.Tensor or not (state.is_floating_point() or state.is_complex()):
             return state  # integers never require grad; subclasses are left as read
         if type(live) is torch.nn.Parameter:
             return torch.nn.Parameter(state, requires_grad=live.requires_grad)

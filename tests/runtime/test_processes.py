@@ -53,20 +53,43 @@ def _gone_within(pid: int, seconds: float) -> bool:
     return True
 
 
-def test_a_child_armed_with_ends_with_parent_dies_with_its_killed_parent():
+def test_a_module_run_dying_with_its_parent_dies_with_its_killed_parent():
+    """Armed by the child itself (python -m pcframe.runtime.processes MODULE), not between
+    fork and exec, where a process with threads may deadlock."""
     pid = _killed_parent_leaves(
         """
         import subprocess, sys, time
-        from pcframe.runtime.processes import ends_with_parent
+        from pcframe.runtime.processes import dying_with_parent
         child = subprocess.Popen(
-            [sys.executable, "-c", "import time; time.sleep(120)"],
-            preexec_fn=ends_with_parent(), start_new_session=True,
+            [sys.executable, "-m", "pcframe.runtime.processes", "http.server", "0"],
+            env=dying_with_parent(), start_new_session=True, stdout=subprocess.DEVNULL,
         )
         print(child.pid, flush=True)
         time.sleep(120)
         """
     )
     assert _gone_within(pid, 30.0), "the child outlived its SIGKILLed parent"
+
+
+def test_the_training_child_arms_itself():
+    """pcframe-run's supervisor starts pcframe.apps.training with the parent's pid: its
+    main() arms the signal first thing (and takes the variable out of its environment)."""
+    code = textwrap.dedent(
+        """
+        import contextlib, os
+        from pcframe.apps import training
+        with contextlib.suppress(SystemExit):
+            training.main(["--help"])
+        print(os.environ.get("PCFRAME_DIE_WITH_PARENT"))
+        """
+    )
+    from pcframe.runtime.processes import dying_with_parent
+
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=dying_with_parent(), capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.stdout.strip().endswith("None"), done.stdout + done.stderr
 
 
 def test_an_unarmed_child_outlives_its_killed_parent():

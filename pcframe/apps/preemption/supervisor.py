@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 from pcframe.apps.training import EVENT_PREFIX
 from pcframe.errors import SupervisorError
-from pcframe.runtime.processes import ends_with_parent
+from pcframe.runtime.processes import dying_with_parent
 
 EOF = object()  # the end of a child's stdout on its line queue
 
@@ -254,9 +254,10 @@ class Supervisor:
                 stdout=subprocess.PIPE,
                 stderr=stderr,
                 text=True,
-                env=self.env,
-                start_new_session=True,  # its own process group: the kill takes everything
-                preexec_fn=ends_with_parent(),  # and a SIGKILLed supervisor takes it too
+                # its own process group: the kill takes everything; and a SIGKILLed
+                # supervisor takes it too (the child arms that: pcframe.apps.training)
+                env=dying_with_parent(self.env),
+                start_new_session=True,
             )
             lines: queue.Queue[Any] = queue.Queue()
             reader = threading.Thread(target=pump_lines, args=(proc.stdout, lines), daemon=True)

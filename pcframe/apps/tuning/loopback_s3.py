@@ -20,7 +20,7 @@ import uuid
 from typing import Any
 
 from pcframe.errors import ConfigError
-from pcframe.runtime.processes import ends_with_parent
+from pcframe.runtime.processes import dying_with_parent
 
 NEEDS = ("moto", "s3fs", "boto3")
 
@@ -81,12 +81,14 @@ class LoopbackS3:
 
     def start(self, timeout: float = 60.0) -> None:
         """Start the server on this port and wait until it answers."""
+        # Started through pcframe.runtime.processes: a SIGKILLed pcframe-tune leaves no
+        # server behind.
+        server = ["moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            [sys.executable, "-m", "pcframe.runtime.processes", *server],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONWARNINGS": "ignore"},
-            preexec_fn=ends_with_parent(),  # a SIGKILLed pcframe-tune leaves no server behind
+            env=dying_with_parent({**os.environ, "PYTHONWARNINGS": "ignore"}),
         )
         deadline = time.monotonic() + timeout
         while True:
