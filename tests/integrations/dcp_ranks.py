@@ -167,7 +167,8 @@ def _sharded(root: Path) -> None:
     3. rank 1's data of version 3 is damaged in every chunk, and both ranks load it with the
        DTensor replicated (each reads both shards): it fails on each rank, and neither rank's
        live parameters, optimizer state or tensors changed; version 2 then loads;
-    4. only rank 1's reads fail: rank 0, whose own verify, places nothing either.
+    4. only rank 1's reads fail: rank 0, whose own verify, places nothing either;
+    5. only rank 1's destination cannot take its tensor: rank 0 places nothing either.
     """
     import shutil
 
@@ -276,6 +277,24 @@ def _sharded(root: Path) -> None:
             assert "nothing was placed on this rank" in str(error), str(error)
     else:
         raise AssertionError("a load with a failed rank placed its state")
+    after = _live_tensors(net, opt, state)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), "changed"
+
+    # 5. Only rank 1's destination cannot take a tensor (a broadcast view): every shard
+    # verifies on both ranks, and rank 0 had placed its part when rank 1 refused its own.
+    net, opt, state = fresh(Shard(0))
+    if rank == 1:
+        state["conj"] = torch.zeros(1, dtype=torch.complex64).expand(6)
+    before = [t.clone() for t in _live_tensors(net, opt, state)]
+    try:
+        dcp.load(state, storage_reader=StorageReader(root, version=2))
+    except CheckpointException as exc:
+        failure = exc.failures[rank]
+        error = failure[0] if isinstance(failure, tuple) else failure
+        expected = "rank 1 failed" if rank == 0 else "broadcast view"
+        assert expected in str(error), str(error)
+    else:
+        raise AssertionError("a load one rank could not place was placed")
     after = _live_tensors(net, opt, state)
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), "changed"
     dist.barrier()

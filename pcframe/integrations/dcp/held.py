@@ -5,7 +5,8 @@ once DCP's plan is known, the data files of the shards the plan reads, held open
 live writer's retention deleting the version cannot touch the read (an open descriptor
 reads a deleted file). :meth:`HeldVersion.locate` maps each read of a plan to the stored
 item it takes and checks that it fits (also when the version replaces a pruned one the
-plan was made with); :func:`place_all` hands the verified items to DCP's planner.
+plan was made with); :func:`placement` resolves and checks where every verified item goes, and
+:meth:`Placement.place` hands them to DCP's planner once every rank of the load agreed.
 """
 
 from __future__ import annotations
@@ -141,34 +142,48 @@ def _check_fits(read: ReadItem, item: StoredItem, where: str, planned: ReadIndex
         )
 
 
-def place_all(
+@dataclass
+class Placement:
+    """Every verified item of a load, its destination resolved and checked, not placed yet:
+    :func:`placement` makes it (what can fail on this rank fails there, before the ranks
+    agree), :meth:`place` places it (after they agreed)."""
+
+    planner: LoadPlanner
+    values: list[Read]
+    pickled: list[tuple[Read, bytes]]
+    tensors: list[tuple[ReadItem, torch.Tensor, torch.Tensor]]
+
+    def place(self) -> None:
+        """Hand every item to the planner. (A planner of the user's own whose
+        ``commit_tensor`` raises after others were placed is not rolled back.)"""
+        for read in self.values:
+            self.planner.load_bytes(read.read, _saved(read.item.value))
+        for read, raw in self.pickled:
+            self.planner.load_bytes(read.read, io.BytesIO(raw))
+        for read_item, source, target in self.tensors:
+            target.copy_(source)
+            self.planner.commit_tensor(read_item, target)
+
+
+def placement(
     reads: list[Read],
     stored: dict[tuple[int, int], torch.Tensor],
     planner: LoadPlanner,
     committed: roots.Committed,
-) -> None:
-    """Hand every verified item to the planner, all or nothing: every destination tensor is
-    resolved and checked, and every pickled value unpickled once, before anything is
-    placed, so what can fail fails while the destination is untouched. (A planner of the
-    user's own whose ``commit_tensor`` raises after others were placed is not rolled back.)
-    """
+) -> Placement:
+    """Every destination tensor resolved and checked, and every pickled value unpickled once
+    (DCP's planner unpickles them the same way: it fails here, or not), placing nothing: a
+    load that cannot be placed on some rank fails before any rank places a byte."""
     tensors = [
         _placement(read, stored, planner, committed.directories[read.rank])
         for read in reads
         if read.item.kind == "tensor"
     ]
+    pickled = [(read, _raw(read, stored)) for read in reads if read.item.kind == "pickled"]
+    for _, raw in pickled:
+        torch.load(io.BytesIO(raw), weights_only=False)
     values = [read for read in reads if read.item.kind == "value"]
-    pickled = [read for read in reads if read.item.kind == "pickled"]
-    raw = {id(read): _raw(read, stored) for read in pickled}
-    for read in pickled:  # DCP's planner unpickles them the same way: fails here, or not
-        torch.load(io.BytesIO(raw[id(read)]), weights_only=False)
-    for read in values:
-        planner.load_bytes(read.read, _saved(read.item.value))
-    for read in pickled:
-        planner.load_bytes(read.read, io.BytesIO(raw[id(read)]))
-    for read, source, target in tensors:
-        target.copy_(source)
-        planner.commit_tensor(read, target)
+    return Placement(planner, values, pickled, tensors)
 
 
 def _raw(read: Read, stored: dict[tuple[int, int], torch.Tensor]) -> bytes:

@@ -59,7 +59,7 @@ from pcframe.errors import (
 )
 from pcframe.format.names import check_requested_version
 from pcframe.integrations.dcp import root as roots
-from pcframe.integrations.dcp.held import HeldVersion, Read, damaged, data_files, place_all
+from pcframe.integrations.dcp.held import HeldVersion, Read, damaged, data_files, placement
 from pcframe.integrations.dcp.schema import ReadIndex, build_metadata
 from pcframe.restore.reader import read_entries
 from pcframe.restore.restorer import LISTINGS
@@ -180,6 +180,8 @@ class StorageReader(_DcpStorageReader):
             # read's cycle is freed when the pause ends.
             with collector_paused():
                 stored = self._read_all(opened, reads)  # every shard verified, nothing placed
+                # every destination checked too: a broadcast view on one rank fails them all
+                ready = placement(reads, stored, planner, opened.committed)
         except Exception as exc:  # told to the other ranks first: none of them places
             failure = exc
         try:
@@ -192,7 +194,7 @@ class StorageReader(_DcpStorageReader):
                     f"{elsewhere}; nothing was placed on this rank either"
                 )
             with collector_paused():
-                place_all(reads, stored, planner, opened.committed)
+                ready.place()
         finally:
             self._let_go()
         future: Future[None] = Future()
