@@ -30,16 +30,17 @@ from pcframe.distributed.placement import (
     placement_of,
     rebuild,
 )
-from pcframe.errors import CheckpointError, ManifestError, ReshardError
+from pcframe.errors import CheckpointError, ManifestError, ReshardError, StateMismatch
 from pcframe.format.manifest import MANIFEST_NAME, Manifest
 from pcframe.format.tree import DTYPES, decode_tree
 from pcframe.restore.reader import InPlaceRead, read_entries, read_entries_into
-from pcframe.state.apply import apply_tree
-from pcframe.state.check import LoadRules
+from pcframe.state.apply import CAST_HINT, apply_tree
+from pcframe.state.check import LoadRules, describe_problems, plan_load
 from pcframe.state.in_place import in_place_targets
 from pcframe.state.objects import PER_RANK, Section, TrainingObjects
 
 _HINT = "Pass the same objects that were checkpointed"
+_RULES = LoadRules(partial=True, owner=None, hint=_HINT)
 
 
 @dataclass
@@ -70,12 +71,24 @@ class Prepared:
             tree[Section.OPTIMIZER] = self.optimizer_state
         return tree
 
+    def check(self, objects: TrainingObjects, version: int) -> None:
+        """Raise what the apply would refuse (the state does not fit ``objects``), before
+        the ranks exchange their verdicts: a mismatch on one rank then stops every rank
+        with nothing applied (found at the apply, it left the others loaded and training)."""
+        plan = plan_load(objects, self.tree(), _RULES)
+        if plan.problems:
+            where = f"global version {version}"
+            advice = _HINT + (CAST_HINT if plan.casts else "")
+            raise StateMismatch(
+                describe_problems(where, "the objects given", plan.problems, advice),
+                plan.problems,
+            )
+
     def apply(self, objects: TrainingObjects) -> None:
         """Load the prepared state into ``objects`` (every rank prepared successfully)."""
-        rules = LoadRules(partial=True, owner=None, hint=_HINT)
         fill = _Fills(self.fills) if self.fills else None
         try:
-            apply_tree(objects, self.tree(), "the global version", rules, fill)
+            apply_tree(objects, self.tree(), "the global version", _RULES, fill)
         finally:
             self.release()
         self.in_place_bytes = fill.filled if fill is not None else 0
@@ -197,6 +210,7 @@ def prepare(
             prepared.optimizer_state = _optimizer_state(
                 optimizer_plan, assembled, targets, prepared.sections, decoded_values, version
             )
+        prepared.check(objects, version)
     except BaseException:
         prepared.release()
         raise

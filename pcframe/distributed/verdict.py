@@ -214,6 +214,38 @@ def _outcome(
     return None
 
 
+def _apply_everywhere(
+    prepared: Prepared,
+    objects: TrainingObjects,
+    record: global_versions.GlobalRecord,
+    group: Any,
+    world_size: int,
+) -> None:
+    """Apply on this rank, then learn whether every rank applied (collective): a failure the
+    checks could not foresee (a ``load_state_dict`` of the user's raising on one rank, rolled
+    back there) stops every rank, instead of leaving the others to train on into a
+    collective that rank never joins."""
+    error: BaseException | None = None
+    try:
+        prepared.apply(objects)
+    except Exception as exc:
+        error = exc
+    outcomes: list[Any] = [None] * world_size
+    mine = None if error is None else f"{type(error).__name__}: {error}".split("\n")[0]
+    with peers("restore: applying"):
+        dist.all_gather_object(outcomes, mine, group=group)
+    if error is not None:
+        raise error
+    failed = [(r, why) for r, why in enumerate(outcomes) if why is not None]
+    if failed:
+        other, why = failed[0]
+        raise CheckpointError(
+            f"rank {other} could not load global version {record.version} ({why}; it was "
+            "rolled back there); every rank stops, this one holding that version: fix the "
+            "cause and restore again"
+        )
+
+
 def load_newest(
     applied: Callable[[global_versions.GlobalRecord, Any], object],
     root: Path,
@@ -308,7 +340,7 @@ def load_newest(
                 prepared.release()
                 raise
             with interrupts_held():  # past the point of no return
-                prepared.apply(objects)
+                _apply_everywhere(prepared, objects, record, group, world_size)
                 report.version, report.step = record.version, record.step
                 report.saved_world_size = record.world_size
                 report.resharded = prepared.resharded

@@ -184,3 +184,71 @@ def test_ranks_given_different_replicas_are_refused_on_every_rank_at_open(tmp_pa
     for out in outputs:
         assert "different DistributedCheckpointer options: replicas (rank 0: 1, rank 1: 0)" in out
         assert float(out.split()[0]) < 60  # at once, not after the protocol timeout
+
+
+ONE_RANK_REFUSES = textwrap.dedent(
+    """
+    import sys, torch
+    import torch.distributed as dist
+    from pcframe.distributed import DistributedCheckpointer
+
+    class Refusing:
+        def __init__(self, refuse): self.refuse = refuse
+        def state_dict(self): return {"n": 1}
+        def load_state_dict(self, state):
+            if self.refuse: raise RuntimeError("this rank's object refuses")
+
+    root, rendezvous, rank, case = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 3)
+    adam = case == "save" or rank == 0 or case != "optimizer"
+    opt = (torch.optim.AdamW if adam else torch.optim.SGD)(model.parameters(), lr=0.1)
+    refusing = Refusing(case == "object" and rank == 1)
+    with DistributedCheckpointer(root, model=model, optimizer=opt, stateful={"o": refusing},
+                                 replicas=0) as ckpt:
+        if case == "save":
+            model(torch.ones(3)).sum().backward()
+            opt.step()
+            ckpt.save(1).wait()
+        else:
+            with torch.no_grad():
+                model.weight.fill_(7.0)
+            try:
+                ckpt.restore()
+                print("restored")
+            except Exception as exc:
+                print(type(exc).__name__, str(exc).splitlines()[0])
+            print("weight", float(model.weight[0, 0]))
+    dist.destroy_process_group()
+    """
+)
+
+
+def _two_ranks_of(script: str, tmp_path, case: str) -> list[str]:
+    args = [str(tmp_path / "ckpt"), str(tmp_path / f"rdv-{case}")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, *args, str(rank), case],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    return [p.communicate(timeout=120)[0] for p in procs]
+
+
+def test_a_restore_one_rank_refuses_stops_every_rank_and_none_is_loaded(tmp_path):
+    """Rank 1 given SGD for a version of AdamW state: it refused at the apply while rank 0
+    loaded the version, said it resumed, and trained into a collective rank 1 never joined
+    (a raw gloo error, or a 30-minute NCCL timeout). The fit is checked before the ranks
+    agree: every rank refuses, none loads. A load_state_dict of the user's raising on one
+    rank (not foreseeable) stops every rank too, naming it."""
+    _two_ranks_of(ONE_RANK_REFUSES, tmp_path, "save")
+    outputs = _two_ranks_of(ONE_RANK_REFUSES, tmp_path, "optimizer")
+    assert all("weight 7.0" in out for out in outputs), outputs  # nothing loaded anywhere
+    assert all("does not fit the objects given" in out for out in outputs), outputs
+    assert "rank 1:" in outputs[0]
+    outputs = _two_ranks_of(ONE_RANK_REFUSES, tmp_path, "object")
+    assert "rank 1 could not load global version 1" in outputs[0], outputs[0]
+    assert "this rank's object refuses" in outputs[1] and "weight 7.0" in outputs[1]
