@@ -75,9 +75,11 @@ def apply_tree(
     where: str,
     rules: LoadRules = STRICT,
     fill: InPlaceFill | None = None,
+    plan: LoadPlan | None = None,
 ) -> list[str]:
     """Load ``tree`` (a decoded version) into ``objects`` under ``rules``; ``where`` names
-    the version.
+    the version. ``plan``: :func:`~pcframe.state.check.plan_load`'s of the same tree and
+    objects, made already (a multi-rank restore checks before the ranks agree).
 
     ``fill``: the verified bytes of the tensors that ``tree`` holds as the live tensors
     themselves (the reader's in-place targets), read into them for the sections that loaded
@@ -94,7 +96,7 @@ def apply_tree(
     """
     strict, owner = rules.strict, rules.owner
     given = f"the objects given to {owner}" if owner else "the objects given"
-    plan = plan_load(objects, tree, rules)
+    plan = plan if plan is not None else plan_load(objects, tree, rules)
     if plan.problems and strict:
         advice = rules.hint + (CAST_HINT if plan.casts else "") if rules.hint else None
         raise StateMismatch(describe_problems(where, given, plan.problems, advice), plan.problems)
