@@ -26,6 +26,20 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 PARENT_ENV = "PCFRAME_DIE_WITH_PARENT"  # the pid of the process whose death ends the child
 
 
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists here (another user's counts; a pid too large for
+    the system does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by another user
+        return True
+    except OverflowError:  # no such pid can exist
+        return False
+    return True
+
+
 def dying_with_parent(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """``env`` (default: this process's) for a child that arms :func:`arm_from_environment`:
     it gets SIGTERM when the thread that starts it ends (with the process, killed or not).

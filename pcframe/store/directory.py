@@ -31,6 +31,7 @@ from pcframe.errors import CheckpointError, DirectoryLocked, NotRegularFile, Res
 from pcframe.format.files import is_real_directory, open_regular, read_small
 from pcframe.format.names import version_name, version_number
 from pcframe.runtime.faults import crash_point
+from pcframe.runtime.processes import process_alive
 from pcframe.store.starts import Starts, count_start
 
 log = logging.getLogger("pcframe")
@@ -268,7 +269,7 @@ def _locked_message(root: Path, holder: str) -> str:
             "variable of the cell that opened it still holds it; `with Checkpointer(...)` "
             "closes by itself), or use another directory"
         )
-    if pid is not None and not _alive(pid):
+    if pid is not None and not process_alive(pid):
         return (
             f"{root} is locked, but its last writer (pid {pid}) has exited: a process it "
             "started still holds the lock (one started by a pcframe older than this one, "
@@ -285,16 +286,6 @@ def _same_folder(a: Path, b: Path) -> bool:
         return os.path.samefile(a, b)
     except OSError:
         return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, owned by another user
-        pass
-    return True
 
 
 class WritableCheckpointDir(CheckpointDir):

@@ -21,6 +21,8 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+from pcframe.runtime.processes import process_alive
+
 _NAME = re.compile(r"trial-(\d+)-(.+)-(\d+)")
 LOCK_SUFFIX = ".lock"
 
@@ -60,7 +62,7 @@ def _abandoned(directory: Path) -> bool:
     try:
         fd = os.open(_lock_of(directory), os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:  # no lock (yet, or never): its pid decides
-        return not _runs(int(_NAME.fullmatch(directory.name)[3]))
+        return not process_alive(int(_NAME.fullmatch(directory.name)[3]))
     except OSError:
         return False
     try:
@@ -69,16 +71,6 @@ def _abandoned(directory: Path) -> bool:
         return False  # a running trial holds it
     finally:
         os.close(fd)
-    return True
-
-
-def _runs(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):  # another user's process, or no such pid
-        return True
     return True
 
 
