@@ -214,21 +214,47 @@ def _outcome(
     return None
 
 
+def _after_apply(
+    report: DistributedRestoreReport,
+    record: global_versions.GlobalRecord,
+    prepared: Prepared,
+    index: SavedIndex,
+    recovery: Recovery,
+    rank: int,
+    applied: Callable[[global_versions.GlobalRecord, Any], object],
+) -> None:
+    """Once this rank applied ``record``: the report, and the caller's bookkeeping."""
+    report.version, report.step = record.version, record.step
+    report.saved_world_size = record.world_size
+    report.resharded = prepared.resharded
+    report.in_place_bytes = prepared.in_place_bytes
+    report.per_rank_state_from = prepared.per_rank_from
+    report.shard_sources = recovery.kinds(record)
+    fetched = recovery.report
+    report.peer_bytes, report.remote_bytes = fetched.peer_bytes, fetched.remote_bytes
+    report.fetch_seconds = fetched.seconds
+    shard = index.manifests.get(rank)
+    applied(record, shard.engine if shard else UNKNOWN_WRITER)
+
+
 def _apply_everywhere(
     prepared: Prepared,
     objects: TrainingObjects,
     record: global_versions.GlobalRecord,
     group: Any,
     world_size: int,
+    after: Callable[[], None],
 ) -> None:
-    """Apply on this rank, then learn whether every rank applied (collective): a failure the
-    checks could not foresee (a ``load_state_dict`` of the user's raising on one rank, rolled
-    back there) stops every rank, instead of leaving the others to train on into a
+    """Apply on this rank and run ``after`` (the report, the caller's bookkeeping: the
+    policy's ``Restarted`` among it), then learn whether every rank did (collective): a
+    failure the checks could not foresee (a ``load_state_dict`` or a policy of the user's
+    raising on one rank) stops every rank, instead of leaving the others to train on into a
     collective that rank never joins."""
     error: BaseException | None = None
     try:
         prepared.apply(objects)
-    except Exception as exc:
+        after()
+    except BaseException as exc:  # SystemExit too: this rank must still reach the gather
         error = exc
     outcomes: list[Any] = [None] * world_size
     mine = None if error is None else f"{type(error).__name__}: {error}".split("\n")[0]
@@ -240,9 +266,8 @@ def _apply_everywhere(
     if failed:
         other, why = failed[0]
         raise CheckpointError(
-            f"rank {other} could not load global version {record.version} ({why}; it was "
-            "rolled back there); every rank stops, this one holding that version: fix the "
-            "cause and restore again"
+            f"rank {other} could not load global version {record.version} ({why}); every "
+            "rank stops, this one holding that version: fix the cause and restore again"
         )
 
 
@@ -339,19 +364,12 @@ def load_newest(
             except BaseException:
                 prepared.release()
                 raise
+
+            after = functools.partial(
+                _after_apply, report, record, prepared, index, recovery, rank, applied
+            )
             with interrupts_held():  # past the point of no return
-                _apply_everywhere(prepared, objects, record, group, world_size)
-                report.version, report.step = record.version, record.step
-                report.saved_world_size = record.world_size
-                report.resharded = prepared.resharded
-                report.in_place_bytes = prepared.in_place_bytes
-                report.per_rank_state_from = prepared.per_rank_from
-                report.shard_sources = recovery.kinds(record)
-                fetched = recovery.report
-                report.peer_bytes, report.remote_bytes = fetched.peer_bytes, fetched.remote_bytes
-                report.fetch_seconds = fetched.seconds
-                shard = index.manifests.get(rank)
-                applied(record, shard.engine if shard else UNKNOWN_WRITER)
+                _apply_everywhere(prepared, objects, record, group, world_size, after)
             return record
     if report.skipped or report.lost:
         reasons = "; ".join(f"v{v}: {why}" for v, why in [*report.skipped, *report.lost])

@@ -10,7 +10,8 @@ The child arms it itself, first thing (:func:`arm_from_environment`), told by
 :func:`dying_with_parent`'s environment which process is its parent: arming it between
 ``fork`` and ``exec`` (``preexec_fn``) runs Python code in a child forked from a process
 with threads, which may deadlock. A module pcframe does not own is started through this
-module (``python -m pcframe.runtime.processes MODULE ARGS...``), which arms, then runs it.
+file run as a script (:func:`module_command`), which arms, then runs the module: as a
+script it imports nothing of pcframe (``python -m`` would import the package: seconds).
 """
 
 from __future__ import annotations
@@ -61,11 +62,19 @@ def arm_from_environment() -> None:
         raise SystemExit(1)
 
 
+def module_command(module: str, *args: str) -> list[str]:
+    """The command that runs ``python -m MODULE ARGS...`` as a child that arms itself first
+    (give it :func:`dying_with_parent`'s environment)."""
+    return [sys.executable, os.path.abspath(__file__), module, *args]
+
+
 def _run_module() -> None:
-    """``python -m pcframe.runtime.processes MODULE ARGS...``: arm, then run MODULE as
-    ``python -m MODULE ARGS...`` would."""
+    """``python .../processes.py MODULE ARGS...``: arm, then run MODULE as ``python -m
+    MODULE ARGS...`` would."""
     if len(sys.argv) < 2:
-        raise SystemExit("usage: python -m pcframe.runtime.processes MODULE [ARGS...]")
+        raise SystemExit(f"usage: {sys.executable} {__file__} MODULE [ARGS...]")
+    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+        del sys.path[0]  # this folder's modules (threads, checks...) must not shadow others
     arm_from_environment()
     module, sys.argv = sys.argv[1], sys.argv[1:]
     runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -398,3 +398,7 @@ def test_a_killed_runs_trial_folder_is_removed_by_the_next_run_and_no_other(tmp_
         Path(f"{running}.lock").rename(f"{alias}.lock")  # the lock file keeps its open lock
         assert remove_orphaned_trials(tmp_path) == [] and alias.exists()
     assert remove_orphaned_trials(tmp_path) == [alias] and not Path(f"{alias}.lock").exists()
+    lone = Path(f"{trial_directory(tmp_path, 6)}.lock")  # killed before making its folder
+    lone.touch()
+    remove_orphaned_trials(tmp_path)
+    assert not lone.exists()

@@ -198,6 +198,17 @@ ONE_RANK_REFUSES = textwrap.dedent(
         def load_state_dict(self, state):
             if self.refuse: raise RuntimeError("this rank's object refuses")
 
+    from pcframe.policies import FixedSteps
+
+    class RefusingPolicy(FixedSteps):
+        def __init__(self, refuse):
+            super().__init__(100)
+            self.refuse = refuse
+        def observe(self, event):
+            if self.refuse and type(event).__name__ == "Restarted":
+                raise RuntimeError("this rank's policy refuses")
+            super().observe(event)
+
     root, rendezvous, rank, case = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, world_size=2)
     torch.manual_seed(0)
@@ -205,8 +216,9 @@ ONE_RANK_REFUSES = textwrap.dedent(
     adam = case == "save" or rank == 0 or case != "optimizer"
     opt = (torch.optim.AdamW if adam else torch.optim.SGD)(model.parameters(), lr=0.1)
     refusing = Refusing(case == "object" and rank == 1)
+    policy = RefusingPolicy(case == "policy" and rank == 1)
     with DistributedCheckpointer(root, model=model, optimizer=opt, stateful={"o": refusing},
-                                 replicas=0) as ckpt:
+                                 replicas=0, policy=policy) as ckpt:
         if case == "save":
             model(torch.ones(3)).sum().backward()
             opt.step()
@@ -243,7 +255,8 @@ def test_a_restore_one_rank_refuses_stops_every_rank_and_none_is_loaded(tmp_path
     loaded the version, said it resumed, and trained into a collective rank 1 never joined
     (a raw gloo error, or a 30-minute NCCL timeout). The fit is checked before the ranks
     agree: every rank refuses, none loads. A load_state_dict of the user's raising on one
-    rank (not foreseeable) stops every rank too, naming it."""
+    rank (not foreseeable), or its policy refusing the restart, stops every rank too, naming
+    it."""
     _two_ranks_of(ONE_RANK_REFUSES, tmp_path, "save")
     outputs = _two_ranks_of(ONE_RANK_REFUSES, tmp_path, "optimizer")
     assert all("weight 7.0" in out for out in outputs), outputs  # nothing loaded anywhere
@@ -252,3 +265,7 @@ def test_a_restore_one_rank_refuses_stops_every_rank_and_none_is_loaded(tmp_path
     outputs = _two_ranks_of(ONE_RANK_REFUSES, tmp_path, "object")
     assert "rank 1 could not load global version 1" in outputs[0], outputs[0]
     assert "this rank's object refuses" in outputs[1] and "weight 7.0" in outputs[1]
+    # ... and a policy of the user's refusing the Restarted event after the apply
+    outputs = _two_ranks_of(ONE_RANK_REFUSES, tmp_path, "policy")
+    assert "rank 1 could not load global version 1" in outputs[0], outputs[0]
+    assert "this rank's policy refuses" in outputs[1], outputs[1]

@@ -54,14 +54,14 @@ def _gone_within(pid: int, seconds: float) -> bool:
 
 
 def test_a_module_run_dying_with_its_parent_dies_with_its_killed_parent():
-    """Armed by the child itself (python -m pcframe.runtime.processes MODULE), not between
-    fork and exec, where a process with threads may deadlock."""
+    """Armed by the child itself (module_command), not between fork and exec, where a
+    process with threads may deadlock."""
     pid = _killed_parent_leaves(
         """
         import subprocess, sys, time
-        from pcframe.runtime.processes import dying_with_parent
+        from pcframe.runtime.processes import dying_with_parent, module_command
         child = subprocess.Popen(
-            [sys.executable, "-m", "pcframe.runtime.processes", "http.server", "0"],
+            module_command("http.server", "0"),
             env=dying_with_parent(), start_new_session=True, stdout=subprocess.DEVNULL,
         )
         print(child.pid, flush=True)

@@ -20,7 +20,7 @@ import uuid
 from typing import Any
 
 from pcframe.errors import ConfigError
-from pcframe.runtime.processes import dying_with_parent
+from pcframe.runtime.processes import dying_with_parent, module_command
 
 NEEDS = ("moto", "s3fs", "boto3")
 
@@ -81,11 +81,9 @@ class LoopbackS3:
 
     def start(self, timeout: float = 60.0) -> None:
         """Start the server on this port and wait until it answers."""
-        # Started through pcframe.runtime.processes: a SIGKILLed pcframe-tune leaves no
-        # server behind.
-        server = ["moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        # Armed to end with this process: a SIGKILLed pcframe-tune leaves no server behind.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pcframe.runtime.processes", *server],
+            module_command("moto.server", "-H", "127.0.0.1", "-p", str(self.port)),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env=dying_with_parent({**os.environ, "PYTHONWARNINGS": "ignore"}),

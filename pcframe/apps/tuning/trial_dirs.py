@@ -83,10 +83,16 @@ def remove_orphaned_trials(root: Path) -> list[Path]:
     except OSError:  # no folder yet
         return removed
     for entry in entries:
-        match = _NAME.fullmatch(entry.name)
-        if not match or match[2] != host or not entry.is_dir() or entry.is_symlink():
+        folder = entry.with_name(entry.name.removesuffix(LOCK_SUFFIX))
+        match = _NAME.fullmatch(folder.name)
+        if not match or match[2] != host or entry.is_symlink():
             continue
-        if _abandoned(entry):
+        if entry.name.endswith(LOCK_SUFFIX):  # a lock whose trial never made its folder
+            if not os.path.lexists(folder) and _abandoned(folder):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry)
+            continue
+        if entry.is_dir() and _abandoned(entry):
             shutil.rmtree(entry, ignore_errors=True)
             with contextlib.suppress(OSError):
                 os.unlink(_lock_of(entry))
