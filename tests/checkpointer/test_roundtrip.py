@@ -176,6 +176,7 @@ def test_a_stateful_objects_parameters_come_back_as_parameters_that_train(tmp_pa
     """An object keeping what its load_state_dict is given got plain tensors back: its
     Parameter (and requires_grad) was lost, so the restored run stopped training it, where
     torch.load gives one back. Restored tensors take the kind the live object's have."""
+
     def make() -> dict:
         return {
             "scale": torch.nn.Parameter(torch.randn(3)),

@@ -284,9 +284,7 @@ def test_malformed_inputs(tmp_path: Path) -> None:
     assert "line 3" in _err(p) and "0 or 1" in _err(p)
 
     p = tmp_path / "b_h100_16.json"
-    p.write_text(
-        json.dumps({"metadata": {"gap_seconds": 600, "gap_filled": 0}, "data": [0, 1, 5]})
-    )
+    p.write_text(json.dumps({"metadata": {"gap_seconds": 600, "gap_filled": 0}, "data": [0, 1, 5]}))
     assert "inverted" in _err(p)
 
     p = tmp_path / "c.json"
