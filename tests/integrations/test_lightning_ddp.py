@@ -400,6 +400,20 @@ def test_a_one_process_folder_in_a_fit_of_two_is_one_line(launcher, tmp_path):
         )
 
 
+def test_a_one_process_folder_on_one_rank_only_stops_every_rank_in_one_line(launcher, tmp_path):
+    """Each rank its own folder, rank 0's holding a one-process fit: rank 0 refused before
+    the ranks agreed on anything, and rank 1 died on a raw torch network error."""
+    folders = str(tmp_path / "ckpt-{rank}")
+    launcher.run(1, folders, 3, tmp_path / "first").finish()
+    job = launcher.run(2, folders, 6, tmp_path / "second", kill_on_failure=False)
+    assert job.wait() == [1, 1]
+    first, second = job.logs()
+    assert "holds checkpoints of a one-process fit" in last_line(first), first[-2000:]
+    assert last_line(second).startswith(
+        "pcframe.errors.CheckpointError: PcframeCheckpoint: rank 0 refused the resume"
+    ), second[-2000:]
+
+
 def test_another_models_folder_is_a_short_line_naming_it_and_the_fix(launcher, reference, tmp_path):
     root = tmp_path / "ckpt"
     shutil.copytree(reference / "ckpt", root)

@@ -167,7 +167,8 @@ def main(argv: list[str]) -> None:
     said.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
     logging.getLogger("lightning.pytorch.callbacks.pcframe").addHandler(said)
     pl.seed_everything(0, verbose=False)
-    callback = PcframeCheckpoint(args.dirpath, every_n_train_steps=args.every)
+    # "{rank}" in the folder: each rank its own (a node-local folder per rank)
+    callback = PcframeCheckpoint(args.dirpath.format(rank=rank), every_n_train_steps=args.every)
     strategy: Any = "auto"
     if args.fsdp:
         from lightning.pytorch.strategies import ModelParallelStrategy

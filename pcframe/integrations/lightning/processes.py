@@ -93,19 +93,21 @@ class Processes:
                 f"{OWNER}: resume={resume}: a multi-process checkpoint resumes from its newest "
                 "global version; use resume='auto' (or False)"
             )
-        one_process = one_process_versions(self.dirpath)
-        if one_process:
-            raise ValueError(
-                f"{OWNER}: {self.dirpath} holds checkpoints of a one-process fit (versions "
-                f"{one_process[0]}..{one_process[-1]}) and this fit runs {trainer.world_size} "
-                "processes: give it its own dirpath, or resume that one with devices=1"
-            )
         if not dist.is_initialized():
             # One process resuming a multi-process checkpoint (another number of processes):
             # the engine's collectives run in a group of this process alone.
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
             self.own_world = True
         self.group = dist.new_group(backend="gloo")  # same order on every rank
+        one_process = one_process_versions(self.dirpath)
+        refusal = None
+        if one_process:  # on some ranks only where each has a folder of its own: agreed
+            refusal = ValueError(
+                f"{OWNER}: {self.dirpath} holds checkpoints of a one-process fit (versions "
+                f"{one_process[0]}..{one_process[-1]}) and this fit runs {trainer.world_size} "
+                "processes: give it its own dirpath, or resume that one with devices=1"
+            )
+        self.agree(refusal)
         return DistributedCheckpointer(
             self.dirpath,
             model=module,
