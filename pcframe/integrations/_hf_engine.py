@@ -57,6 +57,33 @@ def job_ranks() -> int | None:
     return None
 
 
+def check_folder_on_every_rank(owner: str, directory: Path, ranks: int | None) -> None:
+    """:func:`check_folder` on every rank, its outcome agreed (collective when ``ranks``):
+    where each rank has a folder of its own (a node's disk), one rank's refusal stops every
+    rank naming it, instead of leaving the others to wait for it in the engine's open."""
+    if ranks is None:
+        check_folder(owner, directory, ranks)
+        return
+    error: BaseException | None = None
+    try:
+        check_folder(owner, directory, ranks)
+    except (ValueError, CheckpointError) as exc:
+        error = exc
+    group = dist.new_group(backend="gloo")  # same order on every rank
+    try:
+        outcomes: list[Any] = [None] * ranks
+        dist.all_gather_object(outcomes, None if error is None else str(error), group=group)
+    finally:
+        dist.destroy_process_group(group)
+    if error is not None:
+        raise error
+    refused = next(((r, why) for r, why in enumerate(outcomes) if why is not None), None)
+    if refused is not None:
+        raise ValueError(
+            f"{owner}: rank {refused[0]} refused its folder ({refused[1]}); every rank stops"
+        )
+
+
 def check_folder(owner: str, directory: Path, ranks: int | None) -> None:
     """Refuse ``directory`` in one line when the other kind of job wrote it (``ranks``: as
     :func:`job_ranks`)."""

@@ -51,7 +51,7 @@ from pcframe.errors import CheckpointError, SaveError  # noqa: E402
 from pcframe.integrations._common import another_model, fits_another_model_of_job  # noqa: E402
 from pcframe.integrations._hf_engine import (  # noqa: E402
     Engine,
-    check_folder,
+    check_folder_on_every_rank,
     fallbacks,
     job_ranks,
     open_engine,
@@ -180,7 +180,7 @@ class PcframeCallback(transformers.TrainerCallback):
                 f"{ranks} processes resumes the newest global version (resume='auto') or "
                 "starts fresh (resume=False)"
             )
-        check_folder(NAME, self.output_dir, ranks)
+        check_folder_on_every_rank(NAME, self.output_dir, ranks)
         optimizer = kwargs["optimizer"]
         section = TrainerStateSection(args, state, kwargs.get("train_dataloader"), self._say)
         checkpointer = open_engine(

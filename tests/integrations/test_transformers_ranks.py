@@ -221,6 +221,27 @@ def test_another_number_of_processes(tmp_path: Path, env: dict[str, str], refere
     ), text[-3000:]
 
 
+def test_a_folder_one_rank_refuses_stops_every_rank_naming_it(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    """Each rank its own folder, rank 0's holding a one-process run's checkpoints: rank 0
+    refused before the ranks agreed on anything, and rank 1 waited for it in the engine's
+    open until torchrun stopped it (with NCCL: up to the group's timeout)."""
+    folders = str(tmp_path / "ckpt-{rank}")
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    log = (tmp_path / "alone.log").open("a")
+    subprocess.run(  # one plain process, no launcher: a one-process folder (ckpt-0)
+        [sys.executable, str(CHILD), str(alone), "3", "--ckpt", folders],
+        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, timeout=240, check=True,
+    )  # fmt: skip
+    out = tmp_path / "two"
+    out.mkdir()
+    text = finish(launch(env, out, "6", "--ckpt", folders), out, code=1)
+    assert "holds the checkpoints of a one-process run" in text, text[-3000:]
+    assert "rank 0 refused its folder" in text, text[-3000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FSDP2 in the Trainer needs 2 GPUs")
 def test_fsdp2_sigkill_resumes_bit_identical(tmp_path: Path, env: dict[str, str]) -> None:

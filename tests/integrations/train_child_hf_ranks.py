@@ -133,7 +133,8 @@ def main() -> None:
         arguments["fsdp_config"] = {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}
     else:
         arguments["use_cpu"] = True
-    ckpt = options.ckpt or str(options.out / "ckpt")
+    # "{rank}" in the folder: each rank its own (a node-local folder per rank)
+    ckpt = (options.ckpt or str(options.out / "ckpt")).format(rank=rank)
     callback = PcframeCallback(ckpt, save_steps=options.every)
     trainer = Recording(
         model=model,
