@@ -67,7 +67,7 @@ def check_folder_on_every_rank(owner: str, directory: Path, ranks: int | None) -
     error: BaseException | None = None
     try:
         check_folder(owner, directory, ranks)
-    except (ValueError, CheckpointError) as exc:
+    except Exception as exc:  # an unreadable folder too: every rank must reach the gather
         error = exc
     group = dist.new_group(backend="gloo")  # same order on every rank
     try:

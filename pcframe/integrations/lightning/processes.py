@@ -99,9 +99,12 @@ class Processes:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
             self.own_world = True
         self.group = dist.new_group(backend="gloo")  # same order on every rank
-        one_process = one_process_versions(self.dirpath)
-        refusal = None
-        if one_process:  # on some ranks only where each has a folder of its own: agreed
+        refusal: BaseException | None = None
+        try:  # on some ranks only where each has a folder of its own: agreed
+            one_process = one_process_versions(self.dirpath)
+        except Exception as exc:  # an unreadable folder too: every rank must reach agree()
+            refusal, one_process = exc, []
+        if one_process:
             refusal = ValueError(
                 f"{OWNER}: {self.dirpath} holds checkpoints of a one-process fit (versions "
                 f"{one_process[0]}..{one_process[-1]}) and this fit runs {trainer.world_size} "
