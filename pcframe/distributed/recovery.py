@@ -327,27 +327,26 @@ class Recovery:
         read's error) names; none when the damage is in a shard's own folder (the
         version's), or when the copies cannot be listed (the caller must still reach the
         verdict exchange)."""
-        named: list[Path] = []
-        try:
-            for shard in record.shards:
-                found = self.place.find(shard.rank, shard.version)
-                if found is not None and found[0] is not Kind.LOCAL and str(found[1]) in message:
-                    named.append(found[1])
-        except OSError:
-            return []
-        return named
+        return [path for kind, _, path in self._named(record, message) if kind is not Kind.LOCAL]
 
     def local_damage(self, record: GlobalRecord, message: str) -> tuple[int, int] | None:
         """``(src, version)`` of the shard in this rank's root that ``message`` (a read's
         error) names, if any."""
+        local = [shard for kind, shard, _ in self._named(record, message) if kind is Kind.LOCAL]
+        return (local[0].rank, local[0].version) if local else None
+
+    def _named(self, record: GlobalRecord, message: str) -> list[tuple[Kind, Any, Path]]:
+        """``(kind, shard, folder)`` of each of ``record``'s shards readable here whose folder
+        ``message`` names; none when the folders cannot be listed."""
+        named = []
         try:
             for shard in record.shards:
                 found = self.place.find(shard.rank, shard.version)
-                if found is not None and found[0] is Kind.LOCAL and str(found[1]) in message:
-                    return shard.rank, shard.version
+                if found is not None and str(found[1]) in message:
+                    named.append((found[0], shard, found[1]))
         except OSError:
-            pass
-        return None
+            return []
+        return named
 
     def held_elsewhere(self, src: int, version: int, reader: int) -> bool:
         """Whether, at the last gather, a rank outside ``reader``'s root could read ``src``'s

@@ -25,7 +25,15 @@ from pcframe.policies.traces.timeutil import median_step, parse_time
 AWS_P3_2XLARGE_ON_DEMAND = 3.06
 
 log = logging.getLogger("pcframe")
-_WARNED: set[str] = set()  # files a guess was said about (once: sweeps load them again)
+_WARNED: set[tuple[str, str]] = set()  # (guess, file) said already: sweeps load files again
+
+
+def _warn_once(guess: str, message: str, path: Path, *args: Any) -> None:
+    """Say at WARNING how a file was read where it did not say, once per file and guess."""
+    if (guess, str(path)) not in _WARNED:
+        _WARNED.add((guess, str(path)))
+        log.warning(message, path, *args)
+
 
 Convention = Literal["auto", "up", "inverted"]
 
@@ -204,9 +212,9 @@ def read_node_json(
         # 1 = preempted is a 0/1 series: a GCP fleet of 8 VMs with prices was refused as
         # "inverted", where it counts VMs up.
         inverted = is_inverted(path, meta, values)
-        if values.max() <= 1 and not inverted and path.stem not in _WARNED:
-            _WARNED.add(path.stem)
-            log.warning(
+        if values.max() <= 1 and not inverted:
+            _warn_once(
+                "convention",
                 "%s: 0/1 values and no mark of the GCP H100 collector (price_info, "
                 "gap_filled, source_dir): read as 1 = up; if 1 means preempted, load it with "
                 "convention='inverted' (pcframe-sim: trace_options.convention=inverted)",
@@ -274,15 +282,14 @@ def _capacity_of(path: Path, meta: dict[str, Any], values: np.ndarray) -> int:
     if named:
         return named
     most = max(int(values.max()), 1)
-    if path.stem not in _WARNED:
-        _WARNED.add(path.stem)
-        log.warning(
-            "%s: no capacity given (metadata.capacity, or a folder named like '4node'): "
-            "taken as the most VMs ever up, %d; load it with capacity=N "
-            "(pcframe-sim: trace_options.capacity=N) if the job asked for more",
-            path,
-            most,
-        )
+    _warn_once(
+        "capacity",
+        "%s: no capacity given (metadata.capacity, or a folder named like '4node'): "
+        "taken as the most VMs ever up, %d; load it with capacity=N "
+        "(pcframe-sim: trace_options.capacity=N) if the job asked for more",
+        path,
+        most,
+    )
     return most
 
 
