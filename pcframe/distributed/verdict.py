@@ -80,16 +80,14 @@ def try_global_version(
     reshard: bool,
     threads: int,
     group: Any,
-    locate: Callable[[int, int], Path] | None = None,
-    damaged_copies: Callable[[str], list[Path]] | None = None,
-    drop_copies: Callable[[list[Path]], None] | None = None,
-    recovery: Recovery | None = None,
+    recovery: Recovery,
 ) -> tuple[Prepared, SavedIndex] | str:
-    """Read and verify ``record`` on every rank (collective).
+    """Read and verify ``record`` on every rank (collective), each shard where ``recovery``
+    made it readable.
 
-    A read that fails in a copy (a peer's, or fetched: ``damaged_copies`` names those a
-    read's error points at) makes the copy damaged, not the version: ``drop_copies``
-    removes it once every rank has given its verdict (the ranks of a node read the same
+    A read that fails in a copy (a peer's, or fetched: :meth:`Recovery.damaged_copies`
+    names those a read's error points at) makes the copy damaged, not the version: it is
+    dropped once every rank has given its verdict (the ranks of a node read the same
     copies: removed earlier, it would fail another rank's read of it) and :data:`RETRY` is
     returned, so the version is gathered again from another holder. So does damage in a
     shard's own folder when ``recovery`` knows a holder outside that root (a peer's copy,
@@ -112,7 +110,7 @@ def try_global_version(
     mine: tuple[Verdict, str, str, tuple[int, int] | None] = (Verdict.OK, "", "", None)
     prepared: Prepared | None = None
     try:
-        index = SavedIndex(root, record, locate)
+        index = SavedIndex(root, record, recovery.locate)
         prepared = read_with_retries(
             lambda: prepare(index, objects, rank, world_size, reshard, threads)
         )
@@ -123,13 +121,13 @@ def try_global_version(
         # does a copy whose files are gone or not files (fetched again); any other I/O
         # error is the storage's (EIO, EMFILE): the restore stops, as for a shard's own.
         of_the_copy = isinstance(exc, ManifestError) or exc.errno in COPY_ERRNOS
-        copies = damaged_copies(str(exc)) if of_the_copy and damaged_copies else []
+        copies = recovery.damaged_copies(record, str(exc)) if of_the_copy else []
         local = None
         if copies:
             verdict = Verdict.COPY_DAMAGED
         else:
             verdict = Verdict.CORRUPT if isinstance(exc, ManifestError) else Verdict.UNREADABLE
-            if verdict is Verdict.CORRUPT and recovery is not None:
+            if verdict is Verdict.CORRUPT:
                 local = recovery.local_damage(record, str(exc))
         mine = (verdict, str(exc), type(exc).__name__, local)
     except Exception as exc:  # every rank must still reach the collective below
@@ -146,14 +144,14 @@ def try_global_version(
     if outcome is not None:
         if prepared is not None:
             prepared.release()  # another rank's part failed: the version is not applied
-        if outcome is RETRY and recovery is not None:
+        if outcome is RETRY:
             if any(v[0] is Verdict.CORRUPT for v in verdicts):  # the same on every rank
                 recovery.refetched.add(record.version)
             if mine[3] is not None:
                 recovery.set_aside_local(*mine[3], mine[1])  # every rank has read it by now
         if outcome is RETRY or any(v[0] is Verdict.COPY_DAMAGED for v in verdicts):
-            if copies and drop_copies is not None:  # every rank of this node has read them
-                drop_copies(copies)
+            if copies:  # every rank of this node has read them
+                recovery.drop_copies(copies)
             # ... and none lists what it holds for the next gather until every damaged copy
             # is gone: a rank that read no damage would list the copy still being deleted.
             with peers("restore: dropping damaged copies"):
@@ -168,7 +166,7 @@ def _outcome(
     record: global_versions.GlobalRecord,
     verdicts: list[Any],
     error: BaseException | None,
-    recovery: Recovery | None = None,
+    recovery: Recovery,
 ) -> str | None:
     """What the ranks' verdicts make of the version: ``None`` when every rank verified its
     part, else the reason to skip it (or ``RETRY``); raises as :func:`try_global_version`."""
@@ -200,7 +198,7 @@ def _outcome(
     corrupt = [f"rank {r}: {v[1]}" for r, v in enumerate(verdicts) if v[0] is Verdict.CORRUPT]
     # Damage in a root's own shard that a holder outside that root can replace (the same
     # answer on every rank: the holdings were gathered by all) is fetched again, not lost.
-    fetchable = recovery is not None and all(
+    fetchable = all(
         v[3] is not None and recovery.held_elsewhere(v[3][0], v[3][1], r)
         for r, v in enumerate(verdicts)
         if v[0] is Verdict.CORRUPT
@@ -322,9 +320,6 @@ def load_newest(
                     reshard=reshard,
                     threads=threads,
                     group=group,
-                    locate=recovery.locate,
-                    damaged_copies=functools.partial(recovery.damaged_copies, record),
-                    drop_copies=recovery.drop_copies,
                     recovery=recovery,
                 )
                 if outcome is not RETRY:
