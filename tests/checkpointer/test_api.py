@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -23,25 +24,38 @@ from tests.helpers import StateBox, small_training, state_equal, train_steps
 
 
 def test_optimizer_step_waits_for_the_snapshot(tmp_path, monkeypatch):
-    """Steps right after save() must not leak into the checkpoint (mixed-step checkpoints)."""
-    original_fill = Filler.chunk
+    """Steps right after save() must not leak into the checkpoint (mixed-step checkpoints).
 
-    def slow_fill(self, *args):
-        time.sleep(0.05)  # a slow copy: without the gate the next steps would race it
-        original_fill(self, *args)
-
-    monkeypatch.setattr(Filler, "chunk", slow_fill)
+    The snapshot's copy starts only once the training thread has reached the next
+    ``optimizer.step()`` (a hook of the test's, registered before the engine's, says so) and
+    then gives that step half a second to finish: with the gate the step is still waiting
+    when the copy starts, however the threads are scheduled; without it the step has
+    changed the tensors before they are copied."""
     model, optimizer, scheduler = small_training()
     train_steps(model, optimizer, scheduler, 2)
+    step_reached, step_done = threading.Event(), threading.Event()
+    optimizer.register_step_pre_hook(lambda *_: step_reached.set())
+    optimizer.register_step_post_hook(lambda *_: step_done.set())
+    step_finished_before_the_copy: list[bool] = []
+    first_chunk = threading.Lock()  # the copy may run on several threads
+    original_fill = Filler.chunk
+
+    def fill_once_the_step_is_reached(self, *args):
+        with first_chunk:
+            if not step_finished_before_the_copy:
+                assert step_reached.wait(timeout=30)
+                step_finished_before_the_copy.append(step_done.wait(timeout=0.5))
+        original_fill(self, *args)
+
+    monkeypatch.setattr(Filler, "chunk", fill_once_the_step_is_reached)
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, chunk_bytes=4096) as ckpt:
         ckpt.save(step=2)
         snapshot = {k: v.clone() for k, v in model.state_dict().items()}
         moments = {k: v.clone() for k, v in optimizer.state[next(model.parameters())].items()}
-        started = time.perf_counter()
         train_steps(model, optimizer, scheduler, 3)
-        gated = time.perf_counter() - started
         ckpt.wait()
-        assert ckpt.records[1].stall >= 0.02 and gated >= 0.02
+        assert step_finished_before_the_copy == [False]
+        assert ckpt.records[1].stall >= 0.4  # the step waited for the copy
     model2, optimizer2, _ = small_training(seed=4)
     with Checkpointer(tmp_path, model=model2, optimizer=optimizer2) as ckpt:
         ckpt.restore()
