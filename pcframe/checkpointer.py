@@ -136,6 +136,7 @@ class Checkpointer:
                 log.info("removed leftovers of an interrupted run: %s", leftovers)
             self._next_version = self._storage.next_version()
             self.last_secured: Secured | None = None  # where the last emergency version went
+            self._notice_secured: Notice | None = None  # the notice that sent it there
             self.tiers, newest = attach_tiers(tiers, placement, self._storage, config.keep_last)
             self._number_above(newest)  # no tier sees a version number reused
             undo.callback(_quietly, functools.partial(self.tiers.close, hurry=True))
@@ -167,6 +168,7 @@ class Checkpointer:
         self.last_restore: RestoreReport | None = None
         self._closed = False
         self.save_last = save_last
+        self._pid = os.getpid()  # the process that opened it: the one that closes it
         atexit.register(self._atexit)
 
     # The live objects, as given (read-only views of self._objects).
@@ -195,13 +197,39 @@ class Checkpointer:
     ) -> SaveHandle | None:
         """Ask the interval policy whether to save at ``step``; save if it says so."""
         decision = self._decide(step, notice)
+        notice = self._decisions.notice  # given, polled from the sources, or the policy's
         if not decision.save:
+            if notice is not None and not notice.same_as(self._notice_secured):
+                self._secure_newest(notice)
             return None
         handle = self._save(step, metadata, reason=decision.reason)
         if decision.emergency:
             handle.wait_here()  # durable in the primary; now in a tier that survives (if any)
+            self._notice_secured = notice
             self.last_secured = self.tiers.secure(handle.version, step, notice)
         return handle
+
+    def _secure_newest(self, notice: Notice) -> None:
+        """A notice the policy answered without a save (the step is saved already, or a save
+        would not finish in the window): the newest committed version, once the saves in
+        flight are, goes to the tier that outlives the VM within the window, as an emergency
+        version would (else a version on local disk only was lost with the VM though the
+        window had room to upload it)."""
+        self._notice_secured = notice
+        if not self.tiers.replicated:
+            return
+        self._flight.wait_all(max(0.0, notice.deadline - time.monotonic()))
+        versions = self._storage.committed_versions()
+        if not versions:
+            return
+        version = versions[-1]
+        record = self.records.get(version)
+        try:
+            step = record.step if record is not None else self._storage.step_of(version)
+        except CheckpointError as exc:
+            log.error("preemption notice: version %d cannot be secured: %s", version, exc)
+            return
+        self.last_secured = self.tiers.secure(version, step, notice)
 
     @one_caller_at_a_time(fix=_NEEDS_THE_POLICY)
     def decide(self, step: int, notice: Notice | None = None) -> Decision:
@@ -545,6 +573,11 @@ class Checkpointer:
             self._in_step_hook -= 1
 
     def _atexit(self) -> None:
+        if os.getpid() != self._pid:
+            # A child forked without exec (its parent's engine threads are not in it; the
+            # parent holds the folder's lock): closing here waited for threads that do not
+            # exist, or marked the parent's folder as cleanly exited. The parent closes it.
+            return
         # An unhandled exception on the way out was printed and left in sys.last_value.
         clean = getattr(sys, "last_value", None) is None
         try:

@@ -14,6 +14,13 @@ from typing import Any, ClassVar
 from pcframe.errors import PolicyError
 from pcframe.policies.kinds import plugin_base
 
+# Deadlines closer than this (seconds) are one notice. A source recomputes the deadline from
+# two clocks at every poll (``now`` and the signal's, the file's or the endpoint's time), so
+# the same notice comes back microseconds apart; compared exactly, every step looked like a
+# new notice and started another emergency save until the kill (seen in the replay
+# validation: 36 commits instead of 19 in a 29 s replay).
+SAME_NOTICE = 0.1
+
 
 @dataclass(frozen=True)
 class Notice:
@@ -22,6 +29,10 @@ class Notice:
     received_at: float
     deadline: float
     source: str = "signal"
+
+    def same_as(self, other: Notice | None) -> bool:
+        """Whether ``other`` is this notice seen again (its deadline within SAME_NOTICE)."""
+        return other is not None and abs(self.deadline - other.deadline) <= SAME_NOTICE
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 from pcframe.policies.base import (
+    SAME_NOTICE,
     Decision,
     Event,
     IntervalPolicy,
@@ -26,13 +27,6 @@ from pcframe.policies.base import (
 from pcframe.policies.estimates import RunningEstimate
 from pcframe.policies.notices.base import NoticeSource
 from pcframe.policies.registry import register
-
-# Deadlines closer than this (seconds) are one notice. A source recomputes the deadline from
-# two clocks at every poll (``now`` and the signal's, the file's or the endpoint's time), so
-# the same notice comes back microseconds apart; compared exactly, every step looked like a
-# new notice and started another emergency save until the kill (seen in the replay
-# validation: 36 commits instead of 19 in a 29 s replay).
-SAME_NOTICE = 0.1
 
 
 @register()

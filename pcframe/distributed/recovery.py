@@ -52,7 +52,13 @@ from pcframe.distributed.nodes import spread
 from pcframe.distributed.peers import peers
 from pcframe.distributed.remote_shards import RemoteShards
 from pcframe.distributed.shard_stream import receive_version, send_version
-from pcframe.errors import CheckpointError, ManifestError, TierError, UnsupportedCheckpoint
+from pcframe.errors import (
+    CheckpointError,
+    ManifestError,
+    RestoreIOError,
+    TierError,
+    UnsupportedCheckpoint,
+)
 from pcframe.format.files import is_real_directory
 from pcframe.format.manifest import delta_base
 from pcframe.format.names import MANIFEST_NAME, RANK_DIR, version_name, version_number
@@ -194,6 +200,7 @@ class Holdings:
     remote: dict[int, list[int]] | None = None  # rank 0: src -> versions in the object store
     bad: list[tuple[int, int, int]] = field(default_factory=list)  # (holder, src, version)
     error: str = ""  # why this rank's records could not be listed: raised on every rank
+    remote_error: str = ""  # rank 0: why the object store could not be read
 
 
 @dataclass(frozen=True)
@@ -248,6 +255,7 @@ class Recovery:
         self.bad: list[tuple[int, int, int]] = []
         self.report = FetchReport()
         self._remote_listing: dict[int, list[int]] | None = None
+        self._remote_error = ""  # why the object store could not be read in this restore
         self._holdings: list[Holdings] = []  # what every rank held at the last gather
         # Versions a shard of which was set aside in its root to be fetched again (known on
         # every rank): one that then cannot be had is damaged, not merely out of reach.
@@ -292,6 +300,18 @@ class Recovery:
                 stop_at_unsupported("the newest global record", max(newer)[1], back)
             )
         good = [by_version[v] for v in sorted(by_version, reverse=True)]
+        unread = next((h.remote_error for h in holdings if h.remote_error), "")
+        if unread and not good:  # "no checkpoint" would start the job again from step 0
+            raise RestoreIOError(
+                "restore: cannot tell whether a checkpoint exists: no node holds a global "
+                f"record and the object store cannot be read ({unread}); fix the storage or "
+                "its settings and restart the job (nothing was read or changed)"
+            )
+        if unread and self.rank == 0:
+            log.warning(
+                "restore: the object store cannot be read (%s); restoring from what the nodes hold",
+                unread,
+            )
         return good, sorted(invalid.items(), reverse=True)
 
     # --- making a version readable ----------------------------------------------------------
@@ -432,11 +452,17 @@ class Recovery:
                 mine.error = str(exc)
         if self.rank == 0 and self.remote is not None:
             if self._remote_listing is None:  # once per restore: nothing in it changes
-                self._remote_listing = self.remote.listing()
-            mine.remote = self._remote_listing
-            if records:
-                for version, raw in self.remote.records().items():
-                    mine.records.setdefault(version, raw)
+                try:
+                    self._remote_listing = self.remote.committed()
+                except TierError as exc:  # the nodes' copies may do; decided in records()
+                    self._remote_listing, self._remote_error = {}, str(exc)
+            if records and not self._remote_error:
+                try:
+                    for version, raw in self.remote.records().items():
+                        mine.records.setdefault(version, raw)
+                except TierError as exc:
+                    self._remote_error = str(exc)
+            mine.remote, mine.remote_error = self._remote_listing, self._remote_error
         gathered: list[Any] = [None] * len(self.groups)
         with peers("restore: gathering what every rank holds"):
             dist.all_gather_object(gathered, mine, group=self._group)

@@ -12,13 +12,12 @@ The ranks upload apart, so rank 0 uploads a version's record only once every ran
 its shard of it in the object store (the commit protocol's ``remote_whole``), and each rank's
 tier then holds that version whatever its own retention says: the object store always has
 one whole version, and its records are those of whole versions (the newest two are kept).
-A restore lists it once (:meth:`RemoteShards.listing`: one recursive listing, not a call
+A restore lists it once (:meth:`RemoteShards.committed`: one recursive listing, not a call
 per rank), and uses it when the nodes' own copies are not enough.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 from collections.abc import Mapping
@@ -26,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from pcframe.distributed.global_versions import GlobalRecord, rank_dirname
-from pcframe.errors import TierError
 from pcframe.format.names import version_name
 from pcframe.store.tiers.remote import RemoteTier
 
@@ -49,6 +47,7 @@ class RemoteShards:
         self.options = dict(options or {})
         self._tiers: dict[int, RemoteTier] = {}
         self._records = RemoteTier(f"{self.url}/global", **self.options)
+        self._records.name = "remote/global"
 
     def tier(self, rank: int) -> RemoteTier:
         tier = self._tiers.get(rank)
@@ -57,16 +56,9 @@ class RemoteShards:
             tier.name = f"remote/{rank_dirname(rank)}"
         return tier
 
-    def listing(self) -> dict[int, list[int]]:
-        """Every rank's committed shards in the object store, ``{rank: [versions]}``, from
-        one recursive listing (``{}`` if it cannot be listed: a restore looks elsewhere)."""
-        try:
-            return self.committed()
-        except TierError:
-            return {}
-
     def committed(self) -> dict[int, list[int]]:
-        """:meth:`listing`, but a store that cannot be listed raises.
+        """Every rank's committed shards in the object store, ``{rank: [versions]}``, from
+        one recursive listing.
 
         Raises:
             TierError: the listing failed or timed out, or the bucket does not exist while
@@ -83,39 +75,33 @@ class RemoteShards:
 
     def put_record(self, record: GlobalRecord, keep: int = 2) -> None:
         """Upload the record of a version now whole in the object store (rank 0), then
-        delete the records older than the newest ``keep``."""
+        delete the records older than the newest ``keep``.
+
+        Raises:
+            TierError: the object store failed or did not answer within the tier's deadline.
+        """
         tier = self._records
-        tier.fs.pipe_file(f"{tier.root}/{version_name(record.version)}.json", record.to_bytes())
-        with contextlib.suppress(AttributeError):
-            tier.fs.invalidate_cache(tier.root)
-        try:
-            names = [p.rsplit("/", 1)[-1] for p in tier.fs.ls(tier.root, detail=False)]
-        except (FileNotFoundError, OSError):
-            return
-        versions = sorted(int(m.group(1)) for m in map(_RECORD.match, names) if m)
+        tier.put_small(f"{version_name(record.version)}.json", record.to_bytes())
+        versions = sorted(int(m.group(1)) for m in map(_RECORD.match, tier.names()) if m)
         for old in versions[:-keep]:
-            with contextlib.suppress(FileNotFoundError, OSError):
-                tier.fs.rm_file(f"{tier.root}/{version_name(old)}.json")
+            tier.remove_small(f"{version_name(old)}.json")
 
     def records(self) -> dict[int, bytes]:
-        """The record files in the object store, by version (``{}`` if none or unlisted)."""
+        """The record files in the object store, by version (``{}`` if there are none; one
+        larger than MAX_RECORD_BYTES is left out unread).
+
+        Raises:
+            TierError: the object store failed or did not answer within the tier's deadline
+                (a restore must not take that for "no record").
+        """
         tier = self._records
-        with contextlib.suppress(AttributeError):
-            tier.fs.invalidate_cache(tier.root)
-        try:
-            names = [p.rsplit("/", 1)[-1] for p in tier.fs.ls(tier.root, detail=False)]
-        except (FileNotFoundError, OSError):
-            return {}
         found = {}
-        for name in names:
+        for name in tier.names():
             match = _RECORD.match(name)
             if not match:
                 continue
-            try:
-                raw = tier.fs.cat_file(f"{tier.root}/{name}")
-            except (FileNotFoundError, OSError):
-                continue
-            if len(raw) <= MAX_RECORD_BYTES:
+            raw = tier.read_small(name, MAX_RECORD_BYTES)
+            if raw is not None and len(raw) <= MAX_RECORD_BYTES:
                 found[int(match.group(1))] = raw
         return found
 

@@ -29,7 +29,8 @@ from pathlib import Path
 
 from pcframe.errors import CheckpointError, DirectoryLocked, NotRegularFile, RestoreIOError
 from pcframe.format.files import is_real_directory, open_regular, read_small
-from pcframe.format.names import version_name, version_number
+from pcframe.format.manifest import read_manifest
+from pcframe.format.names import MANIFEST_NAME, version_name, version_number
 from pcframe.runtime.faults import crash_point
 from pcframe.runtime.processes import process_alive
 from pcframe.store.starts import Starts, count_start
@@ -130,7 +131,11 @@ class CheckpointDir:
                 "the checkpoint directory is an empty path: give a folder ('.' for the "
                 "working directory)"
             )
-        self.root = Path(root)
+        # Absolute now: a relative folder resolved at each call against the working
+        # directory of the moment, so an os.chdir() after opening sent the saves, and
+        # retention's deletes, into whatever folder of that name the new directory held
+        # (another run's checkpoints, unlocked).
+        self.root = Path(root).absolute()
         # Linux's limits: a name of 255 bytes, a path of 4096 (with room for a version's
         # files below it). Beyond them every call fails with a raw ENAMETOOLONG.
         encoded = os.fsencode(self.root)
@@ -175,6 +180,18 @@ class CheckpointDir:
                     self.root,
                 )
         return sorted(found)
+
+    def step_of(self, version: int) -> int:
+        """The training step committed ``version`` holds (its manifest read and checked).
+
+        Raises:
+            CheckpointError: the manifest cannot be read or is damaged (naming it).
+        """
+        path = self.path(version) / MANIFEST_NAME
+        try:
+            return read_manifest(str(path)).step
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
 
     def taken_versions(self) -> list[int]:
         """The committed versions and the numbers of anything else named like one (a stray

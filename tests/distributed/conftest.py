@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.nodes_kit import job
-from tests.store.tiers.conftest import bucket, moto_server  # noqa: F401
+from tests.store.tiers.conftest import bucket, moto_server, own_moto_server  # noqa: F401
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import shutil
 
 from pcframe.distributed import global_versions as rec
+from tests.distributed.launch import run_job
 from tests.distributed.nodes_kit import assert_same_as_reference, job, lose_node
 from tests.helpers import flip_byte
 
@@ -209,3 +210,29 @@ def test_with_every_disk_lost_the_job_numbers_above_what_the_object_store_holds(
     for r in resumed:
         assert r["versions"] and min(r["versions"]) > newest_there
     assert_same_as_reference(tmp_path, "resumed", 9)
+
+
+def test_with_every_disk_lost_and_the_object_store_down_every_rank_says_so(
+    tmp_path, own_moto_server, bucket
+):
+    """Both nodes lost and the S3 server down when the job restarts: every rank stops with
+    one line saying a checkpoint may exist and the storage must be fixed (before: rank 0
+    died of botocore's raw connection error, the other rank blamed a rank that left, and a
+    store that did not answer was never bounded by the tier's deadline)."""
+    root = tmp_path / "ckpt"
+    own_moto_server.client().create_bucket(Bucket=bucket)
+    remote = ["--remote", f"s3://{bucket}/job", "--remote-endpoint", own_moto_server.endpoint]
+    two_nodes = {0: "a", 1: "b"}
+    job(tmp_path, root, "first", 6, *remote, nodes=two_nodes)
+    lose_node(root, "a")
+    lose_node(root, "b")
+    own_moto_server.kill()
+    args = ["nodes", "--root", str(root), "--out", str(tmp_path / "out"), "--tag", "resumed"]
+    env = {rank: {"PCFRAME_NODE": node} for rank, node in two_nodes.items()}
+    result = run_job(
+        2, [*args, *remote], tmp_path / "logs-resumed", rank_env=env, kill_on_failure=False
+    )
+    assert all(rc != 0 for rc in result.returncodes), result.returncodes
+    for log in result.logs:
+        assert "RestoreIOError: restore: cannot tell whether a checkpoint exists" in log, log
+        assert "botocore.exceptions." not in log  # no raw error of the client's

@@ -283,6 +283,66 @@ class RemoteTier(Tier):
     def cancel(self) -> None:
         self._calls.cancel()
 
+    # --- small files beside the versions (a multi-rank job's global records) --------------
+
+    def names(self) -> list[str]:
+        """The names of the objects directly under the root (``[]`` when there are none).
+
+        Raises:
+            TierError: the listing failed or ran past the tier's deadline.
+        """
+        with contextlib.suppress(AttributeError):
+            self.fs.invalidate_cache(self.root)
+        try:
+            found = self._calls("ls", self.root, detail=False, timeout=self._deadline())
+        except FileNotFoundError:
+            return []
+        except Exception as exc:  # the backend's own errors too (botocore: a dead endpoint)
+            raise self._fail("cannot list", exc) from exc
+        return [path.rstrip("/").rsplit("/", 1)[-1] for path in found]
+
+    def put_small(self, name: str, data: bytes) -> None:
+        """Write the object ``name`` under the root (whole, in one request).
+
+        Raises:
+            TierError: the write failed or ran past the tier's deadline.
+        """
+        self._ensure_root()
+        try:
+            self._calls("pipe_file", f"{self.root}/{name}", data, timeout=self._deadline(len(data)))
+        except Exception as exc:
+            raise self._fail(f"cannot write {name}", exc) from exc
+
+    def read_small(self, name: str, limit: int) -> bytes | None:
+        """The object ``name`` under the root, or ``None`` if it is gone; at most ``limit`` + 1
+        bytes are read (the caller refuses a larger object without downloading it).
+
+        Raises:
+            TierError: the read failed or ran past the tier's deadline.
+        """
+        key = f"{self.root}/{name}"
+        try:
+            return self._calls(
+                "cat_file", key, start=0, end=limit + 1, timeout=self._deadline(limit)
+            )
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            raise self._fail(f"cannot read {key}", exc) from exc
+
+    def remove_small(self, name: str) -> None:
+        """Delete the object ``name`` under the root (gone already: nothing to do).
+
+        Raises:
+            TierError: the delete failed or ran past the tier's deadline.
+        """
+        try:
+            self._calls("rm_file", f"{self.root}/{name}", timeout=self._deadline())
+        except FileNotFoundError:
+            return
+        except Exception as exc:
+            raise self._fail(f"cannot delete {name}", exc) from exc
+
     # --- reading -------------------------------------------------------------------------
 
     def read_marker(self, version: int) -> dict[str, Any]:

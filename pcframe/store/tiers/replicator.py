@@ -93,9 +93,17 @@ class Replicator:
     # --- called from other threads -------------------------------------------------------
 
     def submit(self, job: Job) -> None:
-        """Queue ``job``; an older job still waiting is dropped. Never blocks for long."""
+        """Queue ``job``; an older job still waiting is dropped. Never blocks for long.
+
+        A version already written here, or being written, is not queued again: a second
+        write of it would first remove the copy just written (a notice's :meth:`expedite` of
+        a version the routine placement had queued uploaded it twice, and the close in a
+        hurry that follows a notice cut the second upload off, leaving no copy at all).
+        """
         with self._cond:
-            if self._closing:
+            if self._closing or job.version in self._written_versions:
+                return
+            if self._in_flight is not None and self._in_flight.version >= job.version:
                 return
             if self._pending is not None:
                 if self._pending.version >= job.version:
@@ -162,6 +170,10 @@ class Replicator:
 
     def finish_close(self, timeout: float | None) -> bool:
         self._thread.join(timeout)
+        with self._cond:
+            idle = self._pending is None and self._in_flight is None
+        if idle:  # told to stop while waiting for work: it is on its way out
+            self._thread.join(5.0)
         drained = not self._thread.is_alive()
         if not drained:
             with self._cond:
@@ -226,7 +238,7 @@ class Replicator:
 
     def _replicate(self, job: Job) -> None:
         attempt = 0
-        while True:
+        while job.version not in self._written_versions:  # written once, never rewritten
             source = self.source(job.version)
             reason = "" if source.is_dir() else f"{source} is gone from the primary tier"
             reason = reason or self._conflict(job)

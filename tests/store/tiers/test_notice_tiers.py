@@ -9,7 +9,7 @@ from pathlib import Path
 import pcframe.policies as P
 from pcframe import Checkpointer
 from pcframe.store.directory import CheckpointDir
-from pcframe.store.tiers import Tiers
+from pcframe.store.tiers import Secured, Tiers
 from tests.store.tiers.helpers import model_and_optimizer, same, snapshot, step
 
 
@@ -75,8 +75,79 @@ def test_a_notice_too_short_for_a_save_relies_on_the_last_periodic_one(
         step(model, opt, 4)
         assert ckpt.maybe_save(4) is None
         assert "relying on the last periodic checkpoint" in ckpt.last_decision.reason
-        assert ckpt.last_secured is None
+        # no time for a save, but the newest version (3, on disk already) is where it survives
+        assert ckpt.last_secured == Secured(3, ("local",), True, ckpt.last_secured.reason)
         assert CheckpointDir(shm_dir).committed_versions()[-1] == 3
+        assert ckpt.tiers.status()["local"].written == 1  # 3: not written again
+
+
+def test_a_notice_at_a_step_saved_already_sends_that_version_where_it_survives(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    """The loop saved step 5 (to memory only: not a 3rd version) and then the notice came:
+    the policy saves nothing new, and version 5 is copied to disk within the window
+    (before: the notice secured nothing, and the VM's loss lost step 5 though the window
+    had room to copy it)."""
+    disk = tmp_path / "disk"
+    source = P.ManualNoticeSource(window=30.0)
+    model, opt = model_and_optimizer()
+    with make(shm_dir, disk, model, opt, source) as ckpt:
+        for s in range(1, 6):
+            step(model, opt, s)
+            ckpt.save(s).wait()
+        assert ckpt.tiers.wait_idle(30) and CheckpointDir(disk).committed_versions() == [3]
+        source.trigger(time.monotonic())
+        assert ckpt.maybe_save(5) is None
+        assert "already saved" in ckpt.last_decision.reason
+        secured = ckpt.last_secured
+        assert (secured.version, secured.tiers, secured.durable) == (5, ("local",), True)
+        assert CheckpointDir(disk).committed_versions() == [3, 5]
+        step(model, opt, 6)
+        assert ckpt.maybe_save(6) is None and ckpt.last_secured is secured  # the same notice
+        expected = snapshot(model)
+        ckpt.close()
+    shutil.rmtree(shm_dir)  # the VM is gone, and its memory with it
+    model2, opt2 = model_and_optimizer(seed=3)
+    with make(shm_dir, disk, model2, opt2, P.ManualNoticeSource()) as ckpt:
+        assert ckpt.restore() == 5 and ckpt.last_restore.tier == "local"
+        step(model2, opt2, 6)
+        assert same(snapshot(model2), expected)
+
+
+def test_a_version_the_tier_holds_already_is_not_written_again_on_a_notice(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    """Every version goes to disk; a notice at a step saved and copied already: the copy is
+    not rewritten (a rewrite first removes the copy it replaces, and the close in a hurry
+    after a notice cut the rewrite off: no copy was left)."""
+    disk = tmp_path / "disk"
+    source = P.ManualNoticeSource(window=30.0)
+    model, opt = model_and_optimizer()
+    with Checkpointer(
+        shm_dir,
+        model=model,
+        optimizer=opt,
+        policy=P.NoticeDriven(P.FixedSteps(1), save_time_prior=0.5, margin=1.0),
+        tiers=Tiers({"local": disk}),
+        placement=P.MemoryThenDisk(memory_keep=2, disk_keep=2, disk_every=1),
+        notices=[source],
+    ) as ckpt:
+        for s in range(1, 4):
+            step(model, opt, s)
+            ckpt.maybe_save(s)
+            ckpt.wait()
+            assert ckpt.tiers.wait_idle(30)
+        source.trigger(time.monotonic())
+        assert ckpt.maybe_save(3) is None and ckpt.last_secured.version == 3
+        assert ckpt.last_secured.durable
+        assert ckpt.tiers.wait_idle(30)
+        status = ckpt.tiers.status()["local"]
+        assert (status.written, status.failures) == (3, 0)
+        step(model, opt, 4)
+        source.trigger(time.monotonic() + 1.0)  # a second notice: 4 is saved and secured
+        assert ckpt.maybe_save(4) is not None and ckpt.last_secured.version == 4
+        assert ckpt.tiers.wait_idle(30) and ckpt.tiers.status()["local"].written == 4
+    assert CheckpointDir(disk).committed_versions() == [3, 4]
 
 
 def test_a_polled_file_notice_passed_by_the_checkpointer_triggers_the_save(tmp_path: Path):
