@@ -91,6 +91,9 @@ def _who(policy: Any) -> str:
     return f"{type(policy).__module__}.{type(policy).__qualname__}"
 
 
+_YES_NO = (True, False)  # numpy's booleans (and 0 and 1) compare equal to them too
+
+
 def checked_decision(policy: Any, decision: Any) -> Decision:
     """``decision`` if it is a :class:`Decision`; else a :class:`PolicyError` naming the
     policy's class (before: an ``AttributeError`` deep in the engine or the simulator)."""
@@ -98,6 +101,12 @@ def checked_decision(policy: Any, decision: Any) -> Decision:
         raise PolicyError(
             f"policy {_who(policy)}.decide returned {decision!r:.80}; it must return "
             "pcframe.policies.Decision(save=..., reason=...)"
+        )
+    if decision.save not in _YES_NO or decision.emergency not in _YES_NO:
+        # Decision(float("nan")) or Decision("no") was truthy: a save at every step
+        raise PolicyError(
+            f"policy {_who(policy)}.decide returned {decision!r:.120}; its save and "
+            "emergency must be True or False"
         )
     return decision
 

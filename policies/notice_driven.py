@@ -61,7 +61,7 @@ class NoticeDriven(IntervalPolicy):
         alpha: float = 0.3,
         tiers: tuple[str, ...] | list[str] = ("survivor",),
     ) -> None:
-        if margin < 0 or z < 0:
+        if not (margin >= 0 and z >= 0):  # NaN too
             raise ValueError(f"margin={margin} and z={z} must be >= 0")
         self.inner = inner
         self.source = source

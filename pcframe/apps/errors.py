@@ -36,6 +36,7 @@ from pcframe.apps.paths import user_config_dir
 from pcframe.errors import CheckpointError, ConfigError, StateMismatch
 
 USAGE_ERROR = 2  # exit code of a configuration mistake
+INTERRUPTED = 130  # exit code after Ctrl-C (128 + SIGINT, as shells report it)
 FULL_ERROR = "HYDRA_FULL_ERROR"
 
 # The config groups each app uses (what its --help lists, in this order).
@@ -96,6 +97,13 @@ def run_app(app: Callable[[], Any], prog: str) -> None:
         raise SystemExit(USAGE_ERROR) from None
     except Exception as exc:
         _exit(exc, prog)
+    except KeyboardInterrupt:  # Ctrl-C: the user's choice, not an error to trace back
+        sys.stdout.flush()
+        sys.stderr.write(
+            f"{prog}: interrupted (Ctrl-C); what was committed stays (checkpoints, finished "
+            "trials): run the same command again to go on\n"
+        )
+        raise SystemExit(INTERRUPTED) from None
     finally:
         os.environ.pop(FULL_ERROR, None)
 

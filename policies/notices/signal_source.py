@@ -34,9 +34,15 @@ class SignalNoticeSource(NoticeSource):
     def __init__(
         self, signals: Sequence[str] = ("SIGTERM",), window: float = 30.0, chain: bool = True
     ) -> None:
-        if window <= 0:
+        if not window > 0:  # NaN too: a notice with a NaN deadline was never acted on
             raise ValueError(f"window={window} must be > 0 seconds")
         self.signals = [self._resolve(s) for s in signals]
+        uncatchable = [s.name for s in self.signals if s in (signal.SIGKILL, signal.SIGSTOP)]
+        if uncatchable:  # refused now, not by signal.signal() at the first poll
+            raise ValueError(
+                f"signals={list(signals)}: {', '.join(uncatchable)} cannot be caught; use "
+                "the signal the VM is told with, e.g. 'SIGTERM' or 'SIGUSR1'"
+            )
         if not self.signals:
             raise ValueError("signals must name at least one signal, e.g. ['SIGTERM']")
         self.window = float(window)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
@@ -95,3 +96,37 @@ def test_a_sweep_whose_jobs_share_one_directory_stops_before_the_second_trains(t
     per_job = sweep("two", f"directory={tmp_path}/per-job/${{hydra:job.num}}")
     assert per_job.returncode == 0, per_job.stderr
     assert CheckpointDir(tmp_path / "per-job" / "1").committed_versions()
+
+
+def test_ctrl_c_ends_the_run_with_one_line_and_keeps_what_was_committed(tmp_path, app_env):
+    """Ctrl-C printed a 20-frame traceback of KeyboardInterrupt."""
+    import signal
+    import subprocess
+    import sys
+
+    ckpt = tmp_path / "ckpt"
+    args = ["workload=tiny", "steps=1000000", "baseline=false", "progress=false"]
+    args += ["policy/interval=fixed_steps", "policy.interval.every=50"]
+    run = subprocess.Popen(
+        [sys.executable, "-m", "pcframe.apps.run", *args, f"storage.directory={ckpt}"],
+        cwd=tmp_path,
+        env=app_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line in run.stderr:  # the warm-up line: training has started
+            if "warm-up" in line:
+                break
+        while not CheckpointDir(ckpt).committed_versions():
+            assert run.poll() is None
+            time.sleep(0.1)
+        run.send_signal(signal.SIGINT)
+        _, stderr = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert run.returncode == 130, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert "interrupted (Ctrl-C)" in stderr.strip().splitlines()[-1]
+    assert CheckpointDir(ckpt).committed_versions()

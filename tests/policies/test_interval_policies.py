@@ -214,3 +214,19 @@ def test_an_interval_that_is_not_a_number_is_refused_naming_the_policy(returned)
 
     with pytest.raises(PolicyError, match=r"Odd\.target_interval returned .*must return seconds"):
         Odd().decide(PolicyContext(step=1, now=10.0))
+
+
+@pytest.mark.parametrize("save", [math.nan, "no", None, 2])
+def test_a_decision_whose_save_is_not_yes_or_no_is_refused_naming_the_policy(save):
+    """Decision(float("nan")) or Decision("no") was truthy: a save at every step."""
+    from pcframe.errors import PolicyError
+    from pcframe.policies.base import checked_decision
+
+    class Odd(P.FixedSteps):
+        def decide(self, ctx):
+            return P.Decision(save)
+
+    with pytest.raises(PolicyError, match=r"Odd.*save and emergency must be True or False"):
+        checked_decision(Odd(), Odd().decide(PolicyContext(step=1, now=10.0)))
+    for yes_or_no in (True, False, np.True_, np.False_):  # numpy's booleans are fine
+        assert checked_decision(Odd(), P.Decision(yes_or_no)).save == yes_or_no

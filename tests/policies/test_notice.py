@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -74,6 +75,19 @@ def test_signal_source_refuses_other_threads_and_bad_names() -> None:
     assert errors and "main thread" in str(errors[0])
     with pytest.raises(ValueError, match="unknown signal"):
         P.SignalNoticeSource(["SIGNOPE"])
+    for uncatchable in ("SIGKILL", "SIGSTOP"):  # refused now, not at the first poll
+        with pytest.raises(ValueError, match=f"{uncatchable} cannot be caught"):
+            P.SignalNoticeSource(["SIGTERM", uncatchable])
+
+
+@pytest.mark.parametrize("window", [math.nan, 0.0, -1.0])
+def test_a_window_that_is_not_a_positive_number_is_refused(window: float) -> None:
+    """window=nan made every notice's deadline NaN: the signal was taken and never acted on
+    (no save, the run went on to its end)."""
+    with pytest.raises(ValueError, match="must be > 0 seconds"):
+        P.SignalNoticeSource(window=window)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        P.NoticeDriven(margin=math.nan)
 
 
 def test_real_sigterm_to_a_training_subprocess_triggers_an_emergency_save() -> None:
