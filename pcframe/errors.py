@@ -101,6 +101,11 @@ class NotRegularFile(CorruptCheckpoint):
     """A checkpoint file is a link, FIFO, device or directory: refused, never read."""
 
 
+class UnstorableState(CheckpointError, TypeError):
+    """A value in the state cannot be stored in a pickle-free checkpoint (the message names
+    its path and the fix); a TypeError too, as such a value is."""
+
+
 class StateMismatch(CheckpointError):
     """The saved state does not fit the objects given; nothing was loaded.
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pcframe.errors import ManifestError
+from pcframe.errors import ManifestError, UnstorableState
 from pcframe.kernels.dtypes import DTYPES, dtype_name
 
 MAX_DEPTH = 64
@@ -63,11 +63,11 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef], depth: int = 0) -> A
     tree this returns is never refused on read for its nesting.
 
     Raises:
-        TypeError: naming the path of a value that cannot be stored without pickle, or of
-            one nested deeper than :data:`MAX_DEPTH` (the reader's limit).
+        UnstorableState: naming the path of a value that cannot be stored without pickle,
+            or of one nested deeper than :data:`MAX_DEPTH` (the reader's limit).
     """
     if depth > MAX_DEPTH:
-        raise TypeError(
+        raise UnstorableState(
             f"cannot checkpoint the state at '{path}': it is nested deeper than {MAX_DEPTH} "
             "levels, which no pcframe reader accepts; flatten it in the object's state_dict()"
         )
@@ -75,12 +75,12 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef], depth: int = 0) -> A
     # these checks are most of them (the isinstance chain below cost twice as much).
     kind = type(obj)
     if kind is int and not -INT_LIMIT < obj < INT_LIMIT:
-        raise TypeError(huge_int_message(path, obj))
+        raise UnstorableState(huge_int_message(path, obj))
     if kind is str or kind is int or kind is bool or obj is None:
         return obj
     if kind is torch.Tensor:
         if obj.is_nested:  # it has no single shape: torch raises on .shape
-            raise TypeError(
+            raise UnstorableState(
                 f"cannot checkpoint the nested tensor at '{path}': pcframe stores dense "
                 "tensors; keep its components (.unbind()) or a padded tensor "
                 "(.to_padded_tensor(0)) in the object's state_dict()"
@@ -115,7 +115,7 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef], depth: int = 0) -> A
         return obj
     if isinstance(obj, int | np.integer):
         if not is_storable_int(int(obj)):
-            raise TypeError(huge_int_message(path, int(obj)))
+            raise UnstorableState(huge_int_message(path, int(obj)))
         return int(obj)
     if isinstance(obj, float | np.floating):
         value = float(obj)
@@ -140,7 +140,7 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef], depth: int = 0) -> A
                 for k, v in obj.items()
             ]
         }
-    raise TypeError(
+    raise UnstorableState(
         f"cannot checkpoint a value of type {type(obj).__name__} at '{path}': pcframe "
         "checkpoints are pickle-free, so state must be tensors, numpy arrays or JSON-able "
         "values (dict, list, tuple, str, int, float, bool, None); convert it in the "
@@ -151,7 +151,7 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef], depth: int = 0) -> A
 def _numpy_tensor(array: np.ndarray, path: str) -> torch.Tensor:
     """A tensor over ``array``'s values, in its shape (a 0-d array stays 0-d)."""
     if not array.dtype.isnative:
-        raise TypeError(
+        raise UnstorableState(
             f"cannot checkpoint the numpy array at '{path}': its dtype {array.dtype.str!r} "
             "is not in this machine's byte order; convert it in the object's state_dict() "
             "(array.astype(array.dtype.newbyteorder('=')))"
@@ -160,7 +160,7 @@ def _numpy_tensor(array: np.ndarray, path: str) -> torch.Tensor:
         # ascontiguousarray makes a 0-d array 1-d: the reshape gives the shape back.
         return torch.from_numpy(np.ascontiguousarray(array).reshape(array.shape))
     except TypeError:
-        raise TypeError(
+        raise UnstorableState(
             f"cannot checkpoint the numpy array at '{path}' of dtype {array.dtype}: pcframe "
             "stores numeric and bool arrays; keep strings or objects as lists in the "
             "object's state_dict()"
@@ -180,7 +180,7 @@ _NUMPY_SCALARS = frozenset(
 def _numpy_scalar(value: np.generic, path: str) -> list[str]:
     name = value.dtype.name
     if name not in _NUMPY_SCALARS:
-        raise TypeError(
+        raise UnstorableState(
             f"cannot checkpoint the numpy {name} scalar at '{path}': pcframe keeps numpy "
             f"scalars of {', '.join(sorted(_NUMPY_SCALARS))}; convert it in the object's "
             "state_dict()"

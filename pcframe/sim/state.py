@@ -120,8 +120,9 @@ def saved_state(policy: Any) -> Any:
     Not the object ``state_dict()`` returned: a plugin that returns its own live dict would
     otherwise get back, at a restart, what it learned after the checkpoint.
     """
+    state = policy.state_dict()  # its own errors are its own (named as the plugin's)
     try:
-        return json.loads(json.dumps(policy.state_dict()))
+        return json.loads(json.dumps(state))
     except (TypeError, ValueError) as exc:
         raise PolicyError(
             f"{type(policy).__name__}.state_dict() is not JSON ({exc}): a checkpoint could not "

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pcframe import Checkpointer
+from pcframe import Checkpointer, CheckpointError
 from pcframe.format.layout import Layout
 from tests.helpers import CPU_AND_CUDA, StateBox, small_training, state_equal, train_steps
 
@@ -258,10 +258,16 @@ def test_non_json_state_names_the_path(tmp_path):
 
     with (
         Checkpointer(tmp_path, stateful={"bad": Bad()}) as ckpt,
-        pytest.raises(TypeError, match=r"stateful/bad/inner/fn.*pickle-free"),
+        pytest.raises(TypeError, match=r"stateful/bad/inner/fn.*pickle-free") as raised,
     ):
         ckpt.save(step=1)
     assert ckpt.committed_versions() == []
+    # One of pcframe's own errors too, so that the apps report it in one line (a policy
+    # plugin's state made pcframe-run print a traceback and "a bug: please report it").
+    assert isinstance(raised.value, CheckpointError)
+    from pcframe.apps.errors import describe_error
+
+    assert describe_error(raised.value)[1].startswith("cannot checkpoint a value of type object")
 
 
 def test_manifest_is_plain_json_without_pickle(tmp_path):

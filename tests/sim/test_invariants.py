@@ -257,6 +257,18 @@ def test_policy_state_a_checkpoint_could_not_hold_is_a_policy_error() -> None:
         simulate(poisson_trace(600, 4, seed=1), policy, JOB)
 
 
+def test_a_policy_whose_state_dict_raises_is_not_said_to_return_bad_json() -> None:
+    """Its own error reaches the app, which names the plugin's code (it was reported as
+    "state_dict() is not JSON (<its message>)")."""
+
+    class Raises(_LiveState):
+        def state_dict(self):
+            raise ValueError("state_dict broken")
+
+    with pytest.raises(ValueError, match="state_dict broken"):
+        simulate(poisson_trace(600, 4, seed=1), Raises(), JOB)
+
+
 def test_more_checkpoints_in_flight_never_lower_goodput_without_failures() -> None:
     trace = steady_trace(12.0)
     results = []
