@@ -172,6 +172,13 @@ def _describe(exc: BaseException) -> str:
             f"no space left on device ({exc.filename or 'checkpoint directory'}): free space, "
             "lower keep_last, or point the checkpointer at a larger disk"
         )
+    if isinstance(exc, OSError) and exc.errno in (errno.EFBIG, errno.EDQUOT):
+        limit = "the file size limit (ulimit -f)" if exc.errno == errno.EFBIG else "the quota"
+        return (
+            f"{exc.strerror or 'a write was refused'} ({exc.filename or 'checkpoint directory'})"
+            f": the version is larger than {limit} allows; raise the limit, free quota, or "
+            "point the checkpointer at another disk"
+        )
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         where = exc.filename or "checkpoint directory"
         return (

@@ -40,6 +40,10 @@ class Filler:
         flat = flats[index]
         if flat is None:
             tensor = write.request.tensors[index]
+            if tensor.is_conj() or tensor.is_neg():
+                # Its bytes are not its values (a lazy conjugate or negation, which cannot be
+                # viewed as bytes either): the values, made now.
+                tensor = tensor.resolve_conj().resolve_neg()
             if not tensor.is_contiguous():
                 if tensor.is_cuda and self.stream is not None:
                     # On the side stream, which waits for the training stream and then

@@ -401,3 +401,21 @@ def test_indexed_param_ids_answer_in_as_the_plain_lists():
         assert [] not in fast["params"]  # unhashable: answered, not raised
     assert copy.deepcopy(indexed)["param_groups"][0]["params"].__contains__(5)
     assert state["param_groups"][0]["params"] == [0, 2, 5]  # the caller's dict unchanged
+
+
+def test_tensors_with_a_lazy_conjugate_or_negation_are_saved_by_their_values(tmp_path):
+    """A complex parameter holding ``.conj()`` failed every save with torch's raw "view is
+    not supported for conjugate view tensors"."""
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.randn(5, dtype=torch.cfloat).conj())
+    model.register_buffer("n", torch.randn(4)._neg_view())
+    values = {k: v.resolve_conj().resolve_neg().clone() for k, v in model.state_dict().items()}
+    with Checkpointer(tmp_path, model=model, optimizer=torch.optim.SGD([model.w], lr=0.1)) as c:
+        assert c.save(step=1).wait() == "committed"
+    restored = torch.nn.Module()
+    restored.w = torch.nn.Parameter(torch.zeros(5, dtype=torch.cfloat))
+    restored.register_buffer("n", torch.zeros(4))
+    with Checkpointer(tmp_path, model=restored) as ckpt:
+        assert ckpt.restore(strict=False) == 1
+    for key, value in restored.state_dict().items():
+        assert torch.equal(value, values[key]), key

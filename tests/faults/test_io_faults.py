@@ -150,3 +150,32 @@ def test_latest_write_failure_after_commit_reports_committed(tmp_path, monkeypat
     assert directory.latest_hint() == 1  # lags, and the listing decides
     with Checkpointer(tmp_path, model=torch.nn.Linear(4, 4)) as ckpt:
         assert ckpt.restore() == 2
+
+
+FILE_SIZE_LIMITED_SAVE = """
+import resource, sys, torch
+from pcframe import Checkpointer, SaveError
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+model = torch.nn.Linear(1024, 256)  # 1 MiB of weights: over the limit
+with Checkpointer(sys.argv[1], model=model, o_direct="off") as ckpt:
+    try:
+        ckpt.save(1).wait()
+    except SaveError as exc:
+        print(exc)
+"""
+
+
+def test_a_file_size_limit_is_named_with_its_fix(tmp_path, python, child_env):
+    """A real RLIMIT_FSIZE (EFBIG; Python ignores SIGXFSZ): the error named neither the file
+    nor the limit ("OSError: [Errno 27] File too large")."""
+    import subprocess
+
+    run = subprocess.run(
+        [python, "-c", FILE_SIZE_LIMITED_SAVE, str(tmp_path / "ckpt")],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "than the file size limit (ulimit -f) allows; raise the limit" in run.stdout, run.stdout
