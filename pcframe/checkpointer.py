@@ -32,6 +32,7 @@ from pcframe.policies.notices.base import NoticeSource
 from pcframe.policies.placement.base import PlacementPolicy
 from pcframe.restore.report import RestoreReport
 from pcframe.restore.restorer import RestoreJob, restore_from_tiers
+from pcframe.runtime.checks import bounded_wait
 from pcframe.runtime.interrupts import interrupts_held
 from pcframe.runtime.threads import (
     EngineCalls,
@@ -151,11 +152,6 @@ class Checkpointer:
             self._engine_calls = EngineCalls()  # this engine's calls in progress, per thread
             self._in_step_hook = 0  # optimizer.step() runs one of the hooks (close: keep them)
             self._stepping: dict[int, Any] = {}  # thread -> its optimizer.step() in progress
-            # Thread -> the frame of its optimizer.step() updating the tensors now; a save on
-            # another thread waits for the update to end (a capture in the middle of it
-            # committed half the parameters after the step and half before, unnoticed).
-            self._updating: dict[int, FrameType] = {}
-            self._steps_changed = threading.Condition(threading.RLock())
             # Weak references: hooks left in place (close() inside one) keep nothing alive.
             engine = weakref.ref(self)
             self._hooks = []
@@ -208,7 +204,9 @@ class Checkpointer:
                 self._secure_newest(notice)
             return None
         handle = self._save(step, metadata, reason=decision.reason)
-        if decision.emergency:
+        # An emergency save, or a routine one at a notice not yet answered (a policy that
+        # does not read notices saved at the notice's step: the version is the newest).
+        if decision.emergency or (notice is not None and not notice.same_as(self._notice_secured)):
             handle.wait_here()  # durable in the primary; now in a tier that survives (if any)
             self._notice_secured = notice
             self.last_secured = self.tiers.secure(handle.version, step, notice)
@@ -223,7 +221,7 @@ class Checkpointer:
         self._notice_secured = notice
         if not self.tiers.replicated:
             return
-        self._flight.wait_all(max(0.0, notice.deadline - time.monotonic()))
+        self._flight.wait_all(bounded_wait(notice.deadline - time.monotonic()))
         versions = self._storage.committed_versions()
         if not versions:
             return
@@ -304,11 +302,9 @@ class Checkpointer:
         try:
             # Taken before the capture, so no save that starts meanwhile can take it too.
             number = self._take_number(version)
-            with self._steps_changed:
-                self._other_steps_over()
-                progress = self._flight.start(
-                    self._capture, self._pipeline, number, step, metadata, entered
-                )
+            progress = self._flight.start(
+                self._capture, self._pipeline, number, step, metadata, entered
+            )
         finally:
             if number is not None and number not in self._flight.records:
                 self._give_back(number)  # never started: no folder, no record holds it
@@ -318,21 +314,6 @@ class Checkpointer:
         progress.stall += time.perf_counter() - entered
         self._decisions.saved(step)
         return EngineSaveHandle(progress, self._engine_calls, self._flight)
-
-    def _other_steps_over(self) -> None:
-        """Wait (holding ``_steps_changed``) until no other thread's optimizer.step() is
-        updating the tensors: a save from a watcher thread captures whole steps. A step that
-        raised never reached its post-hook: it is over once its frame has left its thread's
-        stack."""
-        me = threading.get_ident()
-        while True:
-            stacks = sys._current_frames()
-            for thread, frame in list(self._updating.items()):
-                if thread != me and not _on_stack(frame, stacks.get(thread)):
-                    del self._updating[thread]  # it raised: its update is over
-            if all(thread == me for thread in self._updating):
-                return
-            self._steps_changed.wait(0.05)  # the post-hook notifies; a raise does not
 
     def _take_number(self, forced: int | None) -> int:
         """The next version's number (``forced``: checked by the caller), counted at once."""
@@ -569,22 +550,15 @@ class Checkpointer:
         self._in_step_hook += 1
         try:
             count = True
-            tracked = len(self._hooks) == 2  # a post-hook says when the update is over
-            frame = _outside_engine(sys._getframe())  # optimizer.step's own (torch's)
-            thread = threading.get_ident()
             while not self._closed:
                 self._gate(count=count)
                 count = False
-                # Checked and marked in one go with a save on another thread that captures
-                # the state (:meth:`_other_steps_over`): the update runs after a capture
-                # has started its copy (and waits for it), or the capture after the update.
-                with self._steps_changed:
-                    if not self._flight.copying():
-                        if tracked:
-                            self._updating[thread] = frame
-                        break
-            if tracked and not self._closed:
+                if not self._flight.copying():
+                    break
+            if len(self._hooks) == 2 and not self._closed:
                 # Ends at the post-hook; or, if the step raises, once its frame has returned.
+                frame = _outside_engine(sys._getframe())
+                thread = threading.get_ident()
                 self._stepping[thread] = self._engine_calls.enter("optimizer.step", frame)
         finally:
             self._in_step_hook -= 1
@@ -592,9 +566,6 @@ class Checkpointer:
     def _step_post_hook(self) -> None:
         """``optimizer.step()``'s post-hook: the update is over; what a signal handler asked
         for meanwhile runs now."""
-        with self._steps_changed:
-            self._updating.pop(threading.get_ident(), None)
-            self._steps_changed.notify_all()
         entry = self._stepping.pop(threading.get_ident(), None)
         if entry is None:
             return
@@ -666,15 +637,6 @@ def _outside_engine(frame: FrameType) -> FrameType:
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_ENGINE):
         frame = frame.f_back
     return frame
-
-
-def _on_stack(frame: FrameType, top: FrameType | None) -> bool:
-    """Whether ``frame`` is on the stack whose innermost frame is ``top``."""
-    while top is not None:
-        if top is frame:
-            return True
-        top = top.f_back
-    return False
 
 
 def _quietly(undo: Callable[[], object]) -> None:

@@ -90,7 +90,9 @@ class Decisions:
         notice = notice or earliest_notice(self.notices, now)
         context = self.context(step, now, notice, tiers, occupancy)
         self.last = decision = checked_decision(self.policy, self.policy.decide(context))
-        if decision.emergency and notice is None:
+        if notice is None:  # the policy's own source (NoticeDriven(inner, source)), after it
+            # decided: a notice it answered without a save is pending all the same (the
+            # engine secures the newest version then, and the loop sees ``ckpt.notice``)
             notice = policy_notice(self.policy, now)
         self.notice = notice
         return decision

@@ -32,7 +32,13 @@ class Notice:
 
     def same_as(self, other: Notice | None) -> bool:
         """Whether ``other`` is this notice seen again (its deadline within SAME_NOTICE)."""
-        return other is not None and abs(self.deadline - other.deadline) <= SAME_NOTICE
+        return other is not None and same_deadline(self.deadline, other.deadline)
+
+
+def same_deadline(a: float, b: float) -> bool:
+    """Whether two polls of a notice gave one deadline (an infinite one included: inf - inf
+    is NaN, and a notice was then new at every step)."""
+    return a == b or abs(a - b) <= SAME_NOTICE
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ import math
 from typing import Any
 
 from pcframe.policies.base import (
-    SAME_NOTICE,
     Decision,
     Event,
     IntervalPolicy,
@@ -23,6 +22,7 @@ from pcframe.policies.base import (
     Restarted,
     SaveCompleted,
     SaveHint,
+    same_deadline,
 )
 from pcframe.policies.estimates import RunningEstimate
 from pcframe.policies.notices.base import NoticeSource
@@ -108,7 +108,7 @@ class NoticeDriven(IntervalPolicy):
             notice = None
         if notice is None:
             return self.inner.decide(ctx) if self.inner is not None else Decision(False)
-        if self._handled is not None and abs(self._handled - notice.deadline) <= SAME_NOTICE:
+        if self._handled is not None and same_deadline(self._handled, notice.deadline):
             return Decision(False, "preemption notice already handled; waiting for the end")
         self._handled = notice.deadline
         left = notice.deadline - ctx.now

@@ -42,6 +42,7 @@ from pcframe.errors import CheckpointError, SaveError
 from pcframe.format.names import version_name
 from pcframe.policies.placement.base import PlacementPolicy
 from pcframe.restore.report import DistributedRestoreReport
+from pcframe.runtime.checks import bounded_wait
 from pcframe.runtime.threads import engine_call, one_caller_at_a_time
 from pcframe.save.handle import SaveHandle
 from pcframe.save.status import SaveStatus
@@ -258,7 +259,7 @@ class DistributedCheckpointer:
         engine's other tiers, e.g. the object store, if time is left)."""
         notice = self.local.notice
         deadline = notice.deadline if notice is not None and notice.deadline else None
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        left = None if deadline is None else bounded_wait(deadline - time.monotonic())
         where: list[str] = []
         reasons: list[str] = []
         if self.peers is not None:

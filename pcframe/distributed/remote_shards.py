@@ -18,6 +18,7 @@ per rank), and uses it when the nodes' own copies are not enough.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -25,8 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from pcframe.distributed.global_versions import GlobalRecord, rank_dirname
+from pcframe.errors import TierError
 from pcframe.format.names import version_name
 from pcframe.store.tiers.remote import RemoteTier
+
+log = logging.getLogger("pcframe")
 
 _RECORD = re.compile(r"^v(\d{8,})\.json$")
 _COMMITTED = re.compile(r"^rank-(\d{1,7})/v(\d{8,})/COMMITTED$")  # a shard's commit marker
@@ -78,13 +82,16 @@ class RemoteShards:
         delete the records older than the newest ``keep``.
 
         Raises:
-            TierError: the object store failed or did not answer within the tier's deadline.
+            TierError: the upload failed or did not finish within the tier's deadline.
         """
         tier = self._records
         tier.put_small(f"{version_name(record.version)}.json", record.to_bytes())
-        versions = sorted(int(m.group(1)) for m in map(_RECORD.match, tier.names()) if m)
-        for old in versions[:-keep]:
-            tier.remove_small(f"{version_name(old)}.json")
+        try:  # uploaded: older records that stay are pruned after a later upload
+            versions = sorted(int(m.group(1)) for m in map(_RECORD.match, tier.names()) if m)
+            for old in versions[:-keep]:
+                tier.remove_small(f"{version_name(old)}.json")
+        except TierError as exc:
+            log.warning("global record v%d uploaded, older ones kept: %s", record.version, exc)
 
     def records(self) -> dict[int, bytes]:
         """The record files in the object store, by version (``{}`` if there are none; one

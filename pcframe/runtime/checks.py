@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 from typing import Any
 
 
@@ -22,3 +23,12 @@ def finite_number(x: Any) -> bool:
 def whole_number(x: Any) -> bool:
     """An integer (numpy's included), not a bool."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def bounded_wait(seconds: float) -> float | None:
+    """A timeout for ``threading`` waits: at least 0, and ``None`` (no bound) past what they
+    accept (an infinite notice window raised OverflowError from ``Condition.wait``)."""
+    if seconds != seconds:  # NaN: no deadline to keep
+        return None
+    seconds = max(0.0, seconds)
+    return None if seconds > threading.TIMEOUT_MAX else seconds

@@ -3,13 +3,8 @@ from it. Neither may send its writes, deletes or exit marks anywhere but its own
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
-import threading
-import time
-
-import torch
 
 from pcframe import Checkpointer
 from pcframe.store.directory import CheckpointDir
@@ -78,66 +73,3 @@ def test_a_forked_child_that_exits_leaves_the_parents_folder_alone(tmp_path, pyt
     model, optimizer, _ = small_training(seed=3)
     with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
         assert ckpt.restore() == 1
-
-
-class HalfwayPausingSGD(torch.optim.Optimizer):
-    """Plain SGD that, between its first and its second parameter, says it is halfway and
-    pauses (at most ``pause`` s, or until released)."""
-
-    def __init__(self, params, halfway: threading.Event, pause: float) -> None:
-        super().__init__(params, {"lr": 1.0})
-        self.halfway, self.pause = halfway, pause
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for index, param in enumerate(group["params"]):
-                if index == 1:
-                    self.halfway.set()
-                    time.sleep(self.pause)
-                param.add_(param.grad, alpha=-group["lr"])
-
-
-def test_a_save_from_another_thread_waits_for_the_step_in_progress(tmp_path):
-    """A watcher thread's save while the loop's optimizer.step() was half done committed the
-    first parameter after the step and the second before it, and nothing noticed."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4)  # two parameters: weight, bias
-    halfway = threading.Event()
-    optimizer = HalfwayPausingSGD(model.parameters(), halfway, pause=0.5)
-    model(torch.ones(1, 4)).sum().backward()
-    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
-        watcher = threading.Thread(target=lambda: halfway.wait(30) and ckpt.save(1).wait())
-        watcher.start()
-        optimizer.step()
-        watcher.join()
-        after_the_step = {k: v.clone() for k, v in model.state_dict().items()}
-    restored = torch.nn.Linear(4, 4)
-    halfway_again = threading.Event()
-    with Checkpointer(
-        tmp_path,
-        model=restored,
-        optimizer=HalfwayPausingSGD(restored.parameters(), halfway_again, 0),
-    ) as ckpt:
-        assert ckpt.restore(strict=False) == 1
-    for key, value in restored.state_dict().items():
-        assert torch.equal(value, after_the_step[key]), key
-
-
-def test_a_step_that_raised_does_not_hold_a_save_from_another_thread(tmp_path):
-    model, optimizer, scheduler = small_training()
-    train_steps(model, optimizer, scheduler, 1)
-
-    def failing_update(*_):
-        raise RuntimeError("an update that fails")
-
-    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
-        handle = optimizer.register_step_pre_hook(failing_update)  # after the engine's
-        with contextlib.suppress(RuntimeError):  # the loop goes on in the same frame
-            optimizer.step()
-        handle.remove()
-        saved: list[str] = []
-        watcher = threading.Thread(target=lambda: saved.append(ckpt.save(2).wait()))
-        watcher.start()
-        watcher.join(timeout=60)
-        assert saved == ["committed"]

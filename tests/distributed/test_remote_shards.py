@@ -60,3 +60,12 @@ def test_a_store_that_is_down_raises_rather_than_reading_as_empty(own_moto_serve
     own_moto_server.kill()
     with pytest.raises(TierError, match="remote/global"):
         store.records()
+
+
+def test_an_empty_record_object_is_read_not_taken_for_an_unreadable_store(moto_server, bucket):
+    """A ranged read of an empty object is refused by S3 (416): one empty record made the
+    whole store unreadable to a restore."""
+    store = shards(moto_server, bucket)
+    store.put_record(record(1))
+    moto_server.client().put_object(Bucket=bucket, Key="job/global/v00000005.json", Body=b"")
+    assert store.records() == {1: record(1).to_bytes(), 5: b""}  # 5: refused as damaged later

@@ -314,17 +314,19 @@ class RemoteTier(Tier):
             raise self._fail(f"cannot write {name}", exc) from exc
 
     def read_small(self, name: str, limit: int) -> bytes | None:
-        """The object ``name`` under the root, or ``None`` if it is gone; at most ``limit`` + 1
-        bytes are read (the caller refuses a larger object without downloading it).
+        """The object ``name`` under the root; ``None`` if it is gone or larger than
+        ``limit`` bytes (its size asked first: a larger one is not downloaded; a ranged
+        read was refused on an empty object, S3's 416).
 
         Raises:
             TierError: the read failed or ran past the tier's deadline.
         """
         key = f"{self.root}/{name}"
         try:
-            return self._calls(
-                "cat_file", key, start=0, end=limit + 1, timeout=self._deadline(limit)
-            )
+            size = self._calls("size", key, timeout=self._deadline())
+            if size is None or size > limit:
+                return None
+            return self._calls("cat_file", key, timeout=self._deadline(size))
         except FileNotFoundError:
             return None
         except Exception as exc:

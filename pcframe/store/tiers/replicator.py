@@ -81,6 +81,7 @@ class Replicator:
         self._oldest_unwritten: float | None = None
         self._closing = False
         self._aborted = False
+        self._hurry = False  # expedite() of the version between attempts: retry at once
         self._written_versions: set[int] = set()
         self.status_ = TierStatus(
             tier.name, tier.location, tuple(sorted(committed)) if committed is not None else None
@@ -116,11 +117,15 @@ class Replicator:
             self._cond.notify_all()
 
     def expedite(self, job: Job) -> None:
-        """Queue ``job`` and abort an older write in progress (answer to a preemption notice)."""
+        """Queue ``job`` and abort an older write in progress (answer to a preemption notice);
+        the same version waiting between two attempts is tried again at once."""
         self.submit(job)
         with self._cond:
             if self._in_flight is not None and self._in_flight.version < job.version:
                 self.tier.cancel()
+            elif self._in_flight is not None and self._in_flight.version == job.version:
+                self._hurry = True
+                self._cond.notify_all()
 
     def wait_for(self, version: int, timeout: float | None) -> bool:
         """Block until ``version`` is written (True), dropped or abandoned (False), or timeout."""
@@ -280,7 +285,10 @@ class Replicator:
             if attempt > self.retries:
                 self.status_.abandoned += 1
                 return False
-            self._cond.wait_for(lambda: self._pending is not None or self._aborted, delay)
+            self._cond.wait_for(
+                lambda: self._pending is not None or self._aborted or self._hurry, delay
+            )
+            self._hurry = False  # a notice wants this version: the next attempt is now
             if self._pending is not None or self._aborted:
                 self.status_.skipped += 1  # a newer version supersedes this one
                 return False

@@ -30,7 +30,7 @@ from pcframe.policies.placement import (
     TieredPlacement,
     TierRule,
 )
-from pcframe.runtime.checks import whole_number
+from pcframe.runtime.checks import bounded_wait, whole_number
 from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.retention import KeepWhere
 from pcframe.store.tiers.base import Tier, number_option
@@ -332,7 +332,7 @@ class Tiers:
         for name in targets:
             self._replicators[name].expedite(Job(version, step))
         durable = all(
-            self._replicators[name].wait_for(version, max(0.0, deadline - time.monotonic()))
+            self._replicators[name].wait_for(version, bounded_wait(deadline - time.monotonic()))
             for name in targets
         )
         if not durable:

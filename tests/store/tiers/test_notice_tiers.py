@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 from pathlib import Path
@@ -172,3 +173,65 @@ def test_a_polled_file_notice_passed_by_the_checkpointer_triggers_the_save(tmp_p
         assert ckpt.notice is not None and ckpt.notice.source.startswith("file:")
         assert ckpt.last_secured is None  # no tiers: the primary is the only place
     assert CheckpointDir(tmp_path / "ckpt").committed_versions() == [1]
+
+
+def notice_after_five_saves(shm_dir: Path, disk: Path, policy, notices, window: float = 30.0):
+    """Steps 1-5 saved (to memory; to disk every 3rd version), then a notice: the
+    checkpointer, the model and the notice's source."""
+    model, opt = model_and_optimizer()
+    ckpt = Checkpointer(
+        shm_dir,
+        model=model,
+        optimizer=opt,
+        policy=policy,
+        tiers=Tiers({"local": disk}),
+        placement=P.MemoryThenDisk(memory_keep=2, disk_keep=2, disk_every=3),
+        notices=notices,
+    )
+    for s in range(1, 6):
+        step(model, opt, s)
+        ckpt.save(s).wait()
+    assert ckpt.tiers.wait_idle(30) and CheckpointDir(disk).committed_versions() == [3]
+    return ckpt, model
+
+
+def test_a_policys_own_notice_source_secures_the_newest_version_too(shm_dir, tmp_path):
+    """NoticeDriven(inner, source) without notices=: the notice was read only when the
+    policy asked for an emergency save, so one it answered without a save secured nothing
+    (and ``ckpt.notice`` stayed None: the loop trained on)."""
+    source = P.ManualNoticeSource(window=30.0)
+    policy = P.NoticeDriven(P.FixedSteps(1000), source, save_time_prior=0.5, margin=1.0)
+    ckpt, _ = notice_after_five_saves(shm_dir, tmp_path / "disk", policy, None)
+    with ckpt:
+        source.trigger(time.monotonic())
+        assert ckpt.maybe_save(5) is None and ckpt.notice is not None
+        assert ckpt.last_secured.version == 5 and ckpt.last_secured.durable
+    assert CheckpointDir(tmp_path / "disk").committed_versions() == [3, 5]
+
+
+def test_a_policy_that_reads_no_notices_saving_at_the_notices_step_secures_that_version(
+    shm_dir, tmp_path
+):
+    source = P.ManualNoticeSource(window=30.0)
+    ckpt, model = notice_after_five_saves(shm_dir, tmp_path / "disk", P.FixedSteps(1), [source])
+    with ckpt:
+        source.trigger(time.monotonic())
+        step(model, ckpt.optimizer, 6)
+        handle = ckpt.maybe_save(6)  # a routine save at the notice's step
+        assert handle.version == 6 and ckpt.last_secured.version == 6
+        assert ckpt.last_secured.durable
+    assert CheckpointDir(tmp_path / "disk").committed_versions() == [3, 6]
+
+
+def test_a_notice_without_a_deadline_is_answered_once_and_never_overflows(shm_dir, tmp_path):
+    """An infinite window: Condition.wait raised OverflowError at every maybe_save, and
+    inf - inf (NaN) made the notice new at every step."""
+    source = P.ManualNoticeSource()
+    policy = P.NoticeDriven(P.FixedSteps(1000), save_time_prior=0.5, margin=1.0)
+    ckpt, model = notice_after_five_saves(shm_dir, tmp_path / "disk", policy, [source])
+    with ckpt:
+        source.trigger(time.monotonic(), window=math.inf)
+        assert ckpt.maybe_save(5) is None and ckpt.last_secured.version == 5
+        secured = ckpt.last_secured
+        step(model, ckpt.optimizer, 6)
+        assert ckpt.maybe_save(6) is None and ckpt.last_secured is secured  # once
