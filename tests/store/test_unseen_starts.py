@@ -192,12 +192,11 @@ def test_a_construction_interrupted_late_leaves_nothing_behind(tmp_path):
 def test_a_notice_source_that_fails_half_way_is_undone(tmp_path):
     """SIGUSR2 is taken, then SIGKILL cannot be: the handler taken is given back."""
     before = signal.getsignal(signal.SIGUSR2)
+    source = SignalNoticeSource(signals=("SIGUSR2",))
+    # refused when a source is made; put in after that, signal.signal() refuses it at start
+    source.signals.append(signal.SIGKILL)
     with pytest.raises(OSError):
-        Checkpointer(
-            tmp_path,
-            model=torch.nn.Linear(2, 2),
-            notices=[SignalNoticeSource(signals=("SIGUSR2", "SIGKILL"))],
-        )
+        Checkpointer(tmp_path, model=torch.nn.Linear(2, 2), notices=[source])
     assert signal.getsignal(signal.SIGUSR2) is before
     assert ended(tmp_path, clean=True) == []  # the lock is free, nothing was counted
 
