@@ -199,14 +199,15 @@ class Checkpointer:
         """Ask the interval policy whether to save at ``step``; save if it says so."""
         decision = self._decide(step, notice)
         notice = self._decisions.notice  # given, polled from the sources, or the policy's
+        unanswered = notice is not None and not notice.same_as(self._notice_secured)
         if not decision.save:
-            if notice is not None and not notice.same_as(self._notice_secured):
+            if unanswered:
                 self._secure_newest(notice)
             return None
         handle = self._save(step, metadata, reason=decision.reason)
         # An emergency save, or a routine one at a notice not yet answered (a policy that
         # does not read notices saved at the notice's step: the version is the newest).
-        if decision.emergency or (notice is not None and not notice.same_as(self._notice_secured)):
+        if decision.emergency or unanswered:
             handle.wait_here()  # durable in the primary; now in a tier that survives (if any)
             self._notice_secured = notice
             self.last_secured = self.tiers.secure(handle.version, step, notice)

@@ -232,7 +232,7 @@ class Replicator:
         if committed is None:
             committed = self._refresh_listing()
         newest = max(committed or (), default=0)
-        if job.version <= newest and job.version not in self._written_versions:
+        if job.version <= newest:  # (a version written here never comes back: _replicate)
             return (
                 f"tier {self.tier.name!r} ({self.tier.location}) already holds version {newest} "
                 f">= {job.version}, probably from an earlier run; not writing over it. Fix: "

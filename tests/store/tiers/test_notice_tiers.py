@@ -14,16 +14,19 @@ from pcframe.store.tiers import Secured, Tiers
 from tests.store.tiers.helpers import model_and_optimizer, same, snapshot, step
 
 
-def make(primary: Path, disk: Path, model, opt, source: P.ManualNoticeSource) -> Checkpointer:
+def make(
+    primary: Path, disk: Path, model, opt, notices, *, policy=None, disk_every: int = 3
+) -> Checkpointer:
+    """Every step saved to memory (by default); only every ``disk_every``-th version also
+    copied to disk."""
     return Checkpointer(
         primary,
         model=model,
         optimizer=opt,
-        # every step saved to memory; only every 3rd version also copied to disk
-        policy=P.NoticeDriven(P.FixedSteps(1), save_time_prior=0.5, margin=1.0),
+        policy=policy or P.NoticeDriven(P.FixedSteps(1), save_time_prior=0.5, margin=1.0),
         tiers=Tiers({"local": disk}),
-        placement=P.MemoryThenDisk(memory_keep=2, disk_keep=2, disk_every=3),
-        notices=[source],
+        placement=P.MemoryThenDisk(memory_keep=2, disk_keep=2, disk_every=disk_every),
+        notices=notices,
         keep_last=2,
         chunk_bytes=8192,
     )
@@ -124,15 +127,7 @@ def test_a_version_the_tier_holds_already_is_not_written_again_on_a_notice(
     disk = tmp_path / "disk"
     source = P.ManualNoticeSource(window=30.0)
     model, opt = model_and_optimizer()
-    with Checkpointer(
-        shm_dir,
-        model=model,
-        optimizer=opt,
-        policy=P.NoticeDriven(P.FixedSteps(1), save_time_prior=0.5, margin=1.0),
-        tiers=Tiers({"local": disk}),
-        placement=P.MemoryThenDisk(memory_keep=2, disk_keep=2, disk_every=1),
-        notices=[source],
-    ) as ckpt:
+    with make(shm_dir, disk, model, opt, [source], disk_every=1) as ckpt:
         for s in range(1, 4):
             step(model, opt, s)
             ckpt.maybe_save(s)
@@ -175,19 +170,11 @@ def test_a_polled_file_notice_passed_by_the_checkpointer_triggers_the_save(tmp_p
     assert CheckpointDir(tmp_path / "ckpt").committed_versions() == [1]
 
 
-def notice_after_five_saves(shm_dir: Path, disk: Path, policy, notices, window: float = 30.0):
-    """Steps 1-5 saved (to memory; to disk every 3rd version), then a notice: the
-    checkpointer, the model and the notice's source."""
+def notice_after_five_saves(shm_dir: Path, disk: Path, policy, notices):
+    """Steps 1-5 saved (to memory; to disk every 3rd version), before a notice: the
+    checkpointer and the model."""
     model, opt = model_and_optimizer()
-    ckpt = Checkpointer(
-        shm_dir,
-        model=model,
-        optimizer=opt,
-        policy=policy,
-        tiers=Tiers({"local": disk}),
-        placement=P.MemoryThenDisk(memory_keep=2, disk_keep=2, disk_every=3),
-        notices=notices,
-    )
+    ckpt = make(shm_dir, disk, model, opt, notices, policy=policy)
     for s in range(1, 6):
         step(model, opt, s)
         ckpt.save(s).wait()
