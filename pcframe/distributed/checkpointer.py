@@ -40,6 +40,7 @@ from pcframe.distributed.replication import PeerReplication
 from pcframe.distributed.verdict import load_newest
 from pcframe.errors import CheckpointError, SaveError
 from pcframe.format.names import version_name
+from pcframe.policies.base import Notice
 from pcframe.policies.placement.base import PlacementPolicy
 from pcframe.restore.report import DistributedRestoreReport
 from pcframe.runtime.checks import bounded_wait
@@ -223,6 +224,11 @@ class DistributedCheckpointer:
         )
         # Global versions: one more reason to keep a version, in the engine's one Retention.
         self.local.retention.add(KeepWhere("global versions", self.protocol.keep))
+        # The newest version published in this process, and the newest given to the peer
+        # tier: what a notice answered without a save secures (every rank knows the same).
+        self._newest_global: global_versions.GlobalRecord | None = None
+        self._peers_given = 0
+        self.protocol.published.append(self._note_global)
         self.peers: PeerReplication | None = None
         if self._has_peers():
             store = PeerStore(
@@ -249,6 +255,7 @@ class DistributedCheckpointer:
         self.rounds: dict[int, Round] = {}
         self.last_restore: DistributedRestoreReport | None = None
         self.last_secured: Secured | None = None  # where the last emergency version went
+        self._notice_secured: Notice | None = None  # the notice the last one answered
         self._closed = False
 
     # --- the tiers beyond the ranks' own disks ------------------------------------------------
@@ -281,7 +288,31 @@ class DistributedCheckpointer:
     def _to_peers(self, record: global_versions.GlobalRecord, due: bool) -> None:
         """The round thread's listener: a global version placed in the peer tier is copied."""
         if due and self.peers is not None:
+            self._peers_given = record.version
             self.peers.submit(record)
+
+    def _note_global(self, record: global_versions.GlobalRecord, due: bool) -> None:
+        """The round thread's listener: the newest global version (published in order)."""
+        self._newest_global = record
+
+    def _secure_newest(self) -> Secured | None:
+        """A notice on some rank that the policy answered without a save: the newest global
+        version, once every started one is decided, goes where it outlives the VM, as an
+        emergency version would (on every rank: the ranks agreed on it in the meeting).
+
+        Every rank waits for the same rounds and so picks the same version; one the peer
+        tier was not given (its placement skipped it) is given now, in version order.
+        Versions restored from, not published by, this process are not secured again: they
+        are where the restore found them.
+        """
+        self.protocol.join()
+        record = self._newest_global
+        if record is None:
+            return None
+        if self.peers is not None and record.version > self._peers_given:
+            self._peers_given = record.version
+            self.peers.submit(record)
+        return self._secure(record.version, record.step)
 
     def _remote_held(self) -> list[int]:
         """This rank's shard versions in the object store, as its tier last listed them."""
@@ -377,13 +408,22 @@ class DistributedCheckpointer:
                 self.protocol.defer(exc)
                 deferred = True
         periodic = decision.save if self.rank == 0 else False
-        flags = (int(periodic or decision.emergency), int(decision.emergency))
+        notice = self.local.notice
+        unanswered = notice is not None and not notice.same_as(self._notice_secured)
+        if unanswered:
+            self._notice_secured = notice  # answered below, by the save or without one
+        flags = (int(periodic or decision.emergency), int(decision.emergency), int(unanswered))
         met = self._meetings.meet(Doing(Call.MAYBE_SAVE, self._next, step, flags=flags))
-        save, emergency = met.flags
+        save, emergency, answer = met.flags
         if not save:
+            if answer:  # a notice the policy answered without a save, on some rank
+                self.last_secured = self._secure_newest()
             if deferred:
                 self.protocol.raise_errors()
             return None
+        # A routine save at a notice not yet answered (a policy that reads no notices saved
+        # at the notice's step) is the newest version: an emergency one, placed and secured.
+        emergency = emergency or answer
         handle = self._save(step, metadata, emergency=bool(emergency))
         if emergency:
             # The VM may soon be gone: global now. A failure is the handle's (raised next call).

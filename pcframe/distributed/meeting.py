@@ -58,7 +58,8 @@ class Doing:
     digest: int = 0  # the state's structure (save only): names, dtypes, shapes, placements
     changed: bool = False  # the structure differs from the last one agreed on
     sharded_bytes: int = 0  # of the sharded state this rank writes (save only)
-    flags: tuple[int, int] = (0, 0)  # maybe_save: (save, emergency)
+    # maybe_save: (save, emergency, a preemption notice not answered yet)
+    flags: tuple[int, int, int] = (0, 0, 0)
     described: bool = True  # False: save() failed before the state was read (no digest)
 
     def row(self) -> list[int]:

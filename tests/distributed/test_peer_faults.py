@@ -31,6 +31,22 @@ def test_a_notice_on_one_node_secures_its_newest_state_on_a_peer_first(tmp_path)
 
 
 @pytest.mark.slow
+def test_a_notice_the_policy_does_not_save_for_secures_the_newest_global_version(tmp_path):
+    """Rank 3's VM gets a notice at step 7, which its policy (a save every 3 steps) does not
+    read: no save is made, and every rank sends the newest global version (step 6's) where
+    it outlives the VM, the peer tier first; a notice at a routine save's step (9) is that
+    save's to secure."""
+    runs = job(tmp_path, tmp_path / "ckpt", "quiet", 8, "--notice-at", "7", "--notice-rank", "3")
+    assert runs[3]["versions"] == [1, 2]  # steps 3 and 6: the notice added no save
+    for run in runs:  # the meeting told every rank
+        assert run["secured"] == [2, ["peers"], True], run
+    copy = tmp_path / "ckpt" / "a-shm" / "kept-by-rank-1" / "rank-3" / "v00000002"
+    assert (copy / "manifest.json").is_file()
+    runs = job(tmp_path, tmp_path / "ckpt2", "routine", 9, "--notice-at", "9", "--notice-rank", "1")
+    assert runs[1]["versions"] == [1, 2, 3] and runs[1]["secured"] == [3, ["peers"], True]
+
+
+@pytest.mark.slow
 def test_a_slow_peer_costs_copies_not_training_time(tmp_path):
     """Rank 3 takes 1 s to keep each copy it receives; saves every step: the training loop
     is not held up by it (each save call returns at once), versions queued meanwhile are

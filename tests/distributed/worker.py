@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from pcframe.distributed import DistributedCheckpointer, ReshardError
 from pcframe.distributed import global_versions as rec
 from pcframe.errors import CheckpointError, SaveError
-from pcframe.policies import Decision, FixedSteps, PolicyContext
+from pcframe.policies import Decision, FixedSteps, ManualNoticeSource, PolicyContext
 from pcframe.save.status import SaveStatus
 from tests.helpers import flip_byte
 
@@ -442,7 +442,8 @@ def nodes(args: argparse.Namespace, out: dict[str, Any]) -> None:
     also uploads its shards to an S3 server. Saves the state at every checkpoint step and
     right after the restore (``nodes-<tag>-r<rank>-at<step>``), and records where the
     restore read each shard. ``--emergency-at`` makes one rank's policy ask for an
-    emergency save (a notice on that VM); ``--slow-peer`` makes that rank slow to take
+    emergency save (a notice on that VM); ``--notice-at`` gives one rank a notice that its
+    policy does not read; ``--slow-peer`` makes that rank slow to take
     the copies it receives."""
     rank, node = dist.get_rank(), os.environ["PCFRAME_NODE"]
     if args.slow_peer == rank:
@@ -463,6 +464,9 @@ def nodes(args: argparse.Namespace, out: dict[str, Any]) -> None:
         options["tiers"] = {"remote": {"url": args.remote, "storage_options": storage}}
     emergency = args.emergency_at if args.emergency_rank == rank else None
     options["policy"] = RankPolicy(args.every, emergency)
+    notices = ManualNoticeSource(window=120.0) if args.notice_rank == rank else None
+    if notices is not None:  # a notice its policy (saving every few steps) does not read
+        options["notices"] = [notices]
 
     def snapshot(step: int) -> None:
         save_file(full_state(job), args.out / f"nodes-{args.tag}-r{rank}-at{step}.safetensors")
@@ -478,6 +482,8 @@ def nodes(args: argparse.Namespace, out: dict[str, Any]) -> None:
         snapshot(start)  # the state the restore brought back
         for step in range(start + 1, args.steps + 1):
             job.step()
+            if notices is not None and step == args.notice_at:
+                notices.trigger(time.monotonic())
             began = time.perf_counter()
             handle = ckpt.maybe_save(step)
             calls.append(time.perf_counter() - began)
@@ -769,6 +775,8 @@ def main() -> None:
     parser.add_argument("--emergency-at", type=int, help="a notice at this step (nodes)")
     parser.add_argument("--emergency-rank", type=int, default=-1, help="on this rank (nodes)")
     parser.add_argument("--slow-peer", type=int, default=-1, help="a slow receiver (nodes)")
+    parser.add_argument("--notice-at", type=int, help="a notice source fires here (nodes)")
+    parser.add_argument("--notice-rank", type=int, default=-1, help="on this rank (nodes)")
     parser.add_argument(
         "--wait-peers",
         action="store_true",
