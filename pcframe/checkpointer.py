@@ -152,6 +152,13 @@ class Checkpointer:
             self._engine_calls = EngineCalls()  # this engine's calls in progress, per thread
             self._in_step_hook = 0  # optimizer.step() runs one of the hooks (close: keep them)
             self._stepping: dict[int, Any] = {}  # thread -> its optimizer.step() in progress
+            # A save on another thread than an optimizer.step() in progress waits for its end
+            # (else its capture read some weights before the update and the rest after it):
+            # thread -> the frame that called step(). Marked under the engine's lock, which
+            # every save holds from its capture to its hand-off.
+            self._one_caller = threading.RLock()  # one_caller_at_a_time's lock
+            self._updating: dict[int, FrameType] = {}
+            self._update_ended = threading.Condition()
             # Weak references: hooks left in place (close() inside one) keep nothing alive.
             engine = weakref.ref(self)
             self._hooks = []
@@ -297,6 +304,7 @@ class Checkpointer:
         self._check_open()
         self._flight.report(self._decisions.committed)
         entered = time.perf_counter()
+        self._other_steps()  # the engine's lock is held: no step starts meanwhile
         metadata = {**(metadata or {}), "reason": reason} if reason else (metadata or {})
         self._flight.acquire()  # blocks while max_in_flight versions are in flight
         number = None
@@ -547,16 +555,23 @@ class Checkpointer:
         weights the signal interrupted; then its copy is waited for too). Then the update
         itself is an engine call until the post-hook: a handler's save in the middle of it
         runs after it, on a whole step (half the weights and moments updated were saved, and
-        the step's first update could leave the optimizer's state half made)."""
+        the step's first update could leave the optimizer's state half made). A save on
+        another thread waits from before the gate to the post-hook (:meth:`_other_steps`)."""
         self._in_step_hook += 1
         try:
+            tracked = len(self._hooks) == 2  # a post-hook ends the update
+            if tracked and not self._closed:
+                # Marked once a save that another thread has under way is handed over (its
+                # copy is waited for below), so none starts its capture after the gate.
+                with self._one_caller, self._update_ended:
+                    self._updating[threading.get_ident()] = _outside_engine(sys._getframe())
             count = True
             while not self._closed:
                 self._gate(count=count)
                 count = False
                 if not self._flight.copying():
                     break
-            if len(self._hooks) == 2 and not self._closed:
+            if tracked and not self._closed:
                 # Ends at the post-hook; or, if the step raises, once its frame has returned.
                 frame = _outside_engine(sys._getframe())
                 thread = threading.get_ident()
@@ -567,7 +582,11 @@ class Checkpointer:
     def _step_post_hook(self) -> None:
         """``optimizer.step()``'s post-hook: the update is over; what a signal handler asked
         for meanwhile runs now."""
-        entry = self._stepping.pop(threading.get_ident(), None)
+        thread = threading.get_ident()
+        with self._update_ended:
+            if self._updating.pop(thread, None) is not None:
+                self._update_ended.notify_all()
+        entry = self._stepping.pop(thread, None)
         if entry is None:
             return
         self._in_step_hook += 1
@@ -575,6 +594,23 @@ class Checkpointer:
             self._engine_calls.leave(entry)
         finally:
             self._in_step_hook -= 1
+
+    def _other_steps(self) -> None:
+        """Wait until no other thread is inside ``optimizer.step()`` (between its hooks): a
+        save's capture then reads every weight on one side of the update. A step that raised
+        (no post-hook) counts as over once its caller's frame has left that thread's stack."""
+        me = threading.get_ident()
+        with self._update_ended:
+            while True:
+                others = [thread for thread in self._updating if thread != me]
+                if not others:
+                    return
+                stacks = sys._current_frames()
+                for thread in others:
+                    if not _on_stack(self._updating[thread], stacks.get(thread)):
+                        del self._updating[thread]
+                if any(thread != me for thread in self._updating):
+                    self._update_ended.wait(0.05)
 
     def _atexit(self) -> None:
         if os.getpid() != self._pid:
@@ -631,6 +667,15 @@ def _step_post_hook(engine: weakref.ref[Checkpointer], *_: Any) -> None:
 
 
 _ENGINE = os.path.dirname(os.path.abspath(__file__))  # pcframe/
+
+
+def _on_stack(frame: FrameType, top: FrameType | None) -> bool:
+    """Whether ``frame`` is on the stack whose innermost frame is ``top``."""
+    while top is not None:
+        if top is frame:
+            return True
+        top = top.f_back
+    return False
 
 
 def _outside_engine(frame: FrameType) -> FrameType:

@@ -18,6 +18,7 @@ import pcframe
 from pcframe import Checkpointer, CheckpointError, ConfigError, DirectoryLocked, EngineConfig
 from pcframe.policies import Decision, FixedSteps, IntervalPolicy, Notice, Restarted, SaveCompleted
 from pcframe.save.fill import Filler
+from pcframe.save.status import SaveStatus
 from pcframe.store.directory import CheckpointDir
 from pcframe.store.retention import KeepWhere
 from tests.helpers import StateBox, small_training, state_equal, train_steps
@@ -400,6 +401,87 @@ def test_saves_from_two_threads_get_distinct_versions_and_all_commit(tmp_path):
         statuses = {str(record.status) for record in c.records.values()}
     assert not failures and statuses == {"committed"}
     assert CheckpointDir(tmp_path).committed_versions() == list(range(1, 51))
+
+
+class HalfwayStep(torch.optim.SGD):
+    """SGD that stops half-way through its update until ``resume()`` says go on: the first
+    weight is updated, the second not yet."""
+
+    def __init__(self, params, resume):
+        super().__init__(params, lr=1.0)
+        self.resume = resume
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        first, second = self.param_groups[0]["params"]
+        first.add_(1.0)
+        self.resume()
+        second.add_(1.0)
+
+
+def _blocked_in(thread: threading.Thread, function: str) -> bool:
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_a_save_from_another_thread_waits_for_the_optimizer_step_in_progress(tmp_path):
+    """A watcher thread's save() while the loop is inside optimizer.step(): its capture read
+    some weights after the update and the rest before it, and the version committed torn
+    (1 to 3 in 250 saves with stock SGD). Now the save waits for the step's end."""
+    weights = [torch.nn.Parameter(torch.zeros(1024)) for _ in range(2)]
+    model = torch.nn.ParameterList(weights)
+    done = threading.Event()
+    handles = []
+
+    def save() -> None:  # and its snapshot copied (from the weights as they are then)
+        handles.append(ckpt.save(step=1))
+        ckpt.wait_for_snapshot()
+        done.set()
+
+    watcher = threading.Thread(target=save)
+
+    def resume() -> None:  # the watcher saves now; the update goes on once it saved or waits
+        watcher.start()
+        deadline = time.monotonic() + 60
+        while not done.is_set() and not _blocked_in(watcher, "_other_steps"):
+            assert time.monotonic() < deadline, "the watcher neither saved nor waited"
+            time.sleep(0.005)
+
+    optimizer = HalfwayStep(model.parameters(), resume)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        optimizer.step()
+        watcher.join(timeout=60)
+        assert handles[0].wait() is SaveStatus.COMMITTED
+        fresh = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.full((1024,), 7.0)) for _ in range(2)]
+        )
+    with Checkpointer(tmp_path, model=fresh) as again:
+        again.restore()
+    assert torch.equal(fresh[0], fresh[1]), "a version holds weights of two steps"
+    assert torch.equal(fresh[0], torch.ones(1024))  # the whole step
+
+
+def test_a_step_that_raised_does_not_hold_other_threads_saves(tmp_path):
+    """An optimizer.step() that raises half-way never reaches its post-hook: another
+    thread's save goes on once the step's frame is gone, instead of waiting for ever."""
+    weights = [torch.nn.Parameter(torch.zeros(16)) for _ in range(2)]
+
+    def fail() -> None:
+        raise RuntimeError("the update failed")
+
+    optimizer = HalfwayStep(weights, fail)
+    with Checkpointer(tmp_path, model=torch.nn.ParameterList(weights), optimizer=optimizer) as ckpt:
+        with pytest.raises(RuntimeError, match="the update failed"):
+            optimizer.step()
+        results = []
+        saver = threading.Thread(target=lambda: results.append(ckpt.save(step=1).wait()))
+        saver.start()
+        saver.join(timeout=60)
+        assert results == [SaveStatus.COMMITTED]
 
 
 def test_a_refused_optimizer_takes_its_lr_from_the_restored_scheduler(tmp_path):
