@@ -59,6 +59,11 @@ class InFlight:
         self._ended = threading.Condition()
         self._finished: list[SaveProgress] = []
         self._finished_lock = threading.Lock()
+        # The lists a save appends to while the gate or a report prunes them (another thread
+        # may save): appends and prunes under the lock, so no append is lost to a prune's
+        # write-back (a snapshot the gate then would not wait for: a torn one). Pruned into
+        # new lists, so a reader iterating without the lock sees one list or the other.
+        self._lists_lock = threading.Lock()
         self._copying: list[SaveProgress] = []  # snapshot copy not yet done
         self.steps = 0  # optimizer steps the gate has seen (the state is sized after one)
         self._unfinished: list[SaveProgress] = []  # not yet reported as finished
@@ -141,8 +146,9 @@ class InFlight:
         self.records[progress.version] = SaveRecord(
             progress.version, progress.step, progress.nbytes
         )
-        self._unfinished.append(progress)
-        self._copying.append(progress)
+        with self._lists_lock:
+            self._unfinished.append(progress)
+            self._copying.append(progress)
 
     def count(self) -> int:
         """Versions started and not yet finished."""
@@ -166,7 +172,7 @@ class InFlight:
             start = time.perf_counter()
             self.wait_for_copies(still)
             still[-1].stall += time.perf_counter() - start
-        self._copying = [p for p in self._copying if not p.copy_done.is_set()]
+        self._prune()
 
     def wait_all(self, timeout: float | None = None) -> bool:
         """Block until every version started so far has finished (all slots free).
@@ -187,8 +193,7 @@ class InFlight:
         """
         with self._finished_lock:
             finished, self._finished = self._finished, []
-        self._copying = [p for p in self._copying if not p.copy_done.is_set()]
-        self._unfinished = [p for p in self._unfinished if not p.finished.is_set()]
+        self._prune()
         errors = self._unraised  # failures an earlier call found after the one it raised
         for progress in finished:
             record = self.records[progress.version]
@@ -210,6 +215,13 @@ class InFlight:
             raise SaveError(first.version, first.step, first.stage or "", first.error) from (
                 first.error
             )
+
+    def _prune(self) -> None:
+        """Drop the versions whose copy is done from ``_copying``, the finished ones from
+        ``_unfinished``: under the lock :meth:`started` appends under."""
+        with self._lists_lock:
+            self._copying = [p for p in self._copying if not p.copy_done.is_set()]
+            self._unfinished = [p for p in self._unfinished if not p.finished.is_set()]
 
     def _summarise(self, progress: SaveProgress, record: SaveRecord) -> None:
         """One INFO line at the first commit, then at most one per :data:`SUMMARY_EVERY`."""
