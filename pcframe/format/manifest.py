@@ -256,14 +256,27 @@ def manifest_from_bytes(raw: bytes, path: str) -> Manifest:
     return parse_body(parsed, path, format_version)
 
 
+MANIFEST_HEAD = 4096  # bytes at the start of a manifest that hold its header line
+
+
 def manifest_crc(manifest_path: str | os.PathLike[str]) -> str:
     """The body checksum from a manifest's header line (what a global record pins a shard
-    by, and a peer copy is matched against).
+    by, and a peer copy or a replica tier's copy is matched against).
 
     Raises:
         CorruptCheckpoint / OSError: no header with a valid checksum, or unreadable.
     """
-    return header_crc(read_small(manifest_path, 4096).partition(b"\n")[0], manifest_path)
+    return head_crc(read_small(manifest_path, MANIFEST_HEAD), manifest_path)
+
+
+def head_crc(head: bytes, path: object) -> str:
+    """The body checksum from a manifest's first :data:`MANIFEST_HEAD` bytes (read from a
+    file, or from an object store); ``path`` names it in errors.
+
+    Raises:
+        CorruptCheckpoint: no header with a valid checksum.
+    """
+    return header_crc(head.partition(b"\n")[0], path)
 
 
 def delta_base(directory: str | os.PathLike[str]) -> int:

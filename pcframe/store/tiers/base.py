@@ -91,6 +91,17 @@ class Tier(ABC):
         remove on exit); local tiers yield their own directory.
         """
 
+    def manifest_crc(self, version: int) -> str | None:
+        """The body checksum in the header of ``version``'s manifest here (what tells this
+        tier's copy of a version from another run's version of the same number), or ``None``
+        where the tier cannot tell (its copy is then taken for another run's).
+
+        Raises:
+            TierError / CorruptCheckpoint / OSError: the manifest is missing or unreadable.
+        """
+        del version
+        return None
+
     def quarantine(self, version: int, reason: str = "") -> None:  # noqa: B027 - optional hook
         """Move a version that failed verification (``reason``) out of the listing (local
         tiers only)."""

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pcframe.errors import CheckpointError, TierCancelled, TierError
+from pcframe.format.manifest import manifest_crc
+from pcframe.format.names import MANIFEST_NAME
 from pcframe.runtime.faults import crash_point
 from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.tiers.base import Tier, version_files
@@ -111,6 +113,9 @@ class LocalTier(Tier):
     def fetch(self, version: int, scratch: Path) -> contextlib.AbstractContextManager[Path]:
         del scratch  # already local: read in place
         return self._here(version)
+
+    def manifest_crc(self, version: int) -> str:
+        return manifest_crc(self._dir.path(version) / MANIFEST_NAME)
 
     def quarantine(self, version: int, reason: str = "") -> None:
         self._dir.quarantine(version, reason)

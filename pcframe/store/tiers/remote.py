@@ -28,7 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from pcframe.errors import CorruptCheckpoint, TierError
-from pcframe.format.names import SAFE_FILE, VERSION_DIGITS, version_from_digits, version_name
+from pcframe.format.manifest import MANIFEST_HEAD, head_crc
+from pcframe.format.names import (
+    MANIFEST_NAME,
+    SAFE_FILE,
+    VERSION_DIGITS,
+    version_from_digits,
+    version_name,
+)
 from pcframe.runtime.faults import crash_point
 from pcframe.store.tiers.base import Tier, number_option, version_files
 from pcframe.store.tiers.fsops import FsCalls
@@ -378,6 +385,20 @@ class RemoteTier(Tier):
                 "the version cannot be trusted (delete the prefix or restore an older version)"
             )
         return marker
+
+    def manifest_crc(self, version: int) -> str:
+        key = self._key(version, MANIFEST_NAME)
+        try:  # the header line only: the rest of the manifest may be megabytes
+            head = self._calls(
+                "cat_file", key, start=0, end=MANIFEST_HEAD, timeout=self._deadline()
+            )
+        except FileNotFoundError:
+            raise TierError(f"tier {self.name!r}: {key} is missing") from None
+        except OSError as exc:
+            raise _naming(exc, key) from exc
+        except Exception as exc:  # the backend's own errors (botocore: a dead endpoint)
+            raise self._fail(f"cannot read {key}", exc) from exc
+        return head_crc(head, key)
 
     @contextlib.contextmanager
     def _download(self, version: int, scratch: Path) -> Iterator[Path]:

@@ -8,6 +8,11 @@ Failed writes are retried with exponential backoff until a newer version arrives
 retries run out. After a successful write the tier's own retention runs against the tier's
 real listing: every older version not in the ``keep`` set the placement computes from that
 listing is deleted, never the one just written.
+
+A version the tier holds already is never written over. It counts as written when the
+tier's copy is the primary's (the same manifest checksum): an earlier process of the run
+copied it there, and this one restored it (a preemption notice then secures it at once).
+Another run's version of the same number is refused (an error), as is any older one.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pcframe.errors import TierCancelled, TierError
+from pcframe.errors import CorruptCheckpoint, TierCancelled, TierError
 from pcframe.feed import ewma
+from pcframe.format.manifest import manifest_crc
+from pcframe.format.names import MANIFEST_NAME
 from pcframe.runtime.threads import single_threaded_torch
 from pcframe.store.tiers.base import Tier
 
@@ -226,12 +233,31 @@ class Replicator:
             self.status_.committed = listed
         return listed
 
-    def _conflict(self, job: Job) -> str:
-        """Why ``job`` must not be written (the tier holds an equal or newer version), or ''."""
+    def _listed(self) -> tuple[int, ...]:
+        """The tier's versions as last listed (listed now if never before; () if it fails)."""
         committed = self.status_.committed
         if committed is None:
             committed = self._refresh_listing()
-        newest = max(committed or (), default=0)
+        return committed or ()
+
+    def _same_copy(self, job: Job, source: Path) -> bool:
+        """Whether the tier's copy of ``job``'s version is the one in the primary tier at
+        ``source`` (the same manifest checksum): written by an earlier process of this run,
+        whose version this one restored, not another run's of the same number."""
+        try:
+            return self.tier.manifest_crc(job.version) == manifest_crc(source / MANIFEST_NAME)
+        except (TierError, CorruptCheckpoint, OSError) as exc:  # cannot tell: not the same
+            log.warning(
+                "tier %s: version %d: cannot compare its copy with the primary's: %s",
+                self.tier.name,
+                job.version,
+                exc,
+            )
+            return False
+
+    def _conflict(self, job: Job, listed: tuple[int, ...]) -> str:
+        """Why ``job`` must not be written (the tier holds an equal or newer version), or ''."""
+        newest = max(listed, default=0)
         if job.version <= newest:  # (a version written here never comes back: _replicate)
             return (
                 f"tier {self.tier.name!r} ({self.tier.location}) already holds version {newest} "
@@ -246,7 +272,18 @@ class Replicator:
         while job.version not in self._written_versions:  # written once, never rewritten
             source = self.source(job.version)
             reason = "" if source.is_dir() else f"{source} is gone from the primary tier"
-            reason = reason or self._conflict(job)
+            listed = () if reason else self._listed()
+            if job.version in listed and self._same_copy(job, source):
+                log.info(
+                    "tier %s holds version %d already, the primary's copy (the same manifest "
+                    "checksum): not written again",
+                    self.tier.name,
+                    job.version,
+                )
+                with self._cond:
+                    self._have(job)
+                return
+            reason = reason or self._conflict(job, listed)
             if reason:
                 log.error("tier %s: version %d: %s", self.tier.name, job.version, reason)
                 with self._cond:
@@ -297,19 +334,24 @@ class Replicator:
     def _written(self, job: Job, nbytes: int, seconds: float) -> None:
         with self._cond:
             s = self.status_
-            self._written_versions.add(job.version)
-            s.last_written = max(s.last_written or 0, job.version)
-            s.committed = tuple(sorted({*(s.committed or ()), job.version}))
             s.written += 1
             s.bytes_written += nbytes
             s.write_seconds = ewma(s.write_seconds, seconds)
             if seconds > 0:
                 s.throughput = ewma(s.throughput, nbytes / seconds)
-            if self._pending is None and job.version >= self._newest_submitted:
-                self._oldest_unwritten = None
-            elif self._pending is not None:
-                self._oldest_unwritten = self._pending.submitted
-            self._cond.notify_all()
+            self._have(job)
+
+    def _have(self, job: Job) -> None:
+        """``job``'s version is in the tier (written now, or there already); under the lock."""
+        s = self.status_
+        self._written_versions.add(job.version)
+        s.last_written = max(s.last_written or 0, job.version)
+        s.committed = tuple(sorted({*(s.committed or ()), job.version}))
+        if self._pending is None and job.version >= self._newest_submitted:
+            self._oldest_unwritten = None
+        elif self._pending is not None:
+            self._oldest_unwritten = self._pending.submitted
+        self._cond.notify_all()
 
     def _retain(self, job: Job) -> None:
         """Per-tier retention, only after ``job`` is committed here; never deletes it."""

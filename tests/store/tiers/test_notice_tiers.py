@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import shutil
 import time
@@ -222,3 +223,62 @@ def test_a_notice_without_a_deadline_is_answered_once_and_never_overflows(shm_di
         secured = ckpt.last_secured
         step(model, ckpt.optimizer, 6)
         assert ckpt.maybe_save(6) is None and ckpt.last_secured is secured  # once
+
+
+def saved_to_both(primary: Path, disk: Path, seed: int = 0) -> None:
+    """Steps 1-3 saved by one process, every version copied to disk (which keeps 2 and 3)."""
+    model, opt = model_and_optimizer(seed=seed)
+    with make(primary, disk, model, opt, [], disk_every=1) as ckpt:
+        for s in range(1, 4):
+            step(model, opt, s)
+            ckpt.save(s).wait()
+            assert ckpt.tiers.wait_idle(30)
+    assert CheckpointDir(disk).committed_versions() == [2, 3]
+
+
+def secured_after_a_restart(primary: Path, disk: Path) -> Checkpointer:
+    """A new process restores version 3 and gets a notice it answers without a save (a
+    window shorter than the policy's margin): the checkpointer, still open."""
+    source = P.ManualNoticeSource(window=60.0)
+    relying = P.NoticeDriven(P.FixedSteps(1), save_time_prior=0.5, margin=120.0)
+    model, opt = model_and_optimizer(seed=3)
+    ckpt = make(primary, disk, model, opt, [source], policy=relying, disk_every=1)
+    assert ckpt.restore() == 3
+    source.trigger(time.monotonic())
+    step(model, opt, 4)
+    assert ckpt.maybe_save(4) is None
+    assert "relying on the last periodic checkpoint" in ckpt.last_decision.reason
+    return ckpt
+
+
+def test_a_notice_after_a_restart_secures_the_restored_version_the_tier_holds(
+    shm_dir: Path, tmp_path: Path, caplog
+) -> None:
+    """The disk holds the restored version 3 already, copied there by the process before:
+    it is durable there at once (before: the replicator took the disk's own copy for another
+    run's version 3, logged two errors and the notice reported version 3 as not durable)."""
+    disk = tmp_path / "disk"
+    saved_to_both(shm_dir, disk)
+    with secured_after_a_restart(shm_dir, disk) as ckpt:
+        assert ckpt.last_secured == Secured(3, ("local",), True, ckpt.last_secured.reason)
+        status = ckpt.tiers.status()["local"]
+        assert (status.written, status.abandoned, status.last_error) == (0, 0, "")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert CheckpointDir(disk).committed_versions() == [2, 3]
+
+
+def test_a_notice_does_not_take_another_runs_version_of_the_same_number_for_its_own(
+    shm_dir: Path, tmp_path: Path, caplog
+) -> None:
+    """The disk's version 3 is another run's (other weights): the primary's version 3 is
+    not durable there, and the disk's copy is neither taken for it nor written over."""
+    disk, other = tmp_path / "disk", tmp_path / "other"
+    saved_to_both(other, disk, seed=5)  # another run, its own primary, the same disk
+    written = (disk / "v00000003" / "manifest.json").read_bytes()
+    saved_to_both(shm_dir, tmp_path / "elsewhere")
+    with secured_after_a_restart(shm_dir, disk) as ckpt:
+        secured = ckpt.last_secured
+        assert (secured.version, secured.durable) == (3, False)
+        assert ckpt.tiers.status()["local"].abandoned == 1
+    assert "already holds version 3" in caplog.text
+    assert (disk / "v00000003" / "manifest.json").read_bytes() == written

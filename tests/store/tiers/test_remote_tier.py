@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 import pcframe.policies as P
 from pcframe import Checkpointer
 from pcframe.errors import CheckpointError, RestoreIOError
+from pcframe.format.manifest import manifest_crc
 from pcframe.store.directory import CheckpointDir
 from pcframe.store.tiers import RemoteTier, TierError, Tiers
 from tests.store.tiers.conftest import MotoServer
@@ -355,3 +358,39 @@ def test_a_restore_racing_the_writers_retention_lists_again_for_the_newer_versio
     with Checkpointer(tmp_path / "new", model=fresh, optimizer=fresh_opt, tiers=tiers) as ckpt:
         assert ckpt.restore() == 2 and ckpt.last_restore.tier == "remote"
     assert same(snapshot(fresh), states[2])
+
+
+def test_a_notice_after_a_restart_secures_the_restored_version_the_bucket_holds(
+    moto_server: MotoServer, bucket: str, tmp_path: Path, caplog
+) -> None:
+    """Version 6, uploaded by the process before, restored by this one from the local disk:
+    a notice answered without a save finds it in the bucket (its manifest's checksum the
+    local one's, read from the manifest's first bytes) and it is durable there at once."""
+    local = tmp_path / "local"
+    uploaded_six(local, moto_server, bucket)
+    tier = remote(moto_server, bucket)
+    assert tier.manifest_crc(6) == manifest_crc(local / "v00000006" / "manifest.json")
+    with pytest.raises(TierError, match=r"v00000005/manifest\.json is missing"):
+        tier.manifest_crc(5)
+    source = P.ManualNoticeSource(window=60.0)
+    model, opt = model_and_optimizer(seed=1)
+    with Checkpointer(
+        local,
+        model=model,
+        optimizer=opt,
+        policy=P.NoticeDriven(P.FixedSteps(1), save_time_prior=0.5, margin=120.0),
+        notices=[source],
+        tiers=Tiers({"remote": remote(moto_server, bucket)}, backoff=0.05, backoff_max=0.2),
+        placement=P.LocalPlusRemote(remote_every=2, local_keep=2, remote_keep=2),
+        keep_last=2,
+        chunk_bytes=8192,
+    ) as ckpt:
+        assert ckpt.restore() == 6 and ckpt.last_restore.tier == "local"
+        source.trigger(time.monotonic())
+        step(model, opt, 7)
+        assert ckpt.maybe_save(7) is None  # 60 s left, less than the margin: no save
+        secured = ckpt.last_secured
+        assert (secured.version, secured.tiers, secured.durable) == (6, ("remote",), True)
+        assert ckpt.tiers.status()["remote"].written == 0
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert remote(moto_server, bucket).committed_versions() == [4, 6]
