@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import stat
 import sys
 import time
 import typing
@@ -30,6 +31,7 @@ from pcframe.apps.cli_versions import (
 )
 from pcframe.errors import CheckpointError, ManifestError, UnsupportedCheckpoint
 from pcframe.format.manifest import MANIFEST_NAME, Manifest, read_manifest
+from pcframe.format.names import VERSION_DIR
 from pcframe.restore.reader import LoadedVersion, load_version
 from pcframe.store.directory import CheckpointDir, quarantined_versions, set_aside_reason
 
@@ -85,7 +87,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     if not versions:
         print(f"(no committed versions in {directory.root})")
     # Named, or a version that failed a restore would just vanish from the listing.
-    for line in _set_aside_lines(directory):
+    for line in _set_aside_lines(directory) + _not_version_lines(directory):
         print(f"({line})")
     return 1 if unreadable else 0
 
@@ -99,6 +101,31 @@ def _set_aside_lines(directory: CheckpointDir) -> list[str]:
     ]
 
 
+def _not_version_lines(directory: CheckpointDir) -> list[str]:
+    """One line per entry named like a version that is not a version's folder (a link to
+    one, a file): no command reads it, and the table alone passed over it without a word."""
+    try:
+        names = sorted(os.listdir(directory.root))
+    except OSError:  # listed a moment ago; gone now is a writer's business, not this line's
+        return []
+    lines = []
+    for name in filter(VERSION_DIR.match, names):
+        try:  # lstat: a link is named as one, never followed
+            mode = os.lstat(directory.root / name).st_mode
+        except OSError:  # deleted meanwhile
+            continue
+        if stat.S_ISDIR(mode):
+            continue
+        if stat.S_ISLNK(mode):
+            what = "a symbolic link, not listed: pcframe never reads through a link"
+            fix = f"move the version itself into {directory.root}"
+        else:
+            what = "a file, not a version folder" if stat.S_ISREG(mode) else "not a folder"
+            fix = f"move it out of {directory.root}"
+        lines.append(f"{_one_line(name)}: {what}; {fix}")
+    return lines
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     if is_multi_rank_root(Path(args.directory)):
         return verify_global(Path(args.directory), args.version, args.threads, _one_line)
@@ -109,7 +136,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         versions = directory.committed_versions()
     if not versions:
         print(f"no committed versions in {directory.root}", file=sys.stderr)
-        for line in _set_aside_lines(directory):
+        for line in _set_aside_lines(directory) + _not_version_lines(directory):
             print(line, file=sys.stderr)
         return 1
     failures = 0
@@ -138,6 +165,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     set_aside = _set_aside_lines(directory) if args.version is None else []
     for line in set_aside:
         print(f"{line}; move it out of {directory.root} once inspected")
+    if args.version is None:  # named, not failed: not a version, so not a damaged one
+        for line in _not_version_lines(directory):
+            print(f"not verified: {line}")
     return 1 if failures or set_aside else 0
 
 

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -354,6 +355,28 @@ def test_verify_and_list_name_each_version_a_restore_set_aside_and_why(tmp_path,
     # One set aside by a pcframe that recorded no reason is still named.
     (tmp_path / ".corrupt-v00000007-12").mkdir()
     assert "v00000007-12: reason not recorded" in cli(python, "verify", tmp_path).stdout
+
+
+def test_list_and_verify_name_a_version_entry_that_is_a_link_or_a_file(tmp_path, python):
+    """A version folder linked in from elsewhere and a file named like a version were passed
+    over without a word: both are named below the table, and the link is never followed."""
+    root = tmp_path / "run"
+    make(root)
+    shutil.copytree(root / "v00000002", tmp_path / "elsewhere")  # a valid version, outside
+    (root / "v00000003").symlink_to(tmp_path / "elsewhere")
+    (root / "v00000004").write_text("not a version\n")
+    listing = cli(python, "list", root)
+    assert listing.returncode == 0, listing.stderr
+    rows = [line.split()[0] for line in listing.stdout.splitlines()[1:]]
+    assert rows[:2] == ["1", "2"] and "3" not in rows, listing.stdout  # the link: not read
+    named = [line for line in listing.stdout.splitlines() if line.startswith("(v0000000")]
+    assert len(named) == 2 and "v00000003: a symbolic link" in named[0], named
+    assert "never reads through a link" in named[0] and str(root) in named[0]
+    assert "v00000004: a file, not a version folder; move it out of" in named[1]
+    verify = cli(python, "verify", root)
+    assert verify.returncode == 0 and verify.stdout.count(": OK") == 2, verify.stdout
+    assert "not verified: v00000003: a symbolic link" in verify.stdout
+    assert "not verified: v00000004: a file" in verify.stdout
 
 
 def test_help_is_plain_text(python):
