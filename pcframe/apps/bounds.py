@@ -16,16 +16,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pcframe.errors import ConfigError
+from pcframe.runtime.checks import real_number
 
 
 @dataclass(frozen=True)
 class Range:
     """``low <= value`` (``low < value`` when ``above``), up to ``high``; ``None`` allowed
     when ``null``. ``what`` says what the value means, ``whole`` that it counts something
-    (for the message: the schema already refuses a fraction there)."""
+    (for the message: the schema already refuses a fraction there), ``finite`` that
+    infinity is no value of it either (a time that never comes drops its kill)."""
 
     low: float
     what: str
@@ -33,16 +35,20 @@ class Range:
     high: float | None = None
     null: bool = False
     whole: bool = False
+    finite: bool = False
 
     def accepts(self, value: float) -> bool:
         if isinstance(value, float) and math.isnan(value):
+            return False
+        if self.finite and isinstance(value, float) and math.isinf(value):
             return False
         if value < self.low or (self.above and value == self.low):
             return False
         return self.high is None or value <= self.high
 
-    def text(self) -> str:
-        kind = "a whole number" if self.whole else "a number"
+    def text(self, items: bool = False) -> str:
+        kind = "whole number" if self.whole else "finite number" if self.finite else "number"
+        kind = f"a list of {kind}s" if items else f"a {kind}"
         low = f"> {self.low:g}" if self.above else f">= {self.low:g}"
         span = f"{self.low:g}..{self.high:g}" if self.high is not None else low
         return f"{kind} {span}" + (" or null" if self.null else "")
@@ -64,7 +70,9 @@ FAILURE = {
     "failure.target_kills": _positive("kills a derived schedule aims at"),
     "failure.mtbf": _positive("mean seconds between kills", null=True),
     "failure.compression": _positive("trace seconds per wall second", null=True),
-    "failure.offset": Range(0, "trace seconds skipped at the start"),
+    "failure.offset": Range(0, "trace seconds skipped at the start", finite=True),
+    # A list: each item is checked (NaN was dropped without a word, so fewer kills came).
+    "failure.times": Range(0, "kill times in trace seconds", null=True, finite=True),
 }
 
 TUNE = {
@@ -140,9 +148,16 @@ def _check(cfg: DictConfig, key: str, bound: Range) -> None:
     value = OmegaConf.select(cfg, key, default=_ABSENT)
     if value is _ABSENT or (value is None and bound.null):
         return
+    if isinstance(value, ListConfig):  # each number in it is checked
+        items = list(value)
+        if not all(bound.accepts(item) for item in items if real_number(item)):
+            raise ConfigError(
+                f"{key}={items!r} is out of range: give {bound.text(items=True)} ({bound.what})"
+            )
+        return
     # Types are the schema's job (a string here is a value like threads=auto, or a
     # key left untyped on purpose): only numbers are range-checked.
-    if isinstance(value, bool) or not isinstance(value, int | float | type(None)):
+    if not real_number(value) and value is not None:
         return
     if value is None or not bound.accepts(value):
         raise ConfigError(f"{key}={value!r} is out of range: give {bound.text()} ({bound.what})")

@@ -237,6 +237,11 @@ def test_out_of_range_engine_value_names_the_key_and_fix(tmp_path):
         (["failure=trace", "failure.times=[1.0]"], "exactly one of failure.path"),
         (["failure=trace", "failure.compression=0"], "failure.compression=0"),
         (["failure=poisson", "failure.mtbf=-1"], "failure.mtbf=-1"),
+        # NaN was dropped without a word (it fails every comparison): fewer kills came
+        (["failure=trace", "failure.path=null", "failure.times=[nan]"], "failure.times=[nan]"),
+        (["failure=trace", "failure.path=null", "failure.times=[inf]"], "failure.times=[inf]"),
+        (["failure=trace", "failure.path=null", "failure.times=[-1]"], "failure.times=[-1.0]"),
+        (["failure=trace", "failure.offset=nan"], "failure.offset=nan"),
     ],
     ids=str,
 )

@@ -72,6 +72,19 @@ def test_a_bad_policy_argument_is_refused_before_a_supervised_run(tmp_path, app_
     assert not (tmp_path / "out" / "reference-checkpoints").exists()
 
 
+def test_a_kill_time_that_is_no_number_is_refused_before_anything_runs(tmp_path, app_env):
+    """`failure.times=[nan]` was dropped without a word (NaN fails every comparison) and the
+    run went ahead with fewer kills than asked for."""
+    args = ["failure=trace", "failure.path=null", "failure.times=[nan]"]
+    result = run_script("pcframe-run", *args, f"hydra.run.dir={tmp_path / 'out'}", cwd=tmp_path,
+                        env=app_env)  # fmt: skip
+    assert result.returncode == USAGE_ERROR, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("pcframe-run: error: failure.times=[nan] is out of range"), line
+    assert "finite numbers >= 0" in line
+    assert not (tmp_path / "out" / "reference-checkpoints").exists()
+
+
 def test_hydra_full_error_shows_the_trace(tmp_path, app_env):
     env = {**app_env, "HYDRA_FULL_ERROR": "1"}
     result = run_script(
@@ -135,6 +148,10 @@ def test_help_lists_only_this_apps_groups(tmp_path, app_env):
         ["failure=poisson", "failure.timeout=0"],
         ["failure=poisson", "failure.max_kills=-1"],
         ["failure=trace", "failure.offset=-1"],
+        ["failure=trace", "failure.offset=inf"],
+        # dropped without a word before: fewer kills than asked for
+        ["failure=trace", "failure.path=null", "failure.times=[1.0,nan]"],
+        ["failure=trace", "failure.path=null", "failure.times=[inf]"],
     ],
     ids=str,
 )

@@ -38,3 +38,9 @@ def test_explicit_times_are_sorted_and_compressed():
     assert trace_times(times=[30.0, 10.0], compression=10.0) == [1.0, 3.0]
     with pytest.raises(ConfigError, match="negative"):
         trace_times(times=[-1.0])
+    # NaN fails every comparison: it was dropped without a word, and fewer kills came
+    for times in ([float("nan")], [1.0, float("nan")], [float("inf")]):
+        with pytest.raises(ConfigError, match=r"failure\.times=.* finite"):
+            trace_times(times=times)
+    with pytest.raises(ConfigError, match=r"failure\.offset=nan"):
+        trace_times(times=[1.0], offset=float("nan"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,6 +58,10 @@ def trace_times(
             f"failure.compression={compression!r} is invalid: give trace seconds per wall "
             "second, > 0 (e.g. 100)"
         )
+    if not math.isfinite(offset):  # NaN: every time fails `t >= offset`, no kill at all
+        raise ConfigError(
+            f"failure.offset={offset!r} is invalid: give the trace seconds to skip, >= 0"
+        )
     if (path is None) == (times is None):
         raise ConfigError(
             "failure=trace needs exactly one of failure.path (a trace file) and "
@@ -64,8 +69,13 @@ def trace_times(
         )
     if times is not None:
         source = sorted(float(t) for t in times)
-        if source and source[0] < 0:
-            raise ConfigError(f"failure.times={list(times)} has negative times; use seconds >= 0")
+        # NaN fails every comparison, so `t >= offset` below dropped it without a word;
+        # an infinite time is a kill that never comes.
+        if not all(math.isfinite(t) and t >= 0 for t in source):
+            raise ConfigError(
+                f"failure.times={list(times)} is invalid: give kill times in trace seconds, "
+                "finite and not negative, e.g. failure.times=[60.0,120.0]"
+            )
     else:
         from pcframe.policies.traces import load_trace
 
