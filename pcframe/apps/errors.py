@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from pcframe.apps.paths import user_config_dir
-from pcframe.errors import CheckpointError, ConfigError, StateMismatch
+from pcframe.errors import CheckpointError, ConfigError, DirectoryLocked, StateMismatch
 
 USAGE_ERROR = 2  # exit code of a configuration mistake
 INTERRUPTED = 130  # exit code after Ctrl-C (128 + SIGINT, as shells report it)
@@ -197,6 +197,8 @@ def describe_error(exc: BaseException, app: str | None = None) -> tuple[int, str
         return USAGE_ERROR, _flat(str(exc))
     if isinstance(exc, StateMismatch):
         return 1, _mismatch(exc)
+    if isinstance(exc, DirectoryLocked):  # only one writer per folder: a usage mistake
+        return USAGE_ERROR, _flat(str(exc))
     if isinstance(exc, CheckpointError):
         return 1, _flat(str(exc))
     called = _user_code_called_by_pcframe(exc)

@@ -1,11 +1,15 @@
 """``pcframe-run``'s checkpoint directory, checked before anything trains.
 
 A folder the run cannot use (a file where the folder should be, a parent it cannot write
-into, checkpoints of another model or of a newer pcframe) was found by the Checkpointer of
-the checkpointed run, after the warm-up and the first baseline run (15 s and more), and
-ended the run as a failure (exit 1). It is a usage mistake: :func:`check_run_directory`
-finds it first and raises a :class:`~pcframe.errors.ConfigError` (one line naming
-``directory=`` and the fix, exit 2).
+into, one another running process writes to, checkpoints of another model or of a newer
+pcframe) was found by the Checkpointer of the checkpointed run, after the warm-up and the
+first baseline run (15 s and more), and ended the run as a failure (exit 1). It is a usage
+mistake: :func:`check_run_directory` finds it first and raises a
+:class:`~pcframe.errors.ConfigError` (one line naming ``directory=`` and the fix, exit 2).
+
+The writer lock is looked at, never taken (:func:`~pcframe.store.directory.held_lock`): a
+probe that took it could make the other writer's open fail. A writer that comes after the
+check is still found by the Checkpointer's open, and that is exit 2 too.
 
 The checkpoints a folder holds are checked by loading the newest into a fresh copy of the
 workload with :func:`pcframe.load`: it compares the version with the objects exactly as the
@@ -25,7 +29,7 @@ from pcframe.apps.workloads import Workload
 from pcframe.errors import CheckpointError, ConfigError, StateMismatch, UnsupportedCheckpoint
 from pcframe.restore.restorer import load
 from pcframe.state.rng import capture_rng, restore_rng
-from pcframe.store.directory import CheckpointDir
+from pcframe.store.directory import CheckpointDir, held_lock
 
 FRESH = "give a new directory=... (or none: each run's own output folder)"
 
@@ -52,6 +56,9 @@ def check_run_directory(
         )
     path = Path(directory).expanduser()
     _check_writable(path)
+    held = held_lock(path)  # another run writing there: found after the warm-up, exit 1
+    if held is not None:
+        raise ConfigError(f"directory={path} is in use: {held}")
     try:
         versions = CheckpointDir(path).committed_versions() if path.is_dir() else []
     except OSError as exc:

@@ -298,6 +298,29 @@ def _locked_message(root: Path, holder: str) -> str:
     )
 
 
+def held_lock(root: Path) -> str | None:
+    """Why ``root``'s writer lock is taken, in the words a writer opening it would get, or
+    ``None``: it is free, or that cannot be told here.
+
+    Read from Linux's ``/proc/locks``, without taking the lock: a probe that took it, even
+    for a moment, could make the other writer's own open fail. Without ``/proc`` (another
+    OS) this is ``None``, and the writer's open is where a taken lock is found.
+    """
+    try:
+        info = os.stat(root / LOCK, follow_symlinks=False)
+        with open("/proc/locks") as locks:
+            lines = locks.read().splitlines()
+    except OSError:  # no lock file (nothing can hold it), or no /proc/locks
+        return None
+    # "1: FLOCK  ADVISORY  WRITE <pid> <major>:<minor>:<inode> 0 EOF"; a waiter has "->".
+    key = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    for fields in map(str.split, lines):
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == key:
+            pid = fields[4]  # the one that took it; 0: in another pid namespace, unknown
+            return _locked_message(root, "" if pid == "0" else pid)
+    return None
+
+
 def _same_folder(a: Path, b: Path) -> bool:
     try:
         return os.path.samefile(a, b)

@@ -6,8 +6,12 @@ baseline run (15 s and more), and the run ended as a failure (exit 1, not 2).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +22,8 @@ from pcframe.apps.errors import USAGE_ERROR, describe_error
 from pcframe.apps.preflight import check_run_directory
 from pcframe.apps.run import run_supervised
 from pcframe.apps.workloads import build
-from pcframe.errors import ConfigError
+from pcframe.errors import ConfigError, DirectoryLocked
+from pcframe.store.directory import LOCK
 from tests.apps.conftest import compose, run_module
 
 TINY = {"hidden": 64, "layers": 2, "samples": 256}  # conf/workload/tiny.yaml, fewer samples
@@ -118,6 +123,62 @@ def test_a_supervised_run_refuses_it_before_the_reference_run(tmp_path):
     with pytest.raises(ConfigError, match="another model or setup"):
         run_supervised(cfg, tmp_path / "out", progress=False)
     assert not (tmp_path / "out" / "reference-checkpoints").exists()
+
+
+# A writer's lock as a running pcframe-run holds it (flock on .writer.lock, its pid inside),
+# without the 2-4 s of importing torch; held until its stdin closes.
+HOLD = (
+    "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+    "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, b'%d\\n' % os.getpid()); "
+    "print('held', flush=True); sys.stdin.read()"
+)
+
+
+@contextlib.contextmanager
+def locked_by_another_process(directory: Path) -> Iterator[int]:
+    """``directory`` with its writer lock held by a live process; that process's pid."""
+    directory.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-c", HOLD, str(directory / LOCK)]
+    with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE) as holder:
+        assert holder.stdout.readline() == b"held\n"  # taken: no sleep, no race
+        try:
+            yield holder.pid
+        finally:
+            holder.stdin.close()
+
+
+def test_a_directory_another_process_writes_to_is_refused_first_and_late(tmp_path):
+    """A second pcframe-run on a folder in use was refused only after the warm-up, by its
+    Checkpointer's open, with exit code 1. The lock is looked at, never taken."""
+    directory = saved(tmp_path / "ckpts")
+    with locked_by_another_process(directory) as pid:
+        with pytest.raises(ConfigError) as info:
+            check_run_directory(directory, build("mlp", **TINY))
+        code, line = describe_error(info.value, "run")
+        assert code == USAGE_ERROR and "\n" not in line
+        assert line.startswith(f"directory={directory} is in use: ") and f"(pid {pid})" in line
+        # One that takes the folder after the check is found by the Checkpointer: exit 2 too.
+        with pytest.raises(DirectoryLocked) as late:
+            Checkpointer(directory, model=torch.nn.Linear(2, 2))
+        assert describe_error(late.value, "run")[0] == USAGE_ERROR
+    check_run_directory(directory, build("mlp", **TINY))  # free again: passes
+
+
+@pytest.mark.slow
+def test_pcframe_run_on_a_directory_in_use_is_one_line_with_exit_2_before_training(
+    tmp_path, app_env
+):
+    directory = tmp_path / "ckpts"
+    with locked_by_another_process(directory) as pid:
+        result = run_module(
+            "pcframe.apps.run", "workload=tiny", "threads=1", "steps=20",
+            f"directory={directory}", f"hydra.run.dir={tmp_path / 'out'}",
+            cwd=tmp_path, env=app_env,
+        )  # fmt: skip
+    assert result.returncode == USAGE_ERROR, result.stderr[-2000:]
+    (line,) = result.stderr.strip().splitlines()  # not even the warm-up's progress line
+    assert line.startswith(f"pcframe-run: error: directory={directory} is in use: ")
+    assert f"another live process (pid {pid})" in line and "Traceback" not in result.stderr
 
 
 @pytest.mark.slow
