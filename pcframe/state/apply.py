@@ -92,7 +92,10 @@ def apply_tree(
         StateMismatch: (a CheckpointError) ``rules.strict`` and the version does not fit the
             objects; the message lists every mismatch. Nothing was changed.
         CheckpointError: a ``load_state_dict`` failed after the checks; every object was
-            rolled back to its state before the call.
+            rolled back to its state before the call, the one that raised included (it may
+            be half loaded: its old state goes back through its ``load_state_dict``). The
+            message names that object and its error, which is chained; where putting an
+            object back fails too, it names the objects that may be partly loaded.
     """
     strict, owner = rules.strict, rules.owner
     given = f"the objects given to {owner}" if owner else "the objects given"
@@ -111,31 +114,42 @@ def apply_tree(
         step = ("in-place tensors", _fill(fill, loaded))
         loads.insert(len(loads) if at is None else at, step)
     for name, load in loads:
+        label = _label(objects, name)
         try:
             load(undo)
             loaded.add(name)
         except BaseException as exc:
-            cause = f"loading {name} failed ({type(exc).__name__}: {exc})"
-            if isinstance(exc, Exception) and refused_memory(exc):
+            error = f"{type(exc).__name__}: {exc}"
+            failed = f"loading {label} failed ({error})"
+            if not isinstance(exc, Exception):
+                stuck = undo.all(label)
+                if stuck:
+                    log.error("%s", _partly_loaded(where, failed, stuck))
+                raise
+            if refused_memory(exc):
                 # The machine, not the checkpoint: never a mismatch, even with strict=False.
-                undo.all(cause)
+                failed = f"out of memory while loading {label} ({error})"
+                stuck = undo.all(label)
                 raise RestoreIOError(
-                    f"{where}: out of memory while loading {name} ({type(exc).__name__}: "
-                    f"{exc}); every object was rolled back, nothing was loaded: free memory "
-                    "and restore again"
+                    _partly_loaded(where, failed, stuck)
+                    if stuck
+                    else f"{where}: {failed}; every object was rolled back, nothing was "
+                    "loaded: free memory and restore again"
                 ) from exc
-            if strict or not isinstance(exc, Exception):
-                undo.all(cause)
-                if not isinstance(exc, Exception):
-                    raise
+            if strict:
+                stuck = undo.all(label)
                 raise CheckpointError(
-                    f"{where} does not fit {given}: loading {name} failed "
-                    f"({type(exc).__name__}: {exc}); every object was rolled back, nothing "
-                    "was loaded"
+                    _partly_loaded(where, failed, stuck)
+                    if stuck
+                    else f"{where} does not fit {given}: {failed}; every object was rolled "
+                    "back, nothing was loaded"
                 ) from exc
-            undo.last(cause)
-            not_loaded.append(f"{name}: load_state_dict failed: {type(exc).__name__}: {exc}")
-        undo.commit_step()
+            stuck = undo.last(label)
+            if stuck:  # no object may be left half loaded silently: put every one back
+                stuck += undo.all(label)
+                raise CheckpointError(_partly_loaded(where, failed, stuck)) from exc
+            not_loaded.append(f"{name}: load_state_dict failed: {error}")
+        undo.commit_step(label)
     if (
         Section.SCHEDULER in loaded
         and Section.OPTIMIZER not in loaded
@@ -198,41 +212,63 @@ def _loads(
 
 
 class _Undo:
-    """Undo steps, grouped per object: ``last()`` undoes one object, ``all()`` everything."""
+    """Undo steps, grouped per object: ``last()`` undoes the object being loaded, ``all()``
+    every object. Both run every step they can and return those that failed as (object,
+    error) pairs: those objects may be partly loaded."""
 
     def __init__(self) -> None:
-        self.done: list[list[Callable[[], None]]] = []
+        self.done: list[tuple[str, list[Callable[[], None]]]] = []
         self.current: list[Callable[[], None]] = []
 
     def push(self, step: Callable[[], None]) -> None:
         self.current.append(step)
 
-    def commit_step(self) -> None:
-        self.done.append(self.current)
+    def commit_step(self, label: str) -> None:
+        self.done.append((label, self.current))
         self.current = []
 
-    def last(self, cause: str) -> None:
-        self._run(self.current, cause)
+    def last(self, label: str) -> list[tuple[str, str]]:
+        steps = [(label, step) for step in self.current]
         self.current = []
+        return self._run(steps)
 
-    def all(self, cause: str) -> None:
-        self._run(self.current + [step for steps in self.done for step in steps], cause)
+    def all(self, label: str) -> list[tuple[str, str]]:
+        steps = [(label, step) for step in self.current]
+        steps += [(done, step) for done, group in self.done for step in group]
         self.current, self.done = [], []
+        return self._run(steps)
 
     @staticmethod
-    def _run(steps: list[Callable[[], None]], cause: str) -> None:
-        failed = []
-        for step in reversed(steps):
+    def _run(steps: list[tuple[str, Callable[[], None]]]) -> list[tuple[str, str]]:
+        stuck = []
+        for label, step in reversed(steps):
             try:
                 step()
             except Exception as exc:  # undo what can be undone; say what could not
-                failed.append(exc)
-                log.error("rolling back a failed restore: %s", exc)
-        if failed:
-            raise CheckpointError(
-                f"a restore failed ({cause}) and rolling it back failed too ({failed[0]}): "
-                "the objects may be partly loaded; restore again or rebuild them"
-            ) from failed[0]
+                stuck.append((label, f"{type(exc).__name__}: {exc}"))
+                log.error(
+                    "rolling back a failed restore: putting back %s failed", label, exc_info=True
+                )
+        return stuck
+
+
+def _partly_loaded(where: str, failed: str, stuck: list[tuple[str, str]]) -> str:
+    """The message of a failed load whose rollback failed too: the objects whose old state
+    could not be put back (``stuck``, from :class:`_Undo`) may be partly loaded."""
+    who = " and ".join(dict.fromkeys(label for label, _ in stuck))
+    why = "; ".join(f"putting back {label} raised {error}" for label, error in stuck)
+    return (
+        f"{where}: {failed}, and rolling it back failed too: {who} may be partly loaded "
+        f"({why}); every other object was rolled back: restore again or rebuild {who}"
+    )
+
+
+def _label(objects: TrainingObjects, name: str) -> str:
+    """How errors name the object ``name`` loads: the policy with its class (a plugin's,
+    often), every other by its section or ``stateful[key]``."""
+    if name == Section.POLICY:
+        return f"policy ({type(objects.policy).__name__})"
+    return name
 
 
 def _deep_copy(state: Any) -> Any:
