@@ -21,26 +21,43 @@ class ConfigError(CheckpointError, ValueError):
 
 
 INTACT = "The last committed checkpoint is intact; training may continue."
+# A failed version's last words where no version was committed before it (the first save).
+NONE_COMMITTED = (
+    "No earlier version was committed in this directory, so none was lost; training may continue."
+)
 
 
 class SaveError(CheckpointError):
     """A background stage of one checkpoint version failed.
 
-    Raised in the training thread at the next engine call. The last committed version is
-    untouched; training may go on.
+    Raised in the training thread at the next engine call. The last committed version, if
+    there is one, is untouched; training may go on. ``committed_before``: whether a version
+    was committed in the directory when this one failed (the message says it is intact, or
+    that none was lost); None: as a SaveError inside ``cause`` says, else True.
     """
 
-    def __init__(self, version: int, step: int, stage: str, cause: BaseException) -> None:
+    def __init__(
+        self,
+        version: int,
+        step: int,
+        stage: str,
+        cause: BaseException,
+        committed_before: bool | None = None,
+    ) -> None:
         self.version = version
         self.step = step
         self.stage = stage
         self.cause = cause
         # A cause that is itself a SaveError (a rank's failure inside a round) says it already.
-        described = _describe(cause).replace(f" {INTACT}", "")
+        described = _describe(cause)
+        if committed_before is None:
+            committed_before = f" {NONE_COMMITTED}" not in described
+        self.committed_before = committed_before
+        described = described.replace(f" {INTACT}", "").replace(f" {NONE_COMMITTED}", "")
         end = " " if described.endswith(".") else ". "
         super().__init__(
             f"checkpoint version {version} (step {step}) failed in stage '{stage}': "
-            f"{described}{end}{INTACT}"
+            f"{described}{end}{INTACT if committed_before else NONE_COMMITTED}"
         )
 
 

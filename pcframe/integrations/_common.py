@@ -18,7 +18,14 @@ from pcframe.checkpointer import Checkpointer
 from pcframe.config import EngineConfig
 from pcframe.decisions import checked_notices
 from pcframe.distributed.options import check_job_options
-from pcframe.errors import INTACT, CheckpointError, ConfigError, SaveError, StateMismatch
+from pcframe.errors import (
+    INTACT,
+    NONE_COMMITTED,
+    CheckpointError,
+    ConfigError,
+    SaveError,
+    StateMismatch,
+)
 from pcframe.policies.base import IntervalPolicy
 from pcframe.policies.fixed import FixedSteps
 from pcframe.policies.placement.base import PlacementPolicy
@@ -227,12 +234,24 @@ class CallbackSaveError(SaveError):
 
     The engine's message ends "training may continue" (true of a loop that catches it); the
     callbacks stop the fit instead, or find the failure once training has ended, and say so.
-    ``version``, ``step``, ``stage`` and ``cause`` are the engine's error's.
+    ``version``, ``step``, ``stage``, ``cause`` and ``committed_before`` are the engine's
+    error's.
     """
 
-    def __init__(self, message: str, version: int, step: int, stage: str, cause: BaseException):
-        CheckpointError.__init__(self, message, version, step, stage, cause)  # picklable args
+    def __init__(
+        self,
+        message: str,
+        version: int,
+        step: int,
+        stage: str,
+        cause: BaseException,
+        committed_before: bool = True,
+    ):
+        CheckpointError.__init__(  # picklable args
+            self, message, version, step, stage, cause, committed_before
+        )
         self.version, self.step, self.stage, self.cause = version, step, stage, cause
+        self.committed_before = committed_before
 
     def __str__(self) -> str:
         return str(self.args[0])
@@ -241,8 +260,18 @@ class CallbackSaveError(SaveError):
 def stopped_by(error: SaveError, owner: str, step: int, finished: bool, again: str) -> SaveError:
     """``error`` reworded for a callback: it stopped training at ``step``, or (``finished``)
     training had ended at ``step`` when the failure was found; ``again`` resumes."""
-    what = str(error).removesuffix(INTACT).rstrip()
-    if finished:
+    what = str(error).removesuffix(INTACT).removesuffix(NONE_COMMITTED).rstrip()
+    if not error.committed_before and finished:  # the first save: nothing to resume from
+        told = (
+            f"{owner}: training ended at step {step}, but {what} No version was committed in "
+            f"this directory: fix the cause and save again, or {again} to train from the start"
+        )
+    elif not error.committed_before:
+        told = (
+            f"{owner} stopped training at step {step}: {what} No version was committed in this "
+            f"directory yet: fix the cause and {again} (it starts from the beginning)"
+        )
+    elif finished:
         told = (
             f"{owner}: training ended at step {step}, but {what} The last committed checkpoint "
             f"is intact but older than the end of training: fix the cause and save again, or "
@@ -253,7 +282,9 @@ def stopped_by(error: SaveError, owner: str, step: int, finished: bool, again: s
             f"{owner} stopped training at step {step}: {what} The last committed checkpoint is "
             f"intact: fix the cause and {again} to resume from it"
         )
-    return CallbackSaveError(told, error.version, error.step, error.stage, error.cause)
+    return CallbackSaveError(
+        told, error.version, error.step, error.stage, error.cause, error.committed_before
+    )
 
 
 def close_quietly(checkpointer: Checkpointer, owner: str) -> None:

@@ -46,6 +46,14 @@ class Committer:
         # Called after a version is published: f(version, path, manifest).
         self.listeners: list[CommitListener] = []
 
+    def any_committed(self) -> bool:
+        """Whether a committed version stands in the directory now (a failed version's
+        error says the last one is intact only then)."""
+        try:
+            return bool(self.storage.committed_versions())
+        except (CheckpointError, OSError):  # unlistable now: what this engine found or published
+            return self.max_published > 0
+
     def commit(self, write: VersionWrite) -> None:
         """Publish ``write`` (or discard it if a newer version was published first)."""
         request, progress = write.request, write.progress

@@ -212,9 +212,9 @@ class InFlight:
         self._unraised = [p for p in errors if not p.reported]
         if first is not None:
             assert first.error is not None
-            raise SaveError(first.version, first.step, first.stage or "", first.error) from (
-                first.error
-            )
+            raise SaveError(
+                first.version, first.step, first.stage or "", first.error, first.committed_before
+            ) from first.error
 
     def _prune(self) -> None:
         """Drop the versions whose copy is done from ``_copying``, the finished ones from
@@ -306,7 +306,10 @@ class EngineSaveHandle(SaveHandle):
         progress = self._progress
         if progress.error is not None:
             stage = progress.stage or ""
-            return SaveStatus.FAILED, SaveError(self.version, self.step, stage, progress.error)
+            error = SaveError(
+                self.version, self.step, stage, progress.error, progress.committed_before
+            )
+            return SaveStatus.FAILED, error
         return progress.status, None
 
     def _wait_later(self, timeout: float | None = None) -> tuple[SaveStatus, SaveError | None]:

@@ -97,7 +97,10 @@ class SaveHandle(VersionHandle):
             raise TimeoutError(f"checkpoint version {self.version} not durable after {timeout}s")
         if progress.error is not None:
             stage = progress.stage or ""
-            return SaveStatus.FAILED, SaveError(self.version, self.step, stage, progress.error)
+            error = SaveError(
+                self.version, self.step, stage, progress.error, progress.committed_before
+            )
+            return SaveStatus.FAILED, error
         return progress.status, None
 
     def claim_report(self) -> bool:

@@ -128,7 +128,8 @@ class SavePipeline:
         try:
             self.pool.ensure(self._staging_budget(request.nbytes), pinned=request.on_cuda)
         except MemoryError as exc:  # a save that fails, not a bad setting: training goes on
-            raise SaveError(request.version, progress.step, Stage.SNAPSHOT, exc) from exc
+            committed = self.committer.any_committed()
+            raise SaveError(request.version, progress.step, Stage.SNAPSHOT, exc, committed) from exc
         if not self._started:  # the training thread: one caller, no race
             self._started = True
             self._writers.start()
@@ -426,6 +427,7 @@ class SavePipeline:
                 if write.failed:
                     progress.status = SaveStatus.FAILED
                     self.storage.discard(write.version)
+                    progress.committed_before = self.committer.any_committed()
                 self.deltas.finished(write.version, write.delta)
                 progress.add_cpu(cpu)
                 progress.finished.set()

@@ -35,6 +35,9 @@ class SaveProgress:
     durable_at: float = 0.0  # time.perf_counter() at its commit point
     stored_bytes: int = 0
     reported: bool = False  # its error was already raised to the user
+    # Failed: whether a committed version stood in the directory then (its SaveError says
+    # that one is intact, or that none was lost). Set before ``finished``.
+    committed_before: bool = True
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
