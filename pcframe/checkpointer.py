@@ -561,10 +561,11 @@ class Checkpointer:
         try:
             tracked = len(self._hooks) == 2  # a post-hook ends the update
             if tracked and not self._closed:
+                thread, frame = threading.get_ident(), _outside_engine(sys._getframe())
                 # Marked once a save that another thread has under way is handed over (its
                 # copy is waited for below), so none starts its capture after the gate.
                 with self._one_caller, self._update_ended:
-                    self._updating[threading.get_ident()] = _outside_engine(sys._getframe())
+                    self._updating[thread] = frame
             count = True
             while not self._closed:
                 self._gate(count=count)
@@ -573,8 +574,6 @@ class Checkpointer:
                     break
             if tracked and not self._closed:
                 # Ends at the post-hook; or, if the step raises, once its frame has returned.
-                frame = _outside_engine(sys._getframe())
-                thread = threading.get_ident()
                 self._stepping[thread] = self._engine_calls.enter("optimizer.step", frame)
         finally:
             self._in_step_hook -= 1
