@@ -74,7 +74,9 @@ class Checkpointer:
         model, optimizer, scheduler, scaler: the usual torch objects (all optional).
         data: a stateful data position (e.g. :class:`pcframe.state.data.ResumableLoader`).
         stateful: more named objects with ``state_dict()`` / ``load_state_dict()``.
-        extra: a JSON-able dict saved with every version and updated in place on restore.
+        extra: a JSON-able dict saved with every version and updated in place on restore
+            (a Counter, OrderedDict, defaultdict, namedtuple or enum member in it comes
+            back as one: :mod:`pcframe.format.tree`).
         policy: decides when :meth:`maybe_save` saves (default: every 100 steps).
         config: engine knobs; keyword overrides (``max_in_flight=4``) are applied on top.
         tiers: replica tiers, name -> directory, URL or :class:`~pcframe.store.tiers.Tier`

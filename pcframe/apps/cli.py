@@ -49,9 +49,10 @@ def _manifest(directory: CheckpointDir, version: int) -> Manifest:
 
 
 def _verified(directory: CheckpointDir, version: int, threads: int = 4) -> LoadedVersion:
-    """``version`` read with every chunk and segment checksummed and decoded, the tree too."""
+    """``version`` read with every chunk and segment checksummed and decoded, the tree too
+    (its namedtuple and enum classes are the training code's, not looked up here)."""
     loaded = load_version(directory.path(version), threads=threads)
-    loaded.state_tree()
+    loaded.state_tree(classes=False)
     return loaded
 
 

@@ -198,9 +198,12 @@ def prepare(
         values = {r: _values(index.manifests[r], loaded.get(r, {})) for r in needed}
         for name, source_rank, node in wanted:
             if node is not None:
-                prepared.sections[name] = _decode(node, values[source_rank], index, source_rank)
+                prepared.sections[name] = _decode(
+                    node, values[source_rank], index, source_rank, name
+                )
         decoded_values = {
-            name: _decode(node, values[r], index, r) for name, (r, node) in value_nodes.items()
+            name: _decode(node, values[r], index, r, name)
+            for name, (r, node) in value_nodes.items()
         }
         _check_sections(prepared, objects, version)
         if current_model is not None:
@@ -415,11 +418,11 @@ def _values(manifest: Manifest, tensors: dict[int, torch.Tensor]) -> list[Any]:
     return values
 
 
-def _decode(node: Any, values: list[Any], index: SavedIndex, rank: int) -> Any:
+def _decode(node: Any, values: list[Any], index: SavedIndex, rank: int, name: str) -> Any:
     try:
-        return decode_tree(node, values)
-    except ManifestError as exc:
-        raise ManifestError(f"{index.directory(rank) / MANIFEST_NAME}: {exc}") from None
+        return decode_tree(node, values, path=f"/{name}")
+    except ManifestError as exc:  # of its class: UnsupportedCheckpoint is no damage
+        raise type(exc)(f"{index.directory(rank) / MANIFEST_NAME}: {exc}") from None
 
 
 def _tensor_refs(node: Any, index: SavedIndex, rank: int) -> set[int]:

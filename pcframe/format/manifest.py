@@ -15,6 +15,8 @@ no ``delta`` and depth 0). A reader of version 1 rejects version 2 by the header
 Version 3 allows numpy scalars in the state tree. Version 4 allows
 ``files/data.bin/stripes: K``: the chunks are spread over ``K`` files
 (:mod:`pcframe.format.stripes`); the layout and checksums are those of one ``data.bin``.
+Version 5 allows the tagged standard subtypes in the state tree (``Counter``,
+``OrderedDict``, ``defaultdict``, namedtuples, enum members: :mod:`pcframe.format.tree`).
 
 :class:`Manifest` holds what one version is (its tensors, where their bytes are, the chunk
 checksums, the state tree); :meth:`Manifest.to_bytes` gives the file, :func:`read_manifest`
@@ -36,17 +38,19 @@ from pcframe.format.layout import Entry, Layout
 from pcframe.format.names import CODEC_NAME, DATA_NAME, MANIFEST_NAME, MAX_VERSION, SAFE_FILE
 from pcframe.format.segments import CodedSegments, SegmentRecord
 from pcframe.format.stripes import MAX_STRIPES
-from pcframe.format.tree import check_tree
+from pcframe.format.tree import TYPED_TAGS, check_tree, tags_held
 from pcframe.kernels.dtypes import DTYPES
 
 FORMAT = "pcframe-manifest"
-FORMAT_VERSION = 4  # the newest this code reads and writes
+FORMAT_VERSION = 5  # the newest this code reads and writes
+TYPED_FORMAT_VERSION = 5  # written when the state tree holds a Counter, namedtuple, enum...
 STRIPED_FORMAT_VERSION = 4  # written when data.bin is striped over several files
 NUMPY_FORMAT_VERSION = 3  # written when the state tree holds a numpy scalar
 CODED_FORMAT_VERSION = 2  # written when a tensor is coded (codec.bin, deltas)
 PLAIN_FORMAT_VERSION = 1  # written when no tensor is coded: readable by every pcframe
 # Version 3 adds numpy scalars to the state tree ({"$np": [dtype, text]}), version 4 the
-# stripes of data.bin (files/data.bin/stripes): each written only when used, so that a
+# stripes of data.bin (files/data.bin/stripes), version 5 the tree's standard subtypes
+# ({"$counter": ...}, {"$enum": ...}: TYPED_TAGS): each written only when used, so that a
 # pcframe before it says "upgrade" instead of "corrupt".
 
 
@@ -97,9 +101,12 @@ class Manifest:
 
     @property
     def format_version(self) -> int:
+        tags = tags_held(self.tree)
+        if tags & TYPED_TAGS:
+            return TYPED_FORMAT_VERSION
         if self.stripes > 1:
             return STRIPED_FORMAT_VERSION
-        if _holds_numpy_scalar(self.tree):
+        if "$np" in tags:
             return NUMPY_FORMAT_VERSION
         return CODED_FORMAT_VERSION if self.coded else PLAIN_FORMAT_VERSION
 
@@ -179,23 +186,9 @@ class Manifest:
         return seal(FORMAT, self.format_version, self.body())
 
 
-def _holds_numpy_scalar(node: Any) -> bool:
-    """Whether an encoded state tree has a ``$np`` node (format version 3)."""
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if isinstance(current, dict):
-            if "$np" in current and len(current) == 1:
-                return True
-            stack.extend(current.values())
-        elif isinstance(current, list):
-            stack.extend(current)
-    return False
-
-
 __all__ = ["CODEC_NAME", "DATA_NAME", "MANIFEST_NAME", "Manifest", "SegmentRecord", "read_manifest"]
 
-READABLE_VERSIONS = (1, 2, 3, 4)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_TENSORS = 1_000_000
 MAX_DIMS = 32

@@ -4,12 +4,24 @@ Tensors (and numpy arrays) are replaced in the tree by ``{"$t": index}`` and sto
 bytes. Everything else must be JSON-representable; the few Python types that JSON lacks
 (tuples, dicts with non-string keys, dtypes) get a small tagged form. Decoding never runs
 code chosen by the file: tags map to a fixed set of constructors.
+
+The standard subtypes state holds keep their type (a scheduler's ``Counter``, an
+``IntEnum``, a namedtuple came back a dict, an int, a tuple): ``{"$counter": d}``,
+``{"$odict": d}``, ``{"$defaultdict": [factory, d]}`` (``d``: the dict's own encoding;
+``factory``: null or a class's ``[module, qualname]``), ``{"$namedtuple": [module,
+qualname, [items]]}`` and ``{"$enum": [module, qualname, value]}`` (a JSON scalar value):
+manifest format version 5, written only when used. A class a file names is looked up among
+the modules this process has imported, never imported, and used only if it is of the kind
+its tag says (:mod:`pcframe.format.classes`): a namedtuple is built without its class's
+code, an enum member found by the enum's own lookup, a defaultdict's factory is a class.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 import re
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +29,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from pcframe.errors import ManifestError, UnstorableState
+from pcframe.errors import ManifestError, UnstorableState, UnsupportedCheckpoint
+from pcframe.format.classes import (
+    ClassProblem,
+    checked_names,
+    class_names,
+    factory_names,
+    is_namedtuple_class,
+    resolve_class,
+)
 from pcframe.kernels.dtypes import DTYPES, dtype_name
 
 MAX_DEPTH = 64
@@ -111,6 +131,8 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef], depth: int = 0) -> A
         return {"$t": len(refs) - 1}
     if isinstance(obj, np.generic) and not isinstance(obj, np.str_ | np.bytes_ | np.void):
         return {"$np": _numpy_scalar(obj, path)}  # its type kept: float32 maths resumes as such
+    if isinstance(obj, enum.Enum):  # before str and int: an IntEnum is an int
+        return {"$enum": [*class_names(type(obj), path, "enum"), _enum_value(obj, path)]}
     if obj is None or isinstance(obj, bool | str):
         return obj
     if isinstance(obj, int | np.integer):
@@ -127,9 +149,21 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef], depth: int = 0) -> A
     if isinstance(obj, list):
         return [encode_tree(v, f"{path}/{i}", refs, inner) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
-        return {"$tuple": [encode_tree(v, f"{path}/{i}", refs, inner) for i, v in enumerate(obj)]}
+        items = [encode_tree(v, f"{path}/{i}", refs, inner) for i, v in enumerate(obj)]
+        if is_namedtuple_class(type(obj)):
+            return {"$namedtuple": [*class_names(type(obj), path, "namedtuple"), items]}
+        return {"$tuple": items}
+    if kind in _DICT_TAGS:  # Counter, OrderedDict: their own subclasses stay plain dicts
+        return {_DICT_TAGS[kind]: encode_tree(dict(obj), path, refs, inner)}
+    if kind is defaultdict:
+        factory = factory_names(obj.default_factory, path)
+        return {"$defaultdict": [factory, encode_tree(dict(obj), path, refs, inner)]}
     if isinstance(obj, dict):
-        if all(isinstance(k, str) and not k.startswith("$") for k in obj):
+        if all(
+            (type(k) is str or (isinstance(k, str) and not isinstance(k, enum.Enum)))
+            and not k.startswith("$")
+            for k in obj
+        ):
             return {k: encode_tree(v, f"{path}/{k}", refs, inner) for k, v in obj.items()}
         return {
             "$dict": [
@@ -145,6 +179,31 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef], depth: int = 0) -> A
         "checkpoints are pickle-free, so state must be tensors, numpy arrays or JSON-able "
         "values (dict, list, tuple, str, int, float, bool, None); convert it in the "
         "object's state_dict()"
+    )
+
+
+_DICT_TAGS: dict[type, str] = {Counter: "$counter", OrderedDict: "$odict"}
+_DICT_TYPES: dict[str, Callable[[dict[Any, Any]], dict[Any, Any]]] = {
+    "$counter": Counter,
+    "$odict": OrderedDict,
+}
+
+
+def _enum_value(member: enum.Enum, path: str) -> Any:
+    value = member.value
+    kind = type(value)
+    if (
+        (kind is int and is_storable_int(value))
+        or (kind is float and math.isfinite(value))
+        or kind is str
+        or kind is bool
+        or value is None
+    ):
+        return value
+    raise UnstorableState(
+        f"cannot checkpoint the enum member {member!r:.80} at '{path}': its value is a "
+        f"{kind.__name__}; pcframe keeps enum members whose value is a str, int, finite "
+        "float, bool or None: store its .name in the object's state_dict()"
     )
 
 
@@ -219,33 +278,123 @@ def _np_value(value: Any) -> np.generic:
     return scalar
 
 
-def decode_tree(node: Any, tensors: list[Any], depth: int = 0) -> Any:
+def decode_tree(
+    node: Any, tensors: list[Any], depth: int = 0, *, classes: bool = True, path: str = ""
+) -> Any:
     """Inverse of :func:`encode_tree`; ``tensors[i]`` replaces ``{"$t": i}``.
 
+    ``classes=False`` leaves the classes a tree names alone: a namedtuple decodes to a
+    tuple, an enum member to its value, a defaultdict to a dict (for a reader that only
+    verifies a version, in a process that need not have imported them). ``path``: where
+    ``node`` is in the state (``/stateful``), for messages.
+
     Raises:
+        UnsupportedCheckpoint: naming the path and the class, when a class the tree names
+            is not defined in this process, is not of the kind its tag says, or does not
+            hold the value (a restore stops there: the version is not damaged).
         ManifestError: the tree does not follow the schema :func:`encode_tree` writes (see
             :func:`check_tree`, which validates a tree without building it).
     """
+    try:
+        return _decoded(node, tensors, depth, classes)
+    except ClassProblem as exc:
+        where = f"{path}{_path_to(exc.node, node)}" or "/"
+        raise UnsupportedCheckpoint(f"cannot restore the value at '{where}': {exc}") from None
+
+
+def _decoded(node: Any, tensors: list[Any], depth: int, classes: bool) -> Any:
     if depth > MAX_DEPTH:
         raise ManifestError(f"state tree nested deeper than {MAX_DEPTH} levels")
     if isinstance(node, list):
-        return [decode_tree(v, tensors, depth + 1) for v in node]
+        return [_decoded(v, tensors, depth + 1, classes) for v in node]
     if not isinstance(node, dict):
         return _scalar(node)
     tag = _tag(node)
     if tag is None:
-        return {k: decode_tree(v, tensors, depth + 1) for k, v in node.items()}
+        return {k: _decoded(v, tensors, depth + 1, classes) for k, v in node.items()}
     value = node[tag]
     if tag == "$t":
         return tensors[_tensor_index(value, len(tensors))]
     if tag == "$tuple":
-        return tuple(decode_tree(v, tensors, depth + 1) for v in _as_list(value, tag))
+        return tuple(_decoded(v, tensors, depth + 1, classes) for v in _as_list(value, tag))
     if tag == "$dict":
         return {
-            _hashable(decode_tree(k, tensors, depth + 1)): decode_tree(v, tensors, depth + 1)
+            _hashable(_decoded(k, tensors, depth + 1, classes)): _decoded(
+                v, tensors, depth + 1, classes
+            )
             for k, v in _pairs(value)
         }
+    if tag in _DICT_TYPES:
+        return _DICT_TYPES[tag](_decoded(_dict_node(value, tag), tensors, depth + 1, classes))
+    if tag == "$defaultdict":
+        factory, inner = _defaultdict_parts(value)
+        items = _decoded(inner, tensors, depth + 1, classes)
+        if not classes:
+            return items
+        if factory is not None:
+            factory = resolve_class(factory, node, "default_factory class", lambda c: True)
+        return defaultdict(factory, items)
+    if tag == "$namedtuple":
+        module, qualname, raw = _named_parts(value, tag)
+        items = [_decoded(v, tensors, depth + 1, classes) for v in _as_list(raw, tag)]
+        if not classes:
+            return tuple(items)
+        kind = resolve_class([module, qualname], node, "namedtuple class", is_namedtuple_class)
+        if len(items) != len(kind._fields):
+            raise ClassProblem(
+                node,
+                f"the checkpoint holds {len(items)} values of the namedtuple "
+                f"{module}.{qualname}, which has the fields {kind._fields} in this process: "
+                "restore with the class as it was saved",
+            )
+        return tuple.__new__(kind, items)  # as namedtuple's _make does: no code of the class
+    if tag == "$enum":
+        module, qualname, raw = _named_parts(value, tag)
+        if not classes:
+            return raw
+        kind = resolve_class(
+            [module, qualname], node, "enum class", lambda c: issubclass(c, enum.Enum)
+        )
+        try:
+            return kind(raw)  # a lookup among its members (a class this process defines)
+        except ValueError:
+            raise ClassProblem(
+                node,
+                f"{raw!r:.60} is not a value of the enum {module}.{qualname} in this process "
+                "(a member removed or renamed since the save?): restore with the class as "
+                "it was saved",
+            ) from None
     return _TAG_VALUES[tag](value)
+
+
+def _path_to(target: Any, root: Any) -> str:
+    """The path (``/stateful/h/0``, as :func:`encode_tree` names it) of the encoded node
+    ``target`` inside ``root``, found by identity ("" when it is ``root``)."""
+    stack: list[tuple[Any, str]] = [(root, "")]
+    while stack:
+        node, path = stack.pop()
+        if node is target:
+            return path
+        if isinstance(node, list):
+            stack.extend((v, f"{path}/{i}") for i, v in enumerate(node))
+        elif isinstance(node, dict) and len(node) == 1 and next(iter(node)) in _TAGS:
+            tag, value = next(iter(node.items()))
+            if not isinstance(value, list):  # $counter, $odict: the dict's own path
+                stack.append((value, path))
+            elif tag in ("$tuple", "$namedtuple"):
+                items = value[2] if tag == "$namedtuple" and len(value) == 3 else value
+                if isinstance(items, list):
+                    stack.extend((v, f"{path}/{i}") for i, v in enumerate(items))
+            elif tag == "$defaultdict" and len(value) == 2:
+                stack.append((value[1], path))
+            elif tag == "$dict":
+                for pair in value:
+                    if isinstance(pair, list) and len(pair) == 2:
+                        key = pair[0] if not isinstance(pair[0], dict | list) else "<key>"
+                        stack.extend([(pair[0], f"{path}/<key>"), (pair[1], f"{path}/{key}")])
+        elif isinstance(node, dict):
+            stack.extend((v, f"{path}/{k}") for k, v in node.items())
+    return ""
 
 
 def check_tree(node: Any, num_tensors: int, numpy: Collection[int] = ()) -> None:
@@ -289,6 +438,15 @@ def _check_node(node: Any, n: int, numpy: frozenset[int], path: str, depth: int)
             if not _hashable_node(k, numpy):
                 raise ManifestError(f"state tree at '{path}': unhashable dict key {k!r:.80}")
             _check_node(v, n, numpy, f"{path}/{i}", depth + 1)
+    elif tag in _DICT_TYPES:
+        _check_node(_at(path, _dict_node, value, tag), n, numpy, path, depth + 1)
+    elif tag == "$defaultdict":
+        _check_node(_at(path, _defaultdict_parts, value)[1], n, numpy, path, depth + 1)
+    elif tag == "$namedtuple":
+        for i, v in enumerate(_at(path, _as_list, _at(path, _named_parts, value, tag)[2], tag)):
+            _check_node(v, n, numpy, f"{path}/{i}", depth + 1)
+    elif tag == "$enum":
+        _at(path, _named_parts, value, tag)
     else:
         _at(path, _TAG_VALUES[tag], value)
 
@@ -365,7 +523,53 @@ _TAG_VALUES: dict[str, Callable[[Any], Any]] = {
     "$device": _device,
     "$np": _np_value,
 }
-_TAGS = frozenset({"$t", "$tuple", "$dict", *_TAG_VALUES})
+# Tags of the standard subtypes (manifest format version 5: an older reader says "upgrade").
+TYPED_TAGS = frozenset({*_DICT_TYPES, "$defaultdict", "$namedtuple", "$enum"})
+_TAGS = frozenset({"$t", "$tuple", "$dict", *_TAG_VALUES, *TYPED_TAGS})
+
+
+def tags_held(node: Any) -> set[str]:
+    """The tags an encoded (checked) tree uses: what the manifest's format version follows."""
+    found: set[str] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, dict):
+            if len(current) == 1:
+                tag = next(iter(current))
+                if tag in _TAGS:
+                    found.add(tag)
+            stack.extend(current.values())
+        elif isinstance(current, list):
+            stack.extend(current)
+    return found
+
+
+def _named_parts(value: Any, tag: str) -> tuple[str, str, Any]:
+    """``[module, qualname, x]`` of a ``$namedtuple`` (x: the items) or ``$enum`` (x: a JSON
+    scalar, the member's value)."""
+    if not isinstance(value, list) or len(value) != 3:
+        raise ManifestError(f"malformed '{tag}' entry in state tree ([module, qualname, value])")
+    module, qualname = checked_names(value[:2], tag)
+    if tag == "$enum" and isinstance(value[2], list | dict):
+        raise ManifestError(f"malformed '$enum' value {value[2]!r:.40} (a JSON scalar)")
+    if tag == "$enum":
+        _scalar(value[2])
+    return module, qualname, value[2]
+
+
+def _dict_node(value: Any, tag: str) -> dict[str, Any]:
+    """The encoded dict inside a ``$counter`` / ``$odict`` / ``$defaultdict``."""
+    if not isinstance(value, dict) or _tag(value) not in (None, "$dict"):
+        raise ManifestError(f"malformed '{tag}' entry in state tree (it holds a dict)")
+    return value
+
+
+def _defaultdict_parts(value: Any) -> tuple[list[str] | None, dict[str, Any]]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise ManifestError("malformed '$defaultdict' entry in state tree ([factory, dict])")
+    factory = None if value[0] is None else checked_names(value[0], "$defaultdict")
+    return factory, _dict_node(value[1], "$defaultdict")
 
 
 def _hashable_node(node: Any, numpy: frozenset[int]) -> bool:
@@ -379,7 +583,10 @@ def _hashable_node(node: Any, numpy: frozenset[int]) -> bool:
         return node[tag] not in numpy
     if tag == "$tuple":
         return all(_hashable_node(v, numpy) for v in node[tag])
-    return tag in _TAG_VALUES  # plain dicts and '$dict' decode to unhashable dicts
+    if tag == "$namedtuple":
+        return all(_hashable_node(v, numpy) for v in node[tag][2])
+    # plain dicts, '$dict' and the dict subtypes decode to unhashable dicts
+    return tag in _TAG_VALUES or tag == "$enum"
 
 
 def _as_list(value: Any, tag: str) -> list[Any]:

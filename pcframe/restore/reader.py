@@ -87,11 +87,13 @@ class LoadedVersion:
         """The in-place targets' bytes in the version (what ``fill`` covers)."""
         return self.in_place.in_place_bytes
 
-    def state_tree(self) -> Any:
+    def state_tree(self, classes: bool = True) -> Any:
+        """The decoded state; ``classes=False`` leaves the classes it names (namedtuples,
+        enums) alone, for a check that needs none of them (:func:`decode_tree`)."""
         values: list[Any] = list(self.tensors)
         for index in self.manifest.numpy_tensors:
             values[index] = self.tensors[index].numpy()
-        return decode_tree(self.manifest.tree, values)
+        return decode_tree(self.manifest.tree, values, classes=classes)
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return {e.name: t for e, t in zip(self.manifest.entries, self.tensors, strict=True)}

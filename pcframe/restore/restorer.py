@@ -23,13 +23,18 @@ from typing import Any
 
 import torch
 
-from pcframe.errors import CheckpointError, NoValidCheckpoint, RestoreIOError
+from pcframe.errors import (
+    CheckpointError,
+    NoValidCheckpoint,
+    RestoreIOError,
+    UnsupportedCheckpoint,
+)
 from pcframe.format.manifest import Manifest
 from pcframe.format.names import check_requested_version, version_name
 from pcframe.restore.live import Spare
 from pcframe.restore.reader import LoadedVersion
 from pcframe.restore.report import RestoreReport
-from pcframe.restore.sources import load_first_valid, restore_sources
+from pcframe.restore.sources import load_first_valid, restore_sources, stop_at_unsupported
 from pcframe.runtime.collector import collector_paused
 from pcframe.runtime.interrupts import interrupts_held
 from pcframe.save.staging import StagingPool
@@ -213,7 +218,11 @@ def _commit(loaded: LoadedVersion, job: RestoreJob) -> Manifest:
     where = f"version {manifest.version} ({version_name(manifest.version)})"
     fill = _FillInto(loaded, report) if loaded.in_place_bytes else None
     try:
-        report.not_loaded = apply_tree(job.objects, loaded.state_tree(), where, job.rules, fill)
+        try:
+            tree = loaded.state_tree()
+        except UnsupportedCheckpoint as exc:  # a class it names is not in this process
+            raise UnsupportedCheckpoint(stop_at_unsupported(where, exc)) from None
+        report.not_loaded = apply_tree(job.objects, tree, where, job.rules, fill)
     finally:
         loaded.release()
     report.version, report.step = manifest.version, manifest.step

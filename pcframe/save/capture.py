@@ -8,13 +8,17 @@ is built once and reused while the (name, dtype, shape) signature stays the same
 
 from __future__ import annotations
 
+import copy
+import enum
 import json
 import math
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from pcframe.config import EngineConfig
+from pcframe.format.classes import is_namedtuple_class
 from pcframe.format.layout import Layout
 from pcframe.format.manifest import MAX_DIMS, MAX_NAME, MAX_NUMEL, MAX_TENSORS, is_valid_step
 from pcframe.format.tree import (
@@ -155,10 +159,13 @@ class Capture:
         o = self.objects
         tree: dict[str, Any] = {}
         if o.model is not None:
-            tree[Section.MODEL] = o.model.state_dict()
-            versions = versions_to_save(tree[Section.MODEL])
+            state = o.model.state_dict()
+            versions = versions_to_save(state)
             if versions:  # module versions other than the default, for migrations
                 tree["model_versions"] = versions
+            # An OrderedDict by torch's habit, not for its load_state_dict: a plain dict
+            # keeps a default version in format 1 (the tree keeps an OrderedDict's type).
+            tree[Section.MODEL] = dict(state) if type(state) is OrderedDict else state
         if o.optimizer is not None:
             tree[Section.OPTIMIZER] = o.optimizer.state_dict()
             if isinstance(o.optimizer, torch.optim.Optimizer):  # not a multi-rank stand-in
@@ -176,8 +183,9 @@ class Capture:
         tree[Section.STATEFUL] = {name: obj.state_dict() for name, obj in o.stateful.items()}
         tree[Section.POLICY] = o.policy.state_dict()
         if o.extra is not None:
-            tree[Section.EXTRA] = json_only(o.extra, Section.EXTRA)
-        return tree
+            tree[Section.EXTRA] = json_only(o.extra, Section.EXTRA, typed=True)
+        # Plain keys: the tree would keep the StrEnum Section as an enum (format 5).
+        return {str(key): value for key, value in tree.items()}
 
     def _buffer_paths(self) -> frozenset[str]:
         """The model's buffers, as their paths in the state tree."""
@@ -321,21 +329,34 @@ def check_reader_limits(named: list[tuple[str, torch.Tensor]]) -> None:
             )
 
 
-def json_only(value: dict[str, Any], what: str) -> dict[str, Any]:
+def json_only(value: dict[str, Any], what: str, typed: bool = False) -> dict[str, Any]:
     """A deep copy of ``value`` through JSON (so later changes do not leak into the version).
+
+    ``typed``: ``value`` goes into the state tree, which keeps the standard subtypes
+    (``Counter``, ``OrderedDict``, ``defaultdict``, namedtuples, enum members:
+    :mod:`pcframe.format.tree`), so they are allowed and copied as they are, not through JSON
+    (which made a Counter a dict and an IntEnum an int).
 
     Raises:
         TypeError: naming the first key path whose value JSON would not give back as it is
             (an int key comes back as a str, a tuple as a list) or cannot hold at all.
     """
-    _check_round_trip(value, what)
+    _check_round_trip(value, what, typed)
     try:
-        return json.loads(json.dumps(value))
+        text = json.dumps(value, default=_json_of_enum if typed else None)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"{what} must be JSON-able (no tensors or objects): {exc}") from None
+    return copy.deepcopy(value) if typed else json.loads(text)
 
 
-def _check_round_trip(value: Any, path: str, depth: int = 0) -> None:
+def _json_of_enum(value: Any) -> Any:
+    """What JSON checks of an enum member (json.dumps takes only int and str ones)."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def _check_round_trip(value: Any, path: str, typed: bool = False, depth: int = 0) -> None:
     if depth > MAX_DEPTH:  # JSON's reader recurses: nested ~1000 deep, no reader opens it
         shown = path if len(path) <= 200 else f"{path[:200]}..."
         raise TypeError(
@@ -351,9 +372,9 @@ def _check_round_trip(value: Any, path: str, depth: int = 0) -> None:
                     f"{path}: key {key!r} ({type(key).__name__}) would not be restored as it is "
                     "(JSON keys are strings); use str keys"
                 )
-            _check_round_trip(item, f"{path}[{key!r}]", depth + 1)
+            _check_round_trip(item, f"{path}[{key!r}]", typed, depth + 1)
+    elif isinstance(value, list) or (typed and is_namedtuple_class(type(value))):
+        for index, item in enumerate(value):
+            _check_round_trip(item, f"{path}[{index}]", typed, depth + 1)
     elif isinstance(value, tuple):
         raise TypeError(f"{path}: a tuple would be restored as a list; store a list")
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            _check_round_trip(item, f"{path}[{index}]", depth + 1)

@@ -299,12 +299,19 @@ def _typed_like(state: Any, live: Any) -> Any:
             return torch.nn.Parameter(state, requires_grad=live.requires_grad)
         return state.requires_grad_() if live.requires_grad else state
     if isinstance(state, dict) and isinstance(live, dict):
-        return {k: _typed_like(v, live[k]) if k in live else v for k, v in state.items()}
+        items = {k: _typed_like(v, live[k]) if k in live else v for k, v in state.items()}
+        if type(state) is dict:
+            return items
+        kept = copy.copy(state)  # a Counter, OrderedDict, defaultdict stays one
+        dict.update(kept, items)  # (Counter.update would add the counts)
+        return kept
     if isinstance(state, list | tuple) and isinstance(live, list | tuple):
         if len(state) != len(live):
             return state
         typed = [_typed_like(v, w) for v, w in zip(state, live, strict=True)]
-        return typed if isinstance(state, list) else tuple(typed)
+        if isinstance(state, list):
+            return typed
+        return tuple.__new__(type(state), typed)  # a namedtuple stays one
     return state
 
 

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import random
+import sys
+from collections import Counter, OrderedDict, defaultdict, namedtuple
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pcframe.errors import ManifestError, UnsupportedCheckpoint
 from pcframe.format.tree import TensorRef, check_tree, decode_tree, encode_tree
 
 plain = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.text(max_size=5)
@@ -61,3 +66,83 @@ def test_python_rng_state_and_tensors_in_flat_sequences():
     assert restored.random() == random.Random(3).random()
     assert torch.equal(back["mixed"][1], tensor) and back["mixed"][0::2] == [1, "x"]
     assert same(back["ints"], value["ints"])
+
+
+Pair = namedtuple("Pair", "a b")
+
+
+class Level(enum.IntEnum):
+    LOW = 1
+    HIGH = 2
+
+
+subtyped = st.recursive(
+    scalars | st.sampled_from(Level),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.builds(Pair, inner, inner)
+        | st.dictionaries(st.text(max_size=3), inner, max_size=3).map(Counter)
+        | st.dictionaries(st.integers(0, 9), inner, max_size=3).map(OrderedDict)
+        | st.dictionaries(st.sampled_from(Level), inner, max_size=2).map(
+            lambda d: defaultdict(list, d)
+        )
+    ),
+    max_leaves=20,
+)
+
+
+def same_factory(a, b) -> bool:
+    """``same``, and every defaultdict's factory is the same."""
+    if isinstance(a, defaultdict) and a.default_factory is not b.default_factory:
+        return False
+    if isinstance(a, dict):
+        return all(same_factory(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return all(same_factory(x, y) for x, y in zip(a, b, strict=True))
+    return True
+
+
+@settings(max_examples=100, deadline=None)
+@given(subtyped)
+def test_standard_subtypes_come_back_as_themselves(value):
+    back = round_trip({"v": value})["v"]
+    assert same(back, value) and same_factory(back, value)
+
+
+@pytest.mark.parametrize(
+    ("node", "message"),
+    [
+        ({"$enum": ["os", "system", "true"]}, r"names os.system as its enum class.*function"),
+        ({"$defaultdict": [["os", "getcwd"], {}]}, r"names os.getcwd as its default_factory class"),
+        ({"$namedtuple": ["builtins", "tuple", []]}, r"tuple as its namedtuple class, .* type"),
+        ({"$enum": ["this", "Thing", 1]}, r"enum class this.Thing is not defined in this"),
+    ],
+    ids=["function-as-enum", "function-as-factory", "tuple-as-namedtuple", "not-imported"],
+)
+def test_a_class_named_by_a_file_is_looked_up_never_imported_or_called(node, message):
+    """A hostile manifest may name any module and attribute: no module is imported, and
+    nothing that is not a class of the tag's kind is used (a defaultdict would call it)."""
+    imported = "this" in sys.modules
+    check_tree({"x": [node]}, 0)  # well-formed: the lookup is the restore's
+    with pytest.raises(UnsupportedCheckpoint, match=message) as raised:
+        decode_tree({"x": [node]}, [], path="/stateful")
+    assert "at '/stateful/x/0'" in str(raised.value)
+    assert ("this" in sys.modules) == imported
+    assert decode_tree({"x": [node]}, [], classes=False) is not None  # a verify needs no class
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        {"$enum": ["os", "<locals>.X", 1]},
+        {"$enum": ["os", "X", [1]]},
+        {"$namedtuple": ["m", "P", "items"]},
+        {"$counter": [1, 2]},
+        {"$odict": {"$t": 0}},
+        {"$defaultdict": [["builtins", "list"]]},
+        {"$defaultdict": ["builtins.list", {}]},
+    ],
+)
+def test_malformed_subtype_nodes_are_refused_by_the_check(node):
+    with pytest.raises(ManifestError, match="malformed"):
+        check_tree({"x": node}, 1)

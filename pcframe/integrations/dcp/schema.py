@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 from pcframe.distributed.placement import cover_fault
 from pcframe.errors import ManifestError, UnsupportedCheckpoint
 from pcframe.format.manifest import Manifest
-from pcframe.format.tree import TensorRef, decode_tree, encode_tree
+from pcframe.format.tree import TYPED_TAGS, TensorRef, decode_tree, encode_tree, tags_held
 from pcframe.kernels.dtypes import DTYPES, dtype_name
 
 SCHEMA = 1
@@ -114,7 +114,9 @@ def plain_value(planner: SavePlanner, item: WriteItem) -> tuple[bool, Any]:
     Only when the planner's bytes would be exactly ``torch.save`` of the looked-up object
     (DCP's default planner, not overridden): a planner that transforms objects keeps its
     own bytes. The value must round-trip through :mod:`pcframe.format.tree` to an equal
-    object of the same types (a numpy scalar or a namedtuple does not: it stays pickled).
+    object of the same types (a numpy scalar does not) and use none of the tree's standard
+    subtypes (a Counter, a namedtuple, an enum: DCP's schema 1 predates them); such values
+    stay pickled.
     """
     kind = type(planner)
     if not isinstance(planner, DefaultSavePlanner) or any(
@@ -128,7 +130,7 @@ def plain_value(planner: SavePlanner, item: WriteItem) -> tuple[bool, Any]:
         encoded = encode_tree(value, "", refs)
     except (TypeError, ValueError, RecursionError):
         return False, None
-    if refs or not _same(decode_tree(encoded, []), value):
+    if refs or tags_held(encoded) & TYPED_TAGS or not _same(decode_tree(encoded, []), value):
         return False, None
     return True, encoded
 
