@@ -33,6 +33,7 @@ from pcframe.policies.placement.base import PlacementPolicy
 from pcframe.restore.report import RestoreReport
 from pcframe.restore.restorer import RestoreJob, restore_from_tiers
 from pcframe.runtime.checks import bounded_wait
+from pcframe.runtime.collector import current_frames
 from pcframe.runtime.interrupts import interrupts_held
 from pcframe.runtime.threads import (
     EngineCalls,
@@ -156,9 +157,10 @@ class Checkpointer:
             self._stepping: dict[int, Any] = {}  # thread -> its optimizer.step() in progress
             # A save on another thread than an optimizer.step() in progress waits for its end
             # (else its capture read some weights before the update and the rest after it):
-            # thread -> the frame that called step(). Marked under the engine's lock, which
-            # every save holds from its capture to its hand-off.
-            self._one_caller = threading.RLock()  # one_caller_at_a_time's lock
+            # thread -> the frame that called step(). Marked under `_capturing`, which every
+            # save holds from that wait to its hand-off (only then: a long call of another
+            # thread, close() or an emergency upload, never holds up the training step).
+            self._capturing = threading.RLock()
             self._updating: dict[int, FrameType] = {}
             self._update_ended = threading.Condition()
             # Weak references: hooks left in place (close() inside one) keep nothing alive.
@@ -306,16 +308,17 @@ class Checkpointer:
         self._check_open()
         self._flight.report(self._decisions.committed)
         entered = time.perf_counter()
-        self._other_steps()  # the engine's lock is held: no step starts meanwhile
         metadata = {**(metadata or {}), "reason": reason} if reason else (metadata or {})
         self._flight.acquire()  # blocks while max_in_flight versions are in flight
         number = None
         try:
-            # Taken before the capture, so no save that starts meanwhile can take it too.
-            number = self._take_number(version)
-            progress = self._flight.start(
-                self._capture, self._pipeline, number, step, metadata, entered
-            )
+            with self._capturing:  # no optimizer.step() of another thread starts meanwhile
+                self._other_steps()
+                # Taken before the capture, so no save that starts meanwhile can take it too.
+                number = self._take_number(version)
+                progress = self._flight.start(
+                    self._capture, self._pipeline, number, step, metadata, entered
+                )
         finally:
             if number is not None and number not in self._flight.records:
                 self._give_back(number)  # never started: no folder, no record holds it
@@ -562,21 +565,27 @@ class Checkpointer:
         self._in_step_hook += 1
         try:
             tracked = len(self._hooks) == 2  # a post-hook ends the update
-            if tracked and not self._closed:
-                thread, frame = threading.get_ident(), _outside_engine(sys._getframe())
-                # Marked once a save that another thread has under way is handed over (its
-                # copy is waited for below), so none starts its capture after the gate.
-                with self._one_caller, self._update_ended:
-                    self._updating[thread] = frame
+            thread, frame = threading.get_ident(), _outside_engine(sys._getframe())
             count = True
             while not self._closed:
-                self._gate(count=count)
+                self._gate(count=count)  # calls a handler made meanwhile run as it returns
                 count = False
-                if not self._flight.copying():
-                    break
-            if tracked and not self._closed:
-                # Ends at the post-hook; or, if the step raises, once its frame has returned.
-                self._stepping[thread] = self._engine_calls.enter("optimizer.step", frame)
+                if not tracked:
+                    if not self._flight.copying():
+                        break
+                    continue
+                # The update is an engine call from here (a handler's call waits for the
+                # post-hook; ends there, or once the step's frame has returned if it raised),
+                # and marked for other threads' saves under the lock each of them holds to its
+                # hand-off: one under way is handed over first, and its copy waited for below.
+                entry = self._engine_calls.enter("optimizer.step", frame)
+                with self._capturing, self._update_ended:
+                    self._updating[thread] = frame
+                    if self._closed or not self._flight.copying():
+                        self._stepping[thread] = entry
+                        break
+                    del self._updating[thread]  # a save started since the gate: gate again
+                self._engine_calls.leave(entry)  # (a handler's call made meanwhile runs now)
         finally:
             self._in_step_hook -= 1
 
@@ -606,7 +615,7 @@ class Checkpointer:
                 others = [thread for thread in self._updating if thread != me]
                 if not others:
                     return
-                stacks = sys._current_frames()
+                stacks = current_frames()
                 for thread in others:
                     if not _on_stack(self._updating[thread], stacks.get(thread)):
                         del self._updating[thread]

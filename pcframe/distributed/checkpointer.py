@@ -410,11 +410,11 @@ class DistributedCheckpointer:
         periodic = decision.save if self.rank == 0 else False
         notice = self.local.notice
         unanswered = notice is not None and not notice.same_as(self._notice_secured)
-        if unanswered:
-            self._notice_secured = notice  # answered below, by the save or without one
         flags = (int(periodic or decision.emergency), int(decision.emergency), int(unanswered))
         met = self._meetings.meet(Doing(Call.MAYBE_SAVE, self._next, step, flags=flags))
         save, emergency, answer = met.flags
+        if unanswered:  # answered below, by the save or without one (once the ranks met)
+            self._notice_secured = notice
         if not save:
             if answer:  # a notice the policy answered without a save, on some rank
                 self.last_secured = self._secure_newest()

@@ -22,6 +22,9 @@ turned back on, and a holder is counted inside the block that uncounts it, so an
 exception raised between two bytecodes (a signal handler) leaves it off at worst until
 the next pause ends, except in the few bytecodes before a holder's exit takes the lock.
 A child forked during a pause starts with no holder and the collector as it was before.
+
+:func:`current_frames` (other threads' stacks) holds a pause for another reason: a CPython
+3.11 deadlock (its docstring).
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
 import threading
 from collections.abc import Iterator
+from types import FrameType
 
 # Re-entrant: a signal handler that saves runs on the thread that may hold it.
 _lock = threading.RLock()
@@ -75,3 +80,15 @@ def _forget_holders_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_holders_after_fork)
+
+
+def current_frames() -> dict[int, FrameType]:
+    """``sys._current_frames()`` with the collector paused.
+
+    CPython 3.11 holds its thread-list lock while it builds the result, and the objects it
+    makes can set off a collection on this thread; a ``threading.local`` freed there takes
+    that lock again and the process hangs for good (every thread start and exit waits for
+    the lock too). Seen as a main thread stuck in ``Thread.start()``.
+    """
+    with collector_paused():
+        return sys._current_frames()

@@ -17,6 +17,7 @@ import torch
 import pcframe
 from pcframe import Checkpointer, CheckpointError, ConfigError, DirectoryLocked, EngineConfig
 from pcframe.policies import Decision, FixedSteps, IntervalPolicy, Notice, Restarted, SaveCompleted
+from pcframe.runtime.collector import current_frames
 from pcframe.save.fill import Filler
 from pcframe.save.status import SaveStatus
 from pcframe.store.directory import CheckpointDir
@@ -420,7 +421,7 @@ class HalfwayStep(torch.optim.SGD):
 
 
 def _blocked_in(thread: threading.Thread, function: str) -> bool:
-    frame = sys._current_frames().get(thread.ident)
+    frame = current_frames().get(thread.ident)
     while frame is not None:
         if frame.f_code.co_name == function:
             return True

@@ -89,3 +89,46 @@ def test_a_save_captures_with_it_held_off_and_gives_it_back(tmp_path):
     with Checkpointer(tmp_path, model=model, stateful={"probe": Probe()}) as ckpt:
         ckpt.save(1).wait()
         assert seen == [False] and gc.isenabled()
+
+
+def test_other_threads_stacks_are_read_while_thread_locals_are_collected():
+    """CPython 3.11: ``sys._current_frames()`` holds the thread-list lock while it builds its
+    result; a collection it sets off there that frees a ``threading.local`` takes the lock
+    again, and the process hangs for good (a thread made such garbage in a loop: hung within
+    seconds here). ``current_frames`` reads the stacks with the collector paused."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import gc, threading, time
+        from pcframe.runtime.collector import current_frames
+
+        gc.set_threshold(50)  # a collection every few allocations
+
+        class Holder:
+            def __init__(self):
+                self.local = threading.local()
+                self.local.value = 1
+                self.me = self  # a cycle: only the collector frees it
+
+        done = threading.Event()
+        def litter():
+            while not done.is_set():
+                Holder()
+
+        threading.Thread(target=litter, daemon=True).start()
+        end, calls = time.monotonic() + 3, 0
+        while time.monotonic() < end:
+            assert threading.main_thread().ident in current_frames()
+            calls += 1
+        done.set()
+        assert gc.isenabled()
+        print("calls", calls)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.startswith("calls"), done.stderr

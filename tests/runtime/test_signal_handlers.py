@@ -43,6 +43,7 @@ from pcframe.format.manifest import read_manifest
 from pcframe.format.names import MANIFEST_NAME
 from pcframe.policies import FixedSteps, NoticeDriven, SignalNoticeSource
 from pcframe.restore.restorer import load
+from pcframe.runtime.collector import current_frames
 from pcframe.save.fill import Filler
 from pcframe.save.status import SaveStatus
 from pcframe.save.write import Writer
@@ -106,7 +107,7 @@ def _signal_then_open(valve: Valve, waiting_in: str) -> threading.Thread:
     assert main is not None
 
     def inside() -> bool:
-        frame = sys._current_frames().get(main)
+        frame = current_frames().get(main)
         while frame is not None and frame.f_code.co_name != waiting_in:
             frame = frame.f_back
         return frame is not None
@@ -298,6 +299,62 @@ def test_a_handler_inside_an_engine_call(tmp_path, monkeypatch, where, kind):
                 signaller.join()
         monkeypatch.undo()
         _check_after(emergency, tmp_path, optimizer, closing=where.startswith("close"))
+    finally:
+        monkeypatch.undo()
+        with contextlib.suppress(CheckpointError):
+            ckpt.close(timeout=30)
+
+
+def _on_stack(thread_id: int, function: str) -> bool:
+    frame = current_frames().get(thread_id)
+    while frame is not None and frame.f_code.co_name != function:
+        frame = frame.f_back
+    return frame is not None
+
+
+@pytest.mark.timeout(120)
+def test_a_handlers_save_and_another_threads_save_while_the_step_waits(tmp_path, monkeypatch):
+    """A spot VM's SIGTERM: the handler saves while optimizer.step() waits in its gate for a
+    snapshot's copy, and a notice thread saves at the same time. The step marked itself for
+    other threads' saves before its gate: the thread's save held the engine's lock waiting
+    for the step, and the handler's save (run as the gate returned) waited for that lock.
+    Now the step marks itself after its gate: every save commits, none holds another up."""
+    model, opt = _objects()
+    ckpt = Checkpointer(tmp_path, model=model, optimizer=opt, max_in_flight=2, **SMALL)
+    main = threading.main_thread().ident
+    saves: dict[str, object] = {}
+    try:
+        _step(model, opt)
+        valve = Valve(monkeypatch, Filler, "chunk")  # the first version's copy held
+        saves["first"] = ckpt.save(1)
+
+        def notice_thread() -> None:  # saves once the loop waits in its gate
+            while not _on_stack(main, "wait_for_copies"):
+                time.sleep(0.002)
+            saves["thread"] = ckpt.save(2)
+
+        def signaller() -> None:  # once that save is done or waits: SIGTERM, then the copy
+            while "thread" not in saves and not _on_stack(saver.ident, "_other_steps"):
+                time.sleep(0.002)
+            signal.pthread_kill(main, SIG)
+            time.sleep(0.05)
+            valve.open()
+
+        saver = threading.Thread(target=notice_thread, daemon=True)
+        kill = threading.Thread(target=signaller, daemon=True)
+        with _handler(SIG, lambda: saves.setdefault("handler", ckpt.save(3))):
+            saver.start()
+            kill.start()
+            _step(model, opt)  # the gate: waits for the first version's copy
+            kill.join(60)
+            saver.join(60)
+        ckpt.wait()
+        assert {name: saves[name].wait() for name in ("first", "thread")} == {
+            "first": SaveStatus.COMMITTED,
+            "thread": SaveStatus.COMMITTED,
+        }
+        assert "handler" in saves  # deferred to the gate's end, then run
+        assert CheckpointDir(tmp_path).committed_versions() == [1, 2, 3]
     finally:
         monkeypatch.undo()
         with contextlib.suppress(CheckpointError):
