@@ -5,19 +5,25 @@ Security: a checkpoint is data, and may be hostile. A module it names is never i
 (importing runs the module's code): a class is looked up among the modules this process has
 already imported (:func:`named_class`), through ``__dict__`` (no ``__getattr__`` or
 descriptor runs), and used only if it is of the kind its tag says (a namedtuple class, an
-``enum.Enum``, a class for a defaultdict's factory), never a function, which a restore would
-then call. So a restore needs the training code's modules imported, as the training script
-has them; ``pcframe verify`` decodes without looking classes up.
+``enum.Enum`` with members, a built-in type as a defaultdict's factory: a restore calls the
+factory, so no other class, nor a function); an enum member is found in its class's table
+of values, without calling the class (a Flag's combination excepted). So a restore needs
+the training code's modules imported, as the training script has them; ``pcframe verify``
+decodes without looking classes up.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
 from pcframe.errors import ManifestError, UnstorableState
+
+log = logging.getLogger("pcframe")
 
 
 def is_namedtuple_class(kind: type) -> bool:
@@ -28,34 +34,66 @@ def is_namedtuple_class(kind: type) -> bool:
 
 def class_names(kind: type, path: str, what: str) -> list[str]:
     """``[module, qualname]`` of a class a reader can find again by that name."""
-    module, qualname = getattr(kind, "__module__", None), getattr(kind, "__qualname__", None)
-    if not (isinstance(module, str) and isinstance(qualname, str)) or (
-        named_class(module, qualname) is not kind
-    ):
+    names = findable_names(kind)
+    if names is None:
         raise UnstorableState(
-            f"cannot checkpoint the {what} at '{path}': its class {module}.{qualname} cannot "
+            f"cannot checkpoint the {what} at '{path}': its class "
+            f"{getattr(kind, '__module__', '?')}.{getattr(kind, '__qualname__', '?')} cannot "
             "be found again by that name (made inside a function, or under another name); "
             "define it at module level under its own name, or store a plain value in the "
             "object's state_dict()"
         )
+    return names
+
+
+def findable_names(kind: type) -> list[str] | None:
+    """``[module, qualname]`` of ``kind`` if a reader can find it again by that name (None:
+    made inside a function, or known under another name)."""
+    module, qualname = getattr(kind, "__module__", None), getattr(kind, "__qualname__", None)
+    if not (isinstance(module, str) and isinstance(qualname, str)):
+        return None
+    if named_class(module, qualname) is not kind:
+        return None
     return [module, qualname]
 
 
-def factory_names(factory: Any, path: str) -> list[str] | None:
-    """A defaultdict's ``default_factory`` as the names of its class (None stays None)."""
+# The only classes a file may name as a defaultdict's factory: a restore calls the factory
+# at the next missing key, so a hostile file naming any other class it finds imported
+# (tempfile.TemporaryDirectory, a class whose __init__ acts) would run its constructor.
+SAFE_FACTORIES: frozenset[type] = frozenset(
+    {list, dict, set, frozenset, tuple, int, float, complex, str, bytes, bytearray, bool}
+    | {Counter, OrderedDict, defaultdict, deque}
+)
+
+
+def factory_names(factory: Any) -> list[str] | bool | None:
+    """A defaultdict's ``default_factory`` as the names of its class (None stays None);
+    False where a checkpoint cannot name it (not one of :data:`SAFE_FACTORIES`)."""
     if factory is None:
         return None
-    if not isinstance(factory, type):
-        # A file that names a function a restore would call on a missing key could call any
-        # function of any module imported: only classes (list, int, a class of yours).
-        name = getattr(factory, "__qualname__", type(factory).__name__)
-        raise UnstorableState(
-            f"cannot checkpoint the defaultdict at '{path}': its default_factory {name} is "
-            "not a class, and a checkpoint names only classes (list, int, dict, a class "
-            "defined at module level); use one, e.g. defaultdict(list), or store dict(value) "
-            "and rebuild the defaultdict in load_state_dict()"
-        )
-    return class_names(factory, path, "defaultdict's default_factory")
+    if factory not in SAFE_FACTORIES:
+        return False
+    names = findable_names(factory)
+    return False if names is None else names
+
+
+def kept_as_base(path: str, what: str, base: str) -> None:
+    """Log once per place that a value is stored as its base type (its own is not kept)."""
+    if (path, what) in _WARNED:
+        return
+    _WARNED.add((path, what))
+    log.warning(
+        "the %s at '%s' is checkpointed as a plain %s and comes back as one: %s",
+        what,
+        path,
+        base,
+        "pcframe keeps the type of Counter, OrderedDict, namedtuples and enum members "
+        "defined at module level, and of defaultdicts whose default_factory is a built-in "
+        "type (list, int, dict, set, ...)",
+    )
+
+
+_WARNED: set[tuple[str, str]] = set()
 
 
 class ClassProblem(Exception):

@@ -13,7 +13,10 @@ qualname, [items]]}`` and ``{"$enum": [module, qualname, value]}`` (a JSON scala
 manifest format version 5, written only when used. A class a file names is looked up among
 the modules this process has imported, never imported, and used only if it is of the kind
 its tag says (:mod:`pcframe.format.classes`): a namedtuple is built without its class's
-code, an enum member found by the enum's own lookup, a defaultdict's factory is a class.
+code, an enum member found in its class's table of values, a defaultdict's factory is a
+built-in type. A class a reader could not find again (made inside a function), or a
+factory that is not a built-in type (a lambda), is stored as the base type, as before,
+with a warning naming the place.
 """
 
 from __future__ import annotations
@@ -31,11 +34,14 @@ import torch
 
 from pcframe.errors import ManifestError, UnstorableState, UnsupportedCheckpoint
 from pcframe.format.classes import (
+    SAFE_FACTORIES,
     ClassProblem,
     checked_names,
     class_names,
     factory_names,
+    findable_names,
     is_namedtuple_class,
+    kept_as_base,
     resolve_class,
 )
 from pcframe.kernels.dtypes import DTYPES, dtype_name
@@ -132,7 +138,14 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef], depth: int = 0) -> A
     if isinstance(obj, np.generic) and not isinstance(obj, np.str_ | np.bytes_ | np.void):
         return {"$np": _numpy_scalar(obj, path)}  # its type kept: float32 maths resumes as such
     if isinstance(obj, enum.Enum):  # before str and int: an IntEnum is an int
-        return {"$enum": [*class_names(type(obj), path, "enum"), _enum_value(obj, path)]}
+        names = findable_names(type(obj))
+        if names is not None:
+            return {"$enum": [*names, _enum_value(obj, path)]}
+        if not isinstance(obj, int | str | float):  # a plain Enum has no base value
+            class_names(type(obj), path, "enum")  # raises, naming the fix
+        base = next(b for b in (int, str, float) if isinstance(obj, b))
+        kept_as_base(path, f"enum member {obj!r:.60}", base.__name__)
+        return encode_tree(base(obj), path, refs, inner)
     if obj is None or isinstance(obj, bool | str):
         return obj
     if isinstance(obj, int | np.integer):
@@ -151,13 +164,20 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef], depth: int = 0) -> A
     if isinstance(obj, tuple):
         items = [encode_tree(v, f"{path}/{i}", refs, inner) for i, v in enumerate(obj)]
         if is_namedtuple_class(type(obj)):
-            return {"$namedtuple": [*class_names(type(obj), path, "namedtuple"), items]}
+            names = findable_names(type(obj))
+            if names is not None:
+                return {"$namedtuple": [*names, items]}
+            kept_as_base(path, f"namedtuple {type(obj).__qualname__}", "tuple")
         return {"$tuple": items}
     if kind in _DICT_TAGS:  # Counter, OrderedDict: their own subclasses stay plain dicts
         return {_DICT_TAGS[kind]: encode_tree(dict(obj), path, refs, inner)}
     if kind is defaultdict:
-        factory = factory_names(obj.default_factory, path)
-        return {"$defaultdict": [factory, encode_tree(dict(obj), path, refs, inner)]}
+        factory = factory_names(obj.default_factory)
+        if factory is not False:
+            return {"$defaultdict": [factory, encode_tree(dict(obj), path, refs, inner)]}
+        name = getattr(obj.default_factory, "__qualname__", type(obj.default_factory).__name__)
+        kept_as_base(path, f"defaultdict (default_factory {name})", "dict")
+        return encode_tree(dict(obj), path, refs, inner)
     if isinstance(obj, dict):
         if all(
             (type(k) is str or (isinstance(k, str) and not isinstance(k, enum.Enum)))
@@ -331,8 +351,10 @@ def _decoded(node: Any, tensors: list[Any], depth: int, classes: bool) -> Any:
         items = _decoded(inner, tensors, depth + 1, classes)
         if not classes:
             return items
-        if factory is not None:
-            factory = resolve_class(factory, node, "default_factory class", lambda c: True)
+        if factory is not None:  # called at a missing key: a built-in type only
+            factory = resolve_class(
+                factory, node, "default_factory class", lambda c: c in SAFE_FACTORIES
+            )
         return defaultdict(factory, items)
     if tag == "$namedtuple":
         module, qualname, raw = _named_parts(value, tag)
@@ -353,18 +375,32 @@ def _decoded(node: Any, tensors: list[Any], depth: int, classes: bool) -> Any:
         if not classes:
             return raw
         kind = resolve_class(
-            [module, qualname], node, "enum class", lambda c: issubclass(c, enum.Enum)
+            [module, qualname],
+            node,
+            "enum class",
+            lambda c: issubclass(c, enum.Enum) and bool(c.__members__),
         )
-        try:
-            return kind(raw)  # a lookup among its members (a class this process defines)
-        except ValueError:
-            raise ClassProblem(
-                node,
-                f"{raw!r:.60} is not a value of the enum {module}.{qualname} in this process "
-                "(a member removed or renamed since the save?): restore with the class as "
-                "it was saved",
-            ) from None
+        return _enum_member(kind, raw, node, f"{module}.{qualname}")
     return _TAG_VALUES[tag](value)
+
+
+def _enum_member(kind: type[enum.Enum], raw: Any, node: Any, name: str) -> enum.Enum:
+    """The member of ``kind`` whose value is ``raw``, from the class's own table of values:
+    no code of the class runs (its ``_missing_`` is the user's, and ``raw`` the file's);
+    a Flag's combination of members is made by the Flag's own arithmetic."""
+    member = kind._value2member_map_.get(raw) if not isinstance(raw, float) or raw == raw else None
+    if member is not None and type(member.value) is type(raw):
+        return member
+    if issubclass(kind, enum.Flag) and type(raw) is int:
+        try:
+            return kind(raw)
+        except Exception:  # any failure of the class is the checkpoint's
+            pass
+    raise ClassProblem(
+        node,
+        f"{raw!r:.60} is not a value of the enum {name} in this process (a member removed "
+        "or renamed since the save?): restore with the class as it was saved",
+    )
 
 
 def _path_to(target: Any, root: Any) -> str:

@@ -165,7 +165,7 @@ class Capture:
                 tree["model_versions"] = versions
             # An OrderedDict by torch's habit, not for its load_state_dict: a plain dict
             # keeps a default version in format 1 (the tree keeps an OrderedDict's type).
-            tree[Section.MODEL] = dict(state) if type(state) is OrderedDict else state
+            tree[Section.MODEL] = _plain_top(state)
         if o.optimizer is not None:
             tree[Section.OPTIMIZER] = o.optimizer.state_dict()
             if isinstance(o.optimizer, torch.optim.Optimizer):  # not a multi-rank stand-in
@@ -180,7 +180,10 @@ class Capture:
         if o.scaler is not None:
             tree[Section.SCALER] = o.scaler.state_dict()
         tree[Section.RNG] = capture_rng()
-        tree[Section.STATEFUL] = {name: obj.state_dict() for name, obj in o.stateful.items()}
+        # A module given as a stateful object (an EMA, SWA's AveragedModel) as the model.
+        tree[Section.STATEFUL] = {
+            name: _plain_top(obj.state_dict()) for name, obj in o.stateful.items()
+        }
         tree[Section.POLICY] = o.policy.state_dict()
         if o.extra is not None:
             tree[Section.EXTRA] = json_only(o.extra, Section.EXTRA, typed=True)
@@ -378,3 +381,9 @@ def _check_round_trip(value: Any, path: str, typed: bool = False, depth: int = 0
             _check_round_trip(item, f"{path}[{index}]", typed, depth + 1)
     elif isinstance(value, tuple):
         raise TypeError(f"{path}: a tuple would be restored as a list; store a list")
+
+
+def _plain_top(state: Any) -> Any:
+    """A module's state_dict is an OrderedDict by torch's habit, not for its load_state_dict:
+    a plain dict keeps such a version in format 1 (the tree keeps an OrderedDict's type)."""
+    return dict(state) if type(state) is OrderedDict else state

@@ -109,6 +109,17 @@ def test_standard_subtypes_come_back_as_themselves(value):
     assert same(back, value) and same_factory(back, value)
 
 
+class Shouting(enum.StrEnum):
+    """A common recipe: its _missing_ upper-cases what it is given (a file's 7 made it raise
+    a raw AttributeError; a restore never calls it now)."""
+
+    LOUD = "LOUD"
+
+    @classmethod
+    def _missing_(cls, value):
+        return cls.__members__.get(value.upper())
+
+
 @pytest.mark.parametrize(
     ("node", "message"),
     [
@@ -116,8 +127,28 @@ def test_standard_subtypes_come_back_as_themselves(value):
         ({"$defaultdict": [["os", "getcwd"], {}]}, r"names os.getcwd as its default_factory class"),
         ({"$namedtuple": ["builtins", "tuple", []]}, r"tuple as its namedtuple class, .* type"),
         ({"$enum": ["this", "Thing", 1]}, r"enum class this.Thing is not defined in this"),
+        # A class's constructor with an effect, called at the next missing key: only
+        # built-in types are a factory.
+        (
+            {"$defaultdict": [["tempfile", "TemporaryDirectory"], {}]},
+            r"names tempfile.TemporaryDirectory as its default_factory class",
+        ),
+        # Enum's own bases have no members: calling them raised a raw TypeError.
+        ({"$enum": ["enum", "IntFlag", 3]}, r"names enum.IntFlag as its enum class"),
+        (
+            {"$enum": [__name__, "Shouting", 7]},
+            r"7 is not a value of the enum tests.format.test_tree.Shouting",
+        ),
     ],
-    ids=["function-as-enum", "function-as-factory", "tuple-as-namedtuple", "not-imported"],
+    ids=[
+        "function-as-enum",
+        "function-as-factory",
+        "tuple-as-namedtuple",
+        "not-imported",
+        "class-as-factory",
+        "memberless-enum",
+        "value-the-enum-lacks",
+    ],
 )
 def test_a_class_named_by_a_file_is_looked_up_never_imported_or_called(node, message):
     """A hostile manifest may name any module and attribute: no module is imported, and

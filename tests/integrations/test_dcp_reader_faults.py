@@ -507,6 +507,10 @@ def test_a_hostile_field_falls_back_with_one_line_naming_file_and_field(
 
 ONE_RANK = {
     "value item without its value": (lambda b: _item(b, "value").pop("value"), ".value'"),
+    "value naming a class": (  # a restore would call the factory at a missing key
+        lambda b: _item(b, "value").update(value={"$defaultdict": [["socket", "socket"], {}]}),
+        ".value'",
+    ),
     "tensor reference out of range": (lambda b: _item(b).update(data={"$t": 99}), "data'"),
     "offset past the size": (lambda b: _item(b).update(offsets=[9, 0]), ".offsets'"),
     "a second chunk overlapping": (

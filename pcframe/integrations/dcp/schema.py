@@ -299,6 +299,8 @@ def _item(raw: Any, i: int, manifest: Manifest, fields: _Fields) -> StoredItem:
     if kind == "value":
         if "value" not in raw:
             raise fields.fail(f"{name}.value", f"is missing (the value of {fqn!r:.60})")
+        if tags_held(raw["value"]) & TYPED_TAGS:  # the writer pickles those (a class named)
+            raise fields.fail(f"{name}.value", "names a class, which a DCP value never does")
         try:  # tags were checked with the whole tree; a value holds no tensor reference
             value = decode_tree(raw["value"], [])
         except ManifestError as exc:
