@@ -64,6 +64,9 @@ class InFlight:
         # write-back (a snapshot the gate then would not wait for: a torn one). Pruned into
         # new lists, so a reader iterating without the lock sees one list or the other.
         self._lists_lock = threading.Lock()
+        # One report at a time: each failure raised once, the policy told of each commit once
+        # (re-entrant: the policy's observe() may report through an engine call of its own).
+        self._reporting = threading.RLock()
         self._copying: list[SaveProgress] = []  # snapshot copy not yet done
         self.steps = 0  # optimizer steps the gate has seen (the state is sized after one)
         self._unfinished: list[SaveProgress] = []  # not yet reported as finished
@@ -191,6 +194,10 @@ class InFlight:
         Raises:
             SaveError: for the first failed version not yet raised (by its handle or here).
         """
+        with self._reporting:  # engine calls of two threads (a save, a wait) report at once
+            self._report(committed)
+
+    def _report(self, committed: Callable[[SaveProgress, SaveRecord], None]) -> None:
         with self._finished_lock:
             finished, self._finished = self._finished, []
         self._prune()

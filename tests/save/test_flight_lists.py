@@ -10,6 +10,7 @@ the appends take, never for a time.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -105,3 +106,55 @@ def test_a_save_while_the_lists_are_pruned_is_kept(prune):
         flight.report(lambda progress, record: None)
     flight.check_saved_listed()
     assert done not in flight._copying and done not in flight._unfinished
+
+
+def test_two_threads_report_one_after_the_other():
+    """A loop's wait() and a watcher's save() both report finished versions: the policy was
+    told of commits from two threads at once, and a failure found by one report could be
+    dropped by the other's write-back of the failures not yet raised. One report at a time
+    now: the second waits for the first (seen on its stack, never timed)."""
+    from pcframe.runtime.collector import current_frames
+    from pcframe.save.status import SaveStatus
+
+    flight = InFlight(max_in_flight=4)
+    inside: list[str] = []
+    overlapped = []
+    first_in = threading.Event()
+    seconds: list[threading.Thread] = []
+
+    def finish(version: int) -> None:
+        progress = SaveProgress(version, version, 0, 0.0)
+        flight.started(progress)
+        progress.status, progress.durable_at = SaveStatus.COMMITTED, 1.0
+        progress.copy_done.set()
+        progress.finished.set()
+        flight.finished(progress)
+
+    def waiting_for_the_report(thread: threading.Thread) -> bool:
+        frame, names = current_frames().get(thread.ident), []
+        while frame is not None:
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        return "report" in names and "_report" not in names  # at the lock
+
+    def committed(progress: SaveProgress, record: object) -> None:
+        overlapped.append(bool(inside))
+        inside.append(threading.current_thread().name)
+        if progress.version == 1:  # the first report holds on until the second has come
+            first_in.set()
+            while len(overlapped) < 2 and not (seconds and waiting_for_the_report(seconds[0])):
+                time.sleep(0.001)
+        inside.pop()
+
+    finish(1)
+    first = threading.Thread(target=flight.report, args=(committed,), name="loop")
+    first.start()
+    assert first_in.wait(30)
+    finish(2)
+    second = threading.Thread(target=flight.report, args=(committed,), name="watcher")
+    seconds.append(second)
+    second.start()
+    first.join(30)
+    second.join(30)
+    assert overlapped == [False, False]
+    assert [r.status for r in flight.records.values()] == [SaveStatus.COMMITTED] * 2
