@@ -33,8 +33,6 @@ import contextlib
 import mmap
 import os
 import stat
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,44 +44,12 @@ from pcframe.format.checksum import checksum_function
 from pcframe.format.envelope import header_crc
 from pcframe.format.files import open_regular
 from pcframe.format.manifest import MAX_MANIFEST_BYTES, Manifest, manifest_from_bytes
-from pcframe.format.names import CODEC_NAME, MANIFEST_NAME
-from pcframe.format.stripes import stripe_location, stripe_name, stripe_sizes
+from pcframe.format.names import MANIFEST_NAME
+from pcframe.format.pieces import Piece, file_sizes, pieces
 
 _NOTHING = -1  # a manifest length: the sender has no readable version to send
 _GO, _REFUSE = 1, 0  # the receiver's answer to a manifest: stream the pieces, or nothing
 _MADV_POPULATE_READ = 22  # linux/mman.h (not among Python 3.11's mmap constants)
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One verified unit of a version's files: ``length`` bytes at ``offset`` of ``file``."""
-
-    file: str
-    offset: int
-    length: int
-    checksum: str  # the manifest's hex digest ("" when the version was saved unchecked)
-
-
-def pieces(manifest: Manifest) -> Iterator[Piece]:
-    """Every data chunk (in its stripe) and codec segment of a version, in stream order."""
-    for chunk in manifest.chunks:
-        stripe, offset = stripe_location(chunk.offset, manifest.chunk_bytes, manifest.stripes)
-        yield Piece(stripe_name(stripe), offset, chunk.length, chunk.checksum)
-    segments = sorted(
-        (segment for entry in manifest.segments.values() for segment in entry),
-        key=lambda segment: segment.offset,
-    )
-    for segment in segments:
-        yield Piece(CODEC_NAME, segment.offset, segment.length, segment.checksum)
-
-
-def file_sizes(manifest: Manifest) -> dict[str, int]:
-    """The size of every data file of a version (what the receiver reserves)."""
-    sizes = stripe_sizes(manifest.data_size, manifest.chunk_bytes, manifest.stripes)
-    files = {stripe_name(s): size for s, size in enumerate(sizes)}
-    if manifest.coded:
-        files[CODEC_NAME] = manifest.codec_size
-    return files
 
 
 def send_version(directory: Path, dst: int, group: Any) -> int:

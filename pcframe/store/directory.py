@@ -341,6 +341,12 @@ class WritableCheckpointDir(CheckpointDir):
                 f"cannot lock {self.root}: {exc} (pcframe writes only its own lock file there)"
             ) from None
         except OSError as exc:
+            if os.path.islink(self.root) and not self.root.exists():  # e.g. /dev/shm wiped
+                raise CheckpointError(
+                    f"cannot write checkpoints to {self.root}: it is a link to "
+                    f"{os.readlink(self.root)}, which does not exist (a RAM folder gone with "
+                    "a reboot?); make that folder, or point the link somewhere that exists"
+                ) from exc
             raise CheckpointError(
                 f"cannot write checkpoints to {self.root}: {exc.strerror} ({exc.filename}); "
                 "choose a writable directory or fix its permissions"

@@ -17,8 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pcframe.errors import CheckpointError, TierCancelled, TierError
-from pcframe.format.manifest import manifest_crc
+from pcframe.format.manifest import manifest_crc, read_manifest
 from pcframe.format.names import MANIFEST_NAME
+from pcframe.format.pieces import verify_files
 from pcframe.runtime.faults import crash_point
 from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.tiers.base import Tier, version_files
@@ -75,6 +76,10 @@ class LocalTier(Tier):
             staging.mkdir()
             for src in version_files(source):
                 written += self._copy_file(src, staging / src.name)
+            # Every piece checked before the copy counts (and retention here deletes older
+            # copies for it): a byte damaged in the source since its commit (a memory tier's
+            # pages) or by the copy is a failed write, never a replica.
+            verify_files(staging, read_manifest(str(staging / MANIFEST_NAME)))
             crash_point("replica_copied")
             self._dir.publish(version)  # fsync dir, rename (commit point), fsync parent, LATEST
         except BaseException:
@@ -94,9 +99,8 @@ class LocalTier(Tier):
                 try:
                     done = os.copy_file_range(fin.fileno(), fout.fileno(), want, offset, offset)
                 except OSError:  # e.g. across some file systems: fall back to a plain copy
-                    fin.seek(offset)
-                    done = fout.write(fin.read(want))
-                    fout.flush()
+                    # At the piece's offset: copy_file_range moved neither file's position.
+                    done = os.pwrite(fout.fileno(), os.pread(fin.fileno(), want, offset), offset)
                 if done == 0:
                     raise TierError(f"{src} shrank while being copied to tier {self.name!r}")
                 offset += done

@@ -35,6 +35,7 @@ from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.retention import KeepWhere
 from pcframe.store.tiers.base import Tier, number_option
 from pcframe.store.tiers.local import LocalTier
+from pcframe.store.tiers.memory import is_memory_backed
 from pcframe.store.tiers.replicator import Job, Replicator, TierStatus
 from pcframe.store.tiers.sources import Source, tier_sources
 from pcframe.store.tiers.specs import TierSpec, make_tier
@@ -205,6 +206,16 @@ class Tiers:
                 f"(tiers {list(self.placement.tiers)}) never writes there: add a TierRule for "
                 "them or remove them"
             )
+        for rule in getattr(self.placement, "rules", ()):
+            tier = self.replicas.get(rule.name)
+            path = primary.root if rule.name == self.primary_name else getattr(tier, "path", None)
+            if rule.survives_preemption and path is not None and is_memory_backed(path):
+                log.warning(
+                    "tier %r (%s) is RAM-backed: it does not outlive the VM, whatever its rule "
+                    "says; a preemption notice does not count a version there as safe",
+                    rule.name,
+                    path,
+                )
         for name, tier in self.replicas.items():
             if isinstance(tier, LocalTier) and tier.path.resolve() == primary.root.resolve():
                 raise TierError(
@@ -323,7 +334,9 @@ class Tiers:
         decision = self.place(version, step, notice or Notice(now, now + self.secure_timeout))
         targets = [t for t in decision.tiers if t != self.primary_name and t not in self.external]
         if not targets:
-            return Secured(version, (self.primary_name,), True, decision.reason)
+            if self.survives(self.primary_name):
+                return Secured(version, (self.primary_name,), True, decision.reason)
+            return Secured(version, (self.primary_name,), False, self._lost_with_the_vm(decision))
         if version in self._delta_versions:
             reason = "a delta version cannot be replicated; save full versions on a notice"
             log.error("emergency version %d: %s", version, reason)
@@ -343,7 +356,28 @@ class Tiers:
                 targets,
                 decision.reason,
             )
+        if durable and not any(self.survives(name) for name in targets):
+            return Secured(version, tuple(targets), False, self._lost_with_the_vm(decision))
         return Secured(version, tuple(targets), durable, decision.reason)
+
+    def survives(self, name: str) -> bool:
+        """Whether a version in tier ``name`` outlives the VM: not if the placement's rule
+        says so (``TierRule.survives_preemption``), nor on a RAM-backed folder (tmpfs)."""
+        rule = next((r for r in getattr(self.placement, "rules", ()) if r.name == name), None)
+        if rule is not None and not rule.survives_preemption:
+            return False
+        if name == self.primary_name:
+            return self.primary is None or not is_memory_backed(self.primary.root)
+        tier = self.replicas.get(name)
+        return not (isinstance(tier, LocalTier) and is_memory_backed(tier.path))
+
+    def _lost_with_the_vm(self, decision: PlacementDecision) -> str:
+        log.error(
+            "preemption notice: no tier this version went to outlives the VM (%s): add a "
+            "disk that survives preemption or an object store to tiers=",
+            decision.reason,
+        )
+        return f"{decision.reason}; no tier it went to outlives the VM"
 
     # --- restore -------------------------------------------------------------------------
 

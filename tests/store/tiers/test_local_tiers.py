@@ -233,3 +233,82 @@ def test_a_stray_file_named_like_a_version_in_a_replica_fails_that_write_by_name
         status = ckpt.tiers.status()["disk"]
     assert status.abandoned == 1 and "exists and is not a version" in status.last_error
     assert (tmp_path / "replica" / "v00000001").read_text() == "the user's"
+
+
+def _one_version(root: Path) -> Path:
+    """A committed version of a small model's state in ``root`` (its folder)."""
+    model, optimizer = model_and_optimizer()
+    step(model, optimizer, seed=0)
+    with Checkpointer(root, model=model, optimizer=optimizer, chunk_bytes=64 << 10) as ckpt:
+        ckpt.save(step=1).wait()
+    return root / "v00000001"
+
+
+def test_a_copy_of_a_damaged_source_is_refused_before_it_counts(tmp_path: Path) -> None:
+    """A byte of a memory tier's version damaged after its commit: the replica copied it and
+    said written, and retention then deleted the older good copies for it (nothing left to
+    restore once the VM went). The copy is checked piece by piece before it is published."""
+    from pcframe.errors import CorruptCheckpoint
+
+    source = _one_version(tmp_path / "memory")
+    data = next(p for p in sorted(source.iterdir()) if p.name.startswith("data"))
+    with open(data, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    tier = LocalTier(tmp_path / "disk")
+    with pytest.raises(CorruptCheckpoint, match=rf"{data.name}: checksum mismatch at byte 0"):
+        tier.write(1, source)
+    assert tier.committed_versions() == []
+    assert not any((tmp_path / "disk").glob("v*"))  # the staged copy is gone too
+
+
+def test_a_copy_falling_back_part_way_writes_each_piece_at_its_offset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """copy_file_range failing after earlier pieces (EINTR, EXDEV on some file systems): the
+    plain copy wrote at the file's own position, 0, and the replica held scrambled bytes."""
+    import pcframe.store.tiers.local as local
+
+    source = _one_version(tmp_path / "memory")
+    monkeypatch.setattr(local, "_PIECE", 16 << 10)  # several pieces per file
+    real, calls = os.copy_file_range, []
+
+    def flaky(*args):
+        calls.append(args)
+        if len(calls) == 3:
+            raise InterruptedError(4, "Interrupted system call")
+        return real(*args)
+
+    monkeypatch.setattr(os, "copy_file_range", flaky)
+    tier = LocalTier(tmp_path / "disk")
+    tier.write(1, source)
+    copied = tmp_path / "disk" / "v00000001"
+    for path in source.iterdir():
+        assert (copied / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def test_a_memory_folder_whose_link_lost_its_target_says_so(tmp_path: Path) -> None:
+    """A memory folder reached through a link (run/mem -> /dev/shm/...) after a reboot
+    wiped /dev/shm: the open said 'File exists ... fix its permissions'."""
+    from pcframe import CheckpointError
+
+    link = tmp_path / "mem"
+    link.symlink_to(tmp_path / "gone" / "run")
+    with pytest.raises(CheckpointError, match=r"is a link to .*gone/run, which does not exist"):
+        Checkpointer(link)
+
+
+def test_a_ram_backed_tier_said_to_survive_the_vm_is_warned_about(
+    shm_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, optimizer = model_and_optimizer()
+    with Checkpointer(
+        tmp_path / "disk",
+        model=model,
+        optimizer=optimizer,
+        tiers=Tiers({"local": shm_dir}),  # a "disk" tier on tmpfs; the default rule: survives
+    ):
+        pass
+    assert any("is RAM-backed" in r.getMessage() for r in caplog.records), caplog.records

@@ -282,3 +282,47 @@ def test_a_notice_does_not_take_another_runs_version_of_the_same_number_for_its_
         assert ckpt.tiers.status()["local"].abandoned == 1
     assert "already holds version 3" in caplog.text
     assert (disk / "v00000003" / "manifest.json").read_bytes() == written
+
+
+def test_a_notice_never_calls_a_version_safe_in_tiers_lost_with_the_vm(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    """An instance-store disk (disk_survives_preemption=False) beside the memory tier: no
+    tier outlives the VM, the placement falls back to the fastest, and the notice said
+    durable=True for a version in /dev/shm only (a new VM then trained from step 0)."""
+    from pcframe.policies.base import Notice
+
+    model, opt = model_and_optimizer()
+    placement = P.MemoryThenDisk(
+        memory_keep=1, disk_keep=2, disk_every=100, disk_survives_preemption=False
+    )
+    with Checkpointer(
+        shm_dir,
+        model=model,
+        optimizer=opt,
+        tiers=Tiers({"local": tmp_path / "disk"}),
+        placement=placement,
+        chunk_bytes=8192,
+    ) as ckpt:
+        step(model, opt, 1)
+        handle = ckpt.save(1)
+        handle.wait()
+        now = time.monotonic()
+        secured = ckpt.tiers.secure(handle.version, 1, Notice(now, now + 30))
+    assert secured is not None and not secured.durable, secured
+    assert "outlives the VM" in secured.reason
+    # A disk that does survive (the default): the same notice is safe there.
+    with Checkpointer(
+        shm_dir,
+        model=model,
+        optimizer=opt,
+        tiers=Tiers({"local": tmp_path / "disk2"}),
+        placement=P.MemoryThenDisk(memory_keep=1, disk_keep=2, disk_every=100),
+        chunk_bytes=8192,
+    ) as ckpt:
+        step(model, opt, 2)
+        handle = ckpt.save(2)
+        handle.wait()
+        now = time.monotonic()
+        secured = ckpt.tiers.secure(handle.version, 2, Notice(now, now + 30))
+    assert secured is not None and secured.durable and secured.tiers == ("local",), secured
