@@ -16,6 +16,7 @@ engine would see the other's versions and the run would silently start from step
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from pcframe.checkpointer import Checkpointer
 from pcframe.distributed import DistributedCheckpointer, global_versions
 from pcframe.errors import CheckpointError
+from pcframe.feed import policy_notice
 from pcframe.integrations._common import DISTRIBUTED_ARGUMENTS
 from pcframe.integrations._hf_state import SECTION, TrainerStateSection
 from pcframe.store.directory import CheckpointDir
@@ -156,6 +158,19 @@ def save_now(engine: Engine, step: int, metadata: dict[str, Any]) -> None:
         engine.save(step, metadata)
     else:
         engine.save(step, metadata, reason="save_last")
+
+
+def notice_pending(engine: Engine) -> bool:
+    """Whether a preemption notice is pending for one process's engine (its sources polled,
+    nothing recorded): its save is not put off until after an evaluation. A job of several
+    processes: ``False``, as every rank must call the engine at the same hook (the ranks
+    agree on a notice inside ``maybe_save``)."""
+    if isinstance(engine, DistributedCheckpointer):
+        return False
+    now = time.monotonic()
+    polled = [source.poll(now) for source in engine.notices]
+    polled.append(policy_notice(engine.policy, now))
+    return any(notice is not None and now <= notice.deadline for notice in polled)
 
 
 def share_trainer_state(engine: Engine, section: TrainerStateSection) -> None:

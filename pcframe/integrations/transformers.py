@@ -9,7 +9,9 @@ scheduler and the prepared dataloader exist): model, optimizer, scheduler, RNGs 
 ``TrainerState`` are loaded, and the prepared dataloader is moved to the saved position
 (:mod:`pcframe.integrations._hf_state`). Saves happen in ``on_step_end``, after
 ``optimizer.step()``; the engine's pre-hook on the next step keeps the weights unchanged until
-the snapshot is copied.
+the snapshot is copied. A step the Trainer evaluates is saved in ``on_evaluate`` instead, after
+the evaluation (as the Trainer's own checkpoint is): the evaluation draws from the global RNG
+(the eval dataloader's iterator, at least), and a resumed run does not evaluate that step again.
 
 One process runs pcframe's ``Checkpointer``; a job under ``torchrun`` / ``accelerate launch``
 (DDP, accelerate's FSDP2) runs a ``DistributedCheckpointer`` on every rank
@@ -44,7 +46,7 @@ from pcframe.integrations._common import (
 transformers = require_library("transformers", "transformers", "transformers")
 
 import torch  # noqa: E402  (after the guard, on purpose)
-from transformers.trainer_utils import SaveStrategy  # noqa: E402
+from transformers.trainer_utils import IntervalStrategy, SaveStrategy  # noqa: E402
 
 from pcframe.distributed import global_versions  # noqa: E402
 from pcframe.errors import CheckpointError, SaveError  # noqa: E402
@@ -54,6 +56,7 @@ from pcframe.integrations._hf_engine import (  # noqa: E402
     check_folder_on_every_rank,
     fallbacks,
     job_ranks,
+    notice_pending,
     open_engine,
     restore,
     resume_summary,
@@ -152,6 +155,7 @@ class PcframeCallback(transformers.TrainerCallback):
         self.checkpointer: Engine | None = None
         self.resumed_step: int | None = None  # the step the last train() resumed from
         self._position: Position | None = None
+        self._evaluated: tuple[int, dict[str, Any]] | None = None  # a step saved after its eval
         self._finalizer: weakref.finalize | None = None
         self._asked = False  # train(resume_from_checkpoint=True): a version must be there
         self._speaks = True  # says its warnings (rank 0 of a job of several processes)
@@ -195,7 +199,7 @@ class PcframeCallback(transformers.TrainerCallback):
             options=self.engine_options,
         )
         self._hold(checkpointer)
-        self.resumed_step, self._position = None, None
+        self.resumed_step, self._position, self._evaluated = None, None, None
         try:
             self._resume(state, control, section, resume, required)
         except BaseException:  # a refused resume: nothing was loaded; release the directory
@@ -259,10 +263,14 @@ class PcframeCallback(transformers.TrainerCallback):
         )
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._save_evaluated(state, control)  # before the epoch's iterator draws
         if self._position is not None:
             self._position.epoch_begins()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # An evaluation that never called on_evaluate (a subclass's evaluate()): saved late
+        # rather than never.
+        self._save_evaluated(state, control)
         if self._position is not None:
             self._position.batch_fetched()
 
@@ -273,6 +281,26 @@ class PcframeCallback(transformers.TrainerCallback):
             self._position.fix_epoch(state)
         step = state.global_step
         metadata = {"epoch": state.epoch}
+        if _evaluates(args, state, control) and not notice_pending(self.checkpointer):
+            # The Trainer evaluates this step after on_step_end, drawing from the global RNG,
+            # and a resumed run does not evaluate it again: the version (or the policy's "no")
+            # waits for on_evaluate, so its RNGs are the ones the next step draws from. A
+            # pending preemption notice is answered now.
+            self._evaluated = (step, metadata)
+            return
+        self._save(step, metadata, state, control)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._save_evaluated(state, control)
+
+    def _save_evaluated(self, state: Any, control: Any) -> None:
+        """The save (or the policy's decision) of the step the Trainer has just evaluated."""
+        evaluated, self._evaluated = self._evaluated, None
+        if evaluated is not None and self.checkpointer is not None:
+            self._save(*evaluated, state, control)
+
+    def _save(self, step: int, metadata: dict[str, Any], state: Any, control: Any) -> None:
+        assert self.checkpointer is not None
         try:
             handle = self.checkpointer.maybe_save(step, metadata)
             last = control.should_training_stop or step >= state.max_steps
@@ -285,6 +313,7 @@ class PcframeCallback(transformers.TrainerCallback):
             raise stopped_by(exc, NAME, step, False, AGAIN) from exc
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._save_evaluated(state, control)
         self._close(error=False, step=state.global_step)
 
     # --- what the Trainer is told and asked ------------------------------------------------
@@ -429,6 +458,19 @@ def _check_parallelism(args: Any, model: Any) -> None:
             f"{NAME} supports FSDP2 (DTensor parameters), not FSDP1: set "
             "fsdp_config={'version': 2} (the default)"
         )
+
+
+def _evaluates(args: Any, state: Any, control: Any) -> bool:
+    """Whether the Trainer evaluates after this step's ``on_step_end``: ``DefaultFlowCallback``
+    (the first callback) asked for it (``eval_strategy="steps"``, and the last step), or the
+    epoch ends here under ``eval_strategy="epoch"`` (its last step, or training stops)."""
+    if control.should_evaluate:
+        return True
+    if getattr(args, "eval_strategy", IntervalStrategy.NO) != IntervalStrategy.EPOCH:
+        return False
+    stops = control.should_epoch_stop or control.should_training_stop
+    ends = stops or state.global_step >= state.max_steps or float(state.epoch).is_integer()
+    return ends and args.eval_delay <= state.epoch
 
 
 def _has_versions(directory: Path) -> bool:
