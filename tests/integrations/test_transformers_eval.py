@@ -120,8 +120,9 @@ def saved_steps(directory: Path) -> list[int]:
     ("save_steps", "stop", "evaluation"),
     [
         (3, 6, {"eval_strategy": "steps", "eval_steps": 3}),  # saved and evaluated
-        (4, 4, {"eval_strategy": "epoch"}),  # the end of epoch 0, evaluated
-        (3, 3, {"eval_strategy": "steps", "eval_steps": 2}),  # saved, evaluated after it
+        # the end of epoch 0, evaluated; and saved, evaluated after it (slow: 2 Trainers each)
+        pytest.param(4, 4, {"eval_strategy": "epoch"}, marks=pytest.mark.slow),
+        pytest.param(3, 3, {"eval_strategy": "steps", "eval_steps": 2}, marks=pytest.mark.slow),
     ],
     ids=["eval_steps==save_steps", "eval_at_epoch_end", "eval_elsewhere"],
 )
