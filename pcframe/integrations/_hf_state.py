@@ -161,7 +161,10 @@ class Position:
         if skipped and accumulate > 1 and batches % accumulate:
             warn(
                 "PcframeCallback: gradient_accumulation_steps=%d does not divide the %d batches "
-                "of an epoch; the rest of the interrupted epoch is not accumulated as before",
+                "of an epoch: resumed mid-epoch, the epoch's last batch is accumulated into the "
+                "next epoch's first optimizer step, and every later step trains on other "
+                "batches than an uninterrupted run would (choose gradient_accumulation_steps "
+                "dividing the epoch's batches to resume exactly)",
                 accumulate,
                 batches,
             )
