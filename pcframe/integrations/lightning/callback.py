@@ -12,7 +12,11 @@ processes: each rank its own). Saves happen in ``on_train_batch_end`` after each
 step the policy picks (the same point as ``ModelCheckpoint(every_n_train_steps=...)``;
 several processes: rank 0's policy decides for all), so Lightning's restart logic, written
 for that point, resumes the loops; the engine's pre-hook on ``optimizer.step`` keeps the next
-update from changing the weights before the snapshot is copied.
+update from changing the weights before the snapshot is copied. A batch Lightning validates
+after (``val_check_interval``, the end of an epoch) is saved at the end of that validation
+(``on_validation_end``, where ``ModelCheckpoint(monitor=...)`` saves): a version taken before
+it would resume with the RNG as it was before the validation, and Lightning's restart would
+skip the validation, which had run only in the stopped process.
 
 A resume is all or nothing: the ``lightning`` section is applied inside the engine's restore
 and before the weights, each change with its undo; a refusal of any part leaves module,
@@ -143,6 +147,7 @@ class PcframeCheckpoint(pl.callbacks.Checkpoint):
         self.resumed_step: int | None = None  # the step the last fit resumed from (None: fresh)
         self._section = LightningSection(self)
         self._last_step: int | None = None
+        self._after_validation: tuple[int, dict[str, Any]] | None = None  # a save it waits for
         self._processes = Processes(self.dirpath, self._section)  # several processes
         self._unwrap: Any = _nothing  # puts Lightning's checkpoint loader back
 
@@ -225,6 +230,7 @@ class PcframeCheckpoint(pl.callbacks.Checkpoint):
         self._section.bind(trainer, pl_module)
         self.resumed_step = None
         self._last_step = trainer.global_step
+        self._after_validation = None
         if several_processes(trainer, pl_module, self.dirpath):
             self.checkpointer = self._processes.open(
                 trainer,
@@ -317,14 +323,30 @@ class PcframeCheckpoint(pl.callbacks.Checkpoint):
             return  # accumulating gradients: no optimizer step in this batch
         self._last_step = step
         metadata = {"epoch": trainer.current_epoch}
+        if not _plateau_per_step(trainer) and _validates_next(trainer):
+            # The policy is asked when the validation has run: a version taken now would hold
+            # the RNG of before it (which a validation_step drawing, MC dropout or sampling,
+            # moves on), and Lightning's restart skips the validation of the saved batch.
+            self._after_validation = (step, metadata)
+            return
+        self._maybe_save(trainer, step, metadata)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        waiting, self._after_validation = self._after_validation, None
+        if waiting is None or self.checkpointer is None or trainer.global_step != waiting[0]:
+            return  # a validation after no step of this fit (sanity check, trainer.validate)
+        self._maybe_save(trainer, *waiting)
+
+    def _maybe_save(self, trainer: pl.Trainer, step: int, metadata: dict[str, Any]) -> None:
+        """Ask the policy at ``step`` (every step once), and save the last step of ``fit``."""
         if isinstance(self.policy, EveryNEpochs):
             self.policy.due = self.policy.ends(trainer)
         try:
             handle = self.checkpointer.maybe_save(step, metadata)
             if handle is None and self.save_last and _last_step_of_fit(trainer):
                 # Here, not at the end of fit: Lightning's restart logic resumes a version taken
-                # in on_train_batch_end exactly; one taken after fit stopped resumes a fit loop
-                # that counts one epoch more.
+                # in on_train_batch_end (or on_validation_end) exactly; one taken after fit
+                # stopped resumes a fit loop that counts one epoch more.
                 if self._processes.group is not None:  # collective: every rank stops at this step
                     handle = self.checkpointer.save(step, metadata)
                 else:
@@ -393,6 +415,35 @@ def _last_step_of_fit(trainer: pl.Trainer) -> bool:
         and max_epochs is not None
         and max_epochs > 0
         and trainer.current_epoch + 1 >= max_epochs
+    )
+
+
+def _validates_next(trainer: pl.Trainer) -> bool:
+    """Whether Lightning validates after this batch, before the next one: the check its
+    training epoch loop makes right after ``on_train_batch_end`` (``val_check_interval``, the
+    end of an epoch, ``check_val_every_n_epoch``, an early stop), and validation data with
+    batches to run (set up here if this is the fit's first validation, as the validation loop
+    would a moment later), so that ``on_validation_end`` does follow. A Lightning without
+    that check: no (the version is taken in ``on_train_batch_end``)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    should_check = getattr(epoch_loop, "_should_check_val_fx", None)
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    if should_check is None or fetcher is None or not should_check(fetcher):
+        return False
+    validation = epoch_loop.val_loop
+    if validation._combined_loader is None:
+        validation.setup_data()
+    return validation._combined_loader is not None and not validation.skip
+
+
+def _plateau_per_step(trainer: pl.Trainer) -> bool:
+    """Whether a ``ReduceLROnPlateau`` is stepped by the step: Lightning steps it after the
+    validation, and its restart from a version taken at ``on_validation_end`` steps it once
+    more, in a process without the metric it monitors (strict: the resumed fit fails). Such a
+    fit is saved in ``on_train_batch_end`` (the scheduler one step behind, see Limits)."""
+    return any(
+        config.reduce_on_plateau and config.interval == "step"
+        for config in trainer.lr_scheduler_configs
     )
 
 
