@@ -47,7 +47,9 @@ class ClosingTrain:
         args, kwargs = self.callback._resume_argument(args, kwargs)  # refused before training
         try:
             return self.__wrapped__(*args, **kwargs)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, Exception):  # not Ctrl-C: the step due before it is saved
+                self.callback._save_left_over()
             self.callback._close(error=True)
             raise
         finally:

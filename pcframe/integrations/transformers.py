@@ -299,6 +299,20 @@ class PcframeCallback(transformers.TrainerCallback):
         if evaluated is not None and self.checkpointer is not None:
             self._save(*evaluated, state, control)
 
+    def _save_left_over(self) -> None:
+        """train() is ending by an exception (an evaluation that raised, say): the step that
+        waited for its evaluation is asked for now, as its weights stand (an evaluation
+        changes none), rather than lost; the close then waits for it. Never raises."""
+        evaluated, self._evaluated = self._evaluated, None
+        if evaluated is None or self.checkpointer is None:
+            return
+        try:
+            self.checkpointer.maybe_save(*evaluated)
+        except Exception as exc:  # the exception on its way out is the one to see
+            say.warning(
+                "%s: step %d, due before the error, was not saved: %s", NAME, evaluated[0], exc
+            )
+
     def _save(self, step: int, metadata: dict[str, Any], state: Any, control: Any) -> None:
         assert self.checkpointer is not None
         try:

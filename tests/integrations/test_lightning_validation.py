@@ -135,3 +135,25 @@ def test_a_step_interval_plateau_scheduler_is_saved_before_the_validation(tmp_pa
         Drawing.configure_optimizers = original  # type: ignore[method-assign]
     assert min(resumed.losses) == 3 and max(resumed.losses) == 8
     assert list(stopped.validated) == [3] and list(resumed.validated) == [8]
+
+
+def test_a_step_whose_validation_raises_is_saved_before_the_fit_ends(tmp_path: Path) -> None:
+    """The save waits for the validation: a validation that raised lost the step due before
+    it, which the old save before the validation had kept."""
+    from pcframe.store.directory import CheckpointDir
+
+    original = Drawing.validation_step
+
+    def failing(module: Drawing, batch: list[torch.Tensor], batch_idx: int) -> None:
+        if module.global_step == 3:  # the first validation, after the save due at step 3
+            raise RuntimeError("out of memory in validation")
+        original(module, batch, batch_idx)
+
+    Drawing.validation_step = failing  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError, match="out of memory in validation"):
+            fit(tmp_path / "ckpts", STEPS, 3, val_check_interval=3)
+    finally:
+        Drawing.validation_step = original  # type: ignore[method-assign]
+    store = CheckpointDir(tmp_path / "ckpts")
+    assert [store.step_of(v) for v in store.committed_versions()] == [3]

@@ -194,3 +194,21 @@ def test_a_preemption_notice_saves_before_the_evaluation(tmp_path: Path) -> None
     assert notify.saved_at_evaluation[3] == []
     assert 6 in notify.saved_at_evaluation[6]
     assert saved_steps(tmp_path / "run") == [3, 6]
+
+
+def test_a_step_whose_evaluation_raises_is_saved_before_train_ends(tmp_path: Path) -> None:
+    """The save waits for the evaluation: an evaluation that raises (an OOM in it, a bug in
+    compute_metrics) lost the step due before it, which the old save before it had kept."""
+    directory = tmp_path / "ckpt"
+    trainer = trainer_for(directory, save_steps=3, eval_strategy="steps", eval_steps=3)
+    evaluate = trainer.evaluate
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        if trainer.state.global_step == 6:
+            raise RuntimeError("out of memory in evaluation")
+        return evaluate(*args, **kwargs)
+
+    trainer.evaluate = failing
+    with pytest.raises(RuntimeError, match="out of memory in evaluation"):
+        trainer.train()
+    assert saved_steps(directory) == [3, 6]

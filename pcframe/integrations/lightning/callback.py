@@ -371,6 +371,23 @@ class PcframeCheckpoint(pl.callbacks.Checkpoint):
     ) -> None:
         # Any exception leaving fit (KeyboardInterrupt too: Lightning calls this hook before
         # its sys.exit) releases the directory, so a next fit in this process can open it.
+        # A step that waited for its validation (which raised) is asked for first, as its
+        # weights stand (a validation changes none), rather than lost; not on Ctrl-C.
+        waiting, self._after_validation = self._after_validation, None
+        if (
+            waiting is not None
+            and self.checkpointer is not None
+            and isinstance(exception, Exception)
+        ):
+            try:
+                self._maybe_save(trainer, *waiting)
+            except Exception as exc:  # the exception on its way out is the one to see
+                tell(
+                    trainer,
+                    logging.WARNING,
+                    f"{OWNER}: step {waiting[0]}, due before the error, was not saved: "
+                    f"{error_line(exc)}",
+                )
         self._close(clean=False)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

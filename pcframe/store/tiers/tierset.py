@@ -161,9 +161,13 @@ class Tiers:
                 f"tiers.{self.primary_name}: this tier is the Checkpointer's own directory "
                 f"({primary.root}), the first tier of the placement policy; remove it from tiers="
             )
-        if self.placement is None:
-            rules = [TierRule(self.primary_name, 1, keep_last)]
-            rules += [TierRule(name, 1, keep_last) for name in self.replicas]
+        if self.placement is None:  # every tier every version; a notice picks one that
+            # outlives the VM (not a RAM-backed primary beside a disk)
+            rules = [TierRule(self.primary_name, 1, keep_last, not is_memory_backed(primary.root))]
+            rules += [
+                TierRule(name, 1, keep_last, not _ram_backed(tier))
+                for name, tier in self.replicas.items()
+            ]
             self.placement = TieredPlacement(rules)
         self._validate(primary)
         newest = 0
@@ -334,7 +338,9 @@ class Tiers:
         decision = self.place(version, step, notice or Notice(now, now + self.secure_timeout))
         targets = [t for t in decision.tiers if t != self.primary_name and t not in self.external]
         if not targets:
-            if self.survives(self.primary_name):
+            # The placement chose a tier its caller secures (a multi-rank job's peers): that
+            # caller judges whether the version outlives the VM.
+            if self.survives(self.primary_name) or self.external & set(decision.tiers):
                 return Secured(version, (self.primary_name,), True, decision.reason)
             return Secured(version, (self.primary_name,), False, self._lost_with_the_vm(decision))
         if version in self._delta_versions:
@@ -368,8 +374,7 @@ class Tiers:
             return False
         if name == self.primary_name:
             return self.primary is None or not is_memory_backed(self.primary.root)
-        tier = self.replicas.get(name)
-        return not (isinstance(tier, LocalTier) and is_memory_backed(tier.path))
+        return not _ram_backed(self.replicas.get(name))
 
     def _lost_with_the_vm(self, decision: PlacementDecision) -> str:
         log.error(
@@ -461,3 +466,8 @@ def attach_tiers(
         tiers.close()
         raise
     return tiers, newest
+
+
+def _ram_backed(tier: Tier | None) -> bool:
+    """A local tier on tmpfs / ramfs (gone with the VM, whatever a rule says)."""
+    return isinstance(tier, LocalTier) and is_memory_backed(tier.path)

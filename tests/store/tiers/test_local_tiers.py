@@ -308,7 +308,8 @@ def test_a_ram_backed_tier_said_to_survive_the_vm_is_warned_about(
         tmp_path / "disk",
         model=model,
         optimizer=optimizer,
-        tiers=Tiers({"local": shm_dir}),  # a "disk" tier on tmpfs; the default rule: survives
+        tiers=Tiers({"local": shm_dir}),  # a "disk" tier on tmpfs, its rule: it survives
+        placement=P.TieredPlacement([P.TierRule("disk", 1, 2), P.TierRule("local", 1, 2)]),
     ):
         pass
     assert any("is RAM-backed" in r.getMessage() for r in caplog.records), caplog.records

@@ -326,3 +326,23 @@ def test_a_notice_never_calls_a_version_safe_in_tiers_lost_with_the_vm(
         now = time.monotonic()
         secured = ckpt.tiers.secure(handle.version, 2, Notice(now, now + 30))
     assert secured is not None and secured.durable and secured.tiers == ("local",), secured
+
+
+def test_without_a_placement_a_notice_goes_to_the_disk_not_the_ram_primary(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    """The default placement (every tier every version) said every tier survives: a notice
+    picked the RAM primary, the fastest, and then (rightly) not durable, leaving the disk
+    tier beside it unused."""
+    from pcframe.policies.base import Notice
+
+    model, opt = model_and_optimizer()
+    with Checkpointer(
+        shm_dir, model=model, optimizer=opt, tiers=Tiers({"local": tmp_path / "disk"})
+    ) as ckpt:
+        step(model, opt, 1)
+        handle = ckpt.save(1)
+        handle.wait()
+        now = time.monotonic()
+        secured = ckpt.tiers.secure(handle.version, 1, Notice(now, now + 30))
+    assert secured is not None and secured.durable and secured.tiers == ("local",), secured
