@@ -561,7 +561,8 @@ class Checkpointer:
         itself is an engine call until the post-hook: a handler's save in the middle of it
         runs after it, on a whole step (half the weights and moments updated were saved, and
         the step's first update could leave the optimizer's state half made). A save on
-        another thread waits from before the gate to the post-hook (:meth:`_other_steps`)."""
+        another thread waits from the end of the gate to the post-hook
+        (:meth:`_other_steps`)."""
         self._in_step_hook += 1
         try:
             tracked = len(self._hooks) == 2  # a post-hook ends the update

@@ -367,11 +367,13 @@ class Tiers:
         return Secured(version, tuple(targets), durable, decision.reason)
 
     def survives(self, name: str) -> bool:
-        """Whether a version in tier ``name`` outlives the VM: not if the placement's rule
-        says so (``TierRule.survives_preemption``), nor on a RAM-backed folder (tmpfs)."""
+        """Whether a version in tier ``name`` outlives the VM: as the placement's rule says
+        (``TierRule.survives_preemption``; the default rules say so of every tier that is not
+        RAM-backed, and a rule that contradicts its tmpfs folder is warned about at open);
+        without a rule, unless the tier is on a RAM-backed folder."""
         rule = next((r for r in getattr(self.placement, "rules", ()) if r.name == name), None)
-        if rule is not None and not rule.survives_preemption:
-            return False
+        if rule is not None:
+            return rule.survives_preemption
         if name == self.primary_name:
             return self.primary is None or not is_memory_backed(self.primary.root)
         return not _ram_backed(self.replicas.get(name))
