@@ -14,11 +14,13 @@ decodes without looking classes up.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import sys
 from collections import Counter, OrderedDict, defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 from pcframe.errors import ManifestError, UnstorableState
@@ -77,9 +79,20 @@ def factory_names(factory: Any) -> list[str] | bool | None:
     return False if names is None else names
 
 
+@contextlib.contextmanager
+def base_types_unannounced() -> Iterator[None]:
+    """No :func:`kept_as_base` warning inside: for an encoding made only to compare (DCP
+    pickles a value whose type the tree would not keep, so nothing is lost there)."""
+    token = _UNANNOUNCED.set(True)
+    try:
+        yield
+    finally:
+        _UNANNOUNCED.reset(token)
+
+
 def kept_as_base(path: str, what: str, base: str) -> None:
     """Log once per place that a value is stored as its base type (its own is not kept)."""
-    if (path, what) in _WARNED:
+    if _UNANNOUNCED.get() or (path, what) in _WARNED:
         return
     _WARNED.add((path, what))
     log.warning(
@@ -94,6 +107,7 @@ def kept_as_base(path: str, what: str, base: str) -> None:
 
 
 _WARNED: set[tuple[str, str]] = set()
+_UNANNOUNCED: ContextVar[bool] = ContextVar("pcframe_base_types_unannounced", default=False)
 
 
 class ClassProblem(Exception):

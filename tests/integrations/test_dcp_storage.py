@@ -279,3 +279,28 @@ def test_a_save_overlapping_another_in_this_process_is_refused(tmp_path: Path) -
     _load(root, 1)  # the committed version is untouched
     dcp.save(training_state(2), storage_writer=StorageWriter(root))
     _load(root, 2)
+
+
+def test_a_value_the_tree_would_store_as_its_base_type_stays_pickled_without_a_warning(caplog):
+    """A namedtuple made in a function (no reader could find its class) is pickled by DCP,
+    type and all: the tree's warning that it is stored as a plain tuple was false there."""
+    import logging
+    from collections import namedtuple
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    from pcframe.integrations.dcp.schema import plain_value
+
+    point = namedtuple("Point", "x y")
+    planner = DefaultSavePlanner()
+    planner.set_up_planner({"extra": {"point": point(1, 2), "plain": [1, 2]}}, None, True)
+    items = {
+        item.index.fqn: item
+        for item in planner.create_local_plan().items
+        if item.type == WriteItemType.BYTE_IO
+    }
+    with caplog.at_level(logging.WARNING, logger="pcframe"):
+        assert plain_value(planner, items["extra.point"]) == (False, None)
+        assert plain_value(planner, items["extra.plain"])[0]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

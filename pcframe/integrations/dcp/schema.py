@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 
 from pcframe.distributed.placement import cover_fault
 from pcframe.errors import ManifestError, UnsupportedCheckpoint
+from pcframe.format.classes import base_types_unannounced
 from pcframe.format.manifest import Manifest
 from pcframe.format.tree import TYPED_TAGS, TensorRef, decode_tree, encode_tree, tags_held
 from pcframe.kernels.dtypes import DTYPES, dtype_name
@@ -127,7 +128,8 @@ def plain_value(planner: SavePlanner, item: WriteItem) -> tuple[bool, Any]:
     value = planner.lookup_object(item.index)
     refs: list[TensorRef] = []
     try:
-        encoded = encode_tree(value, "", refs)
+        with base_types_unannounced():  # a type the tree would not keep stays pickled here
+            encoded = encode_tree(value, "", refs)
     except (TypeError, ValueError, RecursionError):
         return False, None
     if refs or tags_held(encoded) & TYPED_TAGS or not _same(decode_tree(encoded, []), value):
