@@ -17,6 +17,7 @@ Another run's version of the same number is refused (an error), as is any older 
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -300,14 +301,22 @@ class Replicator:
             except Exception as exc:
                 attempt += 1
                 self._note_error(job, exc)
+                full = _out_of_room(exc)
                 log.warning(
-                    "tier %s: writing version %d failed (attempt %d of %d): %s",
+                    "tier %s: writing version %d failed (attempt %d of %d): %s%s",
                     self.tier.name,
                     job.version,
                     attempt,
                     self.retries + 1,
                     exc,
+                    f"; the tier ({self.tier.location}) is full: it needs room for one "
+                    "version more than it keeps, and the older versions its retention drops "
+                    "once this one is written are deleted now to make room"
+                    if full
+                    else "",
                 )
+                if full:  # retention runs only after a write: without this it never would
+                    self._make_room(job)
                 if not self._backoff(job, attempt):
                     return
                 continue
@@ -353,6 +362,20 @@ class Replicator:
             self._oldest_unwritten = self._pending.submitted
         self._cond.notify_all()
 
+    def _make_room(self, job: Job) -> None:
+        """Delete now what :meth:`_retain` would once ``job`` is written: the versions older
+        than it beyond the ones kept (the tier's newest always stays)."""
+        listed = self._refresh_listing()
+        if not listed:
+            return
+        keep = self.keep(job, listed) | {max(listed)}
+        for version in [v for v in listed if v < job.version and v not in keep]:
+            try:
+                self.tier.delete(version)
+            except Exception as exc:  # the next attempt fails again, and says so
+                log.warning("tier %s: deleting version %d: %s", self.tier.name, version, exc)
+        self._refresh_listing()
+
     def _retain(self, job: Job) -> None:
         """Per-tier retention, only after ``job`` is committed here; never deletes it."""
         listed = self._refresh_listing()
@@ -377,3 +400,14 @@ class Replicator:
             return
         if removed:
             log.info("tier %s: removed leftovers %s", self.tier.name, removed)
+
+
+def _out_of_room(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what it wraps) is a full device or quota (ENOSPC, EDQUOT)."""
+    for _ in range(16):  # a chain of causes, bounded
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if exc is None:
+            return False
+        exc = exc.__cause__ or exc.__context__
+    return False

@@ -313,3 +313,37 @@ def test_a_ram_backed_tier_said_to_survive_the_vm_is_warned_about(
     ):
         pass
     assert any("is RAM-backed" in r.getMessage() for r in caplog.records), caplog.records
+
+
+def test_a_full_disk_tier_makes_room_and_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A disk tier with room for exactly the versions it keeps: retention ran only after a
+    successful write, so every later version failed with a bare ENOSPC and the tier stayed
+    at its old versions for good (after the VM, the job restored those). The older versions
+    that retention drops are deleted first, and the tier keeps up."""
+    import errno
+
+    real = LocalTier.write
+
+    def room_for_two(tier: LocalTier, version: int, source: Path, step=None) -> int:
+        if len(tier.committed_versions()) >= 2:  # the device is full
+            raise OSError(errno.ENOSPC, "No space left on device", str(tier.path))
+        return real(tier, version, source, step)
+
+    monkeypatch.setattr(LocalTier, "write", room_for_two)
+    disk = tmp_path / "disk"
+    model, optimizer = model_and_optimizer()
+    with Checkpointer(
+        tmp_path / "primary",
+        model=model,
+        optimizer=optimizer,
+        tiers=Tiers({"local": disk}, backoff=0.01),
+        keep_last=2,
+    ) as ckpt:
+        for s in range(1, 6):
+            step(model, optimizer, seed=s)
+            ckpt.save(step=s).wait()
+            assert ckpt.tiers.wait_idle(30)
+    assert CheckpointDir(disk).committed_versions() == [4, 5]
+    assert any("is full" in r.getMessage() for r in caplog.records)
