@@ -40,6 +40,7 @@ from pcframe.runtime.threads import (
     Reentry,
     check_timeout,
     engine_call,
+    on_stack,
     one_caller_at_a_time,
 )
 from pcframe.save.capture import Capture
@@ -618,7 +619,7 @@ class Checkpointer:
                     return
                 stacks = current_frames()
                 for thread in others:
-                    if not _on_stack(self._updating[thread], stacks.get(thread)):
+                    if not on_stack(self._updating[thread], stacks.get(thread)):
                         del self._updating[thread]
                 if any(thread != me for thread in self._updating):
                     self._update_ended.wait(0.05)
@@ -678,15 +679,6 @@ def _step_post_hook(engine: weakref.ref[Checkpointer], *_: Any) -> None:
 
 
 _ENGINE = os.path.dirname(os.path.abspath(__file__))  # pcframe/
-
-
-def _on_stack(frame: FrameType, top: FrameType | None) -> bool:
-    """Whether ``frame`` is on the stack whose innermost frame is ``top``."""
-    while top is not None:
-        if top is frame:
-            return True
-        top = top.f_back
-    return False
 
 
 def _outside_engine(frame: FrameType) -> FrameType:

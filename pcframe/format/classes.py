@@ -34,18 +34,16 @@ def is_namedtuple_class(kind: type) -> bool:
     return issubclass(kind, tuple) and isinstance(fields, tuple)
 
 
-def class_names(kind: type, path: str, what: str) -> list[str]:
-    """``[module, qualname]`` of a class a reader can find again by that name."""
-    names = findable_names(kind)
-    if names is None:
-        raise UnstorableState(
-            f"cannot checkpoint the {what} at '{path}': its class "
-            f"{getattr(kind, '__module__', '?')}.{getattr(kind, '__qualname__', '?')} cannot "
-            "be found again by that name (made inside a function, or under another name); "
-            "define it at module level under its own name, or store a plain value in the "
-            "object's state_dict()"
-        )
-    return names
+def unfindable(kind: type, path: str, what: str) -> UnstorableState:
+    """The error for a value at ``path`` whose class no reader could find by its name (and
+    that has no base type to be stored as, e.g. a plain ``Enum`` made in a function)."""
+    return UnstorableState(
+        f"cannot checkpoint the {what} at '{path}': its class "
+        f"{getattr(kind, '__module__', '?')}.{getattr(kind, '__qualname__', '?')} cannot "
+        "be found again by that name (made inside a function, or under another name); "
+        "define it at module level under its own name, or store a plain value in the "
+        "object's state_dict()"
+    )
 
 
 def findable_names(kind: type) -> list[str] | None:

@@ -81,12 +81,13 @@ def verify_files(directory: Path, manifest: Manifest) -> None:
                 continue
             if piece.file not in handles:
                 handles[piece.file] = os.open(directory / piece.file, os.O_RDONLY)
-            parts = [
+            # Read as hashed, _READ bytes at a time: one such buffer held, not the whole piece.
+            parts = (
                 memoryview(
                     os.pread(handles[piece.file], min(_READ, piece.length - at), piece.offset + at)
                 )
                 for at in range(0, piece.length, _READ)
-            ]
+            )
             if digest(parts) != piece.checksum:
                 raise CorruptCheckpoint(
                     f"{directory / piece.file}: checksum mismatch at byte {piece.offset} "

@@ -37,12 +37,12 @@ from pcframe.format.classes import (
     SAFE_FACTORIES,
     ClassProblem,
     checked_names,
-    class_names,
     factory_names,
     findable_names,
     is_namedtuple_class,
     kept_as_base,
     resolve_class,
+    unfindable,
 )
 from pcframe.kernels.dtypes import DTYPES, dtype_name
 
@@ -142,7 +142,7 @@ def encode_tree(obj: Any, path: str, refs: list[TensorRef], depth: int = 0) -> A
         if names is not None:
             return {"$enum": [*names, _enum_value(obj, path)]}
         if not isinstance(obj, int | str | float):  # a plain Enum has no base value
-            class_names(type(obj), path, "enum")  # raises, naming the fix
+            raise unfindable(type(obj), path, "enum")
         base = next(b for b in (int, str, float) if isinstance(obj, b))
         kept_as_base(path, f"enum member {obj!r:.60}", base.__name__)
         return encode_tree(base(obj), path, refs, inner)

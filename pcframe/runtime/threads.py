@@ -119,14 +119,17 @@ class _Running:
     frame: FrameType | None = None
 
     def ended(self) -> bool:
-        if self.frame is None:
-            return False
-        caller = sys._getframe(1)
-        while caller is not None:
-            if caller is self.frame:
-                return False
-            caller = caller.f_back
-        return True
+        return self.frame is not None and not on_stack(self.frame, sys._getframe(1))
+
+
+def on_stack(frame: FrameType, top: FrameType | None) -> bool:
+    """Whether ``frame`` is on the stack whose innermost frame is ``top`` (a frame still
+    running there: of this thread, or of another one read with ``current_frames()``)."""
+    while top is not None:
+        if top is frame:
+            return True
+        top = top.f_back
+    return False
 
 
 class _ThreadCalls:

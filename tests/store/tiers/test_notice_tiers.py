@@ -286,48 +286,45 @@ def test_a_notice_does_not_take_another_runs_version_of_the_same_number_for_its_
     assert (disk / "v00000003" / "manifest.json").read_bytes() == written
 
 
+def _secured_after_one_save(primary: Path, disk: Path, placement=None, at: int = 1) -> Secured:
+    """A save at step ``at`` beside a disk tier, then a notice of 30 s: what it secured."""
+    from pcframe.policies.base import Notice
+
+    model, opt = model_and_optimizer()
+    options = {"placement": placement} if placement is not None else {}
+    with Checkpointer(
+        primary,
+        model=model,
+        optimizer=opt,
+        tiers=Tiers({"local": disk}),
+        chunk_bytes=8192,
+        **options,
+    ) as ckpt:
+        step(model, opt, at)
+        handle = ckpt.save(at)
+        handle.wait()
+        now = time.monotonic()
+        secured = ckpt.tiers.secure(handle.version, at, Notice(now, now + 30))
+    assert secured is not None
+    return secured
+
+
 def test_a_notice_never_calls_a_version_safe_in_tiers_lost_with_the_vm(
     shm_dir: Path, tmp_path: Path
 ) -> None:
     """An instance-store disk (disk_survives_preemption=False) beside the memory tier: no
     tier outlives the VM, the placement falls back to the fastest, and the notice said
     durable=True for a version in /dev/shm only (a new VM then trained from step 0)."""
-    from pcframe.policies.base import Notice
-
-    model, opt = model_and_optimizer()
     placement = P.MemoryThenDisk(
         memory_keep=1, disk_keep=2, disk_every=100, disk_survives_preemption=False
     )
-    with Checkpointer(
-        shm_dir,
-        model=model,
-        optimizer=opt,
-        tiers=Tiers({"local": tmp_path / "disk"}),
-        placement=placement,
-        chunk_bytes=8192,
-    ) as ckpt:
-        step(model, opt, 1)
-        handle = ckpt.save(1)
-        handle.wait()
-        now = time.monotonic()
-        secured = ckpt.tiers.secure(handle.version, 1, Notice(now, now + 30))
-    assert secured is not None and not secured.durable, secured
+    secured = _secured_after_one_save(shm_dir, tmp_path / "disk", placement)
+    assert not secured.durable, secured
     assert "outlives the VM" in secured.reason
     # A disk that does survive (the default): the same notice is safe there.
-    with Checkpointer(
-        shm_dir,
-        model=model,
-        optimizer=opt,
-        tiers=Tiers({"local": tmp_path / "disk2"}),
-        placement=P.MemoryThenDisk(memory_keep=1, disk_keep=2, disk_every=100),
-        chunk_bytes=8192,
-    ) as ckpt:
-        step(model, opt, 2)
-        handle = ckpt.save(2)
-        handle.wait()
-        now = time.monotonic()
-        secured = ckpt.tiers.secure(handle.version, 2, Notice(now, now + 30))
-    assert secured is not None and secured.durable and secured.tiers == ("local",), secured
+    placement = P.MemoryThenDisk(memory_keep=1, disk_keep=2, disk_every=100)
+    secured = _secured_after_one_save(shm_dir, tmp_path / "disk2", placement, at=2)
+    assert secured.durable and secured.tiers == ("local",), secured
 
 
 def test_without_a_placement_a_notice_goes_to_the_disk_not_the_ram_primary(
@@ -336,18 +333,9 @@ def test_without_a_placement_a_notice_goes_to_the_disk_not_the_ram_primary(
     """The default placement (every tier every version) said every tier survives: a notice
     picked the RAM primary, the fastest, and then (rightly) not durable, leaving the disk
     tier beside it unused."""
-    from pcframe.policies.base import Notice
     from pcframe.store.tiers import is_memory_backed
 
     if is_memory_backed(tmp_path):
         pytest.skip(f"{tmp_path} is RAM-backed on this machine: no disk tier to go to")
-    model, opt = model_and_optimizer()
-    with Checkpointer(
-        shm_dir, model=model, optimizer=opt, tiers=Tiers({"local": tmp_path / "disk"})
-    ) as ckpt:
-        step(model, opt, 1)
-        handle = ckpt.save(1)
-        handle.wait()
-        now = time.monotonic()
-        secured = ckpt.tiers.secure(handle.version, 1, Notice(now, now + 30))
-    assert secured is not None and secured.durable and secured.tiers == ("local",), secured
+    secured = _secured_after_one_save(shm_dir, tmp_path / "disk")
+    assert secured.durable and secured.tiers == ("local",), secured
