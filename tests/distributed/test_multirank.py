@@ -270,7 +270,13 @@ def test_sigkill_of_a_rank_mid_save_keeps_previous_global_and_torchrun_restart_r
     # What the restarted job found: version 2 global, nothing of version 3.
     assert first["pointer_at_start"] == 2 and first["records_at_start"] == [1, 2]
     assert first["restored_step"] == 6
-    assert [v for v, ok in first["published"]] == [4, 5] and all(ok for _, ok in first["published"])
+    # Version 3's number is burnt if rank 0 committed its shard before torchrun killed it
+    # (the usual case), free if rank 0 was still writing it (a busy machine): the restart
+    # numbers one above whatever it found, never below.
+    burnt = first["next_at_start"]
+    assert burnt in (3, 4)
+    assert [v for v, ok in first["published"]] == [burnt, burnt + 1]
+    assert all(ok for _, ok in first["published"])
     check_global_versions(root)
     for rank in range(2):
         assert_same(

@@ -416,6 +416,7 @@ def train(args: argparse.Namespace, out: dict[str, Any]) -> None:
     if rank == 0:  # what a restarted job finds, before anything touches the directory
         out["pointer_at_start"] = rec.read_pointer(args.root)
         out["records_at_start"] = rec.record_versions(args.root)
+        out["next_at_start"] = rec.next_version(args.root)
     job = build("ddp")
     deltas = {"codecs": DELTAS, "full_every": 3} if args.deltas else {}
     with job.checkpointer(args.root, keep_last=1, **deltas) as ckpt:
