@@ -4,9 +4,11 @@ moves the prepared dataloader to.
 
 The Trainer counts ``epoch`` and ``step`` from 0 in a run it believes fresh; a resume tells
 its dataloader where the saved run stood (the seedable sampler's seed offset by the epochs
-trained, the batches of the interrupted epoch skipped) and rewrites ``state.epoch`` with the
-true epoch at each step. Warnings go through ``warn``, so a job of several processes says
-each once (rank 0).
+trained), has the Trainer skip the batches of the interrupted epoch trained before and number
+the rest from there (the first epoch's ``_run_epoch`` gets the arguments of the Trainer's own
+resume: :class:`pcframe.integrations._hf_train.ResumedEpoch`), and rewrites ``state.epoch``
+with the true epoch at each step. Warnings go through ``warn``, so a job of several processes
+says each once (rank 0).
 """
 
 from __future__ import annotations
@@ -46,9 +48,14 @@ class TrainerStateSection(RestoredSection):
     """The ``trainer_state`` entry of a version: the TrainerState's fields, as JSON, and the
     shape of the train data (what a mid-epoch position refers to)."""
 
-    def __init__(self, args: Any, state: Any, dataloader: Any, warn: Warn) -> None:
+    def __init__(
+        self, args: Any, state: Any, dataloader: Any, warn: Warn, *, untold: str | None
+    ) -> None:
         super().__init__()
         self.args, self.state, self.dataloader, self.warn = args, state, dataloader, warn
+        # Why the Trainer cannot be told where its resumed epoch stands (ResumedEpoch.unfit);
+        # None: it is, and skips the batches trained itself.
+        self.untold = untold
         self.position: Position | None = None  # applied by the last restore
         self.applied: dict[str, Any] | None = None  # the saved section the last restore applied
 
@@ -67,7 +74,9 @@ class TrainerStateSection(RestoredSection):
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"the saved TrainerState's global_step is {step!r}")
         # Checked before anything changes: the data position against the data now.
-        position = Position.plan(self.args, step, saved.get(DATA), self.dataloader, self.warn)
+        position = Position.plan(
+            self.args, step, saved.get(DATA), self.dataloader, self.warn, self.untold
+        )
         names = [f.name for f in dataclasses.fields(self.state)]
         before = {name: getattr(self.state, name) for name in names}  # replaced, not changed
 
@@ -102,21 +111,35 @@ class Position:
 
     The Trainer counts ``epoch`` and ``step`` from 0 in a run it believes fresh; ``offset`` is
     the true epoch of its epoch 0 and ``skipped`` the batches of that epoch trained before.
+    ``trainer_skips``: the Trainer skips them and numbers that epoch's batches from there (its
+    first ``_run_epoch`` is given them); otherwise the dataloader skips them (``skip_batches``)
+    and the Trainer numbers what is left from 0, which ends the accumulation windows where an
+    uninterrupted run does only when ``gradient_accumulation_steps`` divides the batches of an
+    epoch.
     """
 
     dataloader: Any
     offset: int
     skipped: int
     steps_in_epoch: int
+    trainer_skips: bool = False
     rng: dict[str, Any] | None = None  # the restored RNGs, set again after the first fetch
     local_epoch: int = -1
 
     @classmethod
     def plan(
-        cls, args: Any, step: int, recorded: Any, dataloader: Any, warn: Warn
+        cls,
+        args: Any,
+        step: int,
+        recorded: Any,
+        dataloader: Any,
+        warn: Warn,
+        untold: str | None,
     ) -> Position | None:
         """The position of saved ``step`` in ``dataloader``, changing nothing; refused (a
-        ``ValueError``) where it is mid-epoch and the data is not the data it was saved in."""
+        ``ValueError``) where it is mid-epoch and the data is not the data it was saved in.
+        ``untold``: why the Trainer cannot be told where its first epoch stands (``None``: it
+        is, and skips the batches trained itself)."""
         if dataloader is None:
             return None
         now = shape(args, dataloader)
@@ -158,15 +181,17 @@ class Position:
             )
         accumulate = args.gradient_accumulation_steps
         skipped = done * accumulate  # as the Trainer's resume
-        if skipped and accumulate > 1 and batches % accumulate:
+        if skipped and untold is not None and accumulate > 1 and batches % accumulate:
             warn(
                 "PcframeCallback: gradient_accumulation_steps=%d does not divide the %d batches "
-                "of an epoch: resumed mid-epoch, the epoch's last batch is accumulated into the "
-                "next epoch's first optimizer step, and every later step trains on other "
-                "batches than an uninterrupted run would (choose gradient_accumulation_steps "
-                "dividing the epoch's batches to resume exactly)",
+                "of an epoch, and the Trainer cannot be told where in its epoch the resume "
+                "stands (%s): the epoch's last, shorter accumulation window is accumulated "
+                "into the next epoch's first optimizer step, and every later step trains on "
+                "other batches than an uninterrupted run would (choose "
+                "gradient_accumulation_steps dividing the epoch's batches to resume exactly)",
                 accumulate,
                 batches,
+                untold,
             )
         sampler = sampler_of(dataloader)
         plain = isinstance(sampler, torch.utils.data.SequentialSampler | type(None))
@@ -176,7 +201,7 @@ class Position:
                 "are ordered as the Trainer's epoch 0, 1, ... (use accelerate's seedable sampler)",
                 type(sampler).__name__,
             )
-        return cls(dataloader, offset, skipped, batches)
+        return cls(dataloader, offset, skipped, batches, untold is None and skipped > 0)
 
     def apply(self) -> Any:
         """Move the dataloader to the position; returns the undo."""
@@ -191,7 +216,7 @@ class Position:
 
         if seeded:
             sampler.initial_seed += self.offset  # seed = initial_seed + epoch: the true order
-        if self.skipped:
+        if self.skipped and not self.trainer_skips:
             self.dataloader.skip_batches = self.skipped
         return undo
 
@@ -202,10 +227,11 @@ class Position:
 
     def skip_all(self) -> None:
         self.dataloader.skip_batches = self.steps_in_epoch
+        self.trainer_skips = False  # the dataloader skips, not the Trainer
 
     def epoch_begins(self) -> None:
         self.local_epoch += 1
-        if self.local_epoch == 1 and self.skipped:
+        if self.local_epoch == 1 and self.skipped and not self.trainer_skips:
             self.dataloader.skip_batches = 0  # only the interrupted epoch is partly trained
 
     def batch_fetched(self) -> None:
@@ -216,9 +242,10 @@ class Position:
     def fix_epoch(self, state: Any) -> None:
         # The Trainer set state.epoch = local_epoch + (local_step + 1) / steps_in_epoch; write
         # the same expression with the true epoch and step, so the value is bit for bit equal.
+        # (Where the Trainer skipped the batches trained, its step counts them already.)
         local = max(self.local_epoch, 0)
         done = round((state.epoch - local) * self.steps_in_epoch)
-        if local == 0:
+        if local == 0 and not self.trainer_skips:
             done += self.skipped
         state.epoch = (self.offset + local) + done / self.steps_in_epoch
 

@@ -6,8 +6,10 @@
 A callback cannot change the arguments of ``Trainer.train``, so the Trainer starts as a fresh
 run and the callback turns it into the resumed one in ``on_train_begin`` (where optimizer,
 scheduler and the prepared dataloader exist): model, optimizer, scheduler, RNGs and
-``TrainerState`` are loaded, and the prepared dataloader is moved to the saved position
-(:mod:`pcframe.integrations._hf_state`). Saves happen in ``on_step_end``, after
+``TrainerState`` are loaded, the prepared dataloader is moved to the saved position
+(:mod:`pcframe.integrations._hf_state`), and a resume mid-epoch has the Trainer skip the
+batches of that epoch trained before and number the rest from there, as its own resume does
+(:class:`pcframe.integrations._hf_train.ResumedEpoch`). Saves happen in ``on_step_end``, after
 ``optimizer.step()``; the engine's pre-hook on the next step keeps the weights unchanged until
 the snapshot is copied. A step the Trainer evaluates is saved in ``on_evaluate`` instead, after
 the evaluation (as the Trainer's own checkpoint is): the evaluation draws from the global RNG
@@ -64,7 +66,11 @@ from pcframe.integrations._hf_engine import (  # noqa: E402
     share_trainer_state,
 )
 from pcframe.integrations._hf_state import Position, TrainerStateSection  # noqa: E402
-from pcframe.integrations._hf_train import ClosingTrain, calling_trainer  # noqa: E402
+from pcframe.integrations._hf_train import (  # noqa: E402
+    ClosingTrain,
+    ResumedEpoch,
+    calling_trainer,
+)
 from pcframe.policies.base import IntervalPolicy  # noqa: E402
 from pcframe.store.directory import CheckpointDir  # noqa: E402
 
@@ -173,8 +179,10 @@ class PcframeCallback(transformers.TrainerCallback):
         required, self._asked = self._asked, False
         _check_parallelism(args, kwargs["model"])
         self._trainer_saves(args)  # a callback added with add_callback had no on_init_end
+        trainer = calling_trainer(self)
         # Added after the Trainer was built (no on_init_end): wrap train() for later calls.
-        ClosingTrain.install(calling_trainer(self), self)
+        ClosingTrain.install(trainer, self)
+        ResumedEpoch.remove(trainer)  # left by a train() that ended before its first epoch
         self._close_stale()
         ranks = job_ranks()
         resume = True if required else self.resume
@@ -186,7 +194,13 @@ class PcframeCallback(transformers.TrainerCallback):
             )
         check_folder_on_every_rank(NAME, self.output_dir, ranks)
         optimizer = kwargs["optimizer"]
-        section = TrainerStateSection(args, state, kwargs.get("train_dataloader"), self._say)
+        section = TrainerStateSection(
+            args,
+            state,
+            kwargs.get("train_dataloader"),
+            self._say,
+            untold=ResumedEpoch.unfit(trainer),
+        )
         checkpointer = open_engine(
             self.output_dir,
             ranks,
@@ -205,6 +219,10 @@ class PcframeCallback(transformers.TrainerCallback):
         except BaseException:  # a refused resume: nothing was loaded; release the directory
             self._close(error=True)
             raise
+        position = self._position
+        if position is not None and position.trainer_skips:
+            # The first epoch's _run_epoch gets the position, as in the Trainer's own resume.
+            ResumedEpoch.install(trainer, position.skipped, str(self.output_dir))
 
     def _resume(
         self,

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from pcframe.restore.reader import load_version
 from pcframe.store.directory import CheckpointDir
@@ -20,6 +21,9 @@ from tests.integrations.killing import (
 )
 
 pytest.importorskip("transformers")
+
+from tests.integrations.test_transformers_eval import StopAfter
+from tests.integrations.test_transformers_restore import trainer_for
 
 CHILD = Path(__file__).with_name("train_child_hf.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -64,16 +68,30 @@ def test_sigkilled_trainer_resumes_bit_identical(tmp_path, python, child_env):
     sigkill_campaign(tmp_path, python, child_env, kills=2, seed=16)
 
 
+@pytest.mark.slow
+def test_sigkilled_trainer_with_uneven_accumulation_resumes_bit_identical(
+    tmp_path, python, child_env
+):
+    # 10 batches an epoch in windows of 3, 3, 3 and 1 (4 steps an epoch): most versions (every
+    # 3 steps) are mid-epoch, some just before the epoch's last, shorter window.
+    accumulate = ("--accumulate", "3")
+    sigkill_campaign(tmp_path, python, child_env, kills=2, seed=16, extra=accumulate)
+
+
 @pytest.mark.campaign
 @pytest.mark.parametrize("seed", range(4))
 def test_sigkill_campaign(tmp_path, python, child_env, seed):
     sigkill_campaign(tmp_path, python, child_env, kills=6, seed=200 + seed)
 
 
-def sigkill_campaign(tmp_path: Path, python: str, env: dict, kills: int, seed: int) -> None:
+def sigkill_campaign(
+    tmp_path: Path, python: str, env: dict, kills: int, seed: int, extra: tuple[str, ...] = ()
+) -> None:
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    finish(start(python, env, reference, "--delay", "0"))
-    landed = kill_and_resume(lambda: start(python, env, killed), killed, kills=kills, seed=seed)
+    finish(start(python, env, reference, "--delay", "0", *extra))
+    landed = kill_and_resume(
+        lambda: start(python, env, killed, *extra), killed, kills=kills, seed=seed
+    )
     assert landed >= min(kills, 2), f"only {landed} kills landed"
     step_a, tensors_a, tree_a = final_version(reference)
     step_b, tensors_b, tree_b = final_version(killed)
@@ -147,6 +165,75 @@ def test_corrupt_newest_version_falls_back(tmp_path, python, child_env):
     out = finish(start(python, child_env, run, "--delay", "0", "--policy", "fixed_steps"))
     assert "resumed_step 20 global_step 30" in out  # the previous valid version, then 21..30
     assert any(p.name.startswith(".corrupt-") for p in run.iterdir())
+
+
+# gradient_accumulation_steps=3 and 7 batches an epoch: windows of 3, 3 and 1 batches (the
+# last, shorter one ends the epoch), 3 optimizer steps an epoch.
+UNEVEN = {"samples": 28, "gradient_accumulation_steps": 3}
+UNEVEN_STEPS = 9  # 3 epochs
+
+
+def uneven_trainer(directory: Path, *callbacks: object) -> tuple:
+    """A Trainer of the restore tests (a version every 3 steps, and the last) on UNEVEN, and
+    the batches it trains: optimizer step -> the samples of each batch accumulated into it."""
+    trainer, callback = trainer_for(directory, UNEVEN_STEPS, callbacks=callbacks, **UNEVEN)
+    windows: dict[int, list[list[list[int]]]] = {}
+
+    def forward(module: object, args: object, kwargs: dict) -> None:
+        step = trainer.state.global_step + 1  # the optimizer step this batch goes into
+        windows.setdefault(step, []).append(kwargs["input_ids"].tolist())
+
+    trainer.model.register_forward_pre_hook(forward, with_kwargs=True)
+    return trainer, callback, windows
+
+
+@pytest.fixture(scope="module")
+def uneven_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """An uninterrupted run on UNEVEN: its folder, batches and final weights."""
+    directory = tmp_path_factory.mktemp("uneven") / "reference"
+    trainer, _, windows = uneven_trainer(directory)
+    trainer.train()
+    assert [len(windows[s]) for s in sorted(windows)] == [3, 3, 1] * 3
+    weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return directory, windows, weights
+
+
+# transformers' advice for a tiny CPU run (pin_memory, tokens) is not under test here.
+@pytest.mark.filterwarnings("ignore::Warning")
+@pytest.mark.parametrize(
+    "stop",
+    [
+        5,  # mid-epoch 1, its last, shorter window still to train
+        2,  # the next window is epoch 0's last, shorter one
+        pytest.param(3, marks=pytest.mark.slow),  # after that window: the end of epoch 0
+        pytest.param(4, marks=pytest.mark.slow),  # one step after the epoch boundary
+    ],
+)
+def test_accumulation_not_dividing_the_epoch_resumes_bit_identical(
+    tmp_path: Path, uneven_reference: tuple, stop: int
+) -> None:
+    reference, windows, weights = uneven_reference
+    run = tmp_path / "run"
+    first, _, before = uneven_trainer(run, StopAfter(stop))
+    first.train()
+    resumed, callback, after = uneven_trainer(run)  # a new Trainer, as after a SIGKILL
+    resumed.train()
+    assert callback.resumed_step == stop and resumed.state.global_step == UNEVEN_STEPS
+    assert "_run_epoch" not in vars(resumed)  # the first epoch's wrapper is gone
+    # Every optimizer step accumulated the batches, and only those, of the uninterrupted run.
+    trained = {**before, **after}
+    differ = [
+        s for s in sorted(windows.keys() | trained.keys()) if trained.get(s) != windows.get(s)
+    ]
+    assert not differ, f"optimizer steps trained on other batches than uninterrupted: {differ}"
+    now = resumed.model.state_dict()
+    assert not [k for k in weights if not torch.equal(weights[k], now[k])]
+    step_a, tensors_a, tree_a = final_version(reference)
+    step_b, tensors_b, tree_b = final_version(run)
+    assert step_a == step_b == UNEVEN_STEPS
+    assert not tensor_differences(tensors_a, tensors_b)  # weights, Adam moments, RNGs
+    assert not tree_differences(tree_a["scheduler"], tree_b["scheduler"])
+    assert not tree_differences(tree_a["stateful"], tree_b["stateful"])  # epoch 3.0, ...
 
 
 def final_step(directory: Path, version: int) -> int:

@@ -147,6 +147,33 @@ def test_a_fallback_and_the_resume_are_one_warning_each(tmp_path: Path, said: Li
     assert all(r.name.startswith("transformers.") for r in said.records)
 
 
+@pytest.mark.parametrize("ignore_data_skip", [False, True])
+def test_uneven_accumulation_warns_only_where_the_trainer_cannot_be_told_the_position(
+    tmp_path: Path, said: Lines, ignore_data_skip: bool
+) -> None:
+    # 7 batches an epoch, windows of 3, 3 and 1: step 4 is one window into epoch 1.
+    uneven = {"samples": 28, "gradient_accumulation_steps": 3}
+    directory = tmp_path / "ckpts"
+    trainer(directory, 4, **uneven)[0].train()
+    said.records.clear()
+    made, callback = trainer(directory, 6, ignore_data_skip=ignore_data_skip, **uneven)
+    made.train()
+    assert callback.resumed_step == 4 and made.state.global_step == 6
+    resumed = f"PcframeCallback: resumed from {directory} at step 4 (version 2)"
+    if not ignore_data_skip:  # the first epoch's _run_epoch is told: exact, nothing to say
+        assert said.ours() == [resumed]
+        return
+    # ignore_data_skip=True: the Trainer skips nothing and numbers the epoch from its first
+    # batch (as on a transformers without Trainer._run_epoch); pcframe's dataloader skips.
+    warning, line = said.ours()
+    assert line == resumed
+    assert warning.startswith(
+        "PcframeCallback: gradient_accumulation_steps=3 does not divide the 7 batches of an "
+        "epoch, and the Trainer cannot be told where in its epoch the resume stands "
+        "(ignore_data_skip=True): "
+    )
+
+
 def test_a_folder_of_another_model_is_one_line_naming_it_and_the_fix(tmp_path: Path) -> None:
     directory = tmp_path / "ckpts"
     trainer(directory, 3)[0].train()

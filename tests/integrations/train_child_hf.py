@@ -1,6 +1,6 @@
 """A transformers.Trainer run checkpointed by PcframeCallback (the SIGKILL tests' child).
 
-    python train_child_hf.py DIR STEPS [--policy NAME] [--delay SECONDS]
+    python train_child_hf.py DIR STEPS [--policy NAME] [--delay SECONDS] [--accumulate N]
 
 A tiny GPT-2 built from a config (no download), synthetic token data, CPU, dropout on.
 """
@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--policy", default=None)
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--delay", type=float, default=0.03)
+    parser.add_argument("--accumulate", type=int, default=1)  # gradient_accumulation_steps
     args = parser.parse_args()
     transformers.set_seed(0)
     config = GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
@@ -60,6 +61,7 @@ def main() -> None:
         learning_rate=5e-3,
         lr_scheduler_type="linear",
         warmup_steps=2,
+        gradient_accumulation_steps=args.accumulate,
         seed=0,
         use_cpu=True,
         report_to=[],
