@@ -369,43 +369,122 @@ def check_engine_options(
         )
 
 
-def another_model(
-    owner: str, directory: Any, error: CheckpointError, folder: str = "dirpath"
-) -> StateMismatch:
-    """A resume refused because ``directory`` holds another model's checkpoints, in one short
-    line naming the folder and the fix (a callback cannot call ``restore(strict=False)``).
-    ``mismatches`` keeps every problem the engine found; ``folder``: the callback's name of
-    its directory argument."""
-    mismatches = list(getattr(error, "mismatches", None) or [str(error)])
-    first = " ".join(mismatches[0].split())
-    first = first if len(first) <= 120 else first[:117] + "..."
+# --- a resume the engine refused: one line, with the fix the callback's user can make ---------
+
+# The multi-rank restore's own refusals of the saved state (one line each, "rank 1: " before
+# it on the ranks that learned it from another): its keys, its tensors' global shapes, its
+# sections. Another rank's StateMismatch reaches the others as "rank 1: <its message>".
+_JOB_MISFIT = re.compile(
+    r"^(rank \d+: )?(global version \d+ (does not fit|has no|holds no|has optimizer state)"
+    r"|'[^']*' has global shape )"
+)
+_RANK = re.compile(r"^rank \d+: ")
+# The engine's advice inside a mismatch line, which a callback's user cannot follow (the
+# callback calls restore() itself), and its "pass the same objects" (said better after it).
+_ENGINE_ADVICE = re.compile(
+    r"[;:]?\s*(restore with strict=False|restore\(strict=|restore\(allow_cast=|pass the same "
+    r"|pass objects of the same |build the scheduler the run was saved with).*$"
+)
+_DTYPE = re.compile(r"dtype (\S+) in the checkpoint, (?:its parameter's is )?(\S+?)(?: here)?$")
+_TORCH_CLASS = re.compile(r"\btorch\.optim\.(lr_scheduler\.|[a-z_]+\.)(?=[A-Z])")  # its name says
+_SHOWN = 120  # characters of the mismatch a message shows
+
+# What does not fit, in the order a message names it: the first kind found among the
+# mismatches is named, with the fix that kind has besides another folder or resume=False.
+_KINDS: dict[str, tuple[str, str]] = {
+    # no section of the callback's own: another writer's folder (a loop's own Checkpointer)
+    "foreign": ("that the callback did not write", ""),
+    "model": ("of another model", ""),
+    "dtype": ("", ""),  # worded from the dtypes themselves
+    "optimizer": (
+        "of another optimizer",
+        "configure the optimizer the run was saved with (its class and param groups), ",
+    ),
+    "scheduler": (
+        "of another LR scheduler",
+        "configure the LR scheduler the run was saved with, ",
+    ),
+    "other": ("that do not fit this run", ""),
+}
+
+
+def refused_resume(
+    owner: str,
+    directory: Any,
+    error: BaseException,
+    folder: str = "dirpath",
+    dtype_fix: str = "build the model in {} as it was saved",
+) -> StateMismatch | None:
+    """A resume the engine refused because the saved state does not fit this run's objects
+    (another model, a dtype, an optimizer or a scheduler of another setup), as one line naming
+    the folder, what does not fit, and the fix the callback's user can make: the engine's own
+    advice (``restore(strict=False)``, ``restore(allow_cast=True)``) is no option of a
+    callback, which calls ``restore()`` itself. ``mismatches`` keeps every problem the engine
+    found; ``folder``: the callback's name of its directory argument; ``dtype_fix``: how its
+    user gets the saved dtype (``{}``) back. ``None``: ``error`` is no such refusal (a damaged
+    version, a section's own refusal: its message says more)."""
+    mismatches = _mismatches(error)
+    if not mismatches:
+        return None
+    kinds = [_kind(m) for m in mismatches]
+    kind = next(k for k in _KINDS if k in kinds)
+    chosen = [m for m, k in zip(mismatches, kinds, strict=True) if k == kind]
+    if kind == "dtype":  # a model's tensor says more than its optimizer state
+        chosen.sort(key=lambda m: not _RANK.sub("", m).startswith("model"))
+    first = _shown(chosen[0])
     more = f"; {len(mismatches) - 1} more" if len(mismatches) > 1 else ""
+    what, fix = _KINDS[kind]
+    if kind == "dtype":
+        saved, live = _dtypes(chosen)
+        what = f"of a model in {saved}, and this run's is in {live}"
+        fix = dtype_fix.format(saved) + ", "
     return StateMismatch(
-        f"{owner}: {directory} holds checkpoints of another model ({first}{more}): give this "
-        f"run its own {folder}, or pass resume=False to start over in {directory}",
+        f"{owner}: {directory} holds checkpoints {what} ({first}{more}): {fix}give this run "
+        f"its own {folder}, or pass resume=False to start over in {directory}",
         mismatches,
     )
 
 
-def fits_another_model(error: BaseException) -> bool:
-    """Whether a refused restore says the folder holds another model (its keys or shapes; not
-    a dtype, the optimizer, the scheduler, the data position or a framework section, whose
-    own refusal says more than "another model")."""
+def _mismatches(error: BaseException) -> list[str]:
+    """The mismatches of a refused restore (one process's, or a multi-rank one's), or none."""
     if isinstance(error, StateMismatch):
-        return any(
-            m.startswith(("model:", "model[")) and "dtype" not in m for m in error.mismatches
-        )
-    # DistributedCheckpointer: "global version N does not fit this model: missing keys ..."
-    return type(error) is CheckpointError and "does not fit this model" in str(error)
+        return list(error.mismatches) or [" ".join(str(error).split())]
+    if type(error) is not CheckpointError or not _JOB_MISFIT.match(str(error)):
+        return []
+    text = str(error)
+    listed = [line[4:] for line in text.splitlines() if line.startswith("  - ")]
+    if listed:  # another rank's StateMismatch: its lines, which this rank's own would be
+        return listed
+    return [" ".join(text.split())]
 
 
-# DistributedCheckpointer's refusal of a saved model tensor of another global shape.
-_MODEL_SHAPE = re.compile(r"'model/[^']*' has global shape ")
+def _kind(mismatch: str) -> str:
+    line = _RANK.sub("", mismatch)
+    if line.startswith("stateful") or " has no stateful object named " in line:
+        return "foreign"  # the callback gives one stateful object: its own section
+    if _DTYPE.search(line) is not None:
+        return "dtype"
+    if line.startswith(("model:", "model[", "'model/")) or "does not fit this model" in line:
+        return "model"
+    if " holds no tensor 'model/" in line:
+        return "model"
+    if line.startswith(("optimizer", "'optimizer/")) or "optimizer" in line.split(":")[0]:
+        return "optimizer"
+    if line.startswith("scheduler") or "'scheduler'" in line.split(",")[0]:
+        return "scheduler"
+    return "other"
 
 
-def fits_another_model_of_job(error: BaseException) -> bool:
-    """:func:`fits_another_model`, and the multi-rank restore's own words for a model tensor
-    of another shape ("'model/<key>' has global shape (32, 16) in global version 8 ...")."""
-    return fits_another_model(error) or (
-        type(error) is CheckpointError and _MODEL_SHAPE.match(str(error)) is not None
-    )
+def _shown(mismatch: str) -> str:
+    """One mismatch as a message shows it: one line, without the engine's advice, short."""
+    line = _TORCH_CLASS.sub("", _ENGINE_ADVICE.sub("", " ".join(mismatch.split())))
+    line = line.replace("but the Checkpointer was given one", "but this run has one")
+    return line if len(line) <= _SHOWN else line[: _SHOWN - 3] + "..."
+
+
+def _dtypes(mismatches: list[str]) -> tuple[str, str]:
+    """The saved and the live dtypes the dtype mismatches name ("torch.float32 and ...")."""
+    pairs = [m.groups() for m in map(_DTYPE.search, mismatches) if m is not None]
+    saved = sorted({a for a, _ in pairs}) or ["another dtype"]
+    live = sorted({b for _, b in pairs}) or ["another"]
+    return " and ".join(saved), " and ".join(live)

@@ -12,8 +12,9 @@ batches of that epoch trained before and number the rest from there, as its own 
 (:class:`pcframe.integrations._hf_train.ResumedEpoch`). Saves happen in ``on_step_end``, after
 ``optimizer.step()``; the engine's pre-hook on the next step keeps the weights unchanged until
 the snapshot is copied. A step the Trainer evaluates is saved in ``on_evaluate`` instead, after
-the evaluation (as the Trainer's own checkpoint is): the evaluation draws from the global RNG
-(the eval dataloader's iterator, at least), and a resumed run does not evaluate that step again.
+the evaluation (as the Trainer's own checkpoint is; with a dict ``eval_dataset``, after the last
+set's): the evaluation draws from the global RNG (the eval dataloader's iterator, at least), and
+a resumed run does not evaluate that step again.
 
 One process runs pcframe's ``Checkpointer``; a job under ``torchrun`` / ``accelerate launch``
 (DDP, accelerate's FSDP2) runs a ``DistributedCheckpointer`` on every rank
@@ -52,7 +53,7 @@ from transformers.trainer_utils import IntervalStrategy, SaveStrategy  # noqa: E
 
 from pcframe.distributed import global_versions  # noqa: E402
 from pcframe.errors import CheckpointError, SaveError  # noqa: E402
-from pcframe.integrations._common import another_model, fits_another_model_of_job  # noqa: E402
+from pcframe.integrations._common import refused_resume  # noqa: E402
 from pcframe.integrations._hf_engine import (  # noqa: E402
     Engine,
     check_folder_on_every_rank,
@@ -162,6 +163,7 @@ class PcframeCallback(transformers.TrainerCallback):
         self.resumed_step: int | None = None  # the step the last train() resumed from
         self._position: Position | None = None
         self._evaluated: tuple[int, dict[str, Any]] | None = None  # a step saved after its eval
+        self._trainer: weakref.ReferenceType[Any] | None = None  # whose train() is running
         self._finalizer: weakref.finalize | None = None
         self._asked = False  # train(resume_from_checkpoint=True): a version must be there
         self._speaks = True  # says its warnings (rank 0 of a job of several processes)
@@ -183,6 +185,7 @@ class PcframeCallback(transformers.TrainerCallback):
         # Added after the Trainer was built (no on_init_end): wrap train() for later calls.
         ClosingTrain.install(trainer, self)
         ResumedEpoch.remove(trainer)  # left by a train() that ended before its first epoch
+        self._trainer = weakref.ref(trainer) if trainer is not None else None
         self._close_stale()
         ranks = job_ranks()
         resume = True if required else self.resume
@@ -241,9 +244,10 @@ class PcframeCallback(transformers.TrainerCallback):
         try:
             with section.restoring():
                 step = restore(self.checkpointer, resume)
-        except CheckpointError as exc:
-            if fits_another_model_of_job(exc):  # one short line instead of every mismatch
-                raise another_model(NAME, self.output_dir, exc, folder="output_dir") from None
+        except CheckpointError as exc:  # the saved state does not fit: one line
+            refused = refused_resume(NAME, self.output_dir, exc, folder="output_dir")
+            if refused is not None:
+                raise refused from None
             raise
         fell_back = fallbacks(self.checkpointer, self.output_dir)
         for line in fell_back:
@@ -309,7 +313,22 @@ class PcframeCallback(transformers.TrainerCallback):
         self._save(step, metadata, state, control)
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._evaluated is not None and self._evaluates_more(kwargs.get("metrics")):
+            return  # the next eval dataset's evaluation draws from the RNG too: after it
         self._save_evaluated(state, control)
+
+    def _evaluates_more(self, metrics: Any) -> bool:
+        """Whether the Trainer evaluates another dataset after the one whose ``metrics`` it
+        has just reported: ``eval_dataset`` a dict of named sets, ``evaluate`` runs each in
+        order, each its own ``on_evaluate`` with metrics named ``eval_<name>_...``. Which set
+        is unknown (a subclass's own metric names): no, as for a single eval set."""
+        trainer = self._trainer() if self._trainer is not None else None
+        datasets = getattr(trainer, "eval_dataset", None)
+        if not isinstance(datasets, dict) or len(datasets) < 2 or not isinstance(metrics, dict):
+            return False
+        names = [str(name) for name in datasets]
+        evaluated = _evaluated_set(names, [k for k in metrics if str(k).startswith("eval_")])
+        return evaluated is not None and evaluated != names[-1]
 
     def _save_evaluated(self, state: Any, control: Any) -> None:
         """The save (or the policy's decision) of the step the Trainer has just evaluated."""
@@ -503,6 +522,13 @@ def _evaluates(args: Any, state: Any, control: Any) -> bool:
     stops = control.should_epoch_stop or control.should_training_stop
     ends = stops or state.global_step >= state.max_steps or float(state.epoch).is_integer()
     return ends and args.eval_delay <= state.epoch
+
+
+def _evaluated_set(names: list[str], keys: list[str]) -> str | None:
+    """The eval set whose metrics ``keys`` are (``eval_<name>_loss``, ...): the longest name
+    that prefixes every key (``"a"`` and ``"a_b"`` both prefix ``eval_a_b_loss``)."""
+    fits = [name for name in names if keys and all(k.startswith(f"eval_{name}_") for k in keys)]
+    return max(fits, key=len) if fits else None
 
 
 def _has_versions(directory: Path) -> bool:

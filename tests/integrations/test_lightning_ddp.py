@@ -429,6 +429,28 @@ def test_another_models_folder_is_a_short_line_naming_it_and_the_fix(launcher, r
         assert len(line.replace(str(root), "DIR")) < 300, line  # short, but for the folder
 
 
+def test_another_precision_is_a_short_line_naming_it_and_the_fix(launcher, reference, tmp_path):
+    """The multi-rank restore's refusal of a dtype listed every mismatch on lines of their
+    own, ending "restore(allow_cast=True) casts tensors to the live dtypes", which no
+    Lightning user can call."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(reference / "ckpt", root)
+    extra = ("--precision", "64-true")
+    job = launcher.run(2, root, STEPS + 2, tmp_path, *extra, kill_on_failure=False)
+    assert job.wait() == [1, 1]
+    for log in job.logs():
+        line = last_line(log)
+        assert line.startswith(
+            f"pcframe.errors.StateMismatch: PcframeCheckpoint: {root} holds checkpoints of a "
+            "model in torch.float32, and this run's is in torch.float64 (model['net.0.weight']: "
+        ), log[-2000:]
+        assert line.endswith(
+            "train in the precision it was saved with (the model in torch.float32), give this "
+            f"run its own dirpath, or pass resume=False to start over in {root}"
+        ), line
+        assert "allow_cast" not in log and "strict=False" not in log, log[-2000:]
+
+
 # --- options, refused or taken when the callback is made --------------------------------------
 
 

@@ -28,8 +28,8 @@ import lightning.pytorch as pl
 from torch.utils.data import DataLoader, TensorDataset
 
 import pcframe.save.persist as persist
-from pcframe import ResumableLoader, ResumableSampler
-from pcframe.errors import CheckpointError, SaveError
+from pcframe import Checkpointer, ResumableLoader, ResumableSampler
+from pcframe.errors import CheckpointError, SaveError, StateMismatch
 from pcframe.integrations.lightning import PcframeCheckpoint
 from pcframe.state.rng import capture_rng
 from tests.helpers import DiskFull
@@ -177,6 +177,7 @@ def fit(
     module: Tiny | None = None,
     data: Any = None,
     callbacks: list[pl.Callback] | None = None,
+    trainer_options: dict[str, Any] | None = None,
     **options: Any,
 ) -> tuple[pl.Trainer, PcframeCheckpoint]:
     pl.seed_everything(0, verbose=False)
@@ -189,6 +190,7 @@ def fit(
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[*(callbacks or []), checkpoint],
+        **(trainer_options or {}),
     )
     module = module or Tiny()
     if isinstance(data, pl.LightningDataModule):
@@ -248,6 +250,96 @@ def test_a_refused_part_of_the_resume_changes_nothing(ckpts: Path, case: str) ->
     # The directory was released and nothing in it changed: the right objects resume it.
     trainer, checkpoint = fit(ckpts, 9, data=Data(), callbacks=[Counter()])
     assert checkpoint.resumed_step == SAVED_STEP and trainer.global_step == 9
+
+
+class Reconfigured(Tiny):
+    """Tiny with another optimizer or scheduler than the saved fit's (AdamW, StepLR)."""
+
+    def __init__(self, setup: str) -> None:
+        super().__init__()
+        self.setup = setup
+
+    def configure_optimizers(self) -> Any:
+        if self.setup == "sgd":
+            opt: Any = torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9)
+        elif self.setup == "groups":  # the last layer at its own rate
+            groups = [{"params": self.net[0].parameters()}, {"params": self.net[3].parameters()}]
+            opt = torch.optim.AdamW(groups, lr=1e-2)
+        else:
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        if self.setup == "scheduler":
+            sched: Any = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+        else:
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+# Each: the fit that does not fit the saved one (AdamW, StepLR, float32), and the words of
+# the one line naming what does not fit and the fix.
+MISFITS: dict[str, tuple[dict[str, Any], str]] = {
+    "dtype": (
+        {"trainer_options": {"precision": "64-true"}},
+        "holds checkpoints of a model in torch.float32, and this run's is in torch.float64 "
+        "(model['net.0.weight']: dtype torch.float32 in the checkpoint, torch.float64 here; "
+        "5 more): train in the precision it was saved with (the model in torch.float32), ",
+    ),
+    "optimizer class": (
+        {"module": Reconfigured("sgd")},
+        "holds checkpoints of another optimizer (optimizer: saved from a AdamW, this optimizer "
+        "is a SGD; 2 more): configure the optimizer the run was saved with",
+    ),
+    "param groups": (
+        {"module": Reconfigured("groups")},
+        "holds checkpoints of another optimizer (optimizer: 1 param groups in the checkpoint, "
+        "2 here): configure the optimizer",
+    ),
+    "a training loop's folder": (  # a pcframe Checkpointer's versions: no Lightning state
+        {"plain": True},
+        "holds checkpoints that the callback did not write (stateful['lightning']: the "
+        "checkpoint has no stateful object named 'lightning' (it has []); 1 more): give this "
+        "run its own dirpath",
+    ),
+    "scheduler class": (
+        {"module": Reconfigured("scheduler")},
+        "holds checkpoints of another LR scheduler (scheduler: the checkpoint's scheduler is a "
+        "StepLR, this one a ExponentialLR): configure the LR scheduler the run was saved with, ",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MISFITS))
+def test_a_resume_that_does_not_fit_is_one_line_with_the_callbacks_fix(
+    ckpts: Path, case: str
+) -> None:
+    """The engine's refusal listed every mismatch on lines of their own and ended "restore(
+    strict=False) ..." (and "restore(allow_cast=True) ..."), which a callback's user cannot
+    call: one line names the folder, what does not fit and what the user can do."""
+    given, words = dict(MISFITS[case][0]), MISFITS[case][1]
+    if given.pop("plain", False):
+        shutil.rmtree(ckpts)
+        module = Tiny()
+        optimizer = module.configure_optimizers()["optimizer"]
+        with Checkpointer(ckpts, model=module, optimizer=optimizer) as loop:  # no scheduler
+            loop.save(SAVED_STEP)
+    with pytest.raises(StateMismatch) as refused:
+        fit(ckpts, 20, data=Data(), callbacks=[Counter()], **given)
+    message = str(refused.value)
+    assert len(message.splitlines()) == 1, message
+    assert message.startswith(f"PcframeCheckpoint: {ckpts} holds checkpoints ")
+    assert words in message
+    assert message.endswith(
+        f"give this run its own dirpath, or pass resume=False to start over in {ckpts}"
+    )
+    assert "strict=" not in message and "allow_cast" not in message
+    # Every mismatch the engine found stays on the exception.
+    mismatches = refused.value.mismatches
+    assert mismatches and all("\n" not in m for m in mismatches)
+    more = f"; {len(mismatches) - 1} more)" if len(mismatches) > 1 else ""
+    assert more in message
+    # Nothing was loaded and the directory was released: the saved setup resumes it.
+    if case != "a training loop's folder":
+        trainer, checkpoint = fit(ckpts, 9, data=Data(), callbacks=[Counter()])
+        assert checkpoint.resumed_step == SAVED_STEP and trainer.global_step == 9
 
 
 def test_shorter_data_after_a_version_at_an_epoch_end_is_used_from_the_next_epoch(

@@ -11,6 +11,8 @@ step trained on other dropout masks, and the step's validation was never logged.
 
 from __future__ import annotations
 
+import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +69,9 @@ class Drawing(pl.LightningModule):
         return [opt], [{"scheduler": steps, "interval": "step"}, {"scheduler": epochs}]
 
 
-def fit(directory: Path, steps: int, every: int, **trainer_options: Any) -> Drawing:
+def fit(
+    directory: Path, steps: int, every: int, keep_last: int = 3, **trainer_options: Any
+) -> Drawing:
     pl.seed_everything(0, verbose=False)
     gen = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(40, 8, generator=gen), torch.randn(40, 1, generator=gen))
@@ -81,7 +85,7 @@ def fit(directory: Path, steps: int, every: int, **trainer_options: Any) -> Draw
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[PcframeCheckpoint(directory, every_n_train_steps=every)],
+        callbacks=[PcframeCheckpoint(directory, every_n_train_steps=every, keep_last=keep_last)],
         **trainer_options,
     )
     module = Drawing()
@@ -157,3 +161,103 @@ def test_a_step_whose_validation_raises_is_saved_before_the_fit_ends(tmp_path: P
         Drawing.validation_step = original  # type: ignore[method-assign]
     store = CheckpointDir(tmp_path / "ckpts")
     assert [store.step_of(v) for v in store.committed_versions()] == [3]
+
+
+class Seen:
+    """Lightning's ``_should_check_val_fx`` as pcframe's code sees it (``pcframe`` frames
+    only: Lightning's own loop keeps calling its real one), as in a Lightning that lacks it
+    (``None``) or has another one."""
+
+    def __init__(self, real: Any, other: Any) -> None:
+        self.real, self.other = real, other
+
+    def __get__(self, loop: Any, owner: type) -> Any:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if not caller.startswith("pcframe."):
+            return self.real.__get__(loop, owner)
+        if self.other is None:
+            raise AttributeError(
+                f"{owner.__name__!r} object has no attribute '_should_check_val_fx'"
+            )
+        return self.other.__get__(loop, owner)
+
+
+def no_argument(loop: Any) -> bool:  # as an older or a later Lightning might have it
+    return False
+
+
+def not_a_bool(loop: Any, data_fetcher: Any) -> Any:  # truthy, and not Lightning's answer
+    return "validates"
+
+
+OTHER_LIGHTNING = {"missing": None, "another signature": no_argument, "another answer": not_a_bool}
+
+
+@pytest.mark.parametrize("lightning", list(OTHER_LIGHTNING))
+def test_without_lightnings_validation_check_every_version_is_taken_before_its_validation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lightning: str
+) -> None:
+    """The deferral to ``on_validation_end`` asks Lightning's private
+    ``_should_check_val_fx(data_fetcher)``; in a Lightning where it is missing, takes other
+    arguments or answers other than a bool, each version is taken where it was before the
+    deferral (``on_train_batch_end``), none is lost, and one WARNING line says so. Another
+    signature made every batch of the fit fail; a truthy answer put off every step's save to
+    a validation that never came (the steps between validations were never saved)."""
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    from pcframe.integrations.lightning import callback as module
+    from pcframe.store.directory import CheckpointDir
+
+    real = _TrainingEpochLoop.__dict__["_should_check_val_fx"]
+    monkeypatch.setattr(
+        _TrainingEpochLoop, "_should_check_val_fx", Seen(real, OTHER_LIGHTNING[lightning])
+    )
+    monkeypatch.setattr(module, "_TOLD", set(), raising=False)  # told once a process
+    asked: list[tuple[int, str]] = []  # (step, the hook the policy was asked in)
+    maybe_save = PcframeCheckpoint._maybe_save
+
+    def recorded(self: PcframeCheckpoint, trainer: Any, step: int, metadata: Any) -> None:
+        asked.append((step, sys._getframe(1).f_code.co_name))
+        maybe_save(self, trainer, step, metadata)
+
+    monkeypatch.setattr(PcframeCheckpoint, "_maybe_save", recorded)
+    said = Said()
+    logging.getLogger("lightning.pytorch.callbacks.pcframe").addHandler(said)
+    try:
+        fitted = fit(tmp_path / "ckpts", STEPS, 3, keep_last=10, val_check_interval=3)
+    finally:
+        logging.getLogger("lightning.pytorch.callbacks.pcframe").removeHandler(said)
+    assert sorted(fitted.validated) == [3, 8]  # Lightning validated as it does
+    assert asked == [(step, "on_train_batch_end") for step in range(1, STEPS + 1)]
+    store = CheckpointDir(tmp_path / "ckpts")
+    assert [store.step_of(v) for v in store.committed_versions()] == [3, 6, 9, 12]
+    told = [m for m in said.messages if "cannot tell whether Lightning" in m]
+    assert len(told) == 1 and "a version at a validated step is taken before" in told[0]
+
+
+def test_with_lightnings_validation_check_a_validated_step_is_saved_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same fit with the installed Lightning's own check: steps 3 and 8 wait for their
+    validation (the check above is what the deferral reads)."""
+    asked: list[tuple[int, str]] = []
+    maybe_save = PcframeCheckpoint._maybe_save
+
+    def recorded(self: PcframeCheckpoint, trainer: Any, step: int, metadata: Any) -> None:
+        asked.append((step, sys._getframe(1).f_code.co_name))
+        maybe_save(self, trainer, step, metadata)
+
+    monkeypatch.setattr(PcframeCheckpoint, "_maybe_save", recorded)
+    fitted = fit(tmp_path / "ckpts", STEPS, 3, keep_last=10, val_check_interval=3)
+    assert sorted(fitted.validated) == [3, 8]
+    after = {3: "on_validation_end", 8: "on_validation_end"}
+    assert asked == [(s, after.get(s, "on_train_batch_end")) for s in range(1, STEPS + 1)]
+
+
+class Said(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())

@@ -76,6 +76,7 @@ def trainer_for(
     save_steps: int,
     callbacks: tuple[Any, ...] = (),
     options: dict[str, Any] | None = None,
+    eval_dataset: Any = None,
     **arguments: Any,
 ) -> Recording:
     from pcframe.integrations.transformers import PcframeCallback
@@ -104,7 +105,7 @@ def trainer_for(
         model=GPT2LMHeadModel(config),
         args=args,
         train_dataset=Tokens(16, seed=1),
-        eval_dataset=Tokens(4, seed=2),
+        eval_dataset=eval_dataset if eval_dataset is not None else Tokens(4, seed=2),
         callbacks=[*callbacks, callback],
     )
     trainer.losses, trainer.pcframe = {}, callback
@@ -147,6 +148,39 @@ def test_a_run_resumed_after_an_evaluated_step_trains_as_an_uninterrupted_one(
     # The resumed run evaluated the steps after the resumed one, not that step again.
     evaluated = [e["step"] for e in resumed.state.log_history if "eval_loss" in e]
     assert evaluated == [e["step"] for e in reference.state.log_history if "eval_loss" in e]
+
+
+def test_with_several_eval_sets_the_version_is_taken_after_the_last_ones_evaluation(
+    tmp_path: Path,
+) -> None:
+    """A dict ``eval_dataset``: the Trainer evaluates each set in turn, each with its own
+    ``on_evaluate``, and each draws from the global RNG (its eval dataloader's iterator).
+    The version taken at the first one's held the RNG of before the others: every step
+    after the resume trained on other dropout masks."""
+
+    def sets() -> dict[str, Tokens]:  # "near" prefixes "near_far"'s metric names
+        return {"near": Tokens(4, seed=2), "near_far": Tokens(8, seed=3), "far": Tokens(4, 4)}
+
+    evaluation = {"eval_strategy": "steps", "eval_steps": 3}
+    reference = trainer_for(tmp_path / "reference", 3, eval_dataset=sets(), **evaluation)
+    reference.train()
+    first = trainer_for(
+        tmp_path / "run", 3, callbacks=(StopAfter(6),), eval_dataset=sets(), **evaluation
+    )
+    first.train()
+    assert saved_steps(tmp_path / "run") == [3, 6]
+    resumed = trainer_for(tmp_path / "run", 3, eval_dataset=sets(), **evaluation)
+    resumed.train()
+    assert resumed.pcframe.resumed_step == 6
+    losses = {**first.losses, **resumed.losses}
+    differ = [s for s in losses if losses[s] != reference.losses[s]]
+    assert not differ, f"steps whose loss differs from the uninterrupted run's: {differ}"
+    # Each version holds every set's evaluation of its step (taken after the last one).
+    store = CheckpointDir(tmp_path / "run")
+    history = load_version(store.path(2)).state_tree()["stateful"]["trainer_state"]
+    logged = {key for entry in history["log_history"] for key in entry if key.endswith("_loss")}
+    assert logged == {"eval_near_loss", "eval_near_far_loss", "eval_far_loss"}
+    assert [e["step"] for e in history["log_history"] if "eval_far_loss" in e] == [3, 6]
 
 
 def test_each_due_step_is_saved_once_after_its_evaluation(tmp_path: Path) -> None:

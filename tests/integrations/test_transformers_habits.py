@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -187,6 +189,86 @@ def test_a_folder_of_another_model_is_one_line_naming_it_and_the_fix(tmp_path: P
     )
     # Short whatever the folder's name (pytest's temporary paths are long, and appear twice).
     assert len(message.splitlines()) == 1 and len(message.replace(str(directory), "D")) < 300
+    assert callback.checkpointer is None and made.state.global_step == 0
+
+
+class Half(transformers.GPT2LMHeadModel):
+    """The same model loaded in bfloat16."""
+
+    def __init__(self, config: transformers.GPT2Config) -> None:
+        super().__init__(config)
+        self.to(torch.bfloat16)
+
+
+class OneGroup(transformers.Trainer):
+    """An optimizer of one param group (the Trainer's own has two: with and without decay)."""
+
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.args.learning_rate)
+        return self.optimizer
+
+
+class Stepped(transformers.Trainer):
+    """A StepLR instead of the Trainer's linear schedule (a LambdaLR)."""
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        self.lr_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+        return self.lr_scheduler
+
+
+# Each: what the resuming Trainer gets instead, and the words naming what does not fit and
+# the fix (besides another output_dir or resume=False).
+MISFITS: dict[str, tuple[dict[str, Any], str]] = {
+    "dtype": (
+        {"model_class": Half},
+        "holds checkpoints of a model in torch.float32, and this run's is in torch.bfloat16 "
+        "(model['transformer.wte.weight']: dtype torch.float32 in the checkpoint, "
+        "torch.bfloat16 here; 18 more): build the model in torch.float32 as it was saved, ",
+    ),
+    "optimizer class": (
+        {"optim": "sgd"},
+        "holds checkpoints of another optimizer (optimizer: saved from a AdamW, this optimizer "
+        "is a SGD; 2 more): configure the optimizer the run was saved with (its class and "
+        "param groups), ",
+    ),
+    "param groups": (
+        {"trainer_class": OneGroup},
+        "holds checkpoints of another optimizer (optimizer: 2 param groups in the checkpoint, "
+        "1 here): ",
+    ),
+    "scheduler class": (
+        {"trainer_class": Stepped},
+        "holds checkpoints of another LR scheduler (scheduler: the checkpoint's scheduler is a "
+        "LambdaLR, this one a StepLR): configure the LR scheduler the run was saved with, ",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MISFITS))
+def test_a_resume_that_does_not_fit_is_one_line_with_the_callbacks_fix(
+    tmp_path: Path, case: str
+) -> None:
+    """The engine's refusal listed every mismatch on lines of their own and ended "restore(
+    strict=False) ..." (and "restore(allow_cast=True) ..."), which a callback's user cannot
+    call: one line names the folder, what does not fit and what the user can do."""
+    directory = tmp_path / "ckpts"
+    trainer(directory, 3)[0].train()
+    given, words = MISFITS[case]
+    made, callback = trainer(directory, 6, **given)
+    with pytest.raises(StateMismatch) as refused:
+        made.train()
+    message = str(refused.value)
+    assert len(message.splitlines()) == 1, message
+    assert message.startswith(f"PcframeCallback: {directory} holds checkpoints ")
+    assert words in message
+    assert message.endswith(
+        f"give this run its own output_dir, or pass resume=False to start over in {directory}"
+    )
+    assert "strict=" not in message and "allow_cast" not in message
+    mismatches = refused.value.mismatches  # every mismatch the engine found
+    assert mismatches and all("\n" not in m for m in mismatches)
+    assert (f"; {len(mismatches) - 1} more)" if len(mismatches) > 1 else "") in message
     assert callback.checkpointer is None and made.state.global_step == 0
 
 

@@ -40,17 +40,20 @@ RESUMED = "[transformers] PcframeCallback: resumed from"  # as a default Trainer
 
 
 @pytest.fixture(scope="module")
-def env() -> dict[str, str]:
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """One thread a rank; the repository off the path (its top-level ``kernels/`` folder would
-    shadow Hugging Face's ``kernels`` package, which transformers imports when installed)."""
+    shadow Hugging Face's ``kernels`` package, which transformers imports when installed), but
+    its ``pcframe`` on it (the editable install may be another checkout's, a worktree's)."""
     env = dict(os.environ)
     env.update(
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
     )
+    only = tmp_path_factory.mktemp("pcframe-only")
+    (only / "pcframe").symlink_to(REPO / "pcframe", target_is_directory=True)
     kept = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p) != REPO]
-    env["PYTHONPATH"] = os.pathsep.join(kept)
+    env["PYTHONPATH"] = os.pathsep.join([str(only), *kept])
     env.pop("PCFRAME_CRASH_AT", None)
     return env
 
@@ -219,6 +222,30 @@ def test_another_number_of_processes(tmp_path: Path, env: dict[str, str], refere
         f"give this run its own output_dir, or pass resume=False to start over in "
         f"{tmp_path / 'ckpt'}"
     ), text[-3000:]
+
+
+def test_a_dtype_the_version_was_not_saved_in_is_one_line_on_every_rank(
+    tmp_path: Path, env: dict[str, str], reference: Path
+) -> None:
+    """The multi-rank restore's refusal listed every mismatch on lines of their own, ending
+    "restore(allow_cast=True) casts tensors" (DistributedCheckpointer.restore takes no such
+    argument, nor can a callback's user pass one): one line naming the folder and the fix."""
+    out = tmp_path / "float64"
+    out.mkdir()
+    shutil.copytree(reference / "ckpt", tmp_path / "ckpt")
+    ckpt = ("--ckpt", str(tmp_path / "ckpt"), "--dtype", "float64")
+    text = finish(launch(env, out, str(STEPS + 2), *ckpt), out, code=1)
+    said = (
+        f"pcframe.errors.StateMismatch: PcframeCallback: {tmp_path / 'ckpt'} holds checkpoints "
+        "of a model in torch.float32, and this run's is in torch.float64 ("
+    )
+    for rank in (0, 1):
+        refusal = [line for line in text.splitlines() if line.startswith(f"[rank{rank}]: {said}")]
+        assert refusal and refusal[0].endswith(
+            "build the model in torch.float32 as it was saved, give this run its own "
+            f"output_dir, or pass resume=False to start over in {tmp_path / 'ckpt'}"
+        ), text[-3000:]
+    assert "allow_cast" not in text and "strict=False" not in text, text[-3000:]
 
 
 def test_a_folder_one_rank_refuses_stops_every_rank_naming_it(

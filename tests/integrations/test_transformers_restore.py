@@ -65,6 +65,7 @@ def trainer_for(
     steps: int,
     samples: int = 16,
     model_class: type = GPT2LMHeadModel,
+    trainer_class: type = Trainer,
     callbacks: tuple[Any, ...] = (),
     add_later: bool = False,
     options: dict[str, Any] | None = None,
@@ -97,7 +98,7 @@ def trainer_for(
     )
     callback = PcframeCallback(directory, save_steps=3, max_in_flight=1, **(options or {}))
     given = [*callbacks] if add_later else [*callbacks, callback]
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(samples), callbacks=given)
+    trainer = trainer_class(model=model, args=args, train_dataset=Tokens(samples), callbacks=given)
     if add_later:  # after the constructor: the callback gets no on_init_end
         trainer.add_callback(callback)
     return trainer, callback

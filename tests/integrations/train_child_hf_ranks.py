@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--embd", type=int, default=16)
+    parser.add_argument("--dtype", default="float32", help="the model's dtype (torch.<name>)")
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--hold-at", type=int, default=-1)
@@ -110,7 +111,7 @@ def main() -> None:
     options.out.mkdir(parents=True, exist_ok=True)
     transformers.set_seed(0)
     config = GPT2Config(vocab_size=32, n_positions=16, n_embd=options.embd, n_layer=1, n_head=2)
-    model = GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(config).to(getattr(torch, options.dtype))
     arguments: dict[str, Any] = {
         "output_dir": str(options.out / "hf-out"),
         "max_steps": options.steps,

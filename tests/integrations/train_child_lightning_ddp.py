@@ -159,6 +159,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--dump-at", type=int, nargs="*", default=[])
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--cuda", action="store_true")
+    parser.add_argument("--precision", default="32-true", help="the Trainer's precision=")
     args = parser.parse_args(argv)
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     args.out.mkdir(parents=True, exist_ok=True)
@@ -183,6 +184,7 @@ def main(argv: list[str]) -> None:
         strategy=strategy,
         use_distributed_sampler=False,  # each rank's share is its train_dataloader's
         deterministic=True,
+        precision=args.precision,
         enable_progress_bar=False,
         logger=False,
         enable_model_summary=False,

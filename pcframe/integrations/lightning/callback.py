@@ -38,16 +38,16 @@ from pcframe.checkpointer import Checkpointer
 from pcframe.errors import CheckpointError, SaveError
 from pcframe.integrations._common import (
     DISTRIBUTED_ARGUMENTS,
-    another_model,
     check_engine_options,
     check_flag,
     check_resume,
     close_quietly,
-    fits_another_model,
+    refused_resume,
     stopped_by,
 )
 from pcframe.integrations.lightning.messages import (
     AGAIN,
+    DTYPE_FIX,
     OWNER,
     SECTION,
     error_line,
@@ -272,9 +272,10 @@ class PcframeCheckpoint(pl.callbacks.Checkpoint):
             try:
                 with self._section.restoring():
                     step = self.checkpointer.restore(None if self.resume is True else self.resume)
-            except CheckpointError as exc:
-                if fits_another_model(exc):
-                    raise another_model(OWNER, self.dirpath, exc) from None
+            except CheckpointError as exc:  # the saved state does not fit: one line
+                refused = refused_resume(OWNER, self.dirpath, exc, dtype_fix=DTYPE_FIX)
+                if refused is not None:
+                    raise refused from None
                 raise
         self._tell_resumed(trainer, step)
         if step is not None:
@@ -440,17 +441,45 @@ def _validates_next(trainer: pl.Trainer) -> bool:
     training epoch loop makes right after ``on_train_batch_end`` (``val_check_interval``, the
     end of an epoch, ``check_val_every_n_epoch``, an early stop), and validation data with
     batches to run (set up here if this is the fit's first validation, as the validation loop
-    would a moment later), so that ``on_validation_end`` does follow. A Lightning without
-    that check: no (the version is taken in ``on_train_batch_end``)."""
-    epoch_loop = trainer.fit_loop.epoch_loop
-    should_check = getattr(epoch_loop, "_should_check_val_fx", None)
-    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
-    if should_check is None or fetcher is None or not should_check(fetcher):
+    would a moment later), so that ``on_validation_end`` does follow.
+
+    The check is Lightning's private ``_should_check_val_fx(data_fetcher)`` (as of 2.6). A
+    Lightning without it (or without the loops' attributes read here), or whose check takes
+    other arguments or answers other than a bool, gets no: the version is taken in
+    ``on_train_batch_end``, before the validation, as before this deferral (the RNG of before
+    it; never a lost or a failed save), and one WARNING line says so."""
+    try:
+        epoch_loop = trainer.fit_loop.epoch_loop
+        validates = epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+        if not isinstance(validates, bool):
+            raise TypeError(f"_should_check_val_fx answered a {type(validates).__name__}")
+        validation = epoch_loop.val_loop
+        if validates and validation._combined_loader is None:
+            try:
+                validation.setup_data()
+            except Exception:  # the user's val_dataloader(): Lightning's own setup raises it
+                return False  # next, this step saved first
+        return validates and validation._combined_loader is not None and not validation.skip
+    except Exception as exc:  # a Lightning of other internals: the save is not put off
+        _cannot_tell(trainer, exc)
         return False
-    validation = epoch_loop.val_loop
-    if validation._combined_loader is None:
-        validation.setup_data()
-    return validation._combined_loader is not None and not validation.skip
+
+
+_TOLD: set[str] = set()  # the Lightning versions whose internals were found to differ
+
+
+def _cannot_tell(trainer: pl.Trainer, error: Exception) -> None:
+    if pl.__version__ in _TOLD:
+        return
+    _TOLD.add(pl.__version__)
+    tell(
+        trainer,
+        logging.WARNING,
+        f"{OWNER}: cannot tell whether Lightning {pl.__version__} validates after a batch "
+        f"({type(error).__name__}: {error_line(error)}); a version at a validated step is "
+        "taken before the validation (a resume from it draws from the RNG as it was before "
+        "that validation)",
+    )
 
 
 def _plateau_per_step(trainer: pl.Trainer) -> bool:

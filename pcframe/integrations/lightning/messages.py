@@ -16,6 +16,8 @@ OWNER = "PcframeCheckpoint"
 SECTION = "lightning"  # the stateful name of Lightning's own state in every version
 DATA = "pcframe"  # pcframe's entry in that section: the shape of the train data, per loader
 AGAIN = "run trainer.fit(...) again"  # what resumes from the last committed version
+# How a fit gets back the dtype its versions were saved in (``{}``): its precision.
+DTYPE_FIX = "train in the precision it was saved with (the model in {})"
 
 
 def tell(trainer: pl.Trainer, level: int, message: str) -> None:

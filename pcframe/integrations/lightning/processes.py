@@ -18,7 +18,6 @@ starting where a fresh loader starts.
 from __future__ import annotations
 
 import contextlib
-import re
 from pathlib import Path
 from typing import Any
 
@@ -28,18 +27,17 @@ import torch.distributed as dist
 from pcframe.distributed import DistributedCheckpointer
 from pcframe.distributed.global_versions import RECORDS, record_versions
 from pcframe.errors import CheckpointError
-from pcframe.integrations._common import another_model, fits_another_model
-from pcframe.integrations.lightning.messages import AGAIN, OWNER, SECTION, error_line
+from pcframe.integrations._common import refused_resume
+from pcframe.integrations.lightning.messages import (
+    AGAIN,
+    DTYPE_FIX,
+    OWNER,
+    SECTION,
+    error_line,
+)
 from pcframe.integrations.lightning.section import LightningSection
 from pcframe.policies.base import IntervalPolicy
 from pcframe.store.directory import CheckpointDir
-
-# A restore's refusals that say the saved state does not fit this model (several processes):
-# its keys, its entries, or the global shape of one of its tensors.
-_ANOTHER_MODEL = re.compile(
-    r"^(rank \d+: )?(global version \d+ (does not fit|has no|holds no|has optimizer state)"
-    r"|'model/[^']*' has global shape )"
-)
 
 
 def several_processes(trainer: pl.Trainer, module: pl.LightningModule, dirpath: Path) -> bool:
@@ -163,7 +161,10 @@ class Processes:
                 raise self._reworded(error) from error
             raise
         if error is not None:
-            raise self._reworded(error) from (None if fits_another_model(error) else error)
+            reworded = self._reworded(error)
+            if reworded is not error:  # one line: its mismatches are on it
+                raise reworded from None
+            raise error
         refused = [(rank, why) for rank, why in enumerate(outcomes) if why is not None]
         if refused:
             rank, why = refused[0]
@@ -173,11 +174,9 @@ class Processes:
             )
 
     def _reworded(self, error: BaseException) -> BaseException:
-        if isinstance(error, CheckpointError) and (
-            fits_another_model(error) or _ANOTHER_MODEL.match(str(error))
-        ):
-            return another_model(OWNER, self.dirpath, error)
-        return error
+        """A refusal because the saved state does not fit (another model, dtype, optimizer,
+        scheduler) as one line naming the folder and the fix; any other error as it is."""
+        return refused_resume(OWNER, self.dirpath, error, dtype_fix=DTYPE_FIX) or error
 
     def release(self) -> None:
         """Destroy the agreement's group, and the one-process world if this made it."""
