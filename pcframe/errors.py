@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 from pathlib import Path
+from typing import Any
 
 
 class CheckpointError(RuntimeError):
@@ -60,6 +61,12 @@ class SaveError(CheckpointError):
             f"{described}{end}{INTACT if committed_before else NONE_COMMITTED}"
         )
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Sent whole from a worker process (a process pool, a spawned trial), not as a
+        # TypeError about __init__'s arguments.
+        args = (self.version, self.step, self.stage, self.cause, self.committed_before)
+        return type(self), args, self.__dict__
+
 
 class TornSnapshot(CheckpointError):
     """Tensors read in place by the background copy changed before it finished: a change
@@ -67,6 +74,7 @@ class TornSnapshot(CheckpointError):
     failed rather than committed as a mix of two states."""
 
     def __init__(self, version: int, names: list[str]) -> None:
+        self.version = version
         self.names = list(names)
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         super().__init__(
@@ -74,6 +82,9 @@ class TornSnapshot(CheckpointError):
             "optimizer.step(), which alone waits for the copy); call "
             "checkpointer.wait_for_snapshot() before changing them"
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.version, self.names), self.__dict__
 
 
 class ManifestError(CheckpointError):
@@ -132,6 +143,9 @@ class StateMismatch(CheckpointError):
     def __init__(self, message: str, mismatches: list[str]) -> None:
         super().__init__(message)
         self.mismatches = list(mismatches)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (str(self), self.mismatches), self.__dict__
 
 
 class TierError(CheckpointError):

@@ -34,12 +34,15 @@ from pcframe.errors import CheckpointError, ManifestError, ReshardError, StateMi
 from pcframe.format.manifest import MANIFEST_NAME, Manifest
 from pcframe.format.tree import DTYPES, decode_tree
 from pcframe.restore.reader import InPlaceRead, read_entries, read_entries_into
-from pcframe.state.apply import CAST_HINT, apply_tree
+from pcframe.state.apply import apply_tree
 from pcframe.state.check import LoadPlan, LoadRules, describe_problems, plan_load
 from pcframe.state.in_place import in_place_targets
 from pcframe.state.objects import PER_RANK, Section, TrainingObjects
 
 _HINT = "Pass the same objects that were checkpointed"
+# DistributedCheckpointer.restore casts nothing (no allow_cast: a shard's bytes are read into
+# the live tensors as they are), so the engine's "restore(allow_cast=True)" is no advice here.
+_CAST_HINT = "; build them in the dtypes they were saved in and cast them after restore()"
 _RULES = LoadRules(partial=True, owner=None, hint=_HINT)
 
 
@@ -80,7 +83,7 @@ class Prepared:
         plan = self.plan = plan_load(objects, self.tree(), _RULES)
         if plan.problems:
             where = f"global version {version}"
-            advice = _HINT + (CAST_HINT if plan.casts else "")
+            advice = _HINT + (_CAST_HINT if plan.casts else "")
             raise StateMismatch(
                 describe_problems(where, "the objects given", plan.problems, advice),
                 plan.problems,

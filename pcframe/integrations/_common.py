@@ -256,6 +256,9 @@ class CallbackSaveError(SaveError):
     def __str__(self) -> str:
         return str(self.args[0])
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), self.args, self.__dict__  # as BaseException: this class's args
+
 
 def stopped_by(error: SaveError, owner: str, step: int, finished: bool, again: str) -> SaveError:
     """``error`` reworded for a callback: it stopped training at ``step``, or (``finished``)
@@ -383,7 +386,8 @@ _RANK = re.compile(r"^rank \d+: ")
 # callback calls restore() itself), and its "pass the same objects" (said better after it).
 _ENGINE_ADVICE = re.compile(
     r"[;:]?\s*(restore with strict=False|restore\(strict=|restore\(allow_cast=|pass the same "
-    r"|pass objects of the same |build the scheduler the run was saved with).*$"
+    r"|pass objects of the same |build the scheduler the run was saved with"
+    r"|build them in the dtypes they were saved in).*$"
 )
 _DTYPE = re.compile(r"dtype (\S+) in the checkpoint, (?:its parameter's is )?(\S+?)(?: here)?$")
 _TORCH_CLASS = re.compile(r"\btorch\.optim\.(lr_scheduler\.|[a-z_]+\.)(?=[A-Z])")  # its name says

@@ -78,20 +78,24 @@ JOB = textwrap.dedent(
 def test_a_refusal_passed_on_by_another_rank_is_worded_from_its_list(
     tmp_path: Path, python: str, child_env: dict[str, str]
 ) -> None:
-    """The multi-rank restore's StateMismatch ends "restore(allow_cast=True) casts tensors"
-    (no argument of its restore, nor of a callback); another rank's reaches a rank as
+    """The multi-rank restore's StateMismatch ends with the engine's advice ("build them in
+    the dtypes they were saved in ...", for a caller of restore(), not of a callback);
+    another rank's reaches a rank as
     ``CheckpointError("rank 1: <its message>")``, its mismatches only in the text."""
     args = [python, "-c", JOB, str(tmp_path / "ckpt"), str(tmp_path / "rendezvous")]
     done = subprocess.run(args, env=child_env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip(), done.stderr[-3000:]
     refusal = json.loads(done.stdout.strip().splitlines()[-1])
-    assert "restore(allow_cast=True)" in refusal["text"]
+    # DistributedCheckpointer.restore takes no allow_cast: its advice names none.
+    assert "allow_cast" not in refusal["text"]
+    assert "build them in the dtypes they were saved in" in refusal["text"]
     own = StateMismatch(refusal["text"], refusal["mismatches"])
     for error in (own, CheckpointError(f"rank 1: {refusal['text']}")):
         worded = refused_resume(OWNER, "D", error)
         assert worded is not None
         text = str(worded)
         assert len(text.splitlines()) == 1 and "allow_cast" not in text and "strict" not in text
+        assert "build them in the dtypes" not in text  # the callback's own fix, said once
         assert text.startswith(
             "Callback: D holds checkpoints of a model in torch.float32, and this run's is in "
             "torch.float64 (model['weight']: dtype torch.float32 in the checkpoint, "
