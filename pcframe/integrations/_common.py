@@ -390,7 +390,9 @@ _ENGINE_ADVICE = re.compile(
     r"|build them in the dtypes they were saved in).*$"
 )
 _DTYPE = re.compile(r"dtype (\S+) in the checkpoint, (?:its parameter's is )?(\S+?)(?: here)?$")
-_TORCH_CLASS = re.compile(r"\btorch\.optim\.(lr_scheduler\.|[a-z_]+\.)(?=[A-Z])")  # its name says
+# torch's module path of a class (its name says enough), with the article before it ("a
+# torch.optim.adamw.AdamW" reads "AdamW", not "a AdamW").
+_TORCH_CLASS = re.compile(r"\b(?:an? )?torch\.optim\.(?:lr_scheduler\.|[a-z_]+\.)(?=[A-Z])")
 _SHOWN = 120  # characters of the mismatch a message shows
 
 # What does not fit, in the order a message names it: the first kind found among the

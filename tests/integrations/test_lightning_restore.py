@@ -285,8 +285,8 @@ MISFITS: dict[str, tuple[dict[str, Any], str]] = {
     ),
     "optimizer class": (
         {"module": Reconfigured("sgd")},
-        "holds checkpoints of another optimizer (optimizer: saved from a AdamW, this optimizer "
-        "is a SGD; 2 more): configure the optimizer the run was saved with",
+        "holds checkpoints of another optimizer (optimizer: saved from AdamW, this optimizer "
+        "is SGD; 2 more): configure the optimizer the run was saved with",
     ),
     "param groups": (
         {"module": Reconfigured("groups")},
@@ -301,8 +301,8 @@ MISFITS: dict[str, tuple[dict[str, Any], str]] = {
     ),
     "scheduler class": (
         {"module": Reconfigured("scheduler")},
-        "holds checkpoints of another LR scheduler (scheduler: the checkpoint's scheduler is a "
-        "StepLR, this one a ExponentialLR): configure the LR scheduler the run was saved with, ",
+        "holds checkpoints of another LR scheduler (scheduler: the checkpoint's scheduler is "
+        "StepLR, this one ExponentialLR): configure the LR scheduler the run was saved with, ",
     ),
 }
 

@@ -228,8 +228,8 @@ MISFITS: dict[str, tuple[dict[str, Any], str]] = {
     ),
     "optimizer class": (
         {"optim": "sgd"},
-        "holds checkpoints of another optimizer (optimizer: saved from a AdamW, this optimizer "
-        "is a SGD; 2 more): configure the optimizer the run was saved with (its class and "
+        "holds checkpoints of another optimizer (optimizer: saved from AdamW, this optimizer "
+        "is SGD; 2 more): configure the optimizer the run was saved with (its class and "
         "param groups), ",
     ),
     "param groups": (
@@ -239,8 +239,8 @@ MISFITS: dict[str, tuple[dict[str, Any], str]] = {
     ),
     "scheduler class": (
         {"trainer_class": Stepped},
-        "holds checkpoints of another LR scheduler (scheduler: the checkpoint's scheduler is a "
-        "LambdaLR, this one a StepLR): configure the LR scheduler the run was saved with, ",
+        "holds checkpoints of another LR scheduler (scheduler: the checkpoint's scheduler is "
+        "LambdaLR, this one StepLR): configure the LR scheduler the run was saved with, ",
     ),
 }
 
