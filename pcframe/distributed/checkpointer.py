@@ -12,8 +12,11 @@ version that verifies on every rank, with the same or a different world size.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import math
 import os
+import threading
 import time
 from collections.abc import Mapping
 from datetime import timedelta
@@ -55,6 +58,14 @@ from pcframe.store.tiers.peer import PeerStore, default_peer_directory, private_
 log = logging.getLogger("pcframe")
 
 _KEEP_ROUNDS = 1024  # recent versions whose timings stay inspectable in `rounds`
+_KEEP_GLOBALS = 64  # recent global records kept for a notice (the ranks lag a round at most)
+
+# A notice that the policy answers without a save waits for the commit rounds in flight, but
+# not for its whole window: a share of it (a quarter, 1 to 10 s) is kept for the ranks to agree
+# on the version they secure and to secure it. The agreement is given 1 s at least, even when
+# the window is spent: ranks that all reach it agree (see `_secure_newest`).
+_AGREE_SHARE, _AGREE_MIN, _AGREE_MAX = 0.25, 1.0, 10.0
+_STAGES = {"local": 1, "ranks": 2}  # what an undecided round waits for, as the ranks tell it
 
 # Every collective method is refused on a thread inside another (a signal handler landed
 # in it): a collective there hangs the job, the other ranks being in another one or none.
@@ -224,10 +235,13 @@ class DistributedCheckpointer:
         )
         # Global versions: one more reason to keep a version, in the engine's one Retention.
         self.local.retention.add(KeepWhere("global versions", self.protocol.keep))
-        # The newest version published in this process, and the newest given to the peer
-        # tier: what a notice answered without a save secures (every rank knows the same).
+        # The newest version published in this process (or restored by it), the newest
+        # records (the round thread adds them), and the newest version given to the peer
+        # tier (by the round thread only): what a notice answered without a save secures.
         self._newest_global: global_versions.GlobalRecord | None = None
+        self._recent_globals: dict[int, global_versions.GlobalRecord] = {}
         self._peers_given = 0
+        self._unanswered: list[Any] = []  # agreements some rank did not reach in time
         self.protocol.published.append(self._note_global)
         self.peers: PeerReplication | None = None
         if self._has_peers():
@@ -260,21 +274,34 @@ class DistributedCheckpointer:
 
     # --- the tiers beyond the ranks' own disks ------------------------------------------------
 
-    def _secure(self, version: int, step: int) -> Secured:
+    def _secure(
+        self,
+        version: int,
+        step: int,
+        deadline: float | None = None,
+        note: str = "",
+        to_peers: bool = True,
+    ) -> Secured:
         """After an emergency version became global: its copies in the fastest tiers that
         outlive this node, within the notice's window (the peer tier first, then the local
-        engine's other tiers, e.g. the object store, if time is left)."""
+        engine's other tiers, e.g. the object store, if time is left).
+
+        ``deadline``: the window every rank was told of in the meeting (this rank's own
+        notice may end it sooner); ``note``: why it is not the version one would expect,
+        kept in the reason; ``to_peers=False``: a version the peer tier does not keep."""
         notice = self.local.notice
-        deadline = notice.deadline if notice is not None and notice.deadline else None
+        own = notice.deadline if notice is not None and notice.deadline else None
+        if own is not None and (deadline is None or own < deadline):
+            deadline = own
         left = None if deadline is None else bounded_wait(deadline - time.monotonic())
         where: list[str] = []
-        reasons: list[str] = []
-        if self.peers is not None:
+        reasons: list[str] = [note]
+        if self.peers is not None and to_peers:
             if self.peers.wait(version, left) and self.peers.copied(version):
                 where.append(PEERS)
             else:
                 reasons.append("the peer copies were not confirmed in time")
-        secured = self.local.tiers.secure(version, step, notice)
+        secured = self.local.tiers.secure(version, step, _bounded(notice, deadline))
         if secured is not None:
             if secured.durable:
                 where += [t for t in secured.tiers if t != self.local.tiers.primary_name]
@@ -291,28 +318,112 @@ class DistributedCheckpointer:
             self._peers_given = record.version
             self.peers.submit(record)
 
-    def _note_global(self, record: global_versions.GlobalRecord, due: bool) -> None:
-        """The round thread's listener: the newest global version (published in order)."""
+    def _note_global(self, record: global_versions.GlobalRecord, due: bool = False) -> None:
+        """The round thread's listener: the newest global version (published in order); a
+        restore's too (no round runs then)."""
+        self._recent_globals[record.version] = record
+        while len(self._recent_globals) > _KEEP_GLOBALS:
+            del self._recent_globals[min(self._recent_globals)]
         self._newest_global = record
 
-    def _secure_newest(self) -> Secured | None:
-        """A notice on some rank that the policy answered without a save: the newest global
-        version, once every started one is decided, goes where it outlives the VM, as an
-        emergency version would (on every rank: the ranks agreed on it in the meeting).
-
-        Every rank waits for the same rounds and so picks the same version; one the peer
-        tier was not given (its placement skipped it) is given now, in version order.
-        Versions restored from, not published by, this process are not secured again: they
-        are where the restore found them.
-        """
-        self.protocol.join()
-        record = self._newest_global
-        if record is None:
-            return None
+    def _give_peers(self, record: global_versions.GlobalRecord) -> None:
+        """On the round thread, after the rounds before it: a version the peer tier was not
+        given (its placement skipped it, or this process restored it) is given now, unless
+        a newer one was (in version order, the same on every rank)."""
         if self.peers is not None and record.version > self._peers_given:
             self._peers_given = record.version
             self.peers.submit(record)
-        return self._secure(record.version, record.step)
+
+    def _secure_newest(self, deadline: float | None, window: float, floor: int) -> Secured | None:
+        """A notice on some rank that the policy answered without a save: the newest global
+        version, once the rounds in flight are decided, goes where it outlives the VM, as an
+        emergency version would, on every rank (the meeting told them all).
+
+        ``deadline`` (``window`` s after the meeting; ``None``: no bound) is the same on every
+        rank; ``floor`` is the newest global version every rank knew at the meeting. The
+        rounds in flight are waited for until a share of the window is left; then one
+        all-gather, bounded by the deadline, tells every rank the newest version each one
+        knows, and every rank secures the oldest of those: global on every rank, and the
+        same on all (a rank's view lags by up to a round while it waits). A rank that does
+        not answer in time (stuck, or gone) leaves the others the version every rank knew at
+        the meeting, ``floor``; a round still open, or the missing answer, is named in one
+        WARNING or ERROR line and in ``last_secured.reason``.
+
+        A version restored in this process and none published since counts as the newest.
+        One the peer tier was not given (its placement skipped it, or a restart restored
+        it) is given it after the rounds in flight, on the round thread; not one restored
+        from a job of another world size (its shards are not this job's ranks').
+        """
+        agree_by = None
+        if deadline is None:
+            self.protocol.join()
+        else:
+            keep = min(_AGREE_MAX, max(_AGREE_MIN, window * _AGREE_SHARE))
+            self.protocol.join(max(0.0, deadline - keep - time.monotonic()))
+            agree_by = deadline - window + max(window, _AGREE_MIN)
+        stalled = self.protocol.undecided
+        rows, failure = self._agree(agree_by, stalled)
+        if rows is not None:
+            version = min(row[0] for row in rows)
+            cause = _stall_cause(rows)
+        else:
+            version = floor
+            cause = (
+                f"the ranks did not agree on the version to secure within the notice's window "
+                f"({failure}); securing the newest one every rank knew at the notice"
+            )
+        record = self._recent_globals.get(version) if version else None
+        if record is None:
+            if cause:
+                log.error("preemption notice: no global version secured: %s", cause)
+            return None
+        same_job = record.world_size == self.world_size
+        if rows is not None and same_job and self.peers is not None:
+            self.protocol.after_rounds(lambda: self._give_peers(record))
+        if cause:
+            log.log(
+                logging.ERROR if rows is None else logging.WARNING,
+                "preemption notice: securing global version %d (step %d): %s",
+                record.version,
+                record.step,
+                cause,
+            )
+        if not same_job and self.peers is not None:
+            written = f"written by a job of {record.world_size} ranks"
+            cause = "; ".join(filter(None, [cause, f"not given to the peer tier ({written})"]))
+        return self._secure(record.version, record.step, deadline, cause, to_peers=same_job)
+
+    def _agree(
+        self, until: float | None, stalled: tuple[int, str] | None
+    ) -> tuple[list[list[int]] | None, str]:
+        """One all-gather on the control group: every rank's newest global version and its
+        round still open, if any. ``(rows, "")`` when every rank answered by ``until``
+        (monotonic; ``None``: no bound), else ``(None, why)``. An answer that comes later
+        counts for nothing, on the rank that waited and on one that came late, so every rank
+        that reached it in time takes the same one. A gather left waiting stays referenced
+        (its buffers are gloo's until every rank has joined it, or the group is destroyed)."""
+        newest = self._newest_global.version if self._newest_global is not None else 0
+        version, stage = stalled or (0, "")
+        mine = torch.tensor([newest, version, _STAGES.get(stage, 0)], dtype=torch.int64)
+        rows = [torch.empty(3, dtype=torch.int64) for _ in range(self.world_size)]
+        what = "maybe_save: agreeing on the version a notice secures"
+        try:
+            with peers(what):
+                work = dist.all_gather(rows, mine, group=self._control, async_op=True)
+                while until is not None:
+                    done = work.is_completed()
+                    if time.monotonic() > until:
+                        self._unanswered = [w for w in self._unanswered if not w.is_completed()]
+                        self._unanswered.append(work)
+                        return None, "a rank did not answer in time: stuck, or gone"
+                    if done:
+                        break
+                    time.sleep(0.001)
+                work.wait()
+        except CheckpointError as exc:  # a rank is gone: no later call can meet either
+            self._meetings.broken = exc
+            return None, str(exc).splitlines()[0]
+        return [row.tolist() for row in rows], ""
 
     def _remote_held(self) -> list[int]:
         """This rank's shard versions in the object store, as its tier last listed them."""
@@ -396,7 +507,9 @@ class DistributedCheckpointer:
 
         Collective (one small all-gather): call it at every step on every rank. Rank 0's
         periodic decision applies to all ranks, whatever their own clocks say; an emergency
-        on any rank (a notice its sources saw) is a save on all, waited for until global.
+        on any rank (a notice its sources saw) is a save on all, waited for until global. A
+        notice the policy answers without a save secures the newest global version on every
+        rank within the notice's window (:meth:`_secure_newest`; ``last_secured``).
         """
         self._check_open()
         deferred = False
@@ -411,13 +524,20 @@ class DistributedCheckpointer:
         notice = self.local.notice
         unanswered = notice is not None and not notice.same_as(self._notice_secured)
         flags = (int(periodic or decision.emergency), int(decision.emergency), int(unanswered))
-        met = self._meetings.meet(Doing(Call.MAYBE_SAVE, self._next, step, flags=flags))
+        newest = self._newest_global.version if self._newest_global is not None else 0
+        window = _window_ms(notice)
+        met = self._meetings.meet(
+            Doing(Call.MAYBE_SAVE, self._next, step, flags=flags, window_ms=window, newest=newest)
+        )
         save, emergency, answer = met.flags
+        # The shortest window any rank's notice had left, from now on every rank (the ranks
+        # leave a meeting together; this rank's own notice may end sooner: `_secure`).
+        deadline = None if met.window is None else time.monotonic() + met.window
         if unanswered:  # answered below, by the save or without one (once the ranks met)
             self._notice_secured = notice
         if not save:
             if answer:  # a notice the policy answered without a save, on some rank
-                self.last_secured = self._secure_newest()
+                self.last_secured = self._secure_newest(deadline, met.window or 0.0, met.newest)
             if deferred:
                 self.protocol.raise_errors()
             return None
@@ -430,7 +550,7 @@ class DistributedCheckpointer:
             with contextlib.suppress(SaveError):
                 handle.wait()
             if handle.status is SaveStatus.COMMITTED:
-                self.last_secured = self._secure(handle.version, step)
+                self.last_secured = self._secure(handle.version, step, deadline)
         self.protocol.raise_errors()  # as save() does, after the emergency's wait
         return handle
 
@@ -549,6 +669,9 @@ class DistributedCheckpointer:
                 self.local.restarted_empty()  # e.g. this rank's earlier writers all died
                 return None
             recovery.restored(record)
+            # What a notice secures until a newer version is published (the peer tier of
+            # this job may not hold it: a restarted job's peers keep nothing of it yet).
+            self._note_global(record)
             return record.step
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -628,6 +751,7 @@ class DistributedCheckpointer:
         exception": 1 job in 5, after a clean close)."""
         self._meetings.let_go()
         self._control = None
+        self._unanswered = []
         if rounds:
             self.protocol.let_go()
             self._report = None
@@ -646,3 +770,51 @@ class DistributedCheckpointer:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.close(clean=exc_type is None)
+
+
+def _window_ms(notice: Notice | None) -> int:
+    """What a meeting row says of this rank's pending notice: the milliseconds left in its
+    window (0 once past it), or -1 without a notice or without a deadline to keep."""
+    if notice is None or not notice.deadline:
+        return -1
+    left = notice.deadline - time.monotonic()
+    if math.isnan(left) or left > threading.TIMEOUT_MAX:
+        return -1
+    return int(max(0.0, left) * 1000)
+
+
+def _bounded(notice: Notice | None, deadline: float | None) -> Notice | None:
+    """The notice the local tiers secure a version within: this rank's own, ending at
+    ``deadline`` if that is sooner (a rank without a notice of its own is told of the
+    window of another rank's)."""
+    if deadline is None or math.isnan(deadline):
+        return notice
+    if notice is None:
+        return Notice(time.monotonic(), deadline, "another rank")
+    if deadline < notice.deadline:
+        return dataclasses.replace(notice, deadline=deadline)
+    return notice
+
+
+def _stall_cause(rows: list[list[int]]) -> str:
+    """Why the version a notice secures may not be the newest one started: the rounds still
+    open on some rank when the ranks agreed (rows: newest, open round's version, stage)."""
+    writing = [rank for rank, (_, version, stage) in enumerate(rows) if version and stage == 1]
+    waiting = [rank for rank, (_, version, stage) in enumerate(rows) if version and stage == 2]
+    versions = sorted({version for _, version, _ in rows if version})
+    if not versions:
+        return ""
+    said = ", ".join(map(str, versions))
+    parts = []
+    if writing:
+        parts.append(f"rank(s) {_listed(writing)} had not finished writing their shard")
+    if waiting:
+        parts.append(f"rank(s) {_listed(waiting)} were waiting for the other ranks' reports")
+    return (
+        f"the commit round of version {said} was not decided within the notice's window "
+        f"({'; '.join(parts)}); the newest version global on every rank is secured instead"
+    )
+
+
+def _listed(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))

@@ -121,7 +121,8 @@ class CommitProtocol:
         self._decided_up_to = decided_up_to  # every version <= this has had its round
         self._errors: list[BaseException] = []
         self._broken: BaseException | None = None
-        self._queue: queue.Queue[Round | None] = queue.Queue()
+        self._queue: queue.Queue[Round | Callable[[], None] | None] = queue.Queue()
+        self._stage: tuple[int, str] | None = None  # see `undecided`
         self._emergency = False  # of the round being decided (rank 0's placement reads it)
         self._thread = threading.Thread(target=self._loop, name="pcframe-global", daemon=True)
         self._thread.start()
@@ -131,9 +132,36 @@ class CommitProtocol:
     def submit(self, round_: Round) -> None:
         self._queue.put(round_)
 
-    def join(self) -> None:
-        """Block until every submitted round is decided."""
-        self._queue.join()
+    def join(self, timeout: float | None = None) -> bool:
+        """Block until every submitted round is decided (``timeout``: for at most that many
+        seconds); whether they are."""
+        if timeout is None:
+            self._queue.join()
+            return True
+        deadline = time.monotonic() + timeout
+        with self._queue.all_tasks_done:
+            while self._queue.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._queue.all_tasks_done.wait(left)
+        return True
+
+    def after_rounds(self, action: Callable[[], None]) -> None:
+        """Run ``action`` on the round thread once every round submitted before it is
+        decided, after that round's listeners. Every rank that queues the same actions
+        between the same rounds runs them at the same point of the published versions (as
+        it runs the listeners): a training thread that stopped waiting for a round may not
+        act on what the listeners change meanwhile, and queues what it would do here.
+        Skipped once the protocol stopped."""
+        self._queue.put(action)
+
+    @property
+    def undecided(self) -> tuple[int, str] | None:
+        """The round this rank's thread is in, if it has not been decided: its version and
+        what it waits for (``"local"``: this rank's engine to finish the version;
+        ``"ranks"``: the other ranks' reports, or rank 0's decision)."""
+        return self._stage
 
     def close(self) -> None:
         self._queue.put(None)
@@ -214,6 +242,10 @@ class CommitProtocol:
         single_threaded_torch()
         while (round_ := self._queue.get()) is not None:
             try:
+                if not isinstance(round_, Round):  # an action queued after the rounds
+                    self._act(round_)
+                    continue
+                self._stage = (round_.version, "local")
                 report = self._outcome(round_)
                 if self._broken is not None:
                     self._finish(round_, None, f"commit protocol stopped: {self._broken}")
@@ -221,6 +253,7 @@ class CommitProtocol:
                 try:
                     reports: list[Any] = [None] * self.world_size
                     self._emergency = round_.emergency
+                    self._stage = (round_.version, "ranks")
                     dist.all_gather_object(reports, report, group=self._group)
                     box = [self._decide(round_.version, reports) if self.rank == 0 else None]
                     dist.broadcast_object_list(box, group=self._group, group_src=0)
@@ -238,7 +271,16 @@ class CommitProtocol:
                     continue
                 self._finish(round_, box[0], "")
             finally:
+                self._stage = None
                 self._queue.task_done()
+
+    def _act(self, action: Callable[[], None]) -> None:
+        if self._broken is not None:
+            return
+        try:
+            action()
+        except Exception as exc:  # as a listener's: the versions stay what they are
+            log.error("after the global rounds: %s", exc)
 
     def _outcome(self, round_: Round) -> dict[str, Any]:
         report: dict[str, Any] = {

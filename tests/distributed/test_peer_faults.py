@@ -4,6 +4,7 @@ ranks given different peer options."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -285,3 +286,118 @@ def test_a_restore_one_rank_refuses_stops_every_rank_and_none_is_loaded(tmp_path
     outputs = _two_ranks_of(ONE_RANK_REFUSES, tmp_path, "policy")
     assert "rank 1 could not load global version 1" in outputs[0], outputs[0]
     assert "this rank's policy refuses" in outputs[1], outputs[1]
+
+
+@pytest.mark.slow
+def test_a_notice_while_a_commit_round_cannot_finish_is_answered_within_its_window(tmp_path):
+    """Rank 1's disk holds its shard of version 2 (step 6) until rank 1 has answered the
+    notice rank 3's VM gets at step 7 (a 10 s window): version 2's commit round cannot be
+    decided in that window. Every rank waited for that round, rank 1 for itself, until the
+    hold gave up after 120 s, the VM long gone. Now every rank answers within the window,
+    all secure version 1 (the newest global on every rank) and say why not version 2, and
+    the job trains on: version 2 becomes global once the disk lets go, and version 3."""
+    window = 10.0
+    runs = job(
+        tmp_path,
+        tmp_path / "ckpt",
+        "held",
+        9,
+        *("--notice-at", "7", "--notice-rank", "3", "--notice-window", str(window)),
+        *("--hold-version", "2", "--hold-rank", "1", "--wait-peers"),
+    )
+    for run in runs:
+        assert run["notice_call"] < window + 15, run  # not the hold's 120 s
+        assert run["secured"] == [1, ["peers"], True], run
+        reason = run["secured_reason"]
+        assert "the commit round of version 2 was not decided" in reason, reason
+        assert "rank(s) 1 had not finished writing their shard" in reason, reason
+        assert "rank(s) 0, 2, 3 were waiting for the other ranks" in reason, reason
+        assert run["globals"][-2:] == [2, 3], run  # trained on: version 2 became global, then 3
+    assert runs[1]["versions"] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_a_notice_after_a_restart_secures_the_version_it_restored(tmp_path):
+    """The job restarts on the same VMs, whose memory was wiped (no peer holds a copy), and
+    restores version 2 (step 6); rank 3's VM gets a notice at step 7, which the policy does
+    not save for. Only versions published by this process counted, so nothing was secured
+    and the VM took its shards with it; now the restored version counts as the newest: it is
+    given to the peer tier and secured on every rank."""
+    import shutil
+
+    root = tmp_path / "ckpt"
+    job(tmp_path, root, "first", 6)
+    for node in ("a", "b"):
+        shutil.rmtree(root / f"{node}-shm")
+    runs = job(tmp_path, root, "again", 8, "--notice-at", "7", "--notice-rank", "3")
+    for run in runs:
+        assert run["restored_step"] == 6 and "versions" not in run, run  # no save since
+        assert run["secured"] == [2, ["peers"], True], run
+    for rank, keeper in ((0, 2), (1, 3), (2, 0), (3, 1)):  # every shard has a copy
+        copy = root / f"{'ab'[keeper // 2]}-shm" / f"kept-by-rank-{keeper}" / f"rank-{rank}"
+        assert (copy / "v00000002" / "manifest.json").is_file(), (rank, keeper)
+
+
+LATE_TO_AGREE = textwrap.dedent(
+    """
+    import json, sys, time, torch
+    from pathlib import Path
+    import torch.distributed as dist
+    from pcframe.distributed import DistributedCheckpointer
+
+    root, rendezvous, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    returned = Path(sys.argv[4])
+    dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, world_size=2)
+    with DistributedCheckpointer(root, model=torch.nn.Linear(2, 2), replicas=0) as ckpt:
+        ckpt.save(1).wait()
+        ckpt.save(2).wait()
+        dist.barrier()
+        window = 3.0  # both ranks left the meeting now (in maybe_save, the same on both)
+        deadline = time.monotonic() + window
+        if rank == 1:  # stuck (a long pause of its VM) until rank 0 has given up
+            while not returned.exists() and time.monotonic() < deadline + 60:
+                time.sleep(0.01)
+        try:
+            secured = ckpt._secure_newest(deadline, window, floor=1)
+            late = time.monotonic() - deadline
+        finally:
+            if rank == 0:
+                returned.touch()
+        print(json.dumps([secured.version, secured.reason, late]))
+    dist.destroy_process_group()
+    print("closed")
+    """
+)
+
+
+def test_a_rank_late_to_a_notices_agreement_secures_what_the_others_do(tmp_path):
+    """After a notice's meeting, rank 1 does not come to the agreement on the version to
+    secure before the window ends. Rank 0 gives up at the window's end and secures the
+    version every rank knew at the meeting (1), not the newest it knows (2); rank 1, late,
+    finds the agreement complete (rank 0 had answered) but after the window, and takes the
+    same fallback, so the ranks never secure different versions; both close cleanly (the
+    agreement rank 0 left did complete)."""
+    returned = tmp_path / "returned"
+    args = [str(tmp_path / "ckpt"), str(tmp_path / "rdv")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", LATE_TO_AGREE, *args, str(rank), str(returned)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    results = [json.loads(out.splitlines()[0]) for out in outputs]
+    for version, reason, _ in results:
+        assert version == 1, results
+        assert "the ranks did not agree on the version to secure" in reason, reason
+    assert 0 <= results[0][2] < 10, results  # rank 0 waited out the window, not longer
+    assert all(out.splitlines()[-1] == "closed" for out in outputs), outputs

@@ -444,9 +444,14 @@ def nodes(args: argparse.Namespace, out: dict[str, Any]) -> None:
     right after the restore (``nodes-<tag>-r<rank>-at<step>``), and records where the
     restore read each shard. ``--emergency-at`` makes one rank's policy ask for an
     emergency save (a notice on that VM); ``--notice-at`` gives one rank a notice that its
-    policy does not read; ``--slow-peer`` makes that rank slow to take
-    the copies it receives."""
+    policy does not read (``--notice-window`` s before its VM goes); ``--slow-peer`` makes
+    that rank slow to take the copies it receives; ``--hold-version`` holds that version's
+    local commit on ``--hold-rank`` until that rank's ``maybe_save`` at the notice's step has
+    returned (its round cannot be decided meanwhile: a slow disk, on one node)."""
     rank, node = dist.get_rank(), os.environ["PCFRAME_NODE"]
+    answered = threading.Event()  # the maybe_save at the notice's step returned
+    if args.hold_version is not None and args.hold_rank == rank:
+        _hold_commit(args.hold_version, answered)
     if args.slow_peer == rank:
         from pcframe.store.tiers.peer import PeerStore
 
@@ -465,7 +470,7 @@ def nodes(args: argparse.Namespace, out: dict[str, Any]) -> None:
         options["tiers"] = {"remote": {"url": args.remote, "storage_options": storage}}
     emergency = args.emergency_at if args.emergency_rank == rank else None
     options["policy"] = RankPolicy(args.every, emergency)
-    notices = ManualNoticeSource(window=120.0) if args.notice_rank == rank else None
+    notices = ManualNoticeSource(window=args.notice_window) if args.notice_rank == rank else None
     if notices is not None:  # a notice its policy (saving every few steps) does not read
         options["notices"] = [notices]
 
@@ -488,23 +493,45 @@ def nodes(args: argparse.Namespace, out: dict[str, Any]) -> None:
             began = time.perf_counter()
             handle = ckpt.maybe_save(step)
             calls.append(time.perf_counter() - began)
+            if step == args.notice_at:
+                out["notice_call"] = calls[-1]
+                answered.set()
             if handle is not None:
                 snapshot(step)  # the uninterrupted run's state at a checkpoint step
                 out.setdefault("versions", []).append(handle.version)
-                if args.sync:
+                held = handle.version == args.hold_version  # not global before the notice
+                if args.sync and not held:
                     handle.wait()
                     print(f"step {step} version {handle.version} global", flush=True)
-                if args.wait_peers and ckpt.peers is not None:  # its peer round ended here
+                if args.wait_peers and ckpt.peers is not None and not held:  # its round ended
                     assert ckpt.peers.wait(handle.version, timeout=120), handle.version
             if ckpt.last_secured is not None and "secured" not in out:
                 secured = ckpt.last_secured
                 out["secured"] = [secured.version, list(secured.tiers), secured.durable]
+                out["secured_reason"] = secured.reason
         ckpt.wait()
+        out["globals"] = ckpt.global_versions()
     peers = ckpt.peers  # closed: every round it was given has ended
     out["copied"] = list(peers.status.copied) if peers is not None else []
     out["skipped"] = peers.status.skipped if peers is not None else 0
     out["slowest_call"] = max(calls, default=0.0)
     save_file(full_state(job), args.out / f"nodes-{args.tag}-r{rank}.safetensors")
+
+
+def _hold_commit(version: int, release: threading.Event) -> None:
+    """This rank's local commit of ``version`` waits until ``release`` is set (120 s at
+    most): the version is written, not yet durable, so its commit round is not decided on
+    any rank meanwhile."""
+    import pcframe.save.commit as commit
+
+    real = commit.Committer.commit
+
+    def held(self: Any, write: Any) -> None:
+        if write.request.version == version:
+            release.wait(120.0)
+        real(self, write)
+
+    commit.Committer.commit = held  # type: ignore[method-assign]
 
 
 class RankPolicy(FixedSteps):
@@ -778,6 +805,9 @@ def main() -> None:
     parser.add_argument("--slow-peer", type=int, default=-1, help="a slow receiver (nodes)")
     parser.add_argument("--notice-at", type=int, help="a notice source fires here (nodes)")
     parser.add_argument("--notice-rank", type=int, default=-1, help="on this rank (nodes)")
+    parser.add_argument("--notice-window", type=float, default=120.0, help="its window (nodes)")
+    parser.add_argument("--hold-version", type=int, help="a local commit held (nodes)")
+    parser.add_argument("--hold-rank", type=int, default=-1, help="on this rank (nodes)")
     parser.add_argument(
         "--wait-peers",
         action="store_true",
