@@ -308,6 +308,16 @@ class DistributedCheckpointer:
             reasons.append(secured.reason)
         return Secured(version, tuple(where), bool(where), "; ".join(r for r in reasons if r))
 
+    def _not_global_in_time(self, version: int) -> Secured:
+        """An emergency version whose round the notice's window did not see decided: nothing
+        secured, and why (the round still open, named), in one ERROR line."""
+        stalled = self.protocol.undecided
+        waits = {"local": "this rank's shard still being written", "ranks": "the other ranks"}
+        why = f" (its round waits for {waits.get(stalled[1], stalled[1])})" if stalled else ""
+        reason = f"emergency version {version} was not global within the notice's window{why}"
+        log.error("preemption notice: %s; nothing secured", reason)
+        return Secured(version, (), False, reason)
+
     def _has_peers(self) -> bool:
         """Whether any rank has a peer on another node to copy to (the same on every rank)."""
         return self.replicas > 0 and len(self.nodes.nodes) > 1
@@ -546,11 +556,18 @@ class DistributedCheckpointer:
         emergency = emergency or answer
         handle = self._save(step, metadata, emergency=bool(emergency))
         if emergency:
-            # The VM may soon be gone: global now. A failure is the handle's (raised next call).
-            with contextlib.suppress(SaveError):
-                handle.wait()
-            if handle.status is SaveStatus.COMMITTED:
-                self.last_secured = self._secure(handle.version, step, deadline)
+            # The VM may soon be gone: global now, within the notice's window (the shortest
+            # any rank was told of). A failure is the handle's (raised next call); a version
+            # not global in time stays in its round, which goes on in the background.
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                with contextlib.suppress(SaveError):
+                    handle.wait(left)
+            except TimeoutError:
+                self.last_secured = self._not_global_in_time(handle.version)
+            else:
+                if handle.status is SaveStatus.COMMITTED:
+                    self.last_secured = self._secure(handle.version, step, deadline)
         self.protocol.raise_errors()  # as save() does, after the emergency's wait
         return handle
 

@@ -317,6 +317,32 @@ def test_a_notice_while_a_commit_round_cannot_finish_is_answered_within_its_wind
 
 
 @pytest.mark.slow
+def test_an_emergency_version_not_global_within_the_notices_window_is_said_so(tmp_path):
+    """Rank 3's VM gets a notice (a 10 s window) at step 6, where the job saves anyway: the
+    save is an emergency one, waited for until global. Rank 1's disk holds its shard of that
+    version until rank 1 has answered the notice, so it cannot become global in the window.
+    Every rank waited for it without a bound (until the hold gave up after 120 s, the VM
+    long gone); now every rank answers within the window, says nothing was secured and why,
+    and the job trains on: the version becomes global once the disk lets go."""
+    window = 10.0
+    runs = job(
+        tmp_path,
+        tmp_path / "ckpt",
+        "held-emergency",
+        9,
+        *("--notice-at", "6", "--notice-rank", "3", "--notice-window", str(window)),
+        *("--hold-version", "2", "--hold-rank", "1", "--wait-peers"),
+    )
+    for run in runs:
+        assert run["notice_call"] < window + 15, run  # not the hold's 120 s
+        assert run["secured"] == [2, [], False], run
+        reason = run["secured_reason"]
+        assert "emergency version 2 was not global within the notice's window" in reason, reason
+        assert run["globals"][-2:] == [2, 3], run  # trained on: version 2 became global, then 3
+    assert "this rank's shard still being written" in runs[1]["secured_reason"]
+
+
+@pytest.mark.slow
 def test_a_notice_after_a_restart_secures_the_version_it_restored(tmp_path):
     """The job restarts on the same VMs, whose memory was wiped (no peer holds a copy), and
     restores version 2 (step 6); rank 3's VM gets a notice at step 7, which the policy does
