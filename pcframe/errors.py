@@ -9,6 +9,7 @@ own (``pcframe.policies.errors``, ``pcframe.kernels.dispatch``), as they stand a
 from __future__ import annotations
 
 import errno
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +64,27 @@ class SaveError(CheckpointError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Sent whole from a worker process (a process pool, a spawned trial), not as a
-        # TypeError about __init__'s arguments.
-        args = (self.version, self.step, self.stage, self.cause, self.committed_before)
-        return type(self), args, self.__dict__
+        # TypeError about __init__'s arguments; a cause that does not pickle (a library's
+        # exception with an __init__ of its own) goes as its type's name and message.
+        state = {**self.__dict__, "cause": _picklable(self.cause)}
+        return _rebuilt, (type(self), self.args, state)
+
+
+def _picklable(error: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:  # anything a foreign __reduce__ or __init__ raises
+        return CheckpointError(f"{type(error).__name__}: {error}")
+    return error
+
+
+def _rebuilt(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    """An exception unpickled without calling its ``__init__`` (whose arguments its
+    ``args`` no longer hold)."""
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class TornSnapshot(CheckpointError):

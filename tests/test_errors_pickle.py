@@ -51,3 +51,23 @@ def test_a_callbacks_save_error_pickles_as_its_own_class(committed):
     assert (loaded.version, loaded.step, loaded.stage, loaded.committed_before) == (
         2, 8, "sync", committed,
     )  # fmt: skip
+
+
+class _LibraryError(Exception):
+    """A third-party library's exception whose __init__ takes two arguments: it does not
+    unpickle from its args."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+
+
+@pytest.mark.parametrize("callback", [False, True])
+def test_a_save_error_whose_cause_does_not_pickle_pickles_with_the_cause_named(callback):
+    cause = _LibraryError(503, "slow down")
+    if callback:
+        error = CallbackSaveError("stopped the fit", 4, 12, "upload", cause, False)
+    else:
+        error = SaveError(4, 12, "upload", cause)
+    loaded = _same(error)
+    assert (loaded.version, loaded.step, loaded.stage) == (4, 12, "upload")
+    assert str(loaded.cause) == "_LibraryError: 503: slow down"

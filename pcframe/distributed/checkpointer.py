@@ -62,9 +62,13 @@ _KEEP_GLOBALS = 64  # recent global records kept for a notice (the ranks lag a r
 
 # A notice that the policy answers without a save waits for the commit rounds in flight, but
 # not for its whole window: a share of it (a quarter, 1 to 10 s) is kept for the ranks to agree
-# on the version they secure and to secure it. The agreement is given 1 s at least, even when
-# the window is spent: ranks that all reach it agree (see `_secure_newest`).
+# on the version they secure and to secure it.
 _AGREE_SHARE, _AGREE_MIN, _AGREE_MAX = 0.25, 1.0, 10.0
+# The agreement's answers count only if every rank came to it this long before its deadline:
+# then the gather ends well before the deadline (a small all-gather takes milliseconds), and
+# a rank that waited sees it ended. A rank that came later makes every rank refuse the answers,
+# the late one too, by the same rule on the same rows (see `_agree`).
+_AGREE_MARGIN = 1.0
 _STAGES = {"local": 1, "ranks": 2}  # what an undecided round waits for, as the ranks tell it
 
 # Every collective method is refused on a thread inside another (a signal handler landed
@@ -313,7 +317,11 @@ class DistributedCheckpointer:
         secured, and why (the round still open, named), in one ERROR line."""
         stalled = self.protocol.undecided
         waits = {"local": "this rank's shard still being written", "ranks": "the other ranks"}
-        why = f" (its round waits for {waits.get(stalled[1], stalled[1])})" if stalled else ""
+        why = ""
+        if stalled is not None:
+            open_round, stage = stalled
+            behind = "" if open_round == version else f" behind version {open_round}'s, which"
+            why = f" (its round waits{behind} for {waits.get(stage, stage)})"
         reason = f"emergency version {version} was not global within the notice's window{why}"
         log.error("preemption notice: %s; nothing secured", reason)
         return Secured(version, (), False, reason)
@@ -336,46 +344,53 @@ class DistributedCheckpointer:
             del self._recent_globals[min(self._recent_globals)]
         self._newest_global = record
 
-    def _give_peers(self, record: global_versions.GlobalRecord) -> None:
-        """On the round thread, after the rounds before it: a version the peer tier was not
-        given (its placement skipped it, or this process restored it) is given now, unless
-        a newer one was (in version order, the same on every rank)."""
-        if self.peers is not None and record.version > self._peers_given:
+    def _give_peers_newest(self) -> None:
+        """On the round thread, after the rounds queued before it (the same on every rank):
+        the newest global version, if the peer tier was not given it (its placement skipped
+        it, or this process restored it) and it is this job's (its world size)."""
+        record = self._newest_global
+        same_job = record is not None and record.world_size == self.world_size
+        if self.peers is not None and same_job and record.version > self._peers_given:
             self._peers_given = record.version
             self.peers.submit(record)
 
-    def _secure_newest(self, deadline: float | None, window: float, floor: int) -> Secured | None:
+    def _secure_newest(self, wall_deadline: float | None, floor: int) -> Secured | None:
         """A notice on some rank that the policy answered without a save: the newest global
         version, once the rounds in flight are decided, goes where it outlives the VM, as an
         emergency version would, on every rank (the meeting told them all).
 
-        ``deadline`` (``window`` s after the meeting; ``None``: no bound) is the same on every
-        rank; ``floor`` is the newest global version every rank knew at the meeting. The
-        rounds in flight are waited for until a share of the window is left; then one
-        all-gather, bounded by the deadline, tells every rank the newest version each one
-        knows, and every rank secures the oldest of those: global on every rank, and the
-        same on all (a rank's view lags by up to a round while it waits). A rank that does
-        not answer in time (stuck, or gone) leaves the others the version every rank knew at
-        the meeting, ``floor``; a round still open, or the missing answer, is named in one
+        ``wall_deadline``: the earliest notice's deadline on the wall clock, the same on every
+        rank (``None``: no bound); ``floor``: the newest global version every rank knew at
+        the meeting. The rounds in flight are waited for until a share of the window is left;
+        then one all-gather, bounded by the deadline, tells every rank the newest version
+        each one knows, and every rank secures the oldest of those: global on every rank, and
+        the same on all (a rank's view lags by up to a round while it waits). A rank that
+        does not answer in time (stuck, or gone) leaves every rank the version all knew at the
+        meeting, ``floor``; a round still open, or the missing answer, is named in one
         WARNING or ERROR line and in ``last_secured.reason``.
 
         A version restored in this process and none published since counts as the newest.
-        One the peer tier was not given (its placement skipped it, or a restart restored
-        it) is given it after the rounds in flight, on the round thread; not one restored
-        from a job of another world size (its shards are not this job's ranks').
+        The peer tier is given the newest global version after the rounds in flight, on the
+        round thread, if it was not given it (its placement skipped it, or a restart restored
+        it): decided there, from the rounds every rank has decided alike, whatever the
+        agreement's outcome on this rank; not a version restored from a job of another world
+        size (its shards are not this job's ranks').
         """
-        agree_by = None
+        if self.peers is not None:
+            self.protocol.after_rounds(self._give_peers_newest)
+        deadline = _monotonic(wall_deadline)
         if deadline is None:
             self.protocol.join()
         else:
+            window = max(0.0, deadline - time.monotonic())
             keep = min(_AGREE_MAX, max(_AGREE_MIN, window * _AGREE_SHARE))
             self.protocol.join(max(0.0, deadline - keep - time.monotonic()))
-            agree_by = deadline - window + max(window, _AGREE_MIN)
-        stalled = self.protocol.undecided
-        rows, failure = self._agree(agree_by, stalled)
+        newest = self._newest_global.version if self._newest_global is not None else 0
+        stalled = self.protocol.undecided  # after `newest`: never a round older than it
+        rows, failure = self._agree(wall_deadline, newest, stalled)
         if rows is not None:
             version = min(row[0] for row in rows)
-            cause = _stall_cause(rows)
+            cause = _stall_cause(rows, version)
         else:
             version = floor
             cause = (
@@ -388,8 +403,6 @@ class DistributedCheckpointer:
                 log.error("preemption notice: no global version secured: %s", cause)
             return None
         same_job = record.world_size == self.world_size
-        if rows is not None and same_job and self.peers is not None:
-            self.protocol.after_rounds(lambda: self._give_peers(record))
         if cause:
             log.log(
                 logging.ERROR if rows is None else logging.WARNING,
@@ -404,36 +417,50 @@ class DistributedCheckpointer:
         return self._secure(record.version, record.step, deadline, cause, to_peers=same_job)
 
     def _agree(
-        self, until: float | None, stalled: tuple[int, str] | None
+        self, wall_deadline: float | None, newest: int, stalled: tuple[int, str] | None
     ) -> tuple[list[list[int]] | None, str]:
-        """One all-gather on the control group: every rank's newest global version and its
-        round still open, if any. ``(rows, "")`` when every rank answered by ``until``
-        (monotonic; ``None``: no bound), else ``(None, why)``. An answer that comes later
-        counts for nothing, on the rank that waited and on one that came late, so every rank
-        that reached it in time takes the same one. A gather left waiting stays referenced
-        (its buffers are gloo's until every rank has joined it, or the group is destroyed)."""
-        newest = self._newest_global.version if self._newest_global is not None else 0
+        """One all-gather on the control group: every rank's newest global version, its round
+        still open, if any, and when it came (wall clock). ``(rows, "")`` when every rank came
+        at least ``_AGREE_MARGIN`` s before ``wall_deadline`` (``None``: no bound), else
+        ``(None, why)``.
+
+        The same answer on every rank: a rank that waits gives up at the deadline, and every
+        rank that receives the rows applies the same rule to them, so a rank that came too
+        late to be waited for makes every rank refuse them, itself included. (Only a gather
+        slower than the margin, or wall clocks further apart, could split them.) A gather
+        left waiting stays referenced (its buffers are gloo's until every rank has joined it,
+        or the group is destroyed)."""
         version, stage = stalled or (0, "")
-        mine = torch.tensor([newest, version, _STAGES.get(stage, 0)], dtype=torch.int64)
-        rows = [torch.empty(3, dtype=torch.int64) for _ in range(self.world_size)]
+        came = int(time.time() * 1000)
+        mine = torch.tensor([newest, version, _STAGES.get(stage, 0), came], dtype=torch.int64)
+        rows = [torch.empty(4, dtype=torch.int64) for _ in range(self.world_size)]
         what = "maybe_save: agreeing on the version a notice secures"
+        until = _monotonic(wall_deadline)
         try:
             with peers(what):
                 work = dist.all_gather(rows, mine, group=self._control, async_op=True)
-                while until is not None:
-                    done = work.is_completed()
+                # Ended is looked at before the clock: a gather that ended before the
+                # deadline counts even where this thread wakes after it.
+                while until is not None and not work.is_completed():
                     if time.monotonic() > until:
                         self._unanswered = [w for w in self._unanswered if not w.is_completed()]
                         self._unanswered.append(work)
                         return None, "a rank did not answer in time: stuck, or gone"
-                    if done:
-                        break
                     time.sleep(0.001)
                 work.wait()
         except CheckpointError as exc:  # a rank is gone: no later call can meet either
             self._meetings.broken = exc
             return None, str(exc).splitlines()[0]
-        return [row.tolist() for row in rows], ""
+        answers = [row.tolist() for row in rows]
+        if wall_deadline is not None:
+            late = [
+                r
+                for r, (*_, came) in enumerate(answers)
+                if came / 1000 > wall_deadline - _AGREE_MARGIN
+            ]
+            if late:
+                return None, f"rank(s) {_listed(late)} came too late to agree"
+        return [row[:3] for row in answers], ""
 
     def _remote_held(self) -> list[int]:
         """This rank's shard versions in the object store, as its tier last listed them."""
@@ -535,19 +562,19 @@ class DistributedCheckpointer:
         unanswered = notice is not None and not notice.same_as(self._notice_secured)
         flags = (int(periodic or decision.emergency), int(decision.emergency), int(unanswered))
         newest = self._newest_global.version if self._newest_global is not None else 0
-        window = _window_ms(notice)
+        due = _deadline_ms(notice)
         met = self._meetings.meet(
-            Doing(Call.MAYBE_SAVE, self._next, step, flags=flags, window_ms=window, newest=newest)
+            Doing(Call.MAYBE_SAVE, self._next, step, flags=flags, deadline_ms=due, newest=newest)
         )
         save, emergency, answer = met.flags
-        # The shortest window any rank's notice had left, from now on every rank (the ranks
-        # leave a meeting together; this rank's own notice may end sooner: `_secure`).
-        deadline = None if met.window is None else time.monotonic() + met.window
+        # The earliest deadline of any rank's notice, on this rank's monotonic clock (this
+        # rank's own notice may end sooner: `_secure`).
+        deadline = _monotonic(met.deadline)
         if unanswered:  # answered below, by the save or without one (once the ranks met)
             self._notice_secured = notice
         if not save:
             if answer:  # a notice the policy answered without a save, on some rank
-                self.last_secured = self._secure_newest(deadline, met.window or 0.0, met.newest)
+                self.last_secured = self._secure_newest(met.deadline, met.newest)
             if deferred:
                 self.protocol.raise_errors()
             return None
@@ -789,15 +816,20 @@ class DistributedCheckpointer:
         self.close(clean=exc_type is None)
 
 
-def _window_ms(notice: Notice | None) -> int:
-    """What a meeting row says of this rank's pending notice: the milliseconds left in its
-    window (0 once past it), or -1 without a notice or without a deadline to keep."""
+def _deadline_ms(notice: Notice | None) -> int:
+    """What a meeting row says of this rank's pending notice: its deadline on the wall clock,
+    in milliseconds since the epoch, or -1 without a notice or without a deadline to keep."""
     if notice is None or not notice.deadline:
         return -1
     left = notice.deadline - time.monotonic()
     if math.isnan(left) or left > threading.TIMEOUT_MAX:
         return -1
-    return int(max(0.0, left) * 1000)
+    return int((time.time() + left) * 1000)
+
+
+def _monotonic(wall: float | None) -> float | None:
+    """A wall-clock time (seconds since the epoch) on this process's monotonic clock."""
+    return None if wall is None else time.monotonic() + (wall - time.time())
 
 
 def _bounded(notice: Notice | None, deadline: float | None) -> Notice | None:
@@ -813,9 +845,11 @@ def _bounded(notice: Notice | None, deadline: float | None) -> Notice | None:
     return notice
 
 
-def _stall_cause(rows: list[list[int]]) -> str:
-    """Why the version a notice secures may not be the newest one started: the rounds still
-    open on some rank when the ranks agreed (rows: newest, open round's version, stage)."""
+def _stall_cause(rows: list[list[int]], secured: int) -> str:
+    """Why the version a notice secures (``secured``) may not be the newest one started: the
+    rounds newer than it still open on some rank when the ranks agreed (rows: newest, open
+    round's version, stage)."""
+    rows = [[newest, version if version > secured else 0, stage] for newest, version, stage in rows]
     writing = [rank for rank, (_, version, stage) in enumerate(rows) if version and stage == 1]
     waiting = [rank for rank, (_, version, stage) in enumerate(rows) if version and stage == 2]
     versions = sorted({version for _, version, _ in rows if version})

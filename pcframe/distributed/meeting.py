@@ -61,19 +61,20 @@ class Doing:
     # maybe_save: (save, emergency, a preemption notice not answered yet)
     flags: tuple[int, int, int] = (0, 0, 0)
     described: bool = True  # False: save() failed before the state was read (no digest)
-    # maybe_save: milliseconds left in this rank's pending notice's window (-1: no notice, or
-    # one without a deadline), and the newest global version this rank knows (0: none)
-    window_ms: int = -1
+    # maybe_save: this rank's pending notice's deadline, wall-clock milliseconds since the
+    # epoch (-1: no notice, or one without a deadline; wall clocks, because the ranks' own
+    # monotonic clocks share no origin), and the newest global version it knows (0: none)
+    deadline_ms: int = -1
     newest: int = 0
 
     def row(self) -> list[int]:
         fields = [self.call, self.version, self.step, self.digest, self.changed, self.described]
-        fields += [self.sharded_bytes, self.window_ms, self.newest]
+        fields += [self.sharded_bytes, self.deadline_ms, self.newest]
         return [*map(int, fields), *self.flags]
 
     @classmethod
     def of(cls, row: list[int]) -> Doing:
-        call, version, step, digest, changed, described, sharded, window, newest, *flags = row
+        call, version, step, digest, changed, described, sharded, deadline, newest, *flags = row
         return cls(
             Call(call),
             version,
@@ -83,7 +84,7 @@ class Doing:
             sharded,
             tuple(flags),
             bool(described),
-            window,
+            deadline,
             newest,
         )
 
@@ -103,9 +104,10 @@ class Met:
     sharded_bytes: list[int]  # per rank
     flags: tuple[int, ...]  # each flag's maximum over the ranks
     undescribed: list[int]  # ranks whose save() failed before reading their state
-    # maybe_save: the shortest notice window any rank had left as it came (None: no bound),
-    # and the newest global version every rank knew (the lowest of theirs; 0: none)
-    window: float | None = None
+    # maybe_save: the earliest deadline of any rank's notice, wall-clock seconds since the
+    # epoch (None: no bound), and the newest global version every rank knew (the lowest of
+    # theirs; 0: none)
+    deadline: float | None = None
     newest: int = 0
 
 
@@ -239,10 +241,10 @@ def _check_rows(doing: Doing, everyone: list[Doing]) -> Met:
         )
     flags = tuple(max(column) for column in zip(*(d.flags for d in everyone), strict=True))
     undescribed = [rank for rank, d in enumerate(everyone) if not d.described]
-    windows = [d.window_ms for d in everyone if d.window_ms >= 0]
-    window = min(windows) / 1000.0 if windows else None
+    deadlines = [d.deadline_ms for d in everyone if d.deadline_ms >= 0]
+    deadline = min(deadlines) / 1000.0 if deadlines else None
     newest = min(d.newest for d in everyone)
-    return Met([d.sharded_bytes for d in everyone], flags, undescribed, window, newest)
+    return Met([d.sharded_bytes for d in everyone], flags, undescribed, deadline, newest)
 
 
 def _ranks_by(pairs: list[tuple[int, Any]]) -> dict[Any, list[int]]:

@@ -247,17 +247,13 @@ class CallbackSaveError(SaveError):
         cause: BaseException,
         committed_before: bool = True,
     ):
-        CheckpointError.__init__(  # picklable args
-            self, message, version, step, stage, cause, committed_before
-        )
+        CheckpointError.__init__(self, message)  # pickled as a SaveError is
         self.version, self.step, self.stage, self.cause = version, step, stage, cause
         self.committed_before = committed_before
 
     def __str__(self) -> str:
         return str(self.args[0])
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), self.args, self.__dict__  # as BaseException: this class's args
 
 
 def stopped_by(error: SaveError, owner: str, step: int, finished: bool, again: str) -> SaveError:

@@ -98,6 +98,8 @@ class ResumedEpoch:
     def __init__(self, trainer: Any, skipped: int, checkpoint: str) -> None:
         run_epoch = trainer._run_epoch
         functools.update_wrapper(self, run_epoch)
+        # The instance's own _run_epoch (a user's or a profiler's patch), put back on removal.
+        self.own = trainer.__dict__.get("_run_epoch")
         self.trainer, self.skipped, self.checkpoint = trainer, skipped, checkpoint
         self.state = trainer.state  # the train() this resume belongs to
         self.signature = inspect.signature(run_epoch)
@@ -126,9 +128,14 @@ class ResumedEpoch:
 
     @classmethod
     def remove(cls, trainer: Any) -> None:
-        """Remove a wrapper left by a ``train()`` that ended before its first epoch."""
-        if trainer is not None and isinstance(trainer.__dict__.get("_run_epoch"), cls):
-            del trainer._run_epoch
+        """Remove the wrapper (one left by a ``train()`` that ended before its first epoch,
+        too), putting back what the instance had before it."""
+        wrapper = trainer.__dict__.get("_run_epoch") if trainer is not None else None
+        if isinstance(wrapper, cls):
+            if wrapper.own is None:
+                del trainer._run_epoch
+            else:
+                trainer._run_epoch = wrapper.own
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.remove(self.trainer)  # this epoch only
@@ -138,7 +145,7 @@ class ResumedEpoch:
         first = given["epoch"] == given["epochs_trained"]
         if self.trainer.state is not self.state or not first or given["resume_from_checkpoint"]:
             return self.__wrapped__(*args, **kwargs)  # not the resumed epoch
-        given["resume_from_checkpoint"] = self.checkpoint
+        given["resume_from_checkpoint"] = self.checkpoint  # it reads no file there (below)
         given[self.SKIPPED] = self.skipped
         # The Trainer sets the RNGs of its checkpoint after the first fetch; pcframe's restore
         # sets them then (PcframeCallback.on_step_begin), and the folder has no file of them.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -378,14 +379,16 @@ LATE_TO_AGREE = textwrap.dedent(
         ckpt.save(1).wait()
         ckpt.save(2).wait()
         dist.barrier()
-        window = 3.0  # both ranks left the meeting now (in maybe_save, the same on both)
-        deadline = time.monotonic() + window
+        # The notice's deadline on the wall clock, the same on both ranks (the meeting's).
+        deadline = [time.time() + 3.0]
+        dist.broadcast_object_list(deadline)
+        deadline = deadline[0]
         if rank == 1:  # stuck (a long pause of its VM) until rank 0 has given up
-            while not returned.exists() and time.monotonic() < deadline + 60:
+            while not returned.exists() and time.time() < deadline + 60:
                 time.sleep(0.01)
         try:
-            secured = ckpt._secure_newest(deadline, window, floor=1)
-            late = time.monotonic() - deadline
+            secured = ckpt._secure_newest(deadline, floor=1)
+            late = time.time() - deadline
         finally:
             if rank == 0:
                 returned.touch()
@@ -394,6 +397,90 @@ LATE_TO_AGREE = textwrap.dedent(
     print("closed")
     """
 )
+
+
+SKEWED_AGREEMENT = textwrap.dedent(
+    """
+    import json, shutil, sys, time, torch
+    import torch.distributed as dist
+    from pathlib import Path
+    from pcframe.distributed import DistributedCheckpointer
+
+    base, rendezvous, rank, phase = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    before = float(sys.argv[5])  # s before the deadline rank 1 comes to the agreement
+    node = "ab"[rank]
+    dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    options = dict(replicas=1, node=node, peer_dir=base / f"{node}-shm")
+    with DistributedCheckpointer(base / node, model=torch.nn.Linear(2, 2), **options) as ckpt:
+        if phase == "first":
+            for step in (1, 2):
+                ckpt.save(step).wait()
+                assert ckpt.peers.wait(step, timeout=60)
+        else:
+            restored = ckpt.restore()
+            deadline = [time.time() + 8.0]  # the meeting's, the same on both ranks
+            dist.broadcast_object_list(deadline)
+            deadline = deadline[0]
+            if rank == 1:  # a pause of its VM between the meeting and the agreement
+                time.sleep(max(0.0, deadline - before - time.time()))
+            secured = ckpt._secure_newest(deadline, floor=restored)
+            for step in (3, 4):
+                ckpt.save(step).wait()
+                assert ckpt.peers.wait(ckpt.global_versions()[-1], timeout=60)
+            status = ckpt.peers.status
+            print(json.dumps([secured.version, secured.reason, list(status.copied), status.broken]))
+    dist.destroy_process_group()
+    """
+)
+
+
+def _two_ranks(script: str, *args: str) -> list[str]:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, args[0], args[1], str(rank), *args[2:]],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    return outputs
+
+
+@pytest.mark.parametrize("before", [6.0, 0.4])
+def test_ranks_that_reach_a_notices_agreement_apart_take_one_answer_and_replicate_on(
+    tmp_path, before
+):
+    """A restarted job (its peers' memory wiped) restores version 2; a notice is answered
+    without a save, and rank 1 comes to the agreement on the version to secure ``before`` s
+    before the notice's deadline (a pause of its VM). Well before it: both take the answers.
+    Within the last second: both refuse them, the late rank too (rank 0 had given up before
+    on its own clock, rank 1 took the answers: their peer tiers then disagreed on what they
+    were given and replication stopped for good on both). Either way both secure the same
+    version, the restored one is given to the peers on both, and later versions replicate."""
+    base, rendezvous = tmp_path / "ckpt", tmp_path / "rdv"
+    _two_ranks(SKEWED_AGREEMENT, str(base), str(rendezvous), "first", "0")
+    for node in "ab":
+        shutil.rmtree(base / f"{node}-shm")
+    rendezvous.unlink(missing_ok=True)
+    outputs = _two_ranks(SKEWED_AGREEMENT, str(base), str(tmp_path / "rdv2"), "again", str(before))
+    results = [json.loads(out.splitlines()[-1]) for out in outputs]
+    for version, reason, copied, broken in results:
+        assert version == 2, results
+        assert broken in (None, "", False), results
+        assert {2, 3, 4} <= set(copied), results
+        if before < 1.0:  # within the margin (or past the deadline, on a busy machine)
+            assert "the ranks did not agree on the version to secure" in reason, results
+        else:
+            assert "did not agree" not in reason, results
 
 
 def test_a_rank_late_to_a_notices_agreement_secures_what_the_others_do(tmp_path):

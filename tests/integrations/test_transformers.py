@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -234,6 +238,35 @@ def test_accumulation_not_dividing_the_epoch_resumes_bit_identical(
     assert not tensor_differences(tensors_a, tensors_b)  # weights, Adam moments, RNGs
     assert not tree_differences(tree_a["scheduler"], tree_b["scheduler"])
     assert not tree_differences(tree_a["stateful"], tree_b["stateful"])  # epoch 3.0, ...
+
+
+def test_a_resume_keeps_the_trainers_own_per_instance_run_epoch(
+    tmp_path: Path, uneven_reference: tuple
+) -> None:
+    """A per-instance ``_run_epoch`` (a user's or a profiler's patch) set before ``train()``
+    sees every epoch of a mid-epoch resume and stays installed after it (the first epoch's
+    wrapper removed it: epochs 1 and 2 bypassed it), and the resume is still exact."""
+    _, _, weights = uneven_reference
+    run = tmp_path / "run"
+    first, _, _ = uneven_trainer(run, StopAfter(5))
+    first.train()
+    resumed, _, _ = uneven_trainer(run)
+    epochs: list[int] = []
+    plain = type(resumed)._run_epoch
+
+    @functools.wraps(plain)
+    def patched(self: Any, *args: Any, **kwargs: Any) -> Any:
+        epochs.append(inspect.signature(plain).bind(self, *args, **kwargs).arguments["epoch"])
+        return plain(self, *args, **kwargs)
+
+    resumed._run_epoch = types.MethodType(patched, resumed)
+    resumed.train()
+    # Resumed in epoch 1 (step 5, 3 steps an epoch), then epoch 2: the Trainer, which believes
+    # the run fresh, counts them from 0.
+    assert epochs == [0, 1], epochs
+    assert vars(resumed)["_run_epoch"].__func__ is patched
+    now = resumed.model.state_dict()
+    assert not [k for k in weights if not torch.equal(weights[k], now[k])]
 
 
 def final_step(directory: Path, version: int) -> int:
