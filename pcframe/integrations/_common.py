@@ -255,7 +255,6 @@ class CallbackSaveError(SaveError):
         return str(self.args[0])
 
 
-
 def stopped_by(error: SaveError, owner: str, step: int, finished: bool, again: str) -> SaveError:
     """``error`` reworded for a callback: it stopped training at ``step``, or (``finished``)
     training had ended at ``step`` when the failure was found; ``again`` resumes."""
