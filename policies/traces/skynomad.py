@@ -49,6 +49,9 @@ def find_price_table(path: Path) -> Path | None:
         c
         for folder in (path.parent, path.parent.parent)
         for c in sorted(folder.glob("*price*.json"))
+        # a regular file only: reading a FIFO of that name blocked for ever, and a folder
+        # or a broken link was a raw traceback
+        if c.is_file()
     ]
     key = f'"{path.stem}"'.encode()
     for candidate in found:
@@ -68,6 +71,11 @@ def _prices(path: Path, table: Path | dict[str, list[float]] | None, n: int) -> 
         where = str(table)
         try:
             table = json.loads(table.read_text(encoding="utf-8-sig"))
+        except OSError as exc:  # unreadable (no permission, removed since it was found)
+            raise TraceFormatError(
+                table, "", f"cannot read the price table of {path.name} ({exc.strerror or exc})",
+                "make it readable, or move it away to simulate without spot prices",
+            ) from None  # fmt: skip
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # the table's, not the CSV's
             at = f"line {exc.lineno} column {exc.colno}" if hasattr(exc, "lineno") else ""
             raise TraceFormatError(

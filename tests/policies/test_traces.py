@@ -171,6 +171,30 @@ def test_a_damaged_price_table_is_named_not_the_trace(tmp_path: Path) -> None:
     assert list(load_trace(trace).spot_price) == [1.5, 2.5]
 
 
+def test_a_price_table_that_is_not_a_regular_file_is_skipped_not_read(tmp_path: Path) -> None:
+    """A FIFO named like a price table beside an availability CSV (or in the folder above it)
+    blocked load_trace for ever, and a folder of that name was a raw IsADirectoryError."""
+    import os
+    import subprocess
+    import sys
+
+    trace = tmp_path / "zone" / "eu-west-1b_v100_1.csv"
+    trace.parent.mkdir()
+    trace.write_text("date,availability\n2024-01-01 00:00:00,1\n2024-01-01 00:10:00,1\n")
+    os.mkfifo(trace.parent / "spot-prices.json")
+    (tmp_path / "old-prices.json").mkdir()
+    (tmp_path / "loop-price.json").symlink_to(tmp_path / "loop-price.json")
+    # In a child: a FIFO read blocks the whole process, so a timeout is the only way out.
+    code = "from pcframe.policies.traces import load_trace; import sys; " + (
+        f"t = load_trace({str(trace)!r}); print(t.n_ticks, t.spot_price)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["2", "None"]
+
+
 def test_pccheck_gpu_trace(traces_dir: Path) -> None:
     path = traces_dir / "pccheck" / "gpus_trace.csv"
     t = load_trace(path)
