@@ -3,7 +3,10 @@ a glob, relative to the working directory or the shipped traces folder."""
 
 from __future__ import annotations
 
+import fnmatch
 import glob
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +43,7 @@ def select_traces(spec: str, cwd: str | Path | None = None, **options: Any) -> l
     bases = [Path(cwd or Path.cwd())] + ([shipped] if shipped is not None else [])
     for base in bases:
         pattern = str(Path(spec) if Path(spec).is_absolute() else base / spec)
-        matches = sorted(glob.glob(pattern, recursive=True))
+        matches = sorted(_glob(pattern))
         # Every folder matched (its traces as load_traces finds them) and every file: a file
         # named outright is loaded whatever it is, one a wildcard matched only if it is a
         # trace (not a licence or a price table).
@@ -54,10 +57,74 @@ def select_traces(spec: str, cwd: str | Path | None = None, **options: Any) -> l
             }
         )
         if files:
+            # One file reached by two paths (a link to a folder beside it) is one trace.
+            seen: set[Path] = set()
+            unique = [f for f in files if not (f.resolve() in seen or seen.add(f.resolve()))]
             # a malformed file raises TraceFormatError
-            return [load_trace(f, **options) for f in files]
+            return [load_trace(f, **options) for f in unique]
     where = ", ".join(str(b) for b in bases)
     raise SimConfigError(
         f"traces={spec!r} matched no trace file (looked in {where}); give 'all', a trace "
         "file, a folder or a glob such as 'skynomad/gcp-h100-16-2025/*.json'"
     )
+
+
+def _glob(pattern: str) -> Iterator[str]:
+    """``glob.glob(pattern, recursive=True)``, but a ``**`` enters each real folder once.
+
+    ``glob`` follows links to folders under ``**`` without end: a link to ``..`` inside the
+    traces folder listed every trace once per level (40 levels, until the kernel refused the
+    path), and two such links made 2**40 paths, a run that never started.
+    """
+    if not glob.has_magic(pattern):
+        if os.path.lexists(pattern):
+            yield pattern
+        return
+    parts = Path(pattern).parts
+    fixed = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    yield from _match(Path(*parts[:fixed]) if fixed else Path("."), parts[fixed:], set())
+
+
+def _match(
+    folder: Path, parts: tuple[str, ...], seen: set[tuple[int, int, int]], top: bool = True
+) -> Iterator[str]:
+    """Paths under ``folder`` matching ``parts`` (``seen``: the folders ``**`` entered;
+    ``top``: ``folder`` is where ``**`` starts, named with a trailing separator as glob does)."""
+    head, rest = parts[0], parts[1:]
+    if head == "**":
+        try:
+            st = folder.stat()
+        except OSError:
+            return
+        walked = (st.st_dev, st.st_ino, len(parts))  # by this `**` of the pattern
+        if walked in seen:  # a loop of links: this folder was walked
+            return
+        seen.add(walked)
+        if rest:
+            yield from _match(folder, rest, seen)
+        else:
+            yield str(folder) + os.sep if top else str(folder)
+        for child in _children(folder, "*"):
+            if child.is_dir():
+                yield from _match(child, parts, seen, top=False)
+            elif not rest:
+                yield str(child)
+        return
+    names = _children(folder, head) if glob.has_magic(head) else [folder / head]
+    for child in names:
+        if not rest:
+            if os.path.lexists(child):
+                yield str(child)
+        elif child.is_dir():
+            yield from _match(child, rest, seen)
+
+
+def _children(folder: Path, pattern: str) -> list[Path]:
+    """Entries of ``folder`` matching one component (hidden ones only if it names them)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    if not pattern.startswith("."):
+        names = [n for n in names if not n.startswith(".")]
+    return [folder / n for n in sorted(fnmatch.filter(names, pattern))]

@@ -200,3 +200,34 @@ def test_a_glob_loads_every_folder_and_file_it_matches_and_skips_price_tables(tm
     assert sorted(t.zone for t in picked) == ["us-east4-a", "us-east4-a", "us-east4-b"]
     with pytest.raises(TraceFormatError, match="price table"):
         select_traces("spot-prices.json", tmp_path)  # named outright: said, not skipped
+
+
+def test_a_glob_enters_each_folder_once_whatever_links_loop_back(tmp_path) -> None:
+    """glob's ``**`` followed links to folders without end: one link to ``..`` in a traces
+    folder listed its trace 41 times (once per level, until the kernel refused the path),
+    two such links made 2**40 paths, a pcframe-sim that never started."""
+    import signal
+
+    shipped = shared_traces_dir()
+    assert shipped is not None
+    h100 = sorted((shipped / "skynomad" / "gcp-h100-16-2025").glob("us-east4-*.json"))
+    zone = tmp_path / "traces" / "zone"
+    zone.mkdir(parents=True)
+    shutil.copy(h100[0], zone / h100[0].name)
+    (zone / "parent").symlink_to("..")
+    picked = select_traces("traces/**/*.json", tmp_path)
+    assert [t.zone for t in picked] == ["us-east4-a"]
+
+    (zone / "top").symlink_to("../..")  # a second way back: exponentially many paths
+
+    def too_long(signum, frame):
+        raise TimeoutError("select_traces still globbing after 20 s")
+
+    before = signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(20)
+    try:
+        picked = select_traces("traces/**", tmp_path)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+    assert [t.zone for t in picked] == ["us-east4-a"]
