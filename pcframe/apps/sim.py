@@ -20,6 +20,7 @@ from hydra.utils import get_original_cwd
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from pcframe.apps.errors import register_resolvers, reported, run_app
 from pcframe.apps.instantiate import check_targets
@@ -91,7 +92,9 @@ def print_table(rows: list[dict], console: Console) -> None:
             no_wrap=column not in ("trace", "label"),
         )
     for row in rows:
-        table.add_row(*(fmt(row.get(c)) for c in columns))
+        # Text, not a str: rich read a label or trace name as markup ('Daly[mtbf=3600]'
+        # was shown as 'Daly', 'x[/y]' ended the run in a MarkupError)
+        table.add_row(*(Text(fmt(row.get(c))) for c in columns))
     console.print(table)
     for line in legend(columns):
         header, _, meaning = line.partition(": ")

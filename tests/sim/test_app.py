@@ -210,3 +210,17 @@ def test_a_policy_refusing_its_config_names_the_full_key_and_the_reason_once(tmp
     message = str(info.value)
     assert message.startswith("policy.interval.predictor: ValueError: no up-time")
     assert "(down)" in message and message.count("no up-time") == 1
+
+
+@pytest.mark.parametrize("label", ["Daly[mtbf=3600]", "x[/y]", "[bold]pa[/bold]"])
+def test_labels_and_trace_names_are_shown_as_written_not_read_as_markup(label: str) -> None:
+    """rich read table cells as markup: label='Daly[mtbf=3600]' was shown as 'Daly', and
+    'x[/y]' ended pcframe-sim in a MarkupError traceback after the simulations had run."""
+    from rich.console import Console
+
+    from pcframe.apps.sim import print_table
+
+    console = Console(width=200, record=True)
+    print_table([{"trace": f"zone[{label}]", "label": label, "goodput_ratio": 0.5}], console)
+    text = console.export_text()
+    assert label in text and f"zone[{label}]" in text
