@@ -151,9 +151,9 @@ def plot_grouped_bars(
     for j, name in enumerate(names):
         xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(groups))]
         ys = [_num(cells.get((g, name))) for g in groups]
-        ax.bar(xs, ys, width=width, label=str(name))
+        ax.bar(xs, ys, width=width, label=_plain(name))
     ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels([str(g) for g in groups], rotation=40, ha="right", fontsize=8)
+    ax.set_xticklabels([_plain(g) for g in groups], rotation=40, ha="right", fontsize=8)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=7, ncol=min(len(names), 4))
@@ -184,7 +184,7 @@ def plot_breakdown(
         ax.bar(range(len(names)), share, bottom=bottom, label=part)
         bottom = [b + s for b, s in zip(bottom, share, strict=True)]
     ax.set_xticks(range(len(names)))
-    ax.set_xticklabels([str(n) for n in names], rotation=30, ha="right", fontsize=8)
+    ax.set_xticklabels([_plain(n) for n in names], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("share of wall time")
     ax.set_title(title)
     ax.legend(fontsize=8, loc="lower right")
@@ -203,7 +203,7 @@ def plot_lines(
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for name, (xs, ys) in series.items():
-        ax.plot(xs, ys, marker="o", label=name)
+        ax.plot(xs, ys, marker="o", label=_plain(name))
     if logx:
         ax.set_xscale("log")
     ax.set_xlabel(xlabel)
@@ -223,6 +223,13 @@ def _save(fig: Any, path: str | Path) -> Path:
 
     plt.close(fig)
     return path
+
+
+def _plain(x: Any) -> str:
+    """A label or trace name as matplotlib shows it literally: text between two ``$`` was
+    mathtext (``cost $5 to $6`` in italics; ``$\\frac{$`` a ParseException after every
+    simulation had run)."""
+    return str(x).replace("$", r"\$")
 
 
 def _num(x: Any) -> float:

@@ -224,3 +224,21 @@ def test_labels_and_trace_names_are_shown_as_written_not_read_as_markup(label: s
     print_table([{"trace": f"zone[{label}]", "label": label, "goodput_ratio": 0.5}], console)
     text = console.export_text()
     assert label in text and f"zone[{label}]" in text
+
+
+def test_dollar_signs_in_names_are_plotted_as_text_not_mathtext(tmp_path: Path) -> None:
+    """Text between two $ in a trace name or label was parsed as mathtext: a name like
+    '$\\frac{$' ended pcframe-sim in a ParseException after the simulations had run."""
+    from pcframe.sim.report import plot_breakdown, plot_grouped_bars
+
+    rows = [
+        {
+            "trace": r"zone $\frac{$",
+            "label": "Daly $a^$",
+            "goodput_ratio": 0.5,
+            "useful_hours": 1.0,
+        },
+        {"trace": "spot $1 to $2", "label": "x", "goodput_ratio": 0.7, "useful_hours": 2.0},
+    ]
+    assert plot_grouped_bars(rows, tmp_path / "g.png").stat().st_size > 0
+    assert plot_breakdown(rows, tmp_path / "b.png").stat().st_size > 0
