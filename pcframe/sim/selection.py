@@ -32,12 +32,17 @@ def select_traces(spec: str, cwd: str | Path | None = None, **options: Any) -> l
         raise SimConfigError(
             "traces='' names no trace; give traces=all, a file, a folder or a glob"
         )
-    shipped = shared_traces_dir()
+    try:
+        shipped, unusable = shared_traces_dir(), ""
+    except FileNotFoundError as exc:
+        # $PCFRAME_TRACES names no folder: one line, and a trace named by its own path
+        # still loads (this was a raw traceback whatever traces= said)
+        shipped, unusable = None, f"; {exc}"
     if spec == "all":
         if shipped is None:
             raise SimConfigError(
                 "traces=all but no shipped traces were found; set $PCFRAME_TRACES to a "
-                "folder of traces or give traces=<file|folder|glob>"
+                f"folder of traces or give traces=<file|folder|glob>{unusable}"
             )
         return load_traces(shipped, **options)
     bases = [Path(cwd or Path.cwd())] + ([shipped] if shipped is not None else [])
@@ -65,7 +70,7 @@ def select_traces(spec: str, cwd: str | Path | None = None, **options: Any) -> l
     where = ", ".join(str(b) for b in bases)
     raise SimConfigError(
         f"traces={spec!r} matched no trace file (looked in {where}); give 'all', a trace "
-        "file, a folder or a glob such as 'skynomad/gcp-h100-16-2025/*.json'"
+        f"file, a folder or a glob such as 'skynomad/gcp-h100-16-2025/*.json'{unusable}"
     )
 
 

@@ -231,3 +231,23 @@ def test_a_glob_enters_each_folder_once_whatever_links_loop_back(tmp_path) -> No
         signal.alarm(0)
         signal.signal(signal.SIGALRM, before)
     assert [t.zone for t in picked] == ["us-east4-a"]
+
+
+def test_a_traces_variable_naming_no_folder_is_one_line_and_spares_a_named_file(
+    tmp_path, monkeypatch
+) -> None:
+    """$PCFRAME_TRACES set to a path that is not a folder was a raw FileNotFoundError
+    (pcframe-sim: "unexpected error (a bug)") even for traces= naming a file by its path."""
+    from pcframe.apps.preemption.schedule import resolve_trace
+    from pcframe.errors import ConfigError
+
+    trace = tmp_path / "mine.json"
+    steady_trace(1.0).save_json(trace)
+    monkeypatch.setenv("PCFRAME_TRACES", str(tmp_path / "gone"))
+    assert [t.n_ticks for t in select_traces(str(trace), tmp_path)] == [60]
+    assert resolve_trace(trace) == trace
+    for spec in ("all", "nowhere/*.json"):
+        with pytest.raises(SimConfigError, match=r"PCFRAME_TRACES=.*gone.* is not a directory"):
+            select_traces(spec, tmp_path)
+    with pytest.raises(ConfigError, match=r"failure\.path='nowhere\.csv'.*PCFRAME_TRACES"):
+        resolve_trace("nowhere.csv")

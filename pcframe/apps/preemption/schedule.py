@@ -31,13 +31,16 @@ def resolve_trace(path: str | Path) -> Path:
     candidate = Path(path).expanduser()
     if candidate.is_file():
         return candidate
-    shared = shared_traces_dir()
+    try:
+        shared, unusable = shared_traces_dir(), ""
+    except FileNotFoundError as exc:  # $PCFRAME_TRACES names no folder: was a raw traceback
+        shared, unusable = None, f"; {exc}"
     if shared is not None and (shared / candidate).is_file():
         return shared / candidate
     where = f" or under {shared}" if shared is not None else ""
     raise ConfigError(
         f"failure.path={str(path)!r}: no such trace file in the working directory{where}; "
-        "give an existing path, or failure.times=[...] instead"
+        f"give an existing path, or failure.times=[...] instead{unusable}"
     )
 
 
