@@ -314,6 +314,15 @@ def test_a_storage_that_cannot_be_opened_is_one_line_naming_the_key(url, text):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("url", ["postgres://u@localhost/db", "SQLITE:///x.db", "://x"])
+def test_a_storage_url_of_no_known_database_is_one_line_naming_the_key(url):
+    """postgres:// (the name Heroku and Docker images use), an upper-case scheme or a URL
+    without one reached SQLAlchemy and ended in a raw NoSuchModuleError / ArgumentError."""
+    with pytest.raises(ConfigError, match=rf"^tune\.storage='{re.escape(url)}' is not a") as err:
+        open_storage(url)
+    assert "\n" not in str(err.value)
+
+
 def test_a_journal_that_is_not_a_regular_file_is_refused_not_opened(tmp_path):
     """A FIFO as the journal blocked the open for ever."""
     fifo = tmp_path / "journal.log"

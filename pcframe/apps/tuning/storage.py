@@ -108,6 +108,14 @@ def _rdb_storage(url: str, kwargs: dict, attempts: int = 5) -> RDBStorage:
     for attempt in range(attempts):
         try:
             return RDBStorage(url, **kwargs)
+        except sqlalchemy.exc.ArgumentError as exc:
+            # No such dialect (postgres://, a typo, an upper-case scheme) or no URL at all:
+            # SQLAlchemy's NoSuchModuleError / ArgumentError were raw tracebacks.
+            raise ConfigError(
+                f"tune.storage={url!r} is not a storage URL SQLAlchemy knows ({exc}); use "
+                "sqlite:///file.db, postgresql://user@host/db, journal:///path/file.log or "
+                "null (in memory)"
+            ) from exc
         except sqlalchemy.exc.DBAPIError as exc:
             if attempt == attempts - 1:
                 # The driver's own first line says why (no such file, connection refused).
