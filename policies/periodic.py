@@ -84,6 +84,7 @@ class SecondsIntervalPolicy(IntervalPolicy):
                 f"returned {tau!r:.80}; it must return seconds as a number (math.inf: no "
                 "checkpoint wanted; values below the floors are raised to them)"
             )
+        tau = float(tau)  # a Fraction (a numbers.Real) failed later, formatting the reason
         floor = self.min_interval
         if self.concurrency is not None:
             n = (ctx.max_in_flight or 1) if self.concurrency == "engine" else self.concurrency

@@ -251,3 +251,19 @@ def test_a_traces_variable_naming_no_folder_is_one_line_and_spares_a_named_file(
             select_traces(spec, tmp_path)
     with pytest.raises(ConfigError, match=r"failure\.path='nowhere\.csv'.*PCFRAME_TRACES"):
         resolve_trace("nowhere.csv")
+
+
+def test_a_target_interval_of_any_real_number_is_seconds() -> None:
+    """A plugin's target_interval returning a fractions.Fraction (a numbers.Real, so
+    accepted) ended decide in a TypeError formatting its reason: 'unexpected error (a bug)'
+    in pcframe-sim, a raw TypeError in the engine."""
+    from fractions import Fraction
+
+    class Sevenths(P.SecondsIntervalPolicy):
+        name = "sevenths"
+
+        def target_interval(self, ctx):
+            return Fraction(600, 7)
+
+    r = simulate(steady_trace(1.0), Sevenths(), JobSpec(restart_cost=0.0))
+    assert r.saves == 41  # every 600/7 s + a 2 s stall, in an hour
