@@ -117,6 +117,9 @@ def checked_decision(policy: Any, decision: Any) -> Decision:
     return decision
 
 
+_MAX_EVERY = 2**63 - 1  # the simulator's kernels count steps in int64
+
+
 def checked_hint(policy: Any, hint: Any) -> SaveHint | None:
     """``hint`` if a caller can follow it: ``None`` or a :class:`SaveHint` whose ``every`` is
     an int >= 1, ``step`` an int and ``time`` a number (the simulator jumps by them)."""
@@ -126,9 +129,14 @@ def checked_hint(policy: Any, hint: Any) -> SaveHint | None:
     if not isinstance(hint, SaveHint):
         problem = f"returned {hint!r:.80}, not a SaveHint or None"
     elif hint.every is not None and (
-        isinstance(hint.every, bool) or not isinstance(hint.every, int) or hint.every < 1
+        isinstance(hint.every, bool)
+        or not isinstance(hint.every, int)
+        or not 1 <= hint.every <= _MAX_EVERY
     ):
-        problem = f"returned every={hint.every!r}: a period is an int >= 1 (or None)"
+        # (past int64 it reached the simulator's Numba kernel: a raw TypingError)
+        problem = (
+            f"returned every={hint.every!r}: a period is an int >= 1 and below 2**63 (or None)"
+        )
     elif hint.step is not None and (isinstance(hint.step, bool) or not isinstance(hint.step, int)):
         problem = f"returned step={hint.step!r}: a step is an int (or None)"
     elif hint.time is not None and (

@@ -152,6 +152,11 @@ class _ZeroPeriod(_EveryTen):
         return SaveHint(every=0)  # before: ZeroDivisionError in the fast path
 
 
+class _HugePeriod(_EveryTen):
+    def save_hint(self, ctx):
+        return SaveHint(every=2**70)  # before: a Numba TypingError traceback
+
+
 class _NotAHint(_EveryTen):
     def save_hint(self, ctx):
         return 10
@@ -163,6 +168,7 @@ class _NotAHint(_EveryTen):
         (_ReturnsBool, r"decide returned False; it must return pcframe\.policies\.Decision"),
         (_NegativePeriod, r"save_hint returned every=-3: a period is an int >= 1"),
         (_ZeroPeriod, r"save_hint returned every=0"),
+        (_HugePeriod, r"save_hint returned every=1180591620717411303424: a period is an int"),
         (_NotAHint, r"save_hint returned 10, not a SaveHint or None"),
     ],
 )
