@@ -14,6 +14,7 @@ from pcframe.policies.base import (
     Preempted,
     Restarted,
     SaveCompleted,
+    SaveHint,
     Stateful,
 )
 from pcframe.policies.checkfreq import CheckFreq, checkfreq_k
@@ -115,6 +116,7 @@ __all__ = [
     "Restarted",
     "RunningEstimate",
     "SaveCompleted",
+    "SaveHint",
     "SecondsIntervalPolicy",
     "SignalNoticeSource",
     "SingleTier",

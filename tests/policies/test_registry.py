@@ -159,3 +159,12 @@ def test_a_misspelt_argument_names_the_plugin_and_the_nearest_argument():
     with pytest.raises(TypeError, match=r"'young' \(Young\) has no argument 'mtbff' \(did you"):
         P.create("young", mtbff=5)
     assert P.create("young", mtbf=5.0).mtbf == 5.0
+
+
+def test_every_type_a_plugin_writes_is_importable_from_the_package() -> None:
+    """docs/policies.md has an interval policy's save_hint return a SaveHint, yet
+    `from pcframe.policies import SaveHint` failed: a plugin had to know it was in .base."""
+    import pcframe.policies as P
+
+    for name in ("Decision", "PolicyContext", "SaveHint", "SaveCompleted", "Restarted"):
+        assert name in P.__all__ and getattr(P, name).__module__ == "pcframe.policies.base"
