@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from pcframe.errors import SimConfigError
+from pcframe.errors import PolicyError, SimConfigError
 from pcframe.policies.base import IntervalPolicy, Notice, Preempted, Restarted
 from pcframe.policies.placement import PlacementPolicy
 from pcframe.policies.predictors.base import Prediction, Predictor
@@ -304,7 +304,14 @@ class _Simulation:
             work_total=job.work_seconds,
             deadline=job.deadline,
         )
-        return self.resource.decide(ctx)
+        decision = self.resource.decide(ctx)
+        if not isinstance(decision, ResourceDecision):  # was a bare AssertionError, or worse
+            who = f"{type(self.resource).__module__}.{type(self.resource).__qualname__}"
+            raise PolicyError(
+                f"policy {who}.decide returned {decision!r:.80}; it must return "
+                "pcframe.policies.ResourceDecision(spot=..., on_demand=..., reason=...)"
+            )
+        return decision
 
     def _bill(self, proc: Process, vms: tuple[int, int], until: float) -> None:
         spot, od = vms

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -20,10 +21,16 @@ class ResourceDecision:
     reason: str = ""
 
     def __post_init__(self) -> None:
-        if self.spot < 0 or self.on_demand < 0:
+        counts = (self.spot, self.on_demand)
+        # A whole number of VMs: NaN passed `< 0` (the simulator then ran nothing and said
+        # goodput 0), 1.5 ran and billed one and a half VMs, "1" was a TypeError deep in it.
+        if any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0 for n in counts):
             raise ValueError(
-                f"VM counts must be >= 0, got spot={self.spot}, on_demand={self.on_demand}"
+                f"VM counts must be whole numbers >= 0, got spot={self.spot!r}, "
+                f"on_demand={self.on_demand!r}"
             )
+        object.__setattr__(self, "spot", int(self.spot))
+        object.__setattr__(self, "on_demand", int(self.on_demand))
 
     @property
     def mode(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import numpy as np
@@ -273,3 +274,31 @@ def test_a_target_interval_of_any_real_number_is_seconds() -> None:
 
     r = simulate(steady_trace(1.0), Sevenths(), JobSpec(restart_cost=0.0))
     assert r.saves == 41  # every 600/7 s + a 2 s stall, in an hour
+
+
+class _Resources(P.ResourcePolicy):
+    """A plugin resource policy answering what it was built with."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+
+    def decide(self, ctx):
+        return self.answer() if callable(self.answer) else self.answer
+
+
+@pytest.mark.parametrize("spot", [float("nan"), 1.5, math.inf, "1", True])
+def test_a_resource_decision_counts_whole_vms(spot) -> None:
+    """NaN passed the `< 0` check (the simulator then ran nothing and reported goodput 0,
+    exit 0), 1.5 ran and billed one and a half VMs, inf and "1" were raw tracebacks."""
+    with pytest.raises(ValueError, match="VM counts must be whole numbers >= 0"):
+        P.ResourceDecision(spot=spot)
+    assert P.ResourceDecision(spot=np.int64(2)).spot == 2
+
+
+@pytest.mark.parametrize("answer", [None, (1, 0), "spot"])
+def test_a_resource_policy_returning_no_decision_is_named(answer) -> None:
+    """None ended the simulation in a bare AssertionError, a tuple in an AttributeError."""
+    with pytest.raises(PolicyError, match=r"_Resources\.decide returned .*ResourceDecision"):
+        simulate(steady_trace(1.0), P.FixedSteps(10), JobSpec(), _Resources(answer))
+    good = _Resources(P.ResourceDecision(spot=1))
+    assert simulate(steady_trace(1.0), P.FixedSteps(10), JobSpec(), good).useful_steps > 0
