@@ -12,11 +12,8 @@ version that verifies on every rank, with the same or a different world size.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import math
 import os
-import threading
 import time
 from collections.abc import Mapping
 from datetime import timedelta
@@ -40,13 +37,13 @@ from pcframe.distributed.peers import peers
 from pcframe.distributed.protocol import CommitProtocol, Round
 from pcframe.distributed.recovery import Place, Recovery, fetched_in_memory
 from pcframe.distributed.replication import PeerReplication
+from pcframe.distributed.securing import NoticeSecuring, deadline_ms, monotonic
 from pcframe.distributed.verdict import load_newest
 from pcframe.errors import CheckpointError, SaveError
 from pcframe.format.names import version_name
 from pcframe.policies.base import Notice
 from pcframe.policies.placement.base import PlacementPolicy
 from pcframe.restore.report import DistributedRestoreReport
-from pcframe.runtime.checks import bounded_wait
 from pcframe.runtime.threads import engine_call, one_caller_at_a_time
 from pcframe.save.handle import SaveHandle
 from pcframe.save.status import SaveStatus
@@ -58,18 +55,6 @@ from pcframe.store.tiers.peer import PeerStore, default_peer_directory, private_
 log = logging.getLogger("pcframe")
 
 _KEEP_ROUNDS = 1024  # recent versions whose timings stay inspectable in `rounds`
-_KEEP_GLOBALS = 64  # recent global records kept for a notice (the ranks lag a round at most)
-
-# A notice that the policy answers without a save waits for the commit rounds in flight, but
-# not for its whole window: a share of it (a quarter, 1 to 10 s) is kept for the ranks to agree
-# on the version they secure and to secure it.
-_AGREE_SHARE, _AGREE_MIN, _AGREE_MAX = 0.25, 1.0, 10.0
-# The agreement's answers count only if every rank came to it this long before its deadline:
-# then the gather ends well before the deadline (a small all-gather takes milliseconds), and
-# a rank that waited sees it ended. A rank that came later makes every rank refuse the answers,
-# the late one too, by the same rule on the same rows (see `_agree`).
-_AGREE_MARGIN = 1.0
-_STAGES = {"local": 1, "ranks": 2}  # what an undecided round waits for, as the ranks tell it
 
 # Every collective method is refused on a thread inside another (a signal handler landed
 # in it): a collective there hangs the job, the other ranks being in another one or none.
@@ -239,14 +224,6 @@ class DistributedCheckpointer:
         )
         # Global versions: one more reason to keep a version, in the engine's one Retention.
         self.local.retention.add(KeepWhere("global versions", self.protocol.keep))
-        # The newest version published in this process (or restored by it), the newest
-        # records (the round thread adds them), and the newest version given to the peer
-        # tier (by the round thread only): what a notice answered without a save secures.
-        self._newest_global: global_versions.GlobalRecord | None = None
-        self._recent_globals: dict[int, global_versions.GlobalRecord] = {}
-        self._peers_given = 0
-        self._unanswered: list[Any] = []  # agreements some rank did not reach in time
-        self.protocol.published.append(self._note_global)
         self.peers: PeerReplication | None = None
         if self._has_peers():
             store = PeerStore(
@@ -262,11 +239,18 @@ class DistributedCheckpointer:
                 lambda version: self.local.directory / version_name(version),
                 self._peer,
             )
-            self.protocol.published.append(self._to_peers)
         self._remote_wholes: list[int] = []  # the newest whole versions in the object store
         if self.remote is not None:
             self.protocol.remote_listeners.append(self._whole_in_remote)
         self._meetings = Meetings(self._control, self.world_size)
+        # What a notice secures: the newest global versions (the round thread tells it of
+        # each, before the peer tier's listener) and what the peer tier was given.
+        self.securing = NoticeSecuring(
+            self.local, self.protocol, self.world_size, self._control, self._meetings, self.peers
+        )
+        self.protocol.published.append(self.securing.note_global)
+        if self.peers is not None:
+            self.protocol.published.append(self.securing.to_peers)
         self.splitter = StateSplitter(
             model, optimizer, self.rank, self.world_size, self._meetings.for_save
         )
@@ -278,189 +262,9 @@ class DistributedCheckpointer:
 
     # --- the tiers beyond the ranks' own disks ------------------------------------------------
 
-    def _secure(
-        self,
-        version: int,
-        step: int,
-        deadline: float | None = None,
-        note: str = "",
-        to_peers: bool = True,
-    ) -> Secured:
-        """After an emergency version became global: its copies in the fastest tiers that
-        outlive this node, within the notice's window (the peer tier first, then the local
-        engine's other tiers, e.g. the object store, if time is left).
-
-        ``deadline``: the window every rank was told of in the meeting (this rank's own
-        notice may end it sooner); ``note``: why it is not the version one would expect,
-        kept in the reason; ``to_peers=False``: a version the peer tier does not keep."""
-        notice = self.local.notice
-        own = notice.deadline if notice is not None and notice.deadline else None
-        if own is not None and (deadline is None or own < deadline):
-            deadline = own
-        left = None if deadline is None else bounded_wait(deadline - time.monotonic())
-        where: list[str] = []
-        reasons: list[str] = [note]
-        if self.peers is not None and to_peers:
-            if self.peers.wait(version, left) and self.peers.copied(version):
-                where.append(PEERS)
-            else:
-                reasons.append("the peer copies were not confirmed in time")
-        secured = self.local.tiers.secure(version, step, _bounded(notice, deadline))
-        if secured is not None:
-            if secured.durable:
-                where += [t for t in secured.tiers if t != self.local.tiers.primary_name]
-            reasons.append(secured.reason)
-        return Secured(version, tuple(where), bool(where), "; ".join(r for r in reasons if r))
-
-    def _not_global_in_time(self, version: int) -> Secured:
-        """An emergency version whose round the notice's window did not see decided: nothing
-        secured, and why (the round still open, named), in one ERROR line."""
-        stalled = self.protocol.undecided
-        waits = {"local": "this rank's shard still being written", "ranks": "the other ranks"}
-        why = ""
-        if stalled is not None:
-            open_round, stage = stalled
-            behind = "" if open_round == version else f" behind version {open_round}'s, which"
-            why = f" (its round waits{behind} for {waits.get(stage, stage)})"
-        reason = f"emergency version {version} was not global within the notice's window{why}"
-        log.error("preemption notice: %s; nothing secured", reason)
-        return Secured(version, (), False, reason)
-
     def _has_peers(self) -> bool:
         """Whether any rank has a peer on another node to copy to (the same on every rank)."""
         return self.replicas > 0 and len(self.nodes.nodes) > 1
-
-    def _to_peers(self, record: global_versions.GlobalRecord, due: bool) -> None:
-        """The round thread's listener: a global version placed in the peer tier is copied."""
-        if due and self.peers is not None:
-            self._peers_given = record.version
-            self.peers.submit(record)
-
-    def _note_global(self, record: global_versions.GlobalRecord, due: bool = False) -> None:
-        """The round thread's listener: the newest global version (published in order); a
-        restore's too (no round runs then)."""
-        self._recent_globals[record.version] = record
-        while len(self._recent_globals) > _KEEP_GLOBALS:
-            del self._recent_globals[min(self._recent_globals)]
-        self._newest_global = record
-
-    def _give_peers_newest(self) -> None:
-        """On the round thread, after the rounds queued before it (the same on every rank):
-        the newest global version, if the peer tier was not given it (its placement skipped
-        it, or this process restored it) and it is this job's (its world size)."""
-        record = self._newest_global
-        same_job = record is not None and record.world_size == self.world_size
-        if self.peers is not None and same_job and record.version > self._peers_given:
-            self._peers_given = record.version
-            self.peers.submit(record)
-
-    def _secure_newest(self, wall_deadline: float | None, floor: int) -> Secured | None:
-        """A notice on some rank that the policy answered without a save: the newest global
-        version, once the rounds in flight are decided, goes where it outlives the VM, as an
-        emergency version would, on every rank (the meeting told them all).
-
-        ``wall_deadline``: the earliest notice's deadline on the wall clock, the same on every
-        rank (``None``: no bound); ``floor``: the newest global version every rank knew at
-        the meeting. The rounds in flight are waited for until a share of the window is left;
-        then one all-gather, bounded by the deadline, tells every rank the newest version
-        each one knows, and every rank secures the oldest of those: global on every rank, and
-        the same on all (a rank's view lags by up to a round while it waits). A rank that
-        does not answer in time (stuck, or gone) leaves every rank the version all knew at the
-        meeting, ``floor``; a round still open, or the missing answer, is named in one
-        WARNING or ERROR line and in ``last_secured.reason``.
-
-        A version restored in this process and none published since counts as the newest.
-        The peer tier is given the newest global version after the rounds in flight, on the
-        round thread, if it was not given it (its placement skipped it, or a restart restored
-        it): decided there, from the rounds every rank has decided alike, whatever the
-        agreement's outcome on this rank; not a version restored from a job of another world
-        size (its shards are not this job's ranks').
-        """
-        if self.peers is not None:
-            self.protocol.after_rounds(self._give_peers_newest)
-        deadline = _monotonic(wall_deadline)
-        if deadline is None:
-            self.protocol.join()
-        else:
-            window = max(0.0, deadline - time.monotonic())
-            keep = min(_AGREE_MAX, max(_AGREE_MIN, window * _AGREE_SHARE))
-            self.protocol.join(max(0.0, deadline - keep - time.monotonic()))
-        newest = self._newest_global.version if self._newest_global is not None else 0
-        stalled = self.protocol.undecided  # after `newest`: never a round older than it
-        rows, failure = self._agree(wall_deadline, newest, stalled)
-        if rows is not None:
-            version = min(row[0] for row in rows)
-            cause = _stall_cause(rows, version)
-        else:
-            version = floor
-            cause = (
-                f"the ranks did not agree on the version to secure within the notice's window "
-                f"({failure}); securing the newest one every rank knew at the notice"
-            )
-        record = self._recent_globals.get(version) if version else None
-        if record is None:
-            if cause:
-                log.error("preemption notice: no global version secured: %s", cause)
-            return None
-        same_job = record.world_size == self.world_size
-        if cause:
-            log.log(
-                logging.ERROR if rows is None else logging.WARNING,
-                "preemption notice: securing global version %d (step %d): %s",
-                record.version,
-                record.step,
-                cause,
-            )
-        if not same_job and self.peers is not None:
-            written = f"written by a job of {record.world_size} ranks"
-            cause = "; ".join(filter(None, [cause, f"not given to the peer tier ({written})"]))
-        return self._secure(record.version, record.step, deadline, cause, to_peers=same_job)
-
-    def _agree(
-        self, wall_deadline: float | None, newest: int, stalled: tuple[int, str] | None
-    ) -> tuple[list[list[int]] | None, str]:
-        """One all-gather on the control group: every rank's newest global version, its round
-        still open, if any, and when it came (wall clock). ``(rows, "")`` when every rank came
-        at least ``_AGREE_MARGIN`` s before ``wall_deadline`` (``None``: no bound), else
-        ``(None, why)``.
-
-        The same answer on every rank: a rank that waits gives up at the deadline, and every
-        rank that receives the rows applies the same rule to them, so a rank that came too
-        late to be waited for makes every rank refuse them, itself included. (Only a gather
-        slower than the margin, or wall clocks further apart, could split them.) A gather
-        left waiting stays referenced (its buffers are gloo's until every rank has joined it,
-        or the group is destroyed)."""
-        version, stage = stalled or (0, "")
-        came = int(time.time() * 1000)
-        mine = torch.tensor([newest, version, _STAGES.get(stage, 0), came], dtype=torch.int64)
-        rows = [torch.empty(4, dtype=torch.int64) for _ in range(self.world_size)]
-        what = "maybe_save: agreeing on the version a notice secures"
-        until = _monotonic(wall_deadline)
-        try:
-            with peers(what):
-                work = dist.all_gather(rows, mine, group=self._control, async_op=True)
-                # Ended is looked at before the clock: a gather that ended before the
-                # deadline counts even where this thread wakes after it.
-                while until is not None and not work.is_completed():
-                    if time.monotonic() > until:
-                        self._unanswered = [w for w in self._unanswered if not w.is_completed()]
-                        self._unanswered.append(work)
-                        return None, "a rank did not answer in time: stuck, or gone"
-                    time.sleep(0.001)
-                work.wait()
-        except CheckpointError as exc:  # a rank is gone: no later call can meet either
-            self._meetings.broken = exc
-            return None, str(exc).splitlines()[0]
-        answers = [row.tolist() for row in rows]
-        if wall_deadline is not None:
-            late = [
-                r
-                for r, (*_, came) in enumerate(answers)
-                if came / 1000 > wall_deadline - _AGREE_MARGIN
-            ]
-            if late:
-                return None, f"rank(s) {_listed(late)} came too late to agree"
-        return [row[:3] for row in answers], ""
 
     def _remote_held(self) -> list[int]:
         """This rank's shard versions in the object store, as its tier last listed them."""
@@ -546,7 +350,7 @@ class DistributedCheckpointer:
         periodic decision applies to all ranks, whatever their own clocks say; an emergency
         on any rank (a notice its sources saw) is a save on all, waited for until global. A
         notice the policy answers without a save secures the newest global version on every
-        rank within the notice's window (:meth:`_secure_newest`; ``last_secured``).
+        rank within the notice's window (:meth:`NoticeSecuring.secure_newest`; ``last_secured``).
         """
         self._check_open()
         deferred = False
@@ -561,20 +365,20 @@ class DistributedCheckpointer:
         notice = self.local.notice
         unanswered = notice is not None and not notice.same_as(self._notice_secured)
         flags = (int(periodic or decision.emergency), int(decision.emergency), int(unanswered))
-        newest = self._newest_global.version if self._newest_global is not None else 0
-        due = _deadline_ms(notice)
+        newest = self.securing.newest_version
+        due = deadline_ms(notice)
         met = self._meetings.meet(
             Doing(Call.MAYBE_SAVE, self._next, step, flags=flags, deadline_ms=due, newest=newest)
         )
         save, emergency, answer = met.flags
         # The earliest deadline of any rank's notice, on this rank's monotonic clock (this
-        # rank's own notice may end sooner: `_secure`).
-        deadline = _monotonic(met.deadline)
+        # rank's own notice may end sooner: `NoticeSecuring.secure`).
+        deadline = monotonic(met.deadline)
         if unanswered:  # answered below, by the save or without one (once the ranks met)
             self._notice_secured = notice
         if not save:
             if answer:  # a notice the policy answered without a save, on some rank
-                self.last_secured = self._secure_newest(met.deadline, met.newest)
+                self.last_secured = self.securing.secure_newest(met.deadline, met.newest)
             if deferred:
                 self.protocol.raise_errors()
             return None
@@ -591,10 +395,10 @@ class DistributedCheckpointer:
                 with contextlib.suppress(SaveError):
                     handle.wait(left)
             except TimeoutError:
-                self.last_secured = self._not_global_in_time(handle.version)
+                self.last_secured = self.securing.not_global_in_time(handle.version)
             else:
                 if handle.status is SaveStatus.COMMITTED:
-                    self.last_secured = self._secure(handle.version, step, deadline)
+                    self.last_secured = self.securing.secure(handle.version, step, deadline)
         self.protocol.raise_errors()  # as save() does, after the emergency's wait
         return handle
 
@@ -715,7 +519,7 @@ class DistributedCheckpointer:
             recovery.restored(record)
             # What a notice secures until a newer version is published (the peer tier of
             # this job may not hold it: a restarted job's peers keep nothing of it yet).
-            self._note_global(record)
+            self.securing.note_global(record)
             return record.step
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -795,7 +599,7 @@ class DistributedCheckpointer:
         exception": 1 job in 5, after a clean close)."""
         self._meetings.let_go()
         self._control = None
-        self._unanswered = []
+        self.securing.let_go()
         if rounds:
             self.protocol.let_go()
             self._report = None
@@ -814,58 +618,3 @@ class DistributedCheckpointer:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.close(clean=exc_type is None)
-
-
-def _deadline_ms(notice: Notice | None) -> int:
-    """What a meeting row says of this rank's pending notice: its deadline on the wall clock,
-    in milliseconds since the epoch, or -1 without a notice or without a deadline to keep."""
-    if notice is None or not notice.deadline:
-        return -1
-    left = notice.deadline - time.monotonic()
-    if math.isnan(left) or left > threading.TIMEOUT_MAX:
-        return -1
-    return int((time.time() + left) * 1000)
-
-
-def _monotonic(wall: float | None) -> float | None:
-    """A wall-clock time (seconds since the epoch) on this process's monotonic clock."""
-    return None if wall is None else time.monotonic() + (wall - time.time())
-
-
-def _bounded(notice: Notice | None, deadline: float | None) -> Notice | None:
-    """The notice the local tiers secure a version within: this rank's own, ending at
-    ``deadline`` if that is sooner (a rank without a notice of its own is told of the
-    window of another rank's)."""
-    if deadline is None or math.isnan(deadline):
-        return notice
-    if notice is None:
-        return Notice(time.monotonic(), deadline, "another rank")
-    if deadline < notice.deadline:
-        return dataclasses.replace(notice, deadline=deadline)
-    return notice
-
-
-def _stall_cause(rows: list[list[int]], secured: int) -> str:
-    """Why the version a notice secures (``secured``) may not be the newest one started: the
-    rounds newer than it still open on some rank when the ranks agreed (rows: newest, open
-    round's version, stage)."""
-    rows = [[newest, version if version > secured else 0, stage] for newest, version, stage in rows]
-    writing = [rank for rank, (_, version, stage) in enumerate(rows) if version and stage == 1]
-    waiting = [rank for rank, (_, version, stage) in enumerate(rows) if version and stage == 2]
-    versions = sorted({version for _, version, _ in rows if version})
-    if not versions:
-        return ""
-    said = ", ".join(map(str, versions))
-    parts = []
-    if writing:
-        parts.append(f"rank(s) {_listed(writing)} had not finished writing their shard")
-    if waiting:
-        parts.append(f"rank(s) {_listed(waiting)} were waiting for the other ranks' reports")
-    return (
-        f"the commit round of version {said} was not decided within the notice's window "
-        f"({'; '.join(parts)}); the newest version global on every rank is secured instead"
-    )
-
-
-def _listed(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks))

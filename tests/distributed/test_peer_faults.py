@@ -387,7 +387,7 @@ LATE_TO_AGREE = textwrap.dedent(
             while not returned.exists() and time.time() < deadline + 60:
                 time.sleep(0.01)
         try:
-            secured = ckpt._secure_newest(deadline, floor=1)
+            secured = ckpt.securing.secure_newest(deadline, floor=1)
             late = time.time() - deadline
         finally:
             if rank == 0:
@@ -424,7 +424,7 @@ SKEWED_AGREEMENT = textwrap.dedent(
             deadline = deadline[0]
             if rank == 1:  # a pause of its VM between the meeting and the agreement
                 time.sleep(max(0.0, deadline - before - time.time()))
-            secured = ckpt._secure_newest(deadline, floor=restored)
+            secured = ckpt.securing.secure_newest(deadline, floor=restored)
             for step in (3, 4):
                 ckpt.save(step).wait()
                 assert ckpt.peers.wait(ckpt.global_versions()[-1], timeout=60)
