@@ -24,7 +24,7 @@ import torch
 
 from pcframe.config import EngineConfig
 from pcframe.decisions import Decisions
-from pcframe.errors import CheckpointError, SaveError
+from pcframe.errors import CheckpointError, PolicyError, SaveError
 from pcframe.format.names import check_new_version
 from pcframe.policies.base import Decision, IntervalPolicy, Notice, PolicyContext
 from pcframe.policies.fixed import FixedSteps
@@ -153,6 +153,7 @@ class Checkpointer:
             self._pipeline = SavePipeline(config, self._storage, self._flight.finished)
             self._flight.wait_for_copies = self._pipeline.wait_for_copies
             self.tiers.follow(self._pipeline)
+            self._flight.late_failures.append(self.tiers.take_failure)
             self._engine_calls = EngineCalls()  # this engine's calls in progress, per thread
             self._in_step_hook = 0  # optimizer.step() runs one of the hooks (close: keep them)
             self._stepping: dict[int, Any] = {}  # thread -> its optimizer.step() in progress
@@ -452,7 +453,7 @@ class Checkpointer:
             try:
                 self._wait()
                 break
-            except SaveError as exc:
+            except (SaveError, PolicyError) as exc:  # PolicyError: a placement's, after a commit
                 log.error("before the restore: %s", exc)
         report = self.last_restore = RestoreReport()
         rules = LoadRules(strict=strict, allow_cast=allow_cast)
@@ -499,6 +500,9 @@ class Checkpointer:
 
         Raises:
             SaveError: for the first failed version not yet reported (closed all the same).
+            PolicyError: else, for a failure of the placement policy not yet reported, the
+                replicas' last copies included (closed all the same; logged instead when
+                ``clean=False``).
             CheckpointError: in-flight versions did not finish within ``timeout`` seconds;
                 the engine stays open (call ``close()`` again to keep waiting).
         """
@@ -521,7 +525,26 @@ class Checkpointer:
         with signals held (:mod:`pcframe.runtime.interrupts`): a handler's ``sys.exit()``
         there is raised once they are done (the calls it made are deferred to the end of
         ``close()``, and find the engine closed). The replicas' drain is not held: Ctrl-C
-        may cut that wait short, and the lock is released all the same."""
+        may cut that wait short, and the lock is released all the same. A failure of the
+        placement policy no call raised yet (one during the replicas' drain, say) is raised
+        at the end of a clean close; logged instead when an error ends the close, or ends
+        the ``with`` block that closes it (``clean=False``: that error is the one raised; a
+        broken policy's next failure is not raised over it)."""
+        if not clean:
+            self._flight.late_failures.clear()
+        try:
+            self._shut_down_all(clean)
+        except BaseException:
+            if (late := self.tiers.take_failure()) is not None:
+                log.error("%s", late)
+            raise
+        if (late := self.tiers.take_failure()) is not None:
+            if not clean:
+                log.error("%s", late)
+                return
+            raise late
+
+    def _shut_down_all(self, clean: bool) -> None:
         try:
             with interrupts_held():
                 try:

@@ -72,6 +72,10 @@ class InFlight:
         self._unfinished: list[SaveProgress] = []  # not yet reported as finished
         self._unraised: list[SaveProgress] = []  # failed, finished, not raised yet
         self._commits, self._summary_at = 0, None  # for the periodic INFO line
+        # Failures found on other threads after a version committed (its placement policy's,
+        # in the tiers): f(reported) -> one whose version ``reported`` says was reported
+        # here, taken (so raised once), or None. Raised as a failed version's error is.
+        self.late_failures: list[Callable[[Callable[[int], bool]], BaseException | None]] = []
         # How the training thread waits for snapshot copies (the pipeline's
         # wait_for_copies: it helps copy, and the writers let the copy go first).
         self.wait_for_copies: Callable[[Sequence[SaveProgress]], None] = _wait_each
@@ -193,6 +197,8 @@ class InFlight:
 
         Raises:
             SaveError: for the first failed version not yet raised (by its handle or here).
+            PolicyError: else, a failure found after a commit (:attr:`late_failures`): the
+                placement policy of a version that stands committed in the primary.
         """
         with self._reporting:  # engine calls of two threads (a save, a wait) report at once
             self._report(committed)
@@ -222,6 +228,15 @@ class InFlight:
             raise SaveError(
                 first.version, first.step, first.stage or "", first.error, first.committed_before
             ) from first.error
+        for take in self.late_failures:  # after the version's commit is counted above
+            late = take(self._reported)
+            if late is not None:
+                raise late
+
+    def _reported(self, version: int) -> bool:
+        """Whether ``version``'s end was reported (or it is not one of this engine's)."""
+        record = self.records.get(version)
+        return record is None or record.status is not SaveStatus.IN_FLIGHT
 
     def _prune(self) -> None:
         """Drop the versions whose copy is done from ``_copying``, the finished ones from

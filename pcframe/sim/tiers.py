@@ -35,6 +35,7 @@ from pcframe.policies.placement import (
     PlacementDecision,
     PlacementPolicy,
     TieredPlacement,
+    ask_placement,
 )
 from pcframe.sim.spec import JobSpec
 from pcframe.sim.state import SaveCost, saved_state
@@ -185,19 +186,8 @@ class Placements:
         )
 
     def _decide(self, ctx: PlacementContext) -> PlacementDecision:
-        decision = self.placement.place(ctx)
-        if not isinstance(decision, PlacementDecision) or not decision.tiers:
-            raise PolicyError(
-                f"placement {_name(self.placement)}.place returned {decision!r:.80}; it must "
-                "return a PlacementDecision naming at least one tier"
-            )
-        unknown = sorted(set(decision.tiers) - set(self.fates))
-        if unknown:
-            raise PolicyError(
-                f"placement {_name(self.placement)} placed version {ctx.version} in "
-                f"{unknown}, not among its tiers {list(self.fates)}"
-            )
-        return decision
+        """The placement's answer, checked as the engine checks it (one contract)."""
+        return ask_placement(self.placement, ctx, tuple(self.fates))
 
     def _add(self, entry: Placed) -> None:
         last = self.entries[-1] if self.entries else None

@@ -22,7 +22,12 @@ from typing import ClassVar
 import pytest
 
 from pcframe.policies.base import Notice, Preempted, Restarted, SaveCompleted
-from pcframe.policies.placement.base import PlacementContext, PlacementDecision, PlacementPolicy
+from pcframe.policies.placement.base import (
+    PlacementContext,
+    PlacementDecision,
+    PlacementPolicy,
+    checked_placement,
+)
 from pcframe.policies.predictors.base import Estimate, Prediction, Predictor
 from pcframe.policies.resource.base import ResourceContext, ResourceDecision, ResourcePolicy
 from pcframe.testing.interval_conformance import IntervalDriver, IntervalPolicyConformance
@@ -72,7 +77,7 @@ class PlacementPolicyConformance(Kit):
 
     @staticmethod
     def _check(policy: PlacementPolicy, ctx: PlacementContext, d: PlacementDecision) -> None:
-        assert isinstance(d, PlacementDecision)
+        checked_placement(policy, d, policy.tiers, ctx.version)  # as the engine checks it
         assert d.tiers, "a version must go to at least one tier"
         assert set(d.tiers) <= set(policy.tiers), f"unknown tier in {d.tiers}"
         assert len(set(d.tiers)) == len(d.tiers), f"tier listed twice in {d.tiers}"

@@ -1,6 +1,12 @@
 """Placement policies: storage tier(s) per checkpoint version, and retention per tier."""
 
-from pcframe.policies.placement.base import PlacementContext, PlacementDecision, PlacementPolicy
+from pcframe.policies.placement.base import (
+    PlacementContext,
+    PlacementDecision,
+    PlacementPolicy,
+    ask_placement,
+    checked_placement,
+)
 from pcframe.policies.placement.peers import PEERS_TIER, PeersThenRemote, RemoteDue
 from pcframe.policies.placement.presets import LocalPlusRemote, MemoryThenDisk, SingleTier
 from pcframe.policies.placement.tiered import TieredPlacement, TierRule
@@ -17,4 +23,6 @@ __all__ = [
     "SingleTier",
     "TierRule",
     "TieredPlacement",
+    "ask_placement",
+    "checked_placement",
 ]

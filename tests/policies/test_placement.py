@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 import pcframe.policies as P
+from pcframe.errors import PolicyError
 from pcframe.policies import Notice, PlacementContext
+from pcframe.policies.placement import ask_placement
 
 
 def place(policy: P.PlacementPolicy, version: int, **kw: object) -> P.PlacementDecision:
@@ -71,3 +73,80 @@ def test_bad_rules_are_refused() -> None:
         P.TierRule("a", every=0)
     with pytest.raises(ValueError, match="at least one"):
         P.TieredPlacement([])
+
+
+class _Answers(P.PlacementPolicy):
+    """A placement that answers what it is given (or raises it)."""
+
+    name = "answers"
+
+    def __init__(self, answer: object) -> None:
+        self.answer = answer
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        return ("local", "remote")
+
+    def place(self, ctx: PlacementContext) -> P.PlacementDecision:
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    ("answer", "wrong"),
+    [
+        (RuntimeError("boom\nsecond line"), "raised RuntimeError: boom second line for version 7"),
+        (None, "returned None for version 7, not a PlacementDecision"),
+        (("local",), "returned ('local',) for version 7, not a PlacementDecision"),
+        (P.PlacementDecision("local"), "returned tiers='local' for version 7, not a tuple"),  # type: ignore[arg-type]
+        (P.PlacementDecision((1,)), "returned tiers=(1,) for version 7, not a tuple"),  # type: ignore[arg-type]
+        (P.PlacementDecision(()), "returned no tier for version 7"),
+        (P.PlacementDecision(("disk",)), "placed version 7 in ['disk'], not among its tiers"),
+        (P.PlacementDecision(("local",), keep=None), "returned keep=None for version 7"),  # type: ignore[arg-type]
+        (
+            P.PlacementDecision(("local",), keep={"disk": (7,)}),
+            "returned keep for tier(s) 'disk' for version 7, not among its tiers",
+        ),
+        (
+            P.PlacementDecision(("local",), keep={"local": "7"}),  # type: ignore[dict-item]
+            "returned keep['local']='7' for version 7, not a tuple of version numbers",
+        ),
+        (
+            P.PlacementDecision(("local",), keep={"local": (7.0,)}),  # type: ignore[dict-item]
+            "returned keep['local']=(7.0,) for version 7, not a tuple of version numbers",
+        ),
+        (
+            P.PlacementDecision(("local",), keep={"local": (True,)}),  # type: ignore[dict-item]
+            "returned keep['local']=(True,) for version 7, not a tuple of version numbers",
+        ),
+    ],
+)
+def test_a_bad_answer_is_one_policy_error_naming_the_policy(answer: object, wrong: str) -> None:
+    """The one check the engine and the simulator make of every answer."""
+    policy = _Answers(answer)
+    ctx = PlacementContext(version=7, step=70, now=0.0)
+    with pytest.raises(PolicyError) as raised:
+        ask_placement(policy, ctx, policy.tiers, then="what it means here")
+    text = str(raised.value)
+    assert "\n" not in text
+    assert text.startswith(
+        "placement policy 'answers' (tests.policies.test_placement._Answers).place "
+    ), text
+    assert wrong in text, text
+    assert "; what it means here. Fix: " in text, text
+    if isinstance(answer, BaseException):
+        assert raised.value.__cause__ is answer
+
+
+def test_good_answers_pass_the_check_unchanged() -> None:
+    import numpy as np
+
+    for answer in (
+        P.PlacementDecision(("local", "remote"), keep={"local": (6, 7), "remote": [7]}),
+        P.PlacementDecision(["remote"], keep={"remote": {np.int64(7)}}),  # type: ignore[arg-type]
+        P.PlacementDecision(("local",)),
+    ):
+        policy = _Answers(answer)
+        ctx = PlacementContext(version=7, step=70, now=0.0)
+        assert ask_placement(policy, ctx, policy.tiers) is answer

@@ -12,6 +12,7 @@ import pytest
 from hydra import compose, initialize_config_module
 
 import pcframe.policies as P
+from pcframe.errors import PolicyError
 from pcframe.policies import Restarted
 from pcframe.policies.traces import Trace
 from pcframe.sim import JobSpec, SimConfigError, SimOptions, poisson_trace, simulate
@@ -314,3 +315,38 @@ def test_the_fast_forward_changes_nothing_with_placements_on_random_jobs(seed: i
         assert fast.time == pytest.approx(hinted.time, rel=1e-9, abs=1e-6), where
         stretches += fast.fast_forwards
     assert stretches > 20  # the draws do exercise the fast-forward
+
+
+class _Misplacing(P.PlacementPolicy):
+    """A user's placement that raises, or keeps a string, from version 3 on."""
+
+    name = "misplacing"
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        return ("local", "remote")
+
+    def place(self, ctx: P.PlacementContext) -> P.PlacementDecision:
+        if ctx.version >= 3 and self.mode == "raises":
+            raise RuntimeError("boom in place")
+        keep = {"local": "x"} if ctx.version >= 3 else {"local": (ctx.version,)}
+        return P.PlacementDecision(("local", "remote"), keep=keep)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("mode", "wrong"),
+    [
+        ("raises", r"raised RuntimeError: boom in place for version 3"),
+        ("keep_str", r"returned keep\['local'\]='x' for version 3, not a tuple of version"),
+    ],
+)
+def test_a_misplacing_policy_is_refused_as_the_engine_refuses_it(mode: str, wrong: str) -> None:
+    """The simulator checks each answer with the engine's own check (a raising policy was a
+    bare RuntimeError here, a malformed keep was accepted)."""
+    trace = poisson_trace(mtbf=3600, hours=6, seed=1)
+    named = r"placement policy 'misplacing' \(tests\.sim\.test_tiers\._Misplacing\)\.place "
+    with pytest.raises(PolicyError, match=named + wrong):
+        simulate(trace, P.FixedSteps(100), TIERED, placement=_Misplacing(mode))

@@ -16,12 +16,12 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pcframe.errors import TierError
+from pcframe.errors import PolicyError, TierError
 from pcframe.policies.base import Notice
 from pcframe.policies.placement import (
     PlacementContext,
@@ -29,6 +29,7 @@ from pcframe.policies.placement import (
     PlacementPolicy,
     TieredPlacement,
     TierRule,
+    ask_placement,
 )
 from pcframe.runtime.checks import bounded_wait, whole_number
 from pcframe.store.directory import WritableCheckpointDir
@@ -134,6 +135,12 @@ class Tiers:
         self._unlisted: set[str] = set()  # tiers not listed at attach (list_later)
         self._closed_remote: tuple[str, list[int]] | None = None  # remote() once closed
         self._lock = threading.Lock()
+        # The placement's tiers as attach found them: what every answer is checked against.
+        self._names: tuple[str, ...] = ()
+        # A failure of the placement on the commit or a replica thread, with the version it
+        # was about, that the engine has not raised yet (:meth:`take_failure`): one at a time.
+        self._failure: tuple[int, PolicyError] | None = None
+        self._failure_lock = threading.Lock()
 
     # --- wiring --------------------------------------------------------------------------
 
@@ -170,6 +177,7 @@ class Tiers:
             ]
             self.placement = TieredPlacement(rules)
         self._validate(primary)
+        self._names = tuple(self.placement.tiers)
         newest = 0
         for name, tier in self._ordered():
             try:
@@ -255,25 +263,72 @@ class Tiers:
         committed.update({n: r.committed() for n, r in self._replicators.items()})
         return committed
 
-    def place(self, version: int, step: int, notice: Notice | None) -> PlacementDecision:
-        """The placement's decision for ``version`` now (calls to it serialized)."""
+    def place(
+        self, version: int, step: int, notice: Notice | None, then: str = ""
+    ) -> PlacementDecision:
+        """The placement's decision for ``version`` now (calls to it serialized).
+
+        Raises:
+            PolicyError: the placement raised or answered something the engine cannot
+                follow (:func:`~pcframe.policies.placement.base.checked_placement`); ``then``
+                says in the message what that failure means to the caller.
+        """
         assert self.placement is not None
         ctx = PlacementContext(
             version, step, time.monotonic(), self.write_times(), self._committed(), notice
         )
+        return self._ask(ctx, then)
+
+    def _ask(self, ctx: PlacementContext, then: str) -> PlacementDecision:
+        assert self.placement is not None
+        names = self._names or tuple(self.placement.tiers)
         with self._lock:  # placement policies are not required to be thread-safe
-            return self.placement.place(ctx)
+            return ask_placement(self.placement, ctx, names, then)
 
     def _keep(self, name: str, job: Job, listed: tuple[int, ...]) -> set[int]:
         """What tier ``name`` keeps now that ``job`` is written, from its real listing (the
-        placement's view at commit time may be stale by then: a copy takes a while)."""
+        placement's view at commit time may be stale by then: a copy takes a while).
+
+        A placement that fails here keeps every version the tier lists (nothing is deleted
+        without its answer); its :class:`PolicyError` is raised by the engine's next call.
+        """
         assert self.placement is not None
         committed = self._committed()
         committed[name] = listed
         ctx = PlacementContext(job.version, job.step, time.monotonic(), {}, committed, None)
-        with self._lock:
-            decision = self.placement.place(ctx)
-        return set(decision.keep.get(name, ())) | {job.version} | self._held.get(name, set())
+        held = self._held.get(name, set())
+        try:
+            decision = self._ask(
+                ctx,
+                f"tier {name!r} deleted none of its versions (its retention after version "
+                f"{job.version} needs that answer)",
+            )
+        except PolicyError as exc:
+            self._failed(job.version, exc)
+            return set(listed) | {job.version} | held
+        return set(decision.keep.get(name, ())) | {job.version} | held
+
+    def _failed(self, version: int, exc: PolicyError) -> None:
+        """A background call of the placement failed: kept for the engine to raise; logged
+        instead while an earlier one waits to be raised (a broken policy fails at every
+        commit: one exception at a time, not a chain of them at the next calls)."""
+        with self._failure_lock:
+            waiting = self._failure
+            if waiting is None:
+                self._failure = (version, exc)
+                return
+        log.error("%s (logged: the failure about version %d is raised first)", exc, waiting[0])
+
+    def take_failure(
+        self, reported: Callable[[int], bool] = lambda version: True
+    ) -> PolicyError | None:
+        """The placement's failure not raised yet, taken (so raised once), if ``reported``
+        says the engine has reported its version (that commit is counted first)."""
+        with self._failure_lock:
+            if self._failure is None or not reported(self._failure[0]):
+                return None
+            exc, self._failure = self._failure[1], None
+            return exc
 
     def follow(self, pipeline: SavePipeline) -> None:
         """Serve the engine's save ``pipeline``: each commit is routed to the tiers
@@ -295,11 +350,36 @@ class Tiers:
             self._delta_versions.add(version)
             log.info("version %d is a delta version: not replicated", version)
             return
-        decision = self.place(version, manifest.step, None)
+        try:
+            decision = self.place(version, manifest.step, None, self._not_placed(version))
+        except PolicyError as exc:  # the version stands in the primary: raised by the engine
+            self._failed(version, exc)
+            return
         self._primary_keep = set(decision.keep.get(self.primary_name, ()))
         for name in decision.tiers:
             if name != self.primary_name and name not in self.external:
                 self._replicators[name].submit(Job(version, manifest.step))
+
+    def _not_placed(self, version: int) -> str:
+        """What a failed placement of a committed ``version`` means, for its error."""
+        assert self.primary is not None
+        others = sorted(self._replicators)
+        if others:
+            where = f"was not copied to tier(s) {others}, whose versions are intact"
+        else:
+            where = "went to no other tier"
+        return (
+            f"version {version} is committed in the primary tier {self.primary_name!r} "
+            f"({self.primary.root}) and {where}"
+        )
+
+    def _not_secured(self, version: int) -> str:
+        """What a failed placement at a preemption notice means, for its error."""
+        assert self.primary is not None
+        return (
+            f"emergency version {version} is committed in the primary tier "
+            f"{self.primary_name!r} ({self.primary.root}) and was not secured in another tier"
+        )
 
     def hold(self, name: str, versions: Collection[int]) -> None:
         """Keep ``versions`` in replica tier ``name`` whatever the placement's retention says
@@ -335,7 +415,8 @@ class Tiers:
         if not self.replicated:
             return None
         now = time.monotonic()
-        decision = self.place(version, step, notice or Notice(now, now + self.secure_timeout))
+        asked = notice or Notice(now, now + self.secure_timeout)
+        decision = self.place(version, step, asked, self._not_secured(version))
         targets = [t for t in decision.tiers if t != self.primary_name and t not in self.external]
         if not targets:
             # The placement chose a tier its caller secures (a multi-rank job's peers): that
