@@ -189,7 +189,7 @@ class NoticeSecuring:
             window = max(0.0, deadline - time.monotonic())
             keep = min(_AGREE_MAX, max(_AGREE_MIN, window * _AGREE_SHARE))
             self.protocol.join(max(0.0, deadline - keep - time.monotonic()))
-        newest = self.newest_global.version if self.newest_global is not None else 0
+        newest = self.newest_version
         stalled = self.protocol.undecided  # after `newest`: never a round older than it
         rows, failure = self._agree(wall_deadline, newest, stalled)
         if rows is not None:
