@@ -40,6 +40,9 @@ from tests.integrations.dcp_ranks import (
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
+LOADING = 120.0  # s of loads at most, for the writer to commit and prune four versions
+
+
 def _save(root: Path, step: int) -> None:
     dcp.save(training_state(step), storage_writer=StorageWriter(root, keep_last=1, step=step))
 
@@ -151,8 +154,11 @@ def test_loads_beside_a_two_rank_save_loop_never_fail(tmp_path: Path) -> None:
                 break
         else:
             pytest.fail(f"the writer ended: {[r.wait() for r in ranks]}")
-        steps, deadline = [], time.monotonic() + 5.0
-        while time.monotonic() < deadline:
+        # At least 5 s of loads, and on until they have read four versions (the writer
+        # committed and pruned meanwhile): a fixed 5 s held four loads on a busy machine.
+        steps, began = [], time.monotonic()
+        while time.monotonic() < began + 5.0 or len(set(steps)) <= 3:
+            assert time.monotonic() < began + LOADING, f"{steps} read in {LOADING:.0f} s"
             net, opt, state = fresh_state()
             state["sharded"] = torch.zeros(SHARDED)
             pause = rng.choice([0.0, 0.1, 0.3])
