@@ -21,7 +21,7 @@ from pcframe.restore.reader import load_version
 from pcframe.store.directory import CheckpointDir
 
 CHILD = r"""
-import sys, time, torch
+import os, sys, time, torch
 import pcframe.policies as P
 from pcframe import Checkpointer
 
@@ -29,6 +29,7 @@ from pcframe import Checkpointer
 from tests.stamp import StepStampOptimizer
 
 directory, mode, stop_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+hold_at = int(os.environ.get("HOLD_AT", "0"))  # durable there, then wait for the signal
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
 opt = StepStampOptimizer(model.parameters())
@@ -55,7 +56,11 @@ with Checkpointer(directory, model=model, optimizer=opt, policy=policy, **kwargs
         opt.step()
         time.sleep(0.01)  # the rest of an iteration
         ckpt.maybe_save(step)
+        if step == hold_at:
+            ckpt.wait()
         print("step", step, flush=True)
+        if step == hold_at:
+            time.sleep(120)
         if ckpt.last_decision is not None and ckpt.last_decision.emergency:
             secured = ckpt.last_secured
             print("emergency", step, secured.tiers if secured else "", flush=True)
@@ -121,16 +126,19 @@ def test_sigterm_emergency_checkpoint_loses_at_most_one_step(tmp_path, python, c
 @pytest.mark.slow
 def test_without_a_notice_policy_sigterm_loses_the_periodic_interval(tmp_path, python, child_env):
     directory = tmp_path / "ckpt"
-    rc, lines, signalled = run(
-        python, child_env, directory, "periodic", 10_000, signal_at=SIGNAL_AT
-    )
+    # The child waits at the signal's step, its periodic version durable: read from its
+    # pipe, the line of step 35 could reach a busy test process when the child had trained
+    # (and saved at 40) past it, or before step 20's version was committed.
+    env = dict(child_env, HOLD_AT=str(SIGNAL_AT))
+    rc, lines, signalled = run(python, env, directory, "periodic", 10_000, signal_at=SIGNAL_AT)
     assert rc == -signal.SIGTERM  # killed at once
     _, last = restored_and_last(lines)
+    assert last == signalled == SIGNAL_AT
     # what a resumed run restores: the newest committed version (it verifies)
     newest = CheckpointDir(directory).committed_versions()[-1]
     restored = load_version(directory / f"v{newest:08d}").manifest.step
-    assert restored % 20 == 0 and restored <= signalled
-    assert 1 < last - restored <= 20 + (last - signalled)  # up to a whole interval lost
+    assert restored == SIGNAL_AT // 20 * 20  # the periodic save before the signal
+    assert 1 < last - restored <= 20  # up to a whole interval lost
 
 
 @pytest.mark.slow
