@@ -622,20 +622,26 @@ def _state_dict_fails(*args: Any, **kwargs: Any) -> dict[str, Any]:
 def astray(args: argparse.Namespace, out: dict[str, Any]) -> None:
     """Rank 1 strays from the others after two global versions (``--tag``): ``grows`` (a new
     buffer at save 3), ``skips`` (no save at step 3), ``fewer`` (closes after step 2) or
-    ``stalls`` (sleeps past the 3 s protocol timeout before save 3), or ``fails`` (its
-    ``state_dict()`` raises at save 3, so save 3 is lost on both and save 4 is global)."""
+    ``stalls`` (away before save 3 until rank 0 has given up on it after the 15 s protocol
+    timeout), or ``fails`` (its ``state_dict()`` raises at save 3, so save 3 is lost on both
+    and save 4 is global)."""
     rank = dist.get_rank()
     job = build("ddp")
     out["outcomes"] = outcomes = []
-    # Only `stalls` is about the timeout; the others raise at a meeting, and a 3 s timeout
-    # on a machine loaded by other tests could end an unrelated commit round first.
-    timeout = 3.0 if args.tag == "stalls" else 60.0
+    # Only `stalls` is about the timeout; the others raise at a meeting. The timeout bounds
+    # every collective of the open and of saves 1 and 2 too: 3 s, on a machine loaded by
+    # other work, could end one of those first (rank 1's stall is ordered by a file, so a
+    # longer timeout costs the test only its own length).
+    timeout = 15.0 if args.tag == "stalls" else 60.0
+    gave_up = args.out / "astray-stalls-r0-gave-up"
     try:
         with job.checkpointer(args.root, protocol_timeout=timeout) as ckpt:
             for step in range(1, 5):
                 strays = rank == 1 and step == 3
                 if strays and args.tag == "stalls":
-                    time.sleep(6.0)
+                    deadline = time.monotonic() + 90.0  # the launcher's limit ends a hang
+                    while not gave_up.exists() and time.monotonic() < deadline:
+                        time.sleep(0.01)
                 if strays and args.tag == "fewer":
                     break
                 if strays and args.tag == "skips":
@@ -650,6 +656,8 @@ def astray(args: argparse.Namespace, out: dict[str, Any]) -> None:
                     ckpt.save(step).wait()
                     outcomes.append([step, "global"])
                 except (SaveError, RuntimeError) as exc:
+                    if args.tag == "stalls" and rank == 0:  # given up on rank 1: it may return
+                        gave_up.touch()
                     if args.tag != "fails":
                         raise
                     outcomes.append([step, type(exc).__name__])
