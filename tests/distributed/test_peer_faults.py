@@ -50,11 +50,14 @@ def test_a_notice_the_policy_does_not_save_for_secures_the_newest_global_version
 
 @pytest.mark.slow
 def test_a_slow_peer_costs_copies_not_training_time(tmp_path):
-    """Rank 3 takes 1 s to keep each copy it receives; saves every step: the training loop
-    is not held up by it (each save call returns at once), versions queued meanwhile are
-    superseded by newer ones, and the newest still reaches every peer by the close."""
+    """Rank 3 keeps no copy it receives until every rank has trained all its steps, saving
+    at every step: the training loop is not held up by it (every rank trains to the end
+    while rank 3 holds its first copy; the held copy waits for that, not for its 120 s
+    deadline), versions queued meanwhile are superseded by newer ones, and the newest still
+    reaches every peer by the close."""
     runs = job(tmp_path, tmp_path / "ckpt", "slow", 12, "--every", "1", "--slow-peer", "3")
-    assert all(r["slowest_call"] < 0.9 for r in runs), [r["slowest_call"] for r in runs]
+    assert "peer_held_past_training" not in runs[3], [r["slowest_call"] for r in runs]
+    assert all(r["slowest_call"] < 60 for r in runs), [r["slowest_call"] for r in runs]
     assert any(r["skipped"] > 0 for r in runs), runs  # superseded while rank 3 lagged
     assert all(12 in r["copied"] for r in runs)  # the newest version is on its peers
 

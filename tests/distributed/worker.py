@@ -452,13 +452,22 @@ def nodes(args: argparse.Namespace, out: dict[str, Any]) -> None:
     answered = threading.Event()  # the maybe_save at the notice's step returned
     if args.hold_version is not None and args.hold_rank == rank:
         _hold_commit(args.hold_version, answered)
+    # ``--slow-peer``: that rank keeps no copy it receives until every rank has trained all
+    # its steps (a file each), 120 s at most: a loop held up by the peer ends that wait only
+    # at its deadline, which it records (a fixed 1 s per copy left only a wall-clock bound).
+    trained = [args.out / f"nodes-{args.tag}-trained-r{r}" for r in range(dist.get_world_size())]
     if args.slow_peer == rank:
         from pcframe.store.tiers.peer import PeerStore
 
         commit = PeerStore.commit
 
         def slow_commit(self: Any, *a: Any) -> None:
-            time.sleep(1.0)
+            deadline = time.monotonic() + 120.0
+            while not all(path.exists() for path in trained):
+                if time.monotonic() > deadline:
+                    out["peer_held_past_training"] = True
+                    break
+                time.sleep(0.01)
             commit(self, *a)
 
         PeerStore.commit = slow_commit  # type: ignore[method-assign]
@@ -509,6 +518,8 @@ def nodes(args: argparse.Namespace, out: dict[str, Any]) -> None:
                 secured = ckpt.last_secured
                 out["secured"] = [secured.version, list(secured.tiers), secured.durable]
                 out["secured_reason"] = secured.reason
+        if args.slow_peer >= 0:
+            trained[rank].touch()
         ckpt.wait()
         out["globals"] = ckpt.global_versions()
     peers = ckpt.peers  # closed: every round it was given has ended
