@@ -494,23 +494,8 @@ def test_a_rank_late_to_a_notices_agreement_secures_what_the_others_do(tmp_path)
     same fallback, so the ranks never secure different versions; both close cleanly (the
     agreement rank 0 left did complete)."""
     returned = tmp_path / "returned"
-    args = [str(tmp_path / "ckpt"), str(tmp_path / "rdv")]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", LATE_TO_AGREE, *args, str(rank), str(returned)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        outputs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert [p.returncode for p in procs] == [0, 0], outputs
+    root, rendezvous = str(tmp_path / "ckpt"), str(tmp_path / "rdv")
+    outputs = _two_ranks(LATE_TO_AGREE, root, rendezvous, str(returned))
     results = [json.loads(out.splitlines()[0]) for out in outputs]
     for version, reason, _ in results:
         assert version == 1, results
