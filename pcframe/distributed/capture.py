@@ -56,6 +56,7 @@ class StateSplitter:
         self._digest: int | None = None
         self.owners: dict[str, int] = {}
         self.written_bytes = 0  # tensor bytes this rank wrote at the last split
+        self.placed: dict[str, Placed] = {}  # every item of the last split (its live tensors)
 
     def split(self, version: int, step: int) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """Return (model tree, optimizer tree) of the state this rank owns at this save.
@@ -77,7 +78,7 @@ class StateSplitter:
                         name = f"optimizer/{index}/{key}"
                         items.append(Item(name, placement_of(name, value)))
         self._plan(items, version, step)
-        placed = {item.name: item.placed for item in items}
+        placed = self.placed = {item.name: item.placed for item in items}
         self.written_bytes = sum(_nbytes(p.local) for n, p in placed.items() if self._writes(n, p))
         model_tree = None
         if model_state is not None:

@@ -38,6 +38,7 @@ from pcframe.distributed.protocol import CommitProtocol, Round
 from pcframe.distributed.recovery import Place, Recovery, fetched_in_memory
 from pcframe.distributed.replication import PeerReplication
 from pcframe.distributed.securing import NoticeSecuring, deadline_ms, monotonic
+from pcframe.distributed.shadow import ShadowFill, replicated_items
 from pcframe.distributed.verdict import load_newest
 from pcframe.errors import CheckpointError, SaveError
 from pcframe.format.names import version_name
@@ -239,6 +240,17 @@ class DistributedCheckpointer:
                 lambda version: self.local.directory / version_name(version),
                 self._peer,
             )
+        # Where this rank holds the replicated state of a rank it backs up (DDP), the copy's
+        # bytes are written from its own state at each save rather than sent (shadow.py).
+        self.shadows: ShadowFill | None = None
+        if self.peers is not None and self.peers.sources and optimizer is not None:
+            replication = self.peers
+            self.shadows = ShadowFill(
+                replication.store,
+                replication.sources,
+                optimizer,
+                active=lambda: not replication.status.broken,
+            )
         self._remote_wholes: list[int] = []  # the newest whole versions in the object store
         if self.remote is not None:
             self.protocol.remote_listeners.append(self._whole_in_remote)
@@ -333,6 +345,12 @@ class DistributedCheckpointer:
             raise
         finally:
             self._stash.model = self._stash.optimizer = None
+        if self.shadows is not None:  # after the engine's own snapshot has started
+            sources = self.shadows.sources
+            self.shadows.start(
+                round_.version,
+                replicated_items(self.splitter.placed, self.splitter.owners, sources),
+            )
         round_.call = time.perf_counter() - start
         self.rounds[round_.version] = round_
         while len(self.rounds) > _KEEP_ROUNDS:  # bounded bookkeeping in long runs
@@ -545,6 +563,8 @@ class DistributedCheckpointer:
         finally:
             self._closed = True
             self.protocol.close()
+            if self.shadows is not None:
+                self.shadows.close()
             if self.peers is not None:  # its last rounds: every rank submitted the same ones
                 self.peers.close()
             self.local.close(clean=clean)
@@ -580,6 +600,8 @@ class DistributedCheckpointer:
             log.error("closing after an exception: %s", exc)
         for exc in self.protocol.take_errors():
             log.error("closing after an exception: %s", exc)
+        if self.shadows is not None:  # a fill is local writes: it ends
+            self.shadows.close()
         peers_stopped = self.peers is None or self.peers.stop(1.0)
         rounds_stopped = self.protocol.stopped(1.0)  # else its thread is in a collective
         if dist.is_initialized():

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from pcframe.distributed.global_versions import GlobalRecord
 from pcframe.distributed.nodes import NodeMap, backed_up_by, replica_ranks
-from pcframe.distributed.shard_stream import receive_version, send_version
+from pcframe.distributed.shard_stream import Streamed, receive_version, send_version
 from pcframe.errors import CheckpointError, CorruptCheckpoint, ManifestError
 from pcframe.format.manifest import delta_base, manifest_crc
 from pcframe.format.names import MANIFEST_NAME
@@ -74,6 +74,8 @@ class PeerStatus:
     skipped: int = 0  # queued versions superseded by a newer one before their round
     sent_bytes: int = 0
     received_bytes: int = 0
+    # of received_bytes: found right in a shadow (written from this rank's own state), not sent
+    shadow_bytes: int = 0
     declined: int = 0  # copies this rank had no room for
     # copies refused, one line each, the newest STATUS_KEPT (`failures`: all of them)
     failed: deque[str] = field(default_factory=lambda: deque(maxlen=STATUS_KEPT))
@@ -216,7 +218,8 @@ class PeerReplication:
             older = [r.version for r in pending if r.version < version]
             self.status.skipped += len(older)
             self._finish(older, copied=False)
-            self._copy(record)
+            with self.store.spare_lock:  # not while a shadow is written into the spare
+                self._copy(record)
         except Exception as exc:  # a peer died or stopped answering, or this rank's store
             # failed: either way the rounds cannot go on in step with the other ranks.
             lines = str(exc).splitlines()
@@ -331,7 +334,11 @@ class PeerReplication:
             log.warning("peer tier: copy of rank %d's version %d refused: %s", src, version, exc)
             return False
         try:
-            manifest = receive_version(src, staging, self._group, pin, self.store.spare, size)
+            tally = Streamed()
+            shadow = self.store.shadow_files(src, version)
+            manifest = receive_version(
+                src, staging, self._group, pin, self.store.spare, size, shadow, tally
+            )
             if keep:
                 self.store.commit(src, version, staging)
         except (CorruptCheckpoint, ManifestError, OSError) as exc:
@@ -350,6 +357,7 @@ class PeerReplication:
             )
             return False
         self.status.received_bytes += manifest.stored_bytes
+        self.status.shadow_bytes += tally.prefilled
         return True
 
     def _failed(self, line: str) -> None:

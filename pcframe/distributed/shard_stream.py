@@ -19,6 +19,14 @@ so neither side is ever left waiting in a receive, nor gets a message of a size 
 post (which gloo cannot recover from: it aborts the process). Only a rank that dies or stops
 answering breaks a stream (the group's timeout, then an error on the other side).
 
+After its *go* the receiver says which pieces it needs (one byte each), and only those are
+streamed. It needs every piece unless it was handed files already filled for this copy
+(``prefilled``: a *shadow*, the source's replicated tensors written from this rank's own
+identical state, :mod:`pcframe.distributed.shadow`): a piece of such a file whose bytes
+already match the manifest's checksum is not sent. The check is the one a streamed piece
+gets, so the copy is still exactly the sender's files; a shadow that is wrong anywhere (the
+state differed, or the layout moved) only costs the pieces it got wrong.
+
 A receiver may hand over the files of a copy it was going to delete anyway (``spare``): they
 are renamed into the new copy and overwritten, so the copy lands in memory pages the node
 already holds. On ``/dev/shm`` that halves the receiver's CPU (measured: a fresh file costs
@@ -33,6 +41,8 @@ import contextlib
 import mmap
 import os
 import stat
+from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +56,19 @@ from pcframe.format.files import open_regular
 from pcframe.format.manifest import MAX_MANIFEST_BYTES, Manifest, manifest_from_bytes
 from pcframe.format.names import MANIFEST_NAME
 from pcframe.format.pieces import Piece, file_sizes, pieces
+from pcframe.store.tiers.peer import SHADOW_MARK
 
 _NOTHING = -1  # a manifest length: the sender has no readable version to send
 _GO, _REFUSE = 1, 0  # the receiver's answer to a manifest: stream the pieces, or nothing
 _MADV_POPULATE_READ = 22  # linux/mman.h (not among Python 3.11's mmap constants)
+
+
+@dataclass
+class Streamed:
+    """What one :func:`receive_version` took from where (bytes of its pieces)."""
+
+    sent: int = 0  # streamed by the sender
+    prefilled: int = 0  # found right in the prefilled files: not sent
 
 
 def send_version(directory: Path, dst: int, group: Any) -> int:
@@ -68,11 +87,16 @@ def send_version(directory: Path, dst: int, group: Any) -> int:
     dist.send(torch.frombuffer(bytearray(raw), dtype=torch.uint8), dst, group=group)
     if _receive_int(dst, group) != _GO:  # refused on its manifest: nothing more to send
         return len(raw)
+    listed = list(pieces(manifest))
+    needed = torch.empty(len(listed), dtype=torch.uint8)
+    dist.recv(needed, dst, group=group)
     sent, failed = len(raw), 0
     opened: dict[str, tuple[int, int] | None] = {}  # per file: (descriptor, size)
     zeros = None
     try:
-        for piece in pieces(manifest):
+        for piece, need in zip(listed, needed.tolist(), strict=True):
+            if not need:  # the receiver has it already (a shadow's piece that checked)
+                continue
             if piece.file not in opened:
                 opened[piece.file] = _open(directory / piece.file)
             if not failed and _send_mapped(opened[piece.file], piece, dst, group):
@@ -80,7 +104,7 @@ def send_version(directory: Path, dst: int, group: Any) -> int:
                 continue
             failed = 1  # unreadable, or shorter than its manifest
             if zeros is None:  # zeros keep the stream in step; the flag refuses the copy
-                zeros = torch.zeros(max(p.length for p in pieces(manifest)), dtype=torch.uint8)
+                zeros = torch.zeros(max(p.length for p in listed), dtype=torch.uint8)
             dist.send(zeros[: piece.length], dst, group=group)
             sent += piece.length
     finally:
@@ -151,6 +175,8 @@ def receive_version(
     expect_crc: str | None = None,
     spare: Path | None = None,
     limit: int | None = None,
+    prefilled: Collection[str] = (),
+    tally: Streamed | None = None,
 ) -> Manifest:
     """Receive a version streamed by rank ``src`` into the new folder ``into`` and return
     its manifest; every piece is checked before it is written, the files synced.
@@ -160,6 +186,9 @@ def receive_version(
     them where there are any (renamed into ``into``: taken even if the copy is refused).
     ``limit``: bytes of files (the manifest included) the caller made room for; a larger
     copy is refused before its pieces are sent.
+    ``prefilled``: names of ``spare``'s files already filled for this copy (a shadow): each
+    is taken for the file of its name, and its pieces that check are not streamed.
+    ``tally``: where to count the bytes streamed and found prefilled.
 
     Raises:
         CorruptCheckpoint: the sender had nothing readable, the manifest is damaged, is not
@@ -179,11 +208,15 @@ def receive_version(
     dist.recv(raw, src, group=group)
     path = into / MANIFEST_NAME
     descriptors: dict[str, int] = {}
+    shadowed: set[str] = set()  # files taken from the prefilled ones
     try:
         manifest, buffer = _prepare(raw.numpy().tobytes(), path, src, expect_crc, limit)
         spares = _spare_files(spare)
         for name, size in file_sizes(manifest).items():
-            descriptors[name] = _reserve(into / name, size, spares)
+            fd, reused = _reserve(into / name, size, spares)
+            descriptors[name] = fd
+            if reused in prefilled:
+                shadowed.add(name)
     except (CheckpointError, OSError):  # refused before a piece is sent: none will be
         for fd in descriptors.values():
             os.close(fd)
@@ -191,9 +224,17 @@ def receive_version(
         raise
     _send_int(_GO, src, group)
     digest = checksum_function(manifest.checksum)
+    listed = list(pieces(manifest))
+    have = _already_right(listed, shadowed, descriptors, buffer, digest)
+    dist.send(torch.tensor([not h for h in have], dtype=torch.uint8), src, group=group)
+    if tally is not None:
+        tally.prefilled += sum(p.length for p, h in zip(listed, have, strict=True) if h)
+        tally.sent += sum(p.length for p, h in zip(listed, have, strict=True) if not h)
     problem = ""
     try:
-        for piece in pieces(manifest):
+        for piece, had in zip(listed, have, strict=True):
+            if had:
+                continue
             view = buffer[: piece.length]
             dist.recv(view, src, group=group)
             if problem:
@@ -257,20 +298,52 @@ def _prepare(
     return manifest, buffer
 
 
+def _already_right(
+    listed: list[Piece],
+    shadowed: Collection[str],
+    descriptors: dict[str, int],
+    buffer: torch.Tensor,
+    digest: Any,
+) -> list[bool]:
+    """Per piece, whether the prefilled file it lies in already holds it (its checksum
+    checks: the same check a streamed piece gets). A piece that cannot be read is needed."""
+    have = [False] * len(listed)
+    for index, piece in enumerate(listed):
+        if piece.file not in shadowed or not piece.checksum:
+            continue
+        view = buffer[: piece.length].numpy()
+        try:
+            got = os.preadv(descriptors[piece.file], [view], piece.offset)
+        except OSError:
+            continue
+        have[index] = got == piece.length and digest([memoryview(view)]) == piece.checksum
+    return have
+
+
 def _spare_files(spare: Path | None) -> list[Path]:
     """The files of ``spare``, largest first (the largest file of a copy is its data)."""
     if spare is None:
         return []
     try:
-        found = [(entry.stat().st_size, Path(entry.path)) for entry in os.scandir(spare)]
+        found = [
+            (entry.stat().st_size, Path(entry.path))
+            for entry in os.scandir(spare)
+            if entry.name != SHADOW_MARK
+        ]
     except OSError:
         return []
     return [path for _, path in sorted(found, key=lambda item: item[0], reverse=True)]
 
 
-def _reserve(path: Path, size: int, spares: list[Path]) -> int:
-    """A descriptor of the new file ``path`` of ``size`` bytes: a spare file renamed to it
-    where one is left (its pages reused), else a new one."""
+def _reserve(path: Path, size: int, spares: list[Path]) -> tuple[int, str | None]:
+    """A descriptor of the new file ``path`` of ``size`` bytes and the name of the spare
+    file it was made of: the spare file of the same name where there is one (a shadow's
+    file, or the same file of an older copy), else the largest spare file left (its pages
+    reused), else a new file (None)."""
+    same = [old for old in spares if old.name == path.name]
+    for old in same:
+        spares.remove(old)
+    spares[:0] = same
     while spares:
         old = spares.pop(0)
         try:
@@ -282,12 +355,12 @@ def _reserve(path: Path, size: int, spares: list[Path]) -> int:
             continue
         if stat.S_ISREG(os.fstat(fd).st_mode):
             os.ftruncate(fd, size)
-            return fd
+            return fd, old.name
         os.close(fd)
         os.unlink(path)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     os.ftruncate(fd, size)
-    return fd
+    return fd, None
 
 
 def _send_int(value: int, dst: int, group: Any) -> None:

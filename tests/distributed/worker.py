@@ -525,6 +525,8 @@ def nodes(args: argparse.Namespace, out: dict[str, Any]) -> None:
     peers = ckpt.peers  # closed: every round it was given has ended
     out["copied"] = list(peers.status.copied) if peers is not None else []
     out["skipped"] = peers.status.skipped if peers is not None else 0
+    out["received_bytes"] = peers.status.received_bytes if peers is not None else 0
+    out["shadow_bytes"] = peers.status.shadow_bytes if peers is not None else 0
     out["slowest_call"] = max(calls, default=0.0)
     save_file(full_state(job), args.out / f"nodes-{args.tag}-r{rank}.safetensors")
 

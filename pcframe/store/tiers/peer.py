@@ -9,6 +9,7 @@ finds it), verified copies of the shards of the ranks it backs up
     <directory>/rank-<src>/vNNNNNNNN/    an exact copy of rank src's shard directory
     <directory>/rank-<src>/vNNNNNNNN.tmp  a copy on its way (never listed; swept at start)
     <directory>/.spare/                  the files of the last copy dropped (never listed)
+    <directory>/.spare/shadow.json       the spare filled ahead for one copy (a shadow)
 
 A copy is written into ``.tmp`` by :func:`~pcframe.distributed.shard_stream.receive_version`
 (every piece checked) and renamed into place, so a listed copy is complete. The store holds
@@ -29,7 +30,12 @@ restore of any rank of the node reads the copies (:meth:`PeerStore.reading`: a m
 beside the stores), a copy that goes is deleted instead: a file made the spare is
 truncated and overwritten in place, under any map a reader holds of it, while a deleted
 file stays readable through the descriptors and maps already open.
-:class:`PeerStore` is this bookkeeping; the transfers are
+The spare may also be filled *ahead* of a copy (:meth:`PeerStore.prepare_shadow`): where a
+rank holds the same replicated state as the rank it backs up (DDP), it writes that state
+into the spare at each save, laid out as that rank's newest copy here lays it out, and the
+copy's pieces that check need not travel (:mod:`pcframe.distributed.shadow`). The fill and
+the peer round both hold :attr:`PeerStore.spare_lock`, so one never writes the files the
+other reads. :class:`PeerStore` is this bookkeeping; the transfers are
 :mod:`pcframe.distributed.replication`'s.
 """
 
@@ -38,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -54,6 +61,9 @@ from pcframe.store.tiers.memory import SHM
 log = logging.getLogger("pcframe.store.tiers")
 
 SPARE_DIR = ".spare"
+# In the spare: whose copy its data files were filled for ahead of the copy (a shadow,
+# pcframe.distributed.shadow); written after the fill, never part of a copy.
+SHADOW_MARK = "shadow.json"
 READING_PREFIX = ".reading-"  # beside the stores of a node: a restore reads their copies
 
 DEFAULT_BUDGET_SHARE = 0.5  # of the memory file system's free space when no budget is given
@@ -146,6 +156,8 @@ class PeerStore:
         self.budget, self.keep = int(budget), keep
         self.pinned = 0  # a version whose copies stay (0: none; see pin)
         self._lock = threading.Lock()
+        # Held while the spare is filled ahead of a copy or used by a peer round.
+        self.spare_lock = threading.Lock()
         self.swept = self._sweep()
 
     # --- listing ---------------------------------------------------------------------------
@@ -301,6 +313,54 @@ class PeerStore:
 
     def discard(self, staging: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
+
+    # --- filling the spare ahead of a copy (a shadow) ---------------------------------------
+
+    def prepare_shadow(self, sizes: Mapping[str, int], nbytes: int) -> Path | None:
+        """The spare made ready to be filled ahead of a copy of ``nbytes`` (every file):
+        room made for it as for a copy received (:meth:`make_room`: the spare is what the
+        copy will be written over), and its files named and sized as ``sizes`` (the copy's
+        data files). None where the copy would not fit. The caller holds
+        :attr:`spare_lock` and marks the fill done with :meth:`mark_shadow`.
+
+        Raises:
+            OSError: the spare's files cannot be made.
+        """
+        if not self.make_room(nbytes):
+            return None
+        with self._lock:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.spare / SHADOW_MARK)
+            self.spare.mkdir(exist_ok=True)
+            for name, size in sorted(sizes.items(), key=lambda item: -item[1]):
+                target = self.spare / name
+                if not target.exists():  # the largest other file's pages, else new ones
+                    others = sorted(
+                        (p for p in self.spare.iterdir() if p.name not in sizes),
+                        key=lambda p: p.stat().st_size,
+                        reverse=True,
+                    )
+                    if others:
+                        os.rename(others[0], target)
+                with open(target, "ab") as handle:  # created where it is not there
+                    handle.truncate(size)
+        return self.spare
+
+    def mark_shadow(self, src: int, version: int, files: Collection[str]) -> None:
+        """The spare's ``files`` now hold ``src``'s ``version`` where this rank could fill them."""
+        mark = {"src": src, "version": version, "files": sorted(files)}
+        (self.spare / SHADOW_MARK).write_text(json.dumps(mark))
+
+    def shadow_files(self, src: int, version: int) -> frozenset[str]:
+        """The spare's files filled ahead for ``src``'s ``version`` (none where the spare
+        was filled for another copy, or not at all)."""
+        try:
+            mark = json.loads((self.spare / SHADOW_MARK).read_text())
+            if mark["src"] == src and mark["version"] == version:
+                return frozenset(str(name) for name in mark["files"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        return frozenset()
 
     # --- the restore's side ---------------------------------------------------------------
 
