@@ -34,6 +34,7 @@ from pcframe.format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from pcframe.format.names import VERSION_DIR
 from pcframe.restore.reader import LoadedVersion, load_version
 from pcframe.store.directory import CheckpointDir, quarantined_versions, set_aside_reason
+from pcframe.text import one_line as _one_line
 
 
 def _manifest(directory: CheckpointDir, version: int) -> Manifest:
@@ -473,13 +474,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_export)
     return parser
-
-
-def _one_line(exc: BaseException | str) -> str:
-    """The message on one line, control characters and lone surrogates escaped (a hostile
-    name must not break the terminal or the output encoding)."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -246,7 +246,7 @@ def _is_policy(obj: Any) -> bool:
 
 
 def error_text(exc: BaseException, advice: bool = True) -> str:
-    """``exc``'s message on one line (the ``pcframe`` CLI has its own, ``cli._one_line``,
+    """``exc``'s message on one line (the ``pcframe`` CLI has its own, ``pcframe.text.one_line``,
     so that it never imports Hydra): a :class:`StateMismatch` as its first few mismatches,
     with its closing advice unless ``advice=False`` (where the caller gives the app's fix:
     the library's, ``restore(strict=False)``, means nothing to an app's user)."""

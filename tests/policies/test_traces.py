@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import json
 import math
+import subprocess
+import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -449,6 +451,81 @@ def test_statistics_table_cli(traces_dir: Path, capsys: pytest.CaptureFixture[st
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 + len(trace_files(traces_dir))
     assert any("us-central1-a_h100_16" in ln and "| 0.958 |" in ln for ln in lines)
+
+
+def _bad_argument(tmp_path: Path, kind: str) -> tuple[str, str]:
+    """A command-line argument of ``kind`` and a piece of text its error line must hold."""
+    if kind == "missing file":
+        return str(tmp_path / "nope.csv"), "nope.csv"
+    if kind == "trace name":
+        return "us-east-1a_v100_1", "us-east-1a_v100_1"
+    if kind == "empty folder":
+        (tmp_path / "empty").mkdir()
+        return str(tmp_path / "empty"), "empty"
+    if kind == "malformed csv":
+        (tmp_path / "bad.csv").write_text("time,up\n0,1\n60,many\n")
+        return str(tmp_path / "bad.csv"), "bad.csv:line 3"
+    if kind == "unknown format":
+        (tmp_path / "odd.csv").write_text("hello,world\n")
+        return str(tmp_path / "odd.csv"), "odd.csv:line 1"
+    if kind == "folder with a bad file":
+        (tmp_path / "d").mkdir()
+        (tmp_path / "d" / "ok.csv").write_text("time,up\n0,1\n60,0\n")
+        (tmp_path / "d" / "broken.json").write_text('{"format": "pcframe-trace/1"')
+        return str(tmp_path / "d"), "broken.json"
+    if kind == "newline in the name":
+        return str(tmp_path / "a\nb.csv"), "a\\nb.csv"
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "missing file",
+        "trace name",
+        "empty folder",
+        "malformed csv",
+        "unknown format",
+        "folder with a bad file",
+        "newline in the name",
+    ],
+)
+def test_statistics_cli_bad_argument_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """``python -m pcframe.policies.traces BAD`` printed a traceback: now one line on stderr
+    naming the argument (or the file in it) and the fix, and a non-zero status."""
+    from pcframe.policies.traces.__main__ import main
+
+    arg, named = _bad_argument(tmp_path, kind)
+    assert main([arg]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and named in err, err
+    assert any(w in err for w in ("pass ", "Fix: ")), err
+
+
+@pytest.mark.parametrize("argv", [["a", "b"], ["--bogus"]])
+def test_statistics_cli_wrong_command_line(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pcframe.policies.traces.__main__ import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "usage:" in err
+
+
+def test_statistics_cli_runs_as_a_module(tmp_path: Path) -> None:
+    """The module entry point itself: the status and one line, no traceback."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pcframe.policies.traces", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1 and "missing" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("dropped", [("price_info",), ("price_info", "gap_filled")])
