@@ -33,6 +33,8 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from pcframe.text import markdown_cell
+
 KEEP = "## Earlier runs"
 """Sections of a results file whose heading starts with this survive a rerun."""
 
@@ -86,7 +88,8 @@ def table_lines(
 
 
 def _row(cells: Sequence[str]) -> str:
-    return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|"
+    """One row; a ``|`` or a newline in a cell stays in it (:func:`pcframe.text.markdown_cell`)."""
+    return "|" + "|".join(f" {markdown_cell(c)} " if c else " " for c in cells) + "|"
 
 
 def kept_sections(text: str) -> list[str]:

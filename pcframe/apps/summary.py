@@ -19,6 +19,8 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
+from pcframe.text import markdown_row, one_line
+
 Summary = dict[str, Any]
 
 JSON_NAME = "summary.json"
@@ -226,14 +228,14 @@ def merge_sweep(sweep: str | Path, console: Console | None = None) -> list[Path]
     lines = [
         f"# pcframe-run sweep: {len(rows)} jobs in {sweep}",
         "",
-        "| " + " | ".join(headers) + " |",
+        markdown_row(headers),
         "|" + "---|" * len(headers),
-        *("| " + " | ".join(c) + " |" for c in cells),
+        *(markdown_row(c) for c in cells),
         "",
     ]
     warned = [r for r in rows if r.get("warnings")]
     for row in warned:
-        lines.append(f"- job {row['job']}: {row['warnings']}")
+        lines.append(f"- job {row['job']}: {one_line(row['warnings'])}")
     md_path.write_text("\n".join(lines) + "\n")
     console = console or Console()
     table = Table(title=f"pcframe-run sweep: {len(rows)} jobs")

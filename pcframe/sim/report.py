@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pcframe.sim.result import BREAKDOWN, SimResult
+from pcframe.text import markdown_row
 
 
 def rows_of(results: Iterable[SimResult]) -> list[dict[str, Any]]:
@@ -81,7 +82,9 @@ def markdown_table(
     digits: int = 3,
     formats: dict[str, Callable[[Any], str]] | None = None,
 ) -> str:
-    """A GitHub Markdown table of ``columns`` (text left, numbers right aligned)."""
+    """A GitHub Markdown table of ``columns`` (text left, numbers right aligned); a ``|``,
+    a newline or a control character in a header or a cell (a trace's name) stays in its
+    cell (:func:`pcframe.text.markdown_cell`)."""
     headers = list(headers or columns)
     formats = formats or {}
     body = []
@@ -91,9 +94,9 @@ def markdown_table(
         all(isinstance(row.get(c), int | float) or row.get(c) is None for row in rows)
         for c in columns
     ]
-    lines = ["| " + " | ".join(headers) + " |"]
+    lines = [markdown_row(headers)]
     lines.append("|" + "|".join("---:" if n else "---" for n in numeric) + "|")
-    lines += ["| " + " | ".join(cells) + " |" for cells in body]
+    lines += [markdown_row(cells) for cells in body]
     return "\n".join(lines) + "\n"
 
 

@@ -13,7 +13,7 @@ from pcframe.policies.traces import (
     shared_traces_dir,
     trace_files,
 )
-from pcframe.text import one_line
+from pcframe.text import markdown_row, one_line
 
 
 def table(root: Path) -> str:
@@ -29,9 +29,20 @@ def table(root: Path) -> str:
             return "∞" if math.isinf(x) else f"{x / 3600:.2f}"
 
         rows.append(
-            f"| {s.source} | {s.name} | {s.ticks} × {s.step_seconds:.0f} s | {s.hours:.1f} "
-            f"| {s.capacity} {t.unit} | {s.availability:.3f} | {s.preemptions} "
-            f"| {s.instances_lost:g} | {h(s.mtbf)} | {h(s.instance_mtbf)} |"
+            markdown_row(
+                [
+                    s.source,
+                    s.name,
+                    f"{s.ticks} × {s.step_seconds:.0f} s",
+                    f"{s.hours:.1f}",
+                    f"{s.capacity} {t.unit}",
+                    f"{s.availability:.3f}",
+                    s.preemptions,
+                    f"{s.instances_lost:g}",
+                    h(s.mtbf),
+                    h(s.instance_mtbf),
+                ]
+            )
         )
     return "\n".join(rows)
 

@@ -17,6 +17,7 @@ from pcframe.apps.limits import MachineLimits
 from pcframe.apps.machine import machine_differences, machine_identity
 from pcframe.apps.tuning.target_storage import target_differences
 from pcframe.config import EngineConfig
+from pcframe.text import markdown_row
 
 META_PREFIX = "# pcframe-tune-meta: "
 
@@ -116,7 +117,7 @@ def trials_table(study: optuna.Study, objectives: Sequence[str], limit: int = 50
     columns += [UNITS.get(o, (o, 1))[0] for o in objectives]
     extra = [m for m in UNITS if m not in objectives]
     columns += [UNITS[m][0] for m in extra] + names
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines = [markdown_row(columns), "|" + "---|" * len(columns)]
     for t in [*done, *rest][:limit]:
         measured = {name: t.user_attrs.get(attr) for name, attr in ATTRS.items()}
         measured["memory"] = t.user_attrs.get("memory_bytes")
@@ -125,7 +126,7 @@ def trials_table(study: optuna.Study, objectives: Sequence[str], limit: int = 50
         row += [_in_unit(o, v) for o, v in zip(objectives, values, strict=True)]
         row += [_in_unit(m, measured[m]) for m in extra]
         row += [str(t.params.get(n, "")) for n in names]
-        lines.append("| " + " | ".join(row) + " |")
+        lines.append(markdown_row(row))
     return "\n".join(lines) + "\n"
 
 
