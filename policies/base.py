@@ -97,6 +97,25 @@ def _who(policy: Any) -> str:
     return f"{type(policy).__module__}.{type(policy).__qualname__}"
 
 
+REASON_FIX = "give the reason as text, e.g. reason=f'every {n} steps', or leave it out"
+
+
+def reason_problem(reason: Any) -> str | None:
+    """What is wrong with a decision's ``reason``, or ``None`` where it is a ``str``: one
+    line, the value cut to 60 characters. (A reason of another type was stored in the
+    version's metadata as it was, failed later where no policy is named, bytes as 'metadata
+    must be JSON-able', or was dropped where falsy.)"""
+    if isinstance(reason, str):
+        return None
+    try:
+        shown = repr(reason)
+    except Exception:  # a repr that raises: its type says enough
+        shown = f"<{type(reason).__name__}>"
+    shown = " ".join(shown.split())
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return f"reason={shown} ({type(reason).__name__}): the reason must be a str"
+
+
 _YES_NO = (True, False)  # numpy's booleans (and 0 and 1) compare equal to them too
 
 
@@ -113,6 +132,11 @@ def checked_decision(policy: Any, decision: Any) -> Decision:
         raise PolicyError(
             f"policy {_who(policy)}.decide returned {decision!r:.120}; its save and "
             "emergency must be True or False"
+        )
+    problem = reason_problem(decision.reason)
+    if problem is not None:
+        raise PolicyError(
+            f"policy {_who(policy)}.decide returned a Decision with {problem}. Fix: {REASON_FIX}"
         )
     return decision
 

@@ -16,11 +16,16 @@ from typing import Any
 
 import numpy as np
 
-from pcframe.errors import PolicyError, SimConfigError
+from pcframe.errors import SimConfigError
 from pcframe.policies.base import IntervalPolicy, Notice, Preempted, Restarted
 from pcframe.policies.placement import PlacementPolicy
 from pcframe.policies.predictors.base import Prediction, Predictor
-from pcframe.policies.resource import ResourceDecision, ResourcePolicy, SpotOnly
+from pcframe.policies.resource import (
+    ResourceDecision,
+    ResourcePolicy,
+    SpotOnly,
+    checked_resource_decision,
+)
 from pcframe.policies.traces import Trace
 from pcframe.sim.capacity import Capacity
 from pcframe.sim.process import Commit, Ledger, Process, Versions
@@ -304,14 +309,7 @@ class _Simulation:
             work_total=job.work_seconds,
             deadline=job.deadline,
         )
-        decision = self.resource.decide(ctx)
-        if not isinstance(decision, ResourceDecision):  # was a bare AssertionError, or worse
-            who = f"{type(self.resource).__module__}.{type(self.resource).__qualname__}"
-            raise PolicyError(
-                f"policy {who}.decide returned {decision!r:.80}; it must return "
-                "pcframe.policies.ResourceDecision(spot=..., on_demand=..., reason=...)"
-            )
-        return decision
+        return checked_resource_decision(self.resource, self.resource.decide(ctx))
 
     def _bill(self, proc: Process, vms: tuple[int, int], until: float) -> None:
         spot, od = vms

@@ -21,6 +21,7 @@ from pcframe.policies.base import (
     Preempted,
     Restarted,
     SaveCompleted,
+    checked_decision,
 )
 from pcframe.testing.kit import Kit, json_round_trip
 
@@ -71,8 +72,7 @@ class IntervalDriver:
         if self.step in self.notices:
             window = self.notices[self.step]
             self.notice = Notice(self.now, self.now + window, "test")
-        d = policy.decide(self.context())
-        assert isinstance(d, Decision), f"decide() returned {type(d).__name__}, not Decision"
+        d = checked_decision(policy, policy.decide(self.context()))  # as the engine does
         if d.save:
             self.version += 1
             self.pending.append((self.now + self.duration, self.version, self.step))

@@ -29,7 +29,12 @@ from pcframe.policies.placement.base import (
     checked_placement,
 )
 from pcframe.policies.predictors.base import Estimate, Prediction, Predictor
-from pcframe.policies.resource.base import ResourceContext, ResourceDecision, ResourcePolicy
+from pcframe.policies.resource.base import (
+    ResourceContext,
+    ResourceDecision,
+    ResourcePolicy,
+    checked_resource_decision,
+)
 from pcframe.testing.interval_conformance import IntervalDriver, IntervalPolicyConformance
 from pcframe.testing.kit import Kit, json_round_trip
 
@@ -156,8 +161,7 @@ class ResourcePolicyConformance(Kit):
     def _run(self, policy: ResourcePolicy, ctxs: list[ResourceContext]) -> list[ResourceDecision]:
         out = []
         for ctx in ctxs:
-            d = policy.decide(ctx)
-            assert isinstance(d, ResourceDecision)
+            d = checked_resource_decision(policy, policy.decide(ctx))  # as the simulator does
             assert isinstance(d.spot, int) and isinstance(d.on_demand, int)
             assert d.spot >= 0 and d.on_demand >= 0
             out.append(d)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from pcframe.errors import PolicyError
-from pcframe.policies.base import Event, Notice, Stateful
+from pcframe.policies.base import REASON_FIX, Event, Notice, Stateful, reason_problem
 from pcframe.policies.kinds import plugin_base
 
 
@@ -159,6 +159,9 @@ def _placement_problem(decision: Any, known: list[str], version: int) -> tuple[s
                 "version numbers"
             )
             return problem, f"give the versions to keep as a tuple of ints, e.g. {example}"
+    wrong_reason = reason_problem(decision.reason)
+    if wrong_reason is not None:
+        return f"returned a PlacementDecision {for_version} with {wrong_reason}", REASON_FIX
     return None
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from pcframe.policies.base import Event, Stateful
+from pcframe.errors import PolicyError
+from pcframe.policies.base import REASON_FIX, Event, Stateful, reason_problem
 from pcframe.policies.kinds import plugin_base
 from pcframe.policies.predictors.base import Estimate
 
@@ -38,6 +39,23 @@ class ResourceDecision:
         if self.spot and self.on_demand:
             return "mixed"
         return "spot" if self.spot else "on_demand" if self.on_demand else "idle"
+
+
+def checked_resource_decision(policy: Any, decision: Any) -> ResourceDecision:
+    """``decision`` if it is a :class:`ResourceDecision` with a ``str`` reason; else a
+    :class:`PolicyError` naming the policy's class and what is wrong, on one line."""
+    who = f"{type(policy).__module__}.{type(policy).__qualname__}"
+    if not isinstance(decision, ResourceDecision):  # was a bare AssertionError, or worse
+        raise PolicyError(
+            f"policy {who}.decide returned {decision!r:.80}; it must return "
+            "pcframe.policies.ResourceDecision(spot=..., on_demand=..., reason=...)"
+        )
+    problem = reason_problem(decision.reason)
+    if problem is not None:
+        raise PolicyError(
+            f"policy {who}.decide returned a ResourceDecision with {problem}. Fix: {REASON_FIX}"
+        )
+    return decision
 
 
 @dataclass(frozen=True)

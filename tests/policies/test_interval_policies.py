@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -230,3 +231,46 @@ def test_a_decision_whose_save_is_not_yes_or_no_is_refused_naming_the_policy(sav
         checked_decision(Odd(), Odd().decide(PolicyContext(step=1, now=10.0)))
     for yes_or_no in (True, False, np.True_, np.False_):  # numpy's booleans are fine
         assert checked_decision(Odd(), P.Decision(yes_or_no)).save == yes_or_no
+
+
+class _Reasons(P.FixedSteps):
+    """A plugin whose decisions carry ``reason`` as it was given."""
+
+    def __init__(self, reason: object) -> None:
+        super().__init__(every=1)
+        self.reason = reason
+
+    def decide(self, ctx):
+        return P.Decision(True, self.reason)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("reason", "shown"),
+    [(7, "reason=7 (int)"), ({"why": 1}, "reason={'why': 1} (dict)"), (b"x", "reason=b'x'")],
+)
+def test_a_decision_whose_reason_is_not_text_names_the_policy_and_the_field(
+    reason: object, shown: str, tmp_path
+) -> None:
+    """An int or dict reason was written into the version's metadata as it was, bytes failed
+    as 'metadata must be JSON-able' naming no policy, and the conformance kit's bare assert
+    said nothing: now one line naming the class, the field and the fix, wherever it is
+    checked (the engine, the simulator and the kit all ask checked_decision)."""
+    import torch
+
+    from pcframe import Checkpointer
+    from pcframe.errors import PolicyError
+    from pcframe.testing.interval_conformance import IntervalDriver
+
+    expected = rf"_Reasons\.decide returned a Decision with {re.escape(shown)}"
+    with pytest.raises(PolicyError, match=expected) as raised:
+        IntervalDriver().one(_Reasons(reason))
+    message = str(raised.value)
+    assert "\n" not in message and "must be a str" in message and "Fix: " in message
+    model = torch.nn.Linear(2, 2)
+    ckpt = Checkpointer(tmp_path, model=model, policy=_Reasons(reason))
+    try:
+        with pytest.raises(PolicyError, match=expected):
+            ckpt.maybe_save(0)
+        assert ckpt.committed_versions() == [], "no version was saved for it"
+    finally:
+        ckpt.close()

@@ -120,6 +120,14 @@ class _Answers(P.PlacementPolicy):
             P.PlacementDecision(("local",), keep={"local": (True,)}),  # type: ignore[dict-item]
             "returned keep['local']=(True,) for version 7, not a tuple of version numbers",
         ),
+        (  # an int reason went into the logs as it was, a dict broke "; ".join on a notice
+            P.PlacementDecision(("local",), reason=5),  # type: ignore[arg-type]
+            "returned a PlacementDecision for version 7 with reason=5 (int): the reason must",
+        ),
+        (
+            P.PlacementDecision(("local",), reason={"a": "b\nc"}),  # type: ignore[arg-type]
+            "with reason={'a': 'b\\nc'} (dict): the reason must be a str",
+        ),
     ],
 )
 def test_a_bad_answer_is_one_policy_error_naming_the_policy(answer: object, wrong: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import shutil
 
 import numpy as np
@@ -302,3 +303,22 @@ def test_a_resource_policy_returning_no_decision_is_named(answer) -> None:
         simulate(steady_trace(1.0), P.FixedSteps(10), JobSpec(), _Resources(answer))
     good = _Resources(P.ResourceDecision(spot=1))
     assert simulate(steady_trace(1.0), P.FixedSteps(10), JobSpec(), good).useful_steps > 0
+
+
+@pytest.mark.parametrize(("reason", "shown"), [(3, "reason=3 (int)"), ([], "reason=[] (list)")])
+def test_a_resource_decision_whose_reason_is_not_text_names_the_policy(reason, shown) -> None:
+    """A non-text reason ran on unchecked (a falsy one silently dropped): now one line
+    naming the resource policy's class and the field, in the simulator and the kit."""
+    from pcframe.testing.policy_conformance import ResourcePolicyConformance
+
+    bad = _Resources(P.ResourceDecision(spot=1, reason=reason))
+    expected = rf"_Resources\.decide returned a ResourceDecision with {re.escape(shown)}"
+    with pytest.raises(PolicyError, match=expected) as raised:
+        simulate(steady_trace(1.0), P.FixedSteps(10), JobSpec(), bad)
+    assert "\n" not in str(raised.value) and "must be a str. Fix: " in str(raised.value)
+
+    class Kit(ResourcePolicyConformance):
+        factory = staticmethod(lambda: bad)
+
+    with pytest.raises(PolicyError, match=expected):
+        Kit().test_never_raises_on_missing_inputs()
