@@ -70,6 +70,14 @@ def run_app(app: Callable[[], Any], prog: str) -> None:
         # Hydra's own --version names Hydra, not the app a user asks about.
         print(version_lines(prog))
         raise SystemExit(0)
+    from pcframe.apps.nulls import read_nulls, register_none_options
+
+    name = _app_name(prog)
+    register_none_options(name)  # group=null: Hydra's ValueError traceback, even in a sweep
+    try:
+        sys.argv[1:] = read_nulls(sys.argv[1:], name, APP_GROUPS.get(name, ()))
+    except ConfigError as exc:
+        _exit(exc, prog)
     if os.environ.get(FULL_ERROR) == "1":
         _user_full_error = True
         app()

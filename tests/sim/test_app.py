@@ -81,6 +81,86 @@ def test_a_multirun_sweep_is_merged_into_one_table(tmp_path: Path, child_env: di
     assert (sweep / "sweep_results.md").exists() and (sweep / "goodput.png").exists()
 
 
+@pytest.mark.slow
+def test_a_sweep_with_null_for_the_placement_runs_it_without_one(
+    tmp_path: Path, child_env: dict
+) -> None:
+    """conf/sim.yaml documents policy/placement: null (no placement); on the command line
+    Hydra refused it with a ValueError traceback, in a sweep once the other jobs had run."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [
+            *_script(),
+            "-m",
+            f"traces={SMALL}",
+            "policy/placement=null,single_tier",
+            "baselines=[]",
+            "output.plots=false",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(sweep / "sweep_results.csv")
+    assert sorted(r["placement_policy"] for r in rows) == ["", "single_tier"]
+
+
+@pytest.mark.parametrize(
+    ("value", "placed"),
+    [("null", False), ("NULL", False), ("none", False), ("single_tier", True)],
+)
+def test_null_for_the_placement_composes_to_no_placement(value: str, placed: bool) -> None:
+    """policy/placement=null (the documented default) was Hydra's ValueError traceback."""
+    from pcframe.apps.compose import compose_config
+
+    cfg = compose_config("sim", [f"policy/placement={value}", f"traces={SMALL}"])
+    (case, *_) = cases_from_config(cfg, select_traces(cfg.traces))
+    assert (case.placement is not None) == placed
+    assert ("placement" in cfg.policy) == placed
+
+
+def test_null_in_a_sweep_list_is_read_as_no_placement() -> None:
+    from pcframe.apps.errors import APP_GROUPS
+    from pcframe.apps.nulls import read_nulls
+
+    argv = ["-m", "policy/placement=null,single_tier", "+sim/predictor=ewma,null", "label=null"]
+    assert read_nulls(argv, "sim", APP_GROUPS["sim"]) == [
+        "-m",
+        "policy/placement=none,single_tier",
+        "+sim/predictor=ewma,none",
+        "label=null",  # a key, not a group: Hydra's null as ever
+    ]
+
+
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
+        ("policy/interval=null", "policy/interval cannot be left out in pcframe-sim"),
+        ("policy/interval=young,null", "choose one of checkfreq, daly"),
+        ("policy/placement=[null]", "takes null only as a plain value"),
+    ],
+)
+def test_null_where_a_group_needs_a_value_is_one_line_naming_it(
+    override: str, words: str, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """Refused before Hydra starts (nothing composed, nothing run): exit 2, one line."""
+    from pcframe.apps.sim import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["pcframe-sim", override, f"traces={SMALL}"])
+    with pytest.raises(SystemExit) as info:
+        main()
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"pcframe-sim: error: {override}: "), err
+    assert words in err, err
+    assert not any(tmp_path.iterdir()), "nothing was run"
+
+
 def _sim_small(tmp_path: Path, child_env: dict, *overrides: str) -> subprocess.CompletedProcess:
     """``pcframe-sim`` on the small trace with ``overrides``, run in ``tmp_path``."""
     return subprocess.run(
