@@ -10,7 +10,11 @@ from typing import Any, Literal
 
 from pcframe.policies.errors import TraceFormatError
 from pcframe.policies.traces.events import read_bamboo_events, read_pccheck_gpus
-from pcframe.policies.traces.native import read_pcframe_csv, read_pcframe_json
+from pcframe.policies.traces.native import (
+    GIVEN_CAPACITY_FIX,
+    read_pcframe_csv,
+    read_pcframe_json,
+)
 from pcframe.policies.traces.schema import FORMAT_TAG, Trace
 from pcframe.policies.traces.skynomad import Convention, read_availability_csv, read_node_json
 
@@ -126,7 +130,9 @@ def load_trace(
     Args:
         path: the file.
         format: one of :data:`FORMATS`, or ``auto`` to recognise it from the content.
-        capacity: VMs requested, where the file does not say (node-count and event traces).
+        capacity: VMs requested, over what the file says: node-count JSON, event traces
+            and pcframe's CSV/JSON (every up-count must fit it). An availability CSV is
+            capacity 1 (up: a spot VM could be had) whatever is given.
         convention: for ``{metadata, data}`` JSON: ``up`` (values count VMs up), ``inverted``
             (1 = preempted, the GCP H100 files) or ``auto``.
         prices: spot price table for availability CSVs (``auto``: the ``*price*.json`` beside).
@@ -146,6 +152,9 @@ def load_trace(
             "give a CSV or JSON trace file",
         ) from None  # fmt: skip
     except (ValueError, OverflowError, TypeError) as exc:  # a value the Trace refuses
+        if capacity is not None and "capacity=" in str(exc):  # the caller's, not the file's
+            where = f"capacity={capacity}"
+            raise TraceFormatError(path, where, str(exc), GIVEN_CAPACITY_FIX) from exc
         raise TraceFormatError(path, "", str(exc), "correct the file's times or values") from exc
 
 
@@ -166,9 +175,9 @@ def _read(
     if fmt == "pccheck-gpus":
         return read_pccheck_gpus(path, capacity=capacity)
     if fmt == "pcframe-csv":
-        return read_pcframe_csv(path)
+        return read_pcframe_csv(path, capacity)
     if fmt == "pcframe-json":
-        return read_pcframe_json(path, _read_json(path))
+        return read_pcframe_json(path, _read_json(path), capacity)
     raise TraceFormatError(
         path, "", f"format={fmt!r} is unknown", f"use auto, {', '.join(FORMATS)}"
     )

@@ -42,7 +42,27 @@ def _whole(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def read_pcframe_json(path: Path, doc: dict[str, Any] | None = None) -> Trace:
+GIVEN_CAPACITY_FIX = (
+    "give a capacity of at least the most ever up (the VMs, or GPUs, the job asked for; "
+    "pcframe-sim: trace_options.capacity), or leave it out to use the file's"
+)
+
+
+def _given_capacity_fits(path: Path, up: list[int], capacity: int) -> None:
+    """A ``capacity=`` given to the loader (over what the file says) holds every up-count."""
+    if up and max(up) > capacity:
+        raise TraceFormatError(
+            path,
+            f"capacity={capacity}",
+            f"the capacity given is below the file's up-count {max(up)}",
+            GIVEN_CAPACITY_FIX,
+        )
+
+
+def read_pcframe_json(
+    path: Path, doc: dict[str, Any] | None = None, capacity: int | None = None
+) -> Trace:
+    """``capacity``: VMs requested, over the file's ``capacity`` (checked all the same)."""
     if doc is None:
         doc = json.loads(path.read_text(encoding="utf-8-sig"))
     for key in ("step_seconds", "capacity", "up"):
@@ -84,13 +104,15 @@ def read_pcframe_json(path: Path, doc: dict[str, Any] | None = None) -> Trace:
             path, "key 'spot_price'", "spot prices must be finite numbers >= 0 ($/h)",
             "correct them, or drop 'spot_price' and give the simulator a price",
         )  # fmt: skip
+    if capacity is not None:
+        _given_capacity_fits(path, up, capacity)
     start = doc.get("start_time")
     try:
         trace = Trace(
             name=str(doc.get("name") or path.stem),
             source=str(doc.get("source") or "pcframe-json"),
             step_seconds=float(doc["step_seconds"]),
-            capacity=int(doc["capacity"]),
+            capacity=int(doc["capacity"] if capacity is None else capacity),
             up=np.asarray(up, dtype=np.int64),
             spot_price=None if doc.get("spot_price") is None else np.asarray(doc["spot_price"]),
             on_demand_price=doc.get("on_demand_price"),
@@ -126,7 +148,8 @@ def _header_number(
     return value
 
 
-def read_pcframe_csv(path: Path) -> Trace:
+def read_pcframe_csv(path: Path, capacity: int | None = None) -> Trace:
+    """``capacity``: VMs requested, over the file's ``# capacity:`` (checked all the same)."""
     meta: dict[str, str] = {}
     rows: list[tuple[int, list[str]]] = []
     header: list[str] | None = None
@@ -202,14 +225,17 @@ def read_pcframe_csv(path: Path) -> Trace:
             "epoch?", "write times in seconds (divide by 1000)",
         )  # fmt: skip
     step = median_step(np.asarray(times), path, lines=[ln for ln, _ in rows])
-    capacity = _header_number(path, meta, "capacity", int, max(max(up), 1))
-    if max(up) > capacity:
+    stated = _header_number(path, meta, "capacity", int, max(max(up), 1))
+    if capacity is not None:
+        _given_capacity_fits(path, up, capacity)
+    elif max(up) > stated:
         raise TraceFormatError(
             path,
             "# capacity",
-            f"up-count {max(up)} exceeds capacity {capacity}",
+            f"up-count {max(up)} exceeds capacity {stated}",
             "raise '# capacity:' or correct the counts",
         )
+    capacity = stated if capacity is None else capacity
     od = meta.get("on_demand_price")
     return Trace(
         name=meta.get("name", path.stem),

@@ -453,6 +453,35 @@ def test_statistics_table_cli(traces_dir: Path, capsys: pytest.CaptureFixture[st
     assert any("us-central1-a_h100_16" in ln and "| 0.958 |" in ln for ln in lines)
 
 
+_OWN_FORMS = {
+    "csv": ("t.csv", "time,up\n0,2\n60,1\n120,2\n"),
+    "csv with # capacity": ("t.csv", "# capacity: 4\ntime,up\n0,2\n60,1\n120,2\n"),
+    "json": ("t.json", '{"format": "pcframe-trace/1", "step_seconds": 60, "capacity": 3, '
+             '"up": [2, 1, 2]}'),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("form", list(_OWN_FORMS))
+def test_a_capacity_given_is_honoured_by_pcframes_own_forms(tmp_path: Path, form: str) -> None:
+    """capacity= (pcframe-sim's trace_options.capacity) was silently ignored for pcframe's
+    CSV and JSON, though honoured for the node-count and event traces: the simulated job
+    then asked for the file's VMs, not the ones given."""
+    name, text = _OWN_FORMS[form]
+    path = tmp_path / name
+    path.write_text(text)
+    assert load_trace(path, capacity=8).capacity == 8
+    assert load_trace(path).capacity == {"csv": 2, "csv with # capacity": 4, "json": 3}[form]
+    msg = _err(path, capacity=1)
+    assert msg.startswith(f"{path}:capacity=1: ") and "up-count 2" in msg, msg
+    assert "trace_options.capacity" in msg and "\n" not in msg
+
+
+def test_a_capacity_given_below_an_event_trace_names_the_option(traces_dir: Path) -> None:
+    """It said 'Fix: correct the file's times or values' of a shipped file."""
+    msg = _err(traces_dir / "pccheck" / "gpus_trace.csv", capacity=8)
+    assert ":capacity=8: " in msg and "leave it out to use the file's" in msg, msg
+
+
 def _bad_argument(tmp_path: Path, kind: str) -> tuple[str, str]:
     """A command-line argument of ``kind`` and a piece of text its error line must hold."""
     if kind == "missing file":

@@ -218,6 +218,11 @@ def test_trace_options_reach_the_loader_and_are_checked(tmp_path: Path) -> None:
     cfg = _compose(f"traces={trace}", "trace_options.capacity=3")
     (loaded,) = select_traces(cfg.traces, **trace_options(cfg.trace_options))
     assert loaded.capacity == 3
+    own = tmp_path / "mine.csv"  # pcframe's own CSV: the option was silently ignored
+    own.write_text("# capacity: 2\ntime,up\n0,2\n60,1\n")
+    cfg = _compose(f"traces={own}", "trace_options.capacity=6")
+    (loaded,) = select_traces(cfg.traces, **trace_options(cfg.trace_options))
+    assert loaded.capacity == 6
     for override, message in (
         ("trace_options.convention=sideways", "give auto, up"),
         ("trace_options.capacity=0", "give the VMs the job asked for"),
