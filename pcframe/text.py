@@ -80,3 +80,28 @@ def _cell_char(c: str) -> str:
 def markdown_row(cells: Iterable[object]) -> str:
     """One table row, ``| a | b |``, each cell through :func:`markdown_cell`."""
     return "| " + " | ".join(markdown_cell(c) for c in cells) + " |"
+
+
+def markdown_code(value: object) -> str:
+    """``str(value)`` as one inline code span on one line (a command, a study's name): a
+    newline would end the paragraph (or start a heading), a backtick the span; so the text
+    is put on one line (:func:`one_line`) inside a fence longer than its longest backtick run.
+    """
+    text = one_line(value) if str(value).strip() else ""
+    if not text:
+        return ""
+    longest = max((len(run) for run in _backtick_runs(text)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def _backtick_runs(text: str) -> list[str]:
+    runs, current = [], ""
+    for c in text:
+        if c == "`":
+            current += c
+        elif current:
+            runs.append(current)
+            current = ""
+    return [*runs, current] if current else runs

@@ -9,6 +9,7 @@ backslash escapes and ``<br>`` applied), independently of the writer.
 from __future__ import annotations
 
 import json
+import re
 import string
 import sys
 from pathlib import Path
@@ -179,3 +180,51 @@ def test_experiments_results_file_table() -> None:
     header, *body = _table("\n".join(table_lines(["|ΔL|", "x"], [[n, 1] for n in NAMES])))
     assert header == ["|ΔL|", "x"]
     assert [r[0] for r in body] == [_expected(n) for n in NAMES]
+
+
+def _code_span(line: str) -> str:
+    """The text of a line that is one inline code span, as CommonMark reads it: the
+    opening backtick run, then the text up to the same run, one padding space each side
+    dropped where both are there."""
+    fence = line[: len(line) - len(line.lstrip("`"))]
+    assert fence and line.endswith(fence) and len(line) > 2 * len(fence), line
+    inner = line[len(fence) : -len(fence)]
+    assert len(fence) not in map(len, re.findall("`+", inner)), line  # the span goes on
+    if inner.startswith(" ") and inner.endswith(" ") and inner.strip():
+        inner = inner[1:-1]
+    return inner
+
+
+@pytest.mark.parametrize("text", ["pcframe-sim traces=a", "a`b", "``x`", "x ``` y", "p\nq"])
+def test_a_code_span_reads_back_on_one_line(text: str) -> None:
+    from pcframe.text import markdown_code, one_line
+
+    line = markdown_code(text)
+    assert "\n" not in line
+    assert _code_span(line) == one_line(text)
+
+
+def test_the_sim_reports_command_stays_one_code_span(tmp_path: Path) -> None:
+    """The command went in one backtick pair as it was: a trace path with a backtick ended
+    the span, one with a newline put a '# ...' heading of its own into results.md."""
+    from pcframe.sim.app_config import write_outputs
+
+    output = SimpleNamespace(csv="results.csv", markdown="results.md", plots=False)
+    header = "pcframe-sim 'traces=a`b\n# injected.csv'"
+    write_outputs([{"trace": "t", "label": "x"}], tmp_path, output, header=header)
+    lines = (tmp_path / "results.md").read_text().splitlines()
+    assert [ln for ln in lines if ln.startswith("#")] == ["# pcframe-sim results"]
+    assert _code_span(lines[2]) == "pcframe-sim 'traces=a`b # injected.csv'"
+
+
+def test_the_run_sweeps_title_stays_one_line(tmp_path: Path) -> None:
+    from pcframe.apps.summary import merge_sweep
+
+    sweep = tmp_path / "a\n# b"
+    (sweep / "0").mkdir(parents=True)
+    document = {"job": 0, "overrides": [], "summary": {"steps": 1}}
+    (sweep / "0" / "summary.json").write_text(json.dumps(document))
+    merge_sweep(sweep)
+    lines = (sweep / "sweep_summary.md").read_text().splitlines()
+    assert [ln for ln in lines if ln.startswith("#")] == [lines[0]]
+    assert lines[0].endswith("a # b")

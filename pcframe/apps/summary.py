@@ -226,7 +226,7 @@ def merge_sweep(sweep: str | Path, console: Console | None = None) -> list[Path]
     cells = [[text(row.get(k)) for k in shown] for row in rows]
     md_path = sweep / "sweep_summary.md"
     lines = [
-        f"# pcframe-run sweep: {len(rows)} jobs in {sweep}",
+        f"# pcframe-run sweep: {len(rows)} jobs in {one_line(sweep)}",
         "",
         markdown_row(headers),
         "|" + "---|" * len(headers),

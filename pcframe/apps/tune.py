@@ -35,6 +35,7 @@ from pcframe.apps.tuning import (
 from pcframe.apps.tuning.measure import check_schedule
 from pcframe.apps.tuning.target_storage import ActiveTarget, TargetSpec, open_target
 from pcframe.errors import ConfigError
+from pcframe.text import markdown_code
 
 register_app_schemas()
 
@@ -53,10 +54,11 @@ def finish(
     out.mkdir(parents=True, exist_ok=True)
     written = {"table": out / "tune_trials.md", "plot": out / "tune_plot.png"}
     table = trials_table(study, tuner.objectives)
+    title = f"# pcframe-tune study {markdown_code(study.study_name)}\n\n"
     try:
         best = best_trial(study, tuner.objectives)
     except ValueError:
-        written["table"].write_text(f"# pcframe-tune study `{study.study_name}`\n\n{table}")
+        written["table"].write_text(f"{title}{table}")
         raise ConfigError(
             f"study {study.study_name!r} has no completed trial: every trial was pruned or "
             "failed; loosen tune.memory_budget or widen tune.space (see the table in "
@@ -69,11 +71,7 @@ def finish(
     against = limit_lines(best, limits)
     if target is not None:
         against += target.remote_lines(nbytes)
-    written["table"].write_text(
-        f"# pcframe-tune study `{study.study_name}`\n\n"
-        + "".join(f"- {line}\n" for line in against)
-        + f"\n{table}"
-    )
+    written["table"].write_text(title + "".join(f"- {line}\n" for line in against) + f"\n{table}")
     plot(study, tuner.objectives, written["plot"])
     if tune.write_config:
         cfg, engine = tuner.trial_config(dict(best.params))

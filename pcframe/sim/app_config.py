@@ -39,6 +39,7 @@ from pcframe.sim.result import SimResult
 from pcframe.sim.selection import select_traces
 from pcframe.sim.spec import JobSpec, SimOptions
 from pcframe.sim.sweep import BEST_FIXED, Case, run_cases
+from pcframe.text import markdown_code
 
 BASELINES = ("oracle", BEST_FIXED)
 TABLE_COLUMNS = (
@@ -382,7 +383,7 @@ def write_outputs(
     )
     written = [csv_path, meta]
     md = out / output.markdown
-    title = f"# pcframe-sim results\n\n`{header}`\n\n" if header else "# pcframe-sim results\n\n"
+    title = "# pcframe-sim results\n\n" + (f"{markdown_code(header)}\n\n" if header else "")
     shown = applicable_columns(rows, TABLE_COLUMNS)
     if "job" in columns:
         shown = ["job", *shown]
