@@ -372,6 +372,7 @@ class DistributedCheckpointer:
         """
         self._check_open()
         deferred = False
+        failure: Exception | None = None
         while True:  # an earlier version's failure: raised after the meeting every rank holds
             try:
                 decision = self.local.decide(step)
@@ -379,14 +380,23 @@ class DistributedCheckpointer:
             except SaveError as exc:  # the engine raises each failure once: keep every one
                 self.protocol.defer(exc)
                 deferred = True
-        periodic = decision.save if self.rank == 0 else False
-        notice = self.local.notice
-        unanswered = notice is not None and not notice.same_as(self._notice_secured)
-        flags = (int(periodic or decision.emergency), int(decision.emergency), int(unanswered))
+            except Exception as exc:  # the interval policy's, or a placement's found late
+                # Taken to the meeting, so every rank raises it there (meeting.Meetings.meet):
+                # raised here, it left the others waiting in it for protocol_timeout.
+                failure = exc
+                break
+        if failure is None:
+            periodic = decision.save if self.rank == 0 else False
+            notice = self.local.notice
+            unanswered = notice is not None and not notice.same_as(self._notice_secured)
+            flags = (int(periodic or decision.emergency), int(decision.emergency), int(unanswered))
+        else:  # the call fails on every rank: no save, no notice answered
+            notice, unanswered, flags = None, False, (0, 0, 0)
         newest = self.securing.newest_version
         due = deadline_ms(notice)
         met = self._meetings.meet(
-            Doing(Call.MAYBE_SAVE, self._next, step, flags=flags, deadline_ms=due, newest=newest)
+            Doing(Call.MAYBE_SAVE, self._next, step, flags=flags, deadline_ms=due, newest=newest),
+            failure,
         )
         save, emergency, answer = met.flags
         # The earliest deadline of any rank's notice, on this rank's monotonic clock (this
@@ -567,11 +577,20 @@ class DistributedCheckpointer:
                 self.shadows.close()
             if self.peers is not None:  # its last rounds: every rank submitted the same ones
                 self.peers.close()
-            self.local.close(clean=clean)
+            # The engine's last failures are raised after the close's meeting (raised here,
+            # they left the others waiting in it for protocol_timeout): a failed version's on
+            # this rank (the others know of it from its round), a placement's on every rank.
+            failure: Exception | None = None
+            try:
+                self.local.close(clean=clean)
+            except SaveError as exc:
+                self.protocol.defer(exc)
+            except Exception as exc:
+                failure = exc
             try:
                 if dist.is_initialized() and self.protocol.healthy:
                     # Nobody tears down a group still in use (the meeting is a barrier).
-                    self._meetings.meet(Doing(Call.CLOSE, self._next))
+                    self._meetings.meet(Doing(Call.CLOSE, self._next), failure)
                     if self.remote is not None:  # every rank is here: the uploads are over
                         held: list[Any] = [None] * self.world_size
                         with peers("closing: the object store's newest whole version"):
@@ -583,6 +602,8 @@ class DistributedCheckpointer:
                     dist.destroy_process_group(self._report)
                     dist.destroy_process_group(self._control)
                 self._let_go_of_groups(rounds=True, peers=True)
+            if failure is not None:  # no meeting to tell the others: raised here alone
+                raise failure
         self.protocol.raise_errors()
 
     def _leave(self) -> None:

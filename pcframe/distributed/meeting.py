@@ -14,6 +14,13 @@ enters no collective of this job again, so no rank waits for one that will not c
 A ``save()`` that fails before its state is read (``state_dict()`` raised) still meets the
 others, marked undescribed: that version is lost on every rank and the next one is not.
 
+A call that fails on one rank before its meeting (a ``maybe_save()`` whose interval or
+placement policy raised there, a ``close()`` whose engine raised a placement's failure)
+still meets the others, marked failed: every rank then learns each failed rank's message
+(one more small collective, which every rank enters, having read the same rows) and raises
+it at that call. Before, the failing rank raised alone and the others waited in the meeting
+for ``protocol_timeout`` (30 min by default).
+
 A ``save()`` whose state keeps its structure only starts its meeting: it is read by the
 handle's ``wait()`` or at the next call. Waiting would add the ranks' skew (tens of ms on a
 loaded machine) to every save's stall, which the training's own next collective absorbs
@@ -22,9 +29,10 @@ anyway. A save whose structure changed waits for it, since the owners are planne
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Any
 
@@ -32,7 +40,9 @@ import torch
 import torch.distributed as dist
 
 from pcframe.distributed.peers import peers
-from pcframe.errors import CheckpointError, RanksOutOfStep
+from pcframe.errors import CheckpointError, PolicyError, RanksOutOfStep
+
+log = logging.getLogger("pcframe")
 
 
 class Call(IntEnum):
@@ -66,15 +76,28 @@ class Doing:
     # monotonic clocks share no origin), and the newest global version it knows (0: none)
     deadline_ms: int = -1
     newest: int = 0
+    failed: bool = False  # this call failed on this rank before the meeting (its message follows)
 
     def row(self) -> list[int]:
         fields = [self.call, self.version, self.step, self.digest, self.changed, self.described]
-        fields += [self.sharded_bytes, self.deadline_ms, self.newest]
+        fields += [self.sharded_bytes, self.deadline_ms, self.newest, self.failed]
         return [*map(int, fields), *self.flags]
 
     @classmethod
     def of(cls, row: list[int]) -> Doing:
-        call, version, step, digest, changed, described, sharded, deadline, newest, *flags = row
+        (
+            call,
+            version,
+            step,
+            digest,
+            changed,
+            described,
+            sharded,
+            deadline,
+            newest,
+            failed,
+            *flags,
+        ) = row
         return cls(
             Call(call),
             version,
@@ -86,6 +109,7 @@ class Doing:
             bool(described),
             deadline,
             newest,
+            bool(failed),
         )
 
     def describe(self) -> str:
@@ -109,6 +133,7 @@ class Met:
     # theirs; 0: none)
     deadline: float | None = None
     newest: int = 0
+    failed: list[int] = field(default_factory=list)  # ranks whose call failed before it
 
 
 class Meeting:
@@ -176,10 +201,53 @@ class Meetings:
             work = dist.all_gather(rows, mine, group=self.group, async_op=True)
         return Meeting(doing, rows, work)
 
-    def meet(self, doing: Doing) -> Met:
-        """Read the last save's meeting, then hold this one and wait for every rank."""
-        self.settle()
-        return self._read(self.start(doing))
+    def meet(self, doing: Doing, failure: Exception | None = None) -> Met:
+        """Read the last save's meeting, then hold this one and wait for every rank.
+
+        ``failure``: this call already failed on this rank (before its meeting); it meets
+        the others all the same, marked failed.
+
+        Raises:
+            PolicyError / CheckpointError: the call failed on some rank (``failure`` here):
+                every rank raises the same one line, naming each failed rank and its error.
+        """
+        try:
+            self.settle()
+        except CheckpointError:
+            if failure is not None:  # no meeting can follow: the failure is not raised
+                log.error("rank failure not told to the others: %s", _one_line(failure))
+            raise
+        met = self._read(self.start(replace(doing, failed=failure is not None)))
+        if met.failed:
+            raise self._told(doing, met.failed, failure)
+        return met
+
+    def _told(self, doing: Doing, failed: list[int], failure: Exception | None) -> Exception:
+        """The error every rank raises for the ranks ``failed`` at this meeting: each of
+        them sends its message to every rank (all ranks read the same rows, so all enter)."""
+        texts: list[Any] = [None] * self.world_size
+        mine = None if failure is None else _one_line(failure)
+        try:
+            with peers(
+                f"{doing.call.name.lower()}: telling every rank of {_ranks(failed)}'s error"
+            ):
+                dist.all_gather_object(
+                    texts, (mine, isinstance(failure, PolicyError)), group=self.group
+                )
+        except CheckpointError as exc:
+            self.broken = exc
+            raise
+        where = doing.describe().removeprefix("in ")
+        told = "; ".join(f"{_ranks([rank])}: {texts[rank][0]}" for rank in failed)
+        message = (
+            f"{where} failed on {_ranks(failed)}, so every rank raises this at that call and "
+            f"the ranks stay in step (the last global version is intact): {told}"
+        )
+        cls = PolicyError if all(texts[rank][1] for rank in failed) else CheckpointError
+        error = cls(message)
+        if failure is not None:
+            error.__cause__ = failure
+        return error
 
     def for_save(self, doing: Doing) -> Met | None:
         """The save's meeting: waited for when this rank's state changed structure (the
@@ -244,7 +312,14 @@ def _check_rows(doing: Doing, everyone: list[Doing]) -> Met:
     deadlines = [d.deadline_ms for d in everyone if d.deadline_ms >= 0]
     deadline = min(deadlines) / 1000.0 if deadlines else None
     newest = min(d.newest for d in everyone)
-    return Met([d.sharded_bytes for d in everyone], flags, undescribed, deadline, newest)
+    failed = [rank for rank, d in enumerate(everyone) if d.failed]
+    return Met([d.sharded_bytes for d in everyone], flags, undescribed, deadline, newest, failed)
+
+
+def _one_line(exc: BaseException) -> str:
+    """``exc`` as one line: a pcframe error's message, else its type and message."""
+    text = " ".join(str(exc).split())
+    return text if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {text}"
 
 
 def _ranks_by(pairs: list[tuple[int, Any]]) -> dict[Any, list[int]]:

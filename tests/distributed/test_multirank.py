@@ -527,6 +527,56 @@ def test_an_earlier_failure_on_one_rank_is_raised_after_the_meeting_not_before(
         assert seen[rank]["restored"] == 9 and seen[rank]["after"] == "committed", seen[rank]
 
 
+POLICY_FAILED = (
+    "placement policy 'rank_one_fails' (__main__.RankOneFails).place raised "
+    "RuntimeError: no tier for version 2 on this rank for version 2; "
+)
+
+
+@pytest.mark.parametrize(
+    ("call", "failed_at"),
+    [
+        ("maybe_save", "maybe_save() of version 3 at step 3"),
+        ("close", "close() before saving version 3"),
+    ],
+)
+def test_a_placement_that_fails_on_one_rank_is_raised_on_every_rank_at_its_meeting(
+    tmp_path, call, failed_at
+):
+    """Rank 1's placement policy raises for version 2 (on the commit thread); its engine
+    raises the PolicyError at the next call, maybe_save(3) or close().
+
+    Before, rank 1 raised it before that call's meeting: rank 0 waited in the meeting for
+    protocol_timeout (90 s here, 30 min by default) and then read that no rank answered
+    (maybe_save), or waited in close()'s meeting the same way. Now rank 1 meets the others,
+    marked failed, and both ranks raise at that call one PolicyError line naming rank 1 and
+    the policy; after maybe_save(3) the ranks are still in step, and save on.
+    """
+    out = tmp_path / "out"
+    out.mkdir()
+    root = tmp_path / "job"
+    args = ["placement_fails", "--root", str(root), "--out", str(out), "--tag", call]
+    job = run_job(2, args, tmp_path / "logs", timeout=150, kill_on_failure=False)
+    job.check()
+    seen = [json.loads((out / f"placement_fails-{call}-r{r}.json").read_text()) for r in (0, 1)]
+    for rank in (0, 1):
+        outcomes = dict((str(k), v) for k, v in seen[rank]["outcomes"])
+        raised = outcomes.pop("3" if call == "maybe_save" else "close")
+        assert raised.startswith(
+            f"PolicyError: {failed_at} failed on rank 1, so every rank raises this at that "
+            f"call and the ranks stay in step (the last global version is intact): rank 1: "
+            f"{POLICY_FAILED}"
+        ), (rank, raised)
+        assert "Fix: make place() return a PlacementDecision" in raised and "\n" not in raised
+        steps = ["1", "2", "4"] if call == "maybe_save" else ["1", "2"]
+        assert outcomes == {
+            **dict.fromkeys(steps, "global"),
+            **({"close": "closed"} if call == "maybe_save" else {}),
+        }, (rank, outcomes)
+    pointer, versions = check_global_versions(root / "ckpt")
+    assert pointer == (3 if call == "maybe_save" else 2), (pointer, versions)
+
+
 def test_a_rank_that_stops_answering_is_named_as_such_after_the_timeout(tmp_path):
     """Rank 1 is alive but not at the save: rank 0 is told so, not that a rank left."""
     out = tmp_path / "out"

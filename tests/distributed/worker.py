@@ -41,6 +41,7 @@ from pcframe.distributed import DistributedCheckpointer, ReshardError
 from pcframe.distributed import global_versions as rec
 from pcframe.errors import CheckpointError, SaveError
 from pcframe.policies import Decision, FixedSteps, ManualNoticeSource, PolicyContext
+from pcframe.policies.placement import PlacementContext, PlacementDecision, PlacementPolicy
 from pcframe.save.status import SaveStatus
 from tests.helpers import flip_byte
 
@@ -770,6 +771,56 @@ def late_failure(args: argparse.Namespace, out: dict[str, Any]) -> None:
         out["after"] = str(ckpt.save(11).wait())
 
 
+class RankOneFails(PlacementPolicy):
+    """Every version to the primary and a replica; on rank 1 only, ``place()`` raises for
+    version 2 (a bug in the user's policy on one rank)."""
+
+    name = "rank_one_fails"
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        return ("local", "replica")
+
+    def place(self, ctx: PlacementContext) -> PlacementDecision:
+        if dist.get_rank() == 1 and ctx.version == 2:
+            raise RuntimeError("no tier for version 2 on this rank")
+        keep = (ctx.version - 1, ctx.version)
+        return PlacementDecision(("local", "replica"), keep={"local": keep, "replica": keep})
+
+
+def placement_fails(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """Rank 1's placement policy raises for version 2, saved at step 2 and waited for until
+    global (so its commit, and the failure, come before the next call). Rank 1's engine
+    raises the PolicyError at its next call: ``maybe_save`` (``--tag``): maybe_save(3),
+    before that call's meeting; ``close``: the close() after version 2, before the close's
+    meeting. Every step saves (FixedSteps(1)); each rank records what each call raised."""
+    job = build("ddp")
+    out["outcomes"] = outcomes = []
+    tiers = {"replica": args.root / "replica"}
+    ckpt = job.checkpointer(
+        args.root / "ckpt",
+        policy=FixedSteps(1),
+        tiers=tiers,
+        placement=RankOneFails(),
+        protocol_timeout=90.0,  # a hang guard only: the launcher gives the job 120 s
+    )
+    last = 4 if args.tag == "maybe_save" else 2
+    for step in range(1, last + 1):
+        job.step()
+        try:
+            handle = ckpt.maybe_save(step)
+            assert handle is not None
+            handle.wait()
+            outcomes.append([step, "global"])
+        except CheckpointError as exc:
+            outcomes.append([step, f"{type(exc).__name__}: {exc}"])
+    try:
+        ckpt.close()
+        outcomes.append(["close", "closed"])
+    except CheckpointError as exc:
+        outcomes.append(["close", f"{type(exc).__name__}: {exc}"])
+
+
 class WithExtraState(nn.Module):
     """A layer whose get_extra_state() holds a tensor (quantization scales) and a per-rank
     counter; its optimizer keeps a list of tensors per parameter (non-tensor state)."""
@@ -811,7 +862,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     scenarios = {"roundtrip": roundtrip, "resize": resize, "train": train, "policy": policy}
     scenarios.update(raises=raises, leaves=leaves, values=values, astray=astray)
-    scenarios.update(late_failure=late_failure, nodes=nodes)
+    scenarios.update(late_failure=late_failure, nodes=nodes, placement_fails=placement_fails)
     parser.add_argument("scenario", choices=sorted(scenarios))
     parser.add_argument("--root", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
