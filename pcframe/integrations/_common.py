@@ -23,6 +23,7 @@ from pcframe.errors import (
     NONE_COMMITTED,
     CheckpointError,
     ConfigError,
+    PolicyError,
     SaveError,
     StateMismatch,
 )
@@ -282,6 +283,27 @@ def stopped_by(error: SaveError, owner: str, step: int, finished: bool, again: s
         )
     return CallbackSaveError(
         told, error.version, error.step, error.stage, error.cause, error.committed_before
+    )
+
+
+def policy_stopped(
+    error: PolicyError, owner: str, step: int, finished: bool, again: str
+) -> PolicyError:
+    """``error`` (the interval or placement policy broke its contract: the engine's line
+    names it) reworded as :func:`stopped_by` words a failed version: the callback stopped
+    training at ``step``, or (``finished``) training had ended there when it was found.
+    Before, it left the callback as the engine raised it, from deep inside the engine. The
+    engine's error is the new one's ``__cause__`` (``raise ... from error``)."""
+    what = " ".join(str(error).split())
+    what = what if what.endswith(".") else f"{what}."
+    said = (
+        f"{owner}: training ended at step {step}, but {what}"
+        if finished
+        else f"{owner} stopped training at step {step}: {what}"
+    )
+    return PolicyError(
+        f"{said} No committed version was lost: fix the policy and {again} to resume from "
+        "the newest one"
     )
 
 

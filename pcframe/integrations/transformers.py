@@ -41,6 +41,7 @@ from pcframe.integrations._common import (
     check_flag,
     check_resume,
     close_quietly,
+    policy_stopped,
     require_library,
     resolve_policy,
     stopped_by,
@@ -52,7 +53,7 @@ import torch  # noqa: E402  (after the guard, on purpose)
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy  # noqa: E402
 
 from pcframe.distributed import global_versions  # noqa: E402
-from pcframe.errors import CheckpointError, SaveError  # noqa: E402
+from pcframe.errors import CheckpointError, PolicyError, SaveError  # noqa: E402
 from pcframe.integrations._common import refused_resume  # noqa: E402
 from pcframe.integrations._hf_engine import (  # noqa: E402
     Engine,
@@ -362,6 +363,8 @@ class PcframeCallback(transformers.TrainerCallback):
             # the loop; this callback stops training (as a failed save of the Trainer's own
             # does) rather than train on without checkpoints, and says so.
             raise stopped_by(exc, NAME, step, False, AGAIN) from exc
+        except PolicyError as exc:  # the interval or placement policy broke its contract
+            raise policy_stopped(exc, NAME, step, False, AGAIN) from exc
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._save_evaluated(state, control)
@@ -458,6 +461,9 @@ class PcframeCallback(transformers.TrainerCallback):
         except SaveError as exc:  # closed all the same: a version of this run failed
             self._forget()
             raise stopped_by(exc, NAME, step or 0, True, AGAIN) from exc
+        except PolicyError as exc:  # closed all the same: the placement failed at the end
+            self._forget()
+            raise policy_stopped(exc, NAME, step or 0, True, AGAIN) from exc
         self._forget()
 
     def _forget(self) -> None:

@@ -29,10 +29,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import pcframe.save.persist as persist
 from pcframe import Checkpointer, ResumableLoader, ResumableSampler
-from pcframe.errors import CheckpointError, SaveError, StateMismatch
+from pcframe.errors import CheckpointError, PolicyError, SaveError, StateMismatch
 from pcframe.integrations.lightning import PcframeCheckpoint
 from pcframe.state.rng import capture_rng
 from tests.helpers import DiskFull
+from tests.integrations import bad_policies
 from tests.integrations.killing import tree_differences
 
 # Lightning's advice for a tiny CPU run (num_workers, log intervals) is not under test here.
@@ -422,6 +423,44 @@ def test_a_failed_version_stops_the_fit_and_says_so(
     disk.full = False
     _, checkpoint = fit(directory, 8)
     assert checkpoint.resumed_step == 3  # the version before the failed one
+
+
+@pytest.mark.parametrize(("kind", "steps"), [("interval", 20), ("placement", 20), ("placement", 4)])
+def test_a_broken_policy_stops_the_fit_with_one_line_naming_it(
+    tmp_path: Path, kind: str, steps: int
+) -> None:
+    """The interval policy answers None from step 5, or the placement raises for version 2
+    (on the commit thread; the engine raises it at its next call, in the fit or at its end:
+    at the end with 4 steps, as version 2 is the last step's).
+
+    Before, the engine's PolicyError left the callback as it was: Lightning's traceback
+    through the engine, and a message of the engine's alone (not what the callback did: it
+    stopped the fit, or found it once the fit had ended). Now it is one line, as a failed
+    version's: the callback, the step, the policy's own line, and what to do.
+    """
+    directory = tmp_path / "ckpts"
+    pl.seed_everything(0, verbose=False)
+    checkpoint = PcframeCheckpoint(directory, **bad_policies.options(kind, directory))
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[checkpoint])  # fmt: skip
+    with pytest.raises(PolicyError) as failed:
+        trainer.fit(Tiny(), train_dataloaders=loader())
+    message = str(failed.value)
+    assert "\n" not in message, message
+    said = re.fullmatch(
+        r"PcframeCheckpoint(?: stopped training at step (\d+):|: training ended at step \d+, "
+        rf"but) {bad_policies.SAID[kind]}\. No committed version was lost: fix the policy and "
+        r"run trainer\.fit\(\.\.\.\) again to resume from the newest one",
+        message,
+    )
+    assert said is not None, message
+    if kind == "interval":
+        assert said[1] == str(bad_policies.BAD_FROM), message  # it stopped there
+    if steps == 4:  # found by the close, after the last step's version 2
+        assert said[1] is None and "ended at step 4, but" in message, message
+    assert isinstance(failed.value.__cause__, PolicyError)  # the engine's error, kept
+    assert checkpoint.checkpointer is None  # closed: the directory is released
 
 
 def test_ckpt_path_into_the_callbacks_folder_and_twin_callbacks_are_refused_by_name(

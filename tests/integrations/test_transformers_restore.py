@@ -29,10 +29,11 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import pcframe.save.persist as persist
 from pcframe import Checkpointer
-from pcframe.errors import CheckpointError, SaveError
+from pcframe.errors import CheckpointError, PolicyError, SaveError
 from pcframe.integrations.transformers import PcframeCallback
 from pcframe.state.rng import capture_rng
 from tests.helpers import DiskFull
+from tests.integrations import bad_policies
 from tests.integrations.killing import tree_differences
 
 # transformers' advice for a tiny CPU run (pin_memory, tokens) is not under test here.
@@ -96,7 +97,9 @@ def trainer_for(
             **arguments,
         }
     )
-    callback = PcframeCallback(directory, save_steps=3, max_in_flight=1, **(options or {}))
+    callback = PcframeCallback(
+        directory, **{"save_steps": 3, "max_in_flight": 1, **(options or {})}
+    )
     given = [*callbacks] if add_later else [*callbacks, callback]
     trainer = trainer_class(model=model, args=args, train_dataset=Tokens(samples), callbacks=given)
     if add_later:  # after the constructor: the callback gets no on_init_end
@@ -294,3 +297,38 @@ def test_a_failed_version_is_reported_as_what_the_callback_did(
     trainer, callback = trainer_for(directory, 8)
     trainer.train()
     assert callback.resumed_step == 3  # the version before the failed one
+
+
+@pytest.mark.parametrize(("kind", "steps"), [("interval", 20), ("placement", 20), ("placement", 4)])
+def test_a_broken_policy_stops_training_with_one_line_naming_it(
+    tmp_path: Path, kind: str, steps: int
+) -> None:
+    """The interval policy answers None from step 5, or the placement raises for version 2
+    (on the commit thread; the engine raises it at its next call, in training or at its end:
+    at the end with 4 steps, as version 2 is the last step's).
+
+    Before, the engine's PolicyError left the callback as it was: the Trainer's traceback
+    through the engine, and the engine's message alone (not what the callback did: it
+    stopped training, or found it once training had ended). Now it is one line, as a failed
+    version's: the callback, the step, the policy's own line, and what to do.
+    """
+    directory = tmp_path / "ckpts"
+    options = {"save_steps": None, **bad_policies.options(kind, directory)}
+    trainer, callback = trainer_for(directory, steps, options=options)
+    with pytest.raises(PolicyError) as failed:
+        trainer.train()
+    message = str(failed.value)
+    assert "\n" not in message, message
+    said = re.fullmatch(
+        r"PcframeCallback(?: stopped training at step (\d+):|: training ended at step \d+, "
+        rf"but) {bad_policies.SAID[kind]}\. No committed version was lost: fix the policy and "
+        r"run trainer\.train\(\) again to resume from the newest one",
+        message,
+    )
+    assert said is not None, message
+    if kind == "interval":
+        assert said[1] == str(bad_policies.BAD_FROM), message  # it stopped there
+    if steps == 4:  # found by the close, after the last step's version 2
+        assert said[1] is None and "ended at step 4, but" in message, message
+    assert isinstance(failed.value.__cause__, PolicyError)  # the engine's error, kept
+    assert callback.checkpointer is None and lock_is_free(directory)

@@ -35,13 +35,14 @@ from typing import Any
 import lightning.pytorch as pl
 
 from pcframe.checkpointer import Checkpointer
-from pcframe.errors import CheckpointError, SaveError
+from pcframe.errors import CheckpointError, PolicyError, SaveError
 from pcframe.integrations._common import (
     DISTRIBUTED_ARGUMENTS,
     check_engine_options,
     check_flag,
     check_resume,
     close_quietly,
+    policy_stopped,
     refused_resume,
     stopped_by,
 )
@@ -357,6 +358,8 @@ class PcframeCheckpoint(pl.callbacks.Checkpoint):
             # loop; this callback stops the fit (as a failed ModelCheckpoint save does) rather
             # than train on without checkpoints, and says so.
             raise stopped_by(exc, OWNER, step, False, AGAIN) from exc
+        except PolicyError as exc:  # the interval or placement policy broke its contract
+            raise policy_stopped(exc, OWNER, step, False, AGAIN) from exc
         if handle is not None and self.verbose:
             tell(
                 trainer,
@@ -415,6 +418,10 @@ class PcframeCheckpoint(pl.callbacks.Checkpoint):
             self.checkpointer = None
             self._processes.release()
             raise stopped_by(exc, OWNER, step or 0, True, AGAIN) from exc
+        except PolicyError as exc:  # closed all the same: the placement failed at the end
+            self.checkpointer = None
+            self._processes.release()
+            raise policy_stopped(exc, OWNER, step or 0, True, AGAIN) from exc
         except BaseException:
             self.checkpointer = None
             self._processes.release()
