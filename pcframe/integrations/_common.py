@@ -445,7 +445,8 @@ def refused_resume(
     callback, which calls ``restore()`` itself. ``mismatches`` keeps every problem the engine
     found; ``folder``: the callback's name of its directory argument; ``dtype_fix``: how its
     user gets the saved dtype (``{}``) back. ``None``: ``error`` is no such refusal (a damaged
-    version, a section's own refusal: its message says more)."""
+    version, a section's own refusal of the data: its message says more; a section's
+    ``StateMismatch`` is one)."""
     mismatches = _mismatches(error)
     if not mismatches:
         return None
@@ -470,6 +471,10 @@ def refused_resume(
 
 def _mismatches(error: BaseException) -> list[str]:
     """The mismatches of a refused restore (one process's, or a multi-rank one's), or none."""
+    if type(error) is CheckpointError and isinstance(error.__cause__, StateMismatch):
+        # A section's StateMismatch (the Trainer's LR schedule), raised inside the engine's
+        # apply, which rolled every object back and chained it.
+        return _mismatches(error.__cause__)
     if isinstance(error, StateMismatch):
         return list(error.mismatches) or [" ".join(str(error).split())]
     if type(error) is not CheckpointError or not _JOB_MISFIT.match(str(error)):

@@ -14,18 +14,25 @@ says each once (rank 0).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from pcframe.errors import StateMismatch
 from pcframe.integrations._common import RestoredSection, Undo, data_shape, shape_changes
 from pcframe.state.rng import capture_rng, restore_rng
 
 SECTION = "trainer_state"  # the stateful name of the TrainerState in every version
 DATA = "pcframe_data"  # in that section, beside the TrainerState's fields: the data's shape
 PROCESSES = "processes"  # in DATA: the job's number of processes
+# In the section too: the TrainingArguments that make the LR schedule the Trainer builds.
+SCHEDULE = "pcframe_schedule"
+# (warmup_steps is a ratio below 1; the number of training steps is this run's max_steps,
+# which a longer resumed run changes on purpose, as the Trainer's own resume allows)
+SCHEDULE_ARGS = ("lr_scheduler_type", "warmup_steps", "warmup_ratio", "lr_scheduler_kwargs")
 # Set by this run's TrainingArguments (as the Trainer's own resume keeps them), not restored.
 RUN_FIELDS = frozenset(
     {
@@ -49,10 +56,20 @@ class TrainerStateSection(RestoredSection):
     shape of the train data (what a mid-epoch position refers to)."""
 
     def __init__(
-        self, args: Any, state: Any, dataloader: Any, warn: Warn, *, untold: str | None
+        self,
+        args: Any,
+        state: Any,
+        dataloader: Any,
+        warn: Warn,
+        *,
+        untold: str | None,
+        schedule: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.args, self.state, self.dataloader, self.warn = args, state, dataloader, warn
+        # The settings of the LR schedule the Trainer built (:func:`schedule_of`); None: the
+        # scheduler is the user's own (``optimizers=``), which the arguments do not make.
+        self.schedule = schedule
         # Why the Trainer cannot be told where its resumed epoch stands (ResumedEpoch.unfit);
         # None: it is, and skips the batches trained itself.
         self.untold = untold
@@ -67,12 +84,16 @@ class TrainerStateSection(RestoredSection):
             # same for another number of processes with the same batches an epoch).
             recorded = shape(self.args, self.dataloader, offset)
             saved[DATA] = {**recorded, PROCESSES: processes(self.args)}
+        if self.schedule is not None:
+            saved[SCHEDULE] = dict(self.schedule)
         return saved
 
     def apply(self, saved: dict[str, Any], undo: Undo) -> None:
         step = saved.get("global_step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"the saved TrainerState's global_step is {step!r}")
+        # Checked before anything changes: the schedule against this run's.
+        refuse_other_schedule(saved.get(SCHEDULE), self.schedule)
         # Checked before anything changes: the data position against the data now.
         position = Position.plan(
             self.args, step, saved.get(DATA), self.dataloader, self.warn, self.untold
@@ -92,6 +113,57 @@ class TrainerStateSection(RestoredSection):
         if position is not None:
             undo.push(position.apply())
         self.position, self.applied = position, saved
+
+
+def schedule_of(args: Any, trainer: Any) -> dict[str, Any] | None:
+    """The TrainingArguments that make the LR schedule (:data:`SCHEDULE_ARGS`), as plain
+    values; ``None`` where ``trainer`` did not build its scheduler (one given through
+    ``optimizers=``: the arguments do not make it). A ``trainer`` of ``None`` (not found):
+    taken to have built it, as it does unless given one."""
+    if trainer is not None and getattr(trainer, "_created_lr_scheduler", True) is False:
+        return None
+    settings: dict[str, Any] = {}
+    for name in SCHEDULE_ARGS:
+        if not hasattr(args, name):  # an argument this transformers version does not have
+            continue
+        value = getattr(args, name)
+        value = getattr(value, "value", value)  # SchedulerType("linear") -> "linear"
+        if name == "lr_scheduler_kwargs":  # a dict (or a JSON string) or None: its text
+            value = json.dumps(value or {}, sort_keys=True, default=str)
+        elif not isinstance(value, int | float | str | None) or isinstance(value, bool):
+            value = str(value)
+        settings[name] = value
+    return settings
+
+
+def refuse_other_schedule(saved: Any, now: dict[str, Any] | None) -> None:
+    """Raise a :class:`~pcframe.errors.StateMismatch` when the saved run's LR schedule was
+    made by other TrainingArguments than this run's: every Trainer schedule is a LambdaLR,
+    so the engine's class check passes, and the resumed run's lambda (cosine, say) would
+    carry on from the saved run's step and last LR (linear), silently. Nothing to compare
+    for a version saved before the settings were recorded, or a scheduler of the user's."""
+    if not isinstance(saved, dict) or now is None:
+        return
+    mismatches = []
+    for name in SCHEDULE_ARGS:
+        if name in saved and name in now and saved[name] != now[name]:
+            was, has = saved[name], now[name]
+            if name == "lr_scheduler_kwargs":  # shown as the dicts they are
+                was, has = _loaded(was), _loaded(has)
+            mismatches.append(
+                f"scheduler: saved with TrainingArguments {name}={was!r}, this run has {has!r}"
+            )
+    if mismatches:
+        raise StateMismatch(
+            "the saved LR schedule is not this run's: " + "; ".join(mismatches), mismatches
+        )
+
+
+def _loaded(text: Any) -> Any:
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError):
+        return text
 
 
 def shape(args: Any, dataloader: Any, offset: int = 0) -> dict[str, Any]:

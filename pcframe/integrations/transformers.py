@@ -67,7 +67,11 @@ from pcframe.integrations._hf_engine import (  # noqa: E402
     save_now,
     share_trainer_state,
 )
-from pcframe.integrations._hf_state import Position, TrainerStateSection  # noqa: E402
+from pcframe.integrations._hf_state import (  # noqa: E402
+    Position,
+    TrainerStateSection,
+    schedule_of,
+)
 from pcframe.integrations._hf_train import (  # noqa: E402
     ClosingTrain,
     ResumedEpoch,
@@ -204,6 +208,7 @@ class PcframeCallback(transformers.TrainerCallback):
             kwargs.get("train_dataloader"),
             self._say,
             untold=ResumedEpoch.unfit(trainer),
+            schedule=schedule_of(args, trainer),
         )
         checkpointer = open_engine(
             self.output_dir,

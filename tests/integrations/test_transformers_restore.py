@@ -15,6 +15,7 @@ import logging
 import re
 import shutil
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import pcframe.save.persist as persist
 from pcframe import Checkpointer
-from pcframe.errors import CheckpointError, PolicyError, SaveError
+from pcframe.errors import CheckpointError, PolicyError, SaveError, StateMismatch
+from pcframe.integrations._hf_state import refuse_other_schedule, schedule_of
 from pcframe.integrations.transformers import PcframeCallback
 from pcframe.state.rng import capture_rng
 from tests.helpers import DiskFull
@@ -194,6 +196,73 @@ def test_a_refused_part_of_the_resume_changes_nothing(ckpts: Path, case: str) ->
     trainer, callback = trainer_for(ckpts, 8)
     trainer.train()
     assert callback.resumed_step == SAVED_STEP and trainer.state.global_step == 8
+
+
+# Each: the TrainingArguments of the resuming Trainer, and the mismatch its refusal names.
+SCHEDULES: dict[str, tuple[dict[str, Any], str]] = {
+    "type": (
+        {"lr_scheduler_type": "cosine"},
+        "scheduler: saved with TrainingArguments lr_scheduler_type='linear', this run has 'cosine'",
+    ),
+    "warmup": (
+        {"warmup_steps": 2},
+        "scheduler: saved with TrainingArguments warmup_steps=0, this run has 2",
+    ),
+    "kwargs": (
+        {"lr_scheduler_type": "linear", "lr_scheduler_kwargs": {"last_epoch": -1}},
+        "scheduler: saved with TrainingArguments lr_scheduler_kwargs={}, this run has "
+        "{'last_epoch': -1}",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SCHEDULES))
+def test_another_lr_schedule_is_refused_and_changes_nothing(ckpts: Path, case: str) -> None:
+    """The run was saved with the default linear schedule, no warm-up. The Trainer builds a
+    LambdaLR for every ``lr_scheduler_type``, so the engine's class check passed: a resume with
+    "cosine" (another warm-up, other scheduler options) loaded the linear run's step counter
+    and last LR into the cosine LambdaLR and trained on with another schedule, silently. Now
+    it is refused as another LR scheduler is: one StateMismatch line naming the folder, the
+    setting saved and this run's, and the fix; nothing the Trainer had changed."""
+    given, mismatch = SCHEDULES[case]
+    probe = Probe()
+    trainer, callback = trainer_for(ckpts, 20, callbacks=(probe,), **given)
+    with pytest.raises(StateMismatch) as refused:
+        trainer.train()
+    message = str(refused.value)
+    assert message == (
+        f"PcframeCallback: {ckpts} holds checkpoints of another LR scheduler ({mismatch}): "
+        "configure the LR scheduler the run was saved with, give this run its own "
+        f"output_dir, or pass resume=False to start over in {ckpts}"
+    ), message
+    assert refused.value.mismatches == [mismatch]
+    assert probe.before["trainer_state"]["global_step"] == 0
+    assert not tree_differences(probe.before, probe.snapshot())
+    assert callback.checkpointer is None and lock_is_free(ckpts)
+    # Nothing in the directory changed: the Trainer of the saved schedule resumes it.
+    trainer, callback = trainer_for(ckpts, 8)
+    trainer.train()
+    assert callback.resumed_step == SAVED_STEP and trainer.state.global_step == 8
+
+
+def test_a_schedule_is_compared_only_where_both_runs_recorded_the_trainers_own(
+    tmp_path: Path,
+) -> None:
+    """No refusal where there is nothing to compare: a version saved before the schedule was
+    recorded, or a scheduler of the user's (``optimizers=``), which the arguments do not
+    make (the Trainer says so: ``_created_lr_scheduler`` is False)."""
+    args = TrainingArguments(
+        output_dir=str(tmp_path), lr_scheduler_type="cosine", use_cpu=True, report_to=[]
+    )
+    assert schedule_of(args, types.SimpleNamespace(_created_lr_scheduler=False)) is None
+    built = schedule_of(args, None)
+    assert built is not None and built["lr_scheduler_type"] == "cosine"
+    linear = {**built, "lr_scheduler_type": "linear"}
+    refuse_other_schedule(None, built)  # saved before: no record
+    refuse_other_schedule(linear, None)  # this run's scheduler is the user's own
+    refuse_other_schedule(dict(built), built)
+    with pytest.raises(StateMismatch, match="lr_scheduler_type='linear', this run has 'cosine'"):
+        refuse_other_schedule(linear, built)
 
 
 def test_other_data_after_a_version_at_an_epoch_end_is_used_from_the_next_epoch(
