@@ -527,30 +527,39 @@ def test_an_earlier_failure_on_one_rank_is_raised_after_the_meeting_not_before(
         assert seen[rank]["restored"] == 9 and seen[rank]["after"] == "committed", seen[rank]
 
 
-POLICY_FAILED = (
+PLACEMENT_FAILED = (
     "placement policy 'rank_one_fails' (__main__.RankOneFails).place raised "
     "RuntimeError: no tier for version 2 on this rank for version 2; "
 )
+INTERVAL_FAILED = (
+    "policy __main__.RankOneAnswersNone.decide returned None; it must return "
+    "pcframe.policies.Decision(save=..., reason=...)"
+)
+TOLD = "failed on rank 1, so every rank raises this at that call and the ranks stay in step "
+TOLD += "(the last global version is intact): rank 1: "
 
 
 @pytest.mark.parametrize(
-    ("call", "failed_at"),
+    ("call", "failed_at", "said"),
     [
-        ("maybe_save", "maybe_save() of version 3 at step 3"),
-        ("close", "close() before saving version 3"),
+        ("maybe_save", "maybe_save() of version 3 at step 3", PLACEMENT_FAILED),
+        ("close", "close() before saving version 3", PLACEMENT_FAILED),
+        ("interval", "maybe_save() of version 3 at step 3", INTERVAL_FAILED),
     ],
 )
-def test_a_placement_that_fails_on_one_rank_is_raised_on_every_rank_at_its_meeting(
-    tmp_path, call, failed_at
+def test_a_policy_that_fails_on_one_rank_is_raised_on_every_rank_at_its_meeting(
+    tmp_path, call, failed_at, said
 ):
-    """Rank 1's placement policy raises for version 2 (on the commit thread); its engine
-    raises the PolicyError at the next call, maybe_save(3) or close().
+    """Rank 1's placement policy raises for version 2 (on the commit thread), and its engine
+    raises the PolicyError at the next call, maybe_save(3) or close(); or rank 1's interval
+    policy answers None at maybe_save(3).
 
     Before, rank 1 raised it before that call's meeting: rank 0 waited in the meeting for
     protocol_timeout (90 s here, 30 min by default) and then read that no rank answered
-    (maybe_save), or waited in close()'s meeting the same way. Now rank 1 meets the others,
-    marked failed, and both ranks raise at that call one PolicyError line naming rank 1 and
-    the policy; after maybe_save(3) the ranks are still in step, and save on.
+    (maybe_save), or waited in close()'s meeting until rank 1's process exited. Now rank 1
+    meets the others, marked failed, and both ranks raise at that call one PolicyError line
+    naming rank 1 and the policy; after maybe_save(3) the ranks are still in step, and
+    version 3 (step 4) is global.
     """
     out = tmp_path / "out"
     out.mkdir()
@@ -561,20 +570,39 @@ def test_a_placement_that_fails_on_one_rank_is_raised_on_every_rank_at_its_meeti
     seen = [json.loads((out / f"placement_fails-{call}-r{r}.json").read_text()) for r in (0, 1)]
     for rank in (0, 1):
         outcomes = dict((str(k), v) for k, v in seen[rank]["outcomes"])
-        raised = outcomes.pop("3" if call == "maybe_save" else "close")
-        assert raised.startswith(
-            f"PolicyError: {failed_at} failed on rank 1, so every rank raises this at that "
-            f"call and the ranks stay in step (the last global version is intact): rank 1: "
-            f"{POLICY_FAILED}"
-        ), (rank, raised)
-        assert "Fix: make place() return a PlacementDecision" in raised and "\n" not in raised
-        steps = ["1", "2", "4"] if call == "maybe_save" else ["1", "2"]
-        assert outcomes == {
-            **dict.fromkeys(steps, "global"),
-            **({"close": "closed"} if call == "maybe_save" else {}),
-        }, (rank, outcomes)
+        raised = outcomes.pop("close" if call == "close" else "3")
+        assert raised.startswith(f"PolicyError: {failed_at} {TOLD}{said}"), (rank, raised)
+        assert "\n" not in raised
+        if call == "close":
+            assert outcomes == {"1": "global", "2": "global"}, (rank, outcomes)
+        else:
+            expected = {"1": "global", "2": "global", "4": "global", "close": "closed"}
+            assert outcomes == expected, (rank, outcomes)
     pointer, versions = check_global_versions(root / "ckpt")
-    assert pointer == (3 if call == "maybe_save" else 2), (pointer, versions)
+    assert pointer == (2 if call == "close" else 3), (pointer, versions)
+
+
+def test_a_placement_failure_found_by_one_ranks_save_fails_that_version_on_every_rank(
+    tmp_path,
+):
+    """Rank 1's placement failure (version 2) found by its save(3), after that save's
+    meeting: no rank waits (a guard; this path did not hang before either). Rank 1's
+    save(3) raises the PolicyError, rank 0's wait() of version 3 a SaveError naming rank 1
+    and the policy; version 3 is lost (rank 1 never started it), version 4 is global."""
+    out = tmp_path / "out"
+    out.mkdir()
+    root = tmp_path / "job"
+    args = ["placement_fails", "--root", str(root), "--out", str(out), "--tag", "save"]
+    run_job(2, args, tmp_path / "logs", timeout=150, kill_on_failure=False).check()
+    seen = [json.loads((out / f"placement_fails-save-r{r}.json").read_text()) for r in (0, 1)]
+    raised = [dict((str(k), v) for k, v in seen[r]["outcomes"]).pop("3") for r in (0, 1)]
+    assert raised[0].startswith("SaveError: checkpoint version 3 (step 3) failed in stage "), raised
+    assert f"rank 1 failed: save() raised PolicyError: {PLACEMENT_FAILED}" in raised[0], raised
+    assert raised[1].startswith(f"PolicyError: {PLACEMENT_FAILED}"), raised
+    for rank in (0, 1):
+        assert [o[1] for o in seen[rank]["outcomes"] if o[0] != 3] == ["global"] * 3 + ["closed"]
+    pointer, versions = check_global_versions(root / "ckpt")
+    assert pointer == 4, (pointer, versions)
 
 
 def test_a_rank_that_stops_answering_is_named_as_such_after_the_timeout(tmp_path):

@@ -788,27 +788,37 @@ class RankOneFails(PlacementPolicy):
         return PlacementDecision(("local", "replica"), keep={"local": keep, "replica": keep})
 
 
+class RankOneAnswersNone(FixedSteps):
+    """Saves at every step; on rank 1 only, ``decide`` returns None at step 3 (a bug)."""
+
+    def decide(self, ctx: PolicyContext) -> Decision:
+        if dist.get_rank() == 1 and ctx.step == 3:
+            return None  # type: ignore[return-value]
+        return super().decide(ctx)
+
+
 def placement_fails(args: argparse.Namespace, out: dict[str, Any]) -> None:
-    """Rank 1's placement policy raises for version 2, saved at step 2 and waited for until
-    global (so its commit, and the failure, come before the next call). Rank 1's engine
-    raises the PolicyError at its next call: ``maybe_save`` (``--tag``): maybe_save(3),
-    before that call's meeting; ``close``: the close() after version 2, before the close's
-    meeting. Every step saves (FixedSteps(1)); each rank records what each call raised."""
+    """A policy fails on rank 1 only (``--tag``). ``maybe_save``: its placement raises for
+    version 2, saved at step 2 and waited for until global (so its commit, and the failure,
+    come before the next call); its engine raises the PolicyError at maybe_save(3), before
+    that call's meeting. ``close``: the same at the close() after version 2, before the
+    close's meeting. ``save``: the same at save(3), after that save's meeting. ``interval``:
+    its interval policy answers None at step 3 (maybe_save(3), before the meeting). Every
+    step saves; each rank records what each call raised."""
     job = build("ddp")
     out["outcomes"] = outcomes = []
-    tiers = {"replica": args.root / "replica"}
+    placed = {"tiers": {"replica": args.root / "replica"}, "placement": RankOneFails()}
     ckpt = job.checkpointer(
         args.root / "ckpt",
-        policy=FixedSteps(1),
-        tiers=tiers,
-        placement=RankOneFails(),
-        protocol_timeout=90.0,  # a hang guard only: the launcher gives the job 120 s
+        policy=RankOneAnswersNone(1) if args.tag == "interval" else FixedSteps(1),
+        protocol_timeout=90.0,  # a hang guard only: the launcher gives the job 150 s
+        **({} if args.tag == "interval" else placed),
     )
-    last = 4 if args.tag == "maybe_save" else 2
+    last = 2 if args.tag == "close" else 4
     for step in range(1, last + 1):
         job.step()
         try:
-            handle = ckpt.maybe_save(step)
+            handle = ckpt.save(step) if args.tag == "save" else ckpt.maybe_save(step)
             assert handle is not None
             handle.wait()
             outcomes.append([step, "global"])
