@@ -40,7 +40,7 @@ from pcframe.distributed.replication import PeerReplication
 from pcframe.distributed.securing import NoticeSecuring, deadline_ms, monotonic
 from pcframe.distributed.shadow import ShadowFill, replicated_items
 from pcframe.distributed.verdict import load_newest
-from pcframe.errors import CheckpointError, SaveError
+from pcframe.errors import CheckpointError, PolicyError, SaveError
 from pcframe.format.names import version_name
 from pcframe.policies.base import Notice
 from pcframe.policies.placement.base import PlacementPolicy
@@ -380,9 +380,14 @@ class DistributedCheckpointer:
             except SaveError as exc:  # the engine raises each failure once: keep every one
                 self.protocol.defer(exc)
                 deferred = True
-            except Exception as exc:  # the interval policy's, or a placement's found late
+            except PolicyError as exc:  # the interval policy's, or a placement's found late
                 # Taken to the meeting, so every rank raises it there (meeting.Meetings.meet):
                 # raised here, it left the others waiting in it for protocol_timeout.
+                failure = exc
+                break
+            except CheckpointError:  # a collective refused (a signal handler's, in this
+                raise  # call): raised at once, so this rank calls again and meets the others
+            except Exception as exc:  # raised by the interval policy (or a notice source)
                 failure = exc
                 break
         if failure is None:
