@@ -369,6 +369,11 @@ class DistributedCheckpointer:
         on any rank (a notice its sources saw) is a save on all, waited for until global. A
         notice the policy answers without a save secures the newest global version on every
         rank within the notice's window (:meth:`NoticeSecuring.secure_newest`; ``last_secured``).
+
+        Raises:
+            PolicyError: the interval policy, or a placement's failure the engine found late,
+                failed on some rank: raised on every rank after the meeting (one line naming
+                the rank and the policy); no rank saves at this step, all stay in step.
         """
         self._check_open()
         deferred = False
