@@ -249,7 +249,7 @@ class DistributedCheckpointer:
                 replication.store,
                 replication.sources,
                 optimizer,
-                active=lambda: not replication.status.broken,
+                wanted=replication.shadows_wanted,
             )
         self._remote_wholes: list[int] = []  # the newest whole versions in the object store
         if self.remote is not None:
@@ -273,6 +273,13 @@ class DistributedCheckpointer:
         self._closed = False
 
     # --- the tiers beyond the ranks' own disks ------------------------------------------------
+
+    def _parameter_items(self) -> frozenset[str]:
+        """The split's item names of the model's parameters (``model/<name>``)."""
+        model = self.objects.model
+        if model is None:
+            return frozenset()
+        return frozenset(f"model/{name}" for name, _ in model.named_parameters())
 
     def _has_peers(self) -> bool:
         """Whether any rank has a peer on another node to copy to (the same on every rank)."""
@@ -330,12 +337,20 @@ class DistributedCheckpointer:
         start = time.perf_counter()
         round_ = Round(self._next, step, start, emergency=emergency)
         self._next += 1
+        shadowed = None
         try:
             self._stash.model, self._stash.optimizer = self.splitter.split(round_.version, step)
             round_.meeting = self._meetings.pending  # None when waited for in split
             local_start = time.perf_counter()
             round_.handle = self._local_save(step, round_.version, metadata)
             round_.local_call = time.perf_counter() - local_start
+            if self.shadows is not None:
+                shadowed = replicated_items(
+                    self.splitter.placed,
+                    self.splitter.owners,
+                    self.shadows.sources,
+                    self._parameter_items(),
+                )
         except BaseException as exc:
             if exc is self._meetings.broken:
                 raise  # no round: the ranks cannot agree on this version
@@ -345,12 +360,9 @@ class DistributedCheckpointer:
             raise
         finally:
             self._stash.model = self._stash.optimizer = None
-        if self.shadows is not None:  # after the engine's own snapshot has started
-            sources = self.shadows.sources
-            self.shadows.start(
-                round_.version,
-                replicated_items(self.splitter.placed, self.splitter.owners, sources),
-            )
+            self.splitter.placed = {}  # live tensors: not kept past the save (a restore)
+        if self.shadows is not None and shadowed is not None:  # the engine's copy has started
+            self.shadows.start(round_.version, shadowed)
         round_.call = time.perf_counter() - start
         self.rounds[round_.version] = round_
         while len(self.rounds) > _KEEP_ROUNDS:  # bounded bookkeeping in long runs
@@ -511,6 +523,8 @@ class DistributedCheckpointer:
             UnsupportedCheckpoint: the newest version is of a newer format or codec.
         """
         self._check_open()
+        if self.shadows is not None:  # a fill writes the store this restore reads
+            self.shadows.wait()
         self._meetings.settle()
         self.protocol.join()
         self._prune()

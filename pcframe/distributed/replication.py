@@ -110,6 +110,9 @@ class PeerReplication:
         self.targets = replica_ranks(nodes, rank, replicas)
         self.sources = backed_up_by(nodes, rank, replicas)
         self.status = PeerStatus()
+        # Ranks whose shadow got a chunk wrong: their state is not this rank's (not DDP),
+        # so their copies stream whole from then on (shadow.py).
+        self.unshadowed: set[int] = set()
         # The newest version every shard of which reached all its peers: what a restore
         # can have after losing any one node; and the versions queued or in a round here.
         # The records' retention keeps both (:meth:`protected`).
@@ -142,6 +145,10 @@ class PeerReplication:
                     return False
                 self._done.wait(left)
             return version <= self._decided_through
+
+    def shadows_wanted(self, src: int) -> bool:
+        """Whether ``src``'s copies are still worth a shadow (asked by the training thread)."""
+        return not self.status.broken and src not in self.unshadowed
 
     def protected(self) -> frozenset[int]:
         """The global versions whose records (and so shards) must stay: the newest secured
@@ -335,10 +342,20 @@ class PeerReplication:
             return False
         try:
             tally = Streamed()
-            shadow = self.store.shadow_files(src, version)
+            shadow = None if src in self.unshadowed else self.store.shadow_of(src, version)
             manifest = receive_version(
                 src, staging, self._group, pin, self.store.spare, size, shadow, tally
             )
+            if tally.missed:
+                self.unshadowed.add(src)
+                log.info(
+                    "peer tier: rank %d's shadow of rank %d's version %d got %d chunk(s) "
+                    "wrong (their replicated state differs): its copies stream whole from now",
+                    self.rank,
+                    src,
+                    version,
+                    tally.missed,
+                )
             if keep:
                 self.store.commit(src, version, staging)
         except (CorruptCheckpoint, ManifestError, OSError) as exc:

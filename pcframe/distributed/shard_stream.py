@@ -22,10 +22,14 @@ answering breaks a stream (the group's timeout, then an error on the other side)
 After its *go* the receiver says which pieces it needs (one byte each), and only those are
 streamed. It needs every piece unless it was handed files already filled for this copy
 (``prefilled``: a *shadow*, the source's replicated tensors written from this rank's own
-identical state, :mod:`pcframe.distributed.shadow`): a piece of such a file whose bytes
-already match the manifest's checksum is not sent. The check is the one a streamed piece
-gets, so the copy is still exactly the sender's files; a shadow that is wrong anywhere (the
-state differed, or the layout moved) only costs the pieces it got wrong.
+identical state, :mod:`pcframe.distributed.shadow`): a chunk the shadow wrote whole whose
+bytes already match the manifest's checksum is not sent. The check is the one a streamed
+piece gets, so the copy is still exactly the sender's files; a shadow that is wrong anywhere
+(the state differed, or the layout moved) only costs the pieces it got wrong. Only the
+chunks the shadow wrote are compared (never an older copy's bytes, which differ), and the
+caller stops shadowing a rank once one of them differs (``Streamed.missed``): a 32-bit
+checksum that happens to match bytes that differ is then a chance taken once, not at every
+copy.
 
 A receiver may hand over the files of a copy it was going to delete anyway (``spare``): they
 are renamed into the new copy and overwritten, so the copy lands in memory pages the node
@@ -41,7 +45,6 @@ import contextlib
 import mmap
 import os
 import stat
-from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +59,7 @@ from pcframe.format.files import open_regular
 from pcframe.format.manifest import MAX_MANIFEST_BYTES, Manifest, manifest_from_bytes
 from pcframe.format.names import MANIFEST_NAME
 from pcframe.format.pieces import Piece, file_sizes, pieces
-from pcframe.store.tiers.peer import SHADOW_MARK
+from pcframe.store.tiers.peer import SHADOW_MARK, Shadow
 
 _NOTHING = -1  # a manifest length: the sender has no readable version to send
 _GO, _REFUSE = 1, 0  # the receiver's answer to a manifest: stream the pieces, or nothing
@@ -69,6 +72,7 @@ class Streamed:
 
     sent: int = 0  # streamed by the sender
     prefilled: int = 0  # found right in the prefilled files: not sent
+    missed: int = 0  # pieces the shadow wrote that did not check (streamed)
 
 
 def send_version(directory: Path, dst: int, group: Any) -> int:
@@ -175,7 +179,7 @@ def receive_version(
     expect_crc: str | None = None,
     spare: Path | None = None,
     limit: int | None = None,
-    prefilled: Collection[str] = (),
+    prefilled: Shadow | None = None,
     tally: Streamed | None = None,
 ) -> Manifest:
     """Receive a version streamed by rank ``src`` into the new folder ``into`` and return
@@ -186,8 +190,8 @@ def receive_version(
     them where there are any (renamed into ``into``: taken even if the copy is refused).
     ``limit``: bytes of files (the manifest included) the caller made room for; a larger
     copy is refused before its pieces are sent.
-    ``prefilled``: names of ``spare``'s files already filled for this copy (a shadow): each
-    is taken for the file of its name, and its pieces that check are not streamed.
+    ``prefilled``: what ``spare`` holds already filled for this copy (a shadow): its files
+    are taken for the files of their names, and its chunks that check are not streamed.
     ``tally``: where to count the bytes streamed and found prefilled.
 
     Raises:
@@ -209,13 +213,14 @@ def receive_version(
     path = into / MANIFEST_NAME
     descriptors: dict[str, int] = {}
     shadowed: set[str] = set()  # files taken from the prefilled ones
+    files = prefilled.files if prefilled is not None else frozenset()
     try:
         manifest, buffer = _prepare(raw.numpy().tobytes(), path, src, expect_crc, limit)
         spares = _spare_files(spare)
         for name, size in file_sizes(manifest).items():
-            fd, reused = _reserve(into / name, size, spares)
+            fd, reused = _reserve(into / name, size, spares, same_name=name in files)
             descriptors[name] = fd
-            if reused in prefilled:
+            if reused == name and name in files:
                 shadowed.add(name)
     except (CheckpointError, OSError):  # refused before a piece is sent: none will be
         for fd in descriptors.values():
@@ -225,11 +230,14 @@ def receive_version(
     _send_int(_GO, src, group)
     digest = checksum_function(manifest.checksum)
     listed = list(pieces(manifest))
-    have = _already_right(listed, shadowed, descriptors, buffer, digest)
+    chunks = prefilled.chunks if prefilled is not None else frozenset()
+    candidates = [i in chunks and listed[i].file in shadowed for i in range(len(manifest.chunks))]
+    have = _already_right(listed, candidates, descriptors, buffer, digest)
     dist.send(torch.tensor([not h for h in have], dtype=torch.uint8), src, group=group)
     if tally is not None:
         tally.prefilled += sum(p.length for p, h in zip(listed, have, strict=True) if h)
         tally.sent += sum(p.length for p, h in zip(listed, have, strict=True) if not h)
+        tally.missed += sum(1 for c, h in zip(candidates, have, strict=False) if c and not h)
     problem = ""
     try:
         for piece, had in zip(listed, have, strict=True):
@@ -300,16 +308,18 @@ def _prepare(
 
 def _already_right(
     listed: list[Piece],
-    shadowed: Collection[str],
+    candidates: list[bool],
     descriptors: dict[str, int],
     buffer: torch.Tensor,
     digest: Any,
 ) -> list[bool]:
-    """Per piece, whether the prefilled file it lies in already holds it (its checksum
-    checks: the same check a streamed piece gets). A piece that cannot be read is needed."""
+    """Per piece, whether it is a candidate (a chunk a shadow wrote whole, in a file taken
+    from it) that its file already holds: its checksum checks, the same check a streamed
+    piece gets. A piece that cannot be read is needed."""
     have = [False] * len(listed)
-    for index, piece in enumerate(listed):
-        if piece.file not in shadowed or not piece.checksum:
+    for index, candidate in enumerate(candidates):
+        piece = listed[index]
+        if not candidate or not piece.checksum:
             continue
         view = buffer[: piece.length].numpy()
         try:
@@ -335,15 +345,18 @@ def _spare_files(spare: Path | None) -> list[Path]:
     return [path for _, path in sorted(found, key=lambda item: item[0], reverse=True)]
 
 
-def _reserve(path: Path, size: int, spares: list[Path]) -> tuple[int, str | None]:
+def _reserve(
+    path: Path, size: int, spares: list[Path], same_name: bool = False
+) -> tuple[int, str | None]:
     """A descriptor of the new file ``path`` of ``size`` bytes and the name of the spare
-    file it was made of: the spare file of the same name where there is one (a shadow's
-    file, or the same file of an older copy), else the largest spare file left (its pages
-    reused), else a new file (None)."""
-    same = [old for old in spares if old.name == path.name]
-    for old in same:
-        spares.remove(old)
-    spares[:0] = same
+    file it was made of: with ``same_name``, the spare file of its name (a shadow's file);
+    else the largest spare file left (its pages reused; the spare is room made for the
+    copy's largest file), else a new file (None)."""
+    if same_name:
+        same = [old for old in spares if old.name == path.name]
+        for old in same:
+            spares.remove(old)
+        spares[:0] = same
     while spares:
         old = spares.pop(0)
         try:

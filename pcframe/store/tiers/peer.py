@@ -51,6 +51,7 @@ import shutil
 import stat
 import threading
 from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from pcframe.errors import TierError
@@ -67,6 +68,16 @@ SHADOW_MARK = "shadow.json"
 READING_PREFIX = ".reading-"  # beside the stores of a node: a restore reads their copies
 
 DEFAULT_BUDGET_SHARE = 0.5  # of the memory file system's free space when no budget is given
+
+
+@dataclass(frozen=True)
+class Shadow:
+    """What a fill wrote into the spare ahead of one copy: the data files it laid out, and
+    the chunks (indices in the manifest) it wrote whole, tensor bytes and the zeros between
+    them. Only those chunks are worth checking: any other byte is an older copy's."""
+
+    files: frozenset[str]
+    chunks: frozenset[int]
 
 
 def copy_bytes(directory: Path) -> int:
@@ -319,9 +330,9 @@ class PeerStore:
     def prepare_shadow(self, sizes: Mapping[str, int], nbytes: int) -> Path | None:
         """The spare made ready to be filled ahead of a copy of ``nbytes`` (every file):
         room made for it as for a copy received (:meth:`make_room`: the spare is what the
-        copy will be written over), and its files named and sized as ``sizes`` (the copy's
-        data files). None where the copy would not fit. The caller holds
-        :attr:`spare_lock` and marks the fill done with :meth:`mark_shadow`.
+        copy will be written over), its files named and sized as ``sizes`` (the copy's
+        data files) and nothing else left in it. None where the copy would not fit. The
+        caller holds :attr:`spare_lock` and marks the fill done with :meth:`mark_shadow`.
 
         Raises:
             OSError: the spare's files cannot be made.
@@ -344,23 +355,32 @@ class PeerStore:
                         os.rename(others[0], target)
                 with open(target, "ab") as handle:  # created where it is not there
                     handle.truncate(size)
+            for leftover in self.spare.iterdir():  # the room made is for these files only
+                if leftover.name not in sizes:
+                    leftover.unlink()
         return self.spare
 
-    def mark_shadow(self, src: int, version: int, files: Collection[str]) -> None:
-        """The spare's ``files`` now hold ``src``'s ``version`` where this rank could fill them."""
-        mark = {"src": src, "version": version, "files": sorted(files)}
+    def mark_shadow(self, src: int, version: int, shadow: Shadow) -> None:
+        """The spare now holds what ``shadow`` says of ``src``'s ``version``."""
+        mark = {
+            "src": src,
+            "version": version,
+            "files": sorted(shadow.files),
+            "chunks": sorted(shadow.chunks),
+        }
         (self.spare / SHADOW_MARK).write_text(json.dumps(mark))
 
-    def shadow_files(self, src: int, version: int) -> frozenset[str]:
-        """The spare's files filled ahead for ``src``'s ``version`` (none where the spare
-        was filled for another copy, or not at all)."""
+    def shadow_of(self, src: int, version: int) -> Shadow | None:
+        """What the spare holds, filled ahead, of ``src``'s ``version`` (None where it was
+        filled for another copy, or not at all)."""
         try:
             mark = json.loads((self.spare / SHADOW_MARK).read_text())
             if mark["src"] == src and mark["version"] == version:
-                return frozenset(str(name) for name in mark["files"])
+                files = frozenset(str(name) for name in mark["files"])
+                return Shadow(files, frozenset(int(index) for index in mark["chunks"]))
         except (OSError, ValueError, KeyError, TypeError):
             pass
-        return frozenset()
+        return None
 
     # --- the restore's side ---------------------------------------------------------------
 
