@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from pcframe.apps.bounds import check_bounds
-from pcframe.apps.errors import APP_GROUPS, describe_error
+from pcframe.apps.errors import APP_GROUPS, config_groups, describe_error
 from pcframe.apps.instantiate import check_targets
 from pcframe.apps.nulls import read_nulls, register_none_options
 from pcframe.apps.schemas import register_app_schemas
@@ -59,8 +59,9 @@ def compose_config(
     """
     register_app_schemas()
     _register_app(config_name)
-    register_none_options(config_name)
-    overrides = read_nulls(overrides, config_name, APP_GROUPS.get(config_name, ()))
+    groups = APP_GROUPS.get(config_name, ())
+    register_none_options(config_name, groups)
+    overrides = read_nulls(overrides, config_name, groups, config_groups)
     try:
         with _quiet(), initialize_config_module(CONFIG_MODULE, version_base="1.3"):
             cfg = compose(config_name, overrides=list(overrides))

@@ -73,9 +73,10 @@ def run_app(app: Callable[[], Any], prog: str) -> None:
     from pcframe.apps.nulls import read_nulls, register_none_options
 
     name = _app_name(prog)
-    register_none_options(name)  # group=null: Hydra's ValueError traceback, even in a sweep
+    groups = APP_GROUPS.get(name, ())
+    register_none_options(name, groups)  # group=null: Hydra's ValueError traceback, in a sweep
     try:
-        sys.argv[1:] = read_nulls(sys.argv[1:], name, APP_GROUPS.get(name, ()))
+        sys.argv[1:] = read_nulls(sys.argv[1:], name, groups, config_groups)
     except ConfigError as exc:
         _exit(exc, prog)
     if os.environ.get(FULL_ERROR) == "1":

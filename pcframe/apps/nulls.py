@@ -16,7 +16,7 @@ adds (``+sim/predictor=ewma``) may be left out too: ``+sim/predictor=null,ewma``
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 
 from hydra.core.config_store import ConfigStore
@@ -29,12 +29,10 @@ _PLAIN = re.compile(r"^[\w.\-]+$")  # an option name; anything fancier is left t
 _NESTED_NULL = re.compile(r"(?<![\w.\-'\"])null(?![\w.\-'\"])", re.IGNORECASE)
 
 
-def nullable_groups(app: str) -> list[str]:
+def nullable_groups(app: str, groups: Sequence[str] = ()) -> list[str]:
     """The groups of ``app`` that may be left out: those ``conf/<app>.yaml``'s defaults list
-    sets to ``null``, and those of its groups that only a ``+group=option`` adds
-    (``sim/predictor``)."""
-    from pcframe.apps.errors import APP_GROUPS
-
+    sets to ``null``, and those of its ``groups`` (all the app uses) that only a
+    ``+group=option`` adds (``sim/predictor``)."""
     try:
         text = resources.files("pcframe.conf").joinpath(f"{app}.yaml").read_text()
     except (FileNotFoundError, ModuleNotFoundError):
@@ -46,30 +44,36 @@ def nullable_groups(app: str) -> list[str]:
         if isinstance(entry, dict)
         for key, value in entry.items()
     }
-    unlisted = [g for g in APP_GROUPS.get(app, ()) if g not in listed]
+    unlisted = [g for g in groups if g not in listed]
     return [g for g, value in listed.items() if value is None] + unlisted
 
 
-def register_none_options(app: str) -> list[str]:
-    """Store the empty option :data:`NONE` in each of ``app``'s nullable groups; those
-    groups. Idempotent."""
-    groups = nullable_groups(app)
+def register_none_options(app: str, groups: Sequence[str] = ()) -> list[str]:
+    """Store the empty option :data:`NONE` in each of ``app``'s nullable groups (``groups``:
+    all the app uses); those groups. Idempotent."""
+    nullable = nullable_groups(app, groups)
     store = ConfigStore.instance()
-    for group in groups:
+    for group in nullable:
         # package _global_ with nothing in it: merges nothing, as the null default
         store.store(group=group, name=NONE, node={}, package="_global_")
-    return groups
+    return nullable
 
 
-def read_nulls(overrides: Sequence[str], app: str, groups: Sequence[str] = ()) -> list[str]:
+def read_nulls(
+    overrides: Sequence[str],
+    app: str,
+    groups: Sequence[str] = (),
+    options: Callable[[str], Mapping[str, list[str]]] | None = None,
+) -> list[str]:
     """``overrides`` with ``null`` read as :data:`NONE` where a nullable group is given it
     (``policy/placement=null`` and each ``null`` of ``policy/placement=null,single_tier``).
 
-    ``groups``: the app's other config groups; one of them given ``null`` is a
-    :class:`ConfigError` naming the key and its options. Overrides of keys (``a.b=null``),
+    ``groups``: the app's config groups; one that may not be left out given ``null`` is a
+    :class:`ConfigError` naming the key and its options (``options(app)``: every group's
+    options, as ``pcframe.apps.errors.config_groups`` lists them). Overrides of keys (``a.b=null``),
     flags and values Hydra's grammar dresses up (``choice(...)``, quotes) pass unchanged.
     """
-    nullable = set(nullable_groups(app))
+    nullable = set(nullable_groups(app, groups))
     out = []
     for override in overrides:
         sign, key, value = _parts(override)
@@ -93,7 +97,7 @@ def read_nulls(overrides: Sequence[str], app: str, groups: Sequence[str] = ()) -
             chosen = [NONE if null else v for v, null in zip(values, nulls, strict=True)]
             out.append(f"{sign}{key}={','.join(chosen)}")
         elif key in groups:
-            raise ConfigError(_must_choose(override, key, app))
+            raise ConfigError(_must_choose(override, key, app, options))
         else:
             out.append(override)
     return out
@@ -110,10 +114,14 @@ def _parts(override: str) -> tuple[str, str | None, str | None]:
     return sign, (key if "/" in key or "." not in key else None), value
 
 
-def _must_choose(override: str, group: str, app: str) -> str:
-    from pcframe.apps.errors import config_groups
-
-    options = [o for o in config_groups(app).get(group, []) if o != NONE]
+def _must_choose(
+    override: str,
+    group: str,
+    app: str,
+    listing: Callable[[str], Mapping[str, list[str]]] | None,
+) -> str:
+    found = listing(app).get(group, []) if listing is not None else []
+    options = [o for o in found if o != NONE]
     have = f"choose one of {', '.join(options)}" if options else "choose one of its options"
     return (
         f"{override}: {group} cannot be left out in pcframe-{app} (it has no null default); {have}"

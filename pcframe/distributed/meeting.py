@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from pcframe.distributed.peers import peers
 from pcframe.errors import CheckpointError, PolicyError, RanksOutOfStep
+from pcframe.text import one_line
 
 log = logging.getLogger("pcframe")
 
@@ -215,7 +216,7 @@ class Meetings:
             self.settle()
         except CheckpointError:
             if failure is not None:  # no meeting can follow: the failure is not raised
-                log.error("rank failure not told to the others: %s", _one_line(failure))
+                log.error("rank failure not told to the others: %s", _as_told(failure))
             raise
         met = self._read(self.start(replace(doing, failed=failure is not None)))
         if met.failed:
@@ -226,7 +227,7 @@ class Meetings:
         """The error every rank raises for the ranks ``failed`` at this meeting: each of
         them sends its message to every rank (all ranks read the same rows, so all enter)."""
         texts: list[Any] = [None] * self.world_size
-        mine = None if failure is None else _one_line(failure)
+        mine = None if failure is None else _as_told(failure)
         try:
             with peers(
                 f"{doing.call.name.lower()}: telling every rank of {_ranks(failed)}'s error"
@@ -316,9 +317,9 @@ def _check_rows(doing: Doing, everyone: list[Doing]) -> Met:
     return Met([d.sharded_bytes for d in everyone], flags, undescribed, deadline, newest, failed)
 
 
-def _one_line(exc: BaseException) -> str:
+def _as_told(exc: BaseException) -> str:
     """``exc`` as one line: a pcframe error's message, else its type and message."""
-    text = " ".join(str(exc).split())
+    text = one_line(exc)
     return text if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {text}"
 
 

@@ -170,7 +170,7 @@ class ShadowFill:
     def _fill(self, src: int, version: int, layout: Path, items: dict[str, torch.Tensor]) -> None:
         try:
             manifest = read_manifest(layout / MANIFEST_NAME)
-            places, chunks = plan(manifest, items)
+            places, chunks = shadow_plan(manifest, items)
             sizes = {n: s for n, s in file_sizes(manifest).items() if n != CODEC_NAME}
             spare = self.store.prepare_shadow(sizes, copy_bytes(layout)) if chunks else None
             if spare is None:  # no chunk is this rank's to write whole, or no room
@@ -188,7 +188,7 @@ class ShadowFill:
 
 
 @dataclass(frozen=True)
-class _Place:
+class _Span:
     """``length`` bytes at ``offset`` of ``file``: ``tensor``'s from its byte ``start``, or
     zeros (``tensor`` None: the padding between entries, which the engine writes as zeros)."""
 
@@ -199,16 +199,16 @@ class _Place:
     length: int
 
 
-def plan(
+def shadow_plan(
     manifest: Manifest, items: Mapping[str, torch.Tensor]
-) -> tuple[list[_Place], frozenset[int]]:
+) -> tuple[list[_Span], frozenset[int]]:
     """What a shadow of a copy laid out as ``manifest`` writes from ``items``, and the
     chunks (indices) it writes whole: those every tensor of which is one of ``items`` (of
     the entry's dtype and shape, contiguous, in host memory), padding included. A chunk
     holding anything else (another rank's part of the shard, a tensor of another structure)
     is left to the stream and not written at all."""
     entries = sorted((e for e in manifest.entries if e.raw and e.nbytes), key=lambda e: e.offset)
-    places: list[_Place] = []
+    places: list[_Span] = []
     chunks: set[int] = set()
     first = 0  # the first entry that may reach into the chunk
     for index, chunk in enumerate(manifest.chunks):
@@ -248,16 +248,16 @@ def _usable(entry: Entry, items: Mapping[str, torch.Tensor]) -> torch.Tensor | N
 
 def _place(
     manifest: Manifest, tensor: torch.Tensor | None, start: int, at: int, length: int
-) -> _Place:
+) -> _Span:
     """Bytes at ``at`` of the layout, within one chunk: in one stripe file."""
     stripe, offset = stripe_location(at, manifest.chunk_bytes, manifest.stripes)
-    return _Place(tensor, start, stripe_name(stripe), offset, length)
+    return _Span(tensor, start, stripe_name(stripe), offset, length)
 
 
 _ZEROS = bytes(1 << 20)
 
 
-def _write(spare: Path, places: list[_Place]) -> int:
+def _write(spare: Path, places: list[_Span]) -> int:
     """Write every place into the spare's files; the bytes written."""
     fds: dict[str, int] = {}
     written = 0

@@ -19,7 +19,7 @@ import torch
 
 from pcframe import Checkpointer
 from pcframe.distributed.capture import ModelView, OptimizerView, Stash
-from pcframe.distributed.shadow import _write, item_name, plan, replicated_items
+from pcframe.distributed.shadow import _write, item_name, replicated_items, shadow_plan
 from pcframe.format.manifest import read_manifest
 from pcframe.format.pieces import file_sizes, pieces, verify_files
 from pcframe.store.tiers.peer import SHADOW_MARK, PeerStore, Shadow, copy_bytes
@@ -71,7 +71,7 @@ def test_a_shadow_writes_whole_chunks_as_the_sources_data_files_hold_them(tmp_pa
     states, per rank) is not written at all."""
     source, items = _shard(tmp_path / "src", chunk_bytes=4096, stripes=stripes)
     manifest = read_manifest(source / "manifest.json")
-    places, chunks = plan(manifest, items)
+    places, chunks = shadow_plan(manifest, items)
     first_other = min(e.offset for e in manifest.entries if item_name(e.name) not in items)
     whole = {i for i, c in enumerate(manifest.chunks) if c.offset + c.length <= first_other}
     assert chunks == whole and len(chunks) > 2
@@ -109,8 +109,8 @@ def test_a_tensor_of_another_dtype_shape_or_layout_leaves_its_chunks_to_the_stre
         items[name].t(),  # not contiguous
     ):
         others = {**items, name: other}
-        _, chunks = plan(manifest, others)
-        assert chunks < plan(manifest, items)[1], other.shape  # its chunks are not written
+        _, chunks = shadow_plan(manifest, others)
+        assert chunks < shadow_plan(manifest, items)[1], other.shape  # its chunks are not written
 
 
 # --- the store's spare, filled ahead ------------------------------------------------------------
