@@ -274,12 +274,19 @@ class DistributedCheckpointer:
 
     # --- the tiers beyond the ranks' own disks ------------------------------------------------
 
-    def _parameter_items(self) -> frozenset[str]:
-        """The split's item names of the model's parameters (``model/<name>``)."""
-        model = self.objects.model
-        if model is None:
-            return frozenset()
-        return frozenset(f"model/{name}" for name, _ in model.named_parameters())
+    def _shadow(self, version: int, placed: dict[str, Any]) -> None:
+        """Start the shadow of ``version`` (after the save started: whatever goes wrong here
+        costs the shadow, never the version)."""
+        assert self.shadows is not None
+        try:
+            model = self.objects.model
+            named = model.named_parameters() if model is not None else ()
+            parameters = {f"model/{name}" for name, _ in named}
+            items = replicated_items(placed, self.splitter.owners, self.shadows.sources, parameters)
+        except Exception as exc:  # a model whose parameters cannot be listed
+            log.debug("peer tier: no shadow of version %d: %s", version, exc)
+            return
+        self.shadows.start(version, items)
 
     def _has_peers(self) -> bool:
         """Whether any rank has a peer on another node to copy to (the same on every rank)."""
@@ -337,20 +344,14 @@ class DistributedCheckpointer:
         start = time.perf_counter()
         round_ = Round(self._next, step, start, emergency=emergency)
         self._next += 1
-        shadowed = None
+        placed = None
         try:
             self._stash.model, self._stash.optimizer = self.splitter.split(round_.version, step)
             round_.meeting = self._meetings.pending  # None when waited for in split
             local_start = time.perf_counter()
             round_.handle = self._local_save(step, round_.version, metadata)
             round_.local_call = time.perf_counter() - local_start
-            if self.shadows is not None:
-                shadowed = replicated_items(
-                    self.splitter.placed,
-                    self.splitter.owners,
-                    self.shadows.sources,
-                    self._parameter_items(),
-                )
+            placed = self.splitter.placed
         except BaseException as exc:
             if exc is self._meetings.broken:
                 raise  # no round: the ranks cannot agree on this version
@@ -361,8 +362,8 @@ class DistributedCheckpointer:
         finally:
             self._stash.model = self._stash.optimizer = None
             self.splitter.placed = {}  # live tensors: not kept past the save (a restore)
-        if self.shadows is not None and shadowed is not None:  # the engine's copy has started
-            self.shadows.start(round_.version, shadowed)
+        if self.shadows is not None and placed is not None:  # the engine's copy has started
+            self._shadow(round_.version, placed)
         round_.call = time.perf_counter() - start
         self.rounds[round_.version] = round_
         while len(self.rounds) > _KEEP_ROUNDS:  # bounded bookkeeping in long runs
