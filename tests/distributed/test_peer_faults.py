@@ -271,6 +271,7 @@ def _two_ranks_of(script: str, tmp_path, case: str) -> list[str]:
     return [p.communicate(timeout=120)[0] for p in procs]
 
 
+@pytest.mark.slow  # ~30 s: three jobs of four ranks
 def test_a_restore_one_rank_refuses_stops_every_rank_and_none_is_loaded(tmp_path):
     """Rank 1 given SGD for a version of AdamW state: it refused at the apply while rank 0
     loaded the version, said it resumed, and trained into a collective rank 1 never joined
@@ -458,6 +459,7 @@ def _two_ranks(script: str, *args: str) -> list[str]:
     return outputs
 
 
+@pytest.mark.slow  # 13-17 s each: four ranks, one of them held until the deadline
 @pytest.mark.parametrize("before", [6.0, 0.4])
 def test_ranks_that_reach_a_notices_agreement_apart_take_one_answer_and_replicate_on(
     tmp_path, before

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
 from pcframe.distributed import global_versions as rec
 from tests.distributed.launch import run_job
 from tests.distributed.nodes_kit import assert_same_as_reference, job, lose_node
@@ -216,6 +218,7 @@ def test_with_every_disk_lost_the_job_numbers_above_what_the_object_store_holds(
     assert_same_as_reference(tmp_path, "resumed", 9)
 
 
+@pytest.mark.slow  # ~30 s: an S3 server stopped under a job of four ranks
 def test_with_every_disk_lost_and_the_object_store_down_every_rank_says_so(
     tmp_path, own_moto_server, bucket
 ):
