@@ -3,6 +3,7 @@ callbacks must report as one line naming the policy (tests of both frameworks)."
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pcframe.policies import Decision, FixedSteps, PolicyContext
@@ -59,3 +60,23 @@ SAID = {
         r"place\(\) return a PlacementDecision for every version instead of raising"
     ),
 }
+
+
+def check_stopped_line(error: BaseException, owner: str, again: str, kind: str, steps: int) -> None:
+    """``error`` is the callback's one line for a broken policy of ``kind`` in a run of
+    ``steps`` steps: the callback (``owner``), the step, the policy's own line, and what to do
+    (``again``: a regex of how the framework resumes); the engine's error is its cause."""
+    message = str(error)
+    assert "\n" not in message, message
+    said = re.fullmatch(
+        rf"{owner}(?: stopped training at step (\d+):|: training ended at step \d+, but) "
+        rf"{SAID[kind]}\. No committed version was lost: fix the policy and {again} again to "
+        r"resume from the newest one",
+        message,
+    )
+    assert said is not None, message
+    if kind == "interval":
+        assert said[1] == str(BAD_FROM), message  # it stopped there
+    if steps == 4:  # found by the close, after the last step's version 2
+        assert said[1] is None and "ended at step 4, but" in message, message
+    assert isinstance(error.__cause__, type(error))  # the engine's error, kept

@@ -189,10 +189,15 @@ def test_a_refused_part_of_the_resume_changes_nothing(ckpts: Path, case: str) ->
     assert "rolled back, nothing was loaded" in str(refused.value)
     if case != "model weights":
         assert "mid-epoch" in str(refused.value) and "resume=False" in str(refused.value)
+    assert_nothing_changed(ckpts, probe, callback)
+
+
+def assert_nothing_changed(ckpts: Path, probe: Any, callback: Any) -> None:
+    """A refused resume changed nothing: not the Trainer's objects (``probe``), not the
+    directory (released, and the Trainer of the saved run resumes it)."""
     assert probe.before["trainer_state"]["global_step"] == 0
     assert not tree_differences(probe.before, probe.snapshot())
     assert callback.checkpointer is None and lock_is_free(ckpts)
-    # Nothing in the directory changed: the right Trainer resumes it.
     trainer, callback = trainer_for(ckpts, 8)
     trainer.train()
     assert callback.resumed_step == SAVED_STEP and trainer.state.global_step == 8
@@ -236,13 +241,7 @@ def test_another_lr_schedule_is_refused_and_changes_nothing(ckpts: Path, case: s
         f"output_dir, or pass resume=False to start over in {ckpts}"
     ), message
     assert refused.value.mismatches == [mismatch]
-    assert probe.before["trainer_state"]["global_step"] == 0
-    assert not tree_differences(probe.before, probe.snapshot())
-    assert callback.checkpointer is None and lock_is_free(ckpts)
-    # Nothing in the directory changed: the Trainer of the saved schedule resumes it.
-    trainer, callback = trainer_for(ckpts, 8)
-    trainer.train()
-    assert callback.resumed_step == SAVED_STEP and trainer.state.global_step == 8
+    assert_nothing_changed(ckpts, probe, callback)
 
 
 def test_a_schedule_is_compared_only_where_both_runs_recorded_the_trainers_own(
@@ -386,18 +385,6 @@ def test_a_broken_policy_stops_training_with_one_line_naming_it(
     trainer, callback = trainer_for(directory, steps, options=options)
     with pytest.raises(PolicyError) as failed:
         trainer.train()
-    message = str(failed.value)
-    assert "\n" not in message, message
-    said = re.fullmatch(
-        r"PcframeCallback(?: stopped training at step (\d+):|: training ended at step \d+, "
-        rf"but) {bad_policies.SAID[kind]}\. No committed version was lost: fix the policy and "
-        r"run trainer\.train\(\) again to resume from the newest one",
-        message,
-    )
-    assert said is not None, message
-    if kind == "interval":
-        assert said[1] == str(bad_policies.BAD_FROM), message  # it stopped there
-    if steps == 4:  # found by the close, after the last step's version 2
-        assert said[1] is None and "ended at step 4, but" in message, message
-    assert isinstance(failed.value.__cause__, PolicyError)  # the engine's error, kept
+    again = r"run trainer\.train\(\)"
+    bad_policies.check_stopped_line(failed.value, "PcframeCallback", again, kind, steps)
     assert callback.checkpointer is None and lock_is_free(directory)

@@ -52,26 +52,24 @@ def test_one_run_writes_csv_markdown_and_plots(tmp_path: Path, child_env: dict) 
 
 
 @pytest.mark.slow
-def test_a_multirun_sweep_is_merged_into_one_table(tmp_path: Path, child_env: dict) -> None:
-    sweep = tmp_path / "sweep"
+def _sweep(sweep: Path, child_env: dict, *overrides: str) -> list[dict]:
+    """A ``pcframe-sim -m`` sweep over the small trace into ``sweep``; its rows."""
     proc = subprocess.run(
-        [
-            *_script(),
-            "-m",
-            f"traces={SMALL}",
-            "policy/interval=young,checkfreq",
-            "sim.job.save_stall=2,8",
-            "baselines=[]",
-            f"hydra.sweep.dir={sweep}",
-        ],
-        cwd=tmp_path,
+        [*_script(), "-m", f"traces={SMALL}", *overrides, "baselines=[]",
+         f"hydra.sweep.dir={sweep}"],
+        cwd=sweep.parent,
         env=child_env,
         capture_output=True,
         text=True,
         timeout=300,
-    )
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = _rows(sweep / "sweep_results.csv")
+    return _rows(sweep / "sweep_results.csv")
+
+
+def test_a_multirun_sweep_is_merged_into_one_table(tmp_path: Path, child_env: dict) -> None:
+    sweep = tmp_path / "sweep"
+    rows = _sweep(sweep, child_env, "policy/interval=young,checkfreq", "sim.job.save_stall=2,8")
     assert sorted((r["label"], r["p_save_stall"]) for r in rows) == [
         ("CheckFreq", "2"),
         ("CheckFreq", "8"),
@@ -87,25 +85,9 @@ def test_a_sweep_with_null_for_the_placement_runs_it_without_one(
 ) -> None:
     """conf/sim.yaml documents policy/placement: null (no placement); on the command line
     Hydra refused it with a ValueError traceback, in a sweep once the other jobs had run."""
-    sweep = tmp_path / "sweep"
-    proc = subprocess.run(
-        [
-            *_script(),
-            "-m",
-            f"traces={SMALL}",
-            "policy/placement=null,single_tier",
-            "baselines=[]",
-            "output.plots=false",
-            f"hydra.sweep.dir={sweep}",
-        ],
-        cwd=tmp_path,
-        env=child_env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    rows = _sweep(
+        tmp_path / "sweep", child_env, "policy/placement=null,single_tier", "output.plots=false"
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = _rows(sweep / "sweep_results.csv")
     assert sorted(r["placement_policy"] for r in rows) == ["", "single_tier"]
 
 
