@@ -56,10 +56,12 @@ class StateSplitter:
         self._digest: int | None = None
         self.owners: dict[str, int] = {}
         self.written_bytes = 0  # tensor bytes this rank wrote at the last split
-        self.placed: dict[str, Placed] = {}  # every item of the last split (its live tensors)
 
-    def split(self, version: int, step: int) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        """Return (model tree, optimizer tree) of the state this rank owns at this save.
+    def split(
+        self, version: int, step: int
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Placed]]:
+        """Return (model tree, optimizer tree) of the state this rank owns at this save, and
+        every item of the state as this rank holds it (what a shadow writes from).
 
         Collective: the ranks meet (:mod:`~pcframe.distributed.meeting`) to check that they
         save the same version and step of state of the same structure.
@@ -78,7 +80,7 @@ class StateSplitter:
                         name = f"optimizer/{index}/{key}"
                         items.append(Item(name, placement_of(name, value)))
         self._plan(items, version, step)
-        placed = self.placed = {item.name: item.placed for item in items}
+        placed = {item.name: item.placed for item in items}
         self.written_bytes = sum(_nbytes(p.local) for n, p in placed.items() if self._writes(n, p))
         model_tree = None
         if model_state is not None:
@@ -98,7 +100,7 @@ class StateSplitter:
                         kept[key] = entry
                 state_tree[str(index)] = kept
             optim_tree = {"state": state_tree, "param_groups": optim_state["param_groups"]}
-        return model_tree, optim_tree
+        return model_tree, optim_tree, placed
 
     def _writes(self, name: str, placed: Placed) -> bool:
         if placed.sharded:

@@ -344,14 +344,14 @@ class DistributedCheckpointer:
         start = time.perf_counter()
         round_ = Round(self._next, step, start, emergency=emergency)
         self._next += 1
-        placed = None
         try:
-            self._stash.model, self._stash.optimizer = self.splitter.split(round_.version, step)
+            self._stash.model, self._stash.optimizer, items = self.splitter.split(
+                round_.version, step
+            )
             round_.meeting = self._meetings.pending  # None when waited for in split
             local_start = time.perf_counter()
             round_.handle = self._local_save(step, round_.version, metadata)
             round_.local_call = time.perf_counter() - local_start
-            placed = self.splitter.placed
         except BaseException as exc:
             if exc is self._meetings.broken:
                 raise  # no round: the ranks cannot agree on this version
@@ -361,9 +361,8 @@ class DistributedCheckpointer:
             raise
         finally:
             self._stash.model = self._stash.optimizer = None
-            self.splitter.placed = {}  # live tensors: not kept past the save (a restore)
-        if self.shadows is not None and placed is not None:  # the engine's copy has started
-            self._shadow(round_.version, placed)
+        if self.shadows is not None:  # after the engine's copy has started
+            self._shadow(round_.version, items)
         round_.call = time.perf_counter() - start
         self.rounds[round_.version] = round_
         while len(self.rounds) > _KEEP_ROUNDS:  # bounded bookkeeping in long runs
