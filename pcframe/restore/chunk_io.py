@@ -9,7 +9,10 @@ every engine thread (:mod:`pcframe.runtime.threads`), and a forked child forgets
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
+import sys
 import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +34,42 @@ _IOV_MAX = 1024
 #: bytes read and hashed at a time: small enough to be hashed from the CPU's cache
 #: (a quarter of this VM's 1 MiB L2 per core; 64-512 KiB measured alike, 4 MiB slower)
 READ_WINDOW = 256 << 10
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+_madvise: list[object] = []  # libc's madvise once looked up; [None] where there is none
+
+
+def prefault(view: memoryview) -> None:
+    """Map every whole page of ``view``, new memory about to be read into whole, in one
+    call (``MADV_POPULATE_WRITE``) instead of a page fault per 4 KiB as the read reaches it.
+
+    A fresh tensor's pages are not mapped until first written: reading 360 MiB into new
+    tensors cost 0.23 CPU-s with a fault per page and 0.18 with the pages mapped first
+    (this VM, where a fault is dear). Where the kernel cannot (older than 5.14, another
+    system), the pages fault in as before."""
+    if not _madvise:
+        _madvise.append(_libc_madvise())
+    madvise = _madvise[0]
+    if madvise is None or len(view) < 2 * mmap.PAGESIZE:
+        return
+    address = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    start = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (address + len(view)) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start and madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
+        _madvise[0] = None  # refused (EINVAL: an older kernel): not asked again
+
+
+def _libc_madvise() -> object:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}

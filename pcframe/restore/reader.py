@@ -52,6 +52,7 @@ from pcframe.restore.chunk_io import (
     DataFiles,
     byte_buffer,
     fresh_tensor,
+    prefault,
     preadv_all,
     read_windows,
     reading_pool,
@@ -365,6 +366,7 @@ class _VersionReader:
         if self.staged is not None and chunk.index in self.staged:
             return self.staged.copy_pieces(chunk, flats)
         fd, path, located = self.data.locate(chunk)
+        self._prefault(chunk, flats)
         buffers: list[memoryview] = []
         start = end = 0
         for piece in chunk.pieces:
@@ -385,6 +387,7 @@ class _VersionReader:
         """Read one whole chunk (other bytes into scratch) and verify its checksum."""
         targets = {p.entry: flats[p.entry] for p in chunk.pieces if p.entry in flats}
         fd, path, located = self.data.locate(chunk)
+        self._prefault(chunk, flats)
         windows = read_windows(fd, path, located, targets)
         # The checksum consumes the windows in order, so each is read just before it is hashed.
         if self.checksum(windows) != self.manifest.chunks[chunk.index].checksum:
@@ -392,6 +395,12 @@ class _VersionReader:
                 f"{path}: checksum mismatch in chunk {chunk.index} "
                 f"(bytes {located.offset}..{located.offset + chunk.length})"
             )
+
+    def _prefault(self, chunk: Chunk, flats: dict[int, memoryview]) -> None:
+        """Map the pages of the new tensors ``chunk`` is read into (live ones are mapped)."""
+        for piece in chunk.pieces:
+            if piece.entry in flats and piece.entry not in self.targets.tensors:
+                prefault(flats[piece.entry][piece.src_start : piece.src_start + piece.nbytes])
 
     def _base_values(self, coded: list[int]) -> tuple[dict[int, torch.Tensor], list[int]]:
         """For a delta version: its delta tensors' values in the base version, by entry."""

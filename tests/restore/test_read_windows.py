@@ -117,3 +117,46 @@ def test_a_partial_read_gets_exactly_its_tensors(tmp_path, monkeypatch):
     assert len(wanted) == 6  # two weights, four parameters' exp_avg_sq
     for i in wanted:
         assert torch.equal(tensors[i], saved[names[i]]), names[i]
+
+
+def _resident(view: memoryview) -> int:
+    """Pages of ``view`` in memory (mincore), page-aligned interior only."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    page = mmap.PAGESIZE
+    address = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    start = -(-address // page) * page
+    pages = (address + len(view)) // page - start // page
+    flags = (ctypes.c_ubyte * pages)()
+    mincore = ctypes.CDLL(None, use_errno=True).mincore
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert mincore(start, pages * page, flags) == 0, ctypes.get_errno()
+    return sum(f & 1 for f in flags)
+
+
+def test_prefault_maps_the_pages_of_new_memory_and_the_read_lands_whole(tmp_path: Path):
+    # Reading into new tensors faulted a page in at a time; prefault maps them in one call.
+    # torch takes memory this large straight from mmap: none of it is mapped until written.
+    fresh = reading.byte_buffer(torch.empty(16 << 20, dtype=torch.uint8))
+    assert _resident(fresh) < 64
+    reading.prefault(fresh)
+    if reading._madvise[0] is None:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    assert _resident(fresh) >= (16 << 20) // 4096 - 2
+    # and a version read into new tensors (the optimizer's moments of a restart) is whole
+    model = torch.nn.Linear(1024, 1024)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 1024)).sum().backward()
+    optimizer.step()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        ckpt.save(1)
+    fresh_model = torch.nn.Linear(1024, 1024)
+    fresh_optimizer = torch.optim.Adam(fresh_model.parameters())
+    with Checkpointer(tmp_path, model=fresh_model, optimizer=fresh_optimizer) as ckpt:
+        assert ckpt.restore() == 1
+    for key, value in optimizer.state[model.weight].items():
+        assert torch.equal(fresh_optimizer.state[fresh_model.weight][key], value)
+    assert torch.equal(fresh_model.weight, model.weight)
