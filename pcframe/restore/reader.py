@@ -52,8 +52,8 @@ from pcframe.restore.chunk_io import (
     DataFiles,
     byte_buffer,
     fresh_tensor,
-    prefault,
     preadv_all,
+    prefault,
     read_windows,
     reading_pool,
 )

@@ -66,8 +66,7 @@ def test_any_set_of_transfers_runs_within_twice_its_busiest_ranks_share_and_neve
         assert sorted(ordered, key=repr) == sorted(transfers, key=repr)
         # the busiest rank bounds it from below; greedy colouring stays within twice that
         busiest = max(
-            sum(rank in (t.sender, t.receiver) for t in transfers)
-            for rank in range(world)
+            sum(rank in (t.sender, t.receiver) for t in transfers) for rank in range(world)
         )
         turns = _turns(ordered)
         assert busiest <= turns <= 2 * busiest - 1
