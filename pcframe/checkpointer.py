@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import os
+import reprlib
 import sys
 import threading
 import time
@@ -66,6 +67,23 @@ _NEEDS_THE_POLICY = (
     "runs once {running}() has returned), or record the signal and save from the loop "
     "(notices=[SignalNoticeSource()] with policy=NoticeDriven(...), or set a flag)"
 )
+
+
+def _checked_reason(reason: Any) -> str:
+    """``save()``'s ``reason`` (``None``: none); anything but a str is refused by name.
+
+    It is stored as the version's ``metadata["reason"]``: a number or an object went into
+    the manifest as whatever JSON made of it, or failed the save later in the pipeline.
+    """
+    if reason is None:
+        return ""
+    if not isinstance(reason, str):
+        raise TypeError(
+            f"reason={reprlib.repr(reason)} ({type(reason).__name__}): the save's reason is a "
+            "str, "
+            "e.g. save(step, reason='epoch end')"
+        )
+    return reason
 
 
 class Checkpointer:
@@ -296,7 +314,7 @@ class Checkpointer:
         thread, it starts once that call has returned, and returns a :class:`DeferredSave`
         (its ``wait()`` there returns ``IN_FLIGHT`` at once; see the class docstring).
         """
-        return self._save(step, metadata, reason=reason, version=version)
+        return self._save(step, metadata, reason=_checked_reason(reason), version=version)
 
     def _save(
         self,
@@ -351,6 +369,7 @@ class Checkpointer:
         version: int | None = None,
     ) -> DeferredSave:
         """``save()`` in the middle of another call of this engine on the same thread."""
+        reason = _checked_reason(reason)  # refused now, in the caller, not when it runs
 
         def save_now() -> VersionHandle:
             if self._closed:

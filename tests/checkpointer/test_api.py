@@ -862,3 +862,15 @@ def test_paths_and_timeouts_no_call_can_use_are_refused_by_name(tmp_path, monkey
             ckpt.wait(timeout=float("nan"))
         assert handle.wait(timeout=30).value == "committed"
         ckpt.wait(timeout=np.int64(5))  # any real number of seconds is one
+
+
+@pytest.mark.parametrize("reason", [123, b"epoch", ["a"]], ids=repr)
+def test_a_reason_that_is_no_str_is_refused_naming_reason(tmp_path, reason):
+    """save(reason=123) went ahead and stored whatever JSON made of it as the version's
+    reason; it is refused in the caller, before any version is started."""
+    with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2)) as ckpt:
+        with pytest.raises(TypeError, match=r"^reason=.* the save's reason is a str"):
+            ckpt.save(1, reason=reason)
+        assert ckpt.records == {}  # nothing started
+        ckpt.save(1, reason="epoch end").wait()  # the engine goes on
+    assert CheckpointDir(tmp_path).committed_versions() == [1]
