@@ -334,6 +334,23 @@ def _check_safetensors_dtypes(tensors: dict, only: str | None) -> None:
             )
 
 
+def _check_safetensors_names(tensors: dict, only: str | None) -> None:
+    """Refuse, naming the tensor, a name safetensors cannot store: its header is UTF-8, and a
+    lone surrogate (a state dict key such as '\\ud800', which Python allows) failed the
+    write with a UnicodeEncodeError that came out as "cannot write --output PATH"."""
+    for name in tensors:
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            where = f"under --only {only}" if only else "in this version"
+            raise CheckpointError(
+                f"the tensor {_one_line(name)} {where} has a name that is not valid UTF-8 "
+                f"({exc.reason} at character {exc.start}), which a safetensors file cannot "
+                "hold; export the other groups with --only GROUP (pcframe inspect lists "
+                "them), or read the version with pcframe.load"
+            ) from None
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
     from safetensors.torch import save_file
@@ -374,6 +391,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     }
     if not args.only:  # the whole state: keep its structure so it can be rebuilt
         metadata["pcframe_tree"] = json.dumps(loaded.manifest.tree)
+    _check_safetensors_names(tensors, args.only)
     _check_safetensors_dtypes(tensors, args.only)
     try:
         save_file(tensors, str(output), metadata=metadata)

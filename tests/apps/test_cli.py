@@ -454,3 +454,20 @@ def test_export_names_the_tensor_safetensors_cannot_store(tmp_path, python):
     assert "stateful/fft/z in this version is torch.complex128" in refused.stderr
     assert "--only GROUP" in refused.stderr
     assert cli(python, "export", root, "--only", "model", "-o", out).returncode == 0
+
+
+def test_export_names_a_tensor_whose_name_is_not_utf8(tmp_path, python):
+    """A state dict key with a lone surrogate failed as "cannot write --output PATH: 'utf-8'
+    codec can't encode...", blaming the output path; the tensor is named instead."""
+    odd = torch.nn.Module()
+    odd.register_buffer("\ud800", torch.ones(2))
+    root = tmp_path / "ckpt"
+    with Checkpointer(root, model=odd, stateful={"other": torch.nn.Linear(2, 2)}) as ckpt:
+        ckpt.save(step=1).wait()
+    out = tmp_path / "all.st"
+    refused = cli(python, "export", root, "-o", out)
+    assert refused.returncode == 2 and not out.exists()
+    (line,) = refused.stderr.strip().splitlines()
+    assert "the tensor model/\\ud800 in this version has a name that is not valid UTF-8" in line
+    assert "cannot write --output" not in line and "--only GROUP" in line
+    assert cli(python, "export", root, "--only", "stateful/other", "-o", out).returncode == 0
