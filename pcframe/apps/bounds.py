@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pcframe.errors import ConfigError
+from pcframe.format.manifest import MAX_STEP
 from pcframe.runtime.checks import real_number
 
 
@@ -36,6 +37,9 @@ class Range:
     null: bool = False
     whole: bool = False
     finite: bool = False
+    # ``high`` is a limit of the format, not of sense (MAX_STEP): named only to a value above
+    # it, so that steps=0 still reads "a whole number >= 1"
+    limit: bool = False
 
     def accepts(self, value: float) -> bool:
         if isinstance(value, float) and math.isnan(value):
@@ -46,16 +50,31 @@ class Range:
             return False
         return self.high is None or value <= self.high
 
-    def text(self, items: bool = False) -> str:
+    def text(self, items: bool = False, value: float | None = None) -> str:
+        """What to give; ``value``: the one refused (a ``limit`` is named only above it)."""
         kind = "whole number" if self.whole else "finite number" if self.finite else "number"
         kind = f"a list of {kind}s" if items else f"a {kind}"
-        low = f"> {self.low:g}" if self.above else f">= {self.low:g}"
-        span = f"{self.low:g}..{self.high:g}" if self.high is not None else low
+        low = f"> {_number(self.low)}" if self.above else f">= {_number(self.low)}"
+        span = f"{_number(self.low)}..{_number(self.high)}" if self.high is not None else low
+        if self.limit and not (value is not None and self.high is not None and value > self.high):
+            span = low
         return f"{kind} {span}" + (" or null" if self.null else "")
+
+
+def _number(value: float) -> str:
+    """A bound as written: whole numbers in full (:data:`MAX_STEP` is not 4.61169e+18)."""
+    return f"{value:,}" if isinstance(value, int) and abs(value) >= 10**6 else f"{value:g}"
 
 
 def _count(what: str, low: int = 1, null: bool = False) -> Range:
     return Range(low, what, null=null, whole=True)
+
+
+def _steps(what: str, low: int = 1) -> Range:
+    """A number of training steps: a checkpoint records its step, and a reader refuses one
+    beyond :data:`MAX_STEP` (``steps=99999999999999999999999`` was accepted and trained
+    towards a step no checkpoint could hold)."""
+    return Range(low, what, high=MAX_STEP, whole=True, limit=True)
 
 
 def _positive(what: str, null: bool = False) -> Range:
@@ -78,10 +97,10 @@ FAILURE = {
 TUNE = {
     "tune.n_trials": _count("trials"),
     "tune.timeout": _positive("seconds the study may take", null=True),
-    "tune.interval": _count("steps between checkpoints"),
-    "tune.steps": _count("steps per measured segment"),
+    "tune.interval": _steps("steps between checkpoints"),
+    "tune.steps": _steps("steps per measured segment"),
     "tune.repeats": _count("segment pairs per trial"),
-    "tune.warmup_steps": _count("warm-up steps", 0),
+    "tune.warmup_steps": _steps("warm-up steps", 0),
     "tune.memory_budget": _count("bytes of staging memory", null=True),
     "tune.pruner_startup_trials": _count("trials before pruning", 0),
     "tune.confirm": _count("best trials measured again (0: none)", 0),
@@ -116,7 +135,7 @@ WORKLOAD_ARGS = {
 
 APP_KEYS = {
     "run": {
-        "steps": _count("training steps"),
+        "steps": _steps("training steps"),
         "baseline_runs": _count("runs without checkpointing; 3 or more give the overhead a ±"),
         **FAILURE,
     },
@@ -160,4 +179,6 @@ def _check(cfg: DictConfig, key: str, bound: Range) -> None:
     if not real_number(value) and value is not None:
         return
     if value is None or not bound.accepts(value):
-        raise ConfigError(f"{key}={value!r} is out of range: give {bound.text()} ({bound.what})")
+        raise ConfigError(
+            f"{key}={value!r} is out of range: give {bound.text(value=value)} ({bound.what})"
+        )

@@ -13,6 +13,7 @@ from hydra.errors import ConfigCompositionException, OverrideParseException
 from pcframe.apps.compose import engine_config
 from pcframe.apps.errors import USAGE_ERROR, describe_error
 from pcframe.errors import ConfigError
+from pcframe.format.manifest import MAX_STEP
 from tests.apps.conftest import compose
 
 
@@ -172,6 +173,12 @@ def test_every_composition_error_is_described_in_one_line(overrides, tmp_path):
         ("tune.timeout=0", "tune.timeout=0.0 is out of range: give a number > 0 or null"),
         ("tune.memory_budget=0", "tune.memory_budget=0 is out of range"),
         ("workload.args.batch_size=0", "workload.args.batch_size=0 is out of range"),
+        # accepted before: a step no checkpoint's manifest can hold (its reader refuses it)
+        (
+            "tune.steps=99999999999999999999999",
+            "tune.steps=99999999999999999999999 is out of range: give a whole number "
+            "1..4,611,686,018,427,387,904",
+        ),
     ],
     ids=str,
 )
@@ -180,6 +187,17 @@ def test_tune_values_out_of_range_name_the_key_and_the_range(tmp_path, override,
         compose("tune", override, directory=tmp_path)
     assert describe_error(info.value) == (USAGE_ERROR, str(info.value))
     assert words in str(info.value)
+
+
+def test_a_step_count_no_checkpoint_can_hold_is_refused(tmp_path):
+    """steps=99999999999999999999999 was accepted: pcframe-run trained towards a step that
+    no checkpoint's manifest can record. The largest a reader takes is still accepted."""
+    with pytest.raises(ConfigError) as info:
+        compose("run", "steps=99999999999999999999999", directory=tmp_path)
+    assert describe_error(info.value) == (USAGE_ERROR, str(info.value))
+    assert str(info.value).startswith("steps=99999999999999999999999 is out of range: give ")
+    assert "4,611,686,018,427,387,904" in str(info.value)
+    compose("run", f"steps={MAX_STEP}", directory=tmp_path)
 
 
 def test_values_in_range_and_the_shipped_configs_are_accepted(tmp_path):
