@@ -54,6 +54,8 @@ from pcframe.sim.tiers import Placements
 __all__ = ["SURVIVOR_TIER", "Commit", "Flight", "Ledger", "Process", "Versions"]
 
 SURVIVOR_TIER = "survivor"  # the tier name notice-driven saves go to (JobSpec.survivor_...)
+# Steps whose end times floats still tell apart one by one (2**53: a double's whole numbers).
+_EXACT_STEPS = 2**53
 
 
 class Process(FastPaths):
@@ -155,7 +157,14 @@ class Process(FastPaths):
         it, t0, s0 = self.it, self.seg_t0, self.seg_step0
         if t <= t0 + (self.step + 1 - s0) * it:
             return self.step + 1
-        j = s0 + math.ceil((t - t0) / it)
+        ahead = (t - t0) / it
+        if s0 + ahead > min(self.total, _EXACT_STEPS):
+            # Past the job's end (an interval of 1e308 s): no step of it ends then, and
+            # counting up to it step by step below never ended, as beyond 2**53 steps one more
+            # step does not change the float time compared with ``t``. Such a time (past
+            # 2**53 steps, more than 285 years of 1 us steps) is taken as past the end.
+            return self.total + 1 if self.total < NO_LIMIT else NO_LIMIT
+        j = s0 + math.ceil(ahead)
         while j - 1 > self.step and t0 + (j - 1 - s0) * it >= t:
             j -= 1
         while t0 + (j - s0) * it < t:

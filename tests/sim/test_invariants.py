@@ -338,3 +338,16 @@ def test_ticks_of_a_fractional_step_are_found_at_their_boundaries() -> None:
     r = simulate(trace, P.FixedSteps(50), job)
     assert r.preemptions == 2
     assert r.time["waiting"] == pytest.approx(2 * 0.05, abs=1e-6)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seconds", [1e308, 1e20, math.inf], ids=str)
+@pytest.mark.parametrize("total_steps", [None, 5000], ids=["open-ended", "5000-steps"])
+def test_an_interval_past_the_end_of_the_job_saves_nothing_and_ends(seconds, total_steps):
+    """FixedTime(1e308) in an open-ended job hung the simulator (pcframe-sim
+    policy.interval.seconds=1e308): counting steps up to its hinted time one by one never
+    ended, one more step no longer changing the float time that far out."""
+    job = dataclasses.replace(JOB, total_steps=total_steps)
+    result = simulate(shipped(V100), P.FixedTime(seconds), job)
+    assert result.saves == (0 if total_steps is None else 1)  # 1: the save at the end
+    assert result.useful_steps > 0
