@@ -7,6 +7,7 @@ and one value to one table cell.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 
@@ -105,3 +106,15 @@ def _backtick_runs(text: str) -> list[str]:
             runs.append(current)
             current = ""
     return [*runs, current] if current else runs
+
+
+# Seconds past this (31 years) are no real interval: shown as 1e+308, not in 309 digits.
+_PLAIN_SECONDS = 1e9
+
+
+def seconds_text(value: float) -> str:
+    """``value`` seconds for a message: ``84.9``, ``12,345.0``; one past a billion, or not
+    finite, as ``1e+308`` / ``inf`` (``policy.interval.seconds=1e308`` printed 309 digits)."""
+    if math.isfinite(value) and abs(value) < _PLAIN_SECONDS:
+        return f"{value:,.1f}"
+    return f"{value:.3g}"

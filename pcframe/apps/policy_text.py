@@ -14,6 +14,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pcframe.policies.fixed import FixedSteps
+from pcframe.text import seconds_text
 
 
 def describe_policy(policy: Any) -> str:
@@ -28,7 +29,7 @@ def describe_policy(policy: Any) -> str:
         return f"{name}: every {seconds:g} s"
     interval = getattr(policy, "last_interval", None)
     if isinstance(interval, int | float):
-        return f"{name}: interval {interval:,.1f} s (as last computed)"
+        return f"{name}: interval {seconds_text(interval)} s (as last computed)"
     k = getattr(policy, "k", None)
     if isinstance(k, int):
         return f"{name}: every {k} steps (as last computed)"
@@ -88,11 +89,11 @@ def no_commit_reason(
     name = type(policy).__name__
     if isinstance(interval, int | float):
         return head + (
-            f"{name}'s interval is {interval:,.1f} s, but training took {seconds:.1f} s: the "
-            "interval is longer than the run; choose a shorter one (e.g. "
-            "policy/interval=fixed_steps policy.interval.every=20) or raise steps"
+            f"{name}'s interval is {seconds_text(interval)} s, but training took "
+            f"{seconds_text(seconds)} s: the interval is longer than the run; choose a "
+            "shorter one (e.g. policy/interval=fixed_steps policy.interval.every=20) or raise steps"
         )
     return head + (
-        f"{name} asked for no save in {trained} steps ({seconds:.1f} s): its interval is "
-        "longer than the run; choose a shorter one or raise steps"
+        f"{name} asked for no save in {trained} steps ({seconds_text(seconds)} s): its "
+        "interval is longer than the run; choose a shorter one or raise steps"
     )

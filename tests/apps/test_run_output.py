@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import statistics
 
@@ -170,3 +171,21 @@ def test_a_missing_trace_file_is_refused_before_the_reference_run(tmp_path, monk
         run(cfg, out_dir=tmp_path / "out")
     assert not (tmp_path / "out" / "reference-checkpoints").exists()
     assert not (tmp_path / "out" / "logs").exists()
+
+
+@pytest.mark.parametrize(("seconds", "shown"), [(1e308, "1e+308 s"), (math.inf, "inf s")])
+def test_an_absurd_interval_is_shown_in_a_few_characters(tmp_path, seconds, shown):
+    """policy.interval.seconds=1e308 put its interval in 309 digits (and 100 commas) into
+    the warning of a run that committed nothing."""
+    from pcframe.apps.policy_text import describe_policy, no_commit_reason
+    from pcframe.policies import FixedTime, Young
+
+    cfg = compose("run", *TINY, "steps=20", directory=tmp_path / "ckpt")
+    warning = no_commit_reason(FixedTime(seconds), cfg, 0.25, 0, [])
+    assert f"FixedTime's interval is {shown}, but training took 0.2 s" in warning
+    assert len(warning) < 300
+    young = Young(mtbf=3600.0)
+    young.last_interval = seconds
+    assert describe_policy(young) == f"Young: interval {shown} (as last computed)"
+    young.last_interval = 12345.67  # an ordinary one keeps its digits
+    assert describe_policy(young) == "Young: interval 12,345.7 s (as last computed)"
