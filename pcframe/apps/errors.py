@@ -90,22 +90,15 @@ def run_app(app: Callable[[], Any], prog: str) -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         raise SystemExit(1) from None
-    except OSError as exc:
-        # Hydra's MissingConfigException is an OSError too (`engine=nosuch`): described
-        # with the other configuration mistakes.
-        if isinstance(exc, HydraException) or not _raised_by_hydra(exc):
-            _exit(exc, prog)
-        # Hydra makes its output folder (hydra.run.dir, hydra.sweep.dir) before the task
-        # runs: a folder it cannot make is the user's setting, not a bug.
-        where = f" {exc.filename}" if exc.filename else ""
-        sys.stderr.write(
-            f"{prog}: error: cannot make Hydra's output folder{where}: {exc.strerror or exc}; "
-            "set hydra.run.dir=PATH (hydra.sweep.dir=PATH with --multirun) to a folder "
-            "you can write\n"
-        )
-        raise SystemExit(USAGE_ERROR) from None
     except Exception as exc:
-        _exit(exc, prog)
+        # Hydra makes its output folder (hydra.run.dir, hydra.sweep.dir) and opens its log
+        # file there before the task runs: a folder it cannot make or write is the user's
+        # setting, not a bug.
+        failed = _output_folder_error(exc)
+        if failed is None:
+            _exit(exc, prog)
+        else:
+            _exit_output_folder(failed, prog)
     except KeyboardInterrupt:  # Ctrl-C: the user's choice, not an error to trace back
         sys.stdout.flush()
         sys.stderr.write(
@@ -115,6 +108,42 @@ def run_app(app: Callable[[], Any], prog: str) -> None:
         raise SystemExit(INTERRUPTED) from None
     finally:
         os.environ.pop(FULL_ERROR, None)
+
+
+def _output_folder_error(exc: BaseException) -> OSError | None:
+    """The OSError of Hydra's own output folder or files under ``exc``, else ``None``.
+
+    Hydra raises it as it is (the folder cannot be made), or, for its log file, wrapped by
+    :mod:`logging.config` in a ``ValueError("Unable to configure handler 'file'")``: a
+    folder that exists but cannot be written (read-only) came out as that traceback.
+    """
+    # Hydra's MissingConfigException is an OSError too (`engine=nosuch`): described with the
+    # other configuration mistakes.
+    if isinstance(exc, HydraException) or not _raised_by_hydra(exc):
+        return None
+    if isinstance(exc, OSError):
+        return exc
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(exc, ValueError) and isinstance(cause, OSError):
+        return cause
+    return None
+
+
+def _exit_output_folder(exc: OSError, prog: str) -> None:
+    innermost = None
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        innermost = frame.f_code.co_name
+    where = f" {exc.filename}" if exc.filename else ""
+    what = (
+        f"cannot make Hydra's output folder{where}"
+        if innermost in ("makedirs", "mkdir")
+        else f"Hydra cannot write{where or ' in its output folder'}"  # its log file
+    )
+    sys.stderr.write(
+        f"{prog}: error: {what}: {exc.strerror or exc}; set hydra.run.dir=PATH "
+        "(hydra.sweep.dir=PATH with --multirun) to a folder you can write\n"
+    )
+    raise SystemExit(USAGE_ERROR) from None
 
 
 def _raised_by_hydra(exc: BaseException) -> bool:

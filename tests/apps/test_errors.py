@@ -292,6 +292,22 @@ def test_an_output_folder_hydra_cannot_make_is_one_line(tmp_path, app_env, app):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("app", ["pcframe-run", "pcframe-sim", "pcframe-tune"])
+def test_an_output_folder_hydra_cannot_write_in_is_one_line(tmp_path, app_env, app):
+    """A hydra.run.dir that exists but cannot be written (read-only; here its log file's
+    name is taken by a folder, which refuses the write even to root) was a raw traceback of
+    logging's "ValueError: Unable to configure handler 'file'", reported as a bug."""
+    out = tmp_path / "out"
+    (out / "job.log").mkdir(parents=True)  # Hydra's log file: <hydra.job.name>.log
+    result = run_script(
+        app, "hydra.job.name=job", f"hydra.run.dir={out}", cwd=tmp_path, env=app_env
+    )
+    assert result.returncode == USAGE_ERROR, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"{app}: error: Hydra cannot write {out / 'job.log'}: ")
+    assert "hydra.run.dir=PATH" in line and "Traceback" not in result.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton runs here: nothing to refuse")
 def test_kernels_the_machine_cannot_run_are_refused_before_any_step(tmp_path, app_env):
     """kernels=triton without a GPU (nor Triton's interpreter) was refused only after the
