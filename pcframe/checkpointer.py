@@ -80,8 +80,7 @@ def _checked_reason(reason: Any) -> str:
     if not isinstance(reason, str):
         raise TypeError(
             f"reason={reprlib.repr(reason)} ({type(reason).__name__}): the save's reason is a "
-            "str, "
-            "e.g. save(step, reason='epoch end')"
+            "str, e.g. save(step, reason='epoch end')"
         )
     return reason
 
