@@ -10,11 +10,13 @@ every engine thread (:mod:`pcframe.runtime.threads`), and a forked child forgets
 from __future__ import annotations
 
 import ctypes
+import errno
+import functools
 import mmap
 import os
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +39,8 @@ READ_WINDOW = 256 << 10
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
-_madvise: list[object] = []  # libc's madvise once looked up; [None] where there is none
+_PREFAULT_FROM = 16 * mmap.PAGESIZE  # below this a syscall costs about what it saves
+_populate_refused = False  # the kernel said EINVAL (older than 5.14): not asked again
 
 
 def prefault(view: memoryview) -> None:
@@ -48,19 +51,20 @@ def prefault(view: memoryview) -> None:
     tensors cost 0.23 CPU-s with a fault per page and 0.18 with the pages mapped first
     (this VM, where a fault is dear). Where the kernel cannot (older than 5.14, another
     system), the pages fault in as before."""
-    if not _madvise:
-        _madvise.append(_libc_madvise())
-    madvise = _madvise[0]
-    if madvise is None or len(view) < 2 * mmap.PAGESIZE:
+    global _populate_refused
+    madvise = _libc_madvise()
+    if madvise is None or _populate_refused or len(view) < _PREFAULT_FROM:
         return
     address = np.frombuffer(view, dtype=np.uint8).ctypes.data
     start = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
     end = (address + len(view)) // mmap.PAGESIZE * mmap.PAGESIZE
     if end > start and madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
-        _madvise[0] = None  # refused (EINVAL: an older kernel): not asked again
+        # EINVAL: no such advice here; anything else (no memory now) leaves the read to fault
+        _populate_refused = ctypes.get_errno() == errno.EINVAL
 
 
-def _libc_madvise() -> object:
+@functools.cache
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:

@@ -77,8 +77,12 @@ class Replicator:
         backoff: float = 0.5,
         backoff_max: float = 30.0,
         committed: Iterable[int] | None = None,
+        sweep_at_start: bool = True,
     ) -> None:
         self.tier = tier
+        # The tier is swept (listed) just before its first write instead of when the worker
+        # starts: a tier left unlisted while the engine opens (Tiers.list_later).
+        self._sweep_before_write = not sweep_at_start
         self.source = source
         self.keep = keep  # (job just written, tier listing) -> versions to keep
         self.retries, self.backoff, self.backoff_max = retries, backoff, backoff_max
@@ -200,7 +204,8 @@ class Replicator:
 
     def _run(self) -> None:
         single_threaded_torch()
-        self._sweep()
+        if not self._sweep_before_write:  # the leftovers of a process before this one
+            self._sweep()
         while True:
             with self._cond:
                 while self._pending is None and not self._closing:
@@ -210,6 +215,9 @@ class Replicator:
                 job, self._pending = self._pending, None
                 self._in_flight = job
             try:
+                if self._sweep_before_write:
+                    self._sweep_before_write = False
+                    self._sweep()
                 self._replicate(job)
             except Exception as exc:  # a bug must not kill the worker silently
                 log.exception("tier %s: unexpected error", self.tier.name)

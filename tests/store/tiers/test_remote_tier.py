@@ -13,8 +13,8 @@ import pytest
 import pcframe.policies as P
 from pcframe import Checkpointer
 from pcframe.errors import CheckpointError, RestoreIOError
-from pcframe.format.manifest import manifest_crc
-from pcframe.store.directory import CheckpointDir
+from pcframe.format.manifest import MANIFEST_NAME, manifest_crc, read_manifest
+from pcframe.store.directory import CheckpointDir, WritableCheckpointDir
 from pcframe.store.tiers import RemoteTier, TierError, Tiers
 from tests.store.tiers.conftest import MotoServer
 from tests.store.tiers.helpers import model_and_optimizer, same, snapshot, step
@@ -394,3 +394,41 @@ def test_a_notice_after_a_restart_secures_the_restored_version_the_bucket_holds(
         assert ckpt.tiers.status()["remote"].written == 0
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
     assert remote(moto_server, bucket).committed_versions() == [4, 6]
+
+
+def test_a_tier_listed_later_is_swept_before_its_first_write_not_when_it_opens(
+    moto_server: MotoServer, bucket: str, tmp_path: Path
+) -> None:
+    # A multi-rank job's ranks leave the object store unlisted while they open (rank 0 lists
+    # it once for every rank); each rank's worker still swept it as it started, building that
+    # rank's object-store client (0.26 CPU-s) on the way to its first step after a restart.
+    model, opt = model_and_optimizer()
+    with Checkpointer(tmp_path / "primary", model=model, optimizer=opt) as ckpt:
+        for version in (1, 2):
+            step(model, opt, version)
+            ckpt.save(version).wait()
+    tier = remote(moto_server, bucket)
+    tier.name = "remote"
+    tier.write(1, CheckpointDir(tmp_path / "primary").path(1), step=1)
+    leftover = "run/v00000000/data.bin"  # an upload that died before its marker, below v1
+    moto_server.client().put_object(Bucket=bucket, Key=leftover, Body=b"half")
+
+    primary = WritableCheckpointDir(tmp_path / "primary")
+    try:
+        tiers = Tiers({"remote": tier}, backoff=0.05, backoff_max=0.2)
+        tiers.list_later("remote")
+        tiers.attach(primary, keep_last=2)
+        tiers.close()  # the worker has started and ended without a version to write
+        assert leftover in moto_server.keys(bucket)
+
+        tiers = Tiers({"remote": remote(moto_server, bucket)}, backoff=0.05, backoff_max=0.2)
+        tiers.list_later("remote")
+        tiers.attach(primary, keep_last=2)
+        v2 = primary.path(2)
+        tiers.on_commit(2, v2, read_manifest(str(v2 / MANIFEST_NAME)))
+        assert tiers.wait_idle(30)
+        assert tiers.status()["remote"].last_written == 2
+        tiers.close()
+    finally:
+        primary.close()
+    assert leftover not in moto_server.keys(bucket)  # swept before that first write
