@@ -124,7 +124,8 @@ def _output_folder_error(exc: BaseException) -> OSError | None:
     if isinstance(exc, OSError):
         return exc
     cause = exc.__cause__ or exc.__context__
-    if isinstance(exc, ValueError) and isinstance(cause, OSError):
+    logging_handler = str(exc).startswith("Unable to configure handler")
+    if isinstance(exc, ValueError) and logging_handler and isinstance(cause, OSError):
         return cause
     return None
 

@@ -99,10 +99,12 @@ def send_version(directory: Path, dst: int, group: Any) -> int:
     zeros = None
     wanted = [piece for piece, need in zip(listed, needed.tolist(), strict=True) if need]
     try:
-        for piece in wanted:  # not a shadow's piece that checked at the receiver
+        for index, piece in enumerate(wanted):  # not a shadow's piece that checked there
             if piece.file not in opened:
                 opened[piece.file] = _open(directory / piece.file)
-                _read_ahead(opened[piece.file], [p for p in wanted if p.file == piece.file])
+            following = wanted[index + 1] if index + 1 < len(wanted) else None
+            if following is not None and following.file == piece.file:
+                _read_ahead(opened[piece.file], following)  # read while this one is sent
             if not failed and _send_mapped(opened[piece.file], piece, dst, group):
                 sent += piece.length
                 continue
@@ -134,15 +136,21 @@ def _open(path: Path) -> tuple[int, int] | None:
         return None
 
 
-def _read_ahead(opened: tuple[int, int] | None, wanted: list[Piece]) -> None:
-    """Have the kernel read the pieces of a file about to be sent ahead of their maps: a
-    root's files are written past the page cache (O_DIRECT), so after a restart each map
-    would otherwise wait for its own read from the disk, piece after piece."""
+_READ_AHEAD_STEP = 2 << 20  # Linux reads ahead at most a few MiB per WILLNEED call
+
+
+def _read_ahead(opened: tuple[int, int] | None, piece: Piece) -> None:
+    """Have the kernel read ``piece`` of a file while the piece before it is sent: a root's
+    files are written past the page cache (O_DIRECT), so after a restart each piece's map
+    would otherwise wait for its own read from the disk, piece after piece. One piece
+    ahead, so the page cache holds no more of a large shard than that."""
     if opened is None:
         return
-    for piece in wanted:
+    end = piece.offset + piece.length
+    for start in range(piece.offset, end, _READ_AHEAD_STEP):
         with contextlib.suppress(OSError):
-            os.posix_fadvise(opened[0], piece.offset, piece.length, os.POSIX_FADV_WILLNEED)
+            length = min(_READ_AHEAD_STEP, end - start)
+            os.posix_fadvise(opened[0], start, length, os.POSIX_FADV_WILLNEED)
 
 
 def _send_mapped(opened: tuple[int, int] | None, piece: Piece, dst: int, group: Any) -> bool:

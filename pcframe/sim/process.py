@@ -163,6 +163,8 @@ class Process(FastPaths):
             # counting up to it step by step below never ended, as beyond 2**53 steps one more
             # step does not change the float time compared with ``t``. Such a time (past
             # 2**53 steps, more than 285 years of 1 us steps) is taken as past the end.
+            # Within rounding of the last step's end this says total + 1 where the count
+            # below said total: every caller takes both as "no step before the end".
             return self.total + 1 if self.total < NO_LIMIT else NO_LIMIT
         j = s0 + math.ceil(ahead)
         while j - 1 > self.step and t0 + (j - 1 - s0) * it >= t:

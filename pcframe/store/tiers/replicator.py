@@ -80,9 +80,10 @@ class Replicator:
         sweep_at_start: bool = True,
     ) -> None:
         self.tier = tier
-        # The tier is swept (listed) just before its first write instead of when the worker
-        # starts: a tier left unlisted while the engine opens (Tiers.list_later).
-        self._sweep_before_write = not sweep_at_start
+        # False: not swept when the worker starts, only after each write as always (a tier
+        # left unlisted while the engine opens: Tiers.list_later). Not before the first
+        # write either: a notice's cancel of an older upload would be lost during it.
+        self._sweep_at_start = sweep_at_start
         self.source = source
         self.keep = keep  # (job just written, tier listing) -> versions to keep
         self.retries, self.backoff, self.backoff_max = retries, backoff, backoff_max
@@ -204,7 +205,7 @@ class Replicator:
 
     def _run(self) -> None:
         single_threaded_torch()
-        if not self._sweep_before_write:  # the leftovers of a process before this one
+        if self._sweep_at_start:  # the leftovers of a process before this one
             self._sweep()
         while True:
             with self._cond:
@@ -215,9 +216,6 @@ class Replicator:
                 job, self._pending = self._pending, None
                 self._in_flight = job
             try:
-                if self._sweep_before_write:
-                    self._sweep_before_write = False
-                    self._sweep()
                 self._replicate(job)
             except Exception as exc:  # a bug must not kill the worker silently
                 log.exception("tier %s: unexpected error", self.tier.name)

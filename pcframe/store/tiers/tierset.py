@@ -145,10 +145,10 @@ class Tiers:
     # --- wiring --------------------------------------------------------------------------
 
     def list_later(self, name: str) -> None:
-        """Do not list tier ``name`` in :meth:`attach`: its worker lists (and sweeps) it in
-        the background before its first write, not when it starts, and whoever opens the
-        engine numbers new versions above that tier's itself (a multi-rank job: rank 0 lists
-        the object store once for every rank,
+        """Do not list tier ``name`` in :meth:`attach`: its worker lists it in the background
+        before its first write, and sweeps it after each write (not when it starts), and
+        whoever opens the engine numbers new versions above that tier's itself (a multi-rank
+        job: rank 0 lists the object store once for every rank,
         :func:`pcframe.distributed.job_tiers.start_job_listing`; a sweep at the worker's start
         built every rank's object-store client while the ranks restarted, 0.26 CPU-s each)."""
         if name not in self.replicas:

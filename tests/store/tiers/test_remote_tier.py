@@ -396,7 +396,7 @@ def test_a_notice_after_a_restart_secures_the_restored_version_the_bucket_holds(
     assert remote(moto_server, bucket).committed_versions() == [4, 6]
 
 
-def test_a_tier_listed_later_is_swept_before_its_first_write_not_when_it_opens(
+def test_a_tier_listed_later_is_swept_after_its_first_write_not_when_it_opens(
     moto_server: MotoServer, bucket: str, tmp_path: Path
 ) -> None:
     # A multi-rank job's ranks leave the object store unlisted while they open (rank 0 lists
@@ -431,4 +431,4 @@ def test_a_tier_listed_later_is_swept_before_its_first_write_not_when_it_opens(
         tiers.close()
     finally:
         primary.close()
-    assert leftover not in moto_server.keys(bucket)  # swept before that first write
+    assert leftover not in moto_server.keys(bucket)  # swept after that first write
