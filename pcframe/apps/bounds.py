@@ -54,14 +54,14 @@ class Range:
         """What to give; ``value``: the one refused (a ``limit`` is named only above it)."""
         kind = "whole number" if self.whole else "finite number" if self.finite else "number"
         kind = f"a list of {kind}s" if items else f"a {kind}"
-        low = f"> {_number(self.low)}" if self.above else f">= {_number(self.low)}"
-        span = f"{_number(self.low)}..{_number(self.high)}" if self.high is not None else low
+        low = f"> {_bound_text(self.low)}" if self.above else f">= {_bound_text(self.low)}"
+        span = f"{_bound_text(self.low)}..{_bound_text(self.high)}" if self.high is not None else low
         if self.limit and not (value is not None and self.high is not None and value > self.high):
             span = low
         return f"{kind} {span}" + (" or null" if self.null else "")
 
 
-def _number(value: float) -> str:
+def _bound_text(value: float) -> str:
     """A bound as written: whole numbers in full (:data:`MAX_STEP` is not 4.61169e+18)."""
     return f"{value:,}" if isinstance(value, int) and abs(value) >= 10**6 else f"{value:g}"
 
