@@ -55,7 +55,8 @@ class Range:
         kind = "whole number" if self.whole else "finite number" if self.finite else "number"
         kind = f"a list of {kind}s" if items else f"a {kind}"
         low = f"> {_bound_text(self.low)}" if self.above else f">= {_bound_text(self.low)}"
-        span = f"{_bound_text(self.low)}..{_bound_text(self.high)}" if self.high is not None else low
+        high = self.high
+        span = f"{_bound_text(self.low)}..{_bound_text(high)}" if high is not None else low
         if self.limit and not (value is not None and self.high is not None and value > self.high):
             span = low
         return f"{kind} {span}" + (" or null" if self.null else "")
