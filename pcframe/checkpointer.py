@@ -12,7 +12,6 @@ import contextlib
 import functools
 import logging
 import os
-import reprlib
 import sys
 import threading
 import time
@@ -53,6 +52,7 @@ from pcframe.state.objects import Stateful, TrainingObjects, require_step_hook
 from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.starts import UNKNOWN_WRITER
 from pcframe.store.tiers import Secured, Tiers, attach_tiers
+from pcframe.text import value_text
 
 log = logging.getLogger("pcframe")
 
@@ -79,7 +79,7 @@ def _checked_reason(reason: Any) -> str:
         return ""
     if not isinstance(reason, str):
         raise TypeError(
-            f"reason={reprlib.repr(reason)} ({type(reason).__name__}): the save's reason is a "
+            f"reason={value_text(reason)} ({type(reason).__name__}): the save's reason is a "
             "str, e.g. save(step, reason='epoch end')"
         )
     return reason

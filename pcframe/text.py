@@ -18,6 +18,17 @@ def one_line(exc: BaseException | str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def value_text(value: object, limit: int = 60) -> str:
+    """A user's value in a message: its ``repr`` on one line, cut to ``limit`` characters
+    (a ``repr`` that raises: the type's name)."""
+    try:
+        shown = repr(value)
+    except Exception:  # a repr that raises: its type says enough
+        shown = f"<{type(value).__name__}>"
+    shown = one_line(shown)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+
+
 # CommonMark's backslash-escapable characters: a backslash before one of them is an escape,
 # before any other character it is shown as it is.
 _PUNCTUATION = frozenset("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")

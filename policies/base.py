@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 from pcframe.errors import PolicyError
 from pcframe.policies.kinds import plugin_base
+from pcframe.text import value_text
 
 # Deadlines closer than this (seconds) are one notice. A source recomputes the deadline from
 # two clocks at every poll (``now`` and the signal's, the file's or the endpoint's time), so
@@ -107,13 +108,7 @@ def reason_problem(reason: Any) -> str | None:
     must be JSON-able', or was dropped where falsy.)"""
     if isinstance(reason, str):
         return None
-    try:
-        shown = repr(reason)
-    except Exception:  # a repr that raises: its type says enough
-        shown = f"<{type(reason).__name__}>"
-    shown = " ".join(shown.split())
-    shown = shown if len(shown) <= 60 else shown[:57] + "..."
-    return f"reason={shown} ({type(reason).__name__}): the reason must be a str"
+    return f"reason={value_text(reason)} ({type(reason).__name__}): the reason must be a str"
 
 
 _YES_NO = (True, False)  # numpy's booleans (and 0 and 1) compare equal to them too

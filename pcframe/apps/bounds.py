@@ -56,9 +56,8 @@ class Range:
         kind = f"a list of {kind}s" if items else f"a {kind}"
         low = f"> {_bound_text(self.low)}" if self.above else f">= {_bound_text(self.low)}"
         high = self.high
-        span = f"{_bound_text(self.low)}..{_bound_text(high)}" if high is not None else low
-        if self.limit and not (value is not None and self.high is not None and value > self.high):
-            span = low
+        named = high is not None and (not self.limit or (value is not None and value > high))
+        span = f"{_bound_text(self.low)}..{_bound_text(high)}" if named else low
         return f"{kind} {span}" + (" or null" if self.null else "")
 
 

@@ -397,7 +397,9 @@ class _VersionReader:
             )
 
     def _prefault(self, chunk: Chunk, flats: dict[int, memoryview]) -> None:
-        """Map the pages of the new tensors ``chunk`` is read into (live ones are mapped)."""
+        """Map the pages of the new tensors ``chunk`` is read into (live ones are mapped):
+        here, per chunk on the reading threads, not where the tensors are made (one thread,
+        before the reads), so that the mapping runs in parallel as the faults did."""
         for piece in chunk.pieces:
             if piece.entry in flats and piece.entry not in self.targets.tensors:
                 prefault(flats[piece.entry][piece.src_start : piece.src_start + piece.nbytes])
