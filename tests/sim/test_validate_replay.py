@@ -202,6 +202,41 @@ def test_mean_row_and_verdict_report_errors_of_the_means() -> None:
     assert "CPU pressure 0.10 -> 0.60" in text  # where the inputs moved, the load says why
 
 
+def test_the_noise_of_a_mean_of_shifted_replays_adds_in_quadrature() -> None:
+    """Two replays of 4 % and 3 % noise around 10 and 5 steps/s: their mean's spread is
+    sqrt(0.4² + 0.15²) / 2 = 0.2136 steps/s, 2.85 % of the mean prediction 7.5."""
+    rows = [fake_row(10.0, 10.0, 10.0, 1.0, noise=4.0), fake_row(5.0, 5.0, 5.0, 1.0, noise=3.0)]
+    mean = V.mean_row(rows)
+    assert mean["noise_window_pct"] == pytest.approx(100 * math.hypot(0.4, 0.15) / 2 / 7.5)
+
+
+def test_verdict_says_which_errors_the_replays_own_noise_explains_and_which_it_does_not() -> None:
+    """A 6 % error on a configuration whose one replay has 4 % noise: that replay cannot
+    check 5 % (2 x 4 > 5), and 3 shifted replays would (ceil(1 x (8 / 5)²) = 3); a 3 %
+    error on a 0.5 % noise is beyond the noise: the inputs or the model."""
+    noisy = fake_row(10.0, 10.6, 10.6, 1.0, noise=4.0, config="fixed:100:1")
+    off = fake_row(10.0, 10.3, 10.3, 1.0, noise=0.5, config="notice:1")
+    fine = fake_row(10.0, 10.0, 10.0, 1.0, noise=1.0, config="pa:2")
+    text = V.verdict([noisy, off, fine])
+    assert "1 of 3 configurations cannot be checked to 5 %" in text
+    assert "medium `fixed:100:1` (4.0 % with 1, 3 needed)" in text
+    assert "errors beyond 2 x the noise (the inputs moved, or the model is off): " in text
+    assert "medium `notice:1` +3.0 % = +6.0 x its noise" in text
+    assert "`pa:2` +" not in text and "`fixed:100:1` +6.0 %" not in text
+
+
+def test_replays_with_notices_are_predicted_from_restarts_measured_with_notices() -> None:
+    cal = {"restart": 2.7, "iteration_time": 0.104, "restart_samples": [2.8, 2.7]}
+    notice = {"restart": 2.5, "iteration_time": 0.102, "restart_samples": [2.5, 2.6]}
+    both = dict(cal, notice=notice)
+    got = V.calibration_for(both, S.Config.parse("notice:1"))
+    assert got["restart"] == 2.5 and got["iteration_time"] == 0.102
+    assert got["restart_samples"] == [2.5, 2.6]
+    assert V.calibration_for(both, S.Config.parse("fixed:10:2+notice"))["restart"] == 2.5
+    assert V.calibration_for(both, S.Config.parse("pa:2"))["restart"] == 2.7
+    assert V.calibration_for(cal, S.Config.parse("notice:1")) is cal  # calibrated without
+
+
 def test_report_has_the_headline_and_every_column(tmp_path) -> None:
     """A report from made-up measurements: the beforehand prediction is the headline, the
     in-replay one the check, and the calibration's medians and load are stated."""
@@ -247,7 +282,12 @@ def test_report_has_the_headline_and_every_column(tmp_path) -> None:
         draws=2,
         fixed_offsets="all",
     )
-    later = dict(cal, restart_stats=dict(cal["restart_stats"], median=3.1))
+    notice = {
+        "iteration_time": 0.103,
+        "restart_stats": S.robust([2.2, 2.3, 2.25]),
+        "restart_samples": [2.2, 2.3, 2.25],
+    }
+    later = dict(cal, restart_stats=dict(cal["restart_stats"], median=3.1), notice=notice)
     cals = {"medium": cal, "mild": later}  # --calibrate per-trace: one paragraph each
     V.write_outputs(args, V.with_means({("medium", "pa:1"): rows}), cals, 60.0, 2)
     text = (tmp_path / "report.md").read_text()
@@ -255,6 +295,8 @@ def test_report_has_the_headline_and_every_column(tmp_path) -> None:
     assert "restart 2.45 s (spread" in text and "CPU pressure 0.05" in text
     assert "**Calibration, before the medium replays**" in text
     assert "**Calibration, before the mild replays**" in text and "restart 3.10 s" in text
+    assert "With a notice before each kill" in text and "restart 2.25 s" in text
+    assert text.count("With a notice before each kill") == 1  # the medium one had none
     assert "each fixed interval at every one" in text
     head = next(line for line in text.splitlines() if line.startswith("| trace | config"))
     for column in ("goodput_measured", "goodput_predicted", "error_pct", "error_exact_pct"):
@@ -270,10 +312,18 @@ def test_report_has_the_headline_and_every_column(tmp_path) -> None:
     assert csv.startswith("#") and "cpu_pressure_calibrated" in csv
 
 
-def fake_row(measured: float, predicted: float, check: float, load: float) -> dict:
+def fake_row(
+    measured: float,
+    predicted: float,
+    check: float,
+    load: float,
+    noise: float = 1.0,
+    config: str = "pa:2",
+) -> dict:
     return {
         "trace": "medium",
-        "config": "pa:2",
+        "config": config,
+        "noise_window_pct": noise,
         "every": "",
         "in_flight": 2,
         "steps": 100,
