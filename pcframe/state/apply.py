@@ -15,7 +15,8 @@ nothing:
   keeps the old ``state`` and ``param_groups`` by reference (no copy); an optimizer with its
   own ``load_state_dict`` gets a deep copy of its ``state_dict()`` instead;
 * model: the parameters and buffers, copied to host memory just before the model is loaded
-  (the model is loaded last of the fallible objects) and copied back in place on failure;
+  (the model is loaded last of the fallible objects) and copied back in place on failure,
+  and a deep copy of the extra state of each module the load sets it on, set back after;
 * tensors the reader fills in place (``fill``: :mod:`pcframe.state.in_place`): no copy
   here. The model and optimizer load with those tensors as they are (the same tensors, so
   an undo above restores everything), and the fill, making them hold the verified bytes,
@@ -382,11 +383,14 @@ def _model_load(
             if local.numel() and view_of(local) in held:
                 continue
             saved.append((tensor, local.to("cpu", copy=True)))
+        extras = _extra_states(model, state)
 
         def put_back() -> None:
             with torch.no_grad():
                 for tensor, host in saved:
                     _local_shard(tensor).copy_(host)
+            for module, extra in extras:  # after its tensors, in the order torch loads them
+                module.set_extra_state(_deep_copy(extra))
 
         undo.push(put_back)
         if not (in_place and _loads_onto_itself(model, state)):
@@ -394,6 +398,33 @@ def _model_load(
                 model.load_state_dict(state, strict=complete)
 
     return load
+
+
+def _extra_states(model: torch.nn.Module, state: dict[str, Any]) -> list[tuple[Any, Any]]:
+    """(module, a copy of its extra state) for every module whose ``set_extra_state`` the
+    load of ``state`` calls. torch's ``load_state_dict`` sets them one module at a time, so
+    one refusing a value (or the load failing after it) leaves the modules before it holding
+    the checkpoint's extra state, which a copy of the parameters and buffers does not undo.
+    A module that cannot give its extra state (no ``get_extra_state``: torch's raises) is
+    left out: there is nothing to read back."""
+    extras: list[tuple[Any, Any]] = []
+    if not isinstance(model, torch.nn.Module):  # an object of its own loading: no modules
+        return extras
+    seen: set[int] = set()
+    base = torch.nn.Module
+    for name, module in model.named_modules(remove_duplicate=False):
+        key = f"{name}._extra_state" if name else "_extra_state"
+        kind = type(module)
+        if (
+            id(module) in seen
+            or key not in state
+            or kind.set_extra_state is base.set_extra_state
+            or kind.get_extra_state is base.get_extra_state
+        ):
+            continue
+        seen.add(id(module))
+        extras.append((module, _deep_copy(module.get_extra_state())))
+    return extras
 
 
 def _loads_onto_itself(model: torch.nn.Module, state: dict[str, Any]) -> bool:

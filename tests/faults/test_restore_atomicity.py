@@ -427,6 +427,45 @@ def test_a_rollback_undoes_what_an_alias_wrote_into_a_parameter_read_in_place(tm
     assert fine.w_t.data_ptr() == fine.w.data_ptr()  # still one memory
 
 
+class Tagged(nn.Module):
+    """A layer with extra state (a tag, as a vocabulary or a quantization recipe would be)
+    that ``checks`` refuses to replace with another one."""
+
+    def __init__(self, tag: str, checks: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.tag, self.checks = tag, checks
+
+    def get_extra_state(self) -> dict[str, str]:
+        return {"tag": self.tag}
+
+    def set_extra_state(self, state: dict[str, str]) -> None:
+        if self.checks and state["tag"] != self.tag:
+            raise ValueError(f"tag {state['tag']!r} is not {self.tag!r}")
+        self.tag = state["tag"]
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_model_failing_half_way_puts_back_the_extra_state_it_had_set(tmp_path, strict):
+    """torch's load_state_dict sets each module's extra state in turn: the second module's
+    set_extra_state refusing left the first holding the checkpoint's, while the error said
+    every object was rolled back (the undo put back parameters and buffers only)."""
+    with Checkpointer(tmp_path, model=nn.Sequential(Tagged("a1"), Tagged("b1"))) as ckpt:
+        ckpt.save(step=1).wait()
+    live = nn.Sequential(Tagged("a2"), Tagged("b2", checks=True))
+    before = freeze(live.state_dict())
+    with Checkpointer(tmp_path, model=live) as ckpt:
+        if strict:
+            with pytest.raises(CheckpointError, match="rolled back, nothing was loaded"):
+                ckpt.restore()
+        else:
+            assert ckpt.restore(strict=False) == 1
+            assert ckpt.last_restore.not_loaded[0].startswith("model: load_state_dict failed")
+    assert (live[0].tag, live[1].tag) == ("a2", "b2")
+    assert freeze(live.state_dict()) == before
+    committed_untouched(tmp_path)
+
+
 def test_strict_false_leaves_out_a_failing_object_and_loads_the_rest(saved):
     directory, job = saved(counters={"zz": Counter(4)})
     live = Job(seed=7, counters={"zz": Counter(9, refuse=4)})
