@@ -52,7 +52,7 @@ from pcframe.state.objects import Stateful, TrainingObjects, require_step_hook
 from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.starts import UNKNOWN_WRITER
 from pcframe.store.tiers import Secured, Tiers, attach_tiers
-from pcframe.text import value_text
+from pcframe.text import one_line, value_text
 
 log = logging.getLogger("pcframe")
 
@@ -171,6 +171,8 @@ class Checkpointer:
             self._flight.wait_for_copies = self._pipeline.wait_for_copies
             self.tiers.follow(self._pipeline)
             self._flight.late_failures.append(self.tiers.take_failure)
+            self._resume_failures: list[PolicyError] = []  # see resumed()
+            self._flight.late_failures.append(self._take_resume_failure)
             self._engine_calls = EngineCalls()  # this engine's calls in progress, per thread
             self._in_step_hook = 0  # optimizer.step() runs one of the hooks (close: keep them)
             self._stepping: dict[int, Any] = {}  # thread -> its optimizer.step() in progress
@@ -450,7 +452,9 @@ class Checkpointer:
         checkpoint. The version is checked against every object before any is touched
         (``pcframe.state.check``): a failed restore changes nothing. An interrupt while it
         commits is raised once it is complete (:mod:`pcframe.runtime.interrupts`); an earlier save's
-        failure found while it waits is logged, not raised, whatever the restore does.
+        failure found while it waits is logged, not raised, whatever the restore does. The
+        policy's failure on being told of the restart (:meth:`resumed`) is raised as a
+        ``PolicyError`` at the next engine call: the restore holds by then.
 
         Args:
             strict: any mismatch raises (the default); ``False`` loads what fits and lists
@@ -501,7 +505,28 @@ class Checkpointer:
         and by a multi-rank restore that loaded the state itself.
         """
         starts, clean = self._storage.starts, self._storage.previous_exit_clean
-        self._decisions.resumed(step, written, starts, clean)
+        try:
+            self._decisions.resumed(step, written, starts, clean)
+        except Exception as exc:
+            # The policy is told once the restored state holds, past the point a restore can
+            # be taken back: raised from here, restore() looked failed with every object
+            # loaded. The failure is the policy's: raised at the next engine call, as a
+            # placement policy's after a commit is.
+            policy = type(self._decisions.policy)
+            failure = PolicyError(
+                f"policy {policy.__module__}.{policy.__qualname__}.observe raised "
+                f"{one_line(f'{type(exc).__name__}: {exc}')} when told that training "
+                f"resumes from step {step}; the restore holds (the objects hold that "
+                "step's state): fix the policy"
+            )
+            failure.__cause__ = exc
+            log.error("%s", failure)
+            self._resume_failures.append(failure)
+
+    def _take_resume_failure(self, reported: Callable[[int], bool]) -> PolicyError | None:
+        """The policy's failure on being told of a restore (:meth:`resumed`), taken once."""
+        del reported  # it follows a restore, not a version in flight
+        return self._resume_failures.pop(0) if self._resume_failures else None
 
     # --- lifecycle ---------------------------------------------------------------------------
 

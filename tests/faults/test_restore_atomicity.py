@@ -22,7 +22,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from pcframe import Checkpointer, CheckpointError, ResumableLoader, ResumableSampler
-from pcframe.errors import StateMismatch
+from pcframe.errors import PolicyError, StateMismatch
+from pcframe.policies import FixedSteps
+from pcframe.policies.base import Restarted
 from pcframe.state.rng import capture_rng, check_rng
 from pcframe.store.directory import CheckpointDir
 from tests.format.test_hostile_manifest import rewrite
@@ -464,6 +466,34 @@ def test_a_model_failing_half_way_puts_back_the_extra_state_it_had_set(tmp_path,
     assert (live[0].tag, live[1].tag) == ("a2", "b2")
     assert freeze(live.state_dict()) == before
     committed_untouched(tmp_path)
+
+
+class BrokenOnRestart(FixedSteps):
+    """A plugin policy whose observe() fails on the restart event."""
+
+    def observe(self, event: object) -> None:
+        if isinstance(event, Restarted):
+            raise KeyError("no such zone")
+        super().observe(event)
+
+
+def test_a_policy_failing_when_told_of_the_restore_does_not_make_it_look_failed(tmp_path):
+    """The policy is told of the restart once the restored state holds. Its error used to
+    leave restore() there, so a restore that raised had changed every object; now the
+    restore returns and the policy's error, naming it, is raised at the next engine call."""
+    torch.manual_seed(0)
+    saved = nn.Linear(3, 2)
+    with Checkpointer(tmp_path, model=saved, policy=FixedSteps(5)) as ckpt:
+        ckpt.save(step=1).wait()
+    live = nn.Linear(3, 2)
+    with Checkpointer(tmp_path, model=live, policy=BrokenOnRestart(5)) as ckpt:
+        assert ckpt.restore() == 1
+        assert freeze(live.state_dict()) == freeze(saved.state_dict())
+        with pytest.raises(
+            PolicyError, match=r"BrokenOnRestart\.observe raised KeyError.*restore holds"
+        ):
+            ckpt.maybe_save(2)
+        ckpt.maybe_save(3)  # raised once
 
 
 def test_strict_false_leaves_out_a_failing_object_and_loads_the_rest(saved):
