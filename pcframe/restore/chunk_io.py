@@ -129,9 +129,14 @@ def check_size(path: Path, expected: int) -> None:
         actual = os.fstat(fd).st_size
     finally:
         os.close(fd)
-    if actual != expected:
+    if actual < expected:
         raise CorruptCheckpoint(
             f"{path}: holds {actual} bytes, manifest says {expected} (truncated?)"
+        )
+    if actual > expected:  # bytes appended (a second writer, a bad copy): not truncated
+        raise CorruptCheckpoint(
+            f"{path}: holds {actual} bytes, {actual - expected} bytes more than the manifest "
+            f"says ({expected}; written to after its commit?)"
         )
 
 

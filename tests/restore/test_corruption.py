@@ -78,6 +78,21 @@ def test_truncated_data_file_falls_back(tmp_path):
         assert "truncated" in ckpt.last_restore.skipped[0][1]
 
 
+def test_a_data_file_longer_than_its_manifest_says_is_named_as_such(tmp_path):
+    """Bytes appended to a data file (a second writer, a copy tool gone wrong) are damage
+    too; the reason used to call the longer file truncated."""
+    two_versions(tmp_path)
+    newest = CheckpointDir(tmp_path).committed_versions()[-1]
+    with open(tmp_path / f"v{newest:08d}" / "data.bin", "ab") as f:
+        f.write(b"\0" * 10)
+    model, optimizer, _ = small_training()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        assert ckpt.restore() == 2
+        reason = ckpt.last_restore.skipped[0][1]
+    assert "10 bytes more than the manifest says" in reason
+    assert "truncated" not in reason
+
+
 def test_all_versions_corrupt_raises_and_keeps_model(tmp_path):
     two_versions(tmp_path)
     for version in CheckpointDir(tmp_path).committed_versions():
