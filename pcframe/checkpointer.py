@@ -479,7 +479,9 @@ class Checkpointer:
                 log.error("before the restore: %s", exc)
         report = self.last_restore = RestoreReport()
         rules = LoadRules(strict=strict, allow_cast=allow_cast)
-        job = RestoreJob(self._objects, rules, self.config.read_threads, self._storage.root, report)
+        job = RestoreJob(
+            self._objects, rules, self.config.read_threads, self._storage.root, report, version
+        )
         manifest = restore_from_tiers(
             self.tiers,
             version,

@@ -54,14 +54,15 @@ LISTINGS = 3  # walks of a directory whose writer keeps committing while load() 
 @dataclass
 class RestoreJob:
     """What one restore loads into and how: the objects, the rules for a version that does
-    not fit them, the reading threads, the directory it is named by in messages, and the
-    report it fills."""
+    not fit them, the reading threads, the directory it is named by in messages, the
+    report it fills, and the version asked for (``None``: the newest valid one)."""
 
     objects: TrainingObjects
     rules: LoadRules
     threads: int
     root: Path
     report: RestoreReport
+    version: int | None = None
 
 
 def restore_from_tiers(
@@ -183,6 +184,12 @@ def _first_valid(
     if loaded is None:
         if report.skipped:
             reasons = "; ".join(f"v{v}: {why}" for v, why in report.skipped)
+            if job.version is not None:  # older or newer versions may well be valid
+                reasons = "; ".join(why for _, why in report.skipped)
+                raise NoValidCheckpoint(
+                    f"version {job.version} in {root} is damaged ({reasons}): ask for another "
+                    "version, or for none to load the newest valid one"
+                )
             raise NoValidCheckpoint(f"no valid checkpoint in {root}: {reasons}")
         set_aside = quarantined_versions(root)
         if set_aside:
@@ -272,7 +279,7 @@ def load(
         try:
             load_and_apply(
                 _read_only_sources(root, versions),
-                RestoreJob(objects, rules, threads, root.root, report),
+                RestoreJob(objects, rules, threads, root.root, report, version),
             )
             return report
         except (NoValidCheckpoint, RestoreIOError):

@@ -93,6 +93,24 @@ def test_a_data_file_longer_than_its_manifest_says_is_named_as_such(tmp_path):
     assert "truncated" not in reason
 
 
+def test_a_damaged_version_asked_for_is_named_and_the_others_are_left(tmp_path):
+    """restore(version=N) / load(version=N) of a damaged N said "no valid checkpoint in"
+    the folder, with no fix, while the other versions were valid."""
+    two_versions(tmp_path)
+    flip_byte(tmp_path / "v00000001" / "data.bin", 100)
+    message = r"version 1 in .* is damaged \(.*checksum mismatch.*\): ask for another version"
+    model, optimizer, _ = small_training(seed=3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NoValidCheckpoint, match=message):
+        pcframe.load(tmp_path, model=model, optimizer=optimizer, version=1)  # reads only
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        with pytest.raises(NoValidCheckpoint, match=message):
+            ckpt.restore(version=1)
+        assert state_equal(model.state_dict(), before)
+        assert ckpt.committed_versions() == [2]  # the damaged one set aside, the other kept
+        assert ckpt.restore() == 4
+
+
 def test_all_versions_corrupt_raises_and_keeps_model(tmp_path):
     two_versions(tmp_path)
     for version in CheckpointDir(tmp_path).committed_versions():
