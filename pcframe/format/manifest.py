@@ -48,6 +48,9 @@ STRIPED_FORMAT_VERSION = 4  # written when data.bin is striped over several file
 NUMPY_FORMAT_VERSION = 3  # written when the state tree holds a numpy scalar
 CODED_FORMAT_VERSION = 2  # written when a tensor is coded (codec.bin, deltas)
 PLAIN_FORMAT_VERSION = 1  # written when no tensor is coded: readable by every pcframe
+# The tree's section in a version that torch DCP wrote through pcframe's StorageWriter
+# (pcframe.integrations.dcp): DCP's items, none of a Checkpointer's sections.
+DCP_SECTION = "dcp"
 # Version 3 adds numpy scalars to the state tree ({"$np": [dtype, text]}), version 4 the
 # stripes of data.bin (files/data.bin/stripes), version 5 the tree's standard subtypes
 # ({"$counter": ...}, {"$enum": ...}: TYPED_TAGS): each written only when used, so that a

@@ -29,7 +29,7 @@ from pcframe.errors import (
     RestoreIOError,
     UnsupportedCheckpoint,
 )
-from pcframe.format.manifest import Manifest
+from pcframe.format.manifest import DCP_SECTION, Manifest
 from pcframe.format.names import check_requested_version, version_name
 from pcframe.restore.live import Spare
 from pcframe.restore.reader import LoadedVersion
@@ -225,6 +225,14 @@ def _commit(loaded: LoadedVersion, job: RestoreJob) -> Manifest:
     where = f"version {manifest.version} ({version_name(manifest.version)})"
     fill = _FillInto(loaded, report) if loaded.in_place_bytes else None
     try:
+        if isinstance(manifest.tree, dict) and DCP_SECTION in manifest.tree:
+            # dcp.save's items, not the objects' sections: checked against the objects it
+            # fits none of them, and strict=False would return its step, having loaded nothing.
+            raise CheckpointError(
+                f"{where} in {job.root} was written by torch DCP (pcframe.integrations.dcp."
+                "StorageWriter): load it with dcp.load(state, storage_reader=pcframe."
+                f"integrations.dcp.StorageReader({str(job.root)!r})); nothing was loaded"
+            )
         try:
             tree = loaded.state_tree()
         except UnsupportedCheckpoint as exc:  # a class it names is not in this process

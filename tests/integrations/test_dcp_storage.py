@@ -12,8 +12,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+import pcframe
+from pcframe import Checkpointer
 from pcframe.apps import cli
-from pcframe.errors import ConfigError, CorruptCheckpoint
+from pcframe.errors import CheckpointError, ConfigError, CorruptCheckpoint
 from pcframe.format.manifest import DATA_NAME, MANIFEST_NAME, read_manifest
 from pcframe.integrations.dcp import StorageReader, StorageWriter
 from tests.integrations.dcp_ranks import (
@@ -184,6 +186,29 @@ def test_bad_setup_is_one_line_error(tmp_path: Path) -> None:
         with pytest.raises(CheckpointException) as info:
             dcp.save({"w": torch.ones(2)}, storage_writer=StorageWriter(root))
         assert f"{afile} is a file, not a folder" in str(_failure(info.value))
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_dcp_version_given_to_checkpointer_restore_names_the_dcp_reader(
+    tmp_path: Path, strict: bool
+) -> None:
+    """Checkpointer.restore() / pcframe.load() of a version dcp.save wrote: the mismatch
+    said the checkpoint held no model state and advised strict=False, which then returned
+    the version's step having loaded nothing (a job resuming at that step from fresh
+    weights). Refused in one line naming the DCP reader; nothing is loaded or renamed."""
+    root = tmp_path / "ckpt"
+    dcp.save(training_state(3), storage_writer=StorageWriter(root))
+    net, opt, _ = fresh_state()
+    before = [t.clone() for t in net.state_dict().values()]
+    message = r"v00000001.*written by torch DCP.*StorageReader"
+    with pytest.raises(CheckpointError, match=message):
+        pcframe.load(root, model=net, optimizer=opt, strict=strict)
+    with Checkpointer(root, model=net, optimizer=opt) as ckpt:
+        with pytest.raises(CheckpointError, match=message):
+            ckpt.restore(strict=strict)
+        assert ckpt.committed_versions() == [1]
+    assert all(torch.equal(a, b) for a, b in zip(before, net.state_dict().values(), strict=True))
+    _load(root, 3)  # the DCP reader still loads it
 
 
 def test_a_step_no_reader_takes_is_refused_before_anything_is_written(tmp_path: Path) -> None:

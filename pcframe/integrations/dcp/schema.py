@@ -48,12 +48,12 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 from pcframe.distributed.placement import cover_fault
 from pcframe.errors import ManifestError, UnsupportedCheckpoint
 from pcframe.format.classes import base_types_unannounced
-from pcframe.format.manifest import Manifest
+from pcframe.format.manifest import DCP_SECTION, Manifest
 from pcframe.format.tree import TYPED_TAGS, TensorRef, decode_tree, encode_tree, tags_held
 from pcframe.kernels.dtypes import DTYPES, dtype_name
 
 SCHEMA = 1
-SECTION = "dcp"
+SECTION = DCP_SECTION
 KINDS = ("tensor", "value", "pickled")
 
 
