@@ -31,7 +31,7 @@ from pcframe.policies.fixed import FixedSteps
 from pcframe.policies.notices.base import NoticeSource
 from pcframe.policies.placement.base import PlacementPolicy
 from pcframe.restore.report import RestoreReport
-from pcframe.restore.restorer import RestoreJob, restore_from_tiers
+from pcframe.restore.restorer import RestoreJob, load_rules, restore_from_tiers
 from pcframe.runtime.checks import bounded_wait
 from pcframe.runtime.collector import current_frames
 from pcframe.runtime.interrupts import interrupts_held
@@ -47,7 +47,6 @@ from pcframe.save.capture import Capture
 from pcframe.save.flight import DeferredSave, EngineSaveHandle, InFlight
 from pcframe.save.handle import SaveHandle, SaveRecord, VersionHandle
 from pcframe.save.pipeline import SavePipeline
-from pcframe.state.check import LoadRules
 from pcframe.state.objects import Stateful, TrainingObjects, require_step_hook
 from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.starts import UNKNOWN_WRITER
@@ -468,9 +467,7 @@ class Checkpointer:
             CheckpointError: the version does not fit the objects (``StateMismatch`` lists
                 every mismatch); not corruption: nothing is quarantined.
         """
-        for name, flag in (("strict", strict), ("allow_cast", allow_cast)):
-            if not isinstance(flag, bool):  # restore(strict="no") would be strict
-                raise TypeError(f"restore({name}={flag!r}): give True or False")
+        rules = load_rules("restore", strict, allow_cast)
         while True:  # no save in flight: the staging pool is idle, lent to the restore
             try:
                 self._wait()
@@ -478,7 +475,6 @@ class Checkpointer:
             except (SaveError, PolicyError) as exc:  # PolicyError: a placement's, after a commit
                 log.error("before the restore: %s", exc)
         report = self.last_restore = RestoreReport()
-        rules = LoadRules(strict=strict, allow_cast=allow_cast)
         job = RestoreJob(
             self._objects, rules, self.config.read_threads, self._storage.root, report, version
         )

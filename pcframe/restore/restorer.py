@@ -35,6 +35,7 @@ from pcframe.restore.live import Spare
 from pcframe.restore.reader import LoadedVersion
 from pcframe.restore.report import RestoreReport
 from pcframe.restore.sources import load_first_valid, restore_sources, stop_at_unsupported
+from pcframe.runtime.checks import whole_number
 from pcframe.runtime.collector import collector_paused
 from pcframe.runtime.interrupts import interrupts_held
 from pcframe.save.staging import StagingPool
@@ -63,6 +64,19 @@ class RestoreJob:
     root: Path
     report: RestoreReport
     version: int | None = None
+
+
+def load_rules(call: str, strict: object, allow_cast: object) -> LoadRules:
+    """The rules of ``call`` (``"restore"``, ``"load"``), its flags checked: a string such as
+    ``"no"`` is truthy, so ``allow_cast="no"`` would cast and ``strict="False"`` be strict.
+
+    Raises:
+        TypeError: a flag is not a bool, naming it and the call.
+    """
+    for name, flag in (("strict", strict), ("allow_cast", allow_cast)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{call}({name}={flag!r}): give True or False")
+    return LoadRules(strict=bool(strict), allow_cast=bool(allow_cast))
 
 
 def restore_from_tiers(
@@ -269,13 +283,16 @@ def load(
 
     Raises:
         NoValidCheckpoint, RestoreIOError, CheckpointError: as ``Checkpointer.restore``.
+        TypeError: ``strict`` or ``allow_cast`` is not a bool, ``threads`` not 1..256.
     """
     check_requested_version(version, "load(version=...)")
+    rules = load_rules("load", strict, allow_cast)
+    if not whole_number(threads) or not 1 <= threads <= 256:  # the engine's read_threads
+        raise TypeError(f"load(threads={threads!r}): give 1..256 reader threads, e.g. 8")
     objects = TrainingObjects.given(model, optimizer, scheduler, scaler, data, stateful, extra)
     root = CheckpointDir(directory)
     if not root.root.is_dir():
         raise CheckpointError(f"{root.root} is not a directory: give a checkpoint directory")
-    rules = LoadRules(strict=strict, allow_cast=allow_cast)
     listed = root.committed_versions()
     for attempt in range(LISTINGS):
         versions = [v for v in reversed(listed) if version in (None, v)]

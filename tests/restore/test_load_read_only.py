@@ -63,6 +63,29 @@ def test_load_reports_no_checkpoint_and_errors(tmp_path):
         pcframe.load(tmp_path / "one", model=torch.nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize(
+    ("argument", "message"),
+    [
+        ({"allow_cast": "no"}, r"load\(allow_cast='no'\): give True or False"),
+        ({"strict": "False"}, r"load\(strict='False'\): give True or False"),
+        ({"threads": 0}, r"load\(threads=0\): give 1\.\.256 reader threads"),
+        ({"threads": "8"}, r"load\(threads='8'\): give 1\.\.256 reader threads"),
+        ({"threads": 10**6}, r"load\(threads=1000000\): give 1\.\.256 reader threads"),
+    ],
+)
+def test_load_refuses_arguments_restore_refuses(tmp_path, argument, message):
+    """restore() refuses a flag that is not a bool and the engine 0 or 10**6 reader threads;
+    load() took them: allow_cast="no" cast a float32 version into a float64 model,
+    strict="False" was strict, threads="8" failed with a raw comparison error."""
+    with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2)) as ckpt:
+        ckpt.save(1).wait()
+    model = torch.nn.Linear(2, 2).double()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TypeError, match=message):
+        pcframe.load(tmp_path, model=model, **argument)
+    assert state_equal(model.state_dict(), before)
+
+
 def test_load_while_its_writer_commits_and_prunes_reads_the_new_version(tmp_path, monkeypatch):
     """An eval job loads while training saves with keep_last=1: the version it listed is
     deleted by the writer's retention before it is read. Before, load called it corrupt
