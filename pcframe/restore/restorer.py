@@ -79,6 +79,18 @@ def load_rules(call: str, strict: object, allow_cast: object) -> LoadRules:
     return LoadRules(strict=bool(strict), allow_cast=bool(allow_cast))
 
 
+def check_read_threads(call: str, threads: object) -> None:
+    """Refuse reader ``threads`` outside the engine's ``read_threads`` range (1..256), naming
+    ``call``: a string failed deep in the reader as a raw comparison error, and 10**6
+    started a thread per chunk.
+
+    Raises:
+        TypeError: not a whole number in 1..256.
+    """
+    if not whole_number(threads) or not 1 <= threads <= 256:
+        raise TypeError(f"{call}(threads={threads!r}): give 1..256 reader threads, e.g. 8")
+
+
 def restore_from_tiers(
     tiers: Tiers,
     version: int | None,
@@ -287,8 +299,7 @@ def load(
     """
     check_requested_version(version, "load(version=...)")
     rules = load_rules("load", strict, allow_cast)
-    if not whole_number(threads) or not 1 <= threads <= 256:  # the engine's read_threads
-        raise TypeError(f"load(threads={threads!r}): give 1..256 reader threads, e.g. 8")
+    check_read_threads("load", threads)
     objects = TrainingObjects.given(model, optimizer, scheduler, scaler, data, stateful, extra)
     root = CheckpointDir(directory)
     if not root.root.is_dir():

@@ -171,6 +171,28 @@ def test_pickled_values_are_refused_unless_allowed(tmp_path: Path) -> None:
     assert torch.equal(target["w"], torch.ones(3))
 
 
+@pytest.mark.parametrize(
+    ("argument", "message"),
+    [
+        ({"allow_pickle": "no"}, r"StorageReader\(allow_pickle='no'\): give True or False"),
+        ({"allow_pickle": 1}, r"StorageReader\(allow_pickle=1\): give True or False"),
+        ({"threads": 0}, r"StorageReader\(threads=0\): give 1\.\.256 reader threads"),
+        ({"threads": "8"}, r"StorageReader\(threads='8'\): give 1\.\.256 reader threads"),
+    ],
+)
+def test_a_reader_argument_of_the_wrong_kind_is_refused_when_made(
+    tmp_path: Path, argument: dict[str, object], message: str
+) -> None:
+    """allow_pickle="no" (a string from a config file) is truthy: it unpickled the values a
+    checkpoint stored pickled, which runs whatever code the file names."""
+    root = tmp_path / "ckpt"
+    dcp.save(
+        {"w": torch.ones(3), "odd": fractions.Fraction(1, 3)}, storage_writer=StorageWriter(root)
+    )
+    with pytest.raises(TypeError, match=message):
+        StorageReader(root, **argument)
+
+
 def test_bad_setup_is_one_line_error(tmp_path: Path) -> None:
     with pytest.raises(CheckpointException) as info:
         dcp.save({"w": torch.ones(2)}, storage_writer=StorageWriter())

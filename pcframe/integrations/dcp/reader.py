@@ -62,7 +62,7 @@ from pcframe.integrations.dcp import root as roots
 from pcframe.integrations.dcp.held import HeldVersion, Read, damaged, data_files, placement
 from pcframe.integrations.dcp.schema import ReadIndex, build_metadata
 from pcframe.restore.reader import read_entries
-from pcframe.restore.restorer import LISTINGS
+from pcframe.restore.restorer import LISTINGS, check_read_threads
 from pcframe.restore.sources import (
     READ_ATTEMPTS,
     describe_io,
@@ -105,6 +105,9 @@ class StorageReader(_DcpStorageReader):
         # any rank places a byte (None: the default group, when the load spans all of it).
         self.process_group = process_group
         check_requested_version(version, "StorageReader(version=...)")
+        if not isinstance(allow_pickle, bool):  # "no" is truthy: it would unpickle
+            raise TypeError(f"StorageReader(allow_pickle={allow_pickle!r}): give True or False")
+        check_read_threads("StorageReader", threads)
         self.root = Path(path) if path is not None else None
         self.version = version
         self.allow_pickle = allow_pickle
