@@ -144,6 +144,9 @@ class ResumableLoader:
             "consumed": consumed,
             "seed": self.sampler.seed,
             "generator": rng.clone(),
+            # What the epoch's permutation is of: a mid-epoch position means nothing in another.
+            "num_samples": self.sampler.num_samples,
+            "shuffle": self.sampler.shuffle,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -151,6 +154,17 @@ class ResumableLoader:
             raise ValueError(
                 f"data position was saved with sampler seed {state['seed']}, but this sampler "
                 f"uses {self.sampler.seed}: use the same seed to resume the same data order"
+            )
+        sampler = self.sampler
+        here = (sampler.num_samples, sampler.shuffle)
+        saved = (state.get("num_samples", here[0]), state.get("shuffle", here[1]))  # older: unsaid
+        if state.get("consumed") and saved != here:  # mid-epoch: the rest of *that* permutation
+            raise ValueError(
+                f"data position was saved mid-epoch ({state['consumed']} samples handed out) of "
+                f"{saved[0]} samples an epoch, shuffle={saved[1]}; this sampler has {here[0]}, "
+                f"shuffle={here[1]}: the rest of that epoch would be other samples than the ones "
+                "not trained yet. Resume with the same data, or from a version saved at the end "
+                "of an epoch"
             )
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
         rng = state.get("generator")  # absent in data positions saved before it was kept

@@ -97,6 +97,36 @@ def test_wrong_seed_is_refused():
         other.load_state_dict(loader.state_dict())
 
 
+def sized(samples: int, shuffle: bool = True) -> ResumableLoader:
+    dataset = TensorDataset(torch.arange(samples))
+    sampler = ResumableSampler(samples, seed=3, shuffle=shuffle)
+    return ResumableLoader(DataLoader(dataset, batch_size=4, sampler=sampler))
+
+
+@pytest.mark.parametrize(
+    ("other", "message"),
+    [
+        (lambda: sized(40), "of 50 samples an epoch, shuffle=True; this sampler has 40,"),
+        (lambda: sized(50, shuffle=False), "shuffle=True; this sampler has 50, shuffle=False"),
+    ],
+)
+def test_a_mid_epoch_position_into_other_data_is_refused(other, message):
+    """The rest of an epoch is the rest of a permutation of the saved dataset: into another
+    size (or order) it silently trained some samples of that epoch twice and never others."""
+    loader = make()
+    drain(loader, 3)
+    with pytest.raises(ValueError, match=message):
+        other().load_state_dict(loader.state_dict())
+
+
+def test_a_position_at_an_epoch_boundary_goes_into_other_data():
+    loader = make()
+    drain(loader, 13)  # the whole first epoch: the next one starts afresh
+    grown = sized(60)
+    grown.load_state_dict(loader.state_dict())
+    assert sorted(i for batch in drain(grown, 15) for i in batch) == list(range(60))
+
+
 def test_needs_resumable_sampler():
     with pytest.raises(TypeError, match="ResumableSampler"):
         ResumableLoader(DataLoader(TensorDataset(torch.arange(4))))
