@@ -86,6 +86,18 @@ def test_verify_reports_corruption_with_exit_code(tmp_path, python):
     assert "checksum mismatch" in verify.stdout
 
 
+def test_verify_says_a_version_without_checksums_was_checked_for_structure_only(tmp_path, python):
+    """A version saved with checksum="none" has no checksums for its data: verify said
+    "OK" even with its bytes changed, as if it had checked them."""
+    with Checkpointer(tmp_path, model=torch.nn.Linear(6, 3), checksum="none") as ckpt:
+        ckpt.save(step=1).wait()
+    flip_byte(tmp_path / "v00000001" / "data.bin", 3)
+    verify = cli(python, "verify", tmp_path)
+    assert verify.returncode == 0
+    assert verify.stdout.startswith("v1: structure OK, data not verified (")
+    assert "saved with checksum none" in verify.stdout
+
+
 def test_clear_errors_for_missing_things(tmp_path, python):
     for command in ("list", "verify", "inspect", "export"):
         result = cli(python, command, tmp_path / "typo")
