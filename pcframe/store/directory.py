@@ -237,11 +237,24 @@ def set_aside(root: Path, version: int, reason: str = "") -> None:
     """Move ``root``'s version that failed verification out of the listing, keeping its files
     and, beside them, why (``set-aside.txt``: read by ``pcframe list`` and ``verify``)."""
     target = root / f"{QUARANTINE_PREFIX}{version_name(version)}-{os.getpid()}"
+    source = root / version_name(version)
     try:
-        os.rename(root / version_name(version), target)
+        os.rename(source, target)
         fsync_dir(root)
-    except OSError:
-        return  # already gone, or read-only: it stays listed and is skipped again next time
+    except FileNotFoundError:
+        return  # already gone (a live writer's retention)
+    except OSError as exc:
+        # Read-only or not ours to rename: it stays listed, which nobody would know.
+        log.warning(
+            "could not set damaged checkpoint version %d aside (%s): it stays listed, is "
+            "read and skipped again at each restore and counts among the keep_last versions; "
+            "move %s out of %s",
+            version,
+            exc.strerror or exc,
+            source,
+            root,
+        )
+        return
     if reason:  # best effort: the version is out of the listing whether or not this lands
         with contextlib.suppress(OSError):
             write_new_file(target / SET_ASIDE_NAME, f"{reason}\n".encode())

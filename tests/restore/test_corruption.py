@@ -13,6 +13,7 @@ import pcframe
 from pcframe import Checkpointer, NoValidCheckpoint
 from pcframe.store.directory import CheckpointDir
 from tests.helpers import flip_byte, small_training, state_equal, train_steps
+from tests.save.test_disk_errors import Unwritable
 
 
 def two_versions(root):
@@ -109,6 +110,24 @@ def test_a_damaged_version_asked_for_is_named_and_the_others_are_left(tmp_path):
         assert state_equal(model.state_dict(), before)
         assert ckpt.committed_versions() == [2]  # the damaged one set aside, the other kept
         assert ckpt.restore() == 4
+
+
+def test_a_damaged_version_that_cannot_be_set_aside_is_named_with_the_fix(tmp_path, caplog):
+    """Setting a damaged version aside is a rename, which an unwritable folder refuses: it
+    was dropped without a word, the version stayed listed (read and skipped at each restore,
+    counted among the keep_last versions, so a good older one was pruned in its place)."""
+    two_versions(tmp_path)
+    flip_byte(tmp_path / "v00000002" / "data.bin", 100)
+    model, optimizer, _ = small_training()
+    with (
+        caplog.at_level(logging.WARNING, logger="pcframe"),
+        Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt,
+        Unwritable(tmp_path),
+    ):
+        assert ckpt.restore() == 2
+    assert "could not set damaged checkpoint version 2 aside" in caplog.text
+    assert f"move {tmp_path / 'v00000002'} out of {tmp_path}" in caplog.text
+    assert CheckpointDir(tmp_path).committed_versions() == [1, 2]
 
 
 def test_all_versions_corrupt_raises_and_keeps_model(tmp_path):
