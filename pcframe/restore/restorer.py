@@ -30,7 +30,7 @@ from pcframe.errors import (
     UnsupportedCheckpoint,
 )
 from pcframe.format.manifest import DCP_SECTION, Manifest
-from pcframe.format.names import check_requested_version, version_name
+from pcframe.format.names import RANK_DIR, check_requested_version, version_name
 from pcframe.restore.live import Spare
 from pcframe.restore.reader import LoadedVersion
 from pcframe.restore.report import RestoreReport
@@ -226,8 +226,35 @@ def _first_valid(
                 f"by an earlier restore ({', '.join(set_aside)}; `pcframe list` names them); "
                 "to start from the beginning on purpose, move or delete them"
             )
+        ranks = _rank_folders(root)
+        if ranks:
+            # The versions are in the rank folders, none at the top: "no checkpoint" would
+            # start a run over from step 0 beside them, or evaluate a fresh model.
+            shown = ", ".join(ranks[:3]) + (", ..." if len(ranks) > 3 else "")
+            raise CheckpointError(
+                f"{root} holds the checkpoints of a multi-rank job ({shown}), which one "
+                "process's Checkpointer or pcframe.load cannot read: restore them with "
+                "pcframe.distributed.DistributedCheckpointer under torchrun (one process: "
+                "--nproc-per-node 1; it reshards), or dcp.load with "
+                "pcframe.integrations.dcp.StorageReader where dcp.save wrote them; or give "
+                "this run its own directory"
+            )
         log.info("no checkpoint in %s: training starts from the beginning", root)
     return loaded
+
+
+def _rank_folders(root: Path) -> list[str]:
+    """The ``rank-<r>`` folders of ``root`` (links not followed), by rank."""
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return []
+    folders = [
+        (int(match.group(1)), entry.name)
+        for entry in entries
+        if (match := RANK_DIR.match(entry.name)) and entry.is_dir(follow_symlinks=False)
+    ]
+    return [name for _, name in sorted(folders)]
 
 
 @dataclass

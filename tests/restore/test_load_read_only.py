@@ -86,6 +86,41 @@ def test_load_refuses_arguments_restore_refuses(tmp_path, argument, message):
     assert state_equal(model.state_dict(), before)
 
 
+# A world of one gloo rank (its own process: the process group is global) saves a version.
+MULTI_RANK_JOB = """
+import sys, torch
+import torch.distributed as dist
+from pcframe.distributed import DistributedCheckpointer
+
+root, rendezvous = sys.argv[1:3]
+dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=0, world_size=1)
+with DistributedCheckpointer(root, model=torch.nn.Linear(4, 2)) as saving:
+    saving.save(5).wait()
+dist.destroy_process_group()
+"""
+
+
+def test_a_multi_rank_root_is_named_not_taken_for_an_empty_folder(tmp_path, python, child_env):
+    """A DistributedCheckpointer's root holds rank-<r>/ folders, no version of its own:
+    load() and restore() reported "no checkpoint" (an INFO line), so an evaluation read a
+    fresh model and a training run started again from step 0 beside the job's versions."""
+    root = tmp_path / "ckpt"
+    args = [python, "-c", MULTI_RANK_JOB, str(root), str(tmp_path / "rendezvous")]
+    done = subprocess.run(args, env=child_env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    message = r"ckpt holds the checkpoints of a multi-rank job \(rank-0\).*DistributedCheckpointer"
+    model = torch.nn.Linear(4, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(pcframe.CheckpointError, match=message):
+        pcframe.load(root, model=model)
+    with (
+        Checkpointer(root, model=model) as ckpt,
+        pytest.raises(pcframe.CheckpointError, match=message),
+    ):
+        ckpt.restore()
+    assert state_equal(model.state_dict(), before)
+
+
 def test_load_while_its_writer_commits_and_prunes_reads_the_new_version(tmp_path, monkeypatch):
     """An eval job loads while training saves with keep_last=1: the version it listed is
     deleted by the writer's retention before it is read. Before, load called it corrupt
