@@ -44,7 +44,7 @@ from pcframe.state.check import LoadRules
 from pcframe.state.in_place import in_place_targets, seen_elsewhere
 from pcframe.state.objects import Stateful, TrainingObjects
 from pcframe.state.optimizer import prefetch_fresh_state
-from pcframe.store.directory import CheckpointDir, quarantined_versions
+from pcframe.store.directory import CheckpointDir, quarantined_versions, refuse_version_folder
 from pcframe.store.tiers import Source, Tiers
 
 log = logging.getLogger("pcframe")
@@ -331,6 +331,7 @@ def load(
     root = CheckpointDir(directory)
     if not root.root.is_dir():
         raise CheckpointError(f"{root.root} is not a directory: give a checkpoint directory")
+    refuse_version_folder(root.root, "load")
     listed = root.committed_versions()
     for attempt in range(LISTINGS):
         versions = [v for v in reversed(listed) if version in (None, v)]

@@ -29,7 +29,8 @@ from pathlib import Path
 
 from pcframe.errors import CheckpointError, DirectoryLocked, NotRegularFile, RestoreIOError
 from pcframe.format.files import is_real_directory, open_regular, read_small
-from pcframe.format.manifest import read_manifest
+from pcframe.format.manifest import FORMAT as MANIFEST_FORMAT
+from pcframe.format.manifest import MANIFEST_HEAD, read_manifest
 from pcframe.format.names import MANIFEST_NAME, version_name, version_number
 from pcframe.runtime.faults import crash_point
 from pcframe.runtime.processes import process_alive
@@ -341,11 +342,30 @@ def _same_folder(a: Path, b: Path) -> bool:
         return False
 
 
+def refuse_version_folder(root: Path, call: str) -> None:
+    """Refuse ``root`` when it is the folder of one version (it holds a manifest): nothing
+    there is listed as a version, so a restore found "no checkpoint" and started afresh,
+    and a writer put its lock and marks into the committed version's folder. A file of the
+    user's own of that name (a dataset's manifest.json) is no version's: its header tells."""
+    try:
+        head = read_small(root / MANIFEST_NAME, MANIFEST_HEAD)
+    except (OSError, NotRegularFile):
+        return
+    if f'"{MANIFEST_FORMAT}"'.encode() in head.partition(b"\n")[0]:
+        number = version_number(root.name)
+        pick = f" ({call}(version={number}) picks this one)" if number is not None else ""
+        raise CheckpointError(
+            f"{root} is the folder of one version; give its parent, {root.parent}, the "
+            f"checkpoint directory{pick}"
+        )
+
+
 class WritableCheckpointDir(CheckpointDir):
     """Write side: holds the writer lock, creates, publishes and deletes versions."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         super().__init__(root)
+        refuse_version_folder(self.root, "restore")  # before anything is written in it
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self._lock_fd = open_regular(self.root / LOCK, os.O_RDWR | os.O_CREAT)

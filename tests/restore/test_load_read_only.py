@@ -86,6 +86,31 @@ def test_load_refuses_arguments_restore_refuses(tmp_path, argument, message):
     assert state_equal(model.state_dict(), before)
 
 
+def test_a_version_folder_given_as_the_directory_is_refused_naming_its_parent(tmp_path):
+    """pcframe.load("ckpts/v00000001") found no version inside the version's folder and said
+    "no checkpoint" (an INFO line): an evaluation read a fresh model. A Checkpointer opened
+    there wrote its lock, .starts and .clean-exit into the committed version's folder."""
+    with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2)) as ckpt:
+        ckpt.save(step=3).wait()
+    folder = tmp_path / "v00000001"
+    files = sorted(p.name for p in folder.iterdir())
+    message = rf"{folder} is the folder of one version; give its parent, {tmp_path}, .*version=1"
+    model = torch.nn.Linear(2, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(pcframe.CheckpointError, match=message):
+        pcframe.load(folder, model=model)
+    with pytest.raises(pcframe.CheckpointError, match=message):
+        Checkpointer(folder, model=model)
+    assert state_equal(model.state_dict(), before)
+    assert sorted(p.name for p in folder.iterdir()) == files
+    own = tmp_path / "outputs"  # a folder of the user's with a manifest.json of its own
+    own.mkdir()
+    (own / "manifest.json").write_text('{"name": "my dataset"}')
+    assert pcframe.load(own, model=model).step is None
+    with Checkpointer(own, model=model) as ckpt:
+        assert ckpt.restore() is None
+
+
 # A world of one gloo rank (its own process: the process group is global) saves a version.
 MULTI_RANK_JOB = """
 import sys, torch
