@@ -144,6 +144,52 @@ def test_file_source(tmp_path: Path) -> None:
     assert src.poll(13.0) is None
 
 
+def test_file_source_content_that_is_not_text_is_a_notice_with_the_window(tmp_path: Path) -> None:
+    """The file's presence is the notice; its content only may say the seconds left. Bytes
+    that are not UTF-8 (a watcher writing binary, a torn write) raised UnicodeDecodeError
+    from poll, i.e. from ``maybe_save``: the training loop died on the notice it was given."""
+    flag = tmp_path / "preempt"
+    flag.write_bytes(b"\xff\xfe\x00garbage\x80")
+    n = P.FileNoticeSource(str(flag), window=45.0, poll_interval=0.0).poll(1.0)
+    assert n is not None and n.deadline - n.received_at == pytest.approx(45.0)
+
+
+def test_file_source_path_under_a_file_or_a_folder_is_no_notice(tmp_path: Path) -> None:
+    """A path whose folder is a file cannot exist (NotADirectoryError escaped from poll); a
+    folder, or a symlink loop, is no file a watcher wrote."""
+    (tmp_path / "afile").write_text("")
+    assert P.FileNoticeSource(str(tmp_path / "afile" / "preempt")).poll(1.0) is None
+    (tmp_path / "folder").mkdir()
+    assert P.FileNoticeSource(str(tmp_path / "folder")).poll(1.0) is None
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    assert P.FileNoticeSource(str(tmp_path / "loop")).poll(1.0) is None
+
+
+def test_file_source_does_not_open_a_fifo(tmp_path: Path) -> None:
+    """A FIFO at the path (not a file a watcher writes) blocked the training thread in
+    open() until something wrote to it: poll reads regular files only."""
+    fifo = tmp_path / "preempt"
+    os.mkfifo(fifo)
+    src = P.FileNoticeSource(str(fifo), poll_interval=0.0)
+    answers: list[Any] = []
+    thread = threading.Thread(target=lambda: answers.append(src.poll(1.0)), daemon=True)
+    thread.start()
+    thread.join(60.0)
+    if thread.is_alive():  # release the blocked open() so the thread ends
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(60.0)
+        pytest.fail("FileNoticeSource.poll blocked on a FIFO")
+    assert answers == [None]
+
+
+@pytest.mark.parametrize("window", [math.nan, -1.0, 0.0])
+def test_file_source_refuses_a_window_that_is_not_positive(window: float) -> None:
+    """A NaN window passed ``window <= 0``; a notice with a NaN deadline is never acted on
+    (SignalNoticeSource refuses it for that reason)."""
+    with pytest.raises(ValueError, match="window"):
+        P.FileNoticeSource("/tmp/preempt", window=window)
+
+
 # --- metadata URL -----------------------------------------------------------------------------
 
 
