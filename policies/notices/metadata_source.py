@@ -78,8 +78,13 @@ class MetadataNoticeSource(NoticeSource):
     ) -> None:
         if flavor not in ("aws", "gcp", "generic"):
             raise ValueError(f"flavor={flavor!r} must be 'aws', 'gcp' or 'generic'")
-        if poll_interval <= 0 or timeout <= 0:
-            raise ValueError("poll_interval and timeout must be > 0 seconds")
+        seconds = {"window": 1.0 if window is None else window}
+        seconds |= {"poll_interval": poll_interval, "timeout": timeout}
+        for key, value in seconds.items():
+            # ``not > 0``: NaN too (a NaN poll_interval made the poller's wait return at
+            # once, a loop hammering the endpoint; a NaN window, a deadline never met)
+            if not value > 0:
+                raise ValueError(f"{key}={value} must be > 0 seconds")
         self.flavor: Flavor = flavor
         self.url = url or (GCP_URL if flavor == "gcp" else AWS_URL)
         self.window = float(window if window is not None else (30.0 if flavor == "gcp" else 120.0))

@@ -285,6 +285,18 @@ def test_unreachable_endpoint_is_no_notice() -> None:
     assert src.poll(0.0) is None and src.last_error is not None and src.polls == 1
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [{"window": math.nan}, {"window": -5.0}, {"poll_interval": math.nan}, {"timeout": math.nan}],
+)
+def test_metadata_source_refuses_nan_and_negative_seconds(bad: dict[str, float]) -> None:
+    """NaN passed ``<= 0``: a NaN ``poll_interval`` made the poller's wait return at once
+    (a thread hammering the endpoint in a loop), a NaN window a notice whose deadline is
+    never met, a negative one a notice whose deadline is before it arrived."""
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        P.MetadataNoticeSource("http://127.0.0.1:9/none", **bad)
+
+
 # --- the notice-driven policy -----------------------------------------------------------------
 
 
