@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from pcframe.policies.base import Notice, PolicyContext
-from pcframe.policies.notices.base import NoticeSource
+from pcframe.policies.notices.base import NoticeSource, polled
 
 EWMA_WEIGHT = 0.3  # weight of the newest sample in every smoothed measurement
 
@@ -142,12 +142,12 @@ def earliest_notice(sources: Iterable[NoticeSource], now: float) -> Notice | Non
     """
     found = None
     for source in sources:
-        polled = source.poll(now)
-        if polled is not None and now > polled.deadline:
+        notice = polled(source, now)
+        if notice is not None and now > notice.deadline:
             source.reset()
             continue
-        if polled is not None and (found is None or polled.deadline < found.deadline):
-            found = polled
+        if notice is not None and (found is None or notice.deadline < found.deadline):
+            found = notice
     return found
 
 
@@ -157,7 +157,7 @@ def policy_notice(policy: Any, now: float) -> Notice | None:
     Read when such a policy decided an emergency save, for the deadline the tiers must meet.
     """
     source = getattr(policy, "source", None)
-    return source.poll(now) if isinstance(source, NoticeSource) else None
+    return polled(source, now) if isinstance(source, NoticeSource) else None
 
 
 def process_age() -> float:

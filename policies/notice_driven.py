@@ -25,7 +25,7 @@ from pcframe.policies.base import (
     same_deadline,
 )
 from pcframe.policies.estimates import RunningEstimate
-from pcframe.policies.notices.base import NoticeSource
+from pcframe.policies.notices.base import NoticeSource, polled
 from pcframe.policies.registry import register
 
 
@@ -93,9 +93,9 @@ class NoticeDriven(IntervalPolicy):
             self._started = True
         notice = ctx.notice
         if self.source is not None:
-            polled = self.source.poll(ctx.now)
-            if notice is None or (polled is not None and polled.deadline < notice.deadline):
-                notice = polled  # the earlier deadline is the one that matters
+            own = polled(self.source, ctx.now)
+            if notice is None or (own is not None and own.deadline < notice.deadline):
+                notice = own  # the earlier deadline is the one that matters
         return notice
 
     def decide(self, ctx: PolicyContext) -> Decision:

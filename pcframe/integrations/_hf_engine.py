@@ -28,6 +28,7 @@ from pcframe.errors import CheckpointError
 from pcframe.feed import policy_notice
 from pcframe.integrations._common import DISTRIBUTED_ARGUMENTS
 from pcframe.integrations._hf_state import SECTION, TrainerStateSection
+from pcframe.policies.notices.base import polled
 from pcframe.store.directory import CheckpointDir
 
 Engine = Checkpointer | DistributedCheckpointer
@@ -168,9 +169,9 @@ def notice_pending(engine: Engine) -> bool:
     if isinstance(engine, DistributedCheckpointer):
         return False
     now = time.monotonic()
-    polled = [source.poll(now) for source in engine.notices]
-    polled.append(policy_notice(engine.policy, now))
-    return any(notice is not None and now <= notice.deadline for notice in polled)
+    notices = [polled(source, now) for source in engine.notices]
+    notices.append(policy_notice(engine.policy, now))
+    return any(notice is not None and now <= notice.deadline for notice in notices)
 
 
 def share_trainer_state(engine: Engine, section: TrainerStateSection) -> None:

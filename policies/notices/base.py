@@ -7,12 +7,15 @@ clock the engine uses.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
-from typing import ClassVar, Self
+from typing import Any, ClassVar, Self
 
+from pcframe.errors import PolicyError
 from pcframe.policies.base import Notice
 from pcframe.policies.kinds import plugin_base
 from pcframe.policies.registry import register
+from pcframe.text import value_text
 
 
 @plugin_base("notice_source")
@@ -40,6 +43,36 @@ class NoticeSource(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def polled(source: NoticeSource, now: float) -> Notice | None:
+    """``source.poll(now)``, checked: ``None`` or a :class:`Notice` whose times are numbers
+    and whose deadline is not NaN. Else a :class:`PolicyError` naming the source's class (a
+    user's source answering ``True`` or the deadline alone failed deep in pcframe with an
+    AttributeError; a NaN deadline is neither to come nor past, so it stayed pending for
+    ever). Every caller of ``poll`` goes through here."""
+    notice = source.poll(now)
+    if notice is None:
+        return None
+    problem = _notice_problem(notice)
+    if problem is not None:
+        who = f"{type(source).__module__}.{type(source).__qualname__}"
+        raise PolicyError(
+            f"notice source {who}.poll returned {value_text(notice, 120)}: {problem}. Fix: "
+            "return None (no notice) or pcframe.policies.Notice(received_at, deadline, "
+            "source) with times on the caller's clock `now`"
+        )
+    return notice
+
+
+def _notice_problem(notice: Any) -> str | None:
+    if not isinstance(notice, Notice):
+        return "not a Notice or None"
+    for key in ("received_at", "deadline"):
+        value = getattr(notice, key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+            return f"its {key} is not a number of seconds"
+    return None
 
 
 @register()

@@ -190,6 +190,50 @@ def test_file_source_refuses_a_window_that_is_not_positive(window: float) -> Non
         P.FileNoticeSource("/tmp/preempt", window=window)
 
 
+class _CarelessSource(P.NoticeSource):
+    """A user's notice source whose ``poll`` answers something other than a Notice."""
+
+    name = "careless_test_source"
+
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+
+    def poll(self, now: float) -> Any:
+        return self.answer(now)
+
+
+CARELESS_POLLS = [
+    lambda now: True,  # "a notice is pending"
+    lambda now: now + 30.0,  # the deadline alone
+    lambda now: Notice(now, math.nan, "x"),  # a deadline never met, never passed
+    lambda now: Notice(now, "soon", "x"),  # type: ignore[arg-type]
+]
+
+
+@pytest.mark.parametrize("answer", CARELESS_POLLS)
+def test_a_notice_source_answering_no_notice_is_named(answer: Any, tmp_path: Path) -> None:
+    """NoticeSource is a plugin point: its ``poll`` was used unchecked, an AttributeError
+    ('bool' object has no attribute 'deadline') or a TypeError deep in pcframe, or a NaN
+    deadline kept pending for ever. Now a PolicyError naming the source's class, from the
+    engine's sources and from NoticeDriven's own."""
+    import torch
+
+    from pcframe import Checkpointer
+    from pcframe.errors import PolicyError
+
+    match = "_CarelessSource.poll returned"
+    with (
+        Checkpointer(
+            tmp_path / "a", model=torch.nn.Linear(2, 2), notices=[_CarelessSource(answer)]
+        ) as c,
+        pytest.raises(PolicyError, match=match),
+    ):
+        c.maybe_save(1)
+    policy = P.NoticeDriven(P.FixedSteps(10), _CarelessSource(answer))
+    with pytest.raises(PolicyError, match=match):
+        policy.decide(PolicyContext(step=1, now=1.0))
+
+
 # --- metadata URL -----------------------------------------------------------------------------
 
 
