@@ -89,6 +89,15 @@ class _Hold:
                     raise
 
 
+def beneath_hold(handler: Any, signum: int) -> Any:
+    """``handler``, or where it is a hold (:func:`interrupts_held`), the handler it stands
+    in for: the one it puts back at its end, unless that one is replaced meanwhile (a
+    notice source closed inside the hold replaces its own, and the hold leaves that be)."""
+    while isinstance(handler, _Hold) and signum in handler.handlers:
+        handler = handler.handlers[signum]
+    return handler
+
+
 _holding = False  # the main thread's signals are held now (nested holds add nothing)
 _to_the_end = False  # inside held_to_the_end: a hold's end waits for it
 _deferred: list[_Hold] = []  # holds that ended inside held_to_the_end, still holding

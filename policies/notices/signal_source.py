@@ -12,6 +12,7 @@ from typing import Any
 from pcframe.policies.base import Notice
 from pcframe.policies.notices.base import NoticeSource
 from pcframe.policies.registry import register
+from pcframe.runtime.interrupts import beneath_hold
 
 
 @register()
@@ -49,6 +50,9 @@ class SignalNoticeSource(NoticeSource):
         self.chain = chain
         self._received: tuple[float, str] | None = None  # (monotonic time, signal name)
         self._previous: dict[signal.Signals, Any] = {}
+        # After close(), for the signals whose handler was no longer ours (one installed
+        # later, which may still call ours): the handler ours replaced, to pass them on to.
+        self._passed_on: dict[signal.Signals, Any] = {}
 
     @staticmethod
     def _resolve(name: str) -> signal.Signals:
@@ -65,13 +69,18 @@ class SignalNoticeSource(NoticeSource):
                 "SignalNoticeSource.start() must run in the main thread (Python installs "
                 "signal handlers only there): start the source before training threads do"
             )
+        self._passed_on.clear()
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        sig = signal.Signals(signum)
+        if sig in self._passed_on:  # closed, and called by a handler installed after ours
+            _pass_on(self._passed_on[sig], sig, frame)
+            return
         if self._received is None:
-            self._received = (time.monotonic(), signal.Signals(signum).name)
-        prev = self._previous.get(signal.Signals(signum))
+            self._received = (time.monotonic(), sig.name)
+        prev = self._previous.get(sig)
         if self.chain and callable(prev):
             prev(signum, frame)
 
@@ -86,6 +95,52 @@ class SignalNoticeSource(NoticeSource):
         self._received = None
 
     def close(self) -> None:
+        """Put back the handler ours replaced, where ours is still the one installed.
+
+        Where another was installed since (a framework's, or a second source's: two
+        Checkpointers closed in the order they were opened), putting ours' predecessor back
+        would throw that one away, and the later one would then put back ours, which kept
+        taking the signal after every source was closed: SIGTERM no longer stopped the
+        process. So that handler stays, and ours, if it still calls ours, passes the signal
+        on to what ours replaced.
+        """
         for sig, prev in self._previous.items():
-            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+            # Through a hold: Checkpointer.close() closes its sources with signals held.
+            if beneath_hold(signal.getsignal(sig), sig) == self._handle:
+                signal.signal(sig, _unwrapped(sig, prev))
+            else:
+                self._passed_on[sig] = prev
         self._previous.clear()
+
+
+def _unwrapped(sig: signal.Signals, handler: Any) -> Any:
+    """``handler``, or where it is a closed source's (one that only passes the signal on),
+    what that one passes it on to; ``SIG_DFL`` for a handler not set from Python (None)."""
+    while (
+        callable(handler)
+        and isinstance(source := getattr(handler, "__self__", None), SignalNoticeSource)
+        and sig in source._passed_on
+    ):
+        handler = source._passed_on[sig]
+    return handler if handler is not None else signal.SIG_DFL
+
+
+def _pass_on(handler: Any, sig: signal.Signals, frame: FrameType | None) -> None:
+    """What ``handler`` (the one a closed source replaced) does with ``sig``: call it, or
+    ignore the signal, or its default action (put back, and the signal raised again: for
+    SIGTERM the process ends, as if no source had been installed)."""
+    handler = _unwrapped(sig, handler)
+    if callable(handler):
+        handler(sig, frame)
+    elif handler != signal.SIG_IGN and sig not in _IGNORED_BY_DEFAULT:
+        signal.signal(sig, signal.SIG_DFL)
+        signal.raise_signal(sig)
+
+
+# Signals whose default action is not to end the process: passing one on does nothing (and
+# must not put SIG_DFL over the handler that called ours).
+_IGNORED_BY_DEFAULT = frozenset(
+    getattr(signal, name)
+    for name in ("SIGCHLD", "SIGURG", "SIGWINCH", "SIGCONT")
+    if hasattr(signal, name)
+)

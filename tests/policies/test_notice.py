@@ -60,6 +60,70 @@ def test_sigusr1_and_chaining_to_the_previous_handler() -> None:
         signal.signal(signal.SIGUSR1, old)
 
 
+def test_close_leaves_a_handler_installed_after_the_source_in_place() -> None:
+    """close() put back the handler from before start() whatever was installed since, so a
+    handler a framework installed later (and that chains to ours) was thrown away. Now it
+    stays, and ours, still called by it, only passes the signal on to what it replaced."""
+    seen: list[str] = []
+    base = signal.signal(signal.SIGUSR1, lambda s, f: seen.append("base"))
+    try:
+        src = P.SignalNoticeSource(["SIGUSR1"])
+        src.start()
+        ours = signal.getsignal(signal.SIGUSR1)
+
+        def later(signum: int, frame: Any) -> None:
+            seen.append("later")
+            ours(signum, frame)  # type: ignore[operator]
+
+        signal.signal(signal.SIGUSR1, later)
+        src.close()
+        assert signal.getsignal(signal.SIGUSR1) is later
+        _deliver(signal.SIGUSR1)
+        assert seen == ["later", "base"] and src.poll(0.0) is None  # closed: no notice
+    finally:
+        signal.signal(signal.SIGUSR1, base)
+
+
+def test_a_closed_checkpointer_puts_back_the_handler_before_its_source(tmp_path: Path) -> None:
+    """Checkpointer.close() closes its sources while signals are held (a hold stands in
+    for every Python handler): the source must see its own handler through the hold."""
+    import torch
+
+    from pcframe import Checkpointer
+
+    before = signal.getsignal(signal.SIGTERM)
+    source = P.SignalNoticeSource()
+    with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2), notices=[source]) as ckpt:
+        assert signal.getsignal(signal.SIGTERM) == source._handle
+        ckpt.maybe_save(1)
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_sources_closed_in_the_order_they_started_leave_sigterm_fatal() -> None:
+    """Two sources (two Checkpointers with notices=) closed first-opened first: the first
+    put back SIG_DFL over the second's handler, then the second put back the first's, a
+    closed source's handler that took every SIGTERM after the engines were gone: the
+    process could not be stopped by SIGTERM any more."""
+    child = textwrap.dedent(
+        """
+        import os, signal, time
+        import pcframe.policies as P
+        a, b = P.SignalNoticeSource(), P.SignalNoticeSource()
+        a.start(); b.start()
+        a.close(); b.close()
+        print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1.0)
+        print("alive", flush=True)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", child], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
+    assert proc.stdout.split() == ["True"]
+
+
 def test_signal_source_refuses_other_threads_and_bad_names() -> None:
     errors: list[BaseException] = []
 
