@@ -27,6 +27,7 @@ from pcframe.policies.base import (
 from pcframe.policies.estimates import RunningEstimate
 from pcframe.policies.notices.base import NoticeSource, polled
 from pcframe.policies.registry import register
+from pcframe.text import seconds_text
 
 
 @register()
@@ -127,21 +128,24 @@ class NoticeDriven(IntervalPolicy):
             self._emergency_step = ctx.step
             d = Decision(
                 True,
-                f"notice ({notice.source}): no save measured yet, {left:.1f} s left: trying",
+                f"notice ({notice.source}): no save measured yet, {seconds_text(left)} s left: "
+                "trying",
                 emergency=True,
             )
         elif need + self.margin <= left:
             self._emergency_step = ctx.step
             d = Decision(
                 True,
-                f"notice ({notice.source}): save takes ~{need:.1f} s, {left:.1f} s left",
+                f"notice ({notice.source}): save takes ~{seconds_text(need)} s, "
+                f"{seconds_text(left)} s left",
                 emergency=True,
             )
         else:
             d = Decision(
                 False,
-                f"notice ({notice.source}): save needs ~{need:.1f} s + {self.margin:.0f} s "
-                f"margin > {left:.1f} s left; relying on the last periodic checkpoint",
+                f"notice ({notice.source}): save needs ~{seconds_text(need)} s + "
+                f"{seconds_text(self.margin)} s margin > {seconds_text(left)} s left; relying "
+                "on the last periodic checkpoint",
             )
         # The inner policy is not asked while a notice is pending: it would record a periodic
         # save that never happens.

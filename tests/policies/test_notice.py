@@ -443,6 +443,19 @@ def test_one_emergency_save_per_notice_whose_deadline_jitters(tmp_path: Path) ->
     assert q.decide(PolicyContext(step=2, now=1.0)).save
 
 
+def test_a_far_deadline_is_written_short_in_the_reason() -> None:
+    """A notice file saying 1e308 seconds (or a huge prior) printed the 309 digits of
+    ``f"{left:.1f}"`` into the reason, the log line and the version's metadata."""
+    src = P.ManualNoticeSource()
+    p = P.NoticeDriven(P.FixedSteps(1000), src, margin=1e300, save_time_prior=1e299, z=0.0)
+    src.trigger(now=0.0, window=1e308)
+    d = p.decide(PolicyContext(step=2, now=0.0))
+    assert d.save and "1e+308 s left" in d.reason and len(d.reason) < 120, d.reason
+    src.trigger(now=0.0, window=2e300)
+    d = p.decide(PolicyContext(step=3, now=0.0, save_duration=2e300))
+    assert not d.save and "2e+300 s left" in d.reason and len(d.reason) < 160, d.reason
+
+
 def test_no_emergency_save_when_it_cannot_finish() -> None:
     src = P.ManualNoticeSource()
     p = P.NoticeDriven(None, src, margin=5.0, save_time_prior=30.0)
