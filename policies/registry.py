@@ -143,7 +143,10 @@ class Registry:
         ep = self._lazy[name]
         try:
             obj = ep.load()
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
+            # SystemExit too: a module that parses the command line when imported (argparse
+            # meets the app's overrides) or calls sys.exit ended every app at start-up,
+            # where each installed plugin is imported, whichever one was asked for.
             raise PluginError(
                 f"could not import plugin {name!r} = {ep.value!r} (entry-point group "
                 f"{self._group!r}): {type(exc).__name__}: {exc}. Reinstall or uninstall "

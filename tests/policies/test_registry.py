@@ -138,6 +138,32 @@ def test_broken_plugin_is_reported_by_name(site: Path) -> None:
     assert reg.available() == ["fake_np", "fake_oops"]  # still listed, still named
 
 
+def test_a_plugin_that_exits_while_imported_is_a_broken_plugin(site: Path) -> None:
+    """A plugin module that parses the command line at import (argparse: the app's Hydra
+    overrides are not its flags) or calls sys.exit raised SystemExit through ``get``: every
+    app, which imports each installed plugin at start-up, exited with the plugin's usage
+    line, even when that plugin was not asked for. Now it is a broken plugin, named."""
+    _install_fake(
+        site,
+        "fake-argv",
+        "fake_argv",
+        {"fake_argv": "fake_argv:Never"},
+        "import argparse\nargparse.ArgumentParser().parse_args(['--no-such-flag'])\n" + GOOD,
+    )
+    _install_fake(
+        site,
+        "fake-exits",
+        "fake_exits",
+        {"fake_exits": "fake_exits:Never"},
+        "raise SystemExit(3)\n",
+    )
+    reg = Registry()
+    with pytest.raises(PluginError, match=r"fake_argv.*SystemExit"):
+        reg.get("fake_argv")
+    with pytest.raises(PluginError, match=r"fake_exits.*SystemExit"):
+        reg.get("fake_exits")
+
+
 def test_entry_point_clashing_with_a_builtin_raises(site: Path) -> None:
     _install_fake(site, "fake-clash", "fake_clash", {"daly": "fake_clash:Never"}, GOOD)
     reg = Registry()
