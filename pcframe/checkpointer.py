@@ -597,8 +597,10 @@ class Checkpointer:
                     # over them. Hooks left behind do nothing and hold the engine weakly.
                     for hook in self._hooks if not self._in_step_hook else ():
                         hook.remove()
-                    self._decisions.close()  # e.g. restore signal handlers, stop pollers
-                    self._pipeline.close()
+                    try:
+                        self._decisions.close()  # e.g. restore signal handlers, stop pollers
+                    finally:  # a policy's close() that raises stops no thread of ours
+                        self._pipeline.close()
         finally:
             drained = False
             try:

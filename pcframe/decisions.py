@@ -10,6 +10,7 @@ drives the same policies through the same feed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -145,12 +146,16 @@ class Decisions:
         return step if step is not None and (last is None or step > last) else None
 
     def close(self) -> None:
-        """Close the policy (e.g. restore its signal handlers) and the notice sources."""
-        close_policy = getattr(self.policy, "close", None)
-        if callable(close_policy):
-            close_policy()
-        for source in self.notices:
-            source.close()
+        """Close the policy (e.g. restore its signal handlers) and the notice sources, in
+        that order: each of them whatever the ones before raise (a user's policy whose
+        close() raised left the sources' signal handlers in place), the first error raised
+        once all are closed."""
+        with contextlib.ExitStack() as stack:  # runs its callbacks last-pushed first
+            for source in reversed(self.notices):
+                stack.callback(source.close)
+            close_policy = getattr(self.policy, "close", None)
+            if callable(close_policy):
+                stack.callback(close_policy)
 
 
 def recorded_completion(written: Mapping[str, Any], step: int, at: float) -> SaveCompleted | None:

@@ -874,3 +874,35 @@ def test_a_reason_that_is_no_str_is_refused_naming_reason(tmp_path, reason):
         assert ckpt.records == {}  # nothing started
         ckpt.save(1, reason="epoch end").wait()  # the engine goes on
     assert CheckpointDir(tmp_path).committed_versions() == [1]
+
+
+class _CloseRaises(FixedSteps):
+    """A user's policy whose own ``close()`` (Decisions.close calls it) raises."""
+
+    def close(self) -> None:
+        raise RuntimeError("the policy's close failed")
+
+
+def test_a_policy_whose_close_raises_still_closes_the_sources_and_the_pipeline(tmp_path):
+    """The policy's close() raising skipped the notice sources' close and the pipeline's:
+    the engine's SIGTERM handler stayed installed after close() (SIGTERM no longer stopped
+    the process) and its copy, writer and commit threads ran on. The policy's error is
+    raised all the same, after everything is closed."""
+    source = pcframe.policies.SignalNoticeSource()
+    before = signal.getsignal(signal.SIGTERM)
+    threads = set(threading.enumerate())
+    ckpt = Checkpointer(
+        tmp_path, model=torch.nn.Linear(2, 2), policy=_CloseRaises(2), notices=[source]
+    )
+    try:
+        for step in range(1, 5):
+            ckpt.maybe_save(step)
+        with pytest.raises(RuntimeError, match="the policy's close failed"):
+            ckpt.close()
+        assert signal.getsignal(signal.SIGTERM) == before
+        left = [t.name for t in set(threading.enumerate()) - threads if t.is_alive()]
+        assert not [name for name in left if name.startswith("pcframe-")], left
+    finally:
+        source.close()
+    with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2)) as again:
+        assert again.restore() == 4
