@@ -25,7 +25,7 @@ import numpy as np
 from pcframe.policies.base import Event, PolicyContext, Preempted, Restarted, SaveHint
 from pcframe.policies.daly import Form, daly_interval
 from pcframe.policies.periodic import SecondsIntervalPolicy
-from pcframe.policies.predictors.base import Predictor
+from pcframe.policies.predictors.base import Predictor, checked_prediction
 from pcframe.policies.predictors.gamma_poisson import GammaPoissonRate
 from pcframe.policies.predictors.lifetime import LifeShapePosterior, cycle_interval
 from pcframe.policies.predictors.lives_plan import (
@@ -152,7 +152,7 @@ class PreemptionAware(SecondsIntervalPolicy):
             if self.bound == "mean" and callable(mean):
                 self._rate = mean()  # the same value, without the interval's quantiles
             else:
-                est = self.predictor.predict(now).rate
+                est = checked_prediction(self.predictor, self.predictor.predict(now)).rate
                 self._rate = est.upper if self.bound == "upper" else est.value
             self._evaluated = now
         return self._rate * self.rate_scale

@@ -19,7 +19,7 @@ import numpy as np
 from pcframe.errors import SimConfigError
 from pcframe.policies.base import IntervalPolicy, Notice, Preempted, Restarted
 from pcframe.policies.placement import PlacementPolicy
-from pcframe.policies.predictors.base import Prediction, Predictor
+from pcframe.policies.predictors.base import Prediction, Predictor, checked_prediction
 from pcframe.policies.resource import (
     ResourceDecision,
     ResourcePolicy,
@@ -140,7 +140,9 @@ class _Simulation:
         self._fed = max(self._fed, k_now)
 
     def _predict(self, t: float) -> Prediction | None:
-        return None if self.predictor is None else self.predictor.predict(self._pclock(t))
+        if self.predictor is None:
+            return None
+        return checked_prediction(self.predictor, self.predictor.predict(self._pclock(t)))
 
     # --- the loop ---------------------------------------------------------------------------
     def run(self) -> None:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
+from pcframe.errors import PolicyError
 from pcframe.policies.base import Event, Stateful
 from pcframe.policies.kinds import plugin_base
+from pcframe.text import value_text
 
 
 @dataclass(frozen=True)
@@ -107,3 +109,30 @@ def clamp_estimate(value: float, lower: float, upper: float, confidence: float) 
 def check_confidence(confidence: float) -> None:
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence={confidence} must be strictly between 0 and 1, e.g. 0.9")
+
+
+def checked_prediction(predictor: Any, prediction: Any) -> Prediction:
+    """``prediction`` if it keeps the contract (:class:`PredictorConformance` states it): a
+    :class:`Prediction` whose rate is an :class:`Estimate` >= 0 and whose availability, if
+    any, an :class:`Estimate` within [0, 1]. Else a :class:`PolicyError` naming the
+    predictor's class on one line (``None`` or a bare number failed deep in
+    PreemptionAware or the simulator; a negative rate read as no preemption at all)."""
+    problem = None
+    if not isinstance(prediction, Prediction):
+        problem = "not a Prediction"
+    elif not isinstance(prediction.rate, Estimate) or not prediction.rate.lower >= 0:
+        problem = "its rate must be an Estimate of preemptions per second >= 0"
+    elif prediction.availability is not None and not (
+        isinstance(prediction.availability, Estimate)
+        and prediction.availability.lower >= 0
+        and prediction.availability.upper <= 1
+    ):
+        problem = "its availability must be None or an Estimate within [0, 1]"
+    if problem is None:
+        return prediction
+    who = f"{type(predictor).__module__}.{type(predictor).__qualname__}"
+    raise PolicyError(
+        f"predictor {who}.predict returned {value_text(prediction, 120)}: {problem}. Fix: "
+        "return pcframe.policies.Prediction(rate=Estimate(value, lower, upper), "
+        "availability=None or an Estimate)"
+    )

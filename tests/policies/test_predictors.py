@@ -175,3 +175,50 @@ def test_a_nan_prior_or_bound_is_refused(build) -> None:
 def test_preemption_aware_names_its_own_argument() -> None:
     with pytest.raises(ValueError, match=r"^mtbf_prior=nan must be a finite number"):
         P.PreemptionAware(mtbf_prior=math.nan)
+
+
+class _CarelessPredictor(P.Predictor):
+    """A user's predictor whose ``predict`` answers something else than a Prediction."""
+
+    name = "careless_test_predictor"
+
+    def __init__(self, answer: object) -> None:
+        self.answer = answer
+
+    def predict(self, now: float | None = None) -> P.Prediction:
+        return self.answer  # type: ignore[return-value]
+
+
+CARELESS_PREDICTIONS = [
+    None,
+    1e-4,  # the rate alone
+    P.Prediction(P.Estimate(-1.0, -2.0, 0.0)),  # a negative rate: PA never saved
+    P.Prediction(P.Estimate(1e-4, 1e-5, 1e-3), availability=P.Estimate(5.0, -3.0, 7.0)),
+]
+
+
+@pytest.mark.parametrize("answer", CARELESS_PREDICTIONS)
+def test_a_prediction_breaking_the_contract_names_the_predictor(answer: object) -> None:
+    """Predictor is a plugin point: its ``predict`` was used unchecked, an AttributeError
+    ('NoneType' object has no attribute 'rate') inside PreemptionAware or the simulator, or
+    a negative rate taken as no preemption at all (PA then never saved). Now a PolicyError
+    naming the predictor's class, in PA and in the simulator (which feeds the resource
+    policy), as the conformance kit states the contract."""
+    from pcframe.errors import PolicyError
+    from pcframe.sim import simulate
+    from pcframe.sim.spec import JobSpec
+
+    trace = Trace(name="t", source="x", step_seconds=60.0, capacity=1, up=np.ones(20, int))
+    match = "_CarelessPredictor.predict returned"
+    with pytest.raises(PolicyError, match=match):
+        P.PreemptionAware(predictor=_CarelessPredictor(answer), bound="upper").decide(
+            P.PolicyContext(step=1, now=0.0)
+        )
+    with pytest.raises(PolicyError, match=match):
+        simulate(
+            trace,
+            P.FixedSteps(10),
+            JobSpec(restart_cost=10.0),
+            predictor=_CarelessPredictor(answer),
+            resource=P.HybridAvailability(),
+        )
