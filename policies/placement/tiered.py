@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pcframe.policies.placement.base import PlacementContext, PlacementDecision, PlacementPolicy
+from pcframe.runtime.checks import whole_number
 
 
 @dataclass(frozen=True)
@@ -27,9 +28,12 @@ class TierRule:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("a tier needs a name")
-        if self.every < 1 or self.keep < 1:
+        # Whole numbers: NaN and 1.5 passed ``< 1``, and every place() then failed on a
+        # slice (reported as the policy failing to place each version, not as this key).
+        if not all(whole_number(n) and n >= 1 for n in (self.every, self.keep)):
             raise ValueError(
-                f"tier {self.name!r}: every={self.every} and keep={self.keep} must be >= 1"
+                f"tier {self.name!r}: every={self.every!r} and keep={self.keep!r} must be "
+                "whole numbers >= 1"
             )
 
 
@@ -48,7 +52,7 @@ class TieredPlacement(PlacementPolicy):
         names = [r.name for r in rules]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique, got {names}")
-        if margin < 0:
+        if not margin >= 0:  # NaN too: no deadline would ever fit it
             raise ValueError(f"margin={margin} must be >= 0 seconds")
         self.rules = tuple(rules)
         self.margin = float(margin)

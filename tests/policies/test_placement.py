@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 
 import pcframe.policies as P
@@ -158,3 +161,22 @@ def test_good_answers_pass_the_check_unchanged() -> None:
         policy = _Answers(answer)
         ctx = PlacementContext(version=7, step=70, now=0.0)
         assert ask_placement(policy, ctx, policy.tiers) is answer
+
+
+@pytest.mark.parametrize(
+    ("make", "key"),
+    [
+        (lambda: P.SingleTier(keep=math.nan), "keep=nan"),
+        (lambda: P.SingleTier(keep=1.5), "keep=1.5"),
+        (lambda: P.SingleTier(keep="2"), "keep='2'"),
+        (lambda: P.MemoryThenDisk(disk_every=math.nan), "every=nan"),
+        (lambda: P.LocalPlusRemote(remote_every=2.5), "every=2.5"),
+        (lambda: P.SingleTier(margin=math.nan), "margin=nan"),
+    ],
+)
+def test_tier_counts_and_margin_are_checked_when_made(make, key) -> None:
+    """keep=nan or 1.5 passed ``< 1``: the placement was built, and every place() then
+    raised a TypeError ('slice indices must be integers') that the engine reported as the
+    policy failing to place each version, with a fix about place(), not about the key."""
+    with pytest.raises(ValueError, match=re.escape(key)):
+        make()
