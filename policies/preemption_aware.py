@@ -102,7 +102,7 @@ class PreemptionAware(SecondsIntervalPolicy):
             raise ValueError(f"form={form!r} must be 'exact' or 'series'")
         if schedule not in ("kept_work", "cycle", "lives"):
             raise ValueError(f"schedule={schedule!r} must be 'lives', 'cycle' or 'kept_work'")
-        if reevaluate_every < 0:
+        if not reevaluate_every >= 0:  # NaN too
             raise ValueError(f"reevaluate_every={reevaluate_every} must be >= 0 seconds")
         if predictor is None and not (math.isfinite(mtbf_prior) and mtbf_prior > 0):
             raise ValueError(f"mtbf_prior={mtbf_prior} must be a finite number of seconds > 0")

@@ -38,7 +38,7 @@ class EwmaRate(Predictor):
     def __init__(
         self, halflife: float = 3 * 3600.0, prior_mtbf: float = 3600.0, confidence: float = 0.9
     ) -> None:
-        if halflife <= 0:
+        if not halflife > 0:  # NaN too: every prediction was NaN
             raise ValueError(f"halflife={halflife} must be > 0 seconds")
         if not (math.isfinite(prior_mtbf) and prior_mtbf > 0):  # NaN passed `<= 0`
             raise ValueError(f"prior_mtbf={prior_mtbf} must be > 0 seconds")

@@ -67,8 +67,10 @@ class GammaPoissonRate(Predictor):
             raise ValueError(
                 f"prior_mtbf={prior_mtbf} and prior_strength={prior_strength} must be > 0 s"
             )
-        if forget_halflife is not None and forget_halflife <= 0:
+        if forget_halflife is not None and not forget_halflife > 0:  # NaN too
             raise ValueError(f"forget_halflife={forget_halflife} must be > 0 seconds or None")
+        if not availability_strength > 0:  # its Beta prior's weight: NaN or < 0 gave NaN
+            raise ValueError(f"availability_strength={availability_strength} must be > 0")
         if prior_availability is not None and not 0.0 <= prior_availability <= 1.0:
             raise ValueError(f"prior_availability={prior_availability} must be in [0, 1]")
         check_confidence(confidence)

@@ -35,7 +35,7 @@ class WindowedPoisson(Predictor):
     def __init__(
         self, window: float = 6 * 3600.0, confidence: float = 0.9, prior_mtbf: float = 3600.0
     ) -> None:
-        if window <= 0:
+        if not window > 0:  # NaN too
             raise ValueError(f"window={window} must be > 0 seconds")
         if not (math.isfinite(prior_mtbf) and prior_mtbf > 0):  # NaN passed `<= 0`
             raise ValueError(f"prior_mtbf={prior_mtbf} must be > 0 seconds")

@@ -222,3 +222,22 @@ def test_a_prediction_breaking_the_contract_names_the_predictor(answer: object) 
             predictor=_CarelessPredictor(answer),
             resource=P.HybridAvailability(),
         )
+
+
+@pytest.mark.parametrize(
+    ("make", "key"),
+    [
+        (lambda: P.EwmaRate(halflife=math.nan), "halflife"),
+        (lambda: P.WindowedPoisson(window=math.nan), "window"),
+        (lambda: P.GammaPoissonRate(forget_halflife=math.nan), "forget_halflife"),
+        (lambda: P.GammaPoissonRate(availability_strength=-1.0), "availability_strength"),
+        (lambda: P.GammaPoissonRate(availability_strength=math.nan), "availability_strength"),
+        (lambda: P.PreemptionAware(reevaluate_every=math.nan), "reevaluate_every"),
+    ],
+)
+def test_nan_and_negative_seconds_are_refused_naming_the_key(make, key) -> None:
+    """NaN passed the ``<= 0`` checks: the predictor was built, and its first prediction
+    raised 'Estimate needs lower <= value <= upper, got Estimate(value=nan, ...)', naming
+    no key (a negative availability_strength did the same)."""
+    with pytest.raises(ValueError, match=key):
+        make()
