@@ -13,6 +13,14 @@ from pcframe.policies.kinds import plugin_base
 from pcframe.policies.predictors.base import Estimate
 
 
+def checked_vms(key: str, vms: Any) -> int:
+    """``vms``, a resource policy's VM count: a whole number >= 1 (NaN and 1.5 passed
+    ``< 1``, and failed at the first decision naming no key)."""
+    if isinstance(vms, bool) or not isinstance(vms, numbers.Integral) or vms < 1:
+        raise ValueError(f"{key}={vms!r} must be a whole number of VMs >= 1")
+    return int(vms)
+
+
 @dataclass(frozen=True)
 class ResourceDecision:
     """VMs to run now. Both zero means: wait (no VM, no cost, no progress)."""

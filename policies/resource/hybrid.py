@@ -7,7 +7,12 @@ import math
 from typing import Any
 
 from pcframe.policies.registry import register
-from pcframe.policies.resource.base import ResourceContext, ResourceDecision, ResourcePolicy
+from pcframe.policies.resource.base import (
+    ResourceContext,
+    ResourceDecision,
+    ResourcePolicy,
+    checked_vms,
+)
 
 
 @register()
@@ -36,9 +41,11 @@ class HybridAvailability(ResourcePolicy):
     ) -> None:
         if not 0.0 <= low <= high <= 1.0:
             raise ValueError(f"need 0 <= low={low} <= high={high} <= 1")
-        if base_vms < 1 or max_spot_vms < base_vms:
+        checked_vms("base_vms", base_vms)
+        checked_vms("max_spot_vms", max_spot_vms)
+        if max_spot_vms < base_vms:
             raise ValueError(f"need 1 <= base_vms={base_vms} <= max_spot_vms={max_spot_vms}")
-        if min_dwell < 0:
+        if not min_dwell >= 0:  # NaN too
             raise ValueError(f"min_dwell={min_dwell} must be >= 0 seconds")
         self.low, self.high = low, high
         self.base_vms, self.max_spot_vms = base_vms, max_spot_vms

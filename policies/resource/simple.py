@@ -5,13 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from pcframe.policies.registry import register
-from pcframe.policies.resource.base import ResourceContext, ResourceDecision, ResourcePolicy
-
-
-def _check_vms(vms: int) -> int:
-    if vms < 1:
-        raise ValueError(f"vms={vms} must be >= 1")
-    return vms
+from pcframe.policies.resource.base import (
+    ResourceContext,
+    ResourceDecision,
+    ResourcePolicy,
+    checked_vms,
+)
 
 
 @register()
@@ -21,7 +20,7 @@ class SpotOnly(ResourcePolicy):
     name = "spot_only"
 
     def __init__(self, vms: int = 1) -> None:
-        self.vms = _check_vms(vms)
+        self.vms = checked_vms("vms", vms)
 
     def decide(self, ctx: ResourceContext) -> ResourceDecision:
         return ResourceDecision(spot=self.vms, reason="spot only")
@@ -37,7 +36,7 @@ class OnDemandOnly(ResourcePolicy):
     name = "on_demand_only"
 
     def __init__(self, vms: int = 1) -> None:
-        self.vms = _check_vms(vms)
+        self.vms = checked_vms("vms", vms)
 
     def decide(self, ctx: ResourceContext) -> ResourceDecision:
         return ResourceDecision(on_demand=self.vms, reason="on-demand only")

@@ -12,7 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from pcframe.policies.registry import register
-from pcframe.policies.resource.base import ResourceContext, ResourceDecision, ResourcePolicy
+from pcframe.policies.resource.base import (
+    ResourceContext,
+    ResourceDecision,
+    ResourcePolicy,
+    checked_vms,
+)
 
 
 @register()
@@ -29,8 +34,10 @@ class UniformProgress(ResourcePolicy):
     name = "uniform_progress"
 
     def __init__(self, vms: int = 1, changeover: float = 600.0, safety_factor: float = 2.0):
-        if vms < 1 or changeover < 0 or safety_factor < 0:
-            raise ValueError("need vms >= 1, changeover >= 0, safety_factor >= 0")
+        checked_vms("vms", vms)
+        for key, value in (("changeover", changeover), ("safety_factor", safety_factor)):
+            if not value >= 0:  # NaN too: the safety net (slack <= nan) never fired
+                raise ValueError(f"{key}={value} must be >= 0")
         self.vms = vms
         self.changeover = float(changeover)
         self.safety_factor = float(safety_factor)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import numpy as np
 import pytest
 
@@ -127,3 +130,24 @@ def test_uniform_progress_without_deadline_is_spot() -> None:
     assert P.UniformProgress().decide(ResourceContext(now=0.0)).mode == "spot"
     with pytest.raises(ValueError):
         P.ResourceDecision(spot=-1)
+
+
+@pytest.mark.parametrize(
+    ("make", "key"),
+    [
+        (lambda: P.SpotOnly(vms=math.nan), "vms=nan"),
+        (lambda: P.OnDemandOnly(vms=1.5), "vms=1.5"),
+        (lambda: P.UniformProgress(vms=math.nan), "vms=nan"),
+        (lambda: P.UniformProgress(changeover=math.nan), "changeover=nan"),
+        (lambda: P.UniformProgress(safety_factor=math.nan), "safety_factor=nan"),
+        (lambda: P.HybridAvailability(base_vms=math.nan), "base_vms=nan"),
+        (lambda: P.HybridAvailability(max_spot_vms=2.5), "max_spot_vms=2.5"),
+        (lambda: P.HybridAvailability(min_dwell=math.nan), "min_dwell=nan"),
+    ],
+)
+def test_resource_arguments_are_checked_when_made(make, key) -> None:
+    """NaN passed the '< 1' and '< 0' checks: vms=nan failed at the first decision with
+    'VM counts must be whole numbers', naming no key; a NaN changeover or safety factor
+    silently turned UniformProgress's safety net off (slack <= nan is never true)."""
+    with pytest.raises(ValueError, match=re.escape(key)):
+        make()
