@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pcframe.errors import PolicyError
+from pcframe.format.tree import MAX_DEPTH
 from pcframe.policies.base import SaveCompleted
 
 SaveCost = tuple[float, float]  # one save's (stall, time to durable) as the engine measures it
@@ -127,4 +128,9 @@ def saved_state(policy: Any) -> Any:
         raise PolicyError(
             f"{type(policy).__name__}.state_dict() is not JSON ({exc}): a checkpoint could not "
             "hold it; return dicts, lists, strings, numbers, booleans and None"
+        ) from None
+    except RecursionError:  # json's own, raw; the engine refuses such a state by its depth
+        raise PolicyError(
+            f"{type(policy).__name__}.state_dict() is nested deeper than Python can copy, and "
+            f"the engine stores at most {MAX_DEPTH} levels; flatten it"
         ) from None

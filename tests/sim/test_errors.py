@@ -322,3 +322,23 @@ def test_a_resource_decision_whose_reason_is_not_text_names_the_policy(reason, s
 
     with pytest.raises(PolicyError, match=expected):
         Kit().test_never_raises_on_missing_inputs()
+
+
+def _nested(levels: int) -> dict:
+    state: dict = {}
+    for _ in range(levels):
+        state = {"a": state}
+    return state
+
+
+def test_policy_state_nested_past_the_recursion_limit_is_a_policy_error():
+    """The simulator copies a policy's state through JSON: 5000 levels of nesting raised
+    json's raw RecursionError out of simulate. Now a PolicyError naming the policy and the
+    engine's limit (the engine refuses more than 64 levels)."""
+
+    class Nested(P.FixedSteps):
+        def state_dict(self) -> dict:
+            return {**super().state_dict(), "x": _nested(5000)}
+
+    with pytest.raises(PolicyError, match=r"Nested\.state_dict\(\).*at most 64 levels"):
+        simulate(steady_trace(hours=1.0), Nested(10), JobSpec(restart_cost=10.0))
