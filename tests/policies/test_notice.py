@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -454,6 +455,26 @@ def test_a_far_deadline_is_written_short_in_the_reason() -> None:
     src.trigger(now=0.0, window=2e300)
     d = p.decide(PolicyContext(step=3, now=0.0, save_duration=2e300))
     assert not d.save and "2e+300 s left" in d.reason and len(d.reason) < 160, d.reason
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"inner": P.Daly}, "inner="),  # the class, not an instance
+        ({"inner": "daly"}, "inner="),
+        ({"source": P.SignalNoticeSource}, "source="),
+        ({"source": "SIGTERM"}, "source="),
+        ({"tiers": "survivor"}, "tiers="),  # a CLI's policy.interval.tiers=survivor
+        ({"tiers": ["survivor", 3]}, "tiers="),
+    ],
+)
+def test_notice_driven_checks_its_parts_when_made(kwargs: dict[str, Any], key: str) -> None:
+    """A class or a name where an object goes failed at the first decide, deep inside, as
+    "decide() missing 1 required positional argument" or "'str' object has no attribute
+    'start'"; tiers="survivor" was taken as the tiers 's', 'u', 'r', ... silently, so the
+    survivor tier's write time was never used."""
+    with pytest.raises(TypeError, match=re.escape(key)):
+        P.NoticeDriven(**kwargs)
 
 
 def test_no_emergency_save_when_it_cannot_finish() -> None:
