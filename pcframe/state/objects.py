@@ -109,6 +109,11 @@ class TrainingObjects:
                 f"extra= is a {type(self.extra).__name__}: give a dict of JSON values (it is "
                 "updated in place on restore)"
             )
+        if isinstance(self.policy, type):  # its decide is a function: it passed below
+            raise TypeError(
+                f"policy= is the class {self.policy.__name__}, not an interval policy: give an "
+                f"object, e.g. policy={self.policy.__name__}(...)"
+            )
         if self.policy is not None and not callable(getattr(self.policy, "decide", None)):
             hint = (
                 f"; a name is not a policy: pcframe.policies.create({self.policy!r}, ...)"

@@ -906,3 +906,24 @@ def test_a_policy_whose_close_raises_still_closes_the_sources_and_the_pipeline(t
         source.close()
     with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2)) as again:
         assert again.restore() == 4
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"policy": FixedSteps},  # the class: it has a decide, so it passed as a policy
+        {"placement": pcframe.policies.SingleTier},
+        {"placement": "single_tier"},
+    ],
+)
+def test_a_policy_class_or_name_is_refused_when_the_engine_is_made(tmp_path, kwargs):
+    """A class given as policy= passed the 'has a decide()' check and failed at the first
+    maybe_save as "decide() missing 1 required positional argument"; a placement class or
+    name failed as "'property' object is not subscriptable" or "'str' object has no
+    attribute 'tiers'". Now a TypeError naming the argument, before the directory is
+    locked."""
+    (key,) = kwargs
+    with pytest.raises(TypeError, match=f"{key}="):
+        Checkpointer(tmp_path, model=torch.nn.Linear(2, 2), **kwargs)
+    with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2)):  # nothing was left locked
+        pass

@@ -155,3 +155,12 @@ def test_historical_priors_order_regimes(traces_dir: Any) -> None:
     p_h100 = make(P.GammaPoissonRate.from_traces(h100))
     # 2023 V100 spot was preempted far more often than 2025 H100: shorter interval there.
     assert interval(p_v100) < interval(p_h100)
+
+
+@pytest.mark.parametrize("predictor", [P.EwmaRate, "ewma"])
+def test_a_predictor_class_or_name_is_refused_when_made(predictor: Any) -> None:
+    """The class or the registry name where a predictor object goes failed at the first
+    decide, deep inside, as "advance() missing 1 required positional argument" or "'str'
+    object has no attribute 'advance'"."""
+    with pytest.raises(TypeError, match="predictor="):
+        P.PreemptionAware(predictor=predictor)

@@ -539,7 +539,23 @@ def attach_tiers(
     """The engine's tiers (the null object without replicas or placement), attached.
 
     Returns them and the newest version any replica holds (0 if none).
+
+    Raises:
+        TypeError: ``placement`` is a class or a name, not a placement policy object (it
+            failed at the first commit, as "'property' object is not subscriptable").
     """
+    if placement is not None and (
+        isinstance(placement, type) or not callable(getattr(placement, "place", None))
+    ):
+        what = (
+            f"the class {placement.__name__}"
+            if isinstance(placement, type)
+            else f"a {type(placement).__name__}"
+        )
+        raise TypeError(
+            f"placement= is {what}, not a placement policy: give an object, e.g. "
+            "placement=SingleTier() or pcframe.policies.create('single_tier')"
+        )
     if tiers is None and placement is None:
         tiers = Tiers.primary_only()
     elif not isinstance(tiers, Tiers):
