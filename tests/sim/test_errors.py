@@ -342,3 +342,23 @@ def test_policy_state_nested_past_the_recursion_limit_is_a_policy_error():
 
     with pytest.raises(PolicyError, match=r"Nested\.state_dict\(\).*at most 64 levels"):
         simulate(steady_trace(hours=1.0), Nested(10), JobSpec(restart_cost=10.0))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"interval": P.Daly}, "interval="),
+        ({"interval": "daly"}, "interval="),
+        ({"resource": P.SpotOnly}, "resource="),
+        ({"resource": "spot_only"}, "resource="),
+        ({"predictor": P.EwmaRate}, "predictor="),
+        ({"placement": P.SingleTier}, "placement="),
+    ],
+)
+def test_a_policy_class_or_name_given_to_simulate_is_named(kwargs, key):
+    """simulate() took a class or a registry name where a policy object goes and failed
+    inside ("state_dict() missing 1 required positional argument: 'self'", "'str' object
+    has no attribute 'decide'", "'property' object is not iterable")."""
+    args = {"interval": P.FixedSteps(10), **kwargs}
+    with pytest.raises(TypeError, match=re.escape(key)):
+        simulate(steady_trace(hours=1.0), **args)
