@@ -10,6 +10,7 @@ or unreachable endpoint never stalls training.
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
@@ -122,7 +123,10 @@ class MetadataNoticeSource(NoticeSource):
         """One poll of the endpoint (what the thread does every ``poll_interval``)."""
         try:
             status, body = self._request()
-        except (OSError, ValueError) as exc:  # unreachable, timeout, bad URL: no notice
+        # Unreachable, timeout, bad URL, and an answer that is not HTTP or is cut short
+        # (http.client's errors are not OSErrors: they ended the poller thread, and every
+        # later notice was missed): no notice this time, the next poll tries again.
+        except (OSError, ValueError, http.client.HTTPException) as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
             return
         finally:

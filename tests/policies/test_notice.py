@@ -406,6 +406,48 @@ def test_metadata_source_refuses_nan_and_negative_seconds(bad: dict[str, float])
         P.MetadataNoticeSource("http://127.0.0.1:9/none", **bad)
 
 
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"SSH-2.0-OpenSSH_8.9\r\n",  # not HTTP (another service on the port): BadStatusLine
+        b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"act',  # cut short: IncompleteRead
+    ],
+)
+def test_a_garbled_endpoint_answer_does_not_end_the_poller(answer: bytes) -> None:
+    """http.client's errors are not OSErrors: an answer that is not HTTP, or one cut short,
+    escaped check_once and ended the poller thread, and every later notice was missed
+    without a word. Now it is a failed poll (last_error) and the thread polls on."""
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    url = f"http://127.0.0.1:{server.getsockname()[1]}/x"
+    src = P.MetadataNoticeSource(url, flavor="generic", timeout=5.0, poll_interval=0.01)
+    try:
+        src.check_once()
+        assert src.last_error is not None and src.poll(0.0) is None
+        src.start()
+        deadline = time.monotonic() + 60.0  # bounds a broken run only; times nothing
+        while src.polls < 4 and src._thread is not None and src._thread.is_alive():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert src._thread is not None and src._thread.is_alive() and src.polls >= 4
+    finally:
+        src.close()
+        server.close()
+
+
 # --- the notice-driven policy -----------------------------------------------------------------
 
 
