@@ -63,6 +63,8 @@ class CheckFreq(IntervalPolicy):
             raise ValueError(f"CheckFreq: budget={budget} must be in (0, 1), e.g. 0.05")
         if max_k is not None and max_k < 1:
             raise ValueError(f"CheckFreq: max_k={max_k} must be >= 1 or None")
+        if not iteration_prior > 0:  # k divides by it: 0 failed at the first decide
+            raise ValueError(f"CheckFreq: iteration_prior={iteration_prior} must be > 0 seconds")
         self.budget = budget
         self.max_k = max_k
         self.costs = CostModel(stall_prior, duration_prior, 60.0, iteration_prior, alpha)

@@ -274,3 +274,10 @@ def test_a_decision_whose_reason_is_not_text_names_the_policy_and_the_field(
         assert ckpt.committed_versions() == [], "no version was saved for it"
     finally:
         ckpt.close()
+
+
+def test_checkfreq_refuses_an_iteration_prior_of_zero_when_made() -> None:
+    """iteration_prior=0 was accepted, and the first decide without a measured iteration
+    time raised 'iteration time 0.0 must be > 0' out of maybe_save, naming no key."""
+    with pytest.raises(ValueError, match="iteration_prior=0"):
+        P.CheckFreq(iteration_prior=0)
