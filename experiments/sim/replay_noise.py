@@ -31,7 +31,15 @@ from typing import Any
 
 from common import RESULTS, csv_header, header, write_results
 from replay_setup import Config, seeded_priors, trace_setup
-from validate_replay import SIGMAS, TOLERANCE, inputs, mean_row, noise_lines, predict
+from validate_replay import (
+    SIGMAS,
+    TOLERANCE,
+    calibration_for,
+    inputs,
+    mean_row,
+    noise_lines,
+    predict,
+)
 
 from pcframe.sim.report import markdown_table, write_csv
 
@@ -55,7 +63,7 @@ def replay_noise(raw: dict[str, Any], cal: dict[str, Any], row: dict[str, Any], 
     it was predicted from before it ran."""
     _, setup = trace_setup(raw["trace"])
     config = Config.parse(raw["config"])
-    x = inputs(cal, config.in_flight)
+    x = inputs(calibration_for(cal, config), config.in_flight)
     kills = [k / 1e3 for k in raw["kills_ms"]]
     window = row["window_s"]
     sims = predict(
