@@ -34,7 +34,6 @@ from replay_setup import Config, seeded_priors, trace_setup
 from validate_replay import (
     SIGMAS,
     TOLERANCE,
-    calibration_for,
     inputs,
     mean_row,
     noise_lines,
@@ -63,7 +62,7 @@ def replay_noise(raw: dict[str, Any], cal: dict[str, Any], row: dict[str, Any], 
     it was predicted from before it ran."""
     _, setup = trace_setup(raw["trace"])
     config = Config.parse(raw["config"])
-    x = inputs(calibration_for(cal, config), config.in_flight)
+    x = inputs(cal, config.in_flight)
     kills = [k / 1e3 for k in raw["kills_ms"]]
     window = row["window_s"]
     sims = predict(

@@ -13,9 +13,6 @@ simulator's prediction made from a calibration measured **before** the replays.
    (``replay_setup.robust``); the machine's load (1-minute load average before and after,
    the share of the time some task waited for a CPU from ``/proc/pressure/cpu``, the CPU
    seconds per wall second this process and its children got) is recorded with it.
-   When the campaign has configurations with notices, the restarts and steps are measured
-   a second time with a notice before each kill, and those replays are predicted from that
-   (``calibration_for``).
 2. Replay: ``pcframe.apps.preemption.Supervisor`` runs the training child
    (``replay_child.py``: the real engine asking the real policy at every step, a real
    model, each step with an accelerator-like sleep), SIGKILLs it at the trace's
@@ -311,13 +308,9 @@ def supervised(
 # --- 1. calibration, before any replay ------------------------------------------------------
 
 
-def calibrate(
-    args: argparse.Namespace, in_flights: list[int], root: Path, notices: bool = False
-) -> dict[str, Any]:
+def calibrate(args: argparse.Namespace, in_flights: list[int], root: Path) -> dict[str, Any]:
     """What the simulator needs, measured on this workload before the replays: medians,
-    spreads and the load they were measured under. ``notices``: the restarts and steps
-    are measured a second time with a notice before each kill (``notice``,
-    :func:`calibration_for`)."""
+    spreads and the load they were measured under."""
     probe = LoadProbe()
     paced = getattr(args, "paced", False)
     bare = [
@@ -346,39 +339,23 @@ def calibrate(
             "engine_stall": robust([r.stall for r in done]),
             "durable": robust([r.durable for r in done]),
         }
-    loop = restarts_and_steps(args, Config("fixed", 1, 25), root / "restart", bare_steps)
-    if notices:
-        # Measured under the replays' own protocol instead of assuming it changes nothing:
-        # in the 2026-12-06 14:42 campaign every notice replay's beforehand error was
-        # negative (-2.2 to -3.8 % per trace, 2.4-4.4 x its noise), its restarts ~0.15 s
-        # shorter and its steps ~1 % faster than calibrated, while a direct comparison under
-        # regular kills earlier that day found no difference (docs/simulator.md).
-        notice = Config("notice", 1)
-        loop["notice"] = restarts_and_steps(args, notice, root / "restart-notice", bare_steps)
-    return {
-        "iteration_bare": statistics.median(bare_steps),
-        **loop,
-        "costs": costs,
-        **probe.stop(),
-    }
-
-
-def restarts_and_steps(
-    args: argparse.Namespace, config: Config, directory: Path, bare_steps: list[float]
-) -> dict[str, Any]:
-    """The restart cost and the step time of the loop as the replay runs it: a supervised
-    child (the engine in the loop asking ``config``'s policy, printing each step) SIGKILLed
-    ``args.restarts`` times (with a notice before each kill where ``config`` has them)."""
+    # The restart cost and the step time of the loop as the replay runs it: a supervised
+    # child (the engine in the loop, printing each step) SIGKILLed args.restarts times.
     kills = [RESTART_GAP * (i + 1) for i in range(args.restarts)]
     it0 = statistics.median(bare_steps)
     steps = int((args.restarts * (RESTART_GAP - 2.0) + 8.0) / it0)
-    run, timeline, paces, _ = supervised(args, config, kills, directory, steps)
-    shutil.rmtree(directory, ignore_errors=True)
-    step = robust(life_step_times(timeline) or bare_steps)
+    run, timeline, paces, _ = supervised(
+        args, Config("fixed", 1, 25), kills, root / "restart", steps
+    )
+    shutil.rmtree(root / "restart", ignore_errors=True)
+    lives = life_step_times(timeline)
+    step = robust(lives or bare_steps)
     restart = robust(run.whole_restarts)
+    load = probe.stop()
     it = step["median"]
     return {
         "iteration_time": it,
+        "iteration_bare": statistics.median(bare_steps),
         "iteration_jitter": max(step["spread"] / it, MIN_ITERATION_JITTER),
         "step": step,
         # A sample ends with the first step trained; the simulator adds that step itself.
@@ -387,15 +364,9 @@ def restarts_and_steps(
         "restart_stats": restart,
         "restart_samples": run.whole_restarts,
         "compute": statistics.median(paces.values()) if paces else math.nan,
+        "costs": costs,
+        **load,
     }
-
-
-def calibration_for(cal: dict[str, Any], config: Config) -> dict[str, Any]:
-    """The calibration a replay of ``config`` is predicted from: the restarts and steps
-    measured with notices for a configuration that gets notices (where calibrated so)."""
-    if config.notices and "notice" in cal:
-        return {**cal, **cal["notice"]}
-    return cal
 
 
 def life_step_times(timeline: list[tuple[float, int]], min_steps: int = 20) -> list[float]:
@@ -616,16 +587,14 @@ def main() -> None:
     began = time.monotonic()
     try:
         in_flight = sorted({c.in_flight for _, c, _ in replays})
-        notices = any(c.notices for _, c, _ in replays)
         cals: dict[str, dict[str, Any]] = {}  # by the trace it was made before ("" : all)
         groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
         raws: list[dict[str, Any]] = []  # each replay as it ran, to predict it again later
         for i, (key, config, offset) in enumerate(replays):
             due = key if args.calibrate == "per-trace" else ""
             if due not in cals:
-                cals[due] = calibrate(args, in_flight, root, notices)
-                print(f"calibrated at {time.monotonic() - began:.0f} s: {summary_line(cals[due])}")
-            cal = calibration_for(cals[due], config)
+                cals[due] = cal = calibrate(args, in_flight, root)
+                print(f"calibrated at {time.monotonic() - began:.0f} s: {summary_line(cal)}")
             setup = args.setups[key]
             trace_kills = trace_times(resolve_trace(setup.path))
             c = compression(trace_kills, setup.gap)
@@ -1028,22 +997,7 @@ def calibration_paragraph(key: str, cal: dict) -> str:
         f"{costs}. Load average {cal['load_before']:.2f} before, {cal['load_after']:.2f} after; "
         f"CPU share {cal['cpu_share']:.2f}; CPU pressure {cal['cpu_pressure']:.2f} (the share "
         "of the time some task waited for a CPU, `/proc/pressure/cpu`); I/O pressure "
-        f"{cal.get('io_pressure', math.nan):.2f} (the same for the disk)."
-        + notice_sentence(cal.get("notice"))
-        + "\n\n"
-    )
-
-
-def notice_sentence(notice: dict[str, Any] | None) -> str:
-    """The calibration's second pass, with a notice before each kill, where it was made."""
-    if not notice:
-        return ""
-    r = notice["restart_stats"]
-    samples = " ".join(f"{s:.2f}" for s in notice["restart_samples"])
-    return (
-        " With a notice before each kill (what the replays with notices are predicted from): "
-        f"step {1e3 * notice['iteration_time']:.1f} ms, restart {r['median']:.2f} s (spread "
-        f"{r['spread']:.2f} s, {r['n']} kills: {samples})."
+        f"{cal.get('io_pressure', math.nan):.2f} (the same for the disk).\n\n"
     )
 
 

@@ -225,18 +225,6 @@ def test_verdict_says_which_errors_the_replays_own_noise_explains_and_which_it_d
     assert "`pa:2` +" not in text and "`fixed:100:1` +6.0 %" not in text
 
 
-def test_replays_with_notices_are_predicted_from_restarts_measured_with_notices() -> None:
-    cal = {"restart": 2.7, "iteration_time": 0.104, "restart_samples": [2.8, 2.7]}
-    notice = {"restart": 2.5, "iteration_time": 0.102, "restart_samples": [2.5, 2.6]}
-    both = dict(cal, notice=notice)
-    got = V.calibration_for(both, S.Config.parse("notice:1"))
-    assert got["restart"] == 2.5 and got["iteration_time"] == 0.102
-    assert got["restart_samples"] == [2.5, 2.6]
-    assert V.calibration_for(both, S.Config.parse("fixed:10:2+notice"))["restart"] == 2.5
-    assert V.calibration_for(both, S.Config.parse("pa:2"))["restart"] == 2.7
-    assert V.calibration_for(cal, S.Config.parse("notice:1")) is cal  # calibrated without
-
-
 def test_report_has_the_headline_and_every_column(tmp_path) -> None:
     """A report from made-up measurements: the beforehand prediction is the headline, the
     in-replay one the check, and the calibration's medians and load are stated."""
@@ -282,12 +270,7 @@ def test_report_has_the_headline_and_every_column(tmp_path) -> None:
         draws=2,
         fixed_offsets="all",
     )
-    notice = {
-        "iteration_time": 0.103,
-        "restart_stats": S.robust([2.2, 2.3, 2.25]),
-        "restart_samples": [2.2, 2.3, 2.25],
-    }
-    later = dict(cal, restart_stats=dict(cal["restart_stats"], median=3.1), notice=notice)
+    later = dict(cal, restart_stats=dict(cal["restart_stats"], median=3.1))
     cals = {"medium": cal, "mild": later}  # --calibrate per-trace: one paragraph each
     V.write_outputs(args, V.with_means({("medium", "pa:1"): rows}), cals, 60.0, 2)
     text = (tmp_path / "report.md").read_text()
@@ -295,8 +278,6 @@ def test_report_has_the_headline_and_every_column(tmp_path) -> None:
     assert "restart 2.45 s (spread" in text and "CPU pressure 0.05" in text
     assert "**Calibration, before the medium replays**" in text
     assert "**Calibration, before the mild replays**" in text and "restart 3.10 s" in text
-    assert "With a notice before each kill" in text and "restart 2.25 s" in text
-    assert text.count("With a notice before each kill") == 1  # the medium one had none
     assert "each fixed interval at every one" in text
     head = next(line for line in text.splitlines() if line.startswith("| trace | config"))
     for column in ("goodput_measured", "goodput_predicted", "error_pct", "error_exact_pct"):
