@@ -170,7 +170,7 @@ class Checkpointer:
             self._flight.wait_for_copies = self._pipeline.wait_for_copies
             self.tiers.follow(self._pipeline)
             self._flight.late_failures.append(self.tiers.take_failure)
-            self._resume_failures: list[PolicyError] = []  # see resumed()
+            self._resume_failures: list[PolicyError] = []  # see _resumed_after_restore()
             self._flight.late_failures.append(self._take_resume_failure)
             self._engine_calls = EngineCalls()  # this engine's calls in progress, per thread
             self._in_step_hook = 0  # optimizer.step() runs one of the hooks (close: keep them)
@@ -452,8 +452,8 @@ class Checkpointer:
         (``pcframe.state.check``): a failed restore changes nothing. An interrupt while it
         commits is raised once it is complete (:mod:`pcframe.runtime.interrupts`); an earlier save's
         failure found while it waits is logged, not raised, whatever the restore does. The
-        policy's failure on being told of the restart (:meth:`resumed`) is raised as a
-        ``PolicyError`` at the next engine call: the restore holds by then.
+        policy's failure on being told of the restart is raised as a ``PolicyError`` at the
+        next engine call (:meth:`_resumed_after_restore`): the restore holds by then.
 
         Args:
             strict: any mismatch raises (the default); ``False`` loads what fits and lists
@@ -484,7 +484,7 @@ class Checkpointer:
             job,
             self._pipeline.pool,
             self._number_above,  # every version any tier holds, valid or not
-            lambda manifest: self.resumed(manifest.step, manifest.engine),
+            lambda manifest: self._resumed_after_restore(manifest.step, manifest.engine),
         )
         if manifest is None:
             self.restarted_empty()
@@ -499,17 +499,22 @@ class Checkpointer:
         """Training goes on from ``step``, whose state was just loaded: tell the policy.
 
         ``written``: the loaded manifest's ``engine`` section, which names its writer
-        (:meth:`Starts.unseen`); ``None``: nothing was loaded. Called by :meth:`restore`,
-        and by a multi-rank restore that loaded the state itself.
+        (:meth:`Starts.unseen`); ``None``: nothing was loaded. Called by a multi-rank
+        restore that loaded the state itself, where the policy's failure must raise here:
+        the ranks agree on it, and every rank stops (:meth:`restore` defers it instead).
         """
         starts, clean = self._storage.starts, self._storage.previous_exit_clean
+        self._decisions.resumed(step, written, starts, clean)
+
+    def _resumed_after_restore(self, step: int, written: Mapping[str, Any] | None) -> None:
+        """:meth:`resumed` for :meth:`restore`, which has committed the state by then."""
         try:
-            self._decisions.resumed(step, written, starts, clean)
+            self.resumed(step, written)
         except Exception as exc:
             # The policy is told once the restored state holds, past the point a restore can
             # be taken back: raised from here, restore() looked failed with every object
             # loaded. The failure is the policy's: raised at the next engine call, as a
-            # placement policy's after a commit is.
+            # placement policy's after a commit is. (One process: no rank is left waiting.)
             policy = type(self._decisions.policy)
             failure = PolicyError(
                 f"policy {policy.__module__}.{policy.__qualname__}.observe raised "
@@ -522,7 +527,8 @@ class Checkpointer:
             self._resume_failures.append(failure)
 
     def _take_resume_failure(self, reported: Callable[[int], bool]) -> PolicyError | None:
-        """The policy's failure on being told of a restore (:meth:`resumed`), taken once."""
+        """The policy's failure on being told of a restore (:meth:`_resumed_after_restore`),
+        taken once."""
         del reported  # it follows a restore, not a version in flight
         return self._resume_failures.pop(0) if self._resume_failures else None
 
