@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from validate_replay import (
     mean_row,
     noise_lines,
     predict,
+    replays_needed,
 )
 
 from pcframe.sim.report import markdown_table, write_csv
@@ -102,8 +102,7 @@ def main() -> None:
     for r, g in zip(per_config, groups.values(), strict=True):
         r["replays"] = len(g)
         r["z"] = r["error_window_pct"] / r["noise_window_pct"] if r["noise_window_pct"] else 0.0
-        need = (SIGMAS * r["noise_window_pct"] / TOLERANCE) ** 2
-        r["replays_for_5pct"] = max(len(g), math.ceil(len(g) * need))
+        r["replays_for_5pct"] = replays_needed(r["noise_window_pct"], len(g))
     out = Path(args.out)
     cols = ["trace", "config", "replays", "error_window_pct", "noise_window_pct", "z"]
     cols += ["replays_for_5pct", "error_window_in_replay_pct", "error_window_exact_pct"]

@@ -951,7 +951,7 @@ def noise_lines(per_config: list[dict], replays: list[int]) -> list[str]:
 
     needed = (
         f"{name(r)} ({r['noise_window_pct']:.1f} % with {n}, "
-        f"{math.ceil(n * (SIGMAS * r['noise_window_pct'] / TOLERANCE) ** 2)} needed)"
+        f"{replays_needed(r['noise_window_pct'], n)} needed)"
         for r, n in coarse
     )
     return [
@@ -965,6 +965,13 @@ def noise_lines(per_config: list[dict], replays: list[int]) -> list[str]:
             or "none"
         ),
     ]
+
+
+def replays_needed(noise_pct: float, replays: int) -> int:
+    """Shifted replays for ``SIGMAS`` x the noise of their mean to fit in ``TOLERANCE``,
+    given ``replays`` whose mean has ``noise_pct`` (the noise falls as one over the root of
+    their number); never fewer than were run."""
+    return max(replays, math.ceil(replays * (SIGMAS * noise_pct / TOLERANCE) ** 2))
 
 
 def _in_noise(r: dict) -> str:
