@@ -29,6 +29,8 @@ _INTEGERS = (
 _OPTIONAL = ("staging_bytes",)
 _STRINGS = ("o_direct", "checksum", "copy_backend", "persist")
 
+MAX_THREADS = 256  # writer and reader threads of one engine (and of a read-only load)
+
 
 @dataclass
 class EngineConfig:
@@ -107,10 +109,10 @@ class EngineConfig:
         self._check_types(bad)
         if not 1 <= self.max_in_flight <= 64:
             raise bad("max_in_flight", "use 1..64 concurrent checkpoints (2-4 is typical)")
-        if not 1 <= self.writer_threads <= 256:
-            raise bad("writer_threads", "use 1..256 writer threads")
-        if not 1 <= self.read_threads <= 256:
-            raise bad("read_threads", "use 1..256 reader threads")
+        if not 1 <= self.writer_threads <= MAX_THREADS:
+            raise bad("writer_threads", f"use 1..{MAX_THREADS} writer threads")
+        if not 1 <= self.read_threads <= MAX_THREADS:
+            raise bad("read_threads", f"use 1..{MAX_THREADS} reader threads")
         if self.chunk_bytes < PAGE or self.chunk_bytes % PAGE or self.chunk_bytes > 1 << 30:
             raise bad("chunk_bytes", f"use a multiple of {PAGE} between 4 KiB and 1 GiB")
         if self.staging_bytes is not None and self.staging_bytes < self.chunk_bytes:

@@ -24,7 +24,6 @@ from typing import TypeVar
 from pcframe.apps.cli_ranks import is_multi_rank_root
 from pcframe.distributed.global_versions import RECORDS
 from pcframe.errors import CheckpointError, UnsupportedCheckpoint
-from pcframe.format.manifest import MANIFEST_NAME
 from pcframe.format.names import VERSION_DIR, version_number
 from pcframe.store.directory import (
     CLEAN_EXIT,
@@ -34,6 +33,7 @@ from pcframe.store.directory import (
     TRASH_PREFIX,
     CheckpointDir,
     is_leftover_name,
+    refuse_version_folder,
 )
 from pcframe.store.starts import STARTS
 
@@ -172,12 +172,7 @@ def check_directory(path: str) -> None:
             f"{root}: {what}; give the checkpoint directory (the one holding the vNNNNNNNN "
             f"version folders{hint})"
         )
-    if (root / MANIFEST_NAME).exists():
-        version = version_number(root.name)
-        pick = f" and pick the version with --version {version}" if version is not None else ""
-        raise CheckpointError(
-            f"{root} is the folder of one version; give its parent, the checkpoint directory{pick}"
-        )
+    refuse_version_folder(root, "pick the version with --version {}")
     if root.name == RECORDS and is_multi_rank_root(root.parent):
         raise CheckpointError(
             f"{root} is the folder of a multi-rank root's global records; give its parent, "

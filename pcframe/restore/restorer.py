@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from pcframe.config import MAX_THREADS
 from pcframe.errors import (
     CheckpointError,
     NoValidCheckpoint,
@@ -80,15 +81,17 @@ def load_rules(call: str, strict: object, allow_cast: object) -> LoadRules:
 
 
 def check_read_threads(call: str, threads: object) -> None:
-    """Refuse reader ``threads`` outside the engine's ``read_threads`` range (1..256), naming
-    ``call``: a string failed deep in the reader as a raw comparison error, and 10**6
-    started a thread per chunk.
+    """Refuse reader ``threads`` outside the engine's ``read_threads`` range
+    (1..:data:`~pcframe.config.MAX_THREADS`), naming ``call``: a string failed deep in the
+    reader as a raw comparison error, and 10**6 started a thread per chunk.
 
     Raises:
-        TypeError: not a whole number in 1..256.
+        TypeError: not a whole number in that range.
     """
-    if not whole_number(threads) or not 1 <= threads <= 256:
-        raise TypeError(f"{call}(threads={threads!r}): give 1..256 reader threads, e.g. 8")
+    if not whole_number(threads) or not 1 <= threads <= MAX_THREADS:
+        raise TypeError(
+            f"{call}(threads={threads!r}): give 1..{MAX_THREADS} reader threads, e.g. 8"
+        )
 
 
 def restore_from_tiers(
@@ -331,7 +334,7 @@ def load(
     root = CheckpointDir(directory)
     if not root.root.is_dir():
         raise CheckpointError(f"{root.root} is not a directory: give a checkpoint directory")
-    refuse_version_folder(root.root, "load")
+    refuse_version_folder(root.root, "load(version={}) picks this one")
     listed = root.committed_versions()
     for attempt in range(LISTINGS):
         versions = [v for v in reversed(listed) if version in (None, v)]

@@ -342,21 +342,22 @@ def _same_folder(a: Path, b: Path) -> bool:
         return False
 
 
-def refuse_version_folder(root: Path, call: str) -> None:
+def refuse_version_folder(root: Path, pick: str) -> None:
     """Refuse ``root`` when it is the folder of one version (it holds a manifest): nothing
     there is listed as a version, so a restore found "no checkpoint" and started afresh,
     and a writer put its lock and marks into the committed version's folder. A file of the
-    user's own of that name (a dataset's manifest.json) is no version's: its header tells."""
+    user's own of that name (a dataset's manifest.json) is no version's: its header tells.
+    ``pick``: how the caller picks one version, ``{}`` standing for its number."""
     try:
         head = read_small(root / MANIFEST_NAME, MANIFEST_HEAD)
     except (OSError, NotRegularFile):
         return
     if f'"{MANIFEST_FORMAT}"'.encode() in head.partition(b"\n")[0]:
         number = version_number(root.name)
-        pick = f" ({call}(version={number}) picks this one)" if number is not None else ""
+        how = f" ({pick.format(number)})" if number is not None else ""
         raise CheckpointError(
             f"{root} is the folder of one version; give its parent, {root.parent}, the "
-            f"checkpoint directory{pick}"
+            f"checkpoint directory{how}"
         )
 
 
@@ -365,7 +366,8 @@ class WritableCheckpointDir(CheckpointDir):
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         super().__init__(root)
-        refuse_version_folder(self.root, "restore")  # before anything is written in it
+        # before anything is written in it
+        refuse_version_folder(self.root, "restore(version={}) picks this one")
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self._lock_fd = open_regular(self.root / LOCK, os.O_RDWR | os.O_CREAT)

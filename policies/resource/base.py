@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -11,12 +10,13 @@ from pcframe.errors import PolicyError
 from pcframe.policies.base import REASON_FIX, Event, Stateful, reason_problem
 from pcframe.policies.kinds import plugin_base
 from pcframe.policies.predictors.base import Estimate
+from pcframe.runtime.checks import whole_number
 
 
 def checked_vms(key: str, vms: Any) -> int:
     """``vms``, a resource policy's VM count: a whole number >= 1 (NaN and 1.5 passed
     ``< 1``, and failed at the first decision naming no key)."""
-    if isinstance(vms, bool) or not isinstance(vms, numbers.Integral) or vms < 1:
+    if not whole_number(vms) or vms < 1:
         raise ValueError(f"{key}={vms!r} must be a whole number of VMs >= 1")
     return int(vms)
 
@@ -33,7 +33,7 @@ class ResourceDecision:
         counts = (self.spot, self.on_demand)
         # A whole number of VMs: NaN passed `< 0` (the simulator then ran nothing and said
         # goodput 0), 1.5 ran and billed one and a half VMs, "1" was a TypeError deep in it.
-        if any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0 for n in counts):
+        if any(not whole_number(n) or n < 0 for n in counts):
             raise ValueError(
                 f"VM counts must be whole numbers >= 0, got spot={self.spot!r}, "
                 f"on_demand={self.on_demand!r}"
