@@ -76,6 +76,7 @@ class Broken(PlacementPolicy):
         self.mode, self.bad_from = mode, bad_from
         self.bad_call = bad_call or (lambda ctx, asked: True)
         self.hold = hold  # version 1's placement waits for it (the commit thread with it)
+        self.holding = threading.Event()  # set once version 1's placement waits
         self.asked: Counter[int] = Counter()
 
     @property
@@ -85,6 +86,7 @@ class Broken(PlacementPolicy):
     def place(self, ctx: PlacementContext) -> PlacementDecision:
         self.asked[ctx.version] += 1
         if self.hold is not None and ctx.version == 1:
+            self.holding.set()
             assert self.hold.wait(30)
         if ctx.version >= self.bad_from and self.bad_call(ctx, self.asked[ctx.version]):
             if self.mode == "raises":
@@ -108,6 +110,18 @@ def _open(tmp_path: Path, placement: PlacementPolicy, **kw: Any) -> Checkpointer
         chunk_bytes=8192,
         **kw,
     )
+
+
+def _written(ckpt: Checkpointer, queued: int) -> None:
+    """Wait until ``queued`` versions are written and wait behind version 1's commit (held
+    in its placement). The commit thread takes versions in the order their writes finish,
+    and one that finishes after a newer one was published is discarded by design: saved
+    back to back, version 3 may finish first on a busy machine."""
+    commits = ckpt._pipeline._commit_queue  # the order in which versions will commit
+    deadline = time.monotonic() + 30
+    while commits.qsize() < queued:
+        assert time.monotonic() < deadline, f"{queued} version(s) not written in 30 s"
+        time.sleep(0.005)
 
 
 def _save(ckpt: Checkpointer, s: int) -> None:
@@ -241,11 +255,16 @@ def test_a_broken_policy_failing_at_every_commit_raises_one_error_at_a_time(
     logged when they fail (not a chain of errors at the next calls)."""
     caplog.set_level(logging.ERROR, logger="pcframe.store.tiers")
     hold = threading.Event()
-    with _open(tmp_path, Broken("none", 1, hold=hold), max_in_flight=4) as ckpt:
+    policy = Broken("none", 1, hold=hold)
+    with _open(tmp_path, policy, max_in_flight=4) as ckpt:
         handles = []
         for s in (1, 2, 3):  # version 1's commit waits in its placement: none reported yet
             step(ckpt.model, ckpt.optimizer, s)
             handles.append(ckpt.save(s))
+            if s == 1:
+                assert policy.holding.wait(30)
+            else:
+                _written(ckpt, queued=s - 1)
         hold.set()
         assert [h.wait() for h in handles] == [SaveStatus.COMMITTED] * 3
         with pytest.raises(PolicyError) as raised:
