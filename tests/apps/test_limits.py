@@ -16,8 +16,8 @@ def test_limits_are_measured_and_the_probe_file_is_removed(tmp_path):
         assert 0 < rate.low <= rate.median <= rate.high
     assert limits.disk_write.median == max(limits.disk_write_1.median, limits.disk_write_4.median)
     assert limits.disk_read.median > 0
-    # memory copies faster than a disk writes and syncs, on any machine this runs on
-    assert limits.memcpy.median > limits.disk_write.median
+    # No comparison of the rates: one repeat each on a busy machine can put a copy starved
+    # of CPU below a write into a fast disk's cache (seen: 0.94 vs 1.04 GB/s).
     assert list(tmp_path.iterdir()) == []
     assert limits.memcpy_seconds(10**9) == pytest.approx(10**9 / limits.memcpy.median)
 
