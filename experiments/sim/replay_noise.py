@@ -30,15 +30,8 @@ from typing import Any
 
 from common import RESULTS, csv_header, header, write_results
 from replay_setup import Config, seeded_priors, trace_setup
-from validate_replay import (
-    SIGMAS,
-    TOLERANCE,
-    inputs,
-    mean_row,
-    noise_lines,
-    predict,
-    replays_needed,
-)
+from replay_sizing import SIGMAS, TOLERANCE, replays_needed
+from validate_replay import inputs, mean_row, noise_lines, predict
 
 from pcframe.sim.report import markdown_table, write_csv
 

@@ -42,8 +42,11 @@ simulator's prediction made from a calibration measured **before** the replays.
 5. Say how finely each replay can check: its own noise (``noise_window_pct``), the spread
    of the prediction's seeds relative to their mean, is known before it runs; where two
    standard deviations of it exceed the 5 % tolerance, a replay cannot tell a 5 % error
-   from phase luck, and the verdict says how many shifted replays would; errors beyond
-   twice the noise are the inputs' or the model's.
+   from phase luck. So the campaign sizes itself before each configuration runs
+   (``replay_sizing``): more shifted replays, up to ``--max-replays``, until the noise of
+   their mean fits; where even that many cannot, the verdict says how many would. Errors
+   beyond twice the noise are the inputs' or the model's; the root mean square of the
+   errors in units of the noise checks the noise model itself (1 if it is right).
 
     python experiments/sim/validate_replay.py --size campaign   # ~50 min here
     python experiments/sim/validate_replay.py --size quick      # smoke, ~4 min
@@ -68,6 +71,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +90,15 @@ from replay_setup import (
     seeded_priors,
     settle_args,
     trace_setup,
+)
+from replay_sizing import (
+    SIGMAS,
+    TOLERANCE,
+    Forecast,
+    Sizing,
+    candidate_offsets,
+    replays_needed,
+    size,
 )
 
 import pcframe.policies as P
@@ -117,10 +130,6 @@ MIN_PACE_STEPS = 20  # wall seconds between the calibration's kills
 # runs): far enough from every end the replay or a prediction may have that none races a
 # kill inside it, long enough to hold most of the replay's kills.
 WINDOW = 0.8
-# Issue 43, item 1: a prediction within this many % of the measured goodput; a replay can
-# check that only where this many standard deviations of its own noise fit inside it.
-TOLERANCE = 5.0
-SIGMAS = 2.0
 
 # Fixed intervals (steps) and the policies of the campaign; every trace gets all of them.
 CAMPAIGN_FIXED = ["fixed:10:2", "fixed:25:1", "fixed:50:2", "fixed:100:1"]
@@ -135,6 +144,7 @@ SIZES: dict[str, dict[str, Any]] = {
         policies=CAMPAIGN_POLICIES,
         offsets=[0.0, 1.5, 3.0],
         fixed_offsets="one",
+        max_replays=6,
         calibrate="once",
         restarts=6,
         draws=24,
@@ -147,6 +157,7 @@ SIZES: dict[str, dict[str, Any]] = {
         policies=["pa:2", "notice:1", "checkfreq:2"],
         offsets=[0.0],
         fixed_offsets="one",
+        max_replays=1,
         calibrate="once",
         restarts=3,
         draws=6,
@@ -553,6 +564,12 @@ def main() -> None:
         help="calibrate once before every replay (the presets) or again before each trace's "
         "replays (inputs measured closer to the runs they predict, still before them)",
     )
+    parser.add_argument(
+        "--max-replays",
+        type=int,
+        help="shifted replays a configuration may get when its own noise (predicted before "
+        "it runs) needs more than its least to check the tolerance (replay_sizing)",
+    )
     parser.add_argument("--restarts", type=int, help="kills of the restart calibration")
     parser.add_argument("--draws", type=int, help="seeds of each jittered prediction")
     parser.add_argument("--steps-scale", type=float, help="x the traces' steps per replay")
@@ -590,86 +607,145 @@ def main() -> None:
         cals: dict[str, dict[str, Any]] = {}  # by the trace it was made before ("" : all)
         groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
         raws: list[dict[str, Any]] = []  # each replay as it ran, to predict it again later
-        for i, (key, config, offset) in enumerate(replays):
+        planned = len(replays)
+        sizings: dict[tuple[str, str], Sizing] = {}
+        for key, config, first in grouped(replays):
             due = key if args.calibrate == "per-trace" else ""
             if due not in cals:
-                cals[due] = cal = calibrate(args, in_flight, root)
-                print(f"calibrated at {time.monotonic() - began:.0f} s: {summary_line(cal)}")
-            setup = args.setups[key]
-            trace_kills = trace_times(resolve_trace(setup.path))
-            c = compression(trace_kills, setup.gap)
-            kills = [k / c - offset * setup.gap for k in trace_kills if k / c > offset * setup.gap]
-            steps = max(40, round(setup.steps * args.steps_scale))
-            priors = seeded_priors(inputs(cal, config.in_flight)) if args.seeded else None
-            before = inputs(cal, config.in_flight)
+                cals[due] = calibrate(args, in_flight, root)
+                print(f"calibrated at {time.monotonic() - began:.0f} s: {summary_line(cals[due])}")
+            cal = cals[due]
+            prepared: dict[float, Prepared] = {}
 
-            # The simulator's runs of this replay, from inputs x (and over a window).
-            forecast = functools.partial(
-                predict,
-                config=config,
-                kills=kills,
-                steps=steps,
-                draws=args.draws,
-                mtbf=setup.gap,
-                lead=args.notice_lead,
-                priors=priors,
+            def forecast_at(
+                offset: float, key=key, config=config, cal=cal, prepared=prepared
+            ) -> Forecast:
+                prepared[offset] = p = prepare(args, key, config, offset, cal)
+                return p.forecast()
+
+            # As many shifted replays as this configuration's own noise needs, predicted
+            # before any of them runs (replay_sizing).
+            most = max(args.max_replays, len(first))
+            sizing = size(
+                candidate_offsets(first, args.offsets, most), len(first), most, forecast_at
             )
-            # Predicted before the replay: its window is fixed by the prediction alone.
-            sims = forecast(before)
-            window = clear_of_kills(WINDOW * min(d.wall_seconds for d in sims), kills)
-            probe = LoadProbe()
-            directory = root / f"replay-{i}"
-            committed: list[tuple[float, int]] = []
-            run, timeline, paces, notices = supervised(
-                args, config, kills, directory, steps, setup.gap, priors, committed
-            )
-            load = probe.stop()
-            shutil.rmtree(directory, ignore_errors=True)
-            own = inputs(measured_inputs(cal, run, list(paces.values())), config.in_flight)
-            checks = forecast(own)
-            # The event model alone: this replay's own restarts and paces, start by start.
-            starts = exact_starts(run, kills, paces, own["iteration_time"])
-            exact = functools.partial(forecast, own, draws=1, starts=starts)
-            scored = Windowed(
-                window,
-                held_at(run, timeline, window),
-                sum(1 for life in run.lives if life.killed and life.ended <= window),
-                forecast(before, window=window),
-                forecast(own, window=window),
-                exact(window=window),
-            )
-            r = row(
-                key,
-                config,
-                offset,
-                c,
-                steps,
-                run,
-                notices,
-                before,
-                own,
-                sims,
-                checks,
-                exact(),
-                load,
-                cal,
-                scored,
-            )
-            groups.setdefault((key, config.label), []).append(r)
-            done = time.monotonic() - began
-            print(
-                f"[{i + 1}/{len(replays)} {done:.0f} s] {key} {config.label} offset {offset:g}: "
-                f"window {window:.1f} s: measured {r['goodput_window_measured']:.3f}, predicted "
-                f"{r['goodput_window_predicted']:.3f} ({r['error_window_pct']:+.1f} %); whole "
-                f"run {r['error_pct']:+.1f} %, in-replay check {r['error_in_replay_pct']:+.1f} %, "
-                f"exact {r['error_window_exact_pct']:+.1f} % (window) {r['error_exact_pct']:+.1f} %"
-            )
-            raws.append(raw_replay(key, config, offset, kills, run, timeline, paces, committed))
-            # Rewritten after every replay: a campaign cut short keeps what it measured.
-            write_outputs(args, with_means(groups), cals, done, len(replays))
-            write_raw(Path(args.out), raws, cals)
+            planned += len(sizing.offsets) - len(first)
+            sizings[(key, config.label)] = sizing
+            print(f"{key} {config.label}: {sizing.describe()}")
+            for offset in sizing.offsets:
+                r, raw = replay(args, prepared[offset], cal, root / f"replay-{len(raws)}")
+                groups.setdefault((key, config.label), []).append(r)
+                raws.append(raw)
+                done = time.monotonic() - began
+                print(
+                    f"[{len(raws)}/{planned} {done:.0f} s] {key} {config.label} offset "
+                    f"{offset:g}: window {r['window_s']:.1f} s: measured "
+                    f"{r['goodput_window_measured']:.3f}, predicted "
+                    f"{r['goodput_window_predicted']:.3f} ({r['error_window_pct']:+.1f} %); "
+                    f"whole run {r['error_pct']:+.1f} %, in-replay check "
+                    f"{r['error_in_replay_pct']:+.1f} %, exact {r['error_window_exact_pct']:+.1f} "
+                    f"% (window) {r['error_exact_pct']:+.1f} %"
+                )
+                # Rewritten after every replay: a campaign cut short keeps what it measured.
+                write_outputs(args, with_means(groups), cals, done, planned, sizings)
+                write_raw(Path(args.out), raws, cals)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def grouped(replays: list[tuple[str, Config, float]]) -> list[tuple[str, Config, list[float]]]:
+    """The plan's replays as (trace key, configuration, its offsets), in run order."""
+    out: dict[tuple[str, str], tuple[str, Config, list[float]]] = {}
+    for key, config, offset in replays:
+        out.setdefault((key, config.label), (key, config, []))[2].append(offset)
+    return list(out.values())
+
+
+@dataclasses.dataclass
+class Prepared:
+    """One replay as planned before it runs: its kills, steps and the policy's priors, the
+    calibration's inputs, and the simulator's prediction of it (whole run and window)."""
+
+    key: str
+    config: Config
+    offset: float
+    compression: float
+    kills: list[float]
+    steps: int
+    priors: dict[str, float] | None
+    before: dict[str, float]
+    predictor: Callable[..., list[Any]]  # predict() with this replay's plan
+    sims: list[Any]
+    window: float
+    windowed: list[Any]  # the prediction over the window
+
+    def forecast(self) -> Forecast:
+        goodputs = [d.useful_steps / self.window for d in self.windowed]
+        spread = statistics.stdev(goodputs) if len(goodputs) > 1 else 0.0
+        return Forecast(self.offset, statistics.fmean(goodputs), spread)
+
+
+def prepare(
+    args: argparse.Namespace, key: str, config: Config, offset: float, cal: dict[str, Any]
+) -> Prepared:
+    """``config`` replayed on trace ``key`` shifted by ``offset`` mean gaps, predicted from
+    the calibration ``cal`` alone."""
+    setup = args.setups[key]
+    trace_kills = trace_times(resolve_trace(setup.path))
+    c = compression(trace_kills, setup.gap)
+    kills = [k / c - offset * setup.gap for k in trace_kills if k / c > offset * setup.gap]
+    steps = max(40, round(setup.steps * args.steps_scale))
+    before = inputs(cal, config.in_flight)
+    priors = seeded_priors(before) if args.seeded else None
+    predictor = functools.partial(
+        predict,
+        config=config,
+        kills=kills,
+        steps=steps,
+        draws=args.draws,
+        mtbf=setup.gap,
+        lead=args.notice_lead,
+        priors=priors,
+    )
+    sims = predictor(before)
+    # The window is fixed by the prediction alone, before the replay.
+    window = clear_of_kills(WINDOW * min(d.wall_seconds for d in sims), kills)
+    return Prepared(
+        key, config, offset, c, kills, steps, priors, before, predictor, sims, window,
+        predictor(before, window=window),
+    )  # fmt: skip
+
+
+def replay(
+    args: argparse.Namespace, p: Prepared, cal: dict[str, Any], directory: Path
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run the prepared replay for real and score it: its row and its raw record."""
+    setup = args.setups[p.key]
+    probe = LoadProbe()
+    committed: list[tuple[float, int]] = []
+    run, timeline, paces, notices = supervised(
+        args, p.config, p.kills, directory, p.steps, setup.gap, p.priors, committed
+    )
+    load = probe.stop()
+    shutil.rmtree(directory, ignore_errors=True)
+    own = inputs(measured_inputs(cal, run, list(paces.values())), p.config.in_flight)
+    # The event model alone: this replay's own restarts and paces, start by start.
+    starts = exact_starts(run, p.kills, paces, own["iteration_time"])
+    exact = functools.partial(p.predictor, own, draws=1, starts=starts)
+    scored = Windowed(
+        p.window,
+        held_at(run, timeline, p.window),
+        sum(1 for life in run.lives if life.killed and life.ended <= p.window),
+        p.windowed,
+        p.predictor(own, window=p.window),
+        exact(window=p.window),
+    )
+    r = row(
+        p.key, p.config, p.offset, p.compression, p.steps, run, notices, p.before, own,
+        p.sims, p.predictor(own), exact(), load, cal, scored,
+    )  # fmt: skip
+    raw = raw_replay(p.key, p.config, p.offset, p.kills, run, timeline, paces, committed)
+    return r, raw
 
 
 def raw_replay(
@@ -954,7 +1030,18 @@ def noise_lines(per_config: list[dict], replays: list[int]) -> list[str]:
         f"{replays_needed(r['noise_window_pct'], n)} needed)"
         for r, n in coarse
     )
+    scored = [r for r, _ in known if r["noise_window_pct"] > 0]
+    rms_z = (
+        math.sqrt(
+            statistics.fmean((r["error_window_pct"] / r["noise_window_pct"]) ** 2 for r in scored)
+        )
+        if scored
+        else math.nan
+    )
     return [
+        f"- the noise model: the errors are {rms_z:.2f} x the predicted noise (root mean "
+        f"square over {len(scored)} configurations; 1 where the replays' own noise is all "
+        "there is, above it where the inputs moved or the model is off)",
         f"- the replays' own noise (predicted before they ran, `noise_window_pct`): "
         f"{len(coarse)} of {len(known)} configurations cannot be checked to {TOLERANCE:g} % "
         f"({SIGMAS:g} x their noise exceeds it; shifted replays that would do): "
@@ -967,11 +1054,23 @@ def noise_lines(per_config: list[dict], replays: list[int]) -> list[str]:
     ]
 
 
-def replays_needed(noise_pct: float, replays: int) -> int:
-    """Shifted replays for ``SIGMAS`` x the noise of their mean to fit in ``TOLERANCE``,
-    given ``replays`` whose mean has ``noise_pct`` (the noise falls as one over the root of
-    their number); never fewer than were run."""
-    return max(replays, math.ceil(replays * (SIGMAS * noise_pct / TOLERANCE) ** 2))
+def sizing_paragraph(sizings: dict[tuple[str, str], Sizing]) -> str:
+    """How many replays each configuration got, sized by its own noise before they ran
+    (``replay_sizing``): those that got more than their least, and those no affordable
+    number could check."""
+    if not sizings:
+        return ""
+    more = [f"{k} `{c}` {s.describe()}" for (k, c), s in sizings.items() if s.added]
+    cannot = [f"{k} `{c}` {s.describe()}" for (k, c), s in sizings.items() if not s.checkable]
+    return (
+        "Replays sized by their own noise before they ran (`--max-replays`): "
+        + (f"more shifted replays for {'; '.join(more)}. " if more else "none needed more. ")
+        + (
+            f"Not checkable to {TOLERANCE:g} % by that many: {'; '.join(cannot)}.\n\n"
+            if cannot
+            else f"Every configuration checkable to {TOLERANCE:g} %.\n\n"
+        )
+    )
 
 
 def _in_noise(r: dict) -> str:
@@ -1014,6 +1113,7 @@ def write_outputs(
     cals: dict[str, dict],
     seconds: float,
     planned: int,
+    sizings: dict[tuple[str, str], Sizing] | None = None,
 ) -> None:
     out = Path(args.out)
     write_csv(rows, out.with_suffix(".csv"), header=csv_header())
@@ -1026,7 +1126,8 @@ def write_outputs(
         f"Size `{args.size}`, {sum(r['offset_gaps'] != 'mean' for r in rows)} of {planned} "
         f"replays, {seconds / 60:.1f} min. Traces: {traces}; "
         f"offsets {', '.join(f'{o:g}' for o in args.offsets)} mean gaps (each policy once per "
-        f"offset, each fixed interval at {'every one' if args.fixed_offsets == 'all' else 'one'}). "
+        f"offset, each fixed interval at {'every one' if args.fixed_offsets == 'all' else 'one'}; "
+        f"more, up to {args.max_replays}, where a configuration's own noise needs them). "
         "Training child: the real engine asking the real "
         f"interval policy at every step, a real MLP (10 MB of state) whose steps also sleep "
         f"{args.accelerator_ms:g} ms for the accelerator (`replay_child.py`); `notice:N` gets a "
@@ -1054,7 +1155,8 @@ def write_outputs(
         "calibration and replay did, to be read with `load` vs `load_calibrated` (1-minute load "
         "average, the replay's own child adds ~1), `cpu_share` and `cpu_pressure`. `mean` rows "
         "compare the mean measured goodput over the shifted replays with the mean prediction.\n\n"
-        + verdict(rows),
+        + verdict(rows)
+        + sizing_paragraph(sizings or {}),
     )
     cols = [
         "trace",

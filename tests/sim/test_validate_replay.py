@@ -269,6 +269,7 @@ def test_report_has_the_headline_and_every_column(tmp_path) -> None:
         seeded=True,
         draws=2,
         fixed_offsets="all",
+        max_replays=4,
     )
     later = dict(cal, restart_stats=dict(cal["restart_stats"], median=3.1))
     cals = {"medium": cal, "mild": later}  # --calibrate per-trace: one paragraph each
@@ -278,7 +279,7 @@ def test_report_has_the_headline_and_every_column(tmp_path) -> None:
     assert "restart 2.45 s (spread" in text and "CPU pressure 0.05" in text
     assert "**Calibration, before the medium replays**" in text
     assert "**Calibration, before the mild replays**" in text and "restart 3.10 s" in text
-    assert "each fixed interval at every one" in text
+    assert "each fixed interval at every one; more, up to 4, where" in text
     head = next(line for line in text.splitlines() if line.startswith("| trace | config"))
     for column in ("goodput_measured", "goodput_predicted", "error_pct", "error_exact_pct"):
         assert f"| {column} |" in head
