@@ -20,6 +20,9 @@ simulator's prediction made from a calibration measured **before** the replays.
    earlier by each offset) and restarts it at once, until the trace's steps are trained.
    For ``notice:N`` a notice file is written ``--notice-lead`` s before each kill (the
    child's ``FileNoticeSource``) and removed at the kill. The load is recorded again.
+   A trace's configurations take turns (``interleaved``): the machine drifts over a
+   campaign, and one configuration run after another would take its stretch of the drift
+   for an effect of its policy.
 3. Predict each replay twice with ``pcframe.simulate`` on the same kill times, the same
    policy built by ``replay_setup.make_policy`` and the simulator's every-step path (what
    the engine does): the **headline** from the calibration's inputs only (what a user has
@@ -609,37 +612,31 @@ def main() -> None:
         raws: list[dict[str, Any]] = []  # each replay as it ran, to predict it again later
         planned = len(replays)
         sizings: dict[tuple[str, str], Sizing] = {}
-        for key, config, first in grouped(replays):
+        for key in args.traces:
             due = key if args.calibrate == "per-trace" else ""
             if due not in cals:
                 cals[due] = calibrate(args, in_flight, root)
                 print(f"calibrated at {time.monotonic() - began:.0f} s: {summary_line(cals[due])}")
             cal = cals[due]
-            prepared: dict[float, Prepared] = {}
-
-            def forecast_at(
-                offset: float, key=key, config=config, cal=cal, prepared=prepared
-            ) -> Forecast:
-                prepared[offset] = p = prepare(args, key, config, offset, cal)
-                return p.forecast()
-
-            # As many shifted replays as this configuration's own noise needs, predicted
-            # before any of them runs (replay_sizing).
-            most = max(args.max_replays, len(first))
-            sizing = size(
-                candidate_offsets(first, args.offsets, most), len(first), most, forecast_at
-            )
-            planned += len(sizing.offsets) - len(first)
-            sizings[(key, config.label)] = sizing
-            print(f"{key} {config.label}: {sizing.describe()}")
-            for offset in sizing.offsets:
-                r, raw = replay(args, prepared[offset], cal, root / f"replay-{len(raws)}")
-                groups.setdefault((key, config.label), []).append(r)
+            # Every configuration of this trace sized before any of them runs: as many
+            # shifted replays as its own noise needs (replay_sizing).
+            runs: list[list[Prepared]] = []
+            for k, config, first in grouped(replays):
+                if k != key:
+                    continue
+                sizing, prepared = sized(args, key, config, first, cal)
+                planned += len(sizing.offsets) - len(first)
+                sizings[(key, config.label)] = sizing
+                runs.append(prepared)
+                print(f"{key} {config.label}: {sizing.describe()}")
+            for p in interleaved(runs):
+                r, raw = replay(args, p, cal, root / f"replay-{len(raws)}")
+                groups.setdefault((key, p.config.label), []).append(r)
                 raws.append(raw)
                 done = time.monotonic() - began
                 print(
-                    f"[{len(raws)}/{planned} {done:.0f} s] {key} {config.label} offset "
-                    f"{offset:g}: window {r['window_s']:.1f} s: measured "
+                    f"[{len(raws)}/{planned} {done:.0f} s] {key} {p.config.label} offset "
+                    f"{p.offset:g}: window {r['window_s']:.1f} s: measured "
                     f"{r['goodput_window_measured']:.3f}, predicted "
                     f"{r['goodput_window_predicted']:.3f} ({r['error_window_pct']:+.1f} %); "
                     f"whole run {r['error_pct']:+.1f} %, in-replay check "
@@ -659,6 +656,37 @@ def grouped(replays: list[tuple[str, Config, float]]) -> list[tuple[str, Config,
     for key, config, offset in replays:
         out.setdefault((key, config.label), (key, config, []))[2].append(offset)
     return list(out.values())
+
+
+def sized(
+    args: argparse.Namespace, key: str, config: Config, first: list[float], cal: dict[str, Any]
+) -> tuple[Sizing, list[Prepared]]:
+    """``config`` on trace ``key``: its replays as many as its own noise needs, predicted
+    before any runs (:func:`replay_sizing.size`), at ``first`` and more offsets."""
+    prepared: dict[float, Prepared] = {}
+
+    def forecast_at(offset: float) -> Forecast:
+        prepared[offset] = p = prepare(args, key, config, offset, cal)
+        return p.forecast()
+
+    most = max(args.max_replays, len(first))
+    sizing = size(candidate_offsets(first, args.offsets, most), len(first), most, forecast_at)
+    return sizing, [prepared[o] for o in sizing.offsets]
+
+
+def interleaved(runs: list[list[Any]]) -> list[Any]:
+    """Each configuration's replays (``runs``, one list per configuration) in rounds: every
+    configuration's first, then every one's second, and so on, each round starting one
+    configuration later. The machine drifts over a campaign (its restarts by ~0.3 s over
+    a quarter of an hour, the same way for each trace of the 12-06 campaign); run one
+    configuration after another, and a configuration's mean takes the drift of its own
+    stretch of time for an effect of the policy."""
+    out = []
+    for i in range(max((len(r) for r in runs), default=0)):
+        turn = [r[i] for r in runs if i < len(r)]
+        shift = i % len(turn)
+        out += turn[shift:] + turn[:shift]
+    return out
 
 
 @dataclasses.dataclass

@@ -97,3 +97,14 @@ def test_the_noise_model_check_is_the_root_mean_square_of_the_errors_in_noise_un
     lines = V.noise_lines(rows, [1, 1])
     rms = math.sqrt((2.0**2 + 0.5**2) / 2)
     assert f"the errors are {rms:.2f} x the predicted noise" in lines[0]
+
+
+def test_configurations_take_turns_so_none_owns_a_stretch_of_the_machines_drift() -> None:
+    """Three configurations of 3, 1 and 2 replays: every one's first, then the seconds
+    starting one configuration later, then the third: no configuration's replays run as
+    one stretch."""
+    runs = [["a0", "a1", "a2"], ["b0"], ["c0", "c1"]]
+    assert V.interleaved(runs) == ["a0", "b0", "c0", "c1", "a1", "a2"]
+    assert V.interleaved([]) == []
+    order = V.interleaved([[f"{c}{i}" for i in range(3)] for c in "pnk"])
+    assert order == ["p0", "n0", "k0", "n1", "k1", "p1", "k2", "p2", "n2"]
