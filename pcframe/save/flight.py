@@ -271,16 +271,18 @@ class InFlight:
         progress.fail(Stage.SNAPSHOT, exc)
         progress.status, progress.reported = SaveStatus.FAILED, True
         progress.copy_done.set()
-        progress.finished.set()
-        self.finished(progress)
+        self.finished(progress)  # which sets ``finished`` once the version is listed
 
     # --- commit thread -----------------------------------------------------------------
 
     def finished(self, progress: SaveProgress) -> None:
-        """Hand a finished version over to the training thread; a save waiting for a slot
-        looks again (the version's ``finished`` is set already)."""
+        """Hand a finished version over to the training thread, then set its ``finished``;
+        a save waiting for a slot looks again."""
         with self._finished_lock:
             self._finished.append(progress)
+        # Listed before it is finished: a wait() that sees it finished reports it (raises
+        # its failure, records its status) instead of returning before it is listed.
+        progress.finished.set()
         self._ended_bell.ring()
         with self._ended:
             self._ended.notify_all()

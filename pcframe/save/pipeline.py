@@ -70,7 +70,8 @@ class SavePipeline:
         config: the engine's knobs.
         storage: the directory versions are written to (its writer lock is held).
         on_finished: called on the commit thread with each version's progress once it is
-            committed, discarded or failed.
+            committed, discarded or failed, before its ``finished`` is set (it may set it
+            itself, once it has taken the version over, to wake its waiters).
         keep: reasons to keep versions beyond ``keep_last`` (replica tiers add theirs
             later: :meth:`~pcframe.store.tiers.Tiers.follow`); composed
             into the one :class:`~pcframe.store.retention.Retention` with the delta chains.
@@ -430,5 +431,10 @@ class SavePipeline:
                     progress.committed_before = self.committer.any_committed()
                 self.deltas.finished(write.version, write.delta)
                 progress.add_cpu(cpu)
-                progress.finished.set()
-                self.on_finished(progress)
+                # Handed over before ``finished`` is set: a wait() that sees the version
+                # finished then finds it handed over too, and raises its failure. (Set
+                # after, a wait() could return in between without raising it.)
+                try:
+                    self.on_finished(progress)
+                finally:
+                    progress.finished.set()

@@ -187,3 +187,64 @@ def test_an_interrupt_while_a_save_starts_gives_its_slot_back(tmp_path, monkeypa
     # used it (recorded as failed).
     expected = [1] if where == "after the capture" else [2]
     assert CheckpointDir(tmp_path).committed_versions() == expected
+
+
+def _on_stack(thread_id: int, function: str) -> bool:
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None and frame.f_code.co_name != function:
+        frame = frame.f_back
+    return frame is not None
+
+
+def test_wait_raises_a_failure_the_commit_thread_is_still_handing_over(tmp_path, monkeypatch):
+    """The commit thread set a version's ``finished`` before handing it over to the training
+    thread: a wait() in between saw every version finished, found none handed over and
+    returned without raising the failure (it came one call later). Here wait() is called
+    while the hand-over is held, and the hand-over goes on once wait() waits: that wait()
+    raises the failure."""
+    import errno
+    import threading
+    import time
+
+    import pcframe.save.persist as persist
+    from pcframe.save.flight import InFlight
+
+    handing = threading.Event()  # the commit thread is handing version 1 over
+    waits = threading.Event()  # the training thread waits in ckpt.wait()
+    hand_over = InFlight.finished
+
+    def held(self: InFlight, progress) -> None:  # the commit thread's hand-over
+        handing.set()
+        waits.wait(30)
+        hand_over(self, progress)
+
+    def full(*_args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    main = threading.get_ident()
+
+    def see_the_wait() -> None:  # an observable condition, not a delay
+        deadline = time.monotonic() + 30
+        while not (_on_stack(main, "_wait_all") and _on_stack(main, "wait_until")):
+            if waits.is_set() or time.monotonic() > deadline:
+                break
+            time.sleep(0.002)
+        waits.set()
+
+    monkeypatch.setattr(InFlight, "finished", held)  # before the engine binds it
+    ckpt = Checkpointer(tmp_path, model=torch.nn.Linear(64, 64))
+    try:
+        monkeypatch.setattr(persist.os, "pwrite", full)
+        handle = ckpt.save(1)  # copied when it returns; its writes fail
+        assert handing.wait(30), "version 1 never finished"
+        watcher = threading.Thread(target=see_the_wait, daemon=True)
+        watcher.start()
+        with pytest.raises(SaveError, match=r"version 1 \(step 1\) failed in stage 'persist'"):
+            ckpt.wait()
+        assert handle.status is SaveStatus.FAILED
+        ckpt.wait()  # raised once
+    finally:
+        waits.set()
+        monkeypatch.undo()
+        ckpt.close(timeout=30)
+    assert CheckpointDir(tmp_path).committed_versions() == []
