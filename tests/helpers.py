@@ -134,3 +134,65 @@ class DiskFull:
             self.refused.set()
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return os.pwrite(*args)
+
+
+class _InSaveOrder:
+    """The commit queue of a pipeline, handing versions on in the order they were saved."""
+
+    def __init__(self, queue: Any) -> None:
+        self._queue = queue
+        self._lock = threading.Lock()
+        self._saved: list[object] = []  # the requests submitted and not yet handed on
+        self._done: dict[int, object] = {}  # id(request) -> its write, finished early
+
+    def submitted(self, request: object) -> None:
+        with self._lock:
+            self._saved.append(request)
+
+    def not_submitted(self, request: object) -> None:
+        with self._lock:
+            self._saved.remove(request)
+            self._release()
+
+    def put(self, write: Any) -> None:
+        if write is None:  # close(): every version was handed on already
+            self._queue.put(None)
+            return
+        with self._lock:
+            self._done[id(write.request)] = write
+            self._release()
+
+    def _release(self) -> None:
+        while self._saved and id(self._saved[0]) in self._done:
+            self._queue.put(self._done.pop(id(self._saved.pop(0))))
+
+    def get(self) -> Any:
+        return self._queue.get()
+
+    def qsize(self) -> int:
+        return self._queue.qsize()
+
+
+def commits_in_save_order(engine: Any) -> None:
+    """Make ``engine``'s commit thread take versions in the order they were saved.
+
+    It takes them in the order their writes finish, and discards (by design) a version
+    that finishes after a newer one was published: with several versions in flight, which
+    ones commit depends on the machine's load. A test that is not about that order, and
+    asserts every version commits, calls this before its first save: a version finished
+    early waits for the ones saved before it (none of which waits for it)."""
+    pipeline = engine._pipeline
+    assert not pipeline.started, "call commits_in_save_order() before the first save"
+    ordered = _InSaveOrder(pipeline._commit_queue)
+    submit = pipeline.submit
+
+    def submitted(request: Any, progress: Any) -> None:
+        ordered.submitted(request)  # before: its writes may finish before submit returns
+        try:
+            submit(request, progress)
+        except BaseException:
+            ordered.not_submitted(request)
+            raise
+
+    pipeline._commit_queue = ordered
+    pipeline.submit = submitted

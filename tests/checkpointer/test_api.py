@@ -22,7 +22,13 @@ from pcframe.save.fill import Filler
 from pcframe.save.status import SaveStatus
 from pcframe.store.directory import CheckpointDir
 from pcframe.store.retention import KeepWhere
-from tests.helpers import StateBox, small_training, state_equal, train_steps
+from tests.helpers import (
+    StateBox,
+    commits_in_save_order,
+    small_training,
+    state_equal,
+    train_steps,
+)
 
 
 def test_optimizer_step_waits_for_the_snapshot(tmp_path, monkeypatch):
@@ -385,6 +391,9 @@ def test_saves_from_two_threads_get_distinct_versions_and_all_commit(tmp_path):
 
     failures: list[BaseException] = []
     with Checkpointer(tmp_path, model=torch.nn.Linear(64, 64), max_in_flight=4, keep_last=100) as c:
+        # Up to 4 in flight: one whose writes finish after a newer one's was discarded (by
+        # design) when the machine was busy. The numbers and commits are what is tested.
+        commits_in_save_order(c)
 
         def saves(first_step: int) -> None:
             for step in range(first_step, first_step + 25):
