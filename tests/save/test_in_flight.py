@@ -47,8 +47,23 @@ class LatestWatcher(threading.Thread):
             time.sleep(0.0005)
 
 
+def writes_after(monkeypatch, version: int, published: threading.Event) -> None:
+    """``version``'s writes wait until ``published`` is set: it finishes after that."""
+    original = Writer.write_chunk
+
+    def held(self, pending, chunk, buffer):
+        if pending.version == version:
+            assert published.wait(30), f"version {version}'s writes held for 30 s"
+        original(self, pending, chunk, buffer)
+
+    monkeypatch.setattr(Writer, "write_chunk", held)
+
+
 def test_late_version_is_discarded_and_latest_only_moves_forward(tmp_path, monkeypatch):
-    slow_writes(monkeypatch, {2: 0.4})  # version 2 finishes after version 3, even when loaded
+    # Version 2's writes wait until version 3 is published (a delay of 0.4 s did not make
+    # sure of that on a loaded machine).
+    three_published = threading.Event()
+    writes_after(monkeypatch, 2, three_published)
     watcher = LatestWatcher(tmp_path)
     watcher.start()
     blob = Blob()
@@ -61,12 +76,15 @@ def test_late_version_is_discarded_and_latest_only_moves_forward(tmp_path, monke
         keep_last=2,
         staging_bytes=16 * 65536,  # room for version 3 while 2 is stuck
     ) as ckpt:
+        ckpt.add_commit_listener(
+            lambda version, *_: three_published.set() if version == 3 else None
+        )
         handles = []
         for step in range(1, 5):
             blob.tensor = torch.full((50_000,), float(step))
             handles.append(ckpt.save(step))
             if step in (1, 3):
-                # Only version 2 races: on a loaded machine version 1's writes could
+                # Only version 2 finishes late: on a loaded machine version 1's writes could
                 # otherwise land after version 3's, or version 3's after version 4's
                 # (discarded too, by the same rule).
                 handles[step - 1].wait()
