@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 import time
 
 import pytest
@@ -45,16 +46,28 @@ def _slow_copy(monkeypatch) -> None:
 
 @contextlib.contextmanager
 def _copying_version_2(tmp_path, monkeypatch):
-    """A checkpointer that committed version 1 and is still copying version 2 (slowed):
-    ``(ckpt, model, version 2's handle)``."""
+    """A checkpointer that committed version 1 and holds version 2's copy before its first
+    chunk until the test sets the event it gets: ``(ckpt, model, version 2's handle, the
+    event)``. (Slowed by 20 ms a chunk instead, the copy could be over before the test's
+    change on a loaded machine, and the version committed.)"""
     torch.manual_seed(0)
     model = Student()
     optimizer = torch.optim.AdamW(model.net.parameters(), lr=1e-2)
+    go = threading.Event()
+    fill = Filler.chunk
+
+    def held(self, *args, **kwargs):
+        assert go.wait(30), "the test never let version 2's copy go on"
+        return fill(self, *args, **kwargs)
+
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, **OPTIONS) as ckpt:
         _step(model, optimizer)
         ckpt.save(1).wait()
-        _slow_copy(monkeypatch)
-        yield ckpt, model, ckpt.save(2)
+        monkeypatch.setattr(Filler, "chunk", held)
+        try:
+            yield ckpt, model, ckpt.save(2), go
+        finally:
+            go.set()  # a test that failed before it did: the engine closes
 
 
 def _read_in_place(request) -> dict[str, int]:
@@ -119,9 +132,10 @@ def test_a_stepped_parameter_changed_during_the_copy_fails_the_version(tmp_path,
     """Weight clipping in place after save() and before the copy finished (not through the
     optimizer, which would wait): the version is failed with the tensor named, and the one
     before it stays the newest."""
-    with _copying_version_2(tmp_path, monkeypatch) as (ckpt, model, handle):
+    with _copying_version_2(tmp_path, monkeypatch) as (ckpt, model, handle, go):
         with torch.no_grad():
             model.net[1].weight.clamp_(-0.01, 0.01)
+        go.set()
         with pytest.raises(SaveError, match=r"model/net\.1\.weight changed in place") as info:
             handle.wait()
         assert isinstance(info.value.cause, TornSnapshot)
@@ -212,8 +226,9 @@ def test_a_still_parameter_changed_through_data_during_the_copy_fails_the_versio
 ):
     """The frozen layer is read in place; written through .data before its copy finished
     (no counter moves), the version is failed rather than committed with the new values."""
-    with _copying_version_2(tmp_path, monkeypatch) as (_, model, handle):
+    with _copying_version_2(tmp_path, monkeypatch) as (_, model, handle, go):
         model.frozen.weight.data.mul_(2.0)
+        go.set()
         with pytest.raises(SaveError, match=r"model/frozen\.weight changed in place"):
             handle.wait()
     assert CheckpointDir(tmp_path).committed_versions() == [1]
