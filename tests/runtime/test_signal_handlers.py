@@ -48,6 +48,7 @@ from pcframe.save.fill import Filler
 from pcframe.save.status import SaveStatus
 from pcframe.save.write import Writer
 from pcframe.store.directory import CheckpointDir
+from tests.helpers import commits_in_save_order
 
 SMALL = {"chunk_bytes": 16 << 10, "writer_threads": 2, "keep_last": 100}
 SIG = signal.SIGUSR1  # in this process; the children get a real SIGTERM
@@ -321,6 +322,8 @@ def test_a_handlers_save_and_another_threads_save_while_the_step_waits(tmp_path,
     Now the step marks itself after its gate: every save commits, none holds another up."""
     model, opt = _objects()
     ckpt = Checkpointer(tmp_path, model=model, optimizer=opt, max_in_flight=2, **SMALL)
+    # Two in flight: one whose writes finish after a newer one's is discarded (by design).
+    commits_in_save_order(ckpt)
     main = threading.main_thread().ident
     saves: dict[str, object] = {}
     try:
