@@ -20,6 +20,7 @@ from pcframe.apps.cli_ranks import (
     is_multi_rank_root,
     list_global,
     refuse_multi_rank_root,
+    structure_only,
     verify_global,
 )
 from pcframe.apps.cli_versions import (
@@ -162,10 +163,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             continue
         stored = loaded.manifest.stored_bytes
         if loaded.manifest.checksum == "none":  # nothing to compare its data bytes with
-            print(
-                f"v{version}: structure OK, data not verified ({len(loaded.tensors)} tensors, "
-                f"{stored} bytes; saved with checksum none)"
-            )
+            print(f"v{version}: {structure_only(f'{len(loaded.tensors)} tensors, {stored} bytes')}")
             continue
         print(f"v{version}: OK ({len(loaded.tensors)} tensors, {stored} bytes)")
     # A version a restore set aside is damage found earlier: named, and the run fails, until

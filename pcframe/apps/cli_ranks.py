@@ -22,6 +22,15 @@ NEWER = "newer format (not damaged; this pcframe cannot read or verify it)"
 NEWER_VERDICT = "NEWER FORMAT (not damaged; this pcframe cannot read or verify it)"
 
 
+def structure_only(counts: str, ranks: list[int] | None = None) -> str:
+    """verify's verdict on a version saved with checksum "none" (of ``ranks`` only, where
+    not every rank's was): it has no checksums for its data, so only its structure was
+    checked. Not "OK", which says the data was compared too; one wording for a version of
+    one process and a multi-rank one."""
+    who = "saved" if ranks is None else f"rank(s) {', '.join(map(str, ranks))} saved"
+    return f"structure OK, data not verified ({counts}; {who} with checksum none)"
+
+
 def is_multi_rank_root(root: Path) -> bool:
     """A root written by ``DistributedCheckpointer`` (its record folder or pointer)."""
     return (root / global_versions.RECORDS).is_dir() or (root / global_versions.POINTER).is_file()
@@ -96,6 +105,7 @@ def verify_global(root: Path, version: int | None, threads: int, one_line) -> in
         if version not in (None, record.version):
             continue
         problems, newer, tensors = [], [], 0
+        unchecked: list[int] = []  # the ranks whose shard has no data checksums
         for shard in record.shards:
             where = root / shard.directory / version_name(shard.version)
             link = next((p for p in (where.parent, where) if os.path.islink(p)), None)
@@ -114,6 +124,8 @@ def verify_global(root: Path, version: int | None, threads: int, one_line) -> in
                 loaded = load_version(where, threads=max(1, threads))
                 loaded.state_tree(classes=False)  # the training code's classes: not here
                 tensors += len(loaded.tensors)
+                if loaded.manifest.checksum == "none":  # nothing to compare its data with
+                    unchecked.append(shard.rank)
             except UnsupportedCheckpoint as exc:
                 newer.append(f"rank {shard.rank}: {one_line(exc)}")
             except (CheckpointError, OSError) as exc:
@@ -129,10 +141,12 @@ def verify_global(root: Path, version: int | None, threads: int, one_line) -> in
             print(f"v{record.version}: {NEWER_VERDICT}: {'; '.join(newer)}")
         else:
             size = sum(s.nbytes for s in record.shards)
-            print(
-                f"v{record.version}: OK ({record.world_size} ranks, {tensors} tensors, "
-                f"{size} bytes)"
-            )
+            counts = f"{record.world_size} ranks, {tensors} tensors, {size} bytes"
+            if unchecked:
+                every = len(unchecked) == len(record.shards)
+                print(f"v{record.version}: {structure_only(counts, None if every else unchecked)}")
+            else:
+                print(f"v{record.version}: OK ({counts})")
     set_aside = global_versions.set_aside_records(root) if version is None else []
     for name, why in set_aside:  # damage found by an earlier restore: named until moved away
         print(

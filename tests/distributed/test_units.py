@@ -184,6 +184,37 @@ def test_the_cli_names_a_roots_record_folder_and_a_shard_kept_on_another_node(tm
     assert len(listing.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("unchecked", [(0, 1), (0,)], ids=["every rank", "rank 0"])
+def test_verify_says_a_global_version_without_checksums_was_checked_for_structure_only(
+    tmp_path, capsys, unchecked
+):
+    """A multi-rank version whose shards were saved with checksum="none" has no checksums for
+    their data: verify said "OK" (even with a data byte changed), as if it had checked them;
+    a single-process version was already said to be checked for structure only."""
+    from pcframe.apps import cli
+
+    shards = []
+    for rank in (0, 1):
+        written = tmp_path / rec.rank_dirname(rank)
+        checksum = "none" if rank in unchecked else "crc32c"
+        with Checkpointer(written, model=torch.nn.Linear(8, 4), checksum=checksum) as ckpt:
+            ckpt.save(1).wait()
+        crc = rec.manifest_crc(written / "v00000001" / MANIFEST_NAME)
+        shards.append(rec.ShardRef(rank, written.name, 1, 1, crc, 100))
+    rec.write_record(tmp_path, rec.GlobalRecord(1, 1, 0.0, 2, tuple(shards)))
+    data = tmp_path / rec.rank_dirname(0) / "v00000001" / DATA_NAME
+    raw = bytearray(data.read_bytes())
+    raw[3] ^= 1  # not seen: no checksum to compare with
+    data.write_bytes(bytes(raw))
+    assert cli.main(["verify", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    who = "saved" if unchecked == (0, 1) else "rank(s) 0 saved"
+    assert out == (
+        f"v1: structure OK, data not verified (2 ranks, 8 tensors, 200 bytes; {who} with "
+        "checksum none)\n"
+    )
+
+
 def test_record_round_trip_and_pointer(tmp_path):
     rec.write_record(tmp_path, record(3))
     rec.write_pointer(tmp_path, 3)
