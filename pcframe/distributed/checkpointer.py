@@ -45,6 +45,7 @@ from pcframe.format.names import version_name
 from pcframe.policies.base import Notice
 from pcframe.policies.placement.base import PlacementPolicy
 from pcframe.restore.report import DistributedRestoreReport
+from pcframe.restore.restorer import check_read_threads
 from pcframe.runtime.threads import engine_call, one_caller_at_a_time
 from pcframe.save.handle import SaveHandle
 from pcframe.save.status import SaveStatus
@@ -521,7 +522,12 @@ class DistributedCheckpointer:
             NoValidCheckpoint: global versions exist but none verifies.
             RestoreIOError, CheckpointError: a rank cannot read its part, or a rank is gone.
             UnsupportedCheckpoint: the newest version is of a newer format or codec.
+            TypeError: ``threads`` is not 1..:data:`~pcframe.config.MAX_THREADS`.
         """
+        # As load()'s and StorageReader's threads are (Checkpointer's are its config's), and
+        # before any collective: a bad value failed deep in a rank's reader, after the other
+        # ranks had met it in the restore's collectives.
+        check_read_threads("restore", threads)
         self._check_open()
         if self.shadows is not None:  # a fill writes the store this restore reads
             self.shadows.wait()

@@ -467,3 +467,38 @@ def test_a_rank_folder_that_is_a_link_is_refused_when_the_job_opens(tmp_path):
     )
     assert f"{root / 'rank-0'} is a link" in done.stdout, done.stdout + done.stderr
     assert list(elsewhere.iterdir()) == []
+
+
+RESTORE_THREADS = """
+import sys, torch
+import torch.distributed as dist
+from pcframe.distributed import DistributedCheckpointer
+
+root, rendezvous = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=0, world_size=1)
+with DistributedCheckpointer(root, model=torch.nn.Linear(2, 2)) as ckpt:
+    for threads in ("8", 0, 10**6, 2.5, True):
+        try:
+            print(repr(ckpt.restore(threads=threads)))
+        except TypeError as exc:
+            print(exc)
+    print(repr(ckpt.restore(threads=2)))  # nothing saved yet: None
+dist.destroy_process_group()
+"""
+
+
+def test_a_distributed_restore_refuses_reader_threads_as_load_does(tmp_path):
+    """``restore(threads=...)`` was not checked: ``"8"`` or ``10**6`` went on to the readers
+    (and with nothing saved yet, returned None as if fine). Refused now as ``load()`` refuses
+    them, in one line naming the argument and the range."""
+    done = subprocess.run(
+        [sys.executable, "-c", RESTORE_THREADS, str(tmp_path / "ckpt"), str(tmp_path / "rdv")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = done.stdout.splitlines()
+    assert lines == [
+        f"restore(threads={bad}): give 1..256 reader threads, e.g. 8"
+        for bad in ("'8'", "0", "1000000", "2.5", "True")
+    ] + ["None"], done.stdout + done.stderr
