@@ -27,6 +27,7 @@ from pcframe.policies.base import (
 from pcframe.policies.estimates import RunningEstimate
 from pcframe.policies.notices.base import NoticeSource, polled
 from pcframe.policies.registry import register
+from pcframe.runtime.checks import require_object
 from pcframe.text import seconds_text, value_text
 
 
@@ -66,16 +67,10 @@ class NoticeDriven(IntervalPolicy):
             raise ValueError(f"margin={margin} and z={z} must be >= 0")
         # Checked here, not at the first decide deep inside: a class or a name given where
         # an object goes, and a tiers string read as its letters ('s', 'u', ...) silently.
-        if inner is not None and not isinstance(inner, IntervalPolicy):
-            raise TypeError(
-                f"inner={value_text(inner)} must be an interval policy object, e.g. "
-                "inner=Daly(mtbf=3600.0), or None"
-            )
-        if source is not None and not isinstance(source, NoticeSource):
-            raise TypeError(
-                f"source={value_text(source)} must be a notice source object, e.g. "
-                "source=SignalNoticeSource(signals=['SIGTERM']), or None"
-            )
+        require_object("inner", inner, IntervalPolicy, "an interval policy", "Daly(mtbf=3600.0)")
+        require_object(
+            "source", source, NoticeSource, "a notice source", "SignalNoticeSource(['SIGTERM'])"
+        )
         if isinstance(tiers, str | bytes) or not all(isinstance(t, str) for t in tiers):
             raise TypeError(
                 f"tiers={value_text(tiers)} must be a list of tier names, e.g. ['survivor']"

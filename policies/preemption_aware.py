@@ -37,7 +37,7 @@ from pcframe.policies.predictors.lives_plan import (
 from pcframe.policies.predictors.schedule import kept_work_schedule
 from pcframe.policies.registry import register
 from pcframe.policies.young import CostKind, checkpoint_cost
-from pcframe.text import value_text
+from pcframe.runtime.checks import require_object
 
 Bound = Literal["mean", "upper"]
 Schedule = Literal["kept_work", "cycle", "lives"]
@@ -108,13 +108,8 @@ class PreemptionAware(SecondsIntervalPolicy):
         if predictor is None and not (math.isfinite(mtbf_prior) and mtbf_prior > 0):
             raise ValueError(f"mtbf_prior={mtbf_prior} must be a finite number of seconds > 0")
         super().__init__(max_interval=max_interval, **kw)
-        if predictor is not None and (
-            isinstance(predictor, type) or not callable(getattr(predictor, "predict", None))
-        ):  # a class or a name failed at the first decide, deep inside
-            raise TypeError(
-                f"predictor={value_text(predictor)} must be a predictor object, e.g. "
-                "predictor=GammaPoissonRate(3600.0), or None"
-            )
+        # A class or a name failed at the first decide, deep inside.
+        require_object("predictor", predictor, "predict", "a predictor", "GammaPoissonRate(3600.0)")
         self.predictor = predictor if predictor is not None else GammaPoissonRate(mtbf_prior)
         self.form: Form = form
         self.bound: Bound = bound

@@ -1,5 +1,6 @@
-"""What a number given to pcframe must be, in one place: Python's and numpy's numbers, never
-a bool (an int to Python: ``retries=True`` would be 1), and NaN only where said."""
+"""What a value given to pcframe must be, in one place: a number (Python's and numpy's, never
+a bool: an int to Python, ``retries=True`` would be 1; NaN only where said), and an object
+where a policy or another part goes (not its class or its registry name)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import math
 import numbers
 import threading
 from typing import Any
+
+from pcframe.text import value_text
 
 
 def real_number(x: Any) -> bool:
@@ -32,3 +35,39 @@ def bounded_wait(seconds: float) -> float | None:
         return None
     seconds = max(0.0, seconds)
     return None if seconds > threading.TIMEOUT_MAX else seconds
+
+
+def require_object(
+    key: str, given: Any, needs: type | str, kind: str, example: str, *, optional: bool = True
+) -> None:
+    """Refuse anything but a ``kind`` object as ``key=``: a class or a registry name given
+    there failed only at its first use, deep inside ("decide() missing 1 required positional
+    argument", "'str' object has no attribute 'decide'"). ``needs``: the type it must be an
+    instance of, or the name of the method it must have (a user's class need not derive from
+    pcframe's); ``None`` passes where ``optional``.
+
+    Raises:
+        TypeError: one line naming ``key``, what was given and the fix: the class called,
+            or ``example`` (with a name, also the registry's ``create`` of that name).
+    """
+    if given is None and optional:
+        return
+    if isinstance(given, type):  # never an object, though it has the methods (as functions)
+        what, fix = f"the class {given.__name__}", f"{key}={given.__name__}(...)"
+    elif _fits(given, needs):
+        return
+    elif isinstance(given, str):
+        name = value_text(given)
+        what = f"the name {name}"
+        fix = f"{key}=pcframe.policies.create({name}, ...) or {key}={example}"
+    else:
+        lacks = f" (it has no {needs}())" if isinstance(needs, str) else ""
+        what, fix = f"{value_text(given)}{lacks}", f"{key}={example}"
+    none = ", or None" if optional else ""
+    raise TypeError(f"{key}= is {what}, not {kind} object: give one, e.g. {fix}{none}")
+
+
+def _fits(given: Any, needs: type | str) -> bool:
+    if isinstance(needs, type):
+        return isinstance(given, needs)
+    return callable(getattr(given, needs, None))

@@ -27,13 +27,13 @@ from pcframe.policies.resource import (
     checked_resource_decision,
 )
 from pcframe.policies.traces import Trace
+from pcframe.runtime.checks import require_object
 from pcframe.sim.capacity import Capacity
 from pcframe.sim.process import Commit, Ledger, Process, Versions
 from pcframe.sim.result import SimResult
 from pcframe.sim.spec import JobSpec, SimOptions
 from pcframe.sim.state import restored_completion, saved_state
 from pcframe.sim.tiers import Placements, check_restart_inputs, placement_name
-from pcframe.text import value_text
 
 
 def simulate(
@@ -68,13 +68,15 @@ def simulate(
             ``job.restart_cost``.
     """
     began = time.process_time()
-    for key, given, kind in (
-        ("interval", interval, IntervalPolicy),
-        ("resource", resource, ResourcePolicy),
-        ("predictor", predictor, Predictor),
-        ("placement", placement, PlacementPolicy),
+    for key, given, kind, what, example in (
+        ("interval", interval, IntervalPolicy, "an interval policy", "Daly(mtbf=3600.0)"),
+        ("resource", resource, ResourcePolicy, "a resource policy", "SpotOnly()"),
+        ("predictor", predictor, Predictor, "a predictor", "GammaPoissonRate(3600.0)"),
+        ("placement", placement, PlacementPolicy, "a placement policy", "SingleTier()"),
     ):
-        _check_policy_object(key, given, kind, required=key == "interval")
+        # A class or a registry name failed deep inside the run ("state_dict() missing 1
+        # required positional argument: 'self'", "'str' object has no attribute 'decide'").
+        require_object(key, given, kind, what, example, optional=key != "interval")
     job = job or JobSpec()
     options = options or SimOptions()
     check_restart_inputs(job, placement)
@@ -82,19 +84,6 @@ def simulate(
     sim = _Simulation(trace, interval, job, resource, predictor, options, placement)
     sim.run()
     return sim.result(params or {}, time.process_time() - began, label)
-
-
-def _check_policy_object(key: str, given: Any, kind: type, required: bool) -> None:
-    """``given`` is a ``kind`` object (or ``None`` where not ``required``): a class or a
-    registry name failed deep inside the run ("state_dict() missing 1 required positional
-    argument: 'self'", "'str' object has no attribute 'decide'")."""
-    if (given is None and not required) or isinstance(given, kind):
-        return
-    what = f"the class {given.__name__}" if isinstance(given, type) else value_text(given)
-    raise TypeError(
-        f"{key}={what} is not a {kind.__name__} object: give one, e.g. "
-        f"{key}=pcframe.policies.create(name, ...) or the class called with its arguments"
-    )
 
 
 def trace_label(trace: Trace) -> str:

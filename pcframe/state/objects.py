@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from pcframe.runtime.checks import require_object
+
 Stateful = Any  # anything with state_dict() / load_state_dict()
 
 
@@ -109,21 +111,9 @@ class TrainingObjects:
                 f"extra= is a {type(self.extra).__name__}: give a dict of JSON values (it is "
                 "updated in place on restore)"
             )
-        if isinstance(self.policy, type):  # its decide is a function: it passed below
-            raise TypeError(
-                f"policy= is the class {self.policy.__name__}, not an interval policy: give an "
-                f"object, e.g. policy={self.policy.__name__}(...)"
-            )
-        if self.policy is not None and not callable(getattr(self.policy, "decide", None)):
-            hint = (
-                f"; a name is not a policy: pcframe.policies.create({self.policy!r}, ...)"
-                if isinstance(self.policy, str)
-                else ""
-            )
-            raise TypeError(
-                f"policy= is a {type(self.policy).__name__}, not an interval policy (it has "
-                f"no decide()){hint}"
-            )
+        # Duck-typed (a user's policy need not derive from IntervalPolicy); a class has a
+        # decide too, as a function, and failed at the first maybe_save.
+        require_object("policy", self.policy, "decide", "an interval policy", "FixedSteps(100)")
         for name, obj in self.stateful.items():
             if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
                 continue

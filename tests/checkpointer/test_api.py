@@ -743,7 +743,7 @@ def test_optimizer_built_from_named_parameters_keeps_its_names_after_a_reordered
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"policy": "young"}, r"policy= is a str.*pcframe\.policies\.create\('young'"),
+        ({"policy": "young"}, r"policy= is the name 'young'.*pcframe\.policies\.create\('young'"),
         ({"model": {"w": torch.ones(1)}}, r"model= is a dict, which has no state_dict"),
         ({"scheduler": 0.1}, r"scheduler= is a float"),
         # saved at every version and never restored: restore updates a dict in place

@@ -31,7 +31,7 @@ from pcframe.policies.placement import (
     TierRule,
     ask_placement,
 )
-from pcframe.runtime.checks import bounded_wait, whole_number
+from pcframe.runtime.checks import bounded_wait, require_object, whole_number
 from pcframe.store.directory import WritableCheckpointDir
 from pcframe.store.retention import KeepWhere
 from pcframe.store.tiers.base import Tier, number_option
@@ -544,18 +544,8 @@ def attach_tiers(
         TypeError: ``placement`` is a class or a name, not a placement policy object (it
             failed at the first commit, as "'property' object is not subscriptable").
     """
-    if placement is not None and (
-        isinstance(placement, type) or not callable(getattr(placement, "place", None))
-    ):
-        what = (
-            f"the class {placement.__name__}"
-            if isinstance(placement, type)
-            else f"a {type(placement).__name__}"
-        )
-        raise TypeError(
-            f"placement= is {what}, not a placement policy: give an object, e.g. "
-            "placement=SingleTier() or pcframe.policies.create('single_tier')"
-        )
+    # A class or a name failed at the first commit ("'property' object is not subscriptable").
+    require_object("placement", placement, "place", "a placement policy", "SingleTier()")
     if tiers is None and placement is None:
         tiers = Tiers.primary_only()
     elif not isinstance(tiers, Tiers):
