@@ -43,7 +43,7 @@ from pcframe.errors import CheckpointError, SaveError
 from pcframe.policies import Decision, FixedSteps, ManualNoticeSource, PolicyContext
 from pcframe.policies.placement import PlacementContext, PlacementDecision, PlacementPolicy
 from pcframe.save.status import SaveStatus
-from tests.helpers import flip_byte
+from tests.helpers import commits_in_save_order, flip_byte
 
 ENGINE = {"chunk_bytes": 16384, "max_in_flight": 2, "writer_threads": 2}
 DELTAS = {"model/*": "xor_delta_zstd", "optimizer/state/*/exp_avg*": "xor_delta_zstd"}
@@ -582,6 +582,9 @@ def policy(args: argparse.Namespace, out: dict[str, Any]) -> None:
     # Deliberately different schedules: only rank 0's may count.
     mine = RankPolicy(every=3) if rank == 0 else RankPolicy(every=5, emergency_at=7)
     with job.checkpointer(args.root / "run", policy=mine) as ckpt:
+        # Two in flight: a rank's version finishing after the next one is discarded there
+        # (by design), and not global: the global steps asserted would miss it.
+        commits_in_save_order(ckpt.local)
         saved = []
         for step in range(1, args.steps + 1):
             job.step()
