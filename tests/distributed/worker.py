@@ -421,6 +421,9 @@ def train(args: argparse.Namespace, out: dict[str, Any]) -> None:
     job = build("ddp")
     deltas = {"codecs": DELTAS, "full_every": 3} if args.deltas else {}
     with job.checkpointer(args.root, keep_last=1, **deltas) as ckpt:
+        # Saves overlap training, two in flight: a version a rank discarded (finished after
+        # the next, by design) is not global, and the retained versions asserted would move.
+        commits_in_save_order(ckpt.local)
         start = ckpt.restore() or 0
         out["restored_step"] = start
         for step in range(start + 1, args.steps + 1):
