@@ -22,6 +22,9 @@ def test_pcframe_run_trains_checkpoints_and_summarises(tmp_path, python, child_e
             f"directory={ckpt_dir}",
             "workload.args.hidden=64",
             "policy.interval.every=20",
+            # One in flight: with two, a version finishing after the next is discarded (by
+            # design), and the three versions asserted below would not all stand.
+            "engine.max_in_flight=1",
             f"hydra.run.dir={tmp_path / 'hydra'}",
         ],
         capture_output=True,
