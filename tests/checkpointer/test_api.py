@@ -166,6 +166,9 @@ def test_policy_decides_learns_measurements_and_is_restored(tmp_path):
     policy = EveryThird()
     model, optimizer, scheduler = small_training()
     with Checkpointer(tmp_path, model=model, optimizer=optimizer, policy=policy) as ckpt:
+        # Two in flight: the version of step 3 finishing after step 6's would be discarded
+        # (by design), and neither completed nor counted in the restored policy state.
+        commits_in_save_order(ckpt)
         handles = []
         for step in range(1, 13):
             train_steps(model, optimizer, scheduler, 1)
