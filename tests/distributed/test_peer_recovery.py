@@ -12,6 +12,7 @@ restart even without a checkpoint (2 ranks are: the multi-rank tests compare tho
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -21,10 +22,25 @@ from tests.distributed.nodes_kit import assert_same_as_reference, job, lose_node
 from tests.helpers import flip_byte
 
 
-def test_a_lost_node_comes_back_from_its_peers_memory_bit_identical(tmp_path, reference):
-    shutil.copytree(reference / "out", tmp_path / "out")
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """The job's first run to step 9, every version copied to a peer (``--wait-peers``),
+    made once for the module: each test loses or damages its own copy of its folders."""
+    tmp = tmp_path_factory.mktemp("first")
+    return tmp / "ckpt", job(tmp, tmp / "ckpt", "first", 9, "--wait-peers")
+
+
+def after_first_run(first_run: tuple[Path, list[dict]], tmp_path: Path) -> tuple[Path, list]:
+    """A copy of the first run's roots and memory folders (modes kept: a memory folder must
+    be private) in ``tmp_path``, and what its ranks reported."""
     root = tmp_path / "ckpt"
-    first = job(tmp_path, root, "first", 9, "--wait-peers")
+    shutil.copytree(first_run[0], root, symlinks=True)
+    return root, first_run[1]
+
+
+def test_a_lost_node_comes_back_from_its_peers_memory_bit_identical(tmp_path, reference, first_run):
+    shutil.copytree(reference / "out", tmp_path / "out")
+    root, first = after_first_run(first_run, tmp_path)
     assert all(r["copied"] == [1, 2, 3] for r in first), first  # every version on a peer
     # DDP: each rank holds the state of the rank it backs up, so after the first copy (the
     # layout) most of each copy was written from its own state, not sent (shadow.py).
@@ -54,15 +70,14 @@ def test_a_lost_node_comes_back_from_its_peers_memory_bit_identical(tmp_path, re
     assert rec.record_versions(root / "b")[-1] == rec.record_versions(root / "a")[-1] == 4
 
 
-def test_what_is_planted_in_the_fetched_folders_is_passed_over_never_followed(tmp_path):
+def test_what_is_planted_in_the_fetched_folders_is_passed_over_never_followed(tmp_path, first_run):
     """A link at ``.fetched/rank-0`` of node b's new root had the restore delete everything
     in the folder it pointed to (the fetched folders are pruned after every restore); a
     folder ``v000000003`` (a name pcframe does not write) holding rank 2's real v3 manifest
     in node b's new root was taken for v3's shard there, so none was sent, and it then read
     as missing: v3 was skipped and its record set aside, though node a's memory held it.
     Both are passed over now: v3 comes from the peer copy."""
-    root = tmp_path / "ckpt"
-    job(tmp_path, root, "first", 9, "--wait-peers")
+    root, _ = after_first_run(first_run, tmp_path)
     lose_node(root, "b")
     victim = tmp_path / "victim"
     for name in ("v00000001", "notes"):
@@ -83,14 +98,15 @@ def test_what_is_planted_in_the_fetched_folders_is_passed_over_never_followed(tm
     assert not list(root.glob("*/global/.corrupt-*"))
 
 
-def test_a_damaged_shard_on_its_own_disk_is_fetched_again_from_a_peers_copy(tmp_path, reference):
+def test_a_damaged_shard_on_its_own_disk_is_fetched_again_from_a_peers_copy(
+    tmp_path, reference, first_run
+):
     """Rank 2's shard of v3 damaged on node b's own disk, node a's memory holding a good
     copy: v3 was skipped and its record set aside (the newest checkpoint lost although a
     copy of it was there). The damaged shard is now set aside, its files kept, and v3
     restores from the copy."""
     shutil.copytree(reference / "out", tmp_path / "out")
-    root = tmp_path / "ckpt"
-    job(tmp_path, root, "first", 9, "--wait-peers")
+    root, _ = after_first_run(first_run, tmp_path)
     flip_byte(root / "b" / "rank-2" / "v00000003" / "data.bin", 100)
     resumed = job(tmp_path, root, "resumed", 12)
     assert [r["restored_step"] for r in resumed] == [9] * 4
@@ -100,13 +116,14 @@ def test_a_damaged_shard_on_its_own_disk_is_fetched_again_from_a_peers_copy(tmp_
     assert_same_as_reference(tmp_path, "resumed", 9)
 
 
-def test_a_damaged_shard_whose_copy_is_damaged_too_is_set_aside_not_passed_over(tmp_path):
+def test_a_damaged_shard_whose_copy_is_damaged_too_is_set_aside_not_passed_over(
+    tmp_path, first_run
+):
     """Both the shard on its disk and its peer's copy damaged: the shard was set aside to
     be fetched again, the copy then refused, and v3 counted as out of reach ("lost"), so
     it kept its place among the retained versions and the next save pruned v2, the one
     restored. It is corrupt: its record is set aside and v2 restores."""
-    root = tmp_path / "ckpt"
-    job(tmp_path, root, "first", 9, "--wait-peers")
+    root, _ = after_first_run(first_run, tmp_path)
     flip_byte(root / "b" / "rank-2" / "v00000003" / "data.bin", 100)
     flip_byte(next((root / "a-shm").glob("kept-by-rank-*/rank-2/v00000003")) / "data.bin", 100)
     resumed = job(tmp_path, root, "resumed", 9)
@@ -116,12 +133,13 @@ def test_a_damaged_shard_whose_copy_is_damaged_too_is_set_aside_not_passed_over(
     assert list((root / "b" / "rank-2").glob(".corrupt-v00000003-*"))  # kept for inspection
 
 
-def test_a_damaged_peer_copy_is_dropped_and_the_version_before_it_is_taken(tmp_path, reference):
+def test_a_damaged_peer_copy_is_dropped_and_the_version_before_it_is_taken(
+    tmp_path, reference, first_run
+):
     """No object store, one copy: the damaged copy of v3's rank-2 shard cannot be had from
     elsewhere, so v3 is passed over (not set aside: it is not damaged), and v2 loads."""
     shutil.copytree(reference / "out", tmp_path / "out")
-    root = tmp_path / "ckpt"
-    job(tmp_path, root, "first", 9, "--wait-peers")  # v2's copy is there to fall back on
+    root, _ = after_first_run(first_run, tmp_path)  # v2's copy is there to fall back on
     lose_node(root, "b")
     copy = next((root / "a-shm").glob("kept-by-rank-*/rank-2/v00000003"))
     flip_byte(copy / "data.bin", 100)
@@ -132,14 +150,15 @@ def test_a_damaged_peer_copy_is_dropped_and_the_version_before_it_is_taken(tmp_p
     assert_same_as_reference(tmp_path, "resumed", 6)
 
 
-def test_a_damaged_copy_both_ranks_of_a_node_read_is_passed_over_never_set_aside(tmp_path):
+def test_a_damaged_copy_both_ranks_of_a_node_read_is_passed_over_never_set_aside(
+    tmp_path, first_run
+):
     """Node b is gone for good and the job goes on with node a's 2 ranks, both of which read
     rank 2's shard of v3 from the same copy in a's memory, one byte of it damaged. The copy
     is dropped only once both ranks have given their verdict: dropped by the first rank
     that found the damage, the other rank's read of it failed as "missing" in the root and
     v3 was set aside as corrupt, or as an I/O error that ended the restore."""
-    root = tmp_path / "ckpt"
-    job(tmp_path, root, "first", 9, "--wait-peers")
+    root, _ = after_first_run(first_run, tmp_path)
     lose_node(root, "b")
     copy = next((root / "a-shm").glob("kept-by-rank-*/rank-2/v00000003"))
     flip_byte(copy / "data.bin", 100)
@@ -152,15 +171,14 @@ def test_a_damaged_copy_both_ranks_of_a_node_read_is_passed_over_never_set_aside
 
 
 def test_a_copy_whose_file_grew_is_fetched_again_from_the_node_it_reached_whole(
-    tmp_path, reference
+    tmp_path, reference, first_run
 ):
     """Node a's copy of rank 2's v3 has bytes appended: its read fails, but what node a sent
     the new node b was read by the manifest's ranges, so b's fetched copy is whole; the
     damaged copy is dropped and a's ranks take b's, and v3 is restored (it was set aside as
     corrupt, the job going back to v2)."""
     shutil.copytree(reference / "out", tmp_path / "out")
-    root = tmp_path / "ckpt"
-    job(tmp_path, root, "first", 9, "--wait-peers")
+    root, _ = after_first_run(first_run, tmp_path)
     lose_node(root, "b")
     copy = next((root / "a-shm").glob("kept-by-rank-*/rank-2/v00000003"))
     with open(copy / "data.bin", "ab") as file:
