@@ -234,31 +234,35 @@ class CheckpointDir:
         return version
 
 
-def set_aside(root: Path, version: int, reason: str = "") -> None:
+def set_aside(root: Path, version: int, reason: str = "") -> bool:
     """Move ``root``'s version that failed verification out of the listing, keeping its files
-    and, beside them, why (``set-aside.txt``: read by ``pcframe list`` and ``verify``)."""
+    and, beside them, why (``set-aside.txt``: read by ``pcframe list`` and ``verify``).
+
+    Returns whether it is out of the listing (``False``: the rename failed, it stays listed).
+    """
     target = root / f"{QUARANTINE_PREFIX}{version_name(version)}-{os.getpid()}"
     source = root / version_name(version)
     try:
         os.rename(source, target)
         fsync_dir(root)
     except FileNotFoundError:
-        return  # already gone (a live writer's retention)
+        return True  # already gone (a live writer's retention)
     except OSError as exc:
         # Read-only or not ours to rename: it stays listed, which nobody would know.
         log.warning(
-            "could not set damaged checkpoint version %d aside (%s): it stays listed, is "
-            "read and skipped again at each restore and counts among the keep_last versions; "
-            "move %s out of %s",
+            "could not set damaged checkpoint version %d aside (%s): it stays listed and is "
+            "read and skipped again at each restore (this writer's keep_last does not count "
+            "it); move %s out of %s",
             version,
             exc.strerror or exc,
             source,
             root,
         )
-        return
+        return False
     if reason:  # best effort: the version is out of the listing whether or not this lands
         with contextlib.suppress(OSError):
             write_new_file(target / SET_ASIDE_NAME, f"{reason}\n".encode())
+    return True
 
 
 def quarantined_versions(root: Path) -> list[str]:
@@ -400,6 +404,9 @@ class WritableCheckpointDir(CheckpointDir):
             self.removed_leftovers = self._remove_leftovers()
             self.previous_exit_clean = self._take_clean_exit()
             self.starts = Starts()  # not counted until count_start()
+            # Versions a restore found damaged but could not set aside: still listed, they
+            # must not count as kept versions (retention would prune a good one for them).
+            self.damaged: set[int] = set()
         except OSError as exc:  # release the lock: this process must be able to retry
             self.close()
             raise CheckpointError(
@@ -502,8 +509,10 @@ class WritableCheckpointDir(CheckpointDir):
         shutil.rmtree(self.staging_path(version), ignore_errors=True)
 
     def quarantine(self, version: int, reason: str = "") -> None:
-        """Move a version that failed verification out of the listing (:func:`set_aside`)."""
-        set_aside(self.root, version, reason)
+        """Move a version that failed verification out of the listing (:func:`set_aside`);
+        one that stays listed is remembered in :attr:`damaged`, for retention."""
+        if not set_aside(self.root, version, reason):
+            self.damaged.add(version)
 
     def delete(self, version: int) -> None:
         """Delete a committed version so that no crash leaves it half-deleted but listed."""

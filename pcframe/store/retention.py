@@ -9,7 +9,8 @@ version (or one in flight) that is a delta keeps its whole base chain (:class:`K
 :meth:`Retention.apply` is the only code that deletes committed versions. It deletes newest
 first, so a crash between two deletions never leaves a listed delta version whose base is
 already gone: a base is always deleted after every version that depends on it. The newest
-committed version is never deleted.
+good committed version is never deleted, nor one a restore found damaged but could not set
+aside (it counts as no kept version: :meth:`Retention.kept`).
 """
 
 from __future__ import annotations
@@ -82,13 +83,21 @@ class Retention:
         self.reasons.append(reason)
 
     def kept(self, committed: Sequence[int]) -> set[int]:
-        """The versions of ``committed`` (oldest first) that some reason keeps."""
-        keep = set(committed[-1:])  # the newest committed version is never deleted
+        """The versions of ``committed`` (oldest first) that some reason keeps.
+
+        A version a restore found damaged and could not set aside (``storage.damaged``) is
+        no version to keep: the reasons count the others only (else it took the place of a
+        good one, which was pruned), and it is kept as it lies, for inspection, as a version
+        set aside would be.
+        """
+        damaged = self.storage.damaged
+        good = [v for v in committed if v not in damaged]
+        keep = set(good[-1:])  # the newest good version is never deleted
         for reason in self.reasons:
-            keep |= reason.keep(committed)
+            keep |= reason.keep(good)
         for dependency in self.bases:
             keep |= dependency.needed_by(keep)
-        return keep
+        return keep | (damaged & set(committed))
 
     def deletable(self) -> list[int]:
         """Committed versions no reason keeps, newest first (the order they are deleted in)."""

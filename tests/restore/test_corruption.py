@@ -130,6 +130,33 @@ def test_a_damaged_version_that_cannot_be_set_aside_is_named_with_the_fix(tmp_pa
     assert CheckpointDir(tmp_path).committed_versions() == [1, 2]
 
 
+def test_a_damaged_version_left_listed_never_takes_a_good_ones_place(tmp_path, monkeypatch):
+    """The damaged newest version could not be set aside (the rename refused), so it stayed
+    listed and counted among the keep_last versions: the next save pruned the good version
+    the restore had just loaded, leaving one restorable version where keep_last asked for
+    two. Retention counts the good versions only, and leaves the damaged one in place."""
+    two_versions(tmp_path)
+    flip_byte(tmp_path / "v00000002" / "data.bin", 100)
+    rename = os.rename
+
+    def refuse_set_aside(source, target, *args, **kwargs):
+        if os.path.basename(target).startswith(".corrupt-"):
+            raise PermissionError(13, "Permission denied", str(target))
+        return rename(source, target, *args, **kwargs)
+
+    model, optimizer, _ = small_training()
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, keep_last=2) as ckpt:
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "rename", refuse_set_aside)
+            assert ckpt.restore() == 2  # v1's step; v2 failed and could not be set aside
+        ckpt.save(step=3).wait()  # v3
+        assert ckpt.committed_versions() == [1, 2, 3]  # v1 is one of the two good ones
+        ckpt.save(step=4).wait()  # v4: v1 goes, the damaged v2 is never counted
+        assert ckpt.committed_versions() == [2, 3, 4]
+    for version in (3, 4):
+        pcframe.load(tmp_path, model=model, optimizer=optimizer, version=version)
+
+
 def test_all_versions_corrupt_raises_and_keeps_model(tmp_path):
     two_versions(tmp_path)
     for version in CheckpointDir(tmp_path).committed_versions():
