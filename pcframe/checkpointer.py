@@ -107,6 +107,10 @@ class Checkpointer:
         save_last: at a normal :meth:`close`, save the last step :meth:`maybe_save` saw if
             no version holds it yet (like Lightning's ``save_last``), so a finished run can
             be resumed or exported from its final state.
+        take_over: let this run's retention (``keep_last``) delete the committed versions
+            ``directory`` already holds though it did not restore any of them. Without it
+            the first save into such a folder is refused (they may be another run's, or
+            another model's); :meth:`restore` (or :meth:`resumed`) takes the folder over.
 
     The optimizer step is gated: ``optimizer.step()`` waits until the snapshot of the weights
     it is about to change has been copied. Call :meth:`wait_for_snapshot` before changing
@@ -136,8 +140,11 @@ class Checkpointer:
         placement: PlacementPolicy | None = None,
         notices: Sequence[NoticeSource] | None = None,
         save_last: bool = False,
+        take_over: bool = False,
         **overrides: Any,
     ) -> None:
+        if not isinstance(take_over, bool):
+            raise TypeError(f"take_over={value_text(take_over)}: give True or False")
         config = (config or EngineConfig()).with_overrides(**overrides)
         config.check_runtime()  # e.g. copy_backend="triton" without CUDA: refuse before locking
         self.config = config
@@ -200,6 +207,9 @@ class Checkpointer:
         self.last_restore: RestoreReport | None = None
         self._closed = False
         self.save_last = save_last
+        # Whether retention may delete the versions the folder held when it opened: a run
+        # that restored (or was told it resumed) continues them; any other must say so.
+        self._taken_over = take_over
         self._pid = os.getpid()  # the process that opened it: the one that closes it
         atexit.register(self._atexit)
 
@@ -326,6 +336,8 @@ class Checkpointer:
     ) -> EngineSaveHandle:
         check_new_version(version, self._next_version)
         self._check_open()
+        if not self._taken_over:
+            self._take_over()
         self._flight.report(self._decisions.committed)
         entered = time.perf_counter()
         metadata = {**(metadata or {}), "reason": reason} if reason else (metadata or {})
@@ -348,6 +360,26 @@ class Checkpointer:
         progress.stall += time.perf_counter() - entered
         self._decisions.saved(step)
         return EngineSaveHandle(progress, self._engine_calls, self._flight)
+
+    def _take_over(self) -> None:
+        """Before this run's first save: its retention counts every committed version of the
+        folder, so versions it neither restored nor was allowed to take over (another run's,
+        another model's) would be deleted as its own saves outnumber ``keep_last``.
+
+        Raises:
+            CheckpointError: the folder holds such versions (nothing is saved).
+        """
+        found = self._storage.committed_versions()
+        if found:
+            which = f"versions {found[0]}-{found[-1]}" if len(found) > 1 else f"version {found[0]}"
+            raise CheckpointError(
+                f"{self._storage.root} holds committed {which} that this Checkpointer did not "
+                f"restore (another run's or another model's?), which its keep_last="
+                f"{self.config.keep_last} would delete: call restore() first to continue from "
+                "them, give this run another folder, or pass Checkpointer(..., take_over=True) "
+                "to let this run replace them"
+            )
+        self._taken_over = True  # an empty folder: every version from here on is this run's
 
     def _take_number(self, forced: int | None) -> int:
         """The next version's number (``forced``: checked by the caller), counted at once."""
@@ -502,7 +534,9 @@ class Checkpointer:
         (:meth:`Starts.unseen`); ``None``: nothing was loaded. Called by a multi-rank
         restore that loaded the state itself, where the policy's failure must raise here:
         the ranks agree on it, and every rank stops (:meth:`restore` defers it instead).
+        Training continues the folder's versions: retention may delete them from here on.
         """
+        self._taken_over = True  # training continues the folder's versions: they are its own
         starts, clean = self._storage.starts, self._storage.previous_exit_clean
         self._decisions.resumed(step, written, starts, clean)
 
@@ -624,8 +658,17 @@ class Checkpointer:
                     atexit.unregister(self._atexit)
 
     def _save_last(self) -> None:
-        if (step := self._decisions.unsaved_step()) is not None:
-            self._save(step, reason="save_last")
+        if (step := self._decisions.unsaved_step()) is None:
+            return
+        if not self._taken_over:
+            try:
+                self._take_over()
+            except CheckpointError as exc:
+                # Raised from close(), it left the engine open and its lock held (each close
+                # again refused the same): the engine closes, the step is not saved.
+                log.error("save_last: step %d not saved: %s", step, exc)
+                return
+        self._save(step, reason="save_last")
 
     def _step_pre_hook(self) -> None:
         """``optimizer.step()``'s pre-hook: the gate, as an engine call (a handler's save
@@ -734,6 +777,7 @@ class Checkpointer:
     def restarted_empty(self) -> None:
         """No version was loaded: if earlier writers of this directory died before a first
         commit, training restarts from step 0 after a failure (tell the policy)."""
+        self._taken_over = True  # nothing to restore: no version there is another run's
         if self._storage.starts.number > 1:
             self.resumed(0, written=None)
 

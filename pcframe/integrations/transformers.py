@@ -219,7 +219,8 @@ class PcframeCallback(transformers.TrainerCallback):
             scheduler=kwargs.get("lr_scheduler"),
             section=section,
             policy=self.policy,
-            options=self.engine_options,
+            # resume=False starts over in output_dir: its versions are this run's to prune.
+            options={**self.engine_options, "take_over": resume is False},
         )
         self._hold(checkpointer)
         self.resumed_step, self._position, self._evaluated = None, None, None

@@ -84,7 +84,8 @@ def test_huge_version_directories_never_number_new_versions(tmp_path, caplog):
     (tmp_path / f"v{MAX_VERSION + 1}").mkdir()
     (tmp_path / "LATEST").write_text(f"v{MAX_VERSION + 5}\n")
     assert CheckpointDir(tmp_path).committed_versions() == [1, 2]
-    with Checkpointer(tmp_path, model=torch.nn.Linear(3, 3)) as ckpt:
+    # (take_over: it saves beside versions 1-2 before restoring)
+    with Checkpointer(tmp_path, model=torch.nn.Linear(3, 3), take_over=True) as ckpt:
         handle = ckpt.save(3)
         assert handle.version == 3 and handle.wait() == "committed"
         assert ckpt.restore() == 3

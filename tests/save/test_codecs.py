@@ -213,7 +213,7 @@ def test_a_lossy_codec_refuses_values_at_the_dtype_limit_at_save(tmp_path):
         ckpt.save(step=1).wait()
     lowest = torch.finfo(torch.float32).min
     with (
-        Checkpointer(tmp_path, model=Masked(lowest), codecs=codecs) as ckpt,
+        Checkpointer(tmp_path, model=Masked(lowest), codecs=codecs, take_over=True) as ckpt,
         pytest.raises(SaveError, match=r"'model/mask'.*float32 limit.*infinity"),
     ):
         ckpt.save(step=2).wait()

@@ -149,7 +149,8 @@ def test_retention_keeps_every_older_version_when_a_kept_deltas_base_is_unknown(
 
     monkeypatch.setattr(delta, "read_manifest", flaky)
     again = torch.nn.Linear(4, 4)
-    with Checkpointer(tmp_path, model=again, keep_last=2, codecs=codecs, full_every=8) as ckpt:
+    options = {"keep_last": 2, "codecs": codecs, "full_every": 8, "take_over": True}
+    with Checkpointer(tmp_path, model=again, **options) as ckpt:
         ckpt.save(step=5).wait()  # a restart: v5 is full; v4 is kept, and so is its chain
     assert failed
     monkeypatch.setattr(delta, "read_manifest", real)

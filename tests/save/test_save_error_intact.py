@@ -73,7 +73,7 @@ def test_a_first_save_refused_its_staging_pool_says_none_was_committed(tmp_path)
 def test_a_version_committed_by_an_earlier_run_is_the_intact_one(tmp_path):
     with Checkpointer(tmp_path, model=torch.nn.Linear(4, 4)) as ckpt:
         ckpt.save(step=1).wait()
-    with Checkpointer(tmp_path, model=torch.nn.Linear(4, 4)) as ckpt:
+    with Checkpointer(tmp_path, model=torch.nn.Linear(4, 4), take_over=True) as ckpt:
         in_the_way(tmp_path, 2)
         assert str(failure(ckpt, 2, "wait")).endswith(INTACT)
 

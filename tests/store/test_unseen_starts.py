@@ -97,7 +97,8 @@ def test_a_first_start_reports_no_restart(tmp_path):
 
 def test_the_version_records_its_writer(tmp_path):
     for expected in (1, 2):
-        with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2)) as ckpt:
+        # (take_over: writer 2 saves beside writer 1's version without restoring it)
+        with Checkpointer(tmp_path, model=torch.nn.Linear(2, 2), take_over=True) as ckpt:
             ckpt.save(expected).wait()
             assert ckpt._storage.starts.number == expected
     manifest = read_manifest(str(tmp_path / "v00000002" / "manifest.json"))

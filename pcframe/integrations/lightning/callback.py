@@ -232,6 +232,13 @@ class PcframeCheckpoint(pl.callbacks.Checkpoint):
         self.resumed_step = None
         self._last_step = trainer.global_step
         self._after_validation = None
+        # Not resuming from dirpath (resume=False, or a ckpt_path of Lightning's own) starts
+        # over in it: the versions it holds are this fit's to prune (else its first save is
+        # refused: the engine keeps what a run did not restore).
+        options = {
+            **self.engine_options,
+            "take_over": self.resume is False or trainer.ckpt_path is not None,
+        }
         if several_processes(trainer, pl_module, self.dirpath):
             self.checkpointer = self._processes.open(
                 trainer,
@@ -240,12 +247,10 @@ class PcframeCheckpoint(pl.callbacks.Checkpoint):
                 scheduler,
                 self.policy,
                 self.resume,
-                self.engine_options,
+                options,
             )
         else:
-            options = {
-                k: v for k, v in self.engine_options.items() if k not in DISTRIBUTED_ARGUMENTS
-            }
+            options = {k: v for k, v in options.items() if k not in DISTRIBUTED_ARGUMENTS}
             self.checkpointer = Checkpointer(
                 self.dirpath,
                 model=pl_module,

@@ -298,6 +298,7 @@ def _secured_after_one_save(primary: Path, disk: Path, placement=None, at: int =
         optimizer=opt,
         tiers=Tiers({"local": disk}),
         chunk_bytes=8192,
+        take_over=True,  # a second call saves into the same primary without restoring
         **options,
     ) as ckpt:
         step(model, opt, at)
