@@ -438,7 +438,9 @@ def test_a_handler_at_random_lines_of_each_engine_call(tmp_path, entry):
     model, opt = _objects(optimizer)
 
     def open_engine() -> Checkpointer:
-        return Checkpointer(tmp_path, model=model, optimizer=opt, max_in_flight=1, **SMALL)
+        # take_over: each close's engine saves beside the earlier ones' versions, unrestored
+        options = {"max_in_flight": 1, "take_over": True, **SMALL}
+        return Checkpointer(tmp_path, model=model, optimizer=opt, **options)
 
     ckpt = open_engine()
     handle = None
