@@ -54,7 +54,7 @@ def require_object(
         return
     if isinstance(given, type):  # never an object, though it has the methods (as functions)
         what, fix = f"the class {given.__name__}", f"{key}={given.__name__}(...)"
-    elif _fits(given, needs):
+    elif _has_kind(given, needs):
         return
     elif isinstance(given, str):
         name = value_text(given)
@@ -67,7 +67,7 @@ def require_object(
     raise TypeError(f"{key}= is {what}, not {kind} object: give one, e.g. {fix}{none}")
 
 
-def _fits(given: Any, needs: type | str) -> bool:
+def _has_kind(given: Any, needs: type | str) -> bool:
     if isinstance(needs, type):
         return isinstance(given, needs)
     return callable(getattr(given, needs, None))
