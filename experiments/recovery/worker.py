@@ -702,7 +702,10 @@ def overhead_run(args: argparse.Namespace, job: Job, log: Log) -> None:
             ckpt = None
             if variant != "none":
                 replicas = 1 if variant == "peers" else 0
-                extra: dict[str, Any] = {"replicas": replicas}
+                # Each rep reopens the variant's folder, which holds the earlier reps' versions,
+                # and saves without restoring (a restore would change the timed phase): they
+                # are this benchmark's own to prune.
+                extra: dict[str, Any] = {"replicas": replicas, "take_over": True}
                 if replicas:
                     extra.update(peer_dir=args.shm / f"{NODE}-shm-overhead", peer_budget=budget)
                 ckpt = DistributedCheckpointer(
