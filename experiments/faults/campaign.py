@@ -219,6 +219,15 @@ def child_probe(config: dict[str, Any]) -> dict[str, Any]:
         if injector:  # the fault is gone: the same directory restores the newest version
             stage("restore-again")
             out["restore_again"] = _restore_again(ckpt)
+            if "restore_error" in out:
+                # The writer goes on from the folder's versions, as a job retrying its
+                # restore does: one that failed left them another run's to the engine,
+                # which refuses to save beside them (and prune them) unrestored.
+                stage("restore-retry")
+                try:
+                    step = out["restore_retry"] = ckpt.restore()
+                except BaseException as exc:
+                    out["retry_error"] = _error(exc)
         stage("save")
         opt.count = step or 0
         out["saved"] = []
@@ -502,7 +511,7 @@ def _common(result: dict[str, Any]) -> None:
     if "crashed" in result:
         raise Verdict("traceback", f"child exited {result['crashed']}: {result['stderr'][-1200:]}")
     _cli_checks(result)
-    for key in ("open_error", "restore_error", "save_error", "close_error"):
+    for key in ("open_error", "restore_error", "retry_error", "save_error", "close_error"):
         error = result.get(key)
         if error and not error["expected"]:
             summary = f"{key}: {error['type']}: {error['message']} (raised at {_where(error)})"
