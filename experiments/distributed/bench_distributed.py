@@ -87,8 +87,10 @@ class Pcframe:
     def __init__(self, root: Path, job: Job) -> None:
         from pcframe.distributed import DistributedCheckpointer
 
+        # take_over: a --root given again holds an earlier run's versions, this benchmark's
+        # scratch to replace (it saves without restoring: a restore is not what it times).
         self.ckpt = DistributedCheckpointer(
-            root / "pcframe", model=job.model, optimizer=job.optimizer, keep_last=2
+            root / "pcframe", model=job.model, optimizer=job.optimizer, keep_last=2, take_over=True
         )
         self.root = root / "pcframe"
         self.versions: list[int] = []

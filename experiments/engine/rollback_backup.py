@@ -47,7 +47,11 @@ def main() -> None:
     times: dict[str, list[float]] = {"pool lent": [], "read twice": []}
     with contextlib.ExitStack() as stack:
         directory = args.dir or stack.enter_context(tempfile.TemporaryDirectory(dir="."))
-        ckpt = stack.enter_context(Checkpointer(directory, model=model, optimizer=optimizer))
+        # take_over: a --dir given again holds an earlier run's versions, scratch to replace
+        # (the rollbacks timed here go back to the version this run saves first).
+        ckpt = stack.enter_context(
+            Checkpointer(directory, model=model, optimizer=optimizer, take_over=True)
+        )
         ckpt.save(1).wait()
         pool = ckpt._pipeline.pool
         lend = pool.lend
