@@ -363,23 +363,34 @@ class Checkpointer:
 
     def _take_over(self) -> None:
         """Before this run's first save: its retention counts every committed version of the
-        folder, so versions it neither restored nor was allowed to take over (another run's,
-        another model's) would be deleted as its own saves outnumber ``keep_last``.
+        folder and of its replica tiers, so versions it neither restored nor was allowed to
+        take over (another run's, another model's) would be deleted as its own saves
+        outnumber ``keep_last``. A replica tier counts too: on a new VM the folder is empty
+        while the object store still holds the previous run's versions.
 
         Raises:
-            CheckpointError: the folder holds such versions (nothing is saved).
+            CheckpointError: the folder or a replica tier holds such versions (nothing is
+                saved).
         """
-        found = self._storage.committed_versions()
-        if found:
-            which = f"versions {found[0]}-{found[-1]}" if len(found) > 1 else f"version {found[0]}"
-            raise CheckpointError(
-                f"{self._storage.root} holds committed {which} that this Checkpointer did not "
-                f"restore (another run's or another model's?), which its keep_last="
-                f"{self.config.keep_last} would delete: call restore() first to continue from "
-                "them, give this run another folder, or pass Checkpointer(..., take_over=True) "
-                "to let this run replace them"
+        held = {str(self._storage.root): tuple(self._storage.committed_versions())}
+        if self.tiers.replicated:  # as last listed (at open): no listing call here
+            held.update(
+                (f"tier {name!r}", versions)
+                for name, versions in self.tiers.committed().items()
+                if name != self.tiers.primary_name
             )
-        self._taken_over = True  # an empty folder: every version from here on is this run's
+        held = {where: versions for where, versions in held.items() if versions}
+        if held:
+            which = " and ".join(
+                f"{where} holds committed {_versions_text(v)}" for where, v in held.items()
+            )
+            raise CheckpointError(
+                f"{which} that this Checkpointer did not restore (another run's or another "
+                f"model's?), which its keep_last={self.config.keep_last} would delete: call "
+                "restore() first to continue from them, give this run another folder (and "
+                "tiers), or pass Checkpointer(..., take_over=True) to let this run replace them"
+            )
+        self._taken_over = True  # nothing there: every version from here on is this run's
 
     def _take_number(self, forced: int | None) -> int:
         """The next version's number (``forced``: checked by the caller), counted at once."""
@@ -807,3 +818,9 @@ def _outside_engine(frame: FrameType) -> FrameType:
 def _quietly(undo: Callable[[], object]) -> None:
     with contextlib.suppress(Exception):
         undo()
+
+
+def _versions_text(versions: Sequence[int]) -> str:
+    if len(versions) == 1:
+        return f"version {versions[0]}"
+    return f"versions {min(versions)}-{max(versions)}"

@@ -16,6 +16,7 @@ import pcframe
 from pcframe import Checkpointer
 from pcframe.errors import CheckpointError, StateMismatch
 from pcframe.store.directory import CheckpointDir
+from pcframe.store.tiers import Tiers
 
 
 def other_run(root, steps=(1, 2)) -> torch.nn.Module:
@@ -80,3 +81,32 @@ def test_take_over_lets_a_new_run_replace_the_folders_versions(tmp_path):
         for step in (1, 2):
             c.save(step).wait()
     assert CheckpointDir(tmp_path).committed_versions() == [3, 4]
+
+
+def test_a_new_vm_with_an_empty_folder_cannot_prune_the_versions_its_replica_holds(tmp_path):
+    """A preempted VM's folder is gone; the next VM's run opens an empty one beside the same
+    replica tier (an object store, here a second folder), which holds the previous run's
+    versions. Without a restore its saves would make the tier's retention delete them."""
+    replica = tmp_path / "replica"
+
+    def opened(folder, **kw) -> Checkpointer:
+        tiers = Tiers({"replica": replica}, backoff=0.05, backoff_max=0.2)
+        return Checkpointer(folder, model=torch.nn.Linear(4, 4), keep_last=2, tiers=tiers, **kw)
+
+    with opened(tmp_path / "vm1") as ckpt:
+        for step in (1, 2):
+            ckpt.save(step).wait()
+        assert ckpt.tiers.wait_idle(30)
+    assert CheckpointDir(replica).committed_versions() == [1, 2]
+    with opened(tmp_path / "vm2") as ckpt:
+        refused = r"tier 'replica' holds committed versions 1-2 that this Checkpointer did not"
+        with pytest.raises(CheckpointError, match=refused) as caught:
+            ckpt.save(3)
+        assert "\n" not in str(caught.value) and "take_over=True" in str(caught.value)
+    assert CheckpointDir(replica).committed_versions() == [1, 2]
+    with opened(tmp_path / "vm3") as ckpt:  # the fix the line names: restore first
+        assert ckpt.restore() == 2  # from the replica
+        for step in (3, 4):
+            ckpt.save(step).wait()
+        assert ckpt.tiers.wait_idle(30)
+    assert CheckpointDir(replica).committed_versions() == [3, 4]
