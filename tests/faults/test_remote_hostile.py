@@ -25,7 +25,11 @@ def test_huge_remote_commit_marker_is_ignored(moto_server, bucket, tmp_path, cap
     s3 = moto_server.client()
     s3.put_object(Bucket=bucket, Key="run/v99999999999999999999/COMMITTED", Body=b"{}")
     with Checkpointer(
-        tmp_path / "b", model=model, tiers=tiers(moto_server, bucket), placement=placement
+        tmp_path / "b",
+        model=model,
+        tiers=tiers(moto_server, bucket),
+        placement=placement,
+        take_over=True,  # a new folder saving beside the remote's version 1, not restoring it
     ) as ckpt:
         handle = ckpt.save(2)
         assert handle.version == 2, handle
