@@ -100,6 +100,7 @@ from replay_sizing import (
     Forecast,
     Sizing,
     candidate_offsets,
+    mean_noise_pct,
     replays_needed,
     size,
 )
@@ -986,10 +987,16 @@ def mean_row(rows: list[dict]) -> dict[str, Any]:
         out[error] = 100.0 * (out[predicted] / out[measured] - 1.0)
     out["inputs_moved_pct"] = 100.0 * (out["goodput_predicted"] / out["goodput_in_replay"] - 1.0)
     # The shifted replays are independent draws: the noise of their mean adds in quadrature.
-    spread = math.sqrt(
-        sum((r["noise_window_pct"] * r["goodput_window_predicted"]) ** 2 for r in rows)
+    out["noise_window_pct"] = mean_noise_pct(
+        [
+            Forecast(
+                0.0,
+                r["goodput_window_predicted"],
+                r["noise_window_pct"] / 100.0 * r["goodput_window_predicted"],
+            )
+            for r in rows
+        ]
     )
-    out["noise_window_pct"] = spread / len(rows) / out["goodput_window_predicted"]
     return out
 
 
