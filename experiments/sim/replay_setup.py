@@ -21,7 +21,8 @@ import dataclasses
 import math
 import os
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +229,63 @@ def pressure_total(resource: str = "cpu") -> float:
         return math.nan
 
 
+def cpu_pressure_now() -> float:
+    """The share of the last 10 s in which some task of this machine waited for a CPU
+    (``/proc/pressure/cpu``, ``some avg10``, as a fraction); NaN where the kernel has none."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            first = f.readline().split()
+        return float(dict(x.split("=") for x in first[1:])["avg10"]) / 100.0
+    except (OSError, KeyError, ValueError, IndexError):
+        return math.nan
+
+
+def cpu_ticks() -> tuple[float, float]:
+    """(stolen, total) CPU time of every CPU since boot, in clock ticks (``/proc/stat``):
+    stolen is the time the hypervisor ran another VM on this one's CPUs, a slowdown that
+    neither the load average nor the pressure figures see. NaNs where there is no such file."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(x) for x in f.readline().split()[1:9]]
+        return fields[7], sum(fields)
+    except (OSError, ValueError, IndexError):
+        return math.nan, math.nan
+
+
+def wait_until_quiet(
+    max_wait: float,
+    load_below: float = 0.3,
+    pressure_below: float = 0.02,
+    poll: float = 5.0,
+    read_load: Callable[[], float] = lambda: os.getloadavg()[0],
+    read_pressure: Callable[[], float] = cpu_pressure_now,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict[str, Any]:
+    """Wait, at most ``max_wait`` s, until the machine is quiet before a calibration: the
+    1-minute load average below ``load_below`` and the share of the last 10 s in which some
+    task waited for a CPU below ``pressure_below``. A calibration taken while a finished
+    job's load still decays measures a slower machine than the replays meet (the 12-07
+    campaign began 2 min after a test run: load 2.27 falling to 0.60 during it). What it
+    found is returned for the results file; a machine that never settles is measured anyway,
+    and says so."""
+    began = clock()
+    first = read_load()
+    while True:
+        load, pressure = read_load(), read_pressure()
+        quiet = load < load_below and not pressure >= pressure_below
+        waited = clock() - began
+        if quiet or waited >= max_wait:
+            return {
+                "waited_s": waited,
+                "quiet": quiet,
+                "load_at_first": first,
+                "load_at_start": load,
+                "pressure_at_start": pressure,
+            }
+        sleep(min(poll, max_wait - waited))
+
+
 class LoadProbe:
     """The machine's load around a measurement: the 1-minute load average before and after,
     the share of the wall time in which some task waited for a CPU (``cpu_pressure``, from
@@ -235,7 +293,8 @@ class LoadProbe:
     average over the last minute), the same for I/O (``io_pressure``: some task blocked on
     the disk; a restart reads code and a checkpoint, a save syncs), and the CPU seconds per
     wall second this process and its reaped children (the supervised training processes)
-    got over it (``cpu_share``)."""
+    got over it (``cpu_share``), and the share of the machine's CPU time the hypervisor gave
+    to another VM (``steal``, :func:`cpu_ticks`)."""
 
     def __init__(self) -> None:
         self.before = os.getloadavg()[0]
@@ -244,10 +303,12 @@ class LoadProbe:
         self._wall0 = t.elapsed
         self._psi0 = pressure_total()
         self._io0 = pressure_total("io")
+        self._ticks0 = cpu_ticks()
         self.after = math.nan
         self.cpu_share = math.nan
         self.cpu_pressure = math.nan
         self.io_pressure = math.nan
+        self.steal = math.nan
 
     def stop(self) -> dict[str, float]:
         self.after = os.getloadavg()[0]
@@ -258,6 +319,8 @@ class LoadProbe:
         if wall > 0:
             self.cpu_pressure = (pressure_total() - self._psi0) / 1e6 / wall
             self.io_pressure = (pressure_total("io") - self._io0) / 1e6 / wall
+        stolen, total = (b - a for a, b in zip(self._ticks0, cpu_ticks(), strict=True))
+        self.steal = stolen / total if total > 0 else math.nan
         return self.summary()
 
     def summary(self) -> dict[str, float]:
@@ -268,4 +331,5 @@ class LoadProbe:
             "cpu_share": self.cpu_share,
             "cpu_pressure": self.cpu_pressure,
             "io_pressure": self.io_pressure,
+            "steal": self.steal,
         }

@@ -41,7 +41,7 @@ simulator's prediction made from a calibration measured **before** the replays.
    by then, or the step it resumed from if a kill came after that step), in the replay and
    in the simulator alike (its trace ends there and the steps done count). Every kill in
    the window falls on both; none after it counts on either (the end is moved before any
-   kill within 0.1 s of it, the simulator's trace being in 50 ms ticks).
+   kill within ``KILL_MARGIN`` of it, where a kill could fall on either side).
 5. Say how finely each replay can check: its own noise (``noise_window_pct``), the spread
    of the prediction's seeds relative to their mean, is known before it runs; where two
    standard deviations of it exceed the 5 % tolerance, a replay cannot tell a 5 % error
@@ -93,6 +93,7 @@ from replay_setup import (
     seeded_priors,
     settle_args,
     trace_setup,
+    wait_until_quiet,
 )
 from replay_sizing import (
     SIGMAS,
@@ -114,7 +115,15 @@ from pcframe.policies.traces import Trace
 from pcframe.sim import JobSpec, SimOptions, loop_save_costs, simulate
 from pcframe.sim.report import markdown_table, write_csv
 
-TICK = 0.05  # seconds per tick of the replayed trace given to the simulator
+# Seconds per tick of the replayed trace given to the simulator. A kill lands at the start
+# of the tick after it, so up to a tick late: a save whose commit lands within that tick
+# survives in the simulator and not in the replay. The 12-07 campaign's medium
+# `fixed:100:1` lost its first checkpoint to a kill 23 ms before the commit; on a 50 ms
+# grid the simulator kept it and every later life resumed from it (exact check +24 %).
+TICK = 0.01
+# A window's end keeps this far from any kill: the supervisor's kill lands a few ms after
+# its planned time, and the replay and the simulator must both see it on the same side.
+KILL_MARGIN = 0.1
 # Floors of the measured spreads: a handful of samples can agree by chance. The calibrated
 # restart spread is also at least 10 % of the restart (experiment 5's jitter): a replay's
 # restarts spread by 0.1-1.2 s on this machine, and a prediction drawn with less rests on
@@ -150,6 +159,8 @@ SIZES: dict[str, dict[str, Any]] = {
         fixed_offsets="one",
         max_replays=6,
         calibrate="once",
+        calibrate_after=True,
+        settle=600.0,
         restarts=6,
         draws=24,
         steps_scale=1.0,
@@ -163,6 +174,8 @@ SIZES: dict[str, dict[str, Any]] = {
         fixed_offsets="one",
         max_replays=1,
         calibrate="once",
+        calibrate_after=False,
+        settle=0.0,
         restarts=3,
         draws=6,
         steps_scale=0.3,
@@ -325,7 +338,10 @@ def supervised(
 
 def calibrate(args: argparse.Namespace, in_flights: list[int], root: Path) -> dict[str, Any]:
     """What the simulator needs, measured on this workload before the replays: medians,
-    spreads and the load they were measured under."""
+    spreads and the load they were measured under. First it waits for a quiet machine, at
+    most ``args.settle`` seconds."""
+    settle = getattr(args, "settle", None) or 0.0
+    settled = wait_until_quiet(settle) if settle > 0 else None
     probe = LoadProbe()
     paced = getattr(args, "paced", False)
     bare = [
@@ -380,6 +396,7 @@ def calibrate(args: argparse.Namespace, in_flights: list[int], root: Path) -> di
         "restart_samples": run.whole_restarts,
         "compute": statistics.median(paces.values()) if paces else math.nan,
         "costs": costs,
+        "settle": settled,
         **load,
     }
 
@@ -456,7 +473,7 @@ def exact_starts(
     steps at the life's own pace (``paces``, relative to their median; 1 for a life too
     short to have one). A life killed before its first step gets a restart that outlasts
     its kill. Fed to the simulator, nothing is drawn: what is left of the error is the
-    event model's (and the kill ticks' 50 ms grid).
+    event model's (and the kill ticks' ``TICK`` grid).
     """
     typical = statistics.median(paces.values()) if paces else 0.0
     out = []
@@ -574,6 +591,16 @@ def main() -> None:
         help="shifted replays a configuration may get when its own noise (predicted before "
         "it runs) needs more than its least to check the tolerance (replay_sizing)",
     )
+    parser.add_argument(
+        "--calibrate-after",
+        action=argparse.BooleanOptionalAction,
+        help="calibrate once more after the last replay: how far the machine drifted",
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        help="wait up to this many seconds for a quiet machine before each calibration",
+    )
     parser.add_argument("--restarts", type=int, help="kills of the restart calibration")
     parser.add_argument("--draws", type=int, help="seeds of each jittered prediction")
     parser.add_argument("--steps-scale", type=float, help="x the traces' steps per replay")
@@ -597,6 +624,8 @@ def main() -> None:
         args.setups = dict(trace_setup(text) for text in args.traces)
         if len(args.setups) < len(args.traces):
             raise ValueError("--traces: two traces with one key (a file's name); rename one")
+        if "after" in args.setups:
+            raise ValueError("--traces: 'after' names the last calibration; rename the trace")
         for setup in args.setups.values():
             compression(trace_times(resolve_trace(setup.path)), setup.gap)
     except ValueError as exc:  # a preset's name or PATH:GAP:STEPS; a readable trace
@@ -647,6 +676,12 @@ def main() -> None:
                 # Rewritten after every replay: a campaign cut short keeps what it measured.
                 write_outputs(args, with_means(groups), cals, done, planned, sizings)
                 write_raw(Path(args.out), raws, cals)
+        if args.calibrate_after:
+            cals["after"] = calibrate(args, in_flight, root)
+            done = time.monotonic() - began
+            print(f"calibrated again at {done:.0f} s: {summary_line(cals['after'])}")
+            write_outputs(args, with_means(groups), cals, done, planned, sizings)
+            write_raw(Path(args.out), raws, cals)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -881,7 +916,7 @@ class Windowed:
         }
 
 
-def clear_of_kills(at: float, kills: list[float], margin: float = 2 * TICK) -> float:
+def clear_of_kills(at: float, kills: list[float], margin: float = KILL_MARGIN) -> float:
     """``at``, moved earlier while a kill falls within ``margin`` before it: the simulator's
     trace holds a kill from the tick after it, so a kill in the window's last tick would
     count in the replay and not in the prediction (and the steps held jump back there)."""
@@ -966,6 +1001,8 @@ def row(
         "cpu_pressure_calibrated": cal["cpu_pressure"],
         "io_pressure": load.get("io_pressure", math.nan),
         "io_pressure_calibrated": cal.get("io_pressure", math.nan),
+        "steal": load.get("steal", math.nan),
+        "steal_calibrated": cal.get("steal", math.nan),
     }
 
 
@@ -1032,7 +1069,8 @@ def verdict(rows: list[dict]) -> str:
             f"CPU share {r['cpu_share_calibrated']:.2f} -> {r['cpu_share']:.2f}, CPU pressure "
             f"{r['cpu_pressure_calibrated']:.2f} -> {r['cpu_pressure']:.2f}, I/O pressure "
             f"{r.get('io_pressure_calibrated', math.nan):.2f} -> "
-            f"{r.get('io_pressure', math.nan):.2f})"
+            f"{r.get('io_pressure', math.nan):.2f}, CPU stolen "
+            f"{r.get('steal_calibrated', math.nan):.3f} -> {r.get('steal', math.nan):.3f})"
         )
     return "\n".join(lines) + "\n\n"
 
@@ -1128,7 +1166,19 @@ def calibration_paragraph(key: str, cal: dict) -> str:
         f"{_ms(v['durable'])} ({v['durable']['n']} saves)"
         for k, v in n.items()
     )
-    when = f"before the {key} replays" if key else "before every replay"
+    when = {"": "before every replay", "after": "after every replay"}.get(
+        key, f"before the {key} replays"
+    )
+    settle = cal.get("settle")
+    if settle:
+        state = "quiet" if settle["quiet"] else "still busy, measured anyway"
+        waited = (
+            f" It waited {settle['waited_s']:.0f} s for a quiet machine ({state}: load "
+            f"{settle['load_at_start']:.2f}, CPU pressure {settle['pressure_at_start']:.2f} "
+            f"over the last 10 s)."
+        )
+    else:
+        waited = ""
     samples = " ".join(f"{s:.2f}" for s in cal["restart_samples"])
     return (
         f"**Calibration, {when}** (medians; spread = 1.4826 x MAD): step "
@@ -1138,7 +1188,26 @@ def calibration_paragraph(key: str, cal: dict) -> str:
         f"{costs}. Load average {cal['load_before']:.2f} before, {cal['load_after']:.2f} after; "
         f"CPU share {cal['cpu_share']:.2f}; CPU pressure {cal['cpu_pressure']:.2f} (the share "
         "of the time some task waited for a CPU, `/proc/pressure/cpu`); I/O pressure "
-        f"{cal.get('io_pressure', math.nan):.2f} (the same for the disk).\n\n"
+        f"{cal.get('io_pressure', math.nan):.2f} (the same for the disk); CPU stolen by the "
+        f"hypervisor {cal.get('steal', math.nan):.3f}.{waited}\n\n"
+    )
+
+
+def drift_paragraph(cals: dict[str, dict]) -> str:
+    """How far the machine moved between the first calibration and the one after every
+    replay: what no calibration made before a replay can know."""
+    if "after" not in cals or len(cals) < 2:
+        return ""
+    first, after = next(iter(cals.values())), cals["after"]
+    step = after["iteration_time"] / first["iteration_time"] - 1.0
+    restart = after["restart_stats"]["median"] - first["restart_stats"]["median"]
+    return (
+        f"**The machine's drift over the campaign** (the first calibration vs the one after "
+        f"every replay): step {1e3 * first['iteration_time']:.1f} -> "
+        f"{1e3 * after['iteration_time']:.1f} ms ({100 * step:+.1f} %), restart "
+        f"{first['restart_stats']['median']:.2f} -> {after['restart_stats']['median']:.2f} s "
+        f"({restart:+.2f} s), load {first['load']:.2f} -> {after['load']:.2f}, CPU stolen "
+        f"{first.get('steal', math.nan):.3f} -> {after.get('steal', math.nan):.3f}.\n\n"
     )
 
 
@@ -1175,6 +1244,7 @@ def write_outputs(
         )
         + "\n\n"
         + "".join(calibration_paragraph(key, cal) for key, cal in cals.items())
+        + drift_paragraph(cals)
         + "`goodput_window_predicted` (the headline): the simulator from the calibration only, "
         f"the mean over {args.draws} seeds of restart and step times drawn with the calibrated "
         "spread (p10-p90 beside it), the policy asked at every step, scored over the replay's "
@@ -1185,7 +1255,8 @@ def write_outputs(
         "`goodput_in_replay`: the check of the event model, the same from this replay's own "
         "restart and step times (their means and spread, drawn). `goodput_exact`: the event model "
         "alone, the simulator fed this replay's restarts and paces start by start "
-        "(`JobSpec.measured_starts`; nothing drawn, only the kill ticks' 50 ms grid differs). "
+        "(`JobSpec.measured_starts`; nothing drawn, only the kill ticks' "
+        f"{1e3 * TICK:g} ms grid differs). "
         "`inputs_moved_pct` = predicted / in-replay - 1: what the move of the inputs between "
         "calibration and replay did, to be read with `load` vs `load_calibrated` (1-minute load "
         "average, the replay's own child adds ~1), `cpu_share` and `cpu_pressure`. `mean` rows "
@@ -1250,6 +1321,8 @@ def write_outputs(
         "cpu_pressure",
         "io_pressure_calibrated",
         "io_pressure",
+        "steal_calibrated",
+        "steal",
     ]
     text += markdown_table(rows, inputs_cols, digits=2)
     write_results(out.with_suffix(".md"), text)
