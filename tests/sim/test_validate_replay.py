@@ -265,6 +265,11 @@ def test_verdict_says_which_errors_the_replays_own_noise_explains_and_which_it_d
     assert "errors beyond 2 x the noise (the inputs moved, or the model is off): " in text
     assert "medium `notice:1` +3.0 % = +6.0 x its noise" in text
     assert "`pa:2` +" not in text and "`fixed:100:1` +6.0 %" not in text
+    # The headline again over the two whose replays can check it: 3 % and 0 %.
+    assert (
+        "the 2 configurations their replays can check (named before they ran): mean |error| "
+        "1.50 %, max 3.00 %, 2 of 2 within 5 %" in text
+    )
 
 
 def test_report_has_the_headline_and_every_column(tmp_path) -> None:
