@@ -1135,7 +1135,8 @@ def checkable_line(known: list[tuple[dict, int]], coarse: list[tuple[dict, int]]
     """The headline over the configurations whose replays can check it: those whose noise
     was known, before they ran, to fit twice in the tolerance (the rest are named above;
     their errors still count in the lines before)."""
-    fine = [r for r, n in known if (r, n) not in coarse]
+    too_coarse = {id(r) for r, _ in coarse}
+    fine = [r for r, _ in known if id(r) not in too_coarse]
     if not fine:
         return "- no configuration's replays can check the tolerance"
     errs = [abs(r["error_window_pct"]) for r in fine]
