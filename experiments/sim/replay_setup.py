@@ -217,27 +217,27 @@ def robust(samples: Sequence[float]) -> dict[str, float]:
     return {"median": med, "spread": 1.4826 * mad, "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def pressure_total(resource: str = "cpu") -> float:
-    """Microseconds some task of this machine waited for ``resource`` (``cpu``, or ``io``:
-    blocked on I/O) since boot (Linux pressure stall information, ``/proc/pressure/``); NaN
-    where the kernel has none."""
+def _pressure(resource: str, field: str) -> float:
+    """One field of the ``some`` line of ``/proc/pressure/<resource>`` (Linux pressure stall
+    information); NaN where the kernel has none."""
     try:
         with open(f"/proc/pressure/{resource}") as f:
             first = f.readline().split()
-        return float(dict(x.split("=") for x in first[1:])["total"])
+        return float(dict(x.split("=") for x in first[1:])[field])
     except (OSError, KeyError, ValueError, IndexError):
         return math.nan
+
+
+def pressure_total(resource: str = "cpu") -> float:
+    """Microseconds some task of this machine waited for ``resource`` (``cpu``, or ``io``:
+    blocked on I/O) since boot; NaN where the kernel has none."""
+    return _pressure(resource, "total")
 
 
 def cpu_pressure_now() -> float:
     """The share of the last 10 s in which some task of this machine waited for a CPU
-    (``/proc/pressure/cpu``, ``some avg10``, as a fraction); NaN where the kernel has none."""
-    try:
-        with open("/proc/pressure/cpu") as f:
-            first = f.readline().split()
-        return float(dict(x.split("=") for x in first[1:])["avg10"]) / 100.0
-    except (OSError, KeyError, ValueError, IndexError):
-        return math.nan
+    (``some avg10``, as a fraction); NaN where the kernel has none."""
+    return _pressure("cpu", "avg10") / 100.0
 
 
 def cpu_ticks() -> tuple[float, float]:
@@ -273,6 +273,7 @@ def wait_until_quiet(
     first = read_load()
     while True:
         load, pressure = read_load(), read_pressure()
+        # A kernel without pressure figures (NaN) leaves the load average to decide.
         quiet = load < load_below and not pressure >= pressure_below
         waited = clock() - began
         if quiet or waited >= max_wait:

@@ -1122,7 +1122,7 @@ def noise_lines(per_config: list[dict], replays: list[int]) -> list[str]:
         f"{len(coarse)} of {len(known)} configurations cannot be checked to {TOLERANCE:g} % "
         f"({SIGMAS:g} x their noise exceeds it; shifted replays that would do): "
         + ("; ".join(needed) or "none"),
-        checkable_line(known, coarse),
+        checkable_line([r for r, _ in known if SIGMAS * r["noise_window_pct"] <= TOLERANCE]),
         f"- errors beyond {SIGMAS:g} x the noise (the inputs moved, or the model is off): "
         + (
             "; ".join(f"{name(r)} {r['error_window_pct']:+.1f} % = {_in_noise(r)}" for r in beyond)
@@ -1131,12 +1131,10 @@ def noise_lines(per_config: list[dict], replays: list[int]) -> list[str]:
     ]
 
 
-def checkable_line(known: list[tuple[dict, int]], coarse: list[tuple[dict, int]]) -> str:
-    """The headline over the configurations whose replays can check it: those whose noise
+def checkable_line(fine: list[dict]) -> str:
+    """The headline over the configurations ``fine`` whose replays can check it: their noise
     was known, before they ran, to fit twice in the tolerance (the rest are named above;
     their errors still count in the lines before)."""
-    too_coarse = {id(r) for r, _ in coarse}
-    fine = [r for r, _ in known if id(r) not in too_coarse]
     if not fine:
         return "- no configuration's replays can check the tolerance"
     errs = [abs(r["error_window_pct"]) for r in fine]
